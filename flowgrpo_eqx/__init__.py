@@ -1,0 +1,21 @@
+"""Flow-GRPO for rectified-flow generators, as a strictly typed functional Equinox library."""
+
+from ._advantages import group_advantages as group_advantages
+from ._custom_types import Aux as Aux, Mean as Mean, Step as Step, Transitions as Transitions
+from ._inputs import (
+    CFG as CFG,
+    AbstractAutoEncoder as AbstractAutoEncoder,
+    IdentityAutoEncoder as IdentityAutoEncoder,
+    InputSpec as InputSpec,
+)
+from ._objective import (
+    Evaluation as Evaluation,
+    FlowGRPOObjective as FlowGRPOObjective,
+    Variables as Variables,
+)
+from ._process import AbstractProcess as AbstractProcess, RectifiedFlow as RectifiedFlow
+from ._sde import FlowSDE as FlowSDE
+from ._solver import AbstractSolver as AbstractSolver, Euler as Euler, Heun as Heun
+
+
+__version__ = "0.1.0"

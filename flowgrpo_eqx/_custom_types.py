@@ -1,0 +1,200 @@
+"""The one module of type aliases and small data modules shared by the whole library.
+
+Shapes use jaxtyping's notation: `N` rows (samples), `K` selected transitions, `P` source rows
+(prompts), `*latent` the shape of one latent.
+"""
+
+from typing import Any, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
+
+
+Scalar: TypeAlias = Float[Array, ""]
+RealScalarLike: TypeAlias = float | int | Float[ArrayLike, ""] | Int[ArrayLike, ""]
+Latent: TypeAlias = Float[Array, " *latent"]
+Latents: TypeAlias = Float[Array, " N *latent"]
+Times: TypeAlias = Float[Array, " N"]
+Condition: TypeAlias = PyTree[Any]
+"""One example's conditioning (unbatched), or a batch of them with a leading `N` axis."""
+Model: TypeAlias = Any
+"""Any callable `model(x, t, cond) -> v` on one unbatched example, usually an `eqx.Module`."""
+
+
+class Mean(eqx.Module):
+    """A mean kept as a sum and a count, so that it reduces exactly across shards.
+
+    The global value is `sum(total) / sum(count)` over all shards, not a mean of per-shard means.
+    An empty mean (count 0) has value 0.
+
+    **Arguments:**
+
+    - `total`: the sum of the averaged quantity.
+    - `count`: how many items the sum is over.
+    """
+
+    total: Float[Array, ""]
+    count: Float[Array, ""]
+
+    @property
+    def value(self) -> Float[Array, ""]:
+        """The mean, `total / count`, or 0 when `count == 0` (never NaN)."""
+        safe_count = jnp.where(self.count > 0, self.count, 1.0)
+        return jnp.where(self.count > 0, self.total / safe_count, 0.0)
+
+    def __add__(self, other: "Mean") -> "Mean":
+        return Mean(self.total + other.total, self.count + other.count)
+
+
+class Step(eqx.Module):
+    """Where training is: the update index and a PRNG key for whatever the step samples.
+
+    **Arguments:**
+
+    - `index`: the optimizer step index.
+    - `key`: a JAX PRNG key.
+    """
+
+    index: Int[ArrayLike, ""]
+    key: PRNGKeyArray
+
+
+class Aux(eqx.Module):
+    """Diagnostics of one loss evaluation, each a `Mean` over the kept transitions.
+
+    **Arguments:**
+
+    - `policy_loss`: the clipped surrogate.
+    - `kl`: the conditional Gaussian KL to the frozen reference (0 when `beta == 0`).
+    - `clipfrac`: fraction of kept transitions with `|r - 1| > clip_range`.
+    - `clipfrac_gt_one`: fraction with `r - 1 > clip_range`.
+    - `clipfrac_lt_one`: fraction with `1 - r > clip_range`.
+    - `approx_kl`: `0.5 * (log p_theta - old_log_prob)^2`.
+    - `ratio`: the policy ratio `r`.
+    - `counted`: the number of kept stochastic transitions `D`.
+    """
+
+    policy_loss: Mean
+    kl: Mean
+    clipfrac: Mean
+    clipfrac_gt_one: Mean
+    clipfrac_lt_one: Mean
+    approx_kl: Mean
+    ratio: Mean
+    counted: Float[Array, ""]
+
+
+class Transitions(eqx.Module):
+    """A batch of recorded rectified-flow transitions: what the rollout gives and `loss` takes.
+
+    `N` is the number of rows (samples), `K` the number of selected transitions per row.
+
+    **Arguments:**
+
+    - `latents`: `[N, K, *latent]`, the state before each transition.
+    - `next_latents`: `[N, K, *latent]`, the state after it.
+    - `timesteps`: `[N, K]`, the time `t` of each transition's start (noise is `t = 1`).
+    - `next_timesteps`: `[N, K]`, the time it ends at, `t_next < t`.
+    - `old_log_probs`: `[N, K]`, the joint (mean-coordinate) log density recorded in the rollout.
+    - `transition_mask`: `[N, K]` bool, whether each transition may count.
+    - `advantages`: `[N]` (broadcast over K) or `[N, K]`.
+    - `cond`: the conditioning, a PyTree whose leaves have a leading `N` axis.
+
+    **Raises:**
+
+    - `ValueError`: naming the field, when a field's shape disagrees with `[N, K, ...]`.
+    """
+
+    latents: Float[Array, " N K *latent"]
+    next_latents: Float[Array, " N K *latent"]
+    timesteps: Float[Array, " N K"]
+    next_timesteps: Float[Array, " N K"]
+    old_log_probs: Float[Array, " N K"]
+    transition_mask: Bool[Array, " N K"]
+    advantages: Float[Array, " N"] | Float[Array, " N K"]
+    cond: PyTree[Any]
+
+    def __check_init__(self) -> None:
+        check_transitions(self)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.latents.shape[0])
+
+    @property
+    def num_transitions(self) -> int:
+        return int(self.latents.shape[1])
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.latents.shape[2:])
+
+
+def _shape_error(field: str, expected: str, actual: tuple[int, ...]) -> ValueError:
+    return ValueError(f"Transitions.{field} has shape {tuple(actual)}, expected {expected}.")
+
+
+def check_transitions(batch: Transitions) -> None:
+    """Check that every field of `batch` agrees with `[N, K, *latent]`.
+
+    **Raises:**
+
+    - `ValueError`: naming the first field whose shape or dtype is wrong.
+    """
+    latents = batch.latents
+    if jnp.ndim(latents) < 2:
+        raise _shape_error("latents", "[N, K, *latent]", jnp.shape(latents))
+    n, k = latents.shape[:2]
+    want_nk = (n, k)
+    if tuple(jnp.shape(batch.next_latents)) != tuple(latents.shape):
+        raise _shape_error(
+            "next_latents",
+            f"[N, K, *latent] = {tuple(latents.shape)}",
+            jnp.shape(batch.next_latents),
+        )
+    for name in ("timesteps", "next_timesteps", "old_log_probs", "transition_mask"):
+        value = getattr(batch, name)
+        if tuple(jnp.shape(value)) != want_nk:
+            raise _shape_error(name, f"[N, K] = {want_nk}", jnp.shape(value))
+    if jnp.result_type(batch.transition_mask) != jnp.bool_:
+        raise ValueError(
+            "Transitions.transition_mask must be a bool array, got dtype "
+            f"{jnp.result_type(batch.transition_mask)}."
+        )
+    for name in ("latents", "next_latents", "timesteps", "next_timesteps", "old_log_probs"):
+        if not jnp.issubdtype(jnp.result_type(getattr(batch, name)), jnp.floating):
+            raise ValueError(
+                f"Transitions.{name} must be floating point, got dtype "
+                f"{jnp.result_type(getattr(batch, name))}."
+            )
+    advantage_shape = tuple(jnp.shape(batch.advantages))
+    if advantage_shape not in ((n,), want_nk):
+        raise _shape_error("advantages", f"[N] = {(n,)} or [N, K] = {want_nk}", advantage_shape)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch.cond):
+        shape = tuple(jnp.shape(leaf))
+        if len(shape) == 0 or shape[0] != n:
+            raise ValueError(
+                f"Transitions.cond{jax.tree_util.keystr(path)} has shape {shape}, expected a "
+                f"leading row axis of size N = {n}."
+            )
+
+
+__all__ = [
+    "Array",
+    "Aux",
+    "Condition",
+    "Latent",
+    "Latents",
+    "Mean",
+    "Model",
+    "PRNGKeyArray",
+    "PyTree",
+    "RealScalarLike",
+    "Scalar",
+    "Step",
+    "Times",
+    "Transitions",
+    "check_transitions",
+]

@@ -1,0 +1,148 @@
+"""What conditions the model, classifier-free guidance, and the latent <-> sample autoencoders."""
+
+import abc
+from collections.abc import Callable
+from typing import Any, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PyTree
+
+
+@final
+class InputSpec(eqx.Module):
+    """Which fields of a batch row condition the model, and the null condition for guidance.
+
+    A source row (and `Transitions.cond`) is any PyTree of arrays with a leading row axis.
+    `InputSpec()` passes each row's conditioning to the model unchanged.
+
+    **Arguments:**
+
+    - `select`: `None` to pass the row unchanged; a key to pass `row[select]`; or a tuple of
+        keys to pass the sub-dict `{k: row[k]}`. Other fields (e.g. ids a reward needs) are
+        kept in the rows but never reach the model.
+    - `null`: the null condition of ONE example, in the same structure, shapes and dtypes as
+        the selected conditioning (before `encoder`). Required when guidance is on.
+    - `encoder`: an optional frozen encoder applied to one example's selected conditioning
+        (and to `null`) before the model sees it, e.g. a text encoder. It never trains.
+    - `latent_shape`: the shape of one latent. Needed to sample from rows that carry only
+        conditioning (prompt-only batches); batches of transitions carry it themselves.
+    - `caption`: an optional host function from the (numpy) rows to one caption per row, used
+        by previews.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for a malformed `select` or `latent_shape`.
+    """
+
+    select: str | tuple[str, ...] | None = None
+    null: PyTree[Any] = None
+    encoder: Callable[[PyTree[Any]], PyTree[Any]] | None = None
+    latent_shape: tuple[int, ...] | None = None
+    caption: Callable[[PyTree[Any]], list[str]] | None = None
+
+    def __check_init__(self) -> None:
+        if isinstance(self.select, tuple) and not all(isinstance(k, str) for k in self.select):
+            raise ValueError(f"`select` must be a str or a tuple of str, got {self.select!r}.")
+        if self.latent_shape is not None and not (
+            isinstance(self.latent_shape, tuple)
+            and all(isinstance(d, int) and d > 0 for d in self.latent_shape)
+        ):
+            raise ValueError(
+                f"`latent_shape` must be a tuple of positive ints, got {self.latent_shape!r}."
+            )
+
+    @property
+    def has_null(self) -> bool:
+        """Whether a null condition is available for classifier-free guidance."""
+        return self.null is not None
+
+    def selected(self, rows: PyTree[Any]) -> PyTree[Any]:
+        """The part of `rows` (batched or one example) that conditions the model."""
+        if self.select is None:
+            return rows
+        try:
+            if isinstance(self.select, str):
+                return rows[self.select]
+            return {key: rows[key] for key in self.select}
+        except (KeyError, TypeError, IndexError) as error:
+            raise ValueError(
+                f"InputSpec.select={self.select!r} does not match the rows' structure "
+                f"{jax.tree_util.tree_structure(rows)}."
+            ) from error
+
+    def condition(self, rows: PyTree[Any]) -> PyTree[Any]:
+        """The model's conditioning for a batch of rows (leading axis `N`)."""
+        chosen = self.selected(rows)
+        if self.encoder is None:
+            return chosen
+        return jax.vmap(self.encoder)(chosen)
+
+    def null_condition(self, num_rows: int) -> PyTree[Any]:
+        """The null condition, encoded and repeated for `num_rows` rows.
+
+        **Raises:**
+
+        - `ValueError`: if no `null` condition was given.
+        """
+        if self.null is None:
+            raise ValueError(
+                "Classifier-free guidance needs a null condition: pass InputSpec(null=...)."
+            )
+        null = jax.tree.map(jnp.asarray, self.null)
+        if self.encoder is not None:
+            null = self.encoder(null)
+        return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (num_rows, *leaf.shape)), null)
+
+
+@final
+class CFG(eqx.Module):
+    """Classifier-free guidance: `v = v_null + scale (v_cond - v_null)`.
+
+    Both branches run through the same model (the live policy, or the frozen reference for
+    the KL term) in one batched call.
+
+    **Arguments:**
+
+    - `scale`: the guidance scale; 1 is the conditional model alone, 0 the unconditional.
+
+    **Raises:**
+
+    - `ValueError`: if `scale` is negative or not finite.
+    """
+
+    scale: float = 3.0
+
+    def __check_init__(self) -> None:
+        if not (isinstance(self.scale, (int, float)) and 0 <= self.scale < float("inf")):
+            raise ValueError(f"`scale` must be a finite number >= 0, got {self.scale!r}.")
+
+    def combine(
+        self, conditional: Float[Array, " *shape"], unconditional: Float[Array, " *shape"]
+    ) -> Float[Array, " *shape"]:
+        """Mix the two branches' velocities."""
+        return unconditional + self.scale * (conditional - unconditional)
+
+
+class AbstractAutoEncoder(eqx.Module):
+    """Maps samples in [-1, 1] to latents and back, one unbatched example at a time."""
+
+    @abc.abstractmethod
+    def encode(self, sample: Float[Array, " *sample"]) -> Float[Array, " *latent"]:
+        """The latent of one sample."""
+
+    @abc.abstractmethod
+    def decode(self, latent: Float[Array, " *latent"]) -> Float[Array, " *sample"]:
+        """The sample in [-1, 1] of one latent."""
+
+
+@final
+class IdentityAutoEncoder(AbstractAutoEncoder):
+    """Latents are the samples themselves; decoding clips them to [-1, 1]."""
+
+    def encode(self, sample: Float[Array, " *sample"]) -> Float[Array, " *sample"]:
+        return sample
+
+    def decode(self, latent: Float[Array, " *latent"]) -> Float[Array, " *latent"]:
+        return jnp.clip(latent, -1.0, 1.0)

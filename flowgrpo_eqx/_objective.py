@@ -1,0 +1,608 @@
+"""`FlowGRPOObjective`: the clipped Flow-GRPO policy objective over recorded transitions."""
+
+from collections.abc import Callable
+from typing import Any, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
+
+from ._custom_types import Aux, Mean, Model, Step, Transitions, check_transitions
+from ._inputs import CFG, AbstractAutoEncoder, IdentityAutoEncoder, InputSpec
+from ._process import AbstractProcess
+from ._sde import FlowSDE, compute_dtype
+from ._solver import AbstractSolver, Euler
+
+
+# The transition a masked entry is replaced by before any arithmetic, so that NaN or inf in
+# masked inputs can reach neither the values nor the gradients (the double-`where` pattern).
+_SAFE_T = 1.0
+_SAFE_T_NEXT = 0.5
+
+
+@final
+class Variables(eqx.Module):
+    """The objective's variables: the live policy and the held slot.
+
+    **Arguments:**
+
+    - `policy`: the live velocity model, trained by the optimizer.
+    - `held`: with `beta > 0`, the frozen reference (a copy of the initial denoiser) that the
+        KL term compares with; with `beta == 0`, free for the trainer's EMA of the policy.
+    """
+
+    policy: Model
+    held: Model
+
+
+@final
+class Evaluation(eqx.Module):
+    """Samples drawn by `FlowGRPOObjective.evaluate`.
+
+    **Arguments:**
+
+    - `samples`: `[N, *sample]`, decoded to [-1, 1].
+    - `latents`: `[N, *latent]`, the final latents before decoding.
+    """
+
+    samples: Float[Array, " N *sample"]
+    latents: Float[Array, " N *latent"]
+
+
+def _broadcast_rows(tree: PyTree[Any], repeats: int) -> PyTree[Any]:
+    """Tile every leaf's leading axis `repeats` times: `[N, ...] -> [repeats * N, ...]`."""
+    return jax.tree.map(lambda leaf: jnp.concatenate([leaf] * repeats, axis=0), tree)
+
+
+def _leading_size(tree: PyTree[Any]) -> int:
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError("The rows (conditioning) have no array leaves; cannot count rows.")
+    return int(jnp.shape(leaves[0])[0])
+
+
+def _stop_gradient(tree: PyTree[Any]) -> PyTree[Any]:
+    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
+    return eqx.combine(jax.lax.stop_gradient(dynamic), static)
+
+
+@final
+class FlowGRPOObjective(eqx.Module):
+    """Train a rectified-flow policy on clipped, coordinate-normalised gradients.
+
+    The policy is the `FlowSDE` Gaussian transition built from the model's guided velocity.
+    Its ratio uses the mean-coordinate log likelihood of the released implementation (not the
+    product of all coordinate likelihood ratios). With `beta > 0` a conditional transition KL,
+    coordinate-averaged and with a variance that includes elapsed time, regularises it towards
+    a frozen copy of the initial denoiser held in the variables' held slot.
+
+    For each recorded transition, with `A = clip(advantage, -adv_clip_max, adv_clip_max)` and
+    `r = exp(log p_theta - old_log_prob)`:
+    `surrogate = max(-A r, -A clip(r, 1 - clip_range, 1 + clip_range))`, and
+    `loss = sum_kept (surrogate + beta KL) / D`, where the kept set is the transitions whose
+    `transition_mask` is set AND that are stochastic under `sde`, and `D` its size.
+    Deterministic intervals contribute no policy loss; `D = 0` gives loss 0 and zero gradients.
+
+    **Arguments:**
+
+    - `model`: the velocity model, `model(x, t, cond) -> v` on one unbatched example.
+    - `process`: the generative process (`RectifiedFlow`), which supplies the time grid.
+    - `inputs`: an `InputSpec`: which row fields condition the model, and the null condition.
+    - `sde`: the `FlowSDE` used both by the rollout and for rescoring.
+    - `beta`: the KL weight; `beta > 0` freezes the initial denoiser in the held slot.
+    - `clip_range`: the ratio clip `epsilon` (1e-4 by default, as Flow-GRPO).
+    - `adv_clip_max`: advantages are clipped to `[-adv_clip_max, adv_clip_max]`.
+    - `autoencoder`: decodes latents to samples in [-1, 1]; identity (with clipping) if `None`.
+    - `guidance`: classifier-free guidance used in rollout, rescoring and evaluation, or `None`.
+    - `sampler`: the ODE solver for evaluation and previews.
+    - `steps`: the number of time points of the evaluation grid.
+    - `pretrained`: initial policy weights (a model of the same structure), or `None` to
+        start from `model` itself.
+    - `transition_chunk`: how many transitions `loss` and `log_probs` evaluate together per
+        `lax.scan` step (vmapped). `None` (the default) evaluates all `K` at once, the fastest;
+        `1` with rematerialisation keeps memory flat in `K`. `K` need not be a multiple: the
+        last chunk is padded with copies whose results are discarded.
+    - `remat`: whether each scan step is rematerialised (`jax.checkpoint`); `None` (default)
+        means "when there is more than one chunk".
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for `clip_range <= 0`, `adv_clip_max <= 0`,
+        `beta < 0`, `steps < 2`, `transition_chunk < 1`, or guidance without a null condition.
+    """
+
+    model: Model
+    process: AbstractProcess
+    inputs: InputSpec
+    sde: FlowSDE
+    beta: float
+    clip_range: float
+    adv_clip_max: float
+    autoencoder: AbstractAutoEncoder
+    guidance: CFG | None
+    sampler: AbstractSolver
+    steps: int
+    pretrained: Model | None
+    transition_chunk: int | None
+    remat: bool | None
+
+    def __init__(
+        self,
+        model: Model,
+        process: AbstractProcess,
+        inputs: InputSpec,
+        *,
+        sde: FlowSDE = FlowSDE(),
+        beta: float = 0.0,
+        clip_range: float = 1e-4,
+        adv_clip_max: float = 5.0,
+        autoencoder: AbstractAutoEncoder | None = None,
+        guidance: CFG | None = CFG(3.0),
+        sampler: AbstractSolver = Euler(),
+        steps: int = 41,
+        pretrained: Model | None = None,
+        transition_chunk: int | None = None,
+        remat: bool | None = None,
+    ):
+        self.model = model
+        self.process = process
+        self.inputs = inputs
+        self.sde = sde
+        self.beta = beta
+        self.clip_range = clip_range
+        self.adv_clip_max = adv_clip_max
+        self.autoencoder = IdentityAutoEncoder() if autoencoder is None else autoencoder
+        self.guidance = guidance
+        self.sampler = sampler
+        self.steps = steps
+        self.pretrained = pretrained
+        self.transition_chunk = transition_chunk
+        self.remat = remat
+
+    def __check_init__(self) -> None:
+        if not callable(self.model):
+            raise ValueError(f"`model` must be callable as model(x, t, cond), got {self.model!r}.")
+        if not isinstance(self.process, AbstractProcess):
+            raise ValueError(f"`process` must be an AbstractProcess, got {self.process!r}.")
+        if not isinstance(self.inputs, InputSpec):
+            raise ValueError(f"`inputs` must be an InputSpec, got {self.inputs!r}.")
+        if not isinstance(self.sde, FlowSDE):
+            raise ValueError(f"`sde` must be a FlowSDE, got {self.sde!r}.")
+        if not (isinstance(self.beta, (int, float)) and self.beta >= 0):
+            raise ValueError(f"`beta` must be a number >= 0, got {self.beta!r}.")
+        if not (isinstance(self.clip_range, (int, float)) and self.clip_range > 0):
+            raise ValueError(f"`clip_range` must be a number > 0, got {self.clip_range!r}.")
+        if not (isinstance(self.adv_clip_max, (int, float)) and self.adv_clip_max > 0):
+            raise ValueError(f"`adv_clip_max` must be a number > 0, got {self.adv_clip_max!r}.")
+        if self.guidance is not None and not isinstance(self.guidance, CFG):
+            raise ValueError(f"`guidance` must be a CFG or None, got {self.guidance!r}.")
+        if self.guidance is not None and not self.inputs.has_null:
+            raise ValueError(
+                "`guidance` needs a null condition, but `inputs` has none: pass "
+                "InputSpec(null=...) or guidance=None."
+            )
+        if not isinstance(self.sampler, AbstractSolver):
+            raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
+            raise ValueError(f"`steps` must be an int >= 2, got {self.steps!r}.")
+        chunk = self.transition_chunk
+        if chunk is not None and (
+            isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
+        ):
+            raise ValueError(f"`transition_chunk` must be None or an int >= 1, got {chunk!r}.")
+
+    # ----------------------------------------------------------------------------------
+    # Variables
+
+    def init(self, key: PRNGKeyArray, variables: Variables | None = None) -> Variables:
+        """The initial variables: the live policy and the held slot.
+
+        The policy is `variables.policy` when given (e.g. restored from a checkpoint), else
+        `pretrained`, else `model`. The held slot starts as a copy of that initial policy: the
+        frozen reference when `beta > 0`, the EMA's starting point otherwise.
+
+        **Arguments:**
+
+        - `key`: a PRNG key. Equinox models are built with their parameters, so nothing is
+            drawn from it today; it is part of the seed's interface for lazily built models.
+        - `variables`: existing variables to start from, or `None`.
+
+        **Returns:**
+
+        The `Variables`.
+        """
+        del key
+        if variables is not None:
+            return variables
+        policy = self.model if self.pretrained is None else self.pretrained
+        return Variables(policy=policy, held=policy)
+
+    def held_variables(self) -> Variables:
+        """Which variable slots the trainer must leave untouched, as a `Variables` of bools.
+
+        `held` is `True` when `beta > 0`: the slot is the frozen reference, neither trained
+        nor written by an EMA. With `beta == 0` it is `False`: the slot is free for the EMA.
+        The policy is never held.
+        """
+        return Variables(policy=False, held=self.beta > 0)
+
+    # ----------------------------------------------------------------------------------
+    # The guided velocity and the per-transition Gaussian
+
+    def velocity(
+        self,
+        model: Model,
+        x: Float[Array, " B *latent"],
+        t: Float[Array, " B"],
+        cond: PyTree[Any],
+    ) -> Float[Array, " B *latent"]:
+        """The guided velocity of `model` on a batch, both guidance branches in one call.
+
+        **Arguments:**
+
+        - `model`: the policy or the reference.
+        - `x`: `[B, *latent]` states.
+        - `t`: `[B]` times.
+        - `cond`: the batch's rows (leading axis `B`), reduced by `inputs`.
+
+        **Returns:**
+
+        `[B, *latent]` velocities in float32 at least.
+        """
+        conditioning = self.inputs.condition(cond)
+        dtype = compute_dtype(x.dtype)
+        if self.guidance is None:
+            direct: Float[Array, " B *latent"] = jax.vmap(model)(x, t, conditioning)
+            return direct.astype(dtype)
+        rows = x.shape[0]
+        null = self.inputs.null_condition(rows)
+        try:
+            both = jax.tree.map(
+                lambda c, u: jnp.concatenate([c, u.astype(c.dtype)], axis=0), conditioning, null
+            )
+        except ValueError as error:
+            raise ValueError(
+                "InputSpec.null must have the structure and per-example shapes of the "
+                f"conditioning; got {jax.tree_util.tree_structure(null)} against "
+                f"{jax.tree_util.tree_structure(conditioning)}."
+            ) from error
+        velocities = jax.vmap(model)(
+            jnp.concatenate([x, x], axis=0), jnp.concatenate([t, t], axis=0), both
+        ).astype(dtype)
+        return self.guidance.combine(velocities[:rows], velocities[rows:])
+
+    def transition(
+        self,
+        model: Model,
+        x: Float[Array, " B *latent"],
+        t: Float[Array, " B"],
+        t_next: Float[Array, " B"],
+        cond: PyTree[Any],
+    ) -> tuple[Float[Array, " B *latent"], Float[Array, " B"]]:
+        """The batch's Gaussian transitions `(mean, std)` under `sde` and the guided velocity."""
+        v = self.velocity(model, x, t, cond)
+        return jax.vmap(self.sde.transition)(x, v, t, t_next)
+
+    # ----------------------------------------------------------------------------------
+    # Scanning over transitions
+
+    def _chunk_size(self, num_transitions: int) -> int:
+        if self.transition_chunk is None:
+            return max(num_transitions, 1)
+        return min(self.transition_chunk, max(num_transitions, 1))
+
+    def _map_transitions(
+        self,
+        fn: Callable[..., PyTree[Float[Array, " B"]]],
+        per_transition: PyTree[Array],
+        cond: PyTree[Any],
+    ) -> PyTree[Float[Array, " N K"]]:
+        """Apply `fn(flat_inputs, flat_cond)` to all `[N, K, ...]` inputs, chunk by chunk.
+
+        A `lax.scan` over chunks of transitions that carries nothing between them; within a
+        chunk the `chunk * N` transitions are one batch. Returns `fn`'s outputs as `[N, K]`.
+        """
+        leaves = jax.tree.leaves(per_transition)
+        n, k = leaves[0].shape[:2]
+        chunk = self._chunk_size(k)
+        num_chunks = -(-k // chunk)
+        padded = num_chunks * chunk
+
+        def to_chunks(leaf: Array) -> Array:
+            leaf = jnp.swapaxes(leaf, 0, 1)
+            if padded > k:
+                # Pad with copies of the last (already sanitised) transition: finite values
+                # whose outputs are sliced off below, so they count nowhere.
+                pad = jnp.broadcast_to(leaf[-1:], (padded - k, *leaf.shape[1:]))
+                leaf = jnp.concatenate([leaf, pad], axis=0)
+            return leaf.reshape(num_chunks, chunk * n, *leaf.shape[2:])
+
+        xs = jax.tree.map(to_chunks, per_transition)
+        chunk_cond = _broadcast_rows(cond, chunk)
+
+        def body(carry: None, inputs: PyTree[Array]) -> tuple[None, PyTree[Array]]:
+            return carry, fn(inputs, chunk_cond)
+
+        remat = self.remat if self.remat is not None else num_chunks > 1
+        if remat:
+            body = jax.checkpoint(body)
+        _, outputs = jax.lax.scan(body, None, xs)
+
+        def from_chunks(leaf: Array) -> Array:
+            leaf = leaf.reshape(padded, n)[:k]
+            return jnp.swapaxes(leaf, 0, 1)
+
+        return jax.tree.map(from_chunks, outputs)
+
+    # ----------------------------------------------------------------------------------
+    # Public objective methods
+
+    def kept(self, batch: Transitions) -> Bool[Array, " N K"]:
+        """The kept set: masked-in transitions that are stochastic under `sde`."""
+        return batch.transition_mask & self.sde.is_stochastic(batch.timesteps, batch.next_timesteps)
+
+    def log_probs(self, variables: Variables, batch: Transitions) -> Float[Array, " N K"]:
+        """Rescore joint transition log densities with the rollout's guidance.
+
+        Uses the live policy and the same `FlowSDE` as the rollout, so rescoring an unchanged
+        policy reproduces `old_log_probs`. Deterministic transitions score 0.
+
+        **Arguments:**
+
+        - `variables`: from `init`.
+        - `batch`: the recorded transitions.
+
+        **Returns:**
+
+        `[N, K]` mean-coordinate log densities.
+
+        **Raises:**
+
+        - `ValueError`: naming the field, for a malformed batch.
+        """
+        check_transitions(batch)
+        policy = variables.policy
+
+        def score(inputs: dict[str, Array], cond: PyTree[Any]) -> Float[Array, " B"]:
+            mean, std = self.transition(policy, inputs["x"], inputs["t"], inputs["t_next"], cond)
+            return jax.vmap(self.sde.log_prob)(inputs["x_next"], mean, std)
+
+        inputs = {
+            "x": batch.latents,
+            "x_next": batch.next_latents,
+            "t": batch.timesteps,
+            "t_next": batch.next_timesteps,
+        }
+        result: Float[Array, " N K"] = self._map_transitions(score, inputs, batch.cond)
+        return result
+
+    def loss(self, variables: Variables, batch: Transitions, step: Step) -> tuple[Mean, Aux]:
+        """Score the clipped policy gradient over the recorded transitions.
+
+        A `lax.scan` over the transitions (in chunks of `transition_chunk`) that carries
+        nothing between them; each transition contributes its surrogate, its KL to the frozen
+        reference, whether it counted, and whether its ratio was clipped. Masked transitions
+        are replaced by a safe dummy before any arithmetic, so NaN or inf in them reach neither
+        the loss nor its gradient.
+
+        **Arguments:**
+
+        - `variables`: from `init`; gradients flow into `variables.policy` only.
+        - `batch`: the recorded transitions.
+        - `step`: the training step (unused by this objective's arithmetic; kept for the
+            trainer's uniform interface).
+
+        **Returns:**
+
+        `(Mean(total, count), Aux)`: `total` is the sum over kept transitions of
+        `surrogate + beta KL` and `count` the kept count `D`, so that shards reduce exactly.
+
+        **Raises:**
+
+        - `ValueError`: naming the field, for a malformed batch.
+        """
+        del step
+        check_transitions(batch)
+        policy = variables.policy
+        reference = _stop_gradient(variables.held) if self.beta > 0 else None
+        n, k = batch.timesteps.shape
+        kept = self.kept(batch)
+        advantages = batch.advantages
+        if advantages.ndim == 1:
+            advantages = jnp.broadcast_to(advantages[:, None], (n, k))
+
+        def keep(value: Array, safe: float) -> Array:
+            mask = kept.reshape(kept.shape + (1,) * (value.ndim - 2))
+            return jnp.where(mask, value, jnp.asarray(safe, value.dtype))
+
+        inputs = {
+            "x": keep(batch.latents, 0.0),
+            "x_next": keep(batch.next_latents, 0.0),
+            "t": keep(batch.timesteps, _SAFE_T),
+            "t_next": keep(batch.next_timesteps, _SAFE_T_NEXT),
+            "old": keep(batch.old_log_probs, 0.0),
+            "advantage": keep(advantages.astype(jnp.float32), 0.0),
+            "kept": kept,
+        }
+
+        def per_transition(chunk: dict[str, Array], cond: PyTree[Any]) -> dict[str, Array]:
+            mean, std = self.transition(policy, chunk["x"], chunk["t"], chunk["t_next"], cond)
+            log_prob = jax.vmap(self.sde.log_prob)(chunk["x_next"], mean, std)
+            log_ratio = log_prob - chunk["old"]
+            ratio = jnp.exp(log_ratio)
+            advantage = jnp.clip(chunk["advantage"], -self.adv_clip_max, self.adv_clip_max)
+            clipped_ratio = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
+            surrogate = jnp.maximum(-advantage * ratio, -advantage * clipped_ratio)
+            if reference is not None:
+                mean_ref, _ = self.transition(
+                    reference, chunk["x"], chunk["t"], chunk["t_next"], cond
+                )
+                kl = jax.vmap(self.sde.kl)(mean, mean_ref, std, chunk["t_next"] - chunk["t"])
+            else:
+                kl = jnp.zeros_like(surrogate)
+            on = chunk["kept"]
+            zero = jnp.zeros_like(surrogate)
+            stats = {
+                "objective": surrogate + self.beta * kl,
+                "policy_loss": surrogate,
+                "kl": kl,
+                "clipfrac": (jnp.abs(ratio - 1.0) > self.clip_range).astype(surrogate.dtype),
+                "clipfrac_gt_one": (ratio - 1.0 > self.clip_range).astype(surrogate.dtype),
+                "clipfrac_lt_one": (1.0 - ratio > self.clip_range).astype(surrogate.dtype),
+                "approx_kl": 0.5 * log_ratio**2,
+                "ratio": ratio,
+            }
+            return {name: jnp.where(on, value, zero) for name, value in stats.items()}
+
+        stats = self._map_transitions(per_transition, inputs, batch.cond)
+        count = jax.lax.stop_gradient(jnp.sum(kept, dtype=jnp.float32))
+
+        def mean_of(name: str) -> Mean:
+            return Mean(total=jnp.sum(stats[name]), count=count)
+
+        aux = Aux(
+            policy_loss=mean_of("policy_loss"),
+            kl=mean_of("kl"),
+            clipfrac=mean_of("clipfrac"),
+            clipfrac_gt_one=mean_of("clipfrac_gt_one"),
+            clipfrac_lt_one=mean_of("clipfrac_lt_one"),
+            approx_kl=mean_of("approx_kl"),
+            ratio=mean_of("ratio"),
+            counted=count,
+        )
+        return mean_of("objective"), aux
+
+    # ----------------------------------------------------------------------------------
+    # Sampling with the live policy
+
+    def sample_latents(
+        self,
+        model: Model,
+        cond: PyTree[Any],
+        noise: Float[Array, " N *latent"],
+        *,
+        sampler: AbstractSolver | None = None,
+        steps: int | None = None,
+    ) -> Float[Array, " N *latent"]:
+        """Integrate the guided probability-flow ODE from `noise` at t = 1 to t = 0.
+
+        **Arguments:**
+
+        - `model`: the model to sample from.
+        - `cond`: one row per sample (leading axis `N`).
+        - `noise`: `[N, *latent]` starting points.
+        - `sampler`, `steps`: override the objective's `sampler` and `steps`.
+
+        **Returns:**
+
+        `[N, *latent]` final latents.
+        """
+        solver = self.sampler if sampler is None else sampler
+        grid = self.process.timesteps(self.steps if steps is None else steps)
+        rows = noise.shape[0]
+
+        def velocity(
+            x: Float[Array, " N *latent"], t: Float[Array, ""]
+        ) -> Float[Array, " N *latent"]:
+            return self.velocity(model, x, jnp.full((rows,), t, x.dtype), cond)
+
+        def body(x: Float[Array, " N *latent"], times: Array) -> tuple[Array, None]:
+            return solver.step(velocity, x, times[0], times[1]), None
+
+        start = noise.astype(compute_dtype(noise.dtype))
+        intervals = jnp.stack([grid[:-1], grid[1:]], axis=1)
+        final, _ = jax.lax.scan(body, start, intervals)
+        return final
+
+    def decode(self, latents: Float[Array, " N *latent"]) -> Float[Array, " N *sample"]:
+        """Decode latents to samples in [-1, 1] with the autoencoder (clipped)."""
+        return jnp.clip(jax.vmap(self.autoencoder.decode)(latents), -1.0, 1.0)
+
+    def _rows_and_latent_shape(
+        self, batch: Transitions | PyTree[Any]
+    ) -> tuple[PyTree[Any], tuple[int, ...]]:
+        if isinstance(batch, Transitions):
+            return batch.cond, batch.latent_shape
+        if self.inputs.latent_shape is None:
+            raise ValueError(
+                "Sampling from prompt-only rows needs InputSpec(latent_shape=...); the batch "
+                "carries no latents to take the shape from."
+            )
+        return batch, self.inputs.latent_shape
+
+    def evaluate(
+        self,
+        variables: Variables,
+        batch: Transitions | PyTree[Any],
+        step: Step,
+    ) -> Evaluation:
+        """Generate one live-policy sample per source row, including prompt-only batches.
+
+        Deterministic ODE sampling with `sampler` on the `steps`-point grid from noise drawn
+        with `step.key`. Evaluation always uses the live policy, never the held slot.
+
+        **Arguments:**
+
+        - `variables`: from `init`.
+        - `batch`: a `Transitions` batch (its `cond` rows are used) or the rows themselves.
+        - `step`: its `key` draws the starting noise.
+
+        **Returns:**
+
+        An `Evaluation` with the decoded `samples` and final `latents`.
+
+        **Raises:**
+
+        - `ValueError`: if the rows are prompt-only and `InputSpec.latent_shape` is unset.
+        """
+        rows, latent_shape = self._rows_and_latent_shape(batch)
+        num_rows = _leading_size(rows)
+        noise = jax.random.normal(step.key, (num_rows, *latent_shape), jnp.float32)
+        latents = _sample_jit(self, variables.policy, rows, noise)
+        return Evaluation(samples=self.decode(latents), latents=latents)
+
+    def preview(
+        self,
+        variables: Variables,
+        batch: Transitions | PyTree[Any],
+        step: Step,
+        *,
+        scored: Float[Array, " N"] | None = None,
+    ) -> Evaluation:
+        """Draw preview samples from the live policy on every rank.
+
+        The samples are materialised here; turning them into a captioned picture grid is a
+        host-only step done by `flowgrpo_eqx.preview_grid` (on the root process only).
+
+        **Arguments:**
+
+        - `variables`, `batch`, `step`: as for `evaluate`.
+        - `scored`: optional `[N]` scores to check against the rows (used for captions).
+
+        **Returns:**
+
+        The `Evaluation`, with its arrays ready on the host.
+
+        **Raises:**
+
+        - `ValueError`: if `scored` does not have one score per row.
+        """
+        evaluation = self.evaluate(variables, batch, step)
+        if scored is not None and jnp.shape(scored) != (evaluation.samples.shape[0],):
+            raise ValueError(
+                f"`scored` must have shape [N] = ({evaluation.samples.shape[0]},), "
+                f"got {jnp.shape(scored)}."
+            )
+        ready: Evaluation = jax.block_until_ready(evaluation)  # type: ignore[no-untyped-call]
+        return ready
+
+
+@eqx.filter_jit
+def _sample_jit(
+    objective: FlowGRPOObjective,
+    policy: Model,
+    rows: PyTree[Any],
+    noise: Float[Array, " N *latent"],
+) -> Float[Array, " N *latent"]:
+    return objective.sample_latents(policy, rows, noise)
