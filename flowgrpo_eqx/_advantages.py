@@ -1,6 +1,5 @@
 """Host-side group statistics: rewards stay float64 until the advantages are cast to float32."""
 
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -10,7 +9,7 @@ def group_advantages(
     rewards: npt.ArrayLike,
     groups: int,
     eps: float = 1e-4,
-    std: Literal["group", "global"] = "group",
+    std: str = "group",
 ) -> npt.NDArray[np.float32]:
     """Group-normalised advantages, as Flow-GRPO's `PerPromptStatTracker` computes them.
 

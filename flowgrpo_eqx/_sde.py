@@ -5,7 +5,7 @@ rescored ones agree.
 """
 
 import math
-from typing import Literal, final
+from typing import final
 
 import equinox as eqx
 import jax
@@ -62,9 +62,9 @@ class FlowSDE(eqx.Module):
     """
 
     noise_level: float = 0.7
-    kind: Literal["flow", "cps"] = "flow"
+    kind: str = "flow"
     window: tuple[float, float] | None = None
-    kl_weighting: Literal["paper", "released"] = "paper"
+    kl_weighting: str = "paper"
 
     def __check_init__(self) -> None:
         if not (isinstance(self.noise_level, (int, float)) and self.noise_level >= 0):

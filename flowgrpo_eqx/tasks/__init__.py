@@ -1,0 +1,25 @@
+"""Embedded procedural tasks: prompts, ground-truth renderers and rule-based rewards."""
+
+from .shapes import (
+    COLOURS as COLOURS,
+    HALF as HALF,
+    IMAGE_SIZE as IMAGE_SIZE,
+    NULL_TOKEN as NULL_TOKEN,
+    NUM_COLOURS as NUM_COLOURS,
+    NUM_PROMPTS as NUM_PROMPTS,
+    NUM_SHAPES as NUM_SHAPES,
+    OBJECT_SIZES as OBJECT_SIZES,
+    PALETTE as PALETTE,
+    PROMPT_LENGTH as PROMPT_LENGTH,
+    REWARD_KINDS as REWARD_KINDS,
+    SHAPES as SHAPES,
+    SPLITS as SPLITS,
+    VOCAB as VOCAB,
+    VOCAB_SIZE as VOCAB_SIZE,
+    CheckResult as CheckResult,
+    Prompts as Prompts,
+    RewardKind as RewardKind,
+    ShapesReward as ShapesReward,
+    ShapesTask as ShapesTask,
+    Split as Split,
+)
