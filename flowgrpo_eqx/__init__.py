@@ -13,7 +13,16 @@ from ._objective import (
     FlowGRPOObjective as FlowGRPOObjective,
     Variables as Variables,
 )
+from ._preview import preview_grid as preview_grid
 from ._process import AbstractProcess as AbstractProcess, RectifiedFlow as RectifiedFlow
+from ._reward import (
+    FlowReward as FlowReward,
+    JpegCompressibility as JpegCompressibility,
+    JpegIncompressibility as JpegIncompressibility,
+    RewardError as RewardError,
+    WeightedReward as WeightedReward,
+)
+from ._rollout import FlowRollout as FlowRollout, RolloutInfo as RolloutInfo
 from ._sde import FlowSDE as FlowSDE
 from ._solver import AbstractSolver as AbstractSolver, Euler as Euler, Heun as Heun
 

@@ -1,6 +1,5 @@
 """Host-side group statistics: rewards stay float64 until the advantages are cast to float32."""
 
-
 import numpy as np
 import numpy.typing as npt
 

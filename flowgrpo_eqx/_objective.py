@@ -6,11 +6,15 @@ from typing import Any, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
 from ._custom_types import Aux, Mean, Model, Step, Transitions, check_transitions
 from ._inputs import CFG, AbstractAutoEncoder, IdentityAutoEncoder, InputSpec
+from ._preview import preview_grid
 from ._process import AbstractProcess
+from ._reward import FlowReward, score
 from ._sde import FlowSDE, compute_dtype
 from ._solver import AbstractSolver, Euler
 
@@ -44,10 +48,12 @@ class Evaluation(eqx.Module):
 
     - `samples`: `[N, *sample]`, decoded to [-1, 1].
     - `latents`: `[N, *latent]`, the final latents before decoding.
+    - `scores`: `[N]` float64 scores from the reward, when one was given.
     """
 
     samples: Float[Array, " N *sample"]
     latents: Float[Array, " N *latent"]
+    scores: npt.NDArray[np.float64] | None = None
 
 
 def _broadcast_rows(tree: PyTree[Any], repeats: int) -> PyTree[Any]:
@@ -536,6 +542,8 @@ class FlowGRPOObjective(eqx.Module):
         variables: Variables,
         batch: Transitions | PyTree[Any],
         step: Step,
+        *,
+        reward: FlowReward | None = None,
     ) -> Evaluation:
         """Generate one live-policy sample per source row, including prompt-only batches.
 
@@ -547,20 +555,27 @@ class FlowGRPOObjective(eqx.Module):
         - `variables`: from `init`.
         - `batch`: a `Transitions` batch (its `cond` rows are used) or the rows themselves.
         - `step`: its `key` draws the starting noise.
+        - `reward`: if given, the samples are scored with it on the host (float64).
 
         **Returns:**
 
-        An `Evaluation` with the decoded `samples` and final `latents`.
+        An `Evaluation` with the decoded `samples`, the final `latents`, and `scores`.
 
         **Raises:**
 
         - `ValueError`: if the rows are prompt-only and `InputSpec.latent_shape` is unset.
+        - `RewardError`: if the reward fails.
         """
         rows, latent_shape = self._rows_and_latent_shape(batch)
         num_rows = _leading_size(rows)
         noise = jax.random.normal(step.key, (num_rows, *latent_shape), jnp.float32)
         latents = _sample_jit(self, variables.policy, rows, noise)
-        return Evaluation(samples=self.decode(latents), latents=latents)
+        samples = self.decode(latents)
+        scores = None
+        if reward is not None:
+            host_rows = jax.tree.map(np.asarray, rows)
+            scores = score(reward, np.asarray(samples), host_rows)
+        return Evaluation(samples=samples, latents=latents, scores=scores)
 
     def preview(
         self,
@@ -568,33 +583,53 @@ class FlowGRPOObjective(eqx.Module):
         batch: Transitions | PyTree[Any],
         step: Step,
         *,
-        scored: Float[Array, " N"] | None = None,
+        scored: FlowReward | npt.ArrayLike | None = None,
+        path: str | None = None,
+        captions: list[str] | None = None,
+        title: str | None = None,
     ) -> Evaluation:
-        """Draw preview samples from the live policy on every rank.
+        """Draw on all ranks; materialise before root-only caption decoding.
 
-        The samples are materialised here; turning them into a captioned picture grid is a
-        host-only step done by `flowgrpo_eqx.preview_grid` (on the root process only).
+        Every process draws its samples (generation is collective); the arrays are made
+        ready here, and only process 0 decodes captions and writes the picture grid.
 
         **Arguments:**
 
         - `variables`, `batch`, `step`: as for `evaluate`.
-        - `scored`: optional `[N]` scores to check against the rows (used for captions).
+        - `scored`: a reward to score the samples with, or `[N]` scores to show, or `None`.
+        - `path`: where to write the PNG grid; nothing is written when `None`.
+        - `captions`: one caption per row; default `InputSpec.caption(rows)` when the spec
+            has one, else the row index.
+        - `title`: an optional title line for the picture.
 
         **Returns:**
 
-        The `Evaluation`, with its arrays ready on the host.
+        The `Evaluation` (with `scores` when `scored` was given).
 
         **Raises:**
 
-        - `ValueError`: if `scored` does not have one score per row.
+        - `ValueError`: if `scored` scores or `captions` do not have one entry per row.
         """
-        evaluation = self.evaluate(variables, batch, step)
-        if scored is not None and jnp.shape(scored) != (evaluation.samples.shape[0],):
-            raise ValueError(
-                f"`scored` must have shape [N] = ({evaluation.samples.shape[0]},), "
-                f"got {jnp.shape(scored)}."
+        reward = scored if callable(scored) else None
+        evaluation = self.evaluate(variables, batch, step, reward=reward)
+        num = int(evaluation.samples.shape[0])
+        if scored is not None and not callable(scored):
+            values = np.asarray(scored, dtype=np.float64)
+            if values.shape != (num,):
+                raise ValueError(f"`scored` must have shape [N] = ({num},), got {values.shape}.")
+            evaluation = eqx.tree_at(
+                lambda e: e.scores, evaluation, values, is_leaf=lambda x: x is None
             )
         ready: Evaluation = jax.block_until_ready(evaluation)  # type: ignore[no-untyped-call]
+        if path is not None and jax.process_index() == 0:
+            rows, _ = self._rows_and_latent_shape(batch)
+            host_rows = jax.tree.map(np.asarray, rows)
+            if captions is None:
+                if self.inputs.caption is not None:
+                    captions = list(self.inputs.caption(host_rows))
+                else:
+                    captions = [f"row {i}" for i in range(num)]
+            preview_grid(np.asarray(ready.samples), path, captions, ready.scores, title=title)
         return ready
 
 

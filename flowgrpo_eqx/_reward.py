@@ -1,0 +1,199 @@
+"""Rewards: the `FlowReward` protocol, validation of what a reward returns, built-in rewards.
+
+Rewards run on the host, on numpy arrays, and return float64 scores: they keep full
+precision through collection, transport between processes and the group statistics.
+"""
+
+import io
+from collections.abc import Sequence
+from typing import Any, Protocol, final, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+from PIL import Image
+
+
+@runtime_checkable
+class FlowReward(Protocol):
+    """Score decoded [-1, 1] samples and repeated source rows, one scalar per sample.
+
+    Any callable `reward(samples, rows) -> scores` satisfies it:
+
+    - `samples`: numpy `[N, *sample]` in [-1, 1] (images are channels-last `[N, H, W, C]`).
+    - `rows`: the source rows repeated once per sample (numpy leaves with leading axis `N`).
+    - returns `[N]` scores, converted to float64.
+
+    A `name` attribute, if present, is used in error messages and metrics.
+    """
+
+    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.ArrayLike: ...
+
+
+class RewardError(ValueError):
+    """A reward raised, or returned the wrong shape or non-finite scores."""
+
+
+def reward_name(reward: Any) -> str:
+    """A readable name for a reward: its `name`, its `__name__`, or its class name."""
+    name = getattr(reward, "name", None) or getattr(reward, "__name__", None)
+    return str(name) if name else type(reward).__name__
+
+
+def score(reward: FlowReward, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+    """Call `reward` once and check what it returns.
+
+    **Arguments:**
+
+    - `reward`: the reward.
+    - `samples`: `[N, *sample]` numpy samples in [-1, 1].
+    - `rows`: the repeated source rows.
+
+    **Returns:**
+
+    `[N]` float64 scores.
+
+    **Raises:**
+
+    - `RewardError`: naming the reward, if it raises, returns a shape other than `[N]`, or
+        returns NaN or inf (naming the offending rows).
+    """
+    name = reward_name(reward)
+    count = int(samples.shape[0])
+    try:
+        raw = reward(samples, rows)
+    except Exception as error:  # noqa: BLE001 - re-raised with the reward's name
+        raise RewardError(f"Reward {name!r} raised {type(error).__name__}: {error}") from error
+    try:
+        values = np.asarray(raw, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise RewardError(
+            f"Reward {name!r} returned {type(raw).__name__}, not an array of numbers."
+        ) from error
+    if values.shape != (count,):
+        raise RewardError(
+            f"Reward {name!r} returned shape {values.shape}; expected one score per sample, "
+            f"[N] = ({count},)."
+        )
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        raise RewardError(
+            f"Reward {name!r} returned non-finite scores {values[bad].tolist()} at rows "
+            f"{bad.tolist()}."
+        )
+    return values
+
+
+def to_uint8_images(samples: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:
+    """Samples in [-1, 1], `[N, H, W]` or `[N, H, W, C]` with C in (1, 3, 4), as uint8 images.
+
+    **Raises:**
+
+    - `ValueError`: if `samples` is not a batch of images.
+    """
+    array = np.asarray(samples, dtype=np.float64)
+    if array.ndim == 3:
+        array = array[..., None]
+    if array.ndim != 4 or array.shape[-1] not in (1, 3, 4):
+        raise ValueError(
+            f"`samples` must be images [N, H, W] or [N, H, W, C] with C in (1, 3, 4), got "
+            f"shape {array.shape}."
+        )
+    scaled = np.round((np.clip(array, -1.0, 1.0) + 1.0) * 127.5)
+    images: npt.NDArray[np.uint8] = scaled.astype(np.uint8)
+    return images
+
+
+def jpeg_sizes_kb(samples: npt.NDArray[Any], quality: int = 95) -> npt.NDArray[np.float64]:
+    """The JPEG file size in kB of each image, as DDPO's compressibility rewards measure it."""
+    sizes = []
+    for image in to_uint8_images(samples):
+        buffer = io.BytesIO()
+        pil = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
+        pil.save(buffer, format="JPEG", quality=quality)
+        sizes.append(buffer.tell() / 1000.0)
+    return np.asarray(sizes, dtype=np.float64)
+
+
+@final
+class JpegCompressibility:
+    """DDPO's compressibility reward: minus the JPEG size (kB) at quality 95.
+
+    **Arguments:**
+
+    - `quality`: the JPEG quality, 1 to 95.
+
+    **Raises:**
+
+    - `ValueError`: for a quality outside 1..95.
+    """
+
+    name = "jpeg_compressibility"
+
+    def __init__(self, quality: int = 95):
+        if not 1 <= quality <= 95:
+            raise ValueError(f"`quality` must be in 1..95, got {quality}.")
+        self.quality = quality
+
+    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        del rows
+        return -jpeg_sizes_kb(samples, self.quality)
+
+
+@final
+class JpegIncompressibility:
+    """DDPO's incompressibility reward: the JPEG size (kB) at quality 95.
+
+    **Arguments:**
+
+    - `quality`: the JPEG quality, 1 to 95.
+
+    **Raises:**
+
+    - `ValueError`: for a quality outside 1..95.
+    """
+
+    name = "jpeg_incompressibility"
+
+    def __init__(self, quality: int = 95):
+        if not 1 <= quality <= 95:
+            raise ValueError(f"`quality` must be in 1..95, got {quality}.")
+        self.quality = quality
+
+    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        del rows
+        return jpeg_sizes_kb(samples, self.quality)
+
+
+@final
+class WeightedReward:
+    """A weighted sum of rewards, each scored and checked, then combined in float64.
+
+    **Arguments:**
+
+    - `terms`: `(reward, weight)` pairs.
+
+    **Raises:**
+
+    - `ValueError`: if `terms` is empty or a weight is not finite.
+    """
+
+    def __init__(self, terms: Sequence[tuple[FlowReward, float]]):
+        if not terms:
+            raise ValueError("`terms` must name at least one (reward, weight) pair.")
+        for reward, weight in terms:
+            if not np.isfinite(weight):
+                raise ValueError(f"`terms` weight for {reward_name(reward)!r} is {weight}.")
+        self.terms = tuple((reward, float(weight)) for reward, weight in terms)
+        self.name = " + ".join(f"{w:g}*{reward_name(r)}" for r, w in self.terms)
+
+    def components(
+        self, samples: npt.NDArray[Any], rows: Any
+    ) -> dict[str, npt.NDArray[np.float64]]:
+        """Each term's (unweighted, checked) float64 scores, by reward name."""
+        return {reward_name(r): score(r, samples, rows) for r, _ in self.terms}
+
+    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        total = np.zeros(int(np.shape(samples)[0]), dtype=np.float64)
+        for reward, weight in self.terms:
+            total += weight * score(reward, samples, rows)
+        return total

@@ -1,0 +1,299 @@
+"""`FlowRollout`: collect complete prompt groups and the first `train_steps` transitions."""
+
+import time
+from typing import Any, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+from ._advantages import group_advantages
+from ._custom_types import Model, Transitions
+from ._objective import FlowGRPOObjective, Variables
+from ._reward import FlowReward, score
+
+
+@final
+class Generated(eqx.Module):
+    """What one jit-compiled generation pass records (device arrays).
+
+    **Arguments:**
+
+    - `latents`, `next_latents`: `[N, K, *latent]` for the first `K` transitions.
+    - `log_probs`: `[N, K]` their mean-coordinate log densities.
+    - `final`: `[N, *latent]` the final latents at t = 0.
+    - `samples`: `[N, *sample]` the decoded samples in [-1, 1].
+    """
+
+    latents: Float[Array, " N K *latent"]
+    next_latents: Float[Array, " N K *latent"]
+    log_probs: Float[Array, " N K"]
+    final: Float[Array, " N *latent"]
+    samples: Float[Array, " N *sample"]
+
+
+@final
+class RolloutInfo(eqx.Module):
+    """Host-side diagnostics of one `collect`.
+
+    **Arguments:**
+
+    - `rewards`: `[N]` float64 rewards, exactly as the reward returned them.
+    - `reward_mean`: the float32 mean reward (a diagnostic).
+    - `zero_std_fraction`: the fraction of groups whose rewards are all equal.
+    - `mean_group_std`: the mean over groups of the population reward std.
+    - `samples`: `[N, *sample]` the decoded samples (device array).
+    - `seconds`: wall time of `generation` (device work) and `reward` (host transfer,
+        reward, float64 statistics).
+    """
+
+    rewards: npt.NDArray[np.float64]
+    reward_mean: np.float32
+    zero_std_fraction: float
+    mean_group_std: float
+    samples: Float[Array, " N *sample"]
+    seconds: dict[str, float]
+
+
+def repeat_rows(rows: PyTree[Any], groups: int) -> PyTree[Any]:
+    """Repeat each source row `groups` times: rows `p * groups ... p * groups + groups - 1`."""
+    return jax.tree.map(lambda leaf: np.repeat(np.asarray(leaf), groups, axis=0), rows)
+
+
+@final
+class FlowRollout(eqx.Module):
+    """Collect complete prompt groups and the first `train_steps` transitions.
+
+    Each source row is repeated `groups` times and forms one group (equal conditioning in
+    other rows never merges groups). One jit-compiled `lax.scan` samples the objective's
+    `FlowSDE` from N(0, I) noise on the `steps`-point grid with the objective's guidance,
+    recording the first `train_steps` transitions and their log densities with the same code
+    that `objective.log_probs` uses. The final latents are decoded to samples in [-1, 1], the
+    reward runs once on the host, and advantages use the population group std with
+    epsilon 1e-4 in float64 (cast to float32 after normalisation), as Flow-GRPO's
+    `PerPromptStatTracker`. Deterministic transitions and every transition of a
+    zero-advantage row are masked (not dropped: shapes stay static).
+
+    **Arguments:**
+
+    - `objective`: the `FlowGRPOObjective` (its model inputs, SDE, guidance, autoencoder).
+    - `reward`: a `FlowReward`.
+    - `groups`: samples per source row.
+    - `steps`: time points of the rollout grid; `steps=11` draws ten transitions.
+    - `train_steps`: how many leading transitions to record; `None` records all.
+    - `advantage_std`: `"group"` (default) or `"global"` (the release's `global_std`).
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for `groups < 1`, `steps < 2`, a `train_steps`
+        outside `1..steps - 1`, or a recorded range with no stochastic transition.
+    """
+
+    objective: FlowGRPOObjective
+    reward: FlowReward
+    groups: int = 4
+    steps: int = 11
+    train_steps: int | None = None
+    advantage_std: str = "group"
+
+    def __check_init__(self) -> None:
+        if not isinstance(self.objective, FlowGRPOObjective):
+            raise ValueError(f"`objective` must be a FlowGRPOObjective, got {self.objective!r}.")
+        if not callable(self.reward):
+            raise ValueError(
+                f"`reward` must be callable as reward(samples, rows), got {self.reward!r}."
+            )
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise ValueError(f"`groups` must be an int >= 1, got {self.groups!r}.")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
+            raise ValueError(f"`steps` must be an int >= 2, got {self.steps!r}.")
+        transitions = self.steps - 1
+        if self.train_steps is not None and (
+            isinstance(self.train_steps, bool)
+            or not isinstance(self.train_steps, int)
+            or not 1 <= self.train_steps <= transitions
+        ):
+            raise ValueError(
+                f"`train_steps` must be None or an int in 1..{transitions} (steps={self.steps} "
+                f"gives {transitions} transitions), got {self.train_steps!r}."
+            )
+        if self.advantage_std not in ("group", "global"):
+            raise ValueError(
+                f"`advantage_std` must be 'group' or 'global', got {self.advantage_std!r}."
+            )
+        grid = self.timesteps()
+        recorded = self.recorded_transitions
+        if not bool(
+            jnp.any(self.objective.sde.is_stochastic(grid[:recorded], grid[1 : recorded + 1]))
+        ):
+            raise ValueError(
+                f"`train_steps`={self.train_steps} records no stochastic transition under "
+                f"the objective's sde (window={self.objective.sde.window}, "
+                f"noise_level={self.objective.sde.noise_level})."
+            )
+
+    @property
+    def recorded_transitions(self) -> int:
+        """`K`, the number of recorded transitions per sample."""
+        return self.steps - 1 if self.train_steps is None else self.train_steps
+
+    def timesteps(self) -> Float[Array, " steps"]:
+        """The rollout's time grid."""
+        return self.objective.process.timesteps(self.steps)
+
+    def generate(self, policy: Model, rows: PyTree[Any], key: PRNGKeyArray) -> Generated:
+        """Sample the SDE for already repeated rows (jit-compiled; shapes static).
+
+        **Arguments:**
+
+        - `policy`: the live policy.
+        - `rows`: `[N, ...]` conditioning rows, already repeated per group.
+        - `key`: the PRNG key for the starting noise and the SDE's noise.
+
+        **Returns:**
+
+        The `Generated` trajectory record.
+
+        **Raises:**
+
+        - `ValueError`: if the objective's `InputSpec` has no `latent_shape`.
+        """
+        if self.objective.inputs.latent_shape is None:
+            raise ValueError(
+                "FlowRollout needs the latent shape: pass InputSpec(latent_shape=...) to the "
+                "objective."
+            )
+        return _generate(self.objective, self.steps, self.recorded_transitions, policy, rows, key)
+
+    def collect(
+        self, variables: Variables, rows: PyTree[Any], key: PRNGKeyArray
+    ) -> tuple[Transitions, RolloutInfo]:
+        """Generate groups for the source `rows`, score them, and build the training batch.
+
+        **Arguments:**
+
+        - `variables`: the objective's variables; the live policy generates. Never modified.
+        - `rows`: the source rows, `[P, ...]` leaves (the structure `InputSpec` reads).
+        - `key`: a PRNG key.
+
+        **Returns:**
+
+        `(batch, info)`: a `Transitions` batch of `N = P * groups` rows and `K` recorded
+        transitions, and the host-side `RolloutInfo`.
+
+        **Raises:**
+
+        - `RewardError`: naming the reward, if it raises or returns a wrong shape, NaN or inf.
+        """
+        host_rows = repeat_rows(rows, self.groups)
+        device_rows = jax.tree.map(jnp.asarray, host_rows)
+        started = time.perf_counter()
+        generated = self.generate(variables.policy, device_rows, key)
+        samples = np.asarray(generated.samples)
+        generated_at = time.perf_counter()
+        rewards = score(self.reward, samples, host_rows)
+        advantages = group_advantages(rewards, self.groups, std=self.advantage_std)
+        grouped = rewards.reshape(-1, self.groups)
+        zero_std_fraction = float(np.mean(np.all(grouped == grouped[:, :1], axis=1)))
+        mean_group_std = float(np.mean(grouped.std(axis=1)))
+        scored_at = time.perf_counter()
+        batch = self.build_batch(generated, device_rows, advantages)
+        info = RolloutInfo(
+            rewards=rewards,
+            reward_mean=np.float32(rewards.mean()),
+            zero_std_fraction=zero_std_fraction,
+            mean_group_std=mean_group_std,
+            samples=generated.samples,
+            seconds={
+                "generation": generated_at - started,
+                "reward": scored_at - generated_at,
+            },
+        )
+        return batch, info
+
+    def build_batch(
+        self,
+        generated: Generated,
+        rows: PyTree[Any],
+        advantages: npt.NDArray[np.float32],
+    ) -> Transitions:
+        """The `Transitions` batch from a generation record and host advantages.
+
+        The mask keeps stochastic transitions of rows with a non-zero advantage.
+        """
+        num = generated.log_probs.shape[0]
+        grid = self.timesteps()
+        recorded = self.recorded_transitions
+        timesteps = jnp.broadcast_to(grid[:recorded], (num, recorded))
+        next_timesteps = jnp.broadcast_to(grid[1 : recorded + 1], (num, recorded))
+        stochastic = self.objective.sde.is_stochastic(timesteps, next_timesteps)
+        device_advantages = jnp.asarray(advantages, jnp.float32)
+        mask = stochastic & (device_advantages != 0)[:, None]
+        return Transitions(
+            latents=generated.latents,
+            next_latents=generated.next_latents,
+            timesteps=timesteps,
+            next_timesteps=next_timesteps,
+            old_log_probs=generated.log_probs,
+            transition_mask=mask,
+            advantages=device_advantages,
+            cond=rows,
+        )
+
+
+@eqx.filter_jit
+def _generate(
+    objective: FlowGRPOObjective,
+    steps: int,
+    recorded: int,
+    policy: Model,
+    rows: PyTree[Any],
+    key: PRNGKeyArray,
+) -> Generated:
+    """One `lax.scan` over the grid recording the first `recorded` transitions."""
+    latent_shape = objective.inputs.latent_shape
+    assert latent_shape is not None
+    num = jax.tree.leaves(rows)[0].shape[0]
+    grid = objective.process.timesteps(steps)
+    noise_key, step_key = jax.random.split(key)
+    start = jax.random.normal(noise_key, (num, *latent_shape), jnp.float32)
+    step_keys = jax.random.split(step_key, steps - 1)
+
+    def transition(
+        x: Array, t: Array, t_next: Array, step_key: PRNGKeyArray
+    ) -> tuple[Array, Array]:
+        times = jnp.full((num,), t, x.dtype)
+        next_times = jnp.full((num,), t_next, x.dtype)
+        mean, std = objective.transition(policy, x, times, next_times, rows)
+        keys = jax.random.split(step_key, num)
+        x_next = jax.vmap(objective.sde.sample)(keys, mean, std)
+        log_prob = jax.vmap(objective.sde.log_prob)(x_next, mean, std)
+        return x_next, log_prob
+
+    def recording(
+        x: Array, inputs: tuple[Array, Array, Array]
+    ) -> tuple[Array, tuple[Array, Array, Array]]:
+        t, t_next, step_key = inputs
+        x_next, log_prob = transition(x, t, t_next, step_key)
+        return x_next, (x, x_next, log_prob)
+
+    def silent(x: Array, inputs: tuple[Array, Array, Array]) -> tuple[Array, None]:
+        t, t_next, step_key = inputs
+        x_next, _ = transition(x, t, t_next, step_key)
+        return x_next, None
+
+    head = (grid[:recorded], grid[1 : recorded + 1], step_keys[:recorded])
+    x, (latents, next_latents, log_probs) = jax.lax.scan(recording, start, head)
+    if recorded < steps - 1:
+        tail = (grid[recorded:-1], grid[recorded + 1 :], step_keys[recorded:])
+        x, _ = jax.lax.scan(silent, x, tail)
+    return Generated(
+        latents=jnp.swapaxes(latents, 0, 1),
+        next_latents=jnp.swapaxes(next_latents, 0, 1),
+        log_probs=jnp.swapaxes(log_probs, 0, 1),
+        final=x,
+        samples=objective.decode(x),
+    )
