@@ -1,0 +1,78 @@
+import numpy as np
+import pytest
+
+import flowgrpo_eqx as fg
+from flowgrpo_eqx._reward import score
+
+
+def smooth_and_noisy(n=4, size=16, seed=0):
+    rng = np.random.default_rng(seed)
+    smooth = np.zeros((n, size, size, 3)) + np.linspace(-1, 1, size)[None, None, :, None]
+    noisy = rng.uniform(-1, 1, size=(n, size, size, 3))
+    return np.concatenate([smooth, noisy])
+
+
+def test_jpeg_rewards_rank_noise_as_incompressible():
+    samples = smooth_and_noisy()
+    rows = {"id": np.arange(8)}
+    compress = fg.JpegCompressibility()(samples, rows)
+    incompress = fg.JpegIncompressibility()(samples, rows)
+    assert compress.dtype == np.float64 and compress.shape == (8,)
+    np.testing.assert_array_equal(compress, -incompress)
+    assert incompress[4:].min() > incompress[:4].max()
+    assert np.all(incompress > 0)
+
+
+def test_jpeg_quality_checked():
+    with pytest.raises(ValueError, match="quality"):
+        fg.JpegCompressibility(quality=0)
+
+
+def test_weighted_reward_sums_checked_float64_scores():
+    samples = smooth_and_noisy()
+
+    def brightness(s, rows):
+        return s.reshape(s.shape[0], -1).mean(1)
+
+    def tiny(s, rows):
+        return np.full(s.shape[0], 1e-12)
+
+    weighted = fg.WeightedReward([(fg.JpegIncompressibility(), 0.5), (brightness, 2.0),
+                                  (tiny, 3.0)])
+    got = weighted(samples, None)
+    want = (0.5 * fg.JpegIncompressibility()(samples, None) + 2.0 * brightness(samples, None)
+            + 3e-12)
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, want)
+    assert set(weighted.components(samples, None)) == {"jpeg_incompressibility", "brightness",
+                                                       "tiny"}
+    assert "0.5*jpeg_incompressibility" in weighted.name
+
+
+def test_weighted_reward_propagates_named_errors():
+    def broken(s, rows):
+        return np.full(s.shape[0], np.nan)
+
+    weighted = fg.WeightedReward([(broken, 1.0)])
+    with pytest.raises(fg.RewardError, match="broken"):
+        score(weighted, smooth_and_noisy(), None)
+
+
+def test_weighted_reward_rejects_bad_terms():
+    with pytest.raises(ValueError, match="terms"):
+        fg.WeightedReward([])
+    with pytest.raises(ValueError, match="terms"):
+        fg.WeightedReward([(fg.JpegCompressibility(), float("nan"))])
+
+
+def test_score_rejects_non_numbers_and_names_reward():
+    def words(s, rows):
+        return ["a"] * s.shape[0]
+
+    with pytest.raises(fg.RewardError, match="words"):
+        score(words, np.zeros((2, 4, 4, 3)), None)
+
+
+def test_any_callable_is_a_flow_reward():
+    assert isinstance(fg.JpegCompressibility(), fg.FlowReward)
+    assert isinstance(lambda s, r: s, fg.FlowReward)

@@ -1,0 +1,230 @@
+"""FlowRollout: shapes, groups, the float64 reward path, masking, rescoring, compilation."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+import flowgrpo_eqx as fg
+from tests import numpy_reference as ref
+
+
+LATENT = (3, 3, 3)
+COND = 2
+
+
+class SmallNet(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, key):
+        size = int(np.prod(LATENT))
+        self.linear = eqx.nn.Linear(size + COND + 1, size, key=key)
+
+    def __call__(self, x, t, cond):
+        h = jnp.concatenate([x.reshape(-1), cond, t[None]])
+        return jnp.tanh(self.linear(h)).reshape(x.shape)
+
+
+class CountingReward:
+    """Mean brightness plus whatever `offsets` says per row; counts its calls."""
+
+    name = "counting"
+
+    def __init__(self, values=None):
+        self.calls = []
+        self.values = values
+
+    def __call__(self, samples, rows):
+        self.calls.append((np.array(samples), {k: np.array(v) for k, v in rows.items()}))
+        if self.values is not None:
+            return self.values(samples, rows)
+        return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
+
+
+def make_rollout(reward, *, groups=3, steps=6, train_steps=None, window=None, guidance=True):
+    objective = fg.FlowGRPOObjective(
+        SmallNet(jax.random.key(0)),
+        fg.RectifiedFlow(shift=2.0),
+        fg.InputSpec(select="cond", null=jnp.zeros(COND), latent_shape=LATENT),
+        sde=fg.FlowSDE(0.7, window=window),
+        guidance=fg.CFG(2.0) if guidance else None,
+        steps=4,
+    )
+    return fg.FlowRollout(objective, reward, groups=groups, steps=steps, train_steps=train_steps)
+
+
+ROWS = {"cond": np.array([[0.5, -0.5], [0.5, -0.5], [1.0, 2.0]], np.float32),
+        "prompt_id": np.array([7, 7, 9])}
+
+
+@pytest.mark.parametrize("train_steps", [None, 1, 3])
+def test_batch_shapes_grid_and_chaining(train_steps):
+    reward = CountingReward()
+    rollout = make_rollout(reward, train_steps=train_steps)
+    variables = rollout.objective.init(jax.random.key(0))
+    batch, info = rollout.collect(variables, ROWS, jax.random.key(1))
+    n, k = 9, 5 if train_steps is None else train_steps
+    assert batch.latents.shape == batch.next_latents.shape == (n, k, *LATENT)
+    for name in ("timesteps", "next_timesteps", "old_log_probs", "transition_mask"):
+        assert getattr(batch, name).shape == (n, k)
+    assert batch.advantages.shape == (n,) and batch.advantages.dtype == jnp.float32
+    grid = ref.grid(6, 2.0)
+    np.testing.assert_allclose(np.asarray(batch.timesteps), np.tile(grid[:k], (n, 1)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(batch.next_timesteps), np.tile(grid[1 : k + 1], (n, 1)),
+                               rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(batch.next_latents[:, :-1]),
+                                  np.asarray(batch.latents[:, 1:]))
+    assert len(reward.calls) == 1
+    samples, rows = reward.calls[0]
+    assert samples.shape == (n, *LATENT) and np.abs(samples).max() <= 1.0
+    np.testing.assert_array_equal(rows["prompt_id"], [7, 7, 7, 7, 7, 7, 9, 9, 9])
+    assert info.rewards.dtype == np.float64 and info.rewards.shape == (n,)
+    assert info.reward_mean.dtype == np.float32
+
+
+def test_groups_are_contiguous_and_not_merged():
+    reward = CountingReward()
+    rollout = make_rollout(reward)
+    variables = rollout.objective.init(jax.random.key(0))
+    batch, info = rollout.collect(variables, ROWS, jax.random.key(2))
+    rewards = info.rewards
+    # Rows 0 and 1 have equal conditioning but are separate groups of 3.
+    want = ref.group_advantages(rewards, 3)
+    np.testing.assert_allclose(np.asarray(batch.advantages), want, rtol=1e-5, atol=1e-6)
+    merged = ref.group_advantages(rewards[:6], 6)  # what merging equal rows would give
+    assert not np.allclose(np.asarray(batch.advantages)[:6], merged[:6], atol=1e-3)
+    cond = np.asarray(batch.cond["cond"])
+    np.testing.assert_array_equal(cond[:6], np.repeat(ROWS["cond"][:2], 3, axis=0))
+
+
+def test_float64_rewards_below_float32_resolution():
+    def tiny_steps(samples, rows):
+        return 1.0 + 1e-8 * np.arange(samples.shape[0], dtype=np.float64)
+
+    rollout = make_rollout(CountingReward(tiny_steps), groups=3)
+    variables = rollout.objective.init(jax.random.key(0))
+    batch, info = rollout.collect(variables, ROWS, jax.random.key(3))
+    expected = ref.group_advantages(1.0 + 1e-8 * np.arange(9), 3)
+    np.testing.assert_array_equal(info.rewards, 1.0 + 1e-8 * np.arange(9))
+    np.testing.assert_allclose(np.asarray(batch.advantages), expected.astype(np.float32),
+                               rtol=1e-6)
+    # The float32 rewards would be equal within each group, giving all-zero advantages.
+    assert np.abs(np.asarray(batch.advantages)).max() > 5e-5
+    np.testing.assert_array_equal(np.asarray(batch.advantages) != 0, np.abs(expected) > 1e-12)
+
+
+def test_constant_group_fully_masked_and_window_masks_deterministic():
+    def constant_first_group(samples, rows):
+        values = samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
+        values[:3] = 0.5
+        return values
+
+    grid = fg.RectifiedFlow(2.0).timesteps(6)
+    window = fg.FlowSDE.window_for_indices(grid, 1, 2)
+    rollout = make_rollout(CountingReward(constant_first_group), window=window)
+    variables = rollout.objective.init(jax.random.key(0))
+    batch, info = rollout.collect(variables, ROWS, jax.random.key(4))
+    mask = np.asarray(batch.transition_mask)
+    assert not mask[:3].any()
+    np.testing.assert_array_equal(np.asarray(batch.advantages)[:3], 0.0)
+    stochastic = np.array([False, True, True, False, False])
+    np.testing.assert_array_equal(mask[3:], np.tile(stochastic, (6, 1)))
+    assert info.zero_std_fraction == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("guidance", [True, False])
+def test_rescoring_reproduces_old_log_probs(guidance):
+    rollout = make_rollout(CountingReward(), guidance=guidance)
+    variables = rollout.objective.init(jax.random.key(0))
+    batch, _ = rollout.collect(variables, ROWS, jax.random.key(5))
+    rescored = rollout.objective.log_probs(variables, batch)
+    np.testing.assert_allclose(np.asarray(rescored), np.asarray(batch.old_log_probs), atol=1e-5)
+    _, aux = rollout.objective.loss(variables, batch, fg.Step(0, jax.random.key(0)))
+    assert abs(float(aux.ratio.value) - 1.0) < 1e-5
+    assert float(aux.clipfrac.value) == 0.0
+
+
+@pytest.mark.parametrize("train_steps", [0, 6, 10, -1])
+def test_train_steps_outside_grid_named(train_steps):
+    with pytest.raises(ValueError, match="train_steps"):
+        make_rollout(CountingReward(), steps=6, train_steps=train_steps)
+
+
+def test_recorded_range_without_noise_rejected():
+    grid = fg.RectifiedFlow(2.0).timesteps(6)
+    window = fg.FlowSDE.window_for_indices(grid, 3, 2)
+    with pytest.raises(ValueError, match="train_steps"):
+        make_rollout(CountingReward(), steps=6, train_steps=2, window=window)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"groups": 0}, "groups"), ({"steps": 1}, "steps")])
+def test_bad_rollout_settings_named(kwargs, name):
+    objective = make_rollout(CountingReward()).objective
+    with pytest.raises(ValueError, match=name):
+        fg.FlowRollout(objective, CountingReward(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda s, r: np.zeros(s.shape[0] - 1), "shape"),
+        (lambda s, r: np.where(np.arange(s.shape[0]) == 4, np.nan, 0.0), r"rows \[4\]"),
+        (lambda s, r: np.where(np.arange(s.shape[0]) == 2, np.inf, 0.0), r"rows \[2\]"),
+        (lambda s, r: 1 / 0, "ZeroDivisionError"),
+    ],
+)
+def test_bad_reward_clear_error_variables_untouched(bad, message):
+    reward = CountingReward(bad)
+    rollout = make_rollout(reward)
+    variables = rollout.objective.init(jax.random.key(0))
+    before = jax.tree.map(np.array, eqx.filter(variables, eqx.is_array))
+    with pytest.raises(fg.RewardError, match=message) as error:
+        rollout.collect(variables, ROWS, jax.random.key(6))
+    assert "counting" in str(error.value)
+    after = jax.tree.map(np.array, eqx.filter(variables, eqx.is_array))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_collect_compiles_once():
+    # groups=5 gives shapes no other test compiles, so the first call must compile.
+    rollout = make_rollout(CountingReward(), groups=5)
+    variables = rollout.objective.init(jax.random.key(0))
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        counts = []
+        for i in range(3):
+            before = len(compiles)
+            rollout.collect(variables, ROWS, jax.random.key(10 + i))
+            counts.append(len(compiles) - before)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert counts[0] >= 1
+    assert counts[1] == 0 and counts[2] == 0
+
+
+def test_preview_png_and_evaluate_scores(tmp_path):
+    reward = CountingReward()
+    rollout = make_rollout(reward)
+    objective = rollout.objective
+    variables = objective.init(jax.random.key(0))
+    rows = {"cond": jnp.asarray(ROWS["cond"]), "prompt_id": jnp.asarray(ROWS["prompt_id"])}
+    evaluation = objective.evaluate(variables, rows, fg.Step(0, jax.random.key(1)),
+                                    reward=reward)
+    assert evaluation.scores.dtype == np.float64 and evaluation.scores.shape == (3,)
+    path = tmp_path / "grid" / "preview.png"
+    out = objective.preview(variables, rows, fg.Step(0, jax.random.key(1)), scored=reward,
+                            path=str(path), captions=["a", "b", "c"], title="preview")
+    np.testing.assert_array_equal(out.scores, evaluation.scores)
+    with Image.open(path) as image:
+        image.load()
+        assert image.format == "PNG" and image.size[0] > 0 and image.size[1] > 0
+        assert len(np.unique(np.asarray(image.convert("L")))) > 2
