@@ -2,17 +2,18 @@
 
 from ._advantages import group_advantages as group_advantages
 from ._custom_types import Aux as Aux, Mean as Mean, Step as Step, Transitions as Transitions
+from ._flow_base import (
+    AbstractFlowObjective as AbstractFlowObjective,
+    Evaluation as Evaluation,
+    Variables as Variables,
+)
 from ._inputs import (
     CFG as CFG,
     AbstractAutoEncoder as AbstractAutoEncoder,
     IdentityAutoEncoder as IdentityAutoEncoder,
     InputSpec as InputSpec,
 )
-from ._objective import (
-    Evaluation as Evaluation,
-    FlowGRPOObjective as FlowGRPOObjective,
-    Variables as Variables,
-)
+from ._objective import FlowGRPOObjective as FlowGRPOObjective
 from ._preview import preview_grid as preview_grid
 from ._process import AbstractProcess as AbstractProcess, RectifiedFlow as RectifiedFlow
 from ._reward import (

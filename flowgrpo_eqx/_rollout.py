@@ -12,7 +12,8 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._advantages import group_advantages
 from ._custom_types import Model, Transitions
-from ._objective import FlowGRPOObjective, Variables
+from ._flow_base import Variables
+from ._objective import FlowGRPOObjective
 from ._reward import FlowReward, score
 
 
