@@ -1,0 +1,4 @@
+"""Small conditional velocity networks `model(x, t, cond) -> v` on one unbatched example."""
+
+from ._dit import DiT as DiT
+from ._mlp import MLPVelocity as MLPVelocity, sinusoidal_time_features as sinusoidal_time_features

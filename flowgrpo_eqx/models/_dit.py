@@ -1,0 +1,323 @@
+"""A small diffusion transformer (DiT) velocity network for images and token prompts."""
+
+import math
+from typing import final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._mlp import (
+    _check_int,
+    _init_linears,
+    _uniform_arrays,
+    _zero_linear,
+    sinusoidal_time_features,
+)
+
+
+_TIME_FEATURES = 64
+_MLP_RATIO = 4
+_LN_EPS = 1e-6
+
+
+def _layer_norm(h: Float[Array, "S D"]) -> Float[Array, "S D"]:
+    """LayerNorm over the last axis, without an affine part (adaLN supplies scale and shift)."""
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+    return (h - mean) * jax.lax.rsqrt(var + _LN_EPS)
+
+
+def _modulate(
+    h: Float[Array, "S D"], shift: Float[Array, " D"], scale: Float[Array, " D"]
+) -> Float[Array, "S D"]:
+    return h * (1 + scale[None, :]) + shift[None, :]
+
+
+def _dense(linear: eqx.nn.Linear, h: Float[Array, "S I"]) -> Float[Array, "S O"]:
+    """Apply `linear` to each row of `h`, as one matmul with the rows as the leading axis.
+
+    (`jax.vmap(linear)` gives an `[O, S]` matmul and a transpose, which is slower on CPU.)
+    """
+    out = h @ linear.weight.T
+    if linear.bias is not None:
+        out = out + linear.bias[None, :]
+    return out
+
+
+def _sincos_2d(grid: int, width: int) -> npt.NDArray[np.float32]:
+    """Fixed 2D sin-cos features `[grid * grid, width]`, zero past `4 * (width // 4)` columns."""
+    quarter = width // 4
+    out = np.zeros((grid * grid, width), dtype=np.float32)
+    if quarter == 0:
+        return out
+    freqs = 1.0 / (10_000.0 ** (np.arange(quarter, dtype=np.float64) / quarter))
+    rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+    row_args = rows.reshape(-1, 1) * freqs[None, :]
+    col_args = cols.reshape(-1, 1) * freqs[None, :]
+    out[:, : 4 * quarter] = np.concatenate(
+        [np.sin(row_args), np.cos(row_args), np.sin(col_args), np.cos(col_args)], axis=1
+    )
+    return out
+
+
+@final
+class _DiTBlock(eqx.Module):
+    """One adaLN-Zero transformer block: pre-LN self-attention and a GELU MLP.
+
+    **Arguments:**
+
+    - `width`: the token width.
+    - `heads`: the number of attention heads; divides `width`.
+    - `key`: a JAX PRNG key for the initialisation.
+    """
+
+    modulation: eqx.nn.Linear
+    qkv: eqx.nn.Linear
+    proj: eqx.nn.Linear
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, width: int, heads: int, *, key: PRNGKeyArray) -> None:
+        self.heads = heads
+        self.modulation = _zero_linear(width, 6 * width, key=key)
+        self.qkv, self.proj, self.fc1, self.fc2 = _init_linears(
+            [
+                (width, 3 * width),
+                (width, width),
+                (width, _MLP_RATIO * width),
+                (_MLP_RATIO * width, width),
+            ],
+            key=key,
+        )
+
+    def _attention(self, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
+        seq, width = h.shape
+        head_dim = width // self.heads
+        assert self.qkv.bias is not None
+        # Project straight to head-major `[3, heads, S, head_dim]` (no transposes of activations).
+        weight = self.qkv.weight.reshape(3, self.heads, head_dim, width)
+        bias = self.qkv.bias.reshape(3, self.heads, 1, head_dim)
+        qkv = jnp.einsum("sd,thed->thse", h, weight) + bias
+        q = qkv[0] * (1 / math.sqrt(head_dim))
+        scores = jnp.einsum("hqe,hke->hqk", q, qkv[1])
+        weights = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("hqk,hke->qhe", weights, qkv[2]).reshape(seq, width)
+        projected: Float[Array, "S D"] = _dense(self.proj, out)
+        return projected
+
+    def _mlp(self, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
+        out: Float[Array, "S D"] = _dense(self.fc2, jax.nn.gelu(_dense(self.fc1, h)))
+        return out
+
+    def __call__(self, h: Float[Array, "S D"], c: Float[Array, " D"]) -> Float[Array, "S D"]:
+        """Apply the block to the token sequence `h`, modulated by the vector `c`.
+
+        **Arguments:**
+
+        - `h`: the tokens, `[S, D]`.
+        - `c`: the conditioning vector (time and prompt), `[D]`.
+
+        **Returns:**
+
+        The updated tokens, `[S, D]`.
+        """
+        mod = self.modulation(jax.nn.silu(c))
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = jnp.split(mod, 6)
+        h = h + gate_a[None, :] * self._attention(_modulate(_layer_norm(h), shift_a, scale_a))
+        h = h + gate_m[None, :] * self._mlp(_modulate(_layer_norm(h), shift_m, scale_m))
+        return h
+
+
+@final
+class DiT(eqx.Module):
+    """A small diffusion transformer velocity network `v(x, t, cond)` for channels-last images.
+
+    The image is cut into `patch x patch` patches, each linearly embedded and given a learned
+    positional embedding (initialised to 2D sin-cos). The prompt's token ids are embedded (a
+    token embedding plus a learned per-position embedding) and used twice:
+
+    - flattened through an MLP into a vector that is added to the time embedding (sinusoidal
+      features through an MLP); this vector drives the adaLN-Zero shift/scale/gate of every
+      block and of the final layer;
+    - prepended to the image tokens as extra sequence tokens ("in-context conditioning"), so
+      self-attention can route per-position prompt information (which object goes where) to
+      the spatial tokens. They are dropped at the output.
+
+    Each block is pre-LN (no affine) self-attention and a GELU MLP (ratio 4), each with an
+    adaLN-Zero residual gate. The final layer is adaLN then a linear map to `patch * patch *
+    channels` per token, then unpatchify. The adaLN modulations and the final projection are
+    zero-initialised, so the initial velocity is exactly 0.
+
+    The last token id `vocab_size - 1` may serve as a null token for classifier-free guidance;
+    it is an ordinary embedding row. Ids outside `[0, vocab_size)` are clipped into range.
+
+    Computes in the dtype of its parameters and returns the dtype of `x`.
+
+    **Arguments:**
+
+    - `image_size`: the height and width of the (square) image.
+    - `channels`: the number of image channels.
+    - `patch`: the patch size; divides `image_size`.
+    - `width`: the token width.
+    - `depth`: the number of transformer blocks.
+    - `heads`: the number of attention heads; divides `width`.
+    - `vocab_size`: the number of prompt token ids.
+    - `prompt_length`: the number of prompt tokens.
+    - `key`: a JAX PRNG key for the initialisation.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, when a size is not a positive int, or `patch` does
+        not divide `image_size`, or `heads` does not divide `width`.
+    """
+
+    patch_embed: eqx.nn.Linear
+    pos_embed: Float[Array, "num_patches width"]
+    time_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear]
+    token_embed: Float[Array, "vocab_size width"]
+    prompt_pos_embed: Float[Array, "prompt_length width"]
+    cond_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear]
+    blocks: tuple[_DiTBlock, ...]
+    final_modulation: eqx.nn.Linear
+    final_proj: eqx.nn.Linear
+    image_size: int = eqx.field(static=True)
+    channels: int = eqx.field(static=True)
+    patch: int = eqx.field(static=True)
+    width: int = eqx.field(static=True)
+    depth: int = eqx.field(static=True)
+    heads: int = eqx.field(static=True)
+    vocab_size: int = eqx.field(static=True)
+    prompt_length: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        image_size: int = 16,
+        channels: int = 3,
+        patch: int = 2,
+        width: int = 64,
+        depth: int = 4,
+        heads: int = 4,
+        vocab_size: int = 8,
+        prompt_length: int = 4,
+        *,
+        key: PRNGKeyArray,
+    ) -> None:
+        for name, value in (
+            ("image_size", image_size),
+            ("channels", channels),
+            ("patch", patch),
+            ("width", width),
+            ("depth", depth),
+            ("heads", heads),
+            ("vocab_size", vocab_size),
+            ("prompt_length", prompt_length),
+        ):
+            _check_int(name, value, 1)
+        if image_size % patch != 0:
+            raise ValueError(f"`patch` ({patch}) must divide `image_size` ({image_size}).")
+        if width % heads != 0:
+            raise ValueError(f"`heads` ({heads}) must divide `width` ({width}).")
+        self.image_size = image_size
+        self.channels = channels
+        self.patch = patch
+        self.width = width
+        self.depth = depth
+        self.heads = heads
+        self.vocab_size = vocab_size
+        self.prompt_length = prompt_length
+
+        # (Eager `jax.random` calls compile once per shape; `_init_linears` and
+        # `_uniform_arrays` draw fixed-size chunks instead, so construction is quick.)
+        grid = image_size // patch
+        patch_dim = patch * patch * channels
+        k_lin, k_emb, *k_blocks = (jax.random.fold_in(key, i) for i in range(2 + depth))
+        (
+            self.patch_embed,
+            time_0,
+            time_1,
+            cond_0,
+            cond_1,
+        ) = _init_linears(
+            [
+                (patch_dim, width),
+                (_TIME_FEATURES, width),
+                (width, width),
+                (prompt_length * width, width),
+                (width, width),
+            ],
+            key=k_lin,
+        )
+        self.time_mlp = (time_0, time_1)
+        self.cond_mlp = (cond_0, cond_1)
+        self.pos_embed = jax.device_put(_sincos_2d(grid, width))
+        # Unit-variance embeddings (uniform on [-sqrt 3, sqrt 3)).
+        self.token_embed, self.prompt_pos_embed = _uniform_arrays(
+            k_emb, [((vocab_size, width), math.sqrt(3)), ((prompt_length, width), math.sqrt(3))]
+        )
+        self.blocks = tuple(_DiTBlock(width, heads, key=k) for k in k_blocks)
+        self.final_modulation = _zero_linear(width, 2 * width, key=key)
+        self.final_proj = _zero_linear(width, patch_dim, key=key)
+
+    def _patchify(self, x: Float[Array, "H W C"]) -> Float[Array, "N P"]:
+        p, g, c = self.patch, self.image_size // self.patch, self.channels
+        x = x.reshape(g, p, g, p, c).transpose(0, 2, 1, 3, 4)
+        return x.reshape(g * g, p * p * c)
+
+    def _unpatchify(self, tokens: Float[Array, "N P"]) -> Float[Array, "H W C"]:
+        p, g, c = self.patch, self.image_size // self.patch, self.channels
+        x = tokens.reshape(g, g, p, p, c).transpose(0, 2, 1, 3, 4)
+        return x.reshape(g * p, g * p, c)
+
+    def __call__(
+        self,
+        x: Float[Array, "H W C"],
+        t: Float[Array, ""],
+        cond: Int[Array, " L"],
+    ) -> Float[Array, "H W C"]:
+        """The velocity at one unbatched example.
+
+        **Arguments:**
+
+        - `x`: the image latent, `[image_size, image_size, channels]`, channels-last.
+        - `t`: the time, a scalar in `[0, 1]` (`t = 1` is noise).
+        - `cond`: the prompt's token ids, `[prompt_length]`, in `[0, vocab_size)`.
+
+        **Returns:**
+
+        The velocity, `[image_size, image_size, channels]`, in the dtype of `x`.
+
+        **Raises:**
+
+        - `ValueError`: naming `x`, `t` or `cond` when its shape is wrong.
+        """
+        want = (self.image_size, self.image_size, self.channels)
+        if x.shape != want:
+            raise ValueError(f"`x` must have shape {want}, got {x.shape}.")
+        if t.shape != ():
+            raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
+        if cond.shape != (self.prompt_length,):
+            raise ValueError(f"`cond` must have shape ({self.prompt_length},), got {cond.shape}.")
+        dtype = self.pos_embed.dtype
+
+        # Conditioning vector: time embedding + pooled prompt embedding.
+        time_in = sinusoidal_time_features(t.astype(dtype), _TIME_FEATURES)
+        time_emb = self.time_mlp[1](jax.nn.silu(self.time_mlp[0](time_in)))
+        prompt = jnp.take(self.token_embed, cond, axis=0, mode="clip") + self.prompt_pos_embed
+        prompt_vec = self.cond_mlp[1](jax.nn.silu(self.cond_mlp[0](prompt.reshape(-1))))
+        c = time_emb + prompt_vec
+
+        # Sequence: in-context prompt tokens, then image patch tokens.
+        image_tokens = _dense(self.patch_embed, self._patchify(x.astype(dtype)))
+        h = jnp.concatenate([prompt, image_tokens + self.pos_embed])
+        for block in self.blocks:
+            h = block(h, c)
+        h = h[self.prompt_length :]
+
+        shift, scale = jnp.split(self.final_modulation(jax.nn.silu(c)), 2)
+        out = _dense(self.final_proj, _modulate(_layer_norm(h), shift, scale))
+        return self._unpatchify(out).astype(x.dtype)
