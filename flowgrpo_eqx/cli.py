@@ -1,0 +1,106 @@
+"""`flowgrpo-eqx`: the command line.
+
+- `flowgrpo-eqx train --out DIR`: pretrain (or load) the base model, measure it, fine-tune
+  it with Flow-GRPO, measure again.
+- `flowgrpo-eqx pretrain --out DIR`: flow-matching pretraining of the base model only.
+- `flowgrpo-eqx eval --checkpoint PATH`: measure a saved policy.
+
+Every `JobConfig` setting has a flag (`--learning-rate 1e-4`, `--train-steps none`, ...).
+"""
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .train._job import JobConfig, make_config
+
+
+def _parser_for(annotation: Any) -> Callable[[str], Any]:
+    """A string parser for a `JobConfig` field's type (`int`, `float | None`, ...)."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"int": int, "float": float, "str": str, "None": None})
+    args = typing.get_args(annotation)
+    optional = isinstance(annotation, types.UnionType) and type(None) in args
+    base = next((a for a in args if a is not type(None)), annotation) if optional else annotation
+
+    def parse(text: str) -> Any:
+        if optional and text.lower() == "none":
+            return None
+        return base(text)
+
+    parse.__name__ = getattr(base, "__name__", "value")
+    return parse
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("settings (default: the preset's)")
+    for field in dataclasses.fields(JobConfig):
+        flag = "--" + field.name.replace("_", "-")
+        group.add_argument(
+            flag,
+            dest=field.name,
+            type=_parser_for(field.type),
+            default=argparse.SUPPRESS,
+            help=f"default {field.default!r}",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flowgrpo-eqx",
+        description="Flow-GRPO for rectified-flow models in JAX/Equinox, on an embedded "
+        "compositional shapes task.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="pretrain or load the base model, then Flow-GRPO")
+    train.add_argument("--out", default="runs/train", help="run folder (default runs/train)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    _add_common(train)
+
+    pretrain = commands.add_parser("pretrain", help="flow-matching pretraining of the base model")
+    pretrain.add_argument("--out", default="runs/pretrain", help="where base_<hash>.eqx goes")
+    _add_common(pretrain)
+
+    evaluate = commands.add_parser("eval", help="measure a saved policy or checkpoint")
+    evaluate.add_argument("--checkpoint", required=True,
+                          help="policy.eqx, base_<hash>.eqx, or a checkpoints/ckpt_* folder")
+    evaluate.add_argument("--out", default="runs/eval", help="where samples_eval.png goes")
+    _add_common(evaluate)
+    return parser
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="default", help="default | tiny (fast, for tests)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_config_flags(parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    arguments = vars(build_parser().parse_args(argv))
+    command = arguments.pop("command")
+    names = {f.name for f in dataclasses.fields(JobConfig)}
+    overrides = {k: v for k, v in arguments.items() if k in names}
+    try:
+        config = make_config(arguments["preset"], **overrides)
+    except (ValueError, TypeError) as error:
+        print(f"flowgrpo-eqx: {error}", file=sys.stderr)
+        return 2
+    from .train._job import run_eval, run_pretrain, run_train
+
+    if command == "train":
+        run_train(config, arguments["out"], resume=arguments["resume"], quiet=arguments["quiet"])
+    elif command == "pretrain":
+        run_pretrain(config, arguments["out"], quiet=arguments["quiet"])
+    else:
+        run_eval(config, arguments["checkpoint"], arguments["out"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,507 @@
+"""The main job: pretrain (or load) a base model on the shapes task, measure it, fine-tune it
+with Flow-GRPO, and measure again.
+
+Everything random derives from `JobConfig.seed`, the step counters and the epoch index, so
+a run resumed from its latest checkpoint ends exactly as an uninterrupted one.
+"""
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+
+from .._custom_types import Step
+from .._flow_base import Variables
+from .._inputs import CFG, InputSpec
+from .._objective import FlowGRPOObjective
+from .._preview import preview_grid
+from .._process import RectifiedFlow
+from .._rollout import FlowRollout
+from .._sde import FlowSDE
+from ..models import DiT
+from ..tasks import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
+from ._checkpoint import Checkpointer, load_model, save_model
+from ._flow_matching import FlowMatchingObjective, SupervisedBatch
+from ._loops import MetricsLog, count_rows, flow_grpo_epoch, select_rows, supervised_steps
+from ._progress import Progress
+from ._trainer import Trainer, TrainState, default_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """Every setting of the main job; `flowgrpo-eqx train --help` lists them as flags."""
+
+    # model
+    width: int = 64
+    depth: int = 4
+    heads: int = 4
+    patch: int = 2
+    # pretraining (flow matching)
+    pretrain_steps: int = 3000
+    pretrain_batch: int = 64
+    pretrain_lr: float = 1e-3
+    cond_dropout: float = 0.1
+    # Flow-GRPO
+    epochs: int = 30
+    prompts_per_epoch: int = 16
+    groups: int = 8
+    rollout_steps: int = 11
+    train_steps: int | None = None
+    inner_epochs: int = 1
+    minibatch_rows: int | None = None
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    beta: float = 0.0
+    clip_range: float = 0.2
+    adv_clip_max: float = 5.0
+    noise_level: float = 0.7
+    guidance_scale: float = 3.0
+    reward: str = "partial"
+    ema_decay: float | None = None
+    transition_chunk: int | None = None
+    # evaluation
+    eval_steps: int = 21
+    eval_samples_per_prompt: int = 4
+    eval_every: int = 5
+    preview_prompts: int = 8
+    # bookkeeping
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 3
+    seed: int = 0
+
+    def base_fingerprint(self) -> str:
+        """A hash of everything that determines the pretrained base model."""
+        fields = (
+            "width",
+            "depth",
+            "heads",
+            "patch",
+            "pretrain_steps",
+            "pretrain_batch",
+            "pretrain_lr",
+            "cond_dropout",
+            "seed",
+        )
+        text = json.dumps({name: getattr(self, name) for name in fields}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "tiny": dict(
+        width=16,
+        depth=1,
+        heads=2,
+        patch=4,
+        pretrain_steps=20,
+        pretrain_batch=16,
+        epochs=4,
+        prompts_per_epoch=2,
+        groups=4,
+        rollout_steps=4,
+        eval_steps=4,
+        eval_samples_per_prompt=1,
+        eval_every=2,
+        checkpoint_every=1,
+        preview_prompts=4,
+    ),
+}
+
+
+def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
+    """A `JobConfig` from a preset and overrides.
+
+    **Raises:**
+
+    - `ValueError`: for an unknown preset or setting.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"`preset` must be one of {sorted(PRESETS)}, got {preset!r}.")
+    names = {f.name for f in dataclasses.fields(JobConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"Unknown settings {unknown}; known: {sorted(names)}.")
+    return JobConfig(**{**PRESETS[preset], **overrides})
+
+
+SHIPPED_DIR = pathlib.Path(__file__).resolve().parent.parent / "tasks" / "checkpoints"
+
+
+class ShapesJob:
+    """The pieces of the main job for one config: task, model, objectives, trainers.
+
+    **Arguments:**
+
+    - `config`: the `JobConfig`.
+    - `out`: the run directory.
+    - `quiet`: no progress bars.
+    """
+
+    def __init__(self, config: JobConfig, out: str | pathlib.Path, quiet: bool = False):
+        self.config = config
+        self.out = pathlib.Path(out)
+        self.quiet = quiet
+        self.task = ShapesTask()
+        self.reward = ShapesReward(self.task, kind=config.reward)  # type: ignore[arg-type]
+        self.strict = ShapesReward(self.task, kind="strict")
+        self.inputs = InputSpec(
+            select="tokens",
+            null=jnp.full((PROMPT_LENGTH,), NULL_TOKEN, jnp.int32),
+            latent_shape=self.task.image_shape,
+            caption=lambda rows: [self.task.caption(t) for t in np.asarray(rows["tokens"])],
+        )
+        self.model = DiT(
+            image_size=self.task.image_shape[0],
+            channels=self.task.image_shape[2],
+            patch=config.patch,
+            width=config.width,
+            depth=config.depth,
+            heads=config.heads,
+            vocab_size=VOCAB_SIZE + 1,
+            prompt_length=PROMPT_LENGTH,
+            key=jax.random.key(config.seed),
+        )
+        self.guidance = CFG(config.guidance_scale)
+
+    # -- the base model --------------------------------------------------------------
+
+    def pretrain_objective(self) -> FlowMatchingObjective:
+        return FlowMatchingObjective(
+            self.model,
+            RectifiedFlow(),
+            self.inputs,
+            guidance=self.guidance,
+            steps=self.config.eval_steps,
+            cond_dropout=self.config.cond_dropout,
+        )
+
+    def base_paths(self) -> list[pathlib.Path]:
+        name = f"base_{self.config.base_fingerprint()}.eqx"
+        return [self.out / name, SHIPPED_DIR / name]
+
+    def pretrain(self, log: Callable[[str], None] = print) -> Any:
+        """Flow-matching pretraining on rendered images of every prompt; returns the model."""
+        config = self.config
+        trainer = Trainer(self.pretrain_objective(), default_optimizer(config.pretrain_lr, 0.0))
+        state = trainer.init(jax.random.key(config.seed + 1))
+        prompts = self.task.rows("all")["tokens"]
+
+        def make_batch(index: int) -> SupervisedBatch:
+            rng = np.random.default_rng([config.seed, index])
+            tokens = prompts[rng.integers(0, len(prompts), config.pretrain_batch)]
+            images = self.task.render(tokens, rng)
+            return SupervisedBatch(data=jnp.asarray(images), cond={"tokens": jnp.asarray(tokens)})
+
+        progress = Progress(config.pretrain_steps, "pretrain", disable=self.quiet)
+        metrics_log = MetricsLog(self.out / "pretrain_metrics.jsonl")
+
+        def on_step(index: int, metrics: dict[str, float]) -> None:
+            progress.update(1, loss=metrics["loss"])
+            if (index + 1) % 100 == 0:
+                metrics_log.write({"phase": "pretrain", "step": index + 1, **metrics})
+
+        state, _ = supervised_steps(trainer, state, make_batch, 0, config.pretrain_steps, on_step)
+        progress.close()
+        return state.variables.policy
+
+    def base_model(self, log: Callable[[str], None] = print) -> tuple[Any, str]:
+        """The base model: cached in the run folder, shipped, or pretrained now."""
+        for path in self.base_paths():
+            if path.exists():
+                return load_model(path, self.model), str(path)
+        log(f"No base checkpoint for fingerprint {self.config.base_fingerprint()}; pretraining.")
+        model = self.pretrain(log)
+        save_model(self.base_paths()[0], model)
+        return model, "pretrained now"
+
+    # -- Flow-GRPO --------------------------------------------------------------------
+
+    def objective(self, base: Any) -> FlowGRPOObjective:
+        config = self.config
+        return FlowGRPOObjective(
+            self.model,
+            RectifiedFlow(),
+            self.inputs,
+            sde=FlowSDE(config.noise_level),
+            beta=config.beta,
+            clip_range=config.clip_range,
+            adv_clip_max=config.adv_clip_max,
+            guidance=self.guidance,
+            steps=config.eval_steps,
+            pretrained=base,
+            transition_chunk=config.transition_chunk,
+        )
+
+    def rollout(self, objective: FlowGRPOObjective) -> FlowRollout:
+        config = self.config
+        return FlowRollout(
+            objective,
+            self.reward,
+            groups=config.groups,
+            steps=config.rollout_steps,
+            train_steps=config.train_steps,
+        )
+
+    def trainer(self, objective: FlowGRPOObjective) -> Trainer:
+        config = self.config
+        optimizer = default_optimizer(
+            config.learning_rate, config.weight_decay, config.max_grad_norm
+        )
+        return Trainer(objective, optimizer, ema_decay=config.ema_decay)
+
+    def epoch_rows(self, epoch: int) -> dict[str, npt.NDArray[Any]]:
+        """The training prompts of one epoch, drawn without replacement from the train split."""
+        rows = self.task.rows("train")
+        rng = np.random.default_rng([self.config.seed, 7, epoch])
+        count = min(self.config.prompts_per_epoch, count_rows(rows))
+        picked: dict[str, npt.NDArray[Any]] = select_rows(
+            rows, rng.permutation(count_rows(rows))[:count]
+        )
+        return picked
+
+    # -- measurement ------------------------------------------------------------------
+
+    def measure(self, objective: FlowGRPOObjective, variables: Variables) -> dict[str, Any]:
+        """Held-out strict accuracy, reward and diversity, with fixed noise (ODE sampling)."""
+        per_prompt = self.config.eval_samples_per_prompt
+        rows = self.task.rows("heldout")
+        tokens = np.repeat(rows["tokens"], per_prompt, axis=0)
+        step = Step(index=0, key=jax.random.key(10_000 + self.config.seed))
+        evaluation = objective.evaluate(variables, {"tokens": jnp.asarray(tokens)}, step)
+        samples = np.asarray(evaluation.samples, np.float64)
+        check = self.task.check(samples, tokens)
+        grouped = samples.reshape(len(rows["tokens"]), per_prompt, -1)
+        distances = [
+            np.sqrt(np.mean((g[i] - g[j]) ** 2))
+            for g in grouped
+            for i in range(per_prompt)
+            for j in range(i + 1, per_prompt)
+        ]
+        return {
+            "accuracy": float(check.strict.mean()),
+            "reward": float(check.partial.mean()),
+            "diversity": float(np.mean(distances)) if distances else 0.0,
+        }
+
+    def preview(
+        self, objective: FlowGRPOObjective, variables: Variables, path: pathlib.Path, title: str
+    ) -> None:
+        """Samples for the first held-out prompts with fixed noise, captioned with scores."""
+        rows = self.task.rows("heldout")
+        tokens = rows["tokens"][: self.config.preview_prompts]
+        step = Step(index=0, key=jax.random.key(20_000 + self.config.seed))
+        evaluation = objective.evaluate(variables, {"tokens": jnp.asarray(tokens)}, step)
+        scores = self.task.check(np.asarray(evaluation.samples), tokens).partial
+        captions = [self.task.caption(t) for t in tokens]
+        preview_grid(np.asarray(evaluation.samples), path, captions, scores, title=title, columns=4)
+
+
+def _plot_curve(records: list[dict[str, Any]], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["epoch"], r["reward_mean"]) for r in records if "reward_mean" in r]
+    held = [(r["epoch"], r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r]
+    figure, axis = plt.subplots(figsize=(6, 3.5), dpi=100)
+    if train:
+        axis.plot(*zip(*train, strict=True), label="train reward (partial score)", marker=".")
+    if held:
+        axis.plot(*zip(*held, strict=True), label="held-out strict accuracy", marker="o")
+    axis.set_xlabel("epoch")
+    axis.set_ylim(0, 1.02)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right")
+    axis.set_title("Flow-GRPO on the shapes task")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def run_train(
+    config: JobConfig,
+    out: str | pathlib.Path,
+    *,
+    resume: bool = False,
+    quiet: bool = False,
+    stop_after_epoch: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the main job and write the run folder; returns the summary.
+
+    **Arguments:**
+
+    - `config`: the settings.
+    - `out`: the run folder.
+    - `resume`: continue from the latest checkpoint in `out/checkpoints`.
+    - `quiet`: no progress bars.
+    - `stop_after_epoch`: stop (as if killed) after this epoch's checkpoint; for tests.
+    - `log`: where messages go.
+
+    **Returns:**
+
+    The summary (also written to `summary.json`).
+    """
+    started = time.perf_counter()
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+    job = ShapesJob(config, out, quiet)
+    base, base_source = job.base_model(log)
+    objective = job.objective(base)
+    rollout = job.rollout(objective)
+    trainer = job.trainer(objective)
+    checkpoints = Checkpointer(out / "checkpoints", keep=config.keep_checkpoints)
+    metrics = MetricsLog(out / "metrics.jsonl")
+    state = trainer.init(jax.random.key(config.seed + 2))
+    first_epoch = 0
+    if resume and checkpoints.latest() is not None:
+        state, meta = checkpoints.restore(state)
+        first_epoch = int(meta["epoch"])
+        base_measure = meta["base"]
+        metrics.keep_only(lambda r: r.get("epoch", 0) <= first_epoch)
+        log(f"Resumed from {checkpoints.latest()} at epoch {first_epoch}.")
+    else:
+        if metrics.path.exists():
+            metrics.path.unlink()
+        base_measure = job.measure(objective, state.variables)
+        job.preview(
+            objective,
+            state.variables,
+            out / "samples_before.png",
+            f"base model: held-out accuracy {base_measure['accuracy']:.2f}",
+        )
+        metrics.write(
+            {
+                "epoch": 0,
+                "heldout_accuracy": base_measure["accuracy"],
+                "heldout_reward": base_measure["reward"],
+            }
+        )
+    log(
+        f"Base model ({base_source}): held-out accuracy {base_measure['accuracy']:.3f}, "
+        f"reward {base_measure['reward']:.3f}, diversity {base_measure['diversity']:.3f}"
+    )
+    run_key = jax.random.key(config.seed + 3)
+    progress = Progress(config.epochs, "flow-grpo", disable=quiet, initial=first_epoch)
+    for epoch in range(first_epoch + 1, config.epochs + 1):
+        state, summary, _ = flow_grpo_epoch(
+            trainer,
+            state,
+            rollout,
+            job.epoch_rows(epoch),
+            jax.random.fold_in(run_key, epoch),
+            inner_epochs=config.inner_epochs,
+            minibatch_rows=config.minibatch_rows,
+        )
+        record: dict[str, Any] = {"epoch": epoch, **summary}
+        if epoch % config.eval_every == 0 or epoch == config.epochs:
+            measured = job.measure(objective, state.variables)
+            record.update(heldout_accuracy=measured["accuracy"], heldout_reward=measured["reward"])
+        metrics.write(record)
+        progress.update(
+            1,
+            reward=summary["reward_mean"],
+            loss=summary.get("loss", 0.0),
+            acc=record.get("heldout_accuracy"),
+        )
+        if epoch % config.checkpoint_every == 0 or epoch == config.epochs:
+            checkpoints.save(epoch, state, {"epoch": epoch, "base": base_measure})
+            if stop_after_epoch is not None and epoch >= stop_after_epoch:
+                progress.close()
+                return {"stopped_at_epoch": epoch}
+    progress.close()
+    final = job.measure(objective, state.variables)
+    job.preview(
+        objective,
+        state.variables,
+        out / "samples_after.png",
+        f"after Flow-GRPO: held-out accuracy {final['accuracy']:.2f}",
+    )
+    save_model(out / "policy.eqx", state.variables.policy)
+    records = metrics.read()
+    _plot_curve(records, out / "reward_curve.png")
+    train_rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
+    summary_out = {
+        "base_accuracy": base_measure["accuracy"],
+        "final_accuracy": final["accuracy"],
+        "base_reward": base_measure["reward"],
+        "final_reward": final["reward"],
+        "base_diversity": base_measure["diversity"],
+        "final_diversity": final["diversity"],
+        "train_reward_first_epoch": train_rewards[0] if train_rewards else None,
+        "train_reward_last_epoch": train_rewards[-1] if train_rewards else None,
+        "epochs": config.epochs,
+        "base_source": base_source,
+        "wall_seconds": time.perf_counter() - started,
+        "resumed": resume,
+    }
+    (out / "summary.json").write_text(json.dumps(summary_out, indent=2))
+    log(
+        f"Final: held-out accuracy {final['accuracy']:.3f} (base {base_measure['accuracy']:.3f}), "
+        f"diversity {final['diversity']:.3f} (base {base_measure['diversity']:.3f})."
+    )
+    return summary_out
+
+
+def run_pretrain(
+    config: JobConfig,
+    out: str | pathlib.Path,
+    *,
+    quiet: bool = False,
+    log: Callable[[str], None] = print,
+) -> pathlib.Path:
+    """Pretrain the base model and write it as `out/base_<fingerprint>.eqx`."""
+    job = ShapesJob(config, out, quiet)
+    pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+    model = job.pretrain(log)
+    path = job.base_paths()[0]
+    save_model(path, model)
+    objective = job.objective(model)
+    measured = job.measure(objective, objective.init(jax.random.key(0)))
+    log(
+        f"Wrote {path}: held-out accuracy {measured['accuracy']:.3f}, "
+        f"reward {measured['reward']:.3f}, diversity {measured['diversity']:.3f}"
+    )
+    return path
+
+
+def run_eval(
+    config: JobConfig,
+    checkpoint: str | pathlib.Path,
+    out: str | pathlib.Path,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Measure a saved policy (`policy.eqx`, a base `.eqx`, or a checkpoint folder)."""
+    job = ShapesJob(config, out, True)
+    path = pathlib.Path(checkpoint)
+    if path.is_dir():
+        objective = job.objective(job.model)
+        trainer = job.trainer(objective)
+        like: TrainState = trainer.init(jax.random.key(0))
+        state, _ = Checkpointer(path.parent).restore(like, path)
+        policy = state.variables.policy
+    else:
+        policy = load_model(path, job.model)
+    objective = job.objective(policy)
+    variables = objective.init(jax.random.key(0))
+    measured = job.measure(objective, variables)
+    pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+    job.preview(
+        objective,
+        variables,
+        pathlib.Path(out) / "samples_eval.png",
+        f"{path.name}: held-out accuracy {measured['accuracy']:.2f}",
+    )
+    log(json.dumps(measured))
+    return measured

@@ -1,0 +1,157 @@
+"""Training loops: Flow-GRPO epochs over rollouts, and supervised steps for pretraining."""
+
+import json
+import os
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from .._custom_types import Transitions
+from .._rollout import FlowRollout, RolloutInfo
+from ._trainer import Trainer, TrainState
+
+
+def select_rows(rows: PyTree[Any], indices: npt.NDArray[np.int64]) -> PyTree[Any]:
+    """Rows `indices` of every leaf."""
+    return jax.tree.map(lambda leaf: np.asarray(leaf)[indices], rows)
+
+
+def count_rows(rows: PyTree[Any]) -> int:
+    """The leading size shared by the rows' leaves."""
+    return int(np.shape(jax.tree.leaves(rows)[0])[0])
+
+
+def minibatches(
+    batch: Transitions, minibatch_rows: int, key: PRNGKeyArray
+) -> Iterator[Transitions]:
+    """The batch's rows, shuffled by `key`, in minibatches of `minibatch_rows` rows.
+
+    **Raises:**
+
+    - `ValueError`: if the row count is not a multiple of `minibatch_rows` (nothing is
+        silently dropped).
+    """
+    rows = batch.num_rows
+    if minibatch_rows < 1 or rows % minibatch_rows != 0:
+        raise ValueError(
+            f"`minibatch_rows`={minibatch_rows} must divide the rollout's {rows} rows."
+        )
+    order = jax.random.permutation(key, rows)
+    for start in range(0, rows, minibatch_rows):
+        index = order[start : start + minibatch_rows]
+        yield jax.tree.map(lambda leaf, index=index: leaf[index], batch)
+
+
+def _mean_metrics(history: list[dict[str, Array]]) -> dict[str, float]:
+    if not history:
+        return {}
+    stacked = jax.device_get(history)
+    return {name: float(np.mean([h[name] for h in stacked])) for name in stacked[0]}
+
+
+def flow_grpo_epoch(
+    trainer: Trainer,
+    state: TrainState,
+    rollout: FlowRollout,
+    rows: PyTree[Any],
+    key: PRNGKeyArray,
+    *,
+    inner_epochs: int = 1,
+    minibatch_rows: int | None = None,
+) -> tuple[TrainState, dict[str, float], RolloutInfo]:
+    """One Flow-GRPO epoch: collect a rollout, then `inner_epochs` passes of updates over it.
+
+    **Arguments:**
+
+    - `trainer`: the trainer of a `FlowGRPOObjective`.
+    - `state`: the current state (donated).
+    - `rollout`: the `FlowRollout`.
+    - `rows`: this epoch's source rows.
+    - `key`: this epoch's key (rollout noise and shuffling).
+    - `inner_epochs`: passes over the rollout.
+    - `minibatch_rows`: rows per update (must divide the rollout's rows); all at once if
+        `None`.
+
+    **Returns:**
+
+    The new state, the epoch's mean metrics (losses, clip fractions, reward statistics),
+    and the rollout's `RolloutInfo`.
+    """
+    rollout_key, shuffle_key = jax.random.split(key)
+    batch, info = rollout.collect(state.variables, rows, rollout_key)
+    size = batch.num_rows if minibatch_rows is None else minibatch_rows
+    history = []
+    for inner in range(inner_epochs):
+        for minibatch in minibatches(batch, size, jax.random.fold_in(shuffle_key, inner)):
+            state, metrics = trainer.update(state, minibatch)
+            history.append(metrics)
+    summary = _mean_metrics(history)
+    summary.update(
+        reward_mean=float(info.reward_mean),
+        reward_zero_std_fraction=info.zero_std_fraction,
+        reward_group_std=info.mean_group_std,
+        kept_fraction=float(jnp.mean(batch.transition_mask)),
+    )
+    return state, summary, info
+
+
+def supervised_steps(
+    trainer: Trainer,
+    state: TrainState,
+    make_batch: Callable[[int], Any],
+    first: int,
+    count: int,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> tuple[TrainState, dict[str, float]]:
+    """`count` updates on batches `make_batch(i)` for `i = first, ..., first + count - 1`.
+
+    **Returns:**
+
+    The new state and the mean metrics over the steps.
+    """
+    history = []
+    for index in range(first, first + count):
+        state, metrics = trainer.update(state, make_batch(index))
+        history.append(metrics)
+        if on_step is not None:
+            on_step(index, {k: float(v) for k, v in jax.device_get(metrics).items()})
+    return state, _mean_metrics(history)
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one JSON object per line, appended and flushed as training goes.
+
+    **Arguments:**
+
+    - `path`: the file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = pathlib.Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.flush()
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    def keep_only(self, keep: Callable[[dict[str, Any]], bool]) -> None:
+        """Rewrite the log with only the records `keep` accepts (used when resuming)."""
+        records = [r for r in self.read() if keep(r)]
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        with open(temporary, "w") as handle:
+            for record in records:
+                handle.write(json.dumps(record, sort_keys=True) + "\n")
+        os.replace(temporary, self.path)

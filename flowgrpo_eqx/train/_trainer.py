@@ -1,0 +1,228 @@
+"""A generic trainer for objectives with the seed's methods (`init`, `held_variables`, `loss`).
+
+The optimizer step is one jit-compiled function of an immutable `TrainState`; everything
+random is derived from keys held in that state, so a run resumed from a checkpoint repeats
+an uninterrupted one exactly.
+"""
+
+from collections.abc import Callable
+from typing import Any, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+
+from .._custom_types import Mean, Model, Step
+from .._flow_base import AbstractFlowObjective, Variables
+
+
+@final
+class TrainState(eqx.Module):
+    """Everything that changes during training.
+
+    **Arguments:**
+
+    - `variables`: the objective's variables (live policy and held slot).
+    - `opt_state`: the optax state of the trainable parameters.
+    - `step`: the number of optimizer updates so far.
+    - `key`: the PRNG key the next update derives its randomness from (raw uint32 key data,
+        so it serialises with the rest).
+    """
+
+    variables: Variables
+    opt_state: PyTree[Any]
+    step: Int[Array, ""]
+    key: PRNGKeyArray
+
+
+def default_optimizer(
+    learning_rate: float = 1e-4,
+    weight_decay: float = 1e-4,
+    max_grad_norm: float | None = 1.0,
+) -> optax.GradientTransformation:
+    """AdamW with global-norm gradient clipping, as the reference Flow-GRPO trainer.
+
+    **Arguments:**
+
+    - `learning_rate`: the AdamW step size.
+    - `weight_decay`: the decoupled weight decay.
+    - `max_grad_norm`: the global-norm clip, or `None` for none.
+
+    **Returns:**
+
+    An `optax.GradientTransformation`.
+
+    **Raises:**
+
+    - `ValueError`: for a non-positive learning rate or clip, or negative weight decay.
+    """
+    if not learning_rate > 0:
+        raise ValueError(f"`learning_rate` must be > 0, got {learning_rate!r}.")
+    if not weight_decay >= 0:
+        raise ValueError(f"`weight_decay` must be >= 0, got {weight_decay!r}.")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"`max_grad_norm` must be > 0 or None, got {max_grad_norm!r}.")
+    adamw = optax.adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    if max_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+
+
+def mean_values(tree: PyTree[Any]) -> dict[str, Float[Array, ""]]:
+    """Flatten an auxiliary PyTree of `Mean`s (and scalars) to `{name: value}`."""
+    out: dict[str, Float[Array, ""]] = {}
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, Mean))
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        out[name] = leaf.value if isinstance(leaf, Mean) else jnp.asarray(leaf, jnp.float32)
+    return out
+
+
+@final
+class Trainer(eqx.Module):
+    """Optimise an objective's live policy with optax, keeping the held slot as it says.
+
+    **Arguments:**
+
+    - `objective`: any `AbstractFlowObjective` (`FlowGRPOObjective`, `FlowMatchingObjective`).
+    - `optimizer`: an optax transformation; `default_optimizer()` (AdamW, clip 1.0) if `None`.
+    - `trainable`: an Equinox filter choosing the trained parameters of the policy: a
+        callable on leaves (default `eqx.is_inexact_array`: every float array trains) or a
+        PyTree of bools shaped like the policy. Everything else stays frozen.
+    - `ema_decay`: the decay of the EMA kept in the held slot when the objective leaves it
+        free (`held_variables().held` is `False`); `None` disables the EMA. When the slot is
+        held (`beta > 0`: the frozen reference), the EMA never writes it.
+
+    **Raises:**
+
+    - `ValueError`: for an `ema_decay` outside [0, 1).
+    """
+
+    objective: AbstractFlowObjective
+    optimizer: optax.GradientTransformation = eqx.field(static=True)
+    trainable: Callable[[Any], bool] | PyTree[bool] = eqx.field(static=True)
+    ema_decay: float | None
+
+    def __init__(
+        self,
+        objective: AbstractFlowObjective,
+        optimizer: optax.GradientTransformation | None = None,
+        *,
+        trainable: Callable[[Any], bool] | PyTree[bool] = eqx.is_inexact_array,
+        ema_decay: float | None = None,
+    ):
+        self.objective = objective
+        self.optimizer = default_optimizer() if optimizer is None else optimizer
+        self.trainable = trainable
+        self.ema_decay = ema_decay
+
+    def __check_init__(self) -> None:
+        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"`ema_decay` must be in [0, 1) or None, got {self.ema_decay!r}.")
+
+    def split_policy(self, policy: Model) -> tuple[PyTree[Any], PyTree[Any]]:
+        """`(trainable, frozen)` parts of the policy, by the `trainable` filter."""
+        trainable, frozen = eqx.partition(policy, self.trainable)
+        trainable = eqx.filter(trainable, eqx.is_inexact_array)
+        return trainable, eqx.combine(frozen, eqx.filter(policy, self.trainable, inverse=True))
+
+    def init(self, key: PRNGKeyArray, variables: Variables | None = None) -> TrainState:
+        """The initial state: the objective's variables and a fresh optimizer state.
+
+        **Arguments:**
+
+        - `key`: seeds all of training's randomness.
+        - `variables`: start from these instead of `objective.init`.
+        """
+        init_key, train_key = jax.random.split(key)
+        variables = self.objective.init(init_key, variables)
+        variables = Variables(policy=_own_copy(variables.policy), held=_own_copy(variables.held))
+        trainable, _ = self.split_policy(variables.policy)
+        opt_state = self.optimizer.init(trainable)
+        return TrainState(
+            variables=variables,
+            opt_state=opt_state,
+            step=jnp.asarray(0, jnp.int32),
+            key=train_key,
+        )
+
+    @property
+    def ema_active(self) -> bool:
+        """Whether updates write an EMA into the held slot."""
+        held = bool(self.objective.held_variables().held)
+        return self.ema_decay is not None and not held
+
+    def update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array]]:
+        """One optimizer update on `batch` (jit-compiled; the old state's buffers are donated,
+        so `state` must not be used again).
+
+        **Arguments:**
+
+        - `state`: the current state.
+        - `batch`: whatever the objective's `loss` takes.
+
+        **Returns:**
+
+        The new state and `{name: scalar}` metrics: `loss`, `grad_norm`, and every
+        auxiliary `Mean`'s value.
+        """
+        result: tuple[TrainState, dict[str, Array]] = _update_donating((self, batch), state)
+        return result
+
+    def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array]]:
+        key, step_key = jax.random.split(state.key)
+        variables = state.variables
+        trainable, frozen = self.split_policy(variables.policy)
+
+        def objective_value(params: PyTree[Any]) -> tuple[Array, tuple[Mean, Any]]:
+            policy = eqx.combine(params, frozen)
+            total, aux = self.objective.loss(
+                Variables(policy=policy, held=variables.held),
+                batch,
+                Step(index=state.step, key=step_key),
+            )
+            return total.value, (total, aux)
+
+        (value, (total, aux)), grads = eqx.filter_value_and_grad(objective_value, has_aux=True)(
+            trainable
+        )
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, trainable)
+        trainable = eqx.apply_updates(trainable, updates)
+        policy = eqx.combine(trainable, frozen)
+        held = variables.held
+        if self.ema_active:
+            assert self.ema_decay is not None
+            decay = self.ema_decay
+
+            def blend(average: Any, current: Any) -> Any:
+                if eqx.is_inexact_array(average):
+                    return decay * average + (1.0 - decay) * current
+                return average
+
+            held = jax.tree.map(blend, held, policy)
+        metrics = {"loss": value, "grad_norm": optax.global_norm(grads), "count": total.count}
+        metrics.update(mean_values(aux))
+        new_state = TrainState(
+            variables=Variables(policy=policy, held=held),
+            opt_state=opt_state,
+            step=state.step + 1,
+            key=key,
+        )
+        return new_state, metrics
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _update_donating(
+    trainer_and_batch: tuple[Trainer, Any], state: TrainState
+) -> tuple[TrainState, dict[str, Array]]:
+    trainer, batch = trainer_and_batch
+    return trainer._update(state, batch)
+
+
+def _own_copy(tree: PyTree[Any]) -> PyTree[Any]:
+    """Fresh buffers for every array, so that donating the state frees nothing shared."""
+    return jax.tree.map(
+        lambda leaf: jnp.array(leaf, copy=True) if eqx.is_array(leaf) else leaf, tree
+    )
