@@ -10,6 +10,8 @@ Every `JobConfig` setting has a flag (`--learning-rate 1e-4`, `--train-steps non
 
 import argparse
 import dataclasses
+import os
+import signal
 import sys
 import types
 import typing
@@ -60,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="pretrain or load the base model, then Flow-GRPO")
     train.add_argument("--out", default="runs/train", help="run folder (default runs/train)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument(
+        "--kill-after-epoch",
+        type=int,
+        default=None,
+        help="testing crash recovery: SIGKILL this process right after epoch N's checkpoint",
+    )
     _add_common(train)
 
     pretrain = commands.add_parser("pretrain", help="flow-matching pretraining of the base model")
@@ -94,7 +102,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .train._job import run_eval, run_pretrain, run_train
 
     if command == "train":
-        run_train(config, arguments["out"], resume=arguments["resume"], quiet=arguments["quiet"])
+        kill_after = arguments["kill_after_epoch"]
+        run_train(
+            config,
+            arguments["out"],
+            resume=arguments["resume"],
+            quiet=arguments["quiet"],
+            stop_after_epoch=kill_after,
+        )
+        if kill_after is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
     elif command == "pretrain":
         run_pretrain(config, arguments["out"], quiet=arguments["quiet"])
     else:

@@ -202,7 +202,8 @@ class Trainer(eqx.Module):
                 return average
 
             held = jax.tree.map(blend, held, policy)
-        metrics = {"loss": value, "grad_norm": optax.global_norm(grads), "count": total.count}
+        grad_norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+        metrics = {"loss": value, "grad_norm": grad_norm, "count": total.count}
         metrics.update(mean_values(aux))
         new_state = TrainState(
             variables=Variables(policy=policy, held=held),
