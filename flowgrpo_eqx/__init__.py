@@ -2,6 +2,14 @@
 
 from ._advantages import group_advantages as group_advantages
 from ._custom_types import Aux as Aux, Mean as Mean, Step as Step, Transitions as Transitions
+from ._distributed import (
+    data_mesh as data_mesh,
+    initialize as initialize,
+    local_copy as local_copy,
+    owned_rows as owned_rows,
+    replicate as replicate,
+    shard_batch as shard_batch,
+)
 from ._flow_base import (
     AbstractFlowObjective as AbstractFlowObjective,
     Evaluation as Evaluation,

@@ -8,13 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
+from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._advantages import group_advantages
 from ._custom_types import Model, Transitions
+from ._distributed import host_samples, row_sharding, score_on_root, shard_batch
 from ._flow_base import Variables
 from ._objective import FlowGRPOObjective
-from ._reward import FlowReward, score
+from ._reward import FlowReward
 
 
 @final
@@ -48,7 +50,9 @@ class RolloutInfo(eqx.Module):
     - `mean_group_std`: the mean over groups of the population reward std.
     - `samples`: `[N, *sample]` the decoded samples (device array).
     - `seconds`: wall time of `generation` (device work) and `reward` (host transfer,
-        reward, float64 statistics).
+        reward, float64 statistics, transport between processes).
+    - `reward_calls_here`: how many times this process called the reward (1 on process 0,
+        0 elsewhere).
     """
 
     rewards: npt.NDArray[np.float64]
@@ -57,6 +61,7 @@ class RolloutInfo(eqx.Module):
     mean_group_std: float
     samples: Float[Array, " N *sample"]
     seconds: dict[str, float]
+    reward_calls_here: int
 
 
 def repeat_rows(rows: PyTree[Any], groups: int) -> PyTree[Any]:
@@ -86,6 +91,10 @@ class FlowRollout(eqx.Module):
     - `steps`: time points of the rollout grid; `steps=11` draws ten transitions.
     - `train_steps`: how many leading transitions to record; `None` records all.
     - `advantage_std`: `"group"` (default) or `"global"` (the release's `global_std`).
+    - `mesh`: a data mesh (`flowgrpo_eqx.data_mesh()`) to shard rows over, or `None` for the
+        default device. With many processes, every process calls `collect` with the same
+        global rows; generation is collective, the reward runs on process 0 only, and the
+        returned batch holds global arrays of which each process owns its rows.
 
     **Raises:**
 
@@ -99,6 +108,7 @@ class FlowRollout(eqx.Module):
     steps: int = 11
     train_steps: int | None = None
     advantage_std: str = "group"
+    mesh: Mesh | None = eqx.field(default=None, static=True)
 
     def __check_init__(self) -> None:
         if not isinstance(self.objective, FlowGRPOObjective):
@@ -167,7 +177,10 @@ class FlowRollout(eqx.Module):
                 "FlowRollout needs the latent shape: pass InputSpec(latent_shape=...) to the "
                 "objective."
             )
-        return _generate(self.objective, self.steps, self.recorded_transitions, policy, rows, key)
+        sharding = None if self.mesh is None else row_sharding(self.mesh)
+        return _generate(
+            self.objective, self.steps, self.recorded_transitions, sharding, policy, rows, key
+        )
 
     def collect(
         self, variables: Variables, rows: PyTree[Any], key: PRNGKeyArray
@@ -190,12 +203,15 @@ class FlowRollout(eqx.Module):
         - `RewardError`: naming the reward, if it raises or returns a wrong shape, NaN or inf.
         """
         host_rows = repeat_rows(rows, self.groups)
-        device_rows = jax.tree.map(jnp.asarray, host_rows)
+        device_rows = self._place(host_rows)
         started = time.perf_counter()
         generated = self.generate(variables.policy, device_rows, key)
-        samples = np.asarray(generated.samples)
+        jax.block_until_ready(generated)  # type: ignore[no-untyped-call]
         generated_at = time.perf_counter()
-        rewards = score(self.reward, samples, host_rows)
+        samples = host_samples(generated.samples)
+        is_root = jax.process_index() == 0
+        rewards = score_on_root(self.reward, samples if is_root else None, host_rows)
+        del samples
         advantages = group_advantages(rewards, self.groups, std=self.advantage_std)
         grouped = rewards.reshape(-1, self.groups)
         zero_std_fraction = float(np.mean(np.all(grouped == grouped[:, :1], axis=1)))
@@ -212,8 +228,15 @@ class FlowRollout(eqx.Module):
                 "generation": generated_at - started,
                 "reward": scored_at - generated_at,
             },
+            reward_calls_here=int(is_root),
         )
         return batch, info
+
+    def _place(self, host: PyTree[Any]) -> PyTree[Any]:
+        """Host rows as device arrays: row-sharded over the mesh, or on the default device."""
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, host)
+        return shard_batch(host, self.mesh)
 
     def build_batch(
         self,
@@ -226,21 +249,29 @@ class FlowRollout(eqx.Module):
         The mask keeps stochastic transitions of rows with a non-zero advantage.
         """
         num = generated.log_probs.shape[0]
-        grid = self.timesteps()
+        grid = np.asarray(self.timesteps())
         recorded = self.recorded_transitions
-        timesteps = jnp.broadcast_to(grid[:recorded], (num, recorded))
-        next_timesteps = jnp.broadcast_to(grid[1 : recorded + 1], (num, recorded))
-        stochastic = self.objective.sde.is_stochastic(timesteps, next_timesteps)
-        device_advantages = jnp.asarray(advantages, jnp.float32)
-        mask = stochastic & (device_advantages != 0)[:, None]
+        timesteps = np.broadcast_to(grid[:recorded], (num, recorded))
+        next_timesteps = np.broadcast_to(grid[1 : recorded + 1], (num, recorded))
+        stochastic = np.asarray(self.objective.sde.is_stochastic(timesteps, next_timesteps))
+        host_advantages = np.asarray(advantages, np.float32)
+        mask = stochastic & (host_advantages != 0)[:, None]
+        placed = self._place(
+            {
+                "timesteps": timesteps,
+                "next_timesteps": next_timesteps,
+                "mask": mask,
+                "advantages": host_advantages,
+            }
+        )
         return Transitions(
             latents=generated.latents,
             next_latents=generated.next_latents,
-            timesteps=timesteps,
-            next_timesteps=next_timesteps,
+            timesteps=placed["timesteps"],
+            next_timesteps=placed["next_timesteps"],
             old_log_probs=generated.log_probs,
-            transition_mask=mask,
-            advantages=device_advantages,
+            transition_mask=placed["mask"],
+            advantages=placed["advantages"],
             cond=rows,
         )
 
@@ -250,6 +281,7 @@ def _generate(
     objective: FlowGRPOObjective,
     steps: int,
     recorded: int,
+    sharding: NamedSharding | None,
     policy: Model,
     rows: PyTree[Any],
     key: PRNGKeyArray,
@@ -261,6 +293,8 @@ def _generate(
     grid = objective.process.timesteps(steps)
     noise_key, step_key = jax.random.split(key)
     start = jax.random.normal(noise_key, (num, *latent_shape), jnp.float32)
+    if sharding is not None:
+        start = jax.lax.with_sharding_constraint(start, sharding)  # type: ignore[no-untyped-call]
     step_keys = jax.random.split(step_key, steps - 1)
 
     def transition(
@@ -291,10 +325,17 @@ def _generate(
     if recorded < steps - 1:
         tail = (grid[recorded:-1], grid[recorded + 1 :], step_keys[recorded:])
         x, _ = jax.lax.scan(silent, x, tail)
-    return Generated(
+    generated = Generated(
         latents=jnp.swapaxes(latents, 0, 1),
         next_latents=jnp.swapaxes(next_latents, 0, 1),
         log_probs=jnp.swapaxes(log_probs, 0, 1),
         final=x,
         samples=objective.decode(x),
     )
+    if sharding is None:
+        return generated
+    constrained: Generated = jax.tree.map(
+        lambda leaf: jax.lax.with_sharding_constraint(leaf, sharding),  # type: ignore[no-untyped-call]
+        generated,
+    )
+    return constrained

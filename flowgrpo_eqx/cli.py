@@ -75,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(pretrain)
 
     evaluate = commands.add_parser("eval", help="measure a saved policy or checkpoint")
-    evaluate.add_argument("--checkpoint", required=True,
-                          help="policy.eqx, base_<hash>.eqx, or a checkpoints/ckpt_* folder")
+    evaluate.add_argument(
+        "--checkpoint",
+        required=True,
+        help="policy.eqx, base_<hash>.eqx, or a checkpoints/ckpt_* folder",
+    )
     evaluate.add_argument("--out", default="runs/eval", help="where samples_eval.png goes")
     _add_common(evaluate)
     return parser

@@ -1,0 +1,246 @@
+"""Scale out on JAX's own multi-controller runtime: a data mesh, sharded rows, rank-0 rewards.
+
+One process with many devices shards rows over a `Mesh` data axis and replicates parameters.
+Many processes (`jax.distributed.initialize`; gloo collectives on CPU) run the same program:
+the trainer supplies global arrays on every process, generation is collective, the reward
+runs once on process 0, its float64 scores reach every process as bytes, and each process
+keeps only the rows it owns.
+"""
+
+import os
+import struct
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._reward import FlowReward, RewardError, reward_name, score
+
+
+DATA_AXIS = "data"
+_MESSAGE_BYTES = 4096
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    heartbeat_timeout_seconds: int = 20,
+    initialization_timeout: int = 120,
+) -> None:
+    """Start JAX's distributed runtime (a no-op for one process).
+
+    Arguments fall back to the environment variables `FLOWGRPO_COORDINATOR`,
+    `FLOWGRPO_NUM_PROCESSES` and `FLOWGRPO_PROCESS_ID`, and then to JAX's own cluster
+    detection. On CPU, collectives use gloo.
+
+    **Arguments:**
+
+    - `coordinator`: `HOST:PORT` of process 0's coordination service.
+    - `num_processes`: how many processes take part.
+    - `process_id`: this process's rank.
+    - `heartbeat_timeout_seconds`: how soon the others notice a dead process.
+    - `initialization_timeout`: how long to wait for all processes to join.
+
+    **Raises:**
+
+    - `ValueError`: if only some of the three settings are given, or they are inconsistent.
+    """
+    coordinator = coordinator or os.environ.get("FLOWGRPO_COORDINATOR")
+    if num_processes is None and "FLOWGRPO_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["FLOWGRPO_NUM_PROCESSES"])
+    if process_id is None and "FLOWGRPO_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["FLOWGRPO_PROCESS_ID"])
+    given = [coordinator is not None, num_processes is not None, process_id is not None]
+    if not any(given):
+        return
+    if not all(given):
+        raise ValueError(
+            "`coordinator`, `num_processes` and `process_id` must be given together, got "
+            f"{coordinator!r}, {num_processes!r}, {process_id!r}."
+        )
+    assert num_processes is not None and process_id is not None
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"`process_id`={process_id} must be in 0..{num_processes - 1}.")
+    if num_processes == 1:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+        initialization_timeout=initialization_timeout,
+    )
+
+
+def data_mesh(devices: int | None = None) -> Mesh:
+    """A one-axis mesh (`"data"`) over the first `devices` global devices (default: all)."""
+    available = jax.devices()
+    count = len(available) if devices is None else devices
+    if not 1 <= count <= len(available):
+        raise ValueError(f"`devices`={devices} must be in 1..{len(available)}.")
+    return Mesh(np.asarray(available[:count]), (DATA_AXIS,))
+
+
+def row_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows split along the mesh's data axis."""
+    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))  # type: ignore[no-untyped-call]
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A full copy on every device of the mesh."""
+    return NamedSharding(mesh, PartitionSpec())  # type: ignore[no-untyped-call]
+
+
+def shard_batch(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
+    """Global arrays whose rows are split over the mesh's data axis.
+
+    Every process passes the same global host values; each device keeps only its rows.
+
+    **Arguments:**
+
+    - `tree`: a PyTree of arrays with a leading row axis (numpy or JAX).
+    - `mesh`: the data mesh.
+
+    **Returns:**
+
+    The same PyTree of global `jax.Array`s sharded by rows.
+
+    **Raises:**
+
+    - `ValueError`: if a leaf's row count is not a multiple of the mesh size.
+    """
+    sharding = row_sharding(mesh)
+    size = mesh.devices.size
+
+    def place(leaf: Any) -> jax.Array:
+        host = np.asarray(leaf)
+        if host.ndim == 0 or host.shape[0] % size != 0:
+            raise ValueError(
+                f"Cannot shard an array of shape {host.shape} by rows over {size} devices: "
+                "the row count must be a multiple of the device count."
+            )
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, tree)
+
+
+def replicate(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
+    """Global arrays fully replicated over the mesh (parameters, optimizer state, keys)."""
+    sharding = replicated(mesh)
+
+    def place(leaf: Any) -> Any:
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            return leaf
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            data = np.asarray(jax.random.key_data(leaf))
+            impl = jax.random.key_impl(leaf)
+            placed = jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
+            return jax.random.wrap_key_data(placed, impl=impl)
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, tree)
+
+
+def local_copy(tree: PyTree[Any]) -> PyTree[Any]:
+    """This process's own copy of replicated global arrays, usable in local computations."""
+
+    def take(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            if not leaf.is_fully_replicated:
+                raise ValueError("local_copy needs replicated arrays; got a sharded one.")
+            return leaf.addressable_data(0)
+        return leaf
+
+    return jax.tree.map(take, tree)
+
+
+def owned_rows(tree: PyTree[Any]) -> int:
+    """How many rows of a row-sharded global batch this process holds."""
+    leaf = jax.tree.leaves(tree)[0]
+    if not isinstance(leaf, jax.Array):
+        return int(np.shape(leaf)[0])
+    spans = {
+        (shard.index[0].start or 0, shard.index[0].stop or leaf.shape[0])
+        for shard in leaf.addressable_shards
+    }
+    return sum(stop - start for start, stop in spans)
+
+
+def host_samples(samples: jax.Array) -> npt.NDArray[Any]:
+    """The decoded samples on the host for the reward.
+
+    In one process this is a plain transfer. With many processes the samples (only the
+    samples, never the trajectory) are all-gathered, the one gather JAX's runtime offers;
+    processes other than 0 drop them at once.
+    """
+    if samples.is_fully_addressable:
+        return np.asarray(samples)
+    gathered: npt.NDArray[Any] = np.asarray(multihost_utils.process_allgather(samples, tiled=True))
+    return gathered
+
+
+def score_on_root(
+    reward: FlowReward, samples: npt.NDArray[Any] | None, rows: PyTree[Any]
+) -> npt.NDArray[np.float64]:
+    """Run `reward` once, on process 0, and hand its float64 scores to every process.
+
+    The scores travel as raw float64 bytes (with a status byte and, on failure, the error
+    message), so their precision survives even when JAX's x64 mode is off. A reward failure
+    on process 0 becomes the same `RewardError` on every process.
+
+    **Arguments:**
+
+    - `reward`: the reward.
+    - `samples`: `[N, *sample]` host samples (used on process 0 only).
+    - `rows`: the repeated source rows (host).
+
+    **Returns:**
+
+    `[N]` float64 scores on every process.
+
+    **Raises:**
+
+    - `RewardError`: on every process, when the reward fails on process 0.
+    """
+    if jax.process_count() == 1:
+        assert samples is not None
+        return score(reward, samples, rows)
+    count = int(jax.tree.leaves(rows)[0].shape[0])
+    payload = np.zeros(1 + 8 * count + _MESSAGE_BYTES, np.uint8)
+    if jax.process_index() == 0:
+        assert samples is not None
+        try:
+            scores = score(reward, samples, rows)
+            payload[1 : 1 + 8 * count] = np.frombuffer(scores.astype("<f8").tobytes(), np.uint8)
+        except RewardError as error:
+            encoded = str(error).encode()[: _MESSAGE_BYTES - 4]
+            payload[0] = 1
+            header = struct.pack("<I", len(encoded))
+            payload[1 + 8 * count : 1 + 8 * count + 4] = np.frombuffer(header, np.uint8)
+            payload[1 + 8 * count + 4 : 1 + 8 * count + 4 + len(encoded)] = np.frombuffer(
+                encoded, np.uint8
+            )
+    received = np.asarray(multihost_utils.broadcast_one_to_all(payload))
+    if received[0] != 0:
+        start = 1 + 8 * count
+        (length,) = struct.unpack("<I", received[start : start + 4].tobytes())
+        message = received[start + 4 : start + 4 + length].tobytes().decode(errors="replace")
+        raise RewardError(f"(from process 0, reward {reward_name(reward)!r}) {message}")
+    return np.frombuffer(received[1 : 1 + 8 * count].tobytes(), "<f8").copy()
+
+
+def process_counts(value: int) -> list[int]:
+    """`value` from every process, in rank order (a tiny all-gather)."""
+    if jax.process_count() == 1:
+        return [value]
+    gathered = multihost_utils.process_allgather(np.asarray([value], np.int64))
+    return [int(v) for v in np.asarray(gathered).reshape(-1)]
