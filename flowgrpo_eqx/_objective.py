@@ -350,7 +350,17 @@ class FlowGRPOObjective(AbstractFlowObjective):
             }
             return {name: jnp.where(on, value, zero) for name, value in stats.items()}
 
-        stats = self._map_transitions(per_transition, inputs, batch.cond)
+        # A row with no kept transition may carry anything in its conditioning too.
+        row_kept = jnp.any(kept, axis=1)
+
+        def clean_condition(leaf: Array) -> Array:
+            if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+                return leaf
+            mask = row_kept.reshape((n,) + (1,) * (leaf.ndim - 1))
+            return jnp.where(mask, leaf, jnp.zeros((), leaf.dtype))
+
+        cond = jax.tree.map(clean_condition, batch.cond)
+        stats = self._map_transitions(per_transition, inputs, cond)
         count = jax.lax.stop_gradient(jnp.sum(kept, dtype=jnp.float32))
 
         def mean_of(name: str) -> Mean:

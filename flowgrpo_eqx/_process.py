@@ -83,5 +83,8 @@ class RectifiedFlow(AbstractProcess):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
             raise ValueError(f"`steps` must be an int of at least 2, got {steps!r}.")
         uniform = jnp.linspace(1.0, 0.0, steps, dtype=jnp.float32)
-        shifted: Float[Array, " steps"] = self.shift * uniform / (1 + (self.shift - 1) * uniform)
+        # s u / (s u + 1 - u) equals s u / (1 + (s - 1) u) but is exact at u = 1 and u = 0
+        # in float32, so the grid starts at exactly 1 (the SDE's first-step guard needs it).
+        scaled = self.shift * uniform
+        shifted: Float[Array, " steps"] = scaled / (scaled + (1 - uniform))
         return shifted

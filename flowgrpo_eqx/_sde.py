@@ -170,7 +170,9 @@ class FlowSDE(eqx.Module):
             std = t_next * jnp.sin(level * math.pi / 2)
             data_estimate = x - t * v
             noise_estimate = x + (1 - t) * v
-            mean = data_estimate * (1 - t_next) + noise_estimate * jnp.sqrt(t_next**2 - std**2)
+            # sqrt(t_next^2 - std^2) = t_next cos(a pi / 2), without float32 cancellation.
+            noise_scale = t_next * jnp.cos(level * math.pi / 2)
+            mean = data_estimate * (1 - t_next) + noise_estimate * noise_scale
         return mean, std
 
     def sample(
