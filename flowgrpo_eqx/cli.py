@@ -4,6 +4,12 @@
   it with Flow-GRPO, measure again.
 - `flowgrpo-eqx pretrain --out DIR`: flow-matching pretraining of the base model only.
 - `flowgrpo-eqx eval --checkpoint PATH`: measure a saved policy.
+- `flowgrpo-eqx launch --local N -- train ...`: run a subcommand as N local processes on
+  JAX's distributed runtime.
+
+Multi-process flags (`--coordinator HOST:PORT --num-processes N --process-id I`, or the
+environment variables `FLOWGRPO_COORDINATOR`, `FLOWGRPO_NUM_PROCESSES`,
+`FLOWGRPO_PROCESS_ID`) start `jax.distributed`; `--devices` limits the data mesh.
 
 Every `JobConfig` setting has a flag (`--learning-rate 1e-4`, `--train-steps none`, ...).
 """
@@ -82,12 +88,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--out", default="runs/eval", help="where samples_eval.png goes")
     _add_common(evaluate)
+
+    launch = commands.add_parser(
+        "launch", help="run a subcommand as N local processes (jax.distributed, gloo on CPU)"
+    )
+    launch.add_argument("--local", type=int, required=True, help="number of local processes")
+    launch.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=60.0,
+        help="after a failure, how long the others may take to stop",
+    )
+    launch.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="-- then the subcommand and its arguments"
+    )
     return parser
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="default", help="default | tiny (fast, for tests)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    distributed = parser.add_argument_group("scale out")
+    distributed.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
+    distributed.add_argument("--num-processes", type=int, default=None)
+    distributed.add_argument("--process-id", type=int, default=None)
+    distributed.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="data-mesh size (default: every device of every process)",
+    )
     _add_config_flags(parser)
 
 
@@ -95,6 +125,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     arguments = vars(build_parser().parse_args(argv))
     command = arguments.pop("command")
+    if command == "launch":
+        from ._launch import launch_local
+
+        rest = (
+            [a for a in arguments["rest"] if a != "--"]
+            if arguments["rest"][:1] == ["--"]
+            else list(arguments["rest"])
+        )
+        try:
+            return launch_local(arguments["local"], rest, grace_seconds=arguments["grace_seconds"])
+        except ValueError as error:
+            print(f"flowgrpo-eqx: {error}", file=sys.stderr)
+            return 2
     names = {f.name for f in dataclasses.fields(JobConfig)}
     overrides = {k: v for k, v in arguments.items() if k in names}
     try:
@@ -102,8 +145,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as error:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)
         return 2
+    from ._distributed import initialize
+    from ._reward import RewardError
     from .train._job import run_eval, run_pretrain, run_train
 
+    try:
+        initialize(arguments["coordinator"], arguments["num_processes"], arguments["process_id"])
+        return _run(command, config, arguments, run_train, run_pretrain, run_eval)
+    except RewardError as error:
+        print(f"flowgrpo-eqx: error on process {_rank()}: {error}", file=sys.stderr, flush=True)
+        return _exit_failed(1)
+    except Exception as error:  # noqa: BLE001 - a peer's death surfaces as a runtime error
+        if _processes() == 1:
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        print(
+            f"flowgrpo-eqx: error on process {_rank()}: another process failed or stopped "
+            f"responding ({type(error).__name__}: {first})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return _exit_failed(1)
+
+
+def _processes() -> int:
+    import jax
+
+    count: int = jax.process_count()
+    return count
+
+
+def _exit_failed(status: int) -> int:
+    """With several processes, leave at once: the runtime's shutdown barrier would wait for
+    peers that are gone."""
+    if _processes() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _rank() -> int:
+    import jax
+
+    index: int = jax.process_index()
+    return index
+
+
+def _run(
+    command: str,
+    config: JobConfig,
+    arguments: dict[str, Any],
+    run_train: Callable[..., Any],
+    run_pretrain: Callable[..., Any],
+    run_eval: Callable[..., Any],
+) -> int:
     if command == "train":
         kill_after = arguments["kill_after_epoch"]
         run_train(
@@ -112,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             resume=arguments["resume"],
             quiet=arguments["quiet"],
             stop_after_epoch=kill_after,
+            devices=arguments["devices"],
         )
         if kill_after is not None:
             os.kill(os.getpid(), signal.SIGKILL)

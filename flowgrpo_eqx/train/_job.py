@@ -8,22 +8,28 @@ a run resumed from its latest checkpoint ends exactly as an uninterrupted one.
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
+from jax.sharding import Mesh
 
 from .._custom_types import Step
+from .._distributed import data_mesh, local_copy, owned_rows, process_counts, replicate
 from .._flow_base import Variables
 from .._inputs import CFG, InputSpec
 from .._objective import FlowGRPOObjective
 from .._preview import preview_grid
 from .._process import RectifiedFlow
+from .._reward import FlowReward, JpegIncompressibility
 from .._rollout import FlowRollout
 from .._sde import FlowSDE
 from ..models import DiT
@@ -65,7 +71,7 @@ class JobConfig:
     adv_clip_max: float = 5.0
     noise_level: float = 0.7
     guidance_scale: float = 3.0
-    reward: str = "partial"
+    reward: str = "partial"  # "partial" | "strict" (the checker) | "jpeg_incompressibility"
     ema_decay: float | None = None
     transition_chunk: int | None = None
     # evaluation
@@ -113,6 +119,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         eval_every=2,
         checkpoint_every=1,
         preview_prompts=4,
+        reward="jpeg_incompressibility",
     ),
 }
 
@@ -133,6 +140,50 @@ def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
     return JobConfig(**{**PRESETS[preset], **overrides})
 
 
+class _FailingReward:
+    name = "injected_failure"
+
+    def __call__(self, samples: Any, rows: Any) -> Any:
+        raise RuntimeError("fault injected by FLOWGRPO_INJECT_FAULT")
+
+
+def _inject_fault(rollout: FlowRollout, epoch: int) -> FlowRollout:
+    """Testing failure handling: `FLOWGRPO_INJECT_FAULT` = `reward:E` makes the reward raise
+    at epoch E; `die:R:E` makes process R exit abruptly at epoch E."""
+    fault = os.environ.get("FLOWGRPO_INJECT_FAULT", "")
+    parts = fault.split(":")
+    if parts[0] == "reward" and int(parts[1]) == epoch:
+        failing: FlowRollout = eqx.tree_at(lambda r: r.reward, rollout, _FailingReward())
+        return failing
+    if parts[0] == "die" and int(parts[2]) == epoch and int(parts[1]) == jax.process_index():
+        print(f"process {jax.process_index()}: dying as injected", file=sys.stderr, flush=True)
+        os._exit(17)
+    return rollout
+
+
+def _silent(message: str) -> None:
+    del message
+
+
+class _NullLog(MetricsLog):
+    """The metrics log of processes other than 0: writes nothing."""
+
+    def __init__(self) -> None:
+        pass
+
+    def write(self, record: dict[str, Any]) -> None:
+        del record
+
+    def read(self) -> list[dict[str, Any]]:
+        return []
+
+    def keep_only(self, keep: Callable[[dict[str, Any]], bool]) -> None:
+        del keep
+
+    def clear(self) -> None:
+        pass
+
+
 SHIPPED_DIR = pathlib.Path(__file__).resolve().parent.parent / "tasks" / "checkpoints"
 
 
@@ -151,7 +202,12 @@ class ShapesJob:
         self.out = pathlib.Path(out)
         self.quiet = quiet
         self.task = ShapesTask()
-        self.reward = ShapesReward(self.task, kind=config.reward)  # type: ignore[arg-type]
+        self.reward: FlowReward
+        if config.reward == "jpeg_incompressibility":
+            # Dense even for an untrained model: used by the tiny smoke preset.
+            self.reward = JpegIncompressibility()
+        else:
+            self.reward = ShapesReward(self.task, kind=config.reward)  # type: ignore[arg-type]
         self.strict = ShapesReward(self.task, kind="strict")
         self.inputs = InputSpec(
             select="tokens",
@@ -241,7 +297,7 @@ class ShapesJob:
             transition_chunk=config.transition_chunk,
         )
 
-    def rollout(self, objective: FlowGRPOObjective) -> FlowRollout:
+    def rollout(self, objective: FlowGRPOObjective, mesh: Mesh | None = None) -> FlowRollout:
         config = self.config
         return FlowRollout(
             objective,
@@ -249,6 +305,7 @@ class ShapesJob:
             groups=config.groups,
             steps=config.rollout_steps,
             train_steps=config.train_steps,
+            mesh=mesh,
         )
 
     def trainer(self, objective: FlowGRPOObjective) -> Trainer:
@@ -276,6 +333,7 @@ class ShapesJob:
         rows = self.task.rows("heldout")
         tokens = np.repeat(rows["tokens"], per_prompt, axis=0)
         step = Step(index=0, key=jax.random.key(10_000 + self.config.seed))
+        variables = local_copy(variables)
         evaluation = objective.evaluate(variables, {"tokens": jnp.asarray(tokens)}, step)
         samples = np.asarray(evaluation.samples, np.float64)
         check = self.task.check(samples, tokens)
@@ -298,7 +356,10 @@ class ShapesJob:
         """Samples for the first held-out prompts with fixed noise, captioned with scores."""
         rows = self.task.rows("heldout")
         tokens = rows["tokens"][: self.config.preview_prompts]
+        if jax.process_index() != 0:
+            return
         step = Step(index=0, key=jax.random.key(20_000 + self.config.seed))
+        variables = local_copy(variables)
         evaluation = objective.evaluate(variables, {"tokens": jnp.asarray(tokens)}, step)
         scores = self.task.check(np.asarray(evaluation.samples), tokens).partial
         captions = [self.task.caption(t) for t in tokens]
@@ -335,9 +396,13 @@ def run_train(
     resume: bool = False,
     quiet: bool = False,
     stop_after_epoch: int | None = None,
+    devices: int | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the main job and write the run folder; returns the summary.
+
+    With several devices (or processes), rows are sharded over a data mesh and parameters
+    replicated; process 0 alone scores rewards and writes files.
 
     **Arguments:**
 
@@ -346,7 +411,9 @@ def run_train(
     - `resume`: continue from the latest checkpoint in `out/checkpoints`.
     - `quiet`: no progress bars.
     - `stop_after_epoch`: stop (as if killed) after this epoch's checkpoint; for tests.
-    - `log`: where messages go.
+    - `devices`: shard rows over this many devices (default: every device of every
+        process; 1 turns sharding off).
+    - `log`: where messages go (process 0 only).
 
     **Returns:**
 
@@ -354,15 +421,23 @@ def run_train(
     """
     started = time.perf_counter()
     out = pathlib.Path(out)
+    root = jax.process_index() == 0
+    if not root:
+        log = _silent
+        quiet = True
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+    if root:
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     job = ShapesJob(config, out, quiet)
     base, base_source = job.base_model(log)
+    device_count = jax.device_count() if devices is None else devices
+    mesh = data_mesh(device_count) if device_count > 1 else None
     objective = job.objective(base)
-    rollout = job.rollout(objective)
+    rollout = job.rollout(objective, mesh)
     trainer = job.trainer(objective)
     checkpoints = Checkpointer(out / "checkpoints", keep=config.keep_checkpoints)
-    metrics = MetricsLog(out / "metrics.jsonl")
+    metrics = MetricsLog(out / "metrics.jsonl") if root else _NullLog()
+    placement = MetricsLog(out / "distributed.jsonl") if root else _NullLog()
     state = trainer.init(jax.random.key(config.seed + 2))
     first_epoch = 0
     if resume and checkpoints.latest() is not None:
@@ -370,10 +445,11 @@ def run_train(
         first_epoch = int(meta["epoch"])
         base_measure = meta["base"]
         metrics.keep_only(lambda r: r.get("epoch", 0) <= first_epoch)
+        placement.keep_only(lambda r: r.get("epoch", 0) <= first_epoch)
         log(f"Resumed from {checkpoints.latest()} at epoch {first_epoch}.")
     else:
-        if metrics.path.exists():
-            metrics.path.unlink()
+        metrics.clear()
+        placement.clear()
         base_measure = job.measure(objective, state.variables)
         job.preview(
             objective,
@@ -388,6 +464,8 @@ def run_train(
                 "heldout_reward": base_measure["reward"],
             }
         )
+    if mesh is not None:
+        state = replicate(state, mesh)
     log(
         f"Base model ({base_source}): held-out accuracy {base_measure['accuracy']:.3f}, "
         f"reward {base_measure['reward']:.3f}, diversity {base_measure['diversity']:.3f}"
@@ -395,14 +473,24 @@ def run_train(
     run_key = jax.random.key(config.seed + 3)
     progress = Progress(config.epochs, "flow-grpo", disable=quiet, initial=first_epoch)
     for epoch in range(first_epoch + 1, config.epochs + 1):
-        state, summary, _ = flow_grpo_epoch(
+        state, summary, info = flow_grpo_epoch(
             trainer,
             state,
-            rollout,
+            _inject_fault(rollout, epoch),
             job.epoch_rows(epoch),
             jax.random.fold_in(run_key, epoch),
             inner_epochs=config.inner_epochs,
             minibatch_rows=config.minibatch_rows,
+        )
+        placement.write(
+            {
+                "epoch": epoch,
+                "processes": jax.process_count(),
+                "devices": 1 if mesh is None else int(mesh.devices.size),
+                "reward_calls_per_process": process_counts(info.reward_calls_here),
+                "rows_per_process": process_counts(owned_rows(info.samples)),
+                "rows_total": int(info.samples.shape[0]),
+            }
         )
         record: dict[str, Any] = {"epoch": epoch, **summary}
         if epoch % config.eval_every == 0 or epoch == config.epochs:
@@ -416,19 +504,22 @@ def run_train(
             acc=record.get("heldout_accuracy"),
         )
         if epoch % config.checkpoint_every == 0 or epoch == config.epochs:
-            checkpoints.save(epoch, state, {"epoch": epoch, "base": base_measure})
+            if root:
+                checkpoints.save(epoch, local_copy(state), {"epoch": epoch, "base": base_measure})
             if stop_after_epoch is not None and epoch >= stop_after_epoch:
                 progress.close()
                 return {"stopped_at_epoch": epoch}
     progress.close()
     final = job.measure(objective, state.variables)
+    if not root:
+        return {"process_index": jax.process_index()}
     job.preview(
         objective,
         state.variables,
         out / "samples_after.png",
         f"after Flow-GRPO: held-out accuracy {final['accuracy']:.2f}",
     )
-    save_model(out / "policy.eqx", state.variables.policy)
+    save_model(out / "policy.eqx", local_copy(state.variables.policy))
     records = metrics.read()
     _plot_curve(records, out / "reward_curve.png")
     train_rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
@@ -443,6 +534,8 @@ def run_train(
         "train_reward_last_epoch": train_rewards[-1] if train_rewards else None,
         "epochs": config.epochs,
         "base_source": base_source,
+        "processes": jax.process_count(),
+        "devices": 1 if mesh is None else int(mesh.devices.size),
         "wall_seconds": time.perf_counter() - started,
         "resumed": resume,
     }

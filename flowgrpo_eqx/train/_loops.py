@@ -147,6 +147,11 @@ class MetricsLog:
         with open(self.path) as handle:
             return [json.loads(line) for line in handle if line.strip()]
 
+    def clear(self) -> None:
+        """Start an empty log."""
+        if self.path.exists():
+            self.path.unlink()
+
     def keep_only(self, keep: Callable[[dict[str, Any]], bool]) -> None:
         """Rewrite the log with only the records `keep` accepts (used when resuming)."""
         records = [r for r in self.read() if keep(r)]

@@ -1,0 +1,138 @@
+"""`flowgrpo-eqx launch --local N -- ...`: N local processes on JAX's distributed runtime.
+
+For prototyping and tests on one machine: each process gets `--coordinator 127.0.0.1:PORT
+--num-processes N --process-id I`, their output is streamed with a `[rank I]` prefix, and if
+one fails the others are given a short grace period to fail on their own (JAX's runtime
+notices a dead peer) and are then stopped, and the launcher exits with the failing one's
+status and error.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import IO
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _pump(rank: int, stream: IO[str], tail: deque[str], lock: threading.Lock) -> None:
+    for line in stream:
+        tail.append(line.rstrip("\n"))
+        with lock:
+            sys.stdout.write(f"[rank {rank}] {line}")
+            sys.stdout.flush()
+
+
+def launch_local(
+    processes: int,
+    command: Sequence[str],
+    *,
+    grace_seconds: float = 60.0,
+    port: int | None = None,
+) -> int:
+    """Run `flowgrpo-eqx <command>` as `processes` cooperating local processes.
+
+    **Arguments:**
+
+    - `processes`: how many processes (>= 1).
+    - `command`: the subcommand and its arguments, e.g. `["train", "--preset", "tiny"]`.
+    - `grace_seconds`: after one process fails, how long the others may take to stop on
+        their own before they are killed.
+    - `port`: the coordinator's port (default: a free one).
+
+    **Returns:**
+
+    0 if every process succeeded, else the exit status of the first that failed.
+
+    **Raises:**
+
+    - `ValueError`: for `processes < 1` or an empty command.
+    """
+    if processes < 1:
+        raise ValueError(f"`processes` must be >= 1, got {processes}.")
+    if not command:
+        raise ValueError("`command` must name a subcommand, e.g. `-- train --preset tiny`.")
+    address = f"127.0.0.1:{port or free_port()}"
+    lock = threading.Lock()
+    children: list[subprocess.Popen[str]] = []
+    tails: list[deque[str]] = []
+    pumps = []
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for rank in range(processes):
+        arguments = [
+            sys.executable,
+            "-m",
+            "flowgrpo_eqx.cli",
+            *command,
+            "--coordinator",
+            address,
+            "--num-processes",
+            str(processes),
+            "--process-id",
+            str(rank),
+        ]
+        child = subprocess.Popen(
+            arguments,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=environment,
+        )
+        tail: deque[str] = deque(maxlen=20)
+        assert child.stdout is not None
+        pump = threading.Thread(target=_pump, args=(rank, child.stdout, tail, lock), daemon=True)
+        pump.start()
+        children.append(child)
+        tails.append(tail)
+        pumps.append(pump)
+    failed: tuple[int, int] | None = None
+    deadline: float | None = None
+    while True:
+        codes = [child.poll() for child in children]
+        if failed is None:
+            for rank, code in enumerate(codes):
+                if code not in (None, 0):
+                    failed = (rank, code)
+                    deadline = time.monotonic() + grace_seconds
+                    with lock:
+                        print(
+                            f"[launch] rank {rank} failed with exit status {code}; "
+                            f"waiting up to {grace_seconds:g} s for the others to stop.",
+                            flush=True,
+                        )
+                    break
+        if all(code is not None for code in codes):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            for rank, child in enumerate(children):
+                if child.poll() is None:
+                    with lock:
+                        print(
+                            f"[launch] stopping rank {rank}: rank {failed[0] if failed else '?'} "
+                            "failed.",
+                            flush=True,
+                        )
+                    child.kill()
+            for child in children:
+                child.wait()
+            break
+        time.sleep(0.2)
+    for pump in pumps:
+        pump.join(timeout=5)
+    if failed is None:
+        return 0
+    rank, code = failed
+    last = next((line for line in reversed(tails[rank]) if line.strip()), "(no output)")
+    print(f"[launch] rank {rank} failed (exit status {code}): {last}", flush=True)
+    return code if code > 0 else 128 - code

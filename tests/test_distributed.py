@@ -1,0 +1,134 @@
+"""Scale out: 4 simulated devices in one process, 2 processes on jax.distributed, failures.
+
+Every run is a `flowgrpo-eqx` subprocess on the tiny preset with the same seed and global
+batch; they share one pretrained base model (copied into each run folder) so that only the
+Flow-GRPO part differs.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+from flowgrpo_eqx.train import load_model, make_config
+from flowgrpo_eqx.train._job import ShapesJob
+
+
+TIMEOUT = 600
+COMMON = ["--preset", "tiny", "--quiet", "--seed", "5"]
+
+
+def run_cli(*args, env=None, timeout=TIMEOUT):
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "flowgrpo_eqx.cli", *args],
+                            capture_output=True, text=True, env=environment, timeout=timeout)
+    return result, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The one-process, one-device run every other run must reproduce."""
+    out = tmp_path_factory.mktemp("baseline")
+    result, _ = run_cli("train", *COMMON, "--out", str(out), "--devices", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def with_base(baseline, folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    for base in baseline.glob("base_*.eqx"):
+        shutil.copy(base, folder / base.name)
+    return folder
+
+
+def records(folder):
+    with open(folder / "metrics.jsonl") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def placements(folder):
+    with open(folder / "distributed.jsonl") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def assert_same_run(folder, baseline):
+    want, got = records(baseline), records(folder)
+    assert [r["epoch"] for r in got] == [r["epoch"] for r in want]
+    for a, b in zip(want, got):
+        assert set(a) == set(b)
+        for name in a:
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    job = ShapesJob(make_config("tiny", seed=5), baseline, quiet=True)
+    policy_want = load_model(baseline / "policy.eqx", job.model)
+    policy_got = load_model(folder / "policy.eqx", job.model)
+    leaves_want = jax.tree.leaves(eqx.filter(policy_want, eqx.is_array))
+    leaves_got = jax.tree.leaves(eqx.filter(policy_got, eqx.is_array))
+    base = load_model(next(baseline.glob("base_*.eqx")), job.model)
+    moved = [not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(eqx.filter(base, eqx.is_array)), leaves_want)]
+    assert any(moved), "Flow-GRPO changed nothing; the comparison would be vacuous"
+    for a, b in zip(leaves_want, leaves_got):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_four_simulated_devices_match_one_device(baseline, tmp_path):
+    out = with_base(baseline, tmp_path / "four")
+    result, _ = run_cli("train", *COMMON, "--out", str(out),
+                        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for placement in placements(out):
+        assert placement["devices"] == 4 and placement["processes"] == 1
+        assert placement["reward_calls_per_process"] == [1]
+    assert_same_run(out, baseline)
+
+
+def test_two_processes_match_one_process(baseline, tmp_path):
+    out = with_base(baseline, tmp_path / "two")
+    result, _ = run_cli("launch", "--local", "2", "--", "train", *COMMON, "--out", str(out))
+    assert result.returncode == 0, result.stdout[-3000:]
+    for placement in placements(out):
+        assert placement["processes"] == 2 and placement["devices"] == 2
+        # The reward ran once per collect in total, on process 0.
+        assert placement["reward_calls_per_process"] == [1, 0]
+        # Each process held half of the rows of each batch.
+        assert placement["rows_per_process"] == [placement["rows_total"] // 2] * 2
+    assert_same_run(out, baseline)
+
+
+def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
+    out = with_base(baseline, tmp_path / "reward_fault")
+    result, seconds = run_cli("launch", "--local", "2", "--grace-seconds", "60", "--", "train",
+                              *COMMON, "--out", str(out),
+                              env={"FLOWGRPO_INJECT_FAULT": "reward:1"})
+    assert result.returncode == 1
+    for rank in (0, 1):
+        assert (f"[rank {rank}] flowgrpo-eqx: error on process {rank}: (from process 0, reward "
+                "'injected_failure')") in result.stdout
+    assert "[launch] stopping rank" not in result.stdout  # both stopped on their own
+    assert seconds < 240
+
+
+def test_dead_process_stops_the_others_with_a_clear_error(baseline, tmp_path):
+    out = with_base(baseline, tmp_path / "death")
+    result, seconds = run_cli("launch", "--local", "2", "--grace-seconds", "120", "--", "train",
+                              *COMMON, "--out", str(out), env={"FLOWGRPO_INJECT_FAULT": "die:1:1"})
+    assert result.returncode != 0
+    assert "[rank 1] process 1: dying as injected" in result.stdout
+    # Process 0 stops on its own with a clear error: ours when the failure surfaces as a Python
+    # exception, or the runtime's own when its heartbeat check ends the process first.
+    ours = "[rank 0] flowgrpo-eqx: error on process 0: another process failed"
+    runtime = ("Terminating process because the JAX distributed service detected fatal errors. "
+               "This most likely indicates that another task died")
+    assert ours in result.stdout or runtime in result.stdout, result.stdout[-3000:]
+    assert "[launch] stopping rank" not in result.stdout
+    assert "[launch] rank 1 failed (exit status 17)" in result.stdout
+    assert seconds < 300

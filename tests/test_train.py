@@ -1,0 +1,299 @@
+"""The trainer: held slot and EMA, filters, flow matching, checkpoints, and crash recovery."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flowgrpo_eqx as fg
+from flowgrpo_eqx.models import MLPVelocity
+from flowgrpo_eqx.train import (
+    Checkpointer,
+    FlowMatchingObjective,
+    MetricsLog,
+    SupervisedBatch,
+    Trainer,
+    default_optimizer,
+    flow_grpo_epoch,
+    load_model,
+    save_model,
+)
+from flowgrpo_eqx.train import _checkpoint
+
+
+LATENT = 4
+COND = 2
+
+
+def brightness(samples, rows):
+    return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
+
+
+def make_setup(beta, ema_decay=None, trainable=eqx.is_inexact_array, lr=1e-2):
+    model = MLPVelocity(LATENT, COND, hidden=16, depth=2, time_features=8,
+                        key=jax.random.key(0))
+    objective = fg.FlowGRPOObjective(
+        model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+        beta=beta, clip_range=0.2, guidance=fg.CFG(2.0), steps=4,
+    )
+    rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
+    trainer = Trainer(objective, default_optimizer(lr, 0.0), trainable=trainable,
+                      ema_decay=ema_decay)
+    return objective, rollout, trainer
+
+
+ROWS = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+
+
+def run_epochs(trainer, rollout, state, epochs=2, minibatch_rows=4):
+    for epoch in range(epochs):
+        state, metrics, _ = flow_grpo_epoch(
+            trainer, state, rollout, ROWS, jax.random.key(100 + epoch),
+            inner_epochs=2, minibatch_rows=minibatch_rows,
+        )
+    return state, metrics
+
+
+def arrays(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+def test_reference_bit_identical_and_never_ema_written():
+    objective, rollout, trainer = make_setup(beta=0.1, ema_decay=0.5)
+    assert not trainer.ema_active
+    state = trainer.init(jax.random.key(0))
+    reference = arrays(state.variables.held)
+    policy_before = arrays(state.variables.policy)
+    state, metrics = run_epochs(trainer, rollout, state)
+    for a, b in zip(reference, arrays(state.variables.held)):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype
+    assert any(not np.array_equal(a, b) for a, b in zip(policy_before,
+                                                        arrays(state.variables.policy)))
+    assert metrics["kl"] > 0
+
+
+def test_ema_updated_as_configured_when_slot_free():
+    objective, rollout, trainer = make_setup(beta=0.0, ema_decay=0.75)
+    assert trainer.ema_active
+    state = trainer.init(jax.random.key(0))
+    batch, _ = rollout.collect(state.variables, ROWS, jax.random.key(1))
+    held_before = arrays(state.variables.held)
+    state, _ = trainer.update(state, batch)
+    policy_after = arrays(state.variables.policy)
+    for before, policy, held in zip(held_before, policy_after, arrays(state.variables.held)):
+        want = 0.75 * before.astype(np.float64) + 0.25 * policy.astype(np.float64)
+        np.testing.assert_allclose(held, want, rtol=1e-6, atol=1e-7)
+    assert any(not np.array_equal(a, b) for a, b in zip(held_before,
+                                                        arrays(state.variables.held)))
+
+
+def test_no_ema_leaves_slot_unchanged():
+    objective, rollout, trainer = make_setup(beta=0.0, ema_decay=None)
+    state = trainer.init(jax.random.key(0))
+    held = arrays(state.variables.held)
+    state, _ = run_epochs(trainer, rollout, state, epochs=1)
+    for a, b in zip(held, arrays(state.variables.held)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_filter_freezes_parameters():
+    model = MLPVelocity(LATENT, COND, hidden=16, depth=2, time_features=8,
+                        key=jax.random.key(0))
+    only_last = jax.tree.map(lambda _: False, model)
+    only_last = eqx.tree_at(lambda m: m.layers[-1].weight, only_last, True)
+    objective, rollout, trainer = make_setup(beta=0.0, trainable=only_last)
+    state = trainer.init(jax.random.key(0))
+    # The update donates the state's buffers, so keep host copies.
+    before = jax.tree.map(np.array, eqx.filter(state.variables.policy, eqx.is_array))
+    state, _ = run_epochs(trainer, rollout, state, epochs=1)
+    after = state.variables.policy
+    assert not np.array_equal(before.layers[-1].weight, after.layers[-1].weight)
+    np.testing.assert_array_equal(before.layers[-1].bias, after.layers[-1].bias)
+    np.testing.assert_array_equal(before.layers[0].weight, after.layers[0].weight)
+
+
+def test_minibatch_rows_must_divide():
+    objective, rollout, trainer = make_setup(beta=0.0)
+    state = trainer.init(jax.random.key(0))
+    with pytest.raises(ValueError, match="minibatch_rows"):
+        run_epochs(trainer, rollout, state, epochs=1, minibatch_rows=3)
+
+
+def test_update_matches_manual_optax_step():
+    objective, rollout, trainer = make_setup(beta=0.0)
+    state = trainer.init(jax.random.key(0))
+    batch, _ = rollout.collect(state.variables, ROWS, jax.random.key(3))
+    policy = state.variables.policy
+    held = state.variables.held
+    optimizer = default_optimizer(1e-2, 0.0)
+    params = eqx.filter(policy, eqx.is_inexact_array)
+
+    def value(p):
+        variables = fg.Variables(eqx.combine(p, policy), held)
+        step = fg.Step(0, jax.random.split(state.key)[1])
+        return objective.loss(variables, batch, step)[0].value
+
+    grads = eqx.filter_grad(value)(params)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    want = eqx.apply_updates(params, updates)
+    want_arrays = arrays(want)
+    new_state, metrics = trainer.update(state, batch)
+    for a, b in zip(want_arrays, arrays(new_state.variables.policy)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert int(new_state.step) == 1
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))),
+                               rtol=1e-5)
+
+
+def test_flow_matching_loss_matches_numpy():
+    model = MLPVelocity(LATENT, COND, hidden=8, depth=1, time_features=4,
+                        key=jax.random.key(0))
+    objective = FlowMatchingObjective(model, fg.RectifiedFlow(),
+                                      fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+                                      cond_dropout=0.0, time_sampling="uniform", guidance=None)
+    data = jax.random.normal(jax.random.key(1), (6, LATENT))
+    cond = jax.random.normal(jax.random.key(2), (6, COND))
+    step = fg.Step(0, jax.random.key(3))
+    total, aux = objective.loss(objective.init(step.key), SupervisedBatch(data, cond), step)
+    noise_key, time_key, _ = jax.random.split(step.key, 3)
+    noise = np.asarray(jax.random.normal(noise_key, data.shape), np.float64)
+    t = np.asarray(jax.random.uniform(time_key, (6,), minval=1e-4, maxval=1 - 1e-4), np.float64)
+    x0 = np.asarray(data, np.float64)
+    x_t = (1 - t[:, None]) * x0 + t[:, None] * noise
+    prediction = np.asarray(jax.vmap(model)(jnp.asarray(x_t, jnp.float32),
+                                            jnp.asarray(t, jnp.float32), cond), np.float64)
+    want = np.mean((prediction - (noise - x0)) ** 2, axis=1).sum()
+    np.testing.assert_allclose(float(total.total), want, rtol=1e-4)
+    assert float(total.count) == 6 and float(aux["dropped"].total) == 0
+
+
+def test_flow_matching_pretraining_reduces_loss_and_drops_conditions():
+    model = MLPVelocity(LATENT, COND, hidden=32, depth=2, time_features=8, key=jax.random.key(0))
+    objective = FlowMatchingObjective(model, fg.RectifiedFlow(),
+                                      fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+                                      cond_dropout=0.5)
+    trainer = Trainer(objective, default_optimizer(3e-3, 0.0))
+    state = trainer.init(jax.random.key(0))
+    cond = jnp.tile(jnp.eye(COND), (16, 1))
+    data = jnp.concatenate([cond, -cond], axis=1) * 0.8
+    batch = SupervisedBatch(data=data, cond=cond)
+    losses, dropped = [], []
+    for _ in range(150):
+        state, metrics = trainer.update(state, batch)
+        losses.append(float(metrics["loss"]))
+        dropped.append(float(metrics["dropped"]))
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
+    assert 0.35 < np.mean(dropped) < 0.65
+
+
+def test_bad_trainer_and_flow_matching_settings():
+    objective, _, _ = make_setup(beta=0.0)
+    with pytest.raises(ValueError, match="ema_decay"):
+        Trainer(objective, ema_decay=1.0)
+    with pytest.raises(ValueError, match="learning_rate"):
+        default_optimizer(0.0)
+    with pytest.raises(ValueError, match="cond_dropout"):
+        FlowMatchingObjective(objective.model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.zeros(2)),
+                              cond_dropout=1.0)
+    with pytest.raises(ValueError, match="null"):
+        FlowMatchingObjective(objective.model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None)
+
+
+def test_checkpointer_keeps_latest_and_restores(tmp_path):
+    objective, rollout, trainer = make_setup(beta=0.0)
+    state = trainer.init(jax.random.key(0))
+    checkpoints = Checkpointer(tmp_path, keep=2)
+    for step in range(1, 5):
+        checkpoints.save(step, state, {"epoch": step})
+    assert [p.name for p in checkpoints.paths()] == ["ckpt_00000003", "ckpt_00000004"]
+    restored, meta = checkpoints.restore(trainer.init(jax.random.key(9)))
+    assert meta["epoch"] == 4
+    assert eqx.tree_equal(eqx.filter(restored, eqx.is_array), eqx.filter(state, eqx.is_array))
+
+
+def test_interrupted_checkpoint_write_keeps_previous_loadable(tmp_path, monkeypatch):
+    objective, rollout, trainer = make_setup(beta=0.0)
+    state = trainer.init(jax.random.key(0))
+    checkpoints = Checkpointer(tmp_path, keep=3)
+    checkpoints.save(1, state, {"epoch": 1})
+    newer, _ = run_epochs(trainer, rollout, trainer.init(jax.random.key(0)), epochs=1)
+
+    def crash_midway(handle, tree):
+        handle.write(b"partial bytes of a checkpoint")
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(_checkpoint.eqx, "tree_serialise_leaves", crash_midway)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.save(2, newer, {"epoch": 2})
+    monkeypatch.undo()
+    assert any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+    assert checkpoints.latest().name == "ckpt_00000001"
+    restored, meta = Checkpointer(tmp_path).restore(trainer.init(jax.random.key(5)))
+    assert meta["epoch"] == 1
+    assert eqx.tree_equal(eqx.filter(restored, eqx.is_array), eqx.filter(state, eqx.is_array))
+    checkpoints.save(2, newer, {"epoch": 2})
+    assert checkpoints.latest().name == "ckpt_00000002"
+
+
+def test_model_export_round_trip(tmp_path):
+    objective, _, _ = make_setup(beta=0.0)
+    save_model(tmp_path / "m.eqx", objective.model)
+    like = MLPVelocity(LATENT, COND, hidden=16, depth=2, time_features=8, key=jax.random.key(5))
+    loaded = load_model(tmp_path / "m.eqx", like)
+    assert eqx.tree_equal(loaded, objective.model)
+
+
+def test_metrics_log_keep_only(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for epoch in range(5):
+        log.write({"epoch": epoch, "loss": epoch * 0.5})
+    log.keep_only(lambda r: r["epoch"] <= 2)
+    assert [r["epoch"] for r in log.read()] == [0, 1, 2]
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "flowgrpo_eqx.cli", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_killed_run_resumes_to_identical_result(tmp_path):
+    whole = tmp_path / "whole"
+    killed = tmp_path / "killed"
+    common = ["train", "--preset", "tiny", "--quiet", "--seed", "3"]
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    first = subprocess.Popen([sys.executable, "-m", "flowgrpo_eqx.cli", *common, "--out",
+                              str(whole)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    crashed = _cli(*common, "--out", str(killed), "--kill-after-epoch", "2", cwd=tmp_path)
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err
+    assert crashed.returncode == -9, crashed.stderr
+    assert (killed / "checkpoints" / "ckpt_00000002").exists()
+    assert not (killed / "summary.json").exists()
+    resumed = _cli(*common, "--out", str(killed), "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resumed from" in resumed.stdout
+    assert (whole / "policy.eqx").read_bytes() == (killed / "policy.eqx").read_bytes()
+    assert MetricsLog(whole / "metrics.jsonl").read() == MetricsLog(killed / "metrics.jsonl").read()
+    summary = json.loads((killed / "summary.json").read_text())
+    for name in ("base_accuracy", "final_accuracy", "base_reward", "final_reward",
+                 "base_diversity", "final_diversity", "epochs", "wall_seconds"):
+        assert name in summary
+    for picture in ("reward_curve.png", "samples_before.png", "samples_after.png"):
+        assert (killed / picture).stat().st_size > 0
+    # Flow-GRPO really changed the policy in these runs (else equality would be vacuous).
+    base = next(pathlib.Path(whole).glob("base_*.eqx"))
+    assert base.read_bytes() != (whole / "policy.eqx").read_bytes()
+
+
+def test_cli_rejects_unknown_preset(tmp_path):
+    result = _cli("train", "--preset", "huge", "--out", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 2 and "preset" in result.stderr
