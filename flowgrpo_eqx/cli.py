@@ -147,11 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from ._distributed import initialize
     from ._reward import RewardError
-    from .train._job import run_eval, run_pretrain, run_train
 
     try:
         initialize(arguments["coordinator"], arguments["num_processes"], arguments["process_id"])
-        return _run(command, config, arguments, run_train, run_pretrain, run_eval)
+        return _run(command, config, arguments)
     except RewardError as error:
         print(f"flowgrpo-eqx: error on process {_rank()}: {error}", file=sys.stderr, flush=True)
         return _exit_failed(1)
@@ -192,14 +191,10 @@ def _rank() -> int:
     return index
 
 
-def _run(
-    command: str,
-    config: JobConfig,
-    arguments: dict[str, Any],
-    run_train: Callable[..., Any],
-    run_pretrain: Callable[..., Any],
-    run_eval: Callable[..., Any],
-) -> int:
+def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
+    """Run one subcommand in this process (jax.distributed already started)."""
+    from .train._job import run_eval, run_pretrain, run_train
+
     if command == "train":
         kill_after = arguments["kill_after_epoch"]
         run_train(
