@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._advantages import group_advantages
@@ -296,34 +296,44 @@ def _generate(
     if sharding is not None:
         start = jax.lax.with_sharding_constraint(start, sharding)  # type: ignore[no-untyped-call]
     step_keys = jax.random.split(step_key, steps - 1)
+    # Every step's per-row noise, drawn here from the per-step, per-row keys that the loop
+    # would split: the same values, but one batched draw. On CPU each draw is a small rolled
+    # loop of tiny XLA ops; inside the scan body it cost two such loops per step.
+    noise = jax.vmap(
+        lambda k: jax.vmap(lambda r: jax.random.normal(r, latent_shape, jnp.float32))(
+            jax.random.split(k, num)
+        )
+    )(step_keys)
+    if sharding is not None:
+        spec = PartitionSpec(None, *sharding.spec)  # type: ignore[no-untyped-call]
+        per_step = NamedSharding(sharding.mesh, spec)
+        noise = jax.lax.with_sharding_constraint(noise, per_step)  # type: ignore[no-untyped-call]
 
-    def transition(
-        x: Array, t: Array, t_next: Array, step_key: PRNGKeyArray
-    ) -> tuple[Array, Array]:
+    def transition(x: Array, t: Array, t_next: Array, z: Array) -> tuple[Array, Array]:
         times = jnp.full((num,), t, x.dtype)
         next_times = jnp.full((num,), t_next, x.dtype)
         mean, std = objective.transition(policy, x, times, next_times, rows)
-        keys = jax.random.split(step_key, num)
-        x_next = jax.vmap(objective.sde.sample)(keys, mean, std)
+        # `FlowSDE.sample` with the pre-drawn standard normal: mean + std z.
+        x_next = jax.vmap(lambda m, s, e: m + s * e.astype(m.dtype))(mean, std, z)
         log_prob = jax.vmap(objective.sde.log_prob)(x_next, mean, std)
         return x_next, log_prob
 
     def recording(
         x: Array, inputs: tuple[Array, Array, Array]
     ) -> tuple[Array, tuple[Array, Array, Array]]:
-        t, t_next, step_key = inputs
-        x_next, log_prob = transition(x, t, t_next, step_key)
+        t, t_next, z = inputs
+        x_next, log_prob = transition(x, t, t_next, z)
         return x_next, (x, x_next, log_prob)
 
     def silent(x: Array, inputs: tuple[Array, Array, Array]) -> tuple[Array, None]:
-        t, t_next, step_key = inputs
-        x_next, _ = transition(x, t, t_next, step_key)
+        t, t_next, z = inputs
+        x_next, _ = transition(x, t, t_next, z)
         return x_next, None
 
-    head = (grid[:recorded], grid[1 : recorded + 1], step_keys[:recorded])
+    head = (grid[:recorded], grid[1 : recorded + 1], noise[:recorded])
     x, (latents, next_latents, log_probs) = jax.lax.scan(recording, start, head)
     if recorded < steps - 1:
-        tail = (grid[recorded:-1], grid[recorded + 1 :], step_keys[recorded:])
+        tail = (grid[recorded:-1], grid[recorded + 1 :], noise[recorded:])
         x, _ = jax.lax.scan(silent, x, tail)
     generated = Generated(
         latents=jnp.swapaxes(latents, 0, 1),
