@@ -8,6 +8,7 @@
 """
 
 import dataclasses
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +19,10 @@ import numpy as np
 import numpy.typing as npt
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx.models import DiT, MLPVelocity
-from flowgrpo_eqx.tasks import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
+from flowgrpo_eqx.models import MLPVelocity
+from flowgrpo_eqx.tasks import PROMPT_LENGTH
 from flowgrpo_eqx.train import Trainer, default_optimizer, make_config
+from flowgrpo_eqx.train._job import ShapesJob
 
 
 @dataclasses.dataclass
@@ -149,60 +151,25 @@ def _perturb_zero_leaves(model: Any, scale: float, key: Any) -> Any:
 
 
 def dit_setup(quick: bool) -> Setup:
-    config = make_config()
+    job_config = make_config()
     prompts = 1 if quick else 2
-    task = ShapesTask()
-    model = DiT(
-        image_size=task.image_shape[0],
-        channels=task.image_shape[2],
-        patch=config.patch,
-        width=config.width,
-        depth=config.depth,
-        heads=config.heads,
-        vocab_size=VOCAB_SIZE + 1,
-        prompt_length=PROMPT_LENGTH,
-        key=jax.random.key(config.seed),
-    )
-    model = _perturb_zero_leaves(model, 0.02, config.seed)
-    inputs = fg.InputSpec(
-        select="tokens",
-        null=jnp.full((PROMPT_LENGTH,), NULL_TOKEN, jnp.int32),
-        latent_shape=task.image_shape,
-    )
+    # The main job's own pieces (model, inputs, objective, rollout, trainer), on fewer prompts.
+    config = dataclasses.replace(job_config, prompts_per_epoch=prompts)
+    scratch = tempfile.mkdtemp(prefix="flowgrpo-bench-")
+    job = ShapesJob(config, scratch, quiet=True)
+    task = job.task
+    model = _perturb_zero_leaves(job.model, 0.02, config.seed)
 
     def make_objective(chunk: int | None) -> fg.FlowGRPOObjective:
-        return fg.FlowGRPOObjective(
-            model,
-            fg.RectifiedFlow(),
-            inputs,
-            sde=fg.FlowSDE(config.noise_level),
-            beta=config.beta,
-            clip_range=config.clip_range,
-            adv_clip_max=config.adv_clip_max,
-            guidance=fg.CFG(config.guidance_scale),
-            steps=config.eval_steps,
-            transition_chunk=chunk,
-        )
-
-    optimizer = default_optimizer(config.learning_rate, config.weight_decay, config.max_grad_norm)
+        chunked = dataclasses.replace(config, transition_chunk=chunk)
+        return ShapesJob(chunked, scratch, quiet=True).objective(model)
 
     def make_trainer(objective: fg.FlowGRPOObjective) -> Trainer:
-        return Trainer(objective, optimizer, ema_decay=config.ema_decay)
+        return job.trainer(objective)
 
     objective = make_objective(config.transition_chunk)
-    rollout = fg.FlowRollout(
-        objective,
-        ShapesReward(task, kind=config.reward),  # type: ignore[arg-type]
-        groups=config.groups,
-        steps=config.rollout_steps,
-        train_steps=config.train_steps,
-    )
-    train_rows = task.rows("train")
-
-    def rows(epoch: int) -> dict[str, npt.NDArray[Any]]:
-        rng = np.random.default_rng([config.seed, 7, epoch])
-        picked = rng.permutation(len(train_rows["tokens"]))[:prompts]
-        return {"tokens": train_rows["tokens"][picked]}
+    rollout = job.rollout(objective)
+    rows = job.epoch_rows
 
     recorded = config.rollout_steps - 1 if config.train_steps is None else config.train_steps
     info = {
@@ -215,7 +182,7 @@ def dit_setup(quick: bool) -> Setup:
         "N": prompts * config.groups,
         "source_rows": prompts,
         "groups": config.groups,
-        "job_N": config.prompts_per_epoch * config.groups,
+        "job_N": job_config.prompts_per_epoch * config.groups,
         "K": recorded,
         "rollout_steps": config.rollout_steps,
         "guidance": config.guidance_scale,

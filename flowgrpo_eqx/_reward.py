@@ -114,8 +114,24 @@ def jpeg_sizes_kb(samples: npt.NDArray[Any], quality: int = 95) -> npt.NDArray[n
     return np.asarray(sizes, dtype=np.float64)
 
 
+class _JpegSizeReward:
+    """The JPEG size in kB at a quality, times `sign` (shared by the two DDPO rewards)."""
+
+    name: str
+    sign: float
+
+    def __init__(self, quality: int = 95):
+        if not 1 <= quality <= 95:
+            raise ValueError(f"`quality` must be in 1..95, got {quality}.")
+        self.quality = quality
+
+    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        del rows
+        return self.sign * jpeg_sizes_kb(samples, self.quality)
+
+
 @final
-class JpegCompressibility:
+class JpegCompressibility(_JpegSizeReward):
     """DDPO's compressibility reward: minus the JPEG size (kB) at quality 95.
 
     **Arguments:**
@@ -128,19 +144,11 @@ class JpegCompressibility:
     """
 
     name = "jpeg_compressibility"
-
-    def __init__(self, quality: int = 95):
-        if not 1 <= quality <= 95:
-            raise ValueError(f"`quality` must be in 1..95, got {quality}.")
-        self.quality = quality
-
-    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
-        del rows
-        return -jpeg_sizes_kb(samples, self.quality)
+    sign = -1.0
 
 
 @final
-class JpegIncompressibility:
+class JpegIncompressibility(_JpegSizeReward):
     """DDPO's incompressibility reward: the JPEG size (kB) at quality 95.
 
     **Arguments:**
@@ -153,15 +161,7 @@ class JpegIncompressibility:
     """
 
     name = "jpeg_incompressibility"
-
-    def __init__(self, quality: int = 95):
-        if not 1 <= quality <= 95:
-            raise ValueError(f"`quality` must be in 1..95, got {quality}.")
-        self.quality = quality
-
-    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
-        del rows
-        return jpeg_sizes_kb(samples, self.quality)
+    sign = 1.0
 
 
 @final
