@@ -49,21 +49,21 @@ class JobConfig:
     width: int = 64
     depth: int = 4
     heads: int = 4
-    patch: int = 2
+    patch: int = 4
     # pretraining (flow matching)
-    pretrain_steps: int = 3000
+    pretrain_steps: int = 8000
     pretrain_batch: int = 64
     pretrain_lr: float = 1e-3
     cond_dropout: float = 0.1
     # Flow-GRPO
-    epochs: int = 30
+    epochs: int = 140
     prompts_per_epoch: int = 16
     groups: int = 8
     rollout_steps: int = 11
     train_steps: int | None = None
     inner_epochs: int = 1
     minibatch_rows: int | None = None
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     beta: float = 0.0
@@ -77,10 +77,10 @@ class JobConfig:
     # evaluation
     eval_steps: int = 21
     eval_samples_per_prompt: int = 4
-    eval_every: int = 5
+    eval_every: int = 10
     preview_prompts: int = 8
     # bookkeeping
-    checkpoint_every: int = 5
+    checkpoint_every: int = 10
     keep_checkpoints: int = 3
     seed: int = 0
 
