@@ -51,15 +51,15 @@ class JobConfig:
     heads: int = 4
     patch: int = 4
     # pretraining (flow matching)
-    pretrain_steps: int = 8000
+    pretrain_steps: int = 10000
     pretrain_batch: int = 64
     pretrain_lr: float = 1e-3
     cond_dropout: float = 0.1
     # Flow-GRPO
-    epochs: int = 140
+    epochs: int = 160
     prompts_per_epoch: int = 16
     groups: int = 8
-    rollout_steps: int = 11
+    rollout_steps: int = 6
     train_steps: int | None = None
     inner_epochs: int = 1
     minibatch_rows: int | None = None
@@ -77,7 +77,7 @@ class JobConfig:
     # evaluation
     eval_steps: int = 21
     eval_samples_per_prompt: int = 4
-    eval_every: int = 10
+    eval_every: int = 20
     preview_prompts: int = 8
     # bookkeeping
     checkpoint_every: int = 10
