@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowgrpo_eqx.models import DiT, MLPVelocity, sinusoidal_time_features
+from flowgrpo_eqx.models import DiT, MLPVelocity, silu, sinusoidal_time_features
 
 
 KEY = jax.random.key(0)
@@ -89,6 +89,19 @@ def test_time_features_bad_size() -> None:
         sinusoidal_time_features(jnp.array(0.3), 7)
     with pytest.raises(ValueError, match="num_features"):
         sinusoidal_time_features(jnp.array(0.3), 0)
+
+
+def test_silu_value_and_derivative_match_numpy() -> None:
+    x = np.concatenate([np.linspace(-40.0, 40.0, 4001), [0.0, -1e-6, 1e-6]]).astype(np.float32)
+    value_and_slope = jax.jit(jax.vmap(jax.value_and_grad(silu)))
+    value, slope = (np.asarray(a, np.float64) for a in value_and_slope(x))
+    x64 = x.astype(np.float64)
+    sigmoid = 1.0 / (1.0 + np.exp(-x64))
+    # float32 resolution relative to max(1, |x|): in the far negative tail `1 + tanh(x / 2)`
+    # rounds to 0 where the exact value is below 2e-6 in magnitude
+    scale = np.maximum(1.0, np.abs(x64))
+    assert np.all(np.abs(value - x64 * sigmoid) <= 3e-7 * scale)
+    assert np.all(np.abs(slope - sigmoid * (1.0 + x64 * (1.0 - sigmoid))) <= 3e-7 * scale)
 
 
 # ---------------------------------------------------------------- MLPVelocity

@@ -1,4 +1,8 @@
 """Small conditional velocity networks `model(x, t, cond) -> v` on one unbatched example."""
 
 from ._dit import DiT as DiT
-from ._mlp import MLPVelocity as MLPVelocity, sinusoidal_time_features as sinusoidal_time_features
+from ._mlp import (
+    MLPVelocity as MLPVelocity,
+    silu as silu,
+    sinusoidal_time_features as sinusoidal_time_features,
+)

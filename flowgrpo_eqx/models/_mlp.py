@@ -57,6 +57,26 @@ def sinusoidal_time_features(
     return jnp.concatenate([jnp.cos(args), jnp.sin(args)])
 
 
+def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+    """SiLU, `x * sigmoid(x)`, written as `x * (1 + tanh(x / 2)) / 2`.
+
+    The same function; XLA's CPU `tanh` is a cheap rational approximation while its
+    `logistic` is not, so this form makes a training step of a wide `MLPVelocity` about 5%
+    faster on CPU (measured in `bench/`). Agrees with `jax.nn.silu` to float32 resolution
+    relative to `max(1, |x|)`; for `x` below about -17 it returns 0 where the exact value is
+    smaller than `2e-6` in magnitude.
+
+    **Arguments:**
+
+    - `x`: any float array.
+
+    **Returns:**
+
+    `silu(x)`, same shape and dtype.
+    """
+    return x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
+
+
 _CHUNK = 1 << 16
 
 
@@ -132,7 +152,7 @@ class MLPVelocity(eqx.Module):
     """A conditional MLP velocity network `v(x, t, cond)` on flat latents.
 
     The input `[x, sinusoidal_time_features(t), cond]` goes through `depth` hidden layers
-    (each `Linear` then SiLU; the first maps the input to `hidden`, the other `depth - 1` are
+    (each `Linear` then `silu`; the first maps the input to `hidden`, the other `depth - 1` are
     `hidden x hidden`), then a `Linear` back to `latent_dim`. At a wide `hidden` the FLOPs are
     dominated by the `hidden x hidden` matmuls.
 
@@ -221,6 +241,6 @@ class MLPVelocity(eqx.Module):
         features = sinusoidal_time_features(t.astype(dtype), self.time_features)
         h = jnp.concatenate([x.astype(dtype), features, cond.astype(dtype)])
         for layer in self.layers:
-            h = jax.nn.silu(layer(h))
+            h = silu(layer(h))
         v: Float[Array, " latent_dim"] = self.out(h)
         return v.astype(x.dtype)
