@@ -200,6 +200,9 @@ def test_bad_trainer_and_flow_matching_settings():
         Trainer(objective, ema_decay=1.0)
     with pytest.raises(ValueError, match="learning_rate"):
         default_optimizer(0.0)
+    for bad in (0, True):
+        with pytest.raises(ValueError, match="decay_steps"):
+            default_optimizer(1e-3, decay_steps=bad)
     with pytest.raises(ValueError, match="cond_dropout"):
         FlowMatchingObjective(objective.model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.zeros(2)),
                               cond_dropout=1.0)
@@ -297,3 +300,47 @@ def test_killed_run_resumes_to_identical_result(tmp_path):
 def test_cli_rejects_unknown_preset(tmp_path):
     result = _cli("train", "--preset", "huge", "--out", str(tmp_path), cwd=tmp_path)
     assert result.returncode == 2 and "preset" in result.stderr
+
+
+def test_sde_steps_makes_only_leading_transitions_stochastic(tmp_path):
+    from flowgrpo_eqx.train._job import ShapesJob, make_config
+
+    job = ShapesJob(make_config("tiny", rollout_steps=5, sde_steps=2), tmp_path, quiet=True)
+    sde = job.objective(job.model).sde
+    grid = np.asarray(fg.RectifiedFlow().timesteps(5))
+    stochastic = np.asarray(sde.is_stochastic(grid[:-1], grid[1:]))
+    assert stochastic.tolist() == [True, True, False, False]
+    everywhere = ShapesJob(make_config("tiny", rollout_steps=5), tmp_path, quiet=True)
+    assert everywhere.objective(everywhere.model).sde.window is None
+    for bad in (0, 5):
+        job = ShapesJob(make_config("tiny", rollout_steps=5, sde_steps=bad), tmp_path, quiet=True)
+        with pytest.raises(ValueError, match="sde_steps"):
+            job.objective(job.model)
+
+
+def test_cosine_decay_step_sizes_match_numpy():
+    # With a constant gradient, Adam's bias-corrected update is one step size per update, so
+    # each parameter moves by the schedule: lr * (1 + cos(pi * i / decay_steps)) / 2, then 0.
+    optimizer = default_optimizer(1e-2, weight_decay=0.0, max_grad_norm=None, decay_steps=4)
+    params = jnp.zeros(3)
+    grads = jnp.array([1.0, -2.0, 0.5])
+    state = optimizer.init(params)
+    moves = []
+    for _ in range(6):
+        updates, state = optimizer.update(grads, state, params)
+        moves.append(np.asarray(updates))
+    index = np.arange(6)
+    want = 1e-2 * 0.5 * (1.0 + np.cos(np.pi * np.minimum(index, 4) / 4))
+    np.testing.assert_allclose(np.abs(np.stack(moves)), np.repeat(want[:, None], 3, axis=1),
+                               rtol=1e-4, atol=1e-9)
+    assert np.all(np.sign(np.stack(moves)[:4]) == -np.sign(np.asarray(grads)))
+
+
+def test_job_cosine_schedule_spans_the_run_and_bad_schedule_named(tmp_path):
+    from flowgrpo_eqx.train._job import ShapesJob, make_config
+
+    job = ShapesJob(make_config("tiny", epochs=3, inner_epochs=2, minibatch_rows=4), tmp_path)
+    # tiny: 2 prompts x 4 groups = 8 rows -> 2 minibatches, x 2 inner epochs, x 3 epochs
+    assert job.updates() == 12
+    with pytest.raises(ValueError, match="lr_schedule"):
+        ShapesJob(make_config("tiny", lr_schedule="linear"), tmp_path)

@@ -61,9 +61,11 @@ class JobConfig:
     groups: int = 8
     rollout_steps: int = 6
     train_steps: int | None = None
+    sde_steps: int | None = None
     inner_epochs: int = 1
     minibatch_rows: int | None = None
     learning_rate: float = 1e-4
+    lr_schedule: str = "constant"  # "constant" | "cosine" (to 0 at the last epoch)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     beta: float = 0.0
@@ -201,6 +203,10 @@ class ShapesJob:
         self.config = config
         self.out = pathlib.Path(out)
         self.quiet = quiet
+        if config.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(
+                f"`lr_schedule` must be 'constant' or 'cosine', got {config.lr_schedule!r}."
+            )
         self.task = ShapesTask()
         self.reward: FlowReward
         if config.reward == "jpeg_incompressibility":
@@ -281,13 +287,32 @@ class ShapesJob:
 
     # -- Flow-GRPO --------------------------------------------------------------------
 
+    def sde_window(self) -> tuple[float, float] | None:
+        """The SDE window of `sde_steps` (the leading rollout transitions that sample noise;
+        the rest are ODE steps, as Flow-GRPO-Fast), or `None` when every transition does.
+
+        **Raises:**
+
+        - `ValueError`: naming `sde_steps` when it is not in `1..rollout_steps - 1`.
+        """
+        config = self.config
+        if config.sde_steps is None:
+            return None
+        if not 1 <= config.sde_steps <= config.rollout_steps - 1:
+            raise ValueError(
+                f"`sde_steps` must be None or in 1..{config.rollout_steps - 1} (rollout_steps="
+                f"{config.rollout_steps}), got {config.sde_steps}."
+            )
+        grid = RectifiedFlow().timesteps(config.rollout_steps)
+        return FlowSDE.window_for_indices(grid, 0, config.sde_steps)
+
     def objective(self, base: Any) -> FlowGRPOObjective:
         config = self.config
         return FlowGRPOObjective(
             self.model,
             RectifiedFlow(),
             self.inputs,
-            sde=FlowSDE(config.noise_level),
+            sde=FlowSDE(config.noise_level, window=self.sde_window()),
             beta=config.beta,
             clip_range=config.clip_range,
             adv_clip_max=config.adv_clip_max,
@@ -308,10 +333,21 @@ class ShapesJob:
             mesh=mesh,
         )
 
+    def updates(self) -> int:
+        """How many optimizer updates the Flow-GRPO run makes (epochs x inner epochs x
+        minibatches per rollout)."""
+        config = self.config
+        rows = min(config.prompts_per_epoch, count_rows(self.task.rows("train"))) * config.groups
+        minibatches = 1 if config.minibatch_rows is None else rows // config.minibatch_rows
+        return config.epochs * config.inner_epochs * max(1, minibatches)
+
     def trainer(self, objective: FlowGRPOObjective) -> Trainer:
         config = self.config
         optimizer = default_optimizer(
-            config.learning_rate, config.weight_decay, config.max_grad_norm
+            config.learning_rate,
+            config.weight_decay,
+            config.max_grad_norm,
+            decay_steps=self.updates() if config.lr_schedule == "cosine" else None,
         )
         return Trainer(objective, optimizer, ema_decay=config.ema_decay)
 

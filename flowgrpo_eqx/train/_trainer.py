@@ -41,6 +41,7 @@ def default_optimizer(
     learning_rate: float = 1e-4,
     weight_decay: float = 1e-4,
     max_grad_norm: float | None = 1.0,
+    decay_steps: int | None = None,
 ) -> optax.GradientTransformation:
     """AdamW with global-norm gradient clipping, as the reference Flow-GRPO trainer.
 
@@ -49,6 +50,8 @@ def default_optimizer(
     - `learning_rate`: the AdamW step size.
     - `weight_decay`: the decoupled weight decay.
     - `max_grad_norm`: the global-norm clip, or `None` for none.
+    - `decay_steps`: `None` for a constant step size, or the number of updates over which it
+        follows a cosine from `learning_rate` down to 0 (and stays at 0 after).
 
     **Returns:**
 
@@ -56,7 +59,8 @@ def default_optimizer(
 
     **Raises:**
 
-    - `ValueError`: for a non-positive learning rate or clip, or negative weight decay.
+    - `ValueError`: for a non-positive learning rate, clip or `decay_steps`, or negative
+        weight decay.
     """
     if not learning_rate > 0:
         raise ValueError(f"`learning_rate` must be > 0, got {learning_rate!r}.")
@@ -64,7 +68,14 @@ def default_optimizer(
         raise ValueError(f"`weight_decay` must be >= 0, got {weight_decay!r}.")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"`max_grad_norm` must be > 0 or None, got {max_grad_norm!r}.")
-    adamw = optax.adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    if decay_steps is not None and (isinstance(decay_steps, bool) or not decay_steps >= 1):
+        raise ValueError(f"`decay_steps` must be None or an int >= 1, got {decay_steps!r}.")
+    step_size: float | optax.Schedule = (
+        learning_rate
+        if decay_steps is None
+        else optax.cosine_decay_schedule(learning_rate, decay_steps)
+    )
+    adamw = optax.adamw(step_size, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
     if max_grad_norm is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
