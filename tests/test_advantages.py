@@ -13,8 +13,9 @@ def test_matches_numpy_statement(groups, std):
     rewards[:groups] = 0.25  # one constant group
     got = fg.group_advantages(rewards, groups=groups, std=std)
     assert got.dtype == np.float32 and got.shape == rewards.shape
-    np.testing.assert_allclose(got, ref.group_advantages(rewards, groups, 1e-4, std),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        got, ref.group_advantages(rewards, groups, 1e-4, std), rtol=1e-6, atol=1e-6
+    )
     assert np.all(got[:groups] == 0.0)
 
 
@@ -25,7 +26,9 @@ def test_float64_resolution_is_kept():
     np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-6)
     # float32 rewards would collapse these eight values onto at most two.
     assert len(np.unique(np.float32(rewards))) <= 2 < len(np.unique(rewards))
-    assert np.all(np.diff(got.reshape(2, 4), axis=1) > 0)  # every distinct float64 reward keeps its own advantage
+    assert np.all(
+        np.diff(got.reshape(2, 4), axis=1) > 0
+    )  # every distinct float64 reward keeps its own advantage
 
 
 def test_equal_rows_in_different_groups_do_not_merge():

@@ -7,7 +7,6 @@ Flow-GRPO part differs.
 
 import json
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
@@ -63,7 +62,7 @@ def placements(folder):
 def assert_same_run(folder, baseline):
     want, got = records(baseline), records(folder)
     assert [r["epoch"] for r in got] == [r["epoch"] for r in want]
-    for a, b in zip(want, got):
+    for a, b in zip(want, got, strict=True):
         assert set(a) == set(b)
         for name in a:
             np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6, err_msg=name)
@@ -74,9 +73,9 @@ def assert_same_run(folder, baseline):
     leaves_got = jax.tree.leaves(eqx.filter(policy_got, eqx.is_array))
     base = load_model(next(baseline.glob("base_*.eqx")), job.model)
     moved = [not np.array_equal(a, b) for a, b in
-             zip(jax.tree.leaves(eqx.filter(base, eqx.is_array)), leaves_want)]
+             zip(jax.tree.leaves(eqx.filter(base, eqx.is_array)), leaves_want, strict=True)]
     assert any(moved), "Flow-GRPO changed nothing; the comparison would be vacuous"
-    for a, b in zip(leaves_want, leaves_got):
+    for a, b in zip(leaves_want, leaves_got, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 

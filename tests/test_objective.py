@@ -83,20 +83,40 @@ def numpy_loss(objective, policy, reference, batch):
     sde = objective.sde
     scale = None if objective.guidance is None else objective.guidance.scale
     n, k = batch.timesteps.shape
-    arrays = {f: np.asarray(getattr(batch, f), np.float64) for f in
-              ("latents", "next_latents", "timesteps", "next_timesteps", "old_log_probs",
-               "advantages")}
+    arrays = {
+        f: np.asarray(getattr(batch, f), np.float64)
+        for f in (
+            "latents",
+            "next_latents",
+            "timesteps",
+            "next_timesteps",
+            "old_log_probs",
+            "advantages",
+        )
+    }
     mask = np.asarray(batch.transition_mask)
     cond = np.asarray(batch.cond, np.float64)
-    sums = dict.fromkeys(("objective", "policy_loss", "kl", "clipfrac", "clipfrac_gt_one",
-                          "clipfrac_lt_one", "approx_kl", "ratio"), 0.0)
+    sums = dict.fromkeys(
+        (
+            "objective",
+            "policy_loss",
+            "kl",
+            "clipfrac",
+            "clipfrac_gt_one",
+            "clipfrac_lt_one",
+            "approx_kl",
+            "ratio",
+        ),
+        0.0,
+    )
     count = 0
     for i in range(n):
         for j in range(k):
             t = float(arrays["timesteps"][i, j])
             t_next = float(arrays["next_timesteps"][i, j])
-            if not (mask[i, j] and ref.stochastic(t, t_next, sde.noise_level, sde.kind,
-                                                   sde.window)):
+            if not (
+                mask[i, j] and ref.stochastic(t, t_next, sde.noise_level, sde.kind, sde.window)
+            ):
                 continue
             count += 1
             x = arrays["latents"][i, j]
@@ -105,14 +125,18 @@ def numpy_loss(objective, policy, reference, batch):
             log_p = ref.log_prob(arrays["next_latents"][i, j], mean, std)
             log_ratio = log_p - arrays["old_log_probs"][i, j]
             ratio = math.exp(log_ratio)
-            adv = arrays["advantages"][i] if arrays["advantages"].ndim == 1 else \
-                arrays["advantages"][i, j]
+            adv = (
+                arrays["advantages"][i]
+                if arrays["advantages"].ndim == 1
+                else arrays["advantages"][i, j]
+            )
             surrogate = ref.surrogate(adv, ratio, objective.clip_range, objective.adv_clip_max)
             kl = 0.0
             if objective.beta > 0:
                 v_ref = numpy_guided(reference, x, t, cond[i], scale)
-                mean_ref, _ = ref.transition(x, v_ref, t, t_next, sde.noise_level, sde.kind,
-                                             sde.window)
+                mean_ref, _ = ref.transition(
+                    x, v_ref, t, t_next, sde.noise_level, sde.kind, sde.window
+                )
                 kl = ref.kl_paper(mean, mean_ref, std)
                 if sde.kl_weighting == "released":
                     kl *= t - t_next
@@ -127,8 +151,17 @@ def numpy_loss(objective, policy, reference, batch):
     return sums, count
 
 
-def make_objective(*, beta=0.0, guidance=True, kind="flow", window=None, clip_range=0.2,
-                   weighting="paper", chunk=None, key=0):
+def make_objective(
+    *,
+    beta=0.0,
+    guidance=True,
+    kind="flow",
+    window=None,
+    clip_range=0.2,
+    weighting="paper",
+    chunk=None,
+    key=0,
+):
     model = LinearVelocity(jax.random.key(key))
     return fg.FlowGRPOObjective(
         model,
@@ -147,7 +180,11 @@ def perturbed(model, key, size=0.05):
     leaves, tree = jax.tree.flatten(model)
     keys = jax.random.split(key, len(leaves))
     return jax.tree.unflatten(
-        tree, [leaf + size * jax.random.normal(k, leaf.shape) for leaf, k in zip(leaves, keys)]
+        tree,
+        [
+            leaf + size * jax.random.normal(k, leaf.shape)
+            for leaf, k in zip(leaves, keys, strict=True)
+        ],
     )
 
 
@@ -160,29 +197,41 @@ WINDOW = (float(ref.grid(8, 3.0)[1]), float(ref.grid(8, 3.0)[5]))
 @pytest.mark.parametrize("guidance", [True, False])
 @pytest.mark.parametrize("per_transition", [False, True])
 def test_loss_and_aux_match_numpy(kind, beta, weighting, guidance, per_transition):
-    objective = make_objective(beta=beta, guidance=guidance, kind=kind, window=WINDOW,
-                               weighting=weighting, chunk=4)
+    objective = make_objective(
+        beta=beta, guidance=guidance, kind=kind, window=WINDOW, weighting=weighting, chunk=4
+    )
     variables = objective.init(jax.random.key(1))
     policy = perturbed(variables.policy, jax.random.key(2))
     variables = fg.Variables(policy=policy, held=variables.held)
-    batch = make_batch(seed=hash((kind, beta, guidance, per_transition)) % 1000,
-                       advantages_per_transition=per_transition)
+    batch = make_batch(
+        seed=hash((kind, beta, guidance, per_transition)) % 1000,
+        advantages_per_transition=per_transition,
+    )
     # Put the recorded log probs near the policy's so that some ratios clip and some do not.
     rescored = np.asarray(objective.log_probs(variables, batch))
     noise = np.random.default_rng(0).normal(size=rescored.shape) * 0.3
-    batch = eqx.tree_at(lambda b: b.old_log_probs, batch,
-                        jnp.asarray((rescored + noise).astype(np.float32)))
+    batch = eqx.tree_at(
+        lambda b: b.old_log_probs, batch, jnp.asarray((rescored + noise).astype(np.float32))
+    )
     total, aux = objective.loss(variables, batch, STEP)
     sums, count = numpy_loss(objective, policy, variables.held, batch)
     assert 0 < count < batch.timesteps.size
     assert float(total.count) == count == float(aux.counted)
     np.testing.assert_allclose(float(total.total), sums["objective"], rtol=1e-4, atol=1e-5)
-    for name in ("policy_loss", "kl", "clipfrac", "clipfrac_gt_one", "clipfrac_lt_one",
-                 "approx_kl", "ratio"):
+    for name in (
+        "policy_loss",
+        "kl",
+        "clipfrac",
+        "clipfrac_gt_one",
+        "clipfrac_lt_one",
+        "approx_kl",
+        "ratio",
+    ):
         mean = getattr(aux, name)
         assert float(mean.count) == count
-        np.testing.assert_allclose(float(mean.total), sums[name], rtol=1e-4, atol=1e-5,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            float(mean.total), sums[name], rtol=1e-4, atol=1e-5, err_msg=name
+        )
     if beta == 0:
         assert float(aux.kl.total) == 0.0
     else:
@@ -191,8 +240,9 @@ def test_loss_and_aux_match_numpy(kind, beta, weighting, guidance, per_transitio
 
 
 def test_default_clip_range_and_clipped_statistics():
-    objective = fg.FlowGRPOObjective(LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(),
-                                     fg.InputSpec(), guidance=None)
+    objective = fg.FlowGRPOObjective(
+        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), guidance=None
+    )
     assert objective.clip_range == 1e-4 and objective.adv_clip_max == 5.0
     assert objective.steps == 41 and objective.beta == 0.0
     variables = objective.init(jax.random.key(0))
@@ -223,8 +273,7 @@ def test_no_kept_transitions_gives_zero_loss_and_finite_zero_grads(beta):
     objective = make_objective(beta=beta)
     variables = objective.init(jax.random.key(0))
     batch = make_batch(seed=5, poison=True)
-    batch = eqx.tree_at(lambda b: b.transition_mask, batch,
-                        jnp.zeros_like(batch.transition_mask))
+    batch = eqx.tree_at(lambda b: b.transition_mask, batch, jnp.zeros_like(batch.transition_mask))
     loss, grads = policy_grad(objective, variables, batch)
     assert float(loss) == 0.0
     for leaf in jax.tree.leaves(grads):
@@ -235,8 +284,7 @@ def test_zero_transitions_axis():
     objective = make_objective()
     variables = objective.init(jax.random.key(0))
     batch = make_batch(seed=6)
-    empty = jax.tree.map(lambda a: a[:, :0] if a.ndim >= 2 and a is not batch.cond else a,
-                         batch)
+    empty = jax.tree.map(lambda a: a[:, :0] if a.ndim >= 2 and a is not batch.cond else a, batch)
     empty = eqx.tree_at(lambda b: b.advantages, empty, batch.advantages)
     total, aux = objective.loss(variables, empty, STEP)
     assert float(total.value) == 0.0 and float(aux.counted) == 0.0
@@ -252,7 +300,7 @@ def test_masked_poison_changes_nothing():
     loss_poison, grad_poison = policy_grad(objective, variables, poisoned)
     assert np.isfinite(float(loss_poison))
     assert float(loss_clean) == float(loss_poison)
-    for a, b in zip(jax.tree.leaves(grad_clean), jax.tree.leaves(grad_poison)):
+    for a, b in zip(jax.tree.leaves(grad_clean), jax.tree.leaves(grad_poison), strict=True):
         assert np.all(np.isfinite(np.asarray(b)))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -276,8 +324,9 @@ def test_reference_gets_no_gradient_and_held_flags():
 def test_init_uses_pretrained_then_given_variables():
     model = LinearVelocity(jax.random.key(0))
     pretrained = LinearVelocity(jax.random.key(1))
-    objective = fg.FlowGRPOObjective(model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None,
-                                     pretrained=pretrained, beta=0.1)
+    objective = fg.FlowGRPOObjective(
+        model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, pretrained=pretrained, beta=0.1
+    )
     variables = objective.init(jax.random.key(0))
     assert variables.policy is pretrained and variables.held is pretrained
     other = fg.Variables(model, pretrained)
@@ -294,11 +343,14 @@ def test_chunking_does_not_change_results(chunk):
     want_loss, want_grad = policy_grad(reference_objective, variables, batch)
     loss, grad = policy_grad(objective, variables, batch)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(want_grad)):
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(want_grad), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(objective.log_probs(variables, batch)),
-                               np.asarray(reference_objective.log_probs(variables, batch)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(objective.log_probs(variables, batch)),
+        np.asarray(reference_objective.log_probs(variables, batch)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_log_probs_match_numpy():
@@ -332,14 +384,14 @@ def test_log_probs_match_numpy():
 def test_constructor_rejects_bad_settings(kwargs, name):
     settings = {"guidance": None, **kwargs}
     with pytest.raises(ValueError, match=name):
-        fg.FlowGRPOObjective(LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(),
-                             fg.InputSpec(), **settings)
+        fg.FlowGRPOObjective(
+            LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), **settings
+        )
 
 
 def test_default_guidance_needs_null_condition():
     with pytest.raises(ValueError, match="guidance"):
-        fg.FlowGRPOObjective(LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(),
-                             fg.InputSpec())
+        fg.FlowGRPOObjective(LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec())
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("inf")])
@@ -363,9 +415,19 @@ def test_cfg_scale_checked(bad):
 )
 def test_wrong_field_shape_names_field(field, value):
     batch = make_batch(seed=11)
-    fields = {f: getattr(batch, f) for f in ("latents", "next_latents", "timesteps",
-                                              "next_timesteps", "old_log_probs",
-                                              "transition_mask", "advantages", "cond")}
+    fields = {
+        f: getattr(batch, f)
+        for f in (
+            "latents",
+            "next_latents",
+            "timesteps",
+            "next_timesteps",
+            "old_log_probs",
+            "transition_mask",
+            "advantages",
+            "cond",
+        )
+    }
     fields[field] = value
     with pytest.raises((ValueError, TypeError), match=field):
         fg.Transitions(**fields)
@@ -381,8 +443,9 @@ def test_evaluate_prompt_only_rows_and_transitions():
     again = objective.evaluate(variables, make_batch(seed=12), STEP)
     assert again.samples.shape == (5, DIM)
     # Deterministic ODE: the same key gives the same samples, another key others.
-    np.testing.assert_array_equal(objective.evaluate(variables, rows, STEP).latents,
-                                  evaluation.latents)
+    np.testing.assert_array_equal(
+        objective.evaluate(variables, rows, STEP).latents, evaluation.latents
+    )
     other = objective.evaluate(variables, rows, fg.Step(0, jax.random.key(9)))
     assert not np.allclose(other.latents, evaluation.latents)
 
@@ -397,14 +460,15 @@ def test_evaluate_euler_matches_numpy():
     grid = ref.grid(6, 3.0)
     for i in range(2):
         x = noise[i]
-        for a, b in zip(grid[:-1], grid[1:]):
+        for a, b in zip(grid[:-1], grid[1:], strict=True):
             x = x + variables.policy.numpy(x, a, np.asarray(rows[i], np.float64)) * (b - a)
         np.testing.assert_allclose(np.asarray(evaluation.latents[i]), x, rtol=1e-4, atol=1e-4)
 
 
 def test_evaluate_prompt_only_needs_latent_shape():
-    objective = fg.FlowGRPOObjective(LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(),
-                                     fg.InputSpec(), guidance=None)
+    objective = fg.FlowGRPOObjective(
+        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), guidance=None
+    )
     with pytest.raises(ValueError, match="latent_shape"):
         objective.evaluate(objective.init(jax.random.key(0)), jnp.ones((2, COND)), STEP)
 
@@ -418,7 +482,7 @@ def test_heun_solver_is_second_order():
     for steps in (5, 9, 17):
         grid = fg.RectifiedFlow().timesteps(steps)
         x = jnp.ones((1, 1))
-        for a, b in zip(grid[:-1], grid[1:]):
+        for a, b in zip(grid[:-1], grid[1:], strict=True):
             x = fg.Heun().step(velocity, x, a, b)
         errors.append(abs(float(x[0, 0]) - math.exp(-1)))
     assert errors[0] / errors[1] > 3.5 and errors[1] / errors[2] > 3.5

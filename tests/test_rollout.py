@@ -184,7 +184,7 @@ def test_bad_reward_clear_error_variables_untouched(bad, message):
         rollout.collect(variables, ROWS, jax.random.key(6))
     assert "counting" in str(error.value)
     after = jax.tree.map(np.array, eqx.filter(variables, eqx.is_array))
-    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

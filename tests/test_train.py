@@ -20,12 +20,12 @@ from flowgrpo_eqx.train import (
     MetricsLog,
     SupervisedBatch,
     Trainer,
+    _checkpoint,
     default_optimizer,
     flow_grpo_epoch,
     load_model,
     save_model,
 )
-from flowgrpo_eqx.train import _checkpoint
 
 
 LATENT = 4
@@ -37,15 +37,20 @@ def brightness(samples, rows):
 
 
 def make_setup(beta, ema_decay=None, trainable=eqx.is_inexact_array, lr=1e-2):
-    model = MLPVelocity(LATENT, COND, hidden=16, depth=2, time_features=8,
-                        key=jax.random.key(0))
+    model = MLPVelocity(LATENT, COND, hidden=16, depth=2, time_features=8, key=jax.random.key(0))
     objective = fg.FlowGRPOObjective(
-        model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
-        beta=beta, clip_range=0.2, guidance=fg.CFG(2.0), steps=4,
+        model,
+        fg.RectifiedFlow(),
+        fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+        beta=beta,
+        clip_range=0.2,
+        guidance=fg.CFG(2.0),
+        steps=4,
     )
     rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
-    trainer = Trainer(objective, default_optimizer(lr, 0.0), trainable=trainable,
-                      ema_decay=ema_decay)
+    trainer = Trainer(
+        objective, default_optimizer(lr, 0.0), trainable=trainable, ema_decay=ema_decay
+    )
     return objective, rollout, trainer
 
 
@@ -55,8 +60,13 @@ ROWS = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
 def run_epochs(trainer, rollout, state, epochs=2, minibatch_rows=4):
     for epoch in range(epochs):
         state, metrics, _ = flow_grpo_epoch(
-            trainer, state, rollout, ROWS, jax.random.key(100 + epoch),
-            inner_epochs=2, minibatch_rows=minibatch_rows,
+            trainer,
+            state,
+            rollout,
+            ROWS,
+            jax.random.key(100 + epoch),
+            inner_epochs=2,
+            minibatch_rows=minibatch_rows,
         )
     return state, metrics
 
@@ -72,11 +82,13 @@ def test_reference_bit_identical_and_never_ema_written():
     reference = arrays(state.variables.held)
     policy_before = arrays(state.variables.policy)
     state, metrics = run_epochs(trainer, rollout, state)
-    for a, b in zip(reference, arrays(state.variables.held)):
+    for a, b in zip(reference, arrays(state.variables.held), strict=True):
         np.testing.assert_array_equal(a, b)
         assert a.dtype == b.dtype
-    assert any(not np.array_equal(a, b) for a, b in zip(policy_before,
-                                                        arrays(state.variables.policy)))
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(policy_before, arrays(state.variables.policy), strict=True)
+    )
     assert metrics["kl"] > 0
 
 
@@ -88,11 +100,15 @@ def test_ema_updated_as_configured_when_slot_free():
     held_before = arrays(state.variables.held)
     state, _ = trainer.update(state, batch)
     policy_after = arrays(state.variables.policy)
-    for before, policy, held in zip(held_before, policy_after, arrays(state.variables.held)):
+    for before, policy, held in zip(
+        held_before, policy_after, arrays(state.variables.held), strict=True
+    ):
         want = 0.75 * before.astype(np.float64) + 0.25 * policy.astype(np.float64)
         np.testing.assert_allclose(held, want, rtol=1e-6, atol=1e-7)
-    assert any(not np.array_equal(a, b) for a, b in zip(held_before,
-                                                        arrays(state.variables.held)))
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(held_before, arrays(state.variables.held), strict=True)
+    )
 
 
 def test_no_ema_leaves_slot_unchanged():
@@ -100,13 +116,12 @@ def test_no_ema_leaves_slot_unchanged():
     state = trainer.init(jax.random.key(0))
     held = arrays(state.variables.held)
     state, _ = run_epochs(trainer, rollout, state, epochs=1)
-    for a, b in zip(held, arrays(state.variables.held)):
+    for a, b in zip(held, arrays(state.variables.held), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
 def test_filter_freezes_parameters():
-    model = MLPVelocity(LATENT, COND, hidden=16, depth=2, time_features=8,
-                        key=jax.random.key(0))
+    model = MLPVelocity(LATENT, COND, hidden=16, depth=2, time_features=8, key=jax.random.key(0))
     only_last = jax.tree.map(lambda _: False, model)
     only_last = eqx.tree_at(lambda m: m.layers[-1].weight, only_last, True)
     objective, rollout, trainer = make_setup(beta=0.0, trainable=only_last)
@@ -146,19 +161,26 @@ def test_update_matches_manual_optax_step():
     want = eqx.apply_updates(params, updates)
     want_arrays = arrays(want)
     new_state, metrics = trainer.update(state, batch)
-    for a, b in zip(want_arrays, arrays(new_state.variables.policy)):
+    for a, b in zip(want_arrays, arrays(new_state.variables.policy), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert int(new_state.step) == 1
-    np.testing.assert_allclose(float(metrics["grad_norm"]), float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        float(metrics["grad_norm"]),
+        float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))),
+        rtol=1e-5,
+    )
 
 
 def test_flow_matching_loss_matches_numpy():
-    model = MLPVelocity(LATENT, COND, hidden=8, depth=1, time_features=4,
-                        key=jax.random.key(0))
-    objective = FlowMatchingObjective(model, fg.RectifiedFlow(),
-                                      fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
-                                      cond_dropout=0.0, time_sampling="uniform", guidance=None)
+    model = MLPVelocity(LATENT, COND, hidden=8, depth=1, time_features=4, key=jax.random.key(0))
+    objective = FlowMatchingObjective(
+        model,
+        fg.RectifiedFlow(),
+        fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+        cond_dropout=0.0,
+        time_sampling="uniform",
+        guidance=None,
+    )
     data = jax.random.normal(jax.random.key(1), (6, LATENT))
     cond = jax.random.normal(jax.random.key(2), (6, COND))
     step = fg.Step(0, jax.random.key(3))
@@ -168,8 +190,10 @@ def test_flow_matching_loss_matches_numpy():
     t = np.asarray(jax.random.uniform(time_key, (6,), minval=1e-4, maxval=1 - 1e-4), np.float64)
     x0 = np.asarray(data, np.float64)
     x_t = (1 - t[:, None]) * x0 + t[:, None] * noise
-    prediction = np.asarray(jax.vmap(model)(jnp.asarray(x_t, jnp.float32),
-                                            jnp.asarray(t, jnp.float32), cond), np.float64)
+    prediction = np.asarray(
+        jax.vmap(model)(jnp.asarray(x_t, jnp.float32), jnp.asarray(t, jnp.float32), cond),
+        np.float64,
+    )
     want = np.mean((prediction - (noise - x0)) ** 2, axis=1).sum()
     np.testing.assert_allclose(float(total.total), want, rtol=1e-4)
     assert float(total.count) == 6 and float(aux["dropped"].total) == 0
@@ -177,9 +201,12 @@ def test_flow_matching_loss_matches_numpy():
 
 def test_flow_matching_pretraining_reduces_loss_and_drops_conditions():
     model = MLPVelocity(LATENT, COND, hidden=32, depth=2, time_features=8, key=jax.random.key(0))
-    objective = FlowMatchingObjective(model, fg.RectifiedFlow(),
-                                      fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
-                                      cond_dropout=0.5)
+    objective = FlowMatchingObjective(
+        model,
+        fg.RectifiedFlow(),
+        fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+        cond_dropout=0.5,
+    )
     trainer = Trainer(objective, default_optimizer(3e-3, 0.0))
     state = trainer.init(jax.random.key(0))
     cond = jnp.tile(jnp.eye(COND), (16, 1))
@@ -204,8 +231,9 @@ def test_bad_trainer_and_flow_matching_settings():
         with pytest.raises(ValueError, match="decay_steps"):
             default_optimizer(1e-3, decay_steps=bad)
     with pytest.raises(ValueError, match="cond_dropout"):
-        FlowMatchingObjective(objective.model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.zeros(2)),
-                              cond_dropout=1.0)
+        FlowMatchingObjective(
+            objective.model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.zeros(2)), cond_dropout=1.0
+        )
     with pytest.raises(ValueError, match="null"):
         FlowMatchingObjective(objective.model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None)
 
@@ -263,8 +291,13 @@ def test_metrics_log_keep_only(tmp_path):
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "flowgrpo_eqx.cli", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "flowgrpo_eqx.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_killed_run_resumes_to_identical_result(tmp_path):
@@ -272,9 +305,13 @@ def test_killed_run_resumes_to_identical_result(tmp_path):
     killed = tmp_path / "killed"
     common = ["train", "--preset", "tiny", "--quiet", "--seed", "3"]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    first = subprocess.Popen([sys.executable, "-m", "flowgrpo_eqx.cli", *common, "--out",
-                              str(whole)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "flowgrpo_eqx.cli", *common, "--out", str(whole)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     crashed = _cli(*common, "--out", str(killed), "--kill-after-epoch", "2", cwd=tmp_path)
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, err
@@ -287,8 +324,16 @@ def test_killed_run_resumes_to_identical_result(tmp_path):
     assert (whole / "policy.eqx").read_bytes() == (killed / "policy.eqx").read_bytes()
     assert MetricsLog(whole / "metrics.jsonl").read() == MetricsLog(killed / "metrics.jsonl").read()
     summary = json.loads((killed / "summary.json").read_text())
-    for name in ("base_accuracy", "final_accuracy", "base_reward", "final_reward",
-                 "base_diversity", "final_diversity", "epochs", "wall_seconds"):
+    for name in (
+        "base_accuracy",
+        "final_accuracy",
+        "base_reward",
+        "final_reward",
+        "base_diversity",
+        "final_diversity",
+        "epochs",
+        "wall_seconds",
+    ):
         assert name in summary
     for picture in ("reward_curve.png", "samples_before.png", "samples_after.png"):
         assert (killed / picture).stat().st_size > 0
@@ -331,8 +376,9 @@ def test_cosine_decay_step_sizes_match_numpy():
         moves.append(np.asarray(updates))
     index = np.arange(6)
     want = 1e-2 * 0.5 * (1.0 + np.cos(np.pi * np.minimum(index, 4) / 4))
-    np.testing.assert_allclose(np.abs(np.stack(moves)), np.repeat(want[:, None], 3, axis=1),
-                               rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(
+        np.abs(np.stack(moves)), np.repeat(want[:, None], 3, axis=1), rtol=1e-4, atol=1e-9
+    )
     assert np.all(np.sign(np.stack(moves)[:4]) == -np.sign(np.asarray(grads)))
 
 
