@@ -24,7 +24,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .train._job import JobConfig, make_config
+from .train._job import SETTING_HELP, JobConfig, make_config
 
 
 def _parser_for(annotation: Any) -> Callable[[str], Any]:
@@ -53,7 +53,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             dest=field.name,
             type=_parser_for(field.type),
             default=argparse.SUPPRESS,
-            help=f"default {field.default!r}",
+            help=f"{SETTING_HELP[field.name]} (default {field.default!r})",
         )
 
 

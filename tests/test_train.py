@@ -355,7 +355,9 @@ def test_sde_steps_makes_only_leading_transitions_stochastic(tmp_path):
     grid = np.asarray(fg.RectifiedFlow().timesteps(5))
     stochastic = np.asarray(sde.is_stochastic(grid[:-1], grid[1:]))
     assert stochastic.tolist() == [True, True, False, False]
-    everywhere = ShapesJob(make_config("tiny", rollout_steps=5), tmp_path, quiet=True)
+    everywhere = ShapesJob(
+        make_config("tiny", rollout_steps=5, sde_steps=None), tmp_path, quiet=True
+    )
     assert everywhere.objective(everywhere.model).sde.window is None
     for bad in (0, 5):
         job = ShapesJob(make_config("tiny", rollout_steps=5, sde_steps=bad), tmp_path, quiet=True)
@@ -390,3 +392,21 @@ def test_job_cosine_schedule_spans_the_run_and_bad_schedule_named(tmp_path):
     assert job.updates() == 12
     with pytest.raises(ValueError, match="lr_schedule"):
         ShapesJob(make_config("tiny", lr_schedule="linear"), tmp_path)
+
+
+def test_every_setting_has_a_described_flag():
+    import dataclasses
+
+    from flowgrpo_eqx.train._job import SETTING_HELP, JobConfig
+
+    names = {field.name for field in dataclasses.fields(JobConfig)}
+    assert set(SETTING_HELP) == names
+    train = subprocess.run(
+        [sys.executable, "-m", "flowgrpo_eqx.cli", "train", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert train.returncode == 0
+    for name in names:
+        assert "--" + name.replace("_", "-") in train.stdout

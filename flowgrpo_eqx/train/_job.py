@@ -56,16 +56,16 @@ class JobConfig:
     pretrain_lr: float = 1e-3
     cond_dropout: float = 0.1
     # Flow-GRPO
-    epochs: int = 160
+    epochs: int = 240
     prompts_per_epoch: int = 16
-    groups: int = 8
+    groups: int = 16
     rollout_steps: int = 6
-    train_steps: int | None = None
-    sde_steps: int | None = None
+    train_steps: int | None = 2
+    sde_steps: int | None = 2
     inner_epochs: int = 1
-    minibatch_rows: int | None = None
+    minibatch_rows: int | None = 128
     learning_rate: float = 1e-4
-    lr_schedule: str = "constant"  # "constant" | "cosine" (to 0 at the last epoch)
+    lr_schedule: str = "cosine"  # "constant" | "cosine" (to 0 at the last epoch)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     beta: float = 0.0
@@ -78,7 +78,7 @@ class JobConfig:
     transition_chunk: int | None = None
     # evaluation
     eval_steps: int = 21
-    eval_samples_per_prompt: int = 4
+    eval_samples_per_prompt: int = 8
     eval_every: int = 20
     preview_prompts: int = 8
     # bookkeeping
@@ -103,6 +103,46 @@ class JobConfig:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+SETTING_HELP: dict[str, str] = {
+    "width": "DiT token width",
+    "depth": "DiT blocks",
+    "heads": "attention heads per block",
+    "patch": "patch side in pixels (16 / patch tokens per side)",
+    "pretrain_steps": "flow-matching steps of the base model",
+    "pretrain_batch": "images per flow-matching step",
+    "pretrain_lr": "flow-matching AdamW learning rate",
+    "cond_dropout": "probability of the null prompt in pretraining (for CFG)",
+    "epochs": "Flow-GRPO epochs (one rollout each)",
+    "prompts_per_epoch": "training prompts per rollout",
+    "groups": "samples per prompt (the GRPO group)",
+    "rollout_steps": "time-grid points of the rollout sampler (steps - 1 transitions)",
+    "train_steps": "leading transitions recorded and trained (None: all)",
+    "sde_steps": "leading transitions that sample noise, ODE after (Flow-GRPO-Fast; None: all)",
+    "inner_epochs": "passes over each rollout",
+    "minibatch_rows": "rows per optimizer update (None: the whole rollout)",
+    "learning_rate": "AdamW learning rate (the peak, with a schedule)",
+    "lr_schedule": "constant | cosine (to 0 at the last update)",
+    "weight_decay": "AdamW decoupled weight decay",
+    "max_grad_norm": "global-norm gradient clip",
+    "beta": "KL weight to the base model (0: none; the held slot then free for EMA)",
+    "clip_range": "PPO ratio clip",
+    "adv_clip_max": "advantage clip",
+    "noise_level": "SDE noise level a",
+    "guidance_scale": "classifier-free guidance scale (rollout, loss and evaluation)",
+    "reward": "partial | strict (the task checker) | jpeg_incompressibility",
+    "ema_decay": "EMA of the policy in the held slot (needs beta 0; None: off)",
+    "transition_chunk": "transitions per scanned chunk of the loss (None: all at once)",
+    "eval_steps": "ODE steps of held-out evaluation",
+    "eval_samples_per_prompt": "held-out samples per prompt (fixed noise)",
+    "eval_every": "epochs between held-out evaluations",
+    "preview_prompts": "prompts in samples_before.png / samples_after.png",
+    "checkpoint_every": "epochs between checkpoints",
+    "keep_checkpoints": "checkpoints kept",
+    "seed": "the seed everything random derives from",
+}
+"""A line of `--help` for each `JobConfig` setting."""
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     "tiny": dict(
@@ -115,6 +155,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         epochs=4,
         prompts_per_epoch=2,
         groups=4,
+        minibatch_rows=4,
         rollout_steps=4,
         eval_steps=4,
         eval_samples_per_prompt=1,
