@@ -56,14 +56,14 @@ class JobConfig:
     pretrain_lr: float = 1e-3
     cond_dropout: float = 0.1
     # Flow-GRPO
-    epochs: int = 240
+    epochs: int = 200
     prompts_per_epoch: int = 16
     groups: int = 16
     rollout_steps: int = 6
     train_steps: int | None = 2
     sde_steps: int | None = 2
     inner_epochs: int = 1
-    minibatch_rows: int | None = 128
+    minibatch_rows: int | None = 64
     learning_rate: float = 1e-4
     lr_schedule: str = "cosine"  # "constant" | "cosine" (to 0 at the last epoch)
     weight_decay: float = 0.0
