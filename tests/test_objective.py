@@ -12,6 +12,17 @@ import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
 
 
+AUX_NAMES = (
+    "policy_loss",
+    "kl",
+    "clipfrac",
+    "clipfrac_gt_one",
+    "clipfrac_lt_one",
+    "approx_kl",
+    "ratio",
+)
+
+
 DIM = 4
 COND = 3
 
@@ -97,16 +108,7 @@ def numpy_loss(objective, policy, reference, batch):
     mask = np.asarray(batch.transition_mask)
     cond = np.asarray(batch.cond, np.float64)
     sums = dict.fromkeys(
-        (
-            "objective",
-            "policy_loss",
-            "kl",
-            "clipfrac",
-            "clipfrac_gt_one",
-            "clipfrac_lt_one",
-            "approx_kl",
-            "ratio",
-        ),
+        ("objective", *AUX_NAMES),
         0.0,
     )
     count = 0
@@ -218,15 +220,7 @@ def test_loss_and_aux_match_numpy(kind, beta, weighting, guidance, per_transitio
     assert 0 < count < batch.timesteps.size
     assert float(total.count) == count == float(aux.counted)
     np.testing.assert_allclose(float(total.total), sums["objective"], rtol=1e-4, atol=1e-5)
-    for name in (
-        "policy_loss",
-        "kl",
-        "clipfrac",
-        "clipfrac_gt_one",
-        "clipfrac_lt_one",
-        "approx_kl",
-        "ratio",
-    ):
+    for name in AUX_NAMES:
         mean = getattr(aux, name)
         assert float(mean.count) == count
         np.testing.assert_allclose(
