@@ -383,16 +383,7 @@ def make_rollout(
     )
 
 
-FIELDS = (
-    "latents",
-    "next_latents",
-    "timesteps",
-    "next_timesteps",
-    "old_log_probs",
-    "transition_mask",
-    "advantages",
-    "cond",
-)
+FIELDS = tuple(field.name for field in dataclasses.fields(fg.Transitions))
 
 
 def replace(batch: fg.Transitions, **fields: Any) -> fg.Transitions:

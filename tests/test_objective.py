@@ -1,5 +1,6 @@
 """FlowGRPOObjective against an independent float64 NumPy statement of DESIGN section 3."""
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -409,19 +410,7 @@ def test_cfg_scale_checked(bad):
 )
 def test_wrong_field_shape_names_field(field, value):
     batch = make_batch(seed=11)
-    fields = {
-        f: getattr(batch, f)
-        for f in (
-            "latents",
-            "next_latents",
-            "timesteps",
-            "next_timesteps",
-            "old_log_probs",
-            "transition_mask",
-            "advantages",
-            "cond",
-        )
-    }
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(fg.Transitions)}
     fields[field] = value
     with pytest.raises((ValueError, TypeError), match=field):
         fg.Transitions(**fields)
