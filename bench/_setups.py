@@ -154,7 +154,8 @@ def dit_setup(quick: bool) -> Setup:
     job_config = make_config()
     prompts = 1 if quick else 2
     # The main job's own pieces (model, inputs, objective, rollout, trainer), on fewer prompts.
-    config = dataclasses.replace(job_config, prompts_per_epoch=prompts)
+    # One update over the whole rollout, as measured here (the job's minibatches need more rows).
+    config = dataclasses.replace(job_config, prompts_per_epoch=prompts, minibatch_rows=None)
     scratch = tempfile.mkdtemp(prefix="flowgrpo-bench-")
     job = ShapesJob(config, scratch, quiet=True)
     task = job.task

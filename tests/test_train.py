@@ -392,6 +392,9 @@ def test_job_cosine_schedule_spans_the_run_and_bad_schedule_named(tmp_path):
     assert job.updates() == 12
     with pytest.raises(ValueError, match="lr_schedule"):
         ShapesJob(make_config("tiny", lr_schedule="linear"), tmp_path)
+    for bad in (3, 16):  # 8 rows a rollout
+        with pytest.raises(ValueError, match="minibatch_rows"):
+            ShapesJob(make_config("tiny", minibatch_rows=bad), tmp_path).updates()
 
 
 def test_every_setting_has_a_described_flag():

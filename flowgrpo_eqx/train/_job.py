@@ -376,19 +376,31 @@ class ShapesJob:
 
     def updates(self) -> int:
         """How many optimizer updates the Flow-GRPO run makes (epochs x inner epochs x
-        minibatches per rollout)."""
+        minibatches per rollout).
+
+        **Raises:**
+
+        - `ValueError`: naming `minibatch_rows` when it does not divide a rollout's rows
+            (training prompts per epoch x `groups`), before any work is done.
+        """
         config = self.config
-        rows = min(config.prompts_per_epoch, count_rows(self.task.rows("train"))) * config.groups
-        minibatches = 1 if config.minibatch_rows is None else rows // config.minibatch_rows
-        return config.epochs * config.inner_epochs * max(1, minibatches)
+        rows = count_rows(self.epoch_rows(0)) * config.groups
+        size = rows if config.minibatch_rows is None else config.minibatch_rows
+        if size < 1 or rows % size != 0:
+            raise ValueError(
+                f"`minibatch_rows`={size} must divide a rollout's {rows} rows (training "
+                f"prompts per epoch x groups = {rows // config.groups} x {config.groups})."
+            )
+        return config.epochs * config.inner_epochs * (rows // size)
 
     def trainer(self, objective: FlowGRPOObjective) -> Trainer:
         config = self.config
+        updates = self.updates()
         optimizer = default_optimizer(
             config.learning_rate,
             config.weight_decay,
             config.max_grad_norm,
-            decay_steps=self.updates() if config.lr_schedule == "cosine" else None,
+            decay_steps=updates if config.lr_schedule == "cosine" else None,
         )
         return Trainer(objective, optimizer, ema_decay=config.ema_decay)
 
