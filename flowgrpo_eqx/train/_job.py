@@ -36,7 +36,14 @@ from ..models import DiT
 from ..tasks import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
 from ._checkpoint import Checkpointer, load_model, save_model
 from ._flow_matching import FlowMatchingObjective, SupervisedBatch
-from ._loops import MetricsLog, count_rows, flow_grpo_epoch, select_rows, supervised_steps
+from ._loops import (
+    MetricsLog,
+    count_rows,
+    flow_grpo_epoch,
+    minibatch_count,
+    select_rows,
+    supervised_steps,
+)
 from ._progress import Progress
 from ._trainer import Trainer, TrainState, default_optimizer
 
@@ -65,7 +72,7 @@ class JobConfig:
     inner_epochs: int = 1
     minibatch_rows: int | None = 64
     learning_rate: float = 1e-4
-    lr_schedule: str = "cosine"  # "constant" | "cosine" (to 0 at the last epoch)
+    lr_schedule: str = "cosine"  # "constant" | "cosine" (to 0 at the last update)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     beta: float = 0.0
@@ -386,12 +393,7 @@ class ShapesJob:
         config = self.config
         rows = count_rows(self.epoch_rows(0)) * config.groups
         size = rows if config.minibatch_rows is None else config.minibatch_rows
-        if size < 1 or rows % size != 0:
-            raise ValueError(
-                f"`minibatch_rows`={size} must divide a rollout's {rows} rows (training "
-                f"prompts per epoch x groups = {rows // config.groups} x {config.groups})."
-            )
-        return config.epochs * config.inner_epochs * (rows // size)
+        return config.epochs * config.inner_epochs * minibatch_count(rows, size)
 
     def trainer(self, objective: FlowGRPOObjective) -> Trainer:
         config = self.config

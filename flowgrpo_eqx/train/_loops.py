@@ -27,6 +27,21 @@ def count_rows(rows: PyTree[Any]) -> int:
     return int(np.shape(jax.tree.leaves(rows)[0])[0])
 
 
+def minibatch_count(rows: int, minibatch_rows: int) -> int:
+    """How many minibatches of `minibatch_rows` rows a rollout of `rows` rows makes.
+
+    **Raises:**
+
+    - `ValueError`: naming `minibatch_rows` if `rows` is not a multiple of it (nothing is
+        silently dropped).
+    """
+    if minibatch_rows < 1 or rows % minibatch_rows != 0:
+        raise ValueError(
+            f"`minibatch_rows`={minibatch_rows} must divide the rollout's {rows} rows."
+        )
+    return rows // minibatch_rows
+
+
 def minibatches(
     batch: Transitions, minibatch_rows: int, key: PRNGKeyArray
 ) -> Iterator[Transitions]:
@@ -34,14 +49,10 @@ def minibatches(
 
     **Raises:**
 
-    - `ValueError`: if the row count is not a multiple of `minibatch_rows` (nothing is
-        silently dropped).
+    - `ValueError`: as `minibatch_count`.
     """
     rows = batch.num_rows
-    if minibatch_rows < 1 or rows % minibatch_rows != 0:
-        raise ValueError(
-            f"`minibatch_rows`={minibatch_rows} must divide the rollout's {rows} rows."
-        )
+    minibatch_count(rows, minibatch_rows)
     order = jax.random.permutation(key, rows)
     for start in range(0, rows, minibatch_rows):
         index = order[start : start + minibatch_rows]
