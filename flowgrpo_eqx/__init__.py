@@ -1,6 +1,6 @@
 """Flow-GRPO for rectified-flow generators, as a strictly typed functional Equinox library."""
 
-from ._advantages import group_advantages as group_advantages
+from ._advantages import AdvantageStd as AdvantageStd, group_advantages as group_advantages
 from ._custom_types import Aux as Aux, Mean as Mean, Step as Step, Transitions as Transitions
 from ._distributed import (
     data_mesh as data_mesh,
@@ -15,6 +15,7 @@ from ._flow_base import (
     Evaluation as Evaluation,
     Variables as Variables,
 )
+from ._guided_flow import GuidedFlow as GuidedFlow
 from ._inputs import (
     CFG as CFG,
     AbstractAutoEncoder as AbstractAutoEncoder,
@@ -30,9 +31,16 @@ from ._reward import (
     JpegIncompressibility as JpegIncompressibility,
     RewardError as RewardError,
     WeightedReward as WeightedReward,
+    load_reward as load_reward,
 )
 from ._rollout import FlowRollout as FlowRollout, RolloutInfo as RolloutInfo
-from ._sde import FlowSDE as FlowSDE
+from ._sde import (
+    AbstractSDE as AbstractSDE,
+    CoefficientsPreservingSDE as CoefficientsPreservingSDE,
+    FlowSDE as FlowSDE,
+    KLWeighting as KLWeighting,
+    window_for_indices as window_for_indices,
+)
 from ._solver import AbstractSolver as AbstractSolver, Euler as Euler, Heun as Heun
 
 

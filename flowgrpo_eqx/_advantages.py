@@ -1,14 +1,22 @@
 """Host-side group statistics: rewards stay float64 until the advantages are cast to float32."""
 
+from typing import Literal, TypeAlias
+
 import numpy as np
 import numpy.typing as npt
+
+from ._misc import check_int
+
+
+AdvantageStd: TypeAlias = Literal["group", "global"]
+"""Which std normalises advantages: each group's own, or the whole batch's."""
 
 
 def group_advantages(
     rewards: npt.ArrayLike,
     groups: int,
     eps: float = 1e-4,
-    std: str = "group",
+    std: AdvantageStd = "group",
 ) -> npt.NDArray[np.float32]:
     """Group-normalised advantages, as Flow-GRPO's `PerPromptStatTracker` computes them.
 
@@ -37,8 +45,7 @@ def group_advantages(
     values = np.asarray(rewards, dtype=np.float64)
     if values.ndim != 1:
         raise ValueError(f"`rewards` must have shape [N], got {values.shape}.")
-    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
-        raise ValueError(f"`groups` must be a positive int, got {groups!r}.")
+    check_int("groups", groups, 1)
     if values.shape[0] % groups != 0:
         raise ValueError(
             f"`rewards` has {values.shape[0]} rows, not a multiple of `groups`={groups}."

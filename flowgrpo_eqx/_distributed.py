@@ -12,13 +12,13 @@ import struct
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._misc import data_to_keys, keys_to_data, leading_rows
 from ._reward import FlowReward, RewardError, reward_name, score
 
 
@@ -139,15 +139,10 @@ def replicate(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
     def place(leaf: Any) -> Any:
         if not isinstance(leaf, (jax.Array, np.ndarray)):
             return leaf
-        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            data = np.asarray(jax.random.key_data(leaf))
-            impl = jax.random.key_impl(leaf)
-            placed = jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
-            return jax.random.wrap_key_data(placed, impl=impl)
         host = np.asarray(leaf)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-    return jax.tree.map(place, tree)
+    return data_to_keys(jax.tree.map(place, keys_to_data(tree)), tree)
 
 
 def local_copy(tree: PyTree[Any]) -> PyTree[Any]:
@@ -214,7 +209,7 @@ def score_on_root(
     if jax.process_count() == 1:
         assert samples is not None
         return score(reward, samples, rows)
-    count = int(jax.tree.leaves(rows)[0].shape[0])
+    count = leading_rows(rows)
     payload = np.zeros(1 + 8 * count + _MESSAGE_BYTES, np.uint8)
     if jax.process_index() == 0:
         assert samples is not None

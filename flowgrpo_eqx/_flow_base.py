@@ -11,11 +11,10 @@ import numpy.typing as npt
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._custom_types import Mean, Model, Step, Transitions
-from ._inputs import CFG, AbstractAutoEncoder, InputSpec
+from ._guided_flow import GuidedFlow
+from ._misc import leading_rows
 from ._preview import preview_grid
-from ._process import AbstractProcess
 from ._reward import FlowReward, score
-from ._sde import compute_dtype
 from ._solver import AbstractSolver
 
 
@@ -50,32 +49,17 @@ class Evaluation(eqx.Module):
     scores: npt.NDArray[np.float64] | None = None
 
 
-def broadcast_rows(tree: PyTree[Any], repeats: int) -> PyTree[Any]:
-    """Tile every leaf's leading axis `repeats` times: `[N, ...] -> [repeats * N, ...]`."""
-    return jax.tree.map(lambda leaf: jnp.concatenate([leaf] * repeats, axis=0), tree)
-
-
-def _leading_size(tree: PyTree[Any]) -> int:
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        raise ValueError("The rows (conditioning) have no array leaves; cannot count rows.")
-    return int(jnp.shape(leaves[0])[0])
-
-
 class AbstractFlowObjective(eqx.Module):
-    """An objective over a rectified-flow velocity model, in the seed's trainer interface.
+    """An objective over a rectified-flow velocity model, in the trainer's interface.
 
-    Concrete objectives supply `loss` and `held_variables`; the variables, the guided
-    velocity, live-policy ODE sampling (`evaluate`) and previews are shared.
+    Concrete objectives hold a `GuidedFlow` (the model, process, inputs, guidance and
+    autoencoder) and supply `loss` and `held_variables`; the variables, live-policy ODE
+    sampling (`evaluate`) and previews are shared here.
     """
 
-    model: eqx.AbstractVar[Model]
-    process: eqx.AbstractVar[AbstractProcess]
-    inputs: eqx.AbstractVar[InputSpec]
-    guidance: eqx.AbstractVar[CFG | None]
+    flow: eqx.AbstractVar[GuidedFlow]
     sampler: eqx.AbstractVar[AbstractSolver]
     steps: eqx.AbstractVar[int]
-    autoencoder: eqx.AbstractVar[AbstractAutoEncoder]
     pretrained: eqx.AbstractVar[Model | None]
 
     @abc.abstractmethod
@@ -96,7 +80,7 @@ class AbstractFlowObjective(eqx.Module):
         **Arguments:**
 
         - `key`: a PRNG key. Equinox models are built with their parameters, so nothing is
-            drawn from it today; it is part of the seed's interface for lazily built models.
+            drawn from it; it is part of the interface for lazily built models.
         - `variables`: existing variables to start from, or `None`.
 
         **Returns:**
@@ -106,105 +90,20 @@ class AbstractFlowObjective(eqx.Module):
         del key
         if variables is not None:
             return variables
-        policy = self.model if self.pretrained is None else self.pretrained
+        policy = self.flow.model if self.pretrained is None else self.pretrained
         return Variables(policy=policy, held=policy)
-
-    def velocity(
-        self,
-        model: Model,
-        x: Float[Array, " B *latent"],
-        t: Float[Array, " B"],
-        cond: PyTree[Any],
-    ) -> Float[Array, " B *latent"]:
-        """The guided velocity of `model` on a batch, both guidance branches in one call.
-
-        **Arguments:**
-
-        - `model`: the policy or the reference.
-        - `x`: `[B, *latent]` states.
-        - `t`: `[B]` times.
-        - `cond`: the batch's rows (leading axis `B`), reduced by `inputs`.
-
-        **Returns:**
-
-        `[B, *latent]` velocities in float32 at least.
-        """
-        conditioning = self.inputs.condition(cond)
-        dtype = compute_dtype(x.dtype)
-        if self.guidance is None:
-            direct: Float[Array, " B *latent"] = jax.vmap(model)(x, t, conditioning)
-            return direct.astype(dtype)
-        rows = x.shape[0]
-        null = self.inputs.null_condition(rows)
-        try:
-            both = jax.tree.map(
-                lambda c, u: jnp.concatenate([c, u.astype(c.dtype)], axis=0), conditioning, null
-            )
-        except ValueError as error:
-            raise ValueError(
-                "InputSpec.null must have the structure and per-example shapes of the "
-                f"conditioning; got {jax.tree_util.tree_structure(null)} against "
-                f"{jax.tree_util.tree_structure(conditioning)}."
-            ) from error
-        velocities = jax.vmap(model)(
-            jnp.concatenate([x, x], axis=0), jnp.concatenate([t, t], axis=0), both
-        ).astype(dtype)
-        return self.guidance.combine(velocities[:rows], velocities[rows:])
-
-    def sample_latents(
-        self,
-        model: Model,
-        cond: PyTree[Any],
-        noise: Float[Array, " N *latent"],
-        *,
-        sampler: AbstractSolver | None = None,
-        steps: int | None = None,
-    ) -> Float[Array, " N *latent"]:
-        """Integrate the guided probability-flow ODE from `noise` at t = 1 to t = 0.
-
-        **Arguments:**
-
-        - `model`: the model to sample from.
-        - `cond`: one row per sample (leading axis `N`).
-        - `noise`: `[N, *latent]` starting points.
-        - `sampler`, `steps`: override the objective's `sampler` and `steps`.
-
-        **Returns:**
-
-        `[N, *latent]` final latents.
-        """
-        solver = self.sampler if sampler is None else sampler
-        grid = self.process.timesteps(self.steps if steps is None else steps)
-        rows = noise.shape[0]
-
-        def velocity(
-            x: Float[Array, " N *latent"], t: Float[Array, ""]
-        ) -> Float[Array, " N *latent"]:
-            return self.velocity(model, x, jnp.full((rows,), t, x.dtype), cond)
-
-        def body(x: Float[Array, " N *latent"], times: Array) -> tuple[Array, None]:
-            return solver.step(velocity, x, times[0], times[1]), None
-
-        start = noise.astype(compute_dtype(noise.dtype))
-        intervals = jnp.stack([grid[:-1], grid[1:]], axis=1)
-        final, _ = jax.lax.scan(body, start, intervals)
-        return final
-
-    def decode(self, latents: Float[Array, " N *latent"]) -> Float[Array, " N *sample"]:
-        """Decode latents to samples in [-1, 1] with the autoencoder (clipped)."""
-        return jnp.clip(jax.vmap(self.autoencoder.decode)(latents), -1.0, 1.0)
 
     def _rows_and_latent_shape(
         self, batch: Transitions | PyTree[Any]
     ) -> tuple[PyTree[Any], tuple[int, ...]]:
         if isinstance(batch, Transitions):
             return batch.cond, batch.latent_shape
-        if self.inputs.latent_shape is None:
+        if self.flow.inputs.latent_shape is None:
             raise ValueError(
                 "Sampling from prompt-only rows needs InputSpec(latent_shape=...); the batch "
                 "carries no latents to take the shape from."
             )
-        return batch, self.inputs.latent_shape
+        return batch, self.flow.inputs.latent_shape
 
     def evaluate(
         self,
@@ -236,10 +135,10 @@ class AbstractFlowObjective(eqx.Module):
         - `RewardError`: if the reward fails.
         """
         rows, latent_shape = self._rows_and_latent_shape(batch)
-        num_rows = _leading_size(rows)
+        num_rows = leading_rows(rows)
         noise = jax.random.normal(step.key, (num_rows, *latent_shape), jnp.float32)
         latents = _sample_jit(self, variables.policy, rows, noise)
-        samples = self.decode(latents)
+        samples = self.flow.decode(latents)
         scores = None
         if reward is not None:
             host_rows = jax.tree.map(np.asarray, rows)
@@ -294,8 +193,8 @@ class AbstractFlowObjective(eqx.Module):
             rows, _ = self._rows_and_latent_shape(batch)
             host_rows = jax.tree.map(np.asarray, rows)
             if captions is None:
-                if self.inputs.caption is not None:
-                    captions = list(self.inputs.caption(host_rows))
+                if self.flow.inputs.caption is not None:
+                    captions = list(self.flow.inputs.caption(host_rows))
                 else:
                     captions = [f"row {i}" for i in range(num)]
             preview_grid(np.asarray(ready.samples), path, captions, ready.scores, title=title)
@@ -309,4 +208,4 @@ def _sample_jit(
     rows: PyTree[Any],
     noise: Float[Array, " N *latent"],
 ) -> Float[Array, " N *latent"]:
-    return objective.sample_latents(policy, rows, noise)
+    return objective.flow.sample_latents(policy, rows, noise, objective.sampler, objective.steps)

@@ -9,10 +9,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree
 
 from ._custom_types import Aux, Mean, Model, Step, Transitions, check_transitions
-from ._flow_base import AbstractFlowObjective, Variables, broadcast_rows
-from ._inputs import CFG, AbstractAutoEncoder, IdentityAutoEncoder, InputSpec
+from ._flow_base import AbstractFlowObjective, Variables
+from ._guided_flow import GuidedFlow, flow_from
+from ._inputs import CFG, AbstractAutoEncoder, InputSpec
+from ._misc import check_int, tile_rows
 from ._process import AbstractProcess
-from ._sde import FlowSDE
+from ._sde import AbstractSDE, FlowSDE
 from ._solver import AbstractSolver, Euler
 
 
@@ -31,7 +33,7 @@ def _stop_gradient(tree: PyTree[Any]) -> PyTree[Any]:
 class FlowGRPOObjective(AbstractFlowObjective):
     """Train a rectified-flow policy on clipped, coordinate-normalised gradients.
 
-    The policy is the `FlowSDE` Gaussian transition built from the model's guided velocity.
+    The policy is the SDE's Gaussian transition built from the model's guided velocity.
     Its ratio uses the mean-coordinate log likelihood of the released implementation (not the
     product of all coordinate likelihood ratios). With `beta > 0` a conditional transition KL,
     coordinate-averaged and with a variance that includes elapsed time, regularises it towards
@@ -49,7 +51,8 @@ class FlowGRPOObjective(AbstractFlowObjective):
     - `model`: the velocity model, `model(x, t, cond) -> v` on one unbatched example.
     - `process`: the generative process (`RectifiedFlow`), which supplies the time grid.
     - `inputs`: an `InputSpec`: which row fields condition the model, and the null condition.
-    - `sde`: the `FlowSDE` used both by the rollout and for rescoring.
+    - `sde`: the SDE (`FlowSDE`, `CoefficientsPreservingSDE`) used both by the rollout and
+        for rescoring.
     - `beta`: the KL weight; `beta > 0` freezes the initial denoiser in the held slot.
     - `clip_range`: the ratio clip `epsilon` (1e-4 by default, as Flow-GRPO).
     - `adv_clip_max`: advantages are clipped to `[-adv_clip_max, adv_clip_max]`.
@@ -72,15 +75,11 @@ class FlowGRPOObjective(AbstractFlowObjective):
         `beta < 0`, `steps < 2`, `transition_chunk < 1`, or guidance without a null condition.
     """
 
-    model: Model
-    process: AbstractProcess
-    inputs: InputSpec
-    sde: FlowSDE
+    flow: GuidedFlow
+    sde: AbstractSDE
     beta: float
     clip_range: float
     adv_clip_max: float
-    autoencoder: AbstractAutoEncoder
-    guidance: CFG | None
     sampler: AbstractSolver
     steps: int
     pretrained: Model | None
@@ -93,7 +92,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
         process: AbstractProcess,
         inputs: InputSpec,
         *,
-        sde: FlowSDE = FlowSDE(),
+        sde: AbstractSDE = FlowSDE(),
         beta: float = 0.0,
         clip_range: float = 1e-4,
         adv_clip_max: float = 5.0,
@@ -105,15 +104,11 @@ class FlowGRPOObjective(AbstractFlowObjective):
         transition_chunk: int | None = None,
         remat: bool | None = None,
     ):
-        self.model = model
-        self.process = process
-        self.inputs = inputs
+        self.flow = flow_from(model, process, inputs, guidance, autoencoder)
         self.sde = sde
         self.beta = beta
         self.clip_range = clip_range
         self.adv_clip_max = adv_clip_max
-        self.autoencoder = IdentityAutoEncoder() if autoencoder is None else autoencoder
-        self.guidance = guidance
         self.sampler = sampler
         self.steps = steps
         self.pretrained = pretrained
@@ -121,36 +116,18 @@ class FlowGRPOObjective(AbstractFlowObjective):
         self.remat = remat
 
     def __check_init__(self) -> None:
-        if not callable(self.model):
-            raise ValueError(f"`model` must be callable as model(x, t, cond), got {self.model!r}.")
-        if not isinstance(self.process, AbstractProcess):
-            raise ValueError(f"`process` must be an AbstractProcess, got {self.process!r}.")
-        if not isinstance(self.inputs, InputSpec):
-            raise ValueError(f"`inputs` must be an InputSpec, got {self.inputs!r}.")
-        if not isinstance(self.sde, FlowSDE):
-            raise ValueError(f"`sde` must be a FlowSDE, got {self.sde!r}.")
+        if not isinstance(self.sde, AbstractSDE):
+            raise ValueError(f"`sde` must be an AbstractSDE, got {self.sde!r}.")
         if not (isinstance(self.beta, (int, float)) and self.beta >= 0):
             raise ValueError(f"`beta` must be a number >= 0, got {self.beta!r}.")
         if not (isinstance(self.clip_range, (int, float)) and self.clip_range > 0):
             raise ValueError(f"`clip_range` must be a number > 0, got {self.clip_range!r}.")
         if not (isinstance(self.adv_clip_max, (int, float)) and self.adv_clip_max > 0):
             raise ValueError(f"`adv_clip_max` must be a number > 0, got {self.adv_clip_max!r}.")
-        if self.guidance is not None and not isinstance(self.guidance, CFG):
-            raise ValueError(f"`guidance` must be a CFG or None, got {self.guidance!r}.")
-        if self.guidance is not None and not self.inputs.has_null:
-            raise ValueError(
-                "`guidance` needs a null condition, but `inputs` has none: pass "
-                "InputSpec(null=...) or guidance=None."
-            )
         if not isinstance(self.sampler, AbstractSolver):
             raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
-            raise ValueError(f"`steps` must be an int >= 2, got {self.steps!r}.")
-        chunk = self.transition_chunk
-        if chunk is not None and (
-            isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
-        ):
-            raise ValueError(f"`transition_chunk` must be None or an int >= 1, got {chunk!r}.")
+        check_int("steps", self.steps, 2)
+        check_int("transition_chunk", self.transition_chunk, 1, optional=True)
 
     # ----------------------------------------------------------------------------------
     # Variables
@@ -176,7 +153,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
         cond: PyTree[Any],
     ) -> tuple[Float[Array, " B *latent"], Float[Array, " B"]]:
         """The batch's Gaussian transitions `(mean, std)` under `sde` and the guided velocity."""
-        v = self.velocity(model, x, t, cond)
+        v = self.flow.velocity(model, x, t, cond)
         return jax.vmap(self.sde.transition)(x, v, t, t_next)
 
     # ----------------------------------------------------------------------------------
@@ -214,7 +191,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
             return leaf.reshape(num_chunks, chunk * n, *leaf.shape[2:])
 
         xs = jax.tree.map(to_chunks, per_transition)
-        chunk_cond = broadcast_rows(cond, chunk)
+        chunk_cond = tile_rows(cond, chunk)
 
         def body(carry: None, inputs: PyTree[Array]) -> tuple[None, PyTree[Array]]:
             return carry, fn(inputs, chunk_cond)

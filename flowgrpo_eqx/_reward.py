@@ -4,6 +4,7 @@ Rewards run on the host, on numpy arrays, and return float64 scores: they keep f
 precision through collection, transport between processes and the group statistics.
 """
 
+import importlib
 import io
 from collections.abc import Sequence
 from typing import Any, Protocol, final, runtime_checkable
@@ -83,6 +84,42 @@ def score(reward: FlowReward, samples: npt.NDArray[Any], rows: Any) -> npt.NDArr
     return values
 
 
+def load_reward(spec: str) -> FlowReward:
+    """The reward named by `spec`, `package.module:attribute`, imported.
+
+    The attribute is used as the reward when it is a reward already (a function, or an
+    instance with `__call__`); a class is instantiated without arguments.
+
+    **Arguments:**
+
+    - `spec`: `package.module:attribute`, e.g. `my_rewards:OcrReward`.
+
+    **Returns:**
+
+    The reward.
+
+    **Raises:**
+
+    - `ValueError`: naming `spec`, when it is malformed, the module cannot be imported, the
+        attribute is missing, or the result is not callable.
+    """
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"`spec` must be package.module:attribute, got {spec!r}.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"`spec` {spec!r}: cannot import {module_name!r}: {error}") from error
+    try:
+        found = getattr(module, attribute)
+    except AttributeError as error:
+        raise ValueError(f"`spec` {spec!r}: {module_name!r} has no {attribute!r}.") from error
+    reward = found() if isinstance(found, type) else found
+    if not callable(reward):
+        raise ValueError(f"`spec` {spec!r} is not a callable reward(samples, rows).")
+    return reward  # type: ignore[no-any-return]
+
+
 def to_uint8_images(samples: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:
     """Samples in [-1, 1], `[N, H, W]` or `[N, H, W, C]` with C in (1, 3, 4), as uint8 images.
 
@@ -114,24 +151,14 @@ def jpeg_sizes_kb(samples: npt.NDArray[Any], quality: int = 95) -> npt.NDArray[n
     return np.asarray(sizes, dtype=np.float64)
 
 
-class _JpegSizeReward:
-    """The JPEG size in kB at a quality, times `sign` (shared by the two DDPO rewards)."""
-
-    name: str
-    sign: float
-
-    def __init__(self, quality: int = 95):
-        if not 1 <= quality <= 95:
-            raise ValueError(f"`quality` must be in 1..95, got {quality}.")
-        self.quality = quality
-
-    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
-        del rows
-        return self.sign * jpeg_sizes_kb(samples, self.quality)
+def _checked_quality(quality: int) -> int:
+    if not (isinstance(quality, int) and not isinstance(quality, bool) and 1 <= quality <= 95):
+        raise ValueError(f"`quality` must be an int in 1..95, got {quality!r}.")
+    return quality
 
 
 @final
-class JpegCompressibility(_JpegSizeReward):
+class JpegCompressibility:
     """DDPO's compressibility reward: minus the JPEG size (kB) at quality 95.
 
     **Arguments:**
@@ -144,11 +171,17 @@ class JpegCompressibility(_JpegSizeReward):
     """
 
     name = "jpeg_compressibility"
-    sign = -1.0
+
+    def __init__(self, quality: int = 95):
+        self.quality = _checked_quality(quality)
+
+    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        del rows
+        return -jpeg_sizes_kb(samples, self.quality)
 
 
 @final
-class JpegIncompressibility(_JpegSizeReward):
+class JpegIncompressibility:
     """DDPO's incompressibility reward: the JPEG size (kB) at quality 95.
 
     **Arguments:**
@@ -161,7 +194,13 @@ class JpegIncompressibility(_JpegSizeReward):
     """
 
     name = "jpeg_incompressibility"
-    sign = 1.0
+
+    def __init__(self, quality: int = 95):
+        self.quality = _checked_quality(quality)
+
+    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        del rows
+        return jpeg_sizes_kb(samples, self.quality)
 
 
 @final

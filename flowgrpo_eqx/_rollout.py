@@ -11,10 +11,11 @@ import numpy.typing as npt
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._advantages import group_advantages
+from ._advantages import AdvantageStd, group_advantages
 from ._custom_types import Model, Transitions
 from ._distributed import host_samples, row_sharding, score_on_root, shard_batch
 from ._flow_base import Variables
+from ._misc import check_int, is_int, leading_rows, repeat_rows
 from ._objective import FlowGRPOObjective
 from ._reward import FlowReward
 
@@ -64,11 +65,6 @@ class RolloutInfo(eqx.Module):
     reward_calls_here: int
 
 
-def repeat_rows(rows: PyTree[Any], groups: int) -> PyTree[Any]:
-    """Repeat each source row `groups` times: rows `p * groups ... p * groups + groups - 1`."""
-    return jax.tree.map(lambda leaf: np.repeat(np.asarray(leaf), groups, axis=0), rows)
-
-
 @final
 class FlowRollout(eqx.Module):
     """Collect complete prompt groups and the first `train_steps` transitions.
@@ -107,7 +103,7 @@ class FlowRollout(eqx.Module):
     groups: int = 4
     steps: int = 11
     train_steps: int | None = None
-    advantage_std: str = "group"
+    advantage_std: AdvantageStd = "group"
     mesh: Mesh | None = eqx.field(default=None, static=True)
 
     def __check_init__(self) -> None:
@@ -117,15 +113,11 @@ class FlowRollout(eqx.Module):
             raise ValueError(
                 f"`reward` must be callable as reward(samples, rows), got {self.reward!r}."
             )
-        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
-            raise ValueError(f"`groups` must be an int >= 1, got {self.groups!r}.")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
-            raise ValueError(f"`steps` must be an int >= 2, got {self.steps!r}.")
+        check_int("groups", self.groups, 1)
+        check_int("steps", self.steps, 2)
         transitions = self.steps - 1
-        if self.train_steps is not None and (
-            isinstance(self.train_steps, bool)
-            or not isinstance(self.train_steps, int)
-            or not 1 <= self.train_steps <= transitions
+        if self.train_steps is not None and not (
+            is_int(self.train_steps) and 1 <= self.train_steps <= transitions
         ):
             raise ValueError(
                 f"`train_steps` must be None or an int in 1..{transitions} (steps={self.steps} "
@@ -153,7 +145,7 @@ class FlowRollout(eqx.Module):
 
     def timesteps(self) -> Float[Array, " steps"]:
         """The rollout's time grid."""
-        return self.objective.process.timesteps(self.steps)
+        return self.objective.flow.process.timesteps(self.steps)
 
     def generate(self, policy: Model, rows: PyTree[Any], key: PRNGKeyArray) -> Generated:
         """Sample the SDE for already repeated rows (jit-compiled; shapes static).
@@ -172,7 +164,7 @@ class FlowRollout(eqx.Module):
 
         - `ValueError`: if the objective's `InputSpec` has no `latent_shape`.
         """
-        if self.objective.inputs.latent_shape is None:
+        if self.objective.flow.inputs.latent_shape is None:
             raise ValueError(
                 "FlowRollout needs the latent shape: pass InputSpec(latent_shape=...) to the "
                 "objective."
@@ -287,10 +279,10 @@ def _generate(
     key: PRNGKeyArray,
 ) -> Generated:
     """One `lax.scan` over the grid recording the first `recorded` transitions."""
-    latent_shape = objective.inputs.latent_shape
+    latent_shape = objective.flow.inputs.latent_shape
     assert latent_shape is not None
-    num = jax.tree.leaves(rows)[0].shape[0]
-    grid = objective.process.timesteps(steps)
+    num = leading_rows(rows)
+    grid = objective.flow.process.timesteps(steps)
     noise_key, step_key = jax.random.split(key)
     start = jax.random.normal(noise_key, (num, *latent_shape), jnp.float32)
     if sharding is not None:
@@ -313,8 +305,7 @@ def _generate(
         times = jnp.full((num,), t, x.dtype)
         next_times = jnp.full((num,), t_next, x.dtype)
         mean, std = objective.transition(policy, x, times, next_times, rows)
-        # `FlowSDE.sample` with the pre-drawn standard normal: mean + std z.
-        x_next = jax.vmap(lambda m, s, e: m + s * e.astype(m.dtype))(mean, std, z)
+        x_next = jax.vmap(objective.sde.sample)(mean, std, z)
         log_prob = jax.vmap(objective.sde.log_prob)(x_next, mean, std)
         return x_next, log_prob
 
@@ -340,7 +331,7 @@ def _generate(
         next_latents=jnp.swapaxes(next_latents, 0, 1),
         log_probs=jnp.swapaxes(log_probs, 0, 1),
         final=x,
-        samples=objective.decode(x),
+        samples=objective.flow.decode(x),
     )
     if sharding is None:
         return generated

@@ -1,86 +1,97 @@
 """The stochastic processes Flow-GRPO samples with and scores under.
 
-Both rollout and rescoring use the same `FlowSDE` instance, so recorded log densities and
-rescored ones agree.
+Both rollout and rescoring use the same SDE instance, so recorded log densities and rescored
+ones agree. `docs/mathematics.md` states every formula here.
 """
 
+import abc
 import math
-from typing import final
+from typing import Literal, TypeAlias, final
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Bool, Float
 
+
+KLWeighting: TypeAlias = Literal["paper", "released"]
+"""`"paper"`: the conditional Gaussian KL; `"released"`: `|dt|` times it, as the released code."""
 
 _WINDOW_TOLERANCE = 1e-6
 
 
-def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype the SDE computes in: float32 at least, whatever the model's dtype."""
-    return jnp.promote_types(dtype, jnp.float32)
+def compute_dtype(*dtypes: jnp.dtype) -> jnp.dtype:
+    """The dtype the SDE computes in: float64 if any input is 64-bit, else float32.
+
+    Low-precision inputs (bfloat16, float16) are computed in float32. Chosen by width rather
+    than by type promotion, so that it holds under strict dtype promotion too.
+    """
+    widest = max(jnp.dtype(dtype).itemsize for dtype in dtypes)
+    chosen: jnp.dtype = jnp.dtype(jnp.float64 if widest >= 8 else jnp.float32)
+    return chosen
 
 
-@final
-class FlowSDE(eqx.Module):
-    """The Flow-GRPO SDE that turns a rectified-flow ODE into a Gaussian policy per step.
-
-    Time runs from noise at `t = 1` to data at `t = 0`. For a transition `t -> t_next` with
-    `dt = t_next - t < 0` and velocity `v` at `(x, t)`:
-
-    - `kind="flow"` (Flow-GRPO): `sigma = a sqrt(t / (1 - t*))`, `t* = t_next` when `t == 1`
-      and `t* = t` otherwise (so the first transition's std is exactly `a`);
-      `mean = x (1 + sigma^2 dt / (2t)) + v (1 + sigma^2 (1 - t) / (2t)) dt`,
-      `std = sigma sqrt(-dt)`.
-    - `kind="cps"` (coefficients-preserving sampling, arXiv:2509.05952):
-      `std = t_next sin(a pi / 2)`, `x0 = x - t v`, `x1 = x + (1 - t) v`,
-      `mean = x0 (1 - t_next) + x1 sqrt(t_next^2 - std^2)`. Deterministic at `t_next = 0`.
-      Unlike the released CPS code, which drops the `1 / (2 std^2)` factor so its "ratio" is
-      not a likelihood ratio, `log_prob` here is the true Gaussian log density for both kinds.
-
-    A transition outside the stochastic `window`, or with `noise_level == 0`, is deterministic:
-    plain Euler `x + v dt` with std 0. Deterministic transitions carry no density and the
-    objective gives them no policy loss.
+def window_for_indices(
+    timesteps: Float[ArrayLike, " steps"], first: int, count: int
+) -> tuple[float, float]:
+    """The `window` that makes transitions `first, ..., first + count - 1` of a grid stochastic.
 
     **Arguments:**
 
-    - `noise_level`: `a` above; 0.7 by default as in Flow-GRPO.
-    - `kind`: `"flow"` (default) or `"cps"`.
-    - `window`: `None` (every transition stochastic) or `(start, stop)` times with
-        `1 >= start > stop >= 0`: a transition `t -> t_next` is stochastic when it lies inside,
-        `t <= start` and `t_next >= stop`. This is Flow-GRPO-Fast's / MixGRPO's window; use
-        `window_for_indices` to place it on a grid.
-    - `kl_weighting`: `"paper"` (default) for the conditional Gaussian KL of arXiv:2505.05470v5
-        section 4, `mean_coords[(mu - mu_ref)^2] / (2 sigma^2 |dt|)`; `"released"` for the
-        released `train_sd3.py` term `mean_coords[(mu - mu_ref)^2] / (2 sigma^2)`, which equals
-        `|dt|` times the paper's KL and so weights late, short steps less.
+    - `timesteps`: the grid, e.g. `RectifiedFlow().timesteps(steps)`.
+    - `first`: the index of the first stochastic transition.
+    - `count`: how many consecutive transitions are stochastic.
+
+    **Returns:**
+
+    `(start, stop)` for the `window` of an SDE.
 
     **Raises:**
 
-    - `ValueError`: naming the argument, for a negative `noise_level`, an unknown `kind` or
+    - `ValueError`: naming `first` and `count` if the transitions fall outside the grid.
+    """
+    grid = [float(t) for t in jnp.asarray(timesteps)]
+    transitions = len(grid) - 1
+    if not (0 <= first and count >= 1 and first + count <= transitions):
+        raise ValueError(
+            f"`first`={first} and `count`={count} select transitions outside the grid's "
+            f"{transitions} transitions."
+        )
+    return (grid[first], grid[first + count])
+
+
+class AbstractSDE(eqx.Module):
+    """A Gaussian policy per step of a rectified-flow trajectory, from noise (t = 1) to data.
+
+    A concrete SDE supplies the Gaussian `(mean, std)` of a stochastic transition at a noise
+    level, and where noise is possible at all; the window, the deterministic fallback (plain
+    Euler `x + v dt`, std 0), sampling, the log density and the KL are shared here.
+
+    A transition outside the stochastic `window`, or with `noise_level == 0`, is deterministic.
+    Deterministic transitions carry no density and the objective gives them no policy loss.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for a negative `noise_level`, an unknown
         `kl_weighting`, or a `window` outside the grid `[0, 1]` or empty.
     """
 
-    noise_level: float = 0.7
-    kind: str = "flow"
-    window: tuple[float, float] | None = None
-    kl_weighting: str = "paper"
+    noise_level: eqx.AbstractVar[float]
+    window: eqx.AbstractVar[tuple[float, float] | None]
+    kl_weighting: eqx.AbstractVar[KLWeighting]
 
     def __check_init__(self) -> None:
-        if not (isinstance(self.noise_level, (int, float)) and self.noise_level >= 0):
+        if not (
+            isinstance(self.noise_level, (int, float))
+            and not isinstance(self.noise_level, bool)
+            and self.noise_level >= 0
+        ):
             raise ValueError(f"`noise_level` must be a number >= 0, got {self.noise_level!r}.")
-        if self.kind == "cps" and self.noise_level > 1:
-            raise ValueError(
-                f"`noise_level` must be in [0, 1] for kind='cps', got {self.noise_level}."
-            )
-        if self.kind not in ("flow", "cps"):
-            raise ValueError(f"`kind` must be 'flow' or 'cps', got {self.kind!r}.")
         if self.kl_weighting not in ("paper", "released"):
             raise ValueError(
                 f"`kl_weighting` must be 'paper' or 'released', got {self.kl_weighting!r}."
             )
         if self.window is not None:
-            if len(self.window) != 2:
+            if not isinstance(self.window, tuple) or len(self.window) != 2:
                 raise ValueError(f"`window` must be a pair (start, stop), got {self.window!r}.")
             start, stop = self.window
             if not (0.0 <= stop < start <= 1.0):
@@ -89,39 +100,32 @@ class FlowSDE(eqx.Module):
                     f"the grid from 1 to 0), got {self.window!r}."
                 )
 
-    @staticmethod
-    def window_for_indices(
-        timesteps: Float[ArrayLike, " steps"], first: int, count: int
-    ) -> tuple[float, float]:
-        """The `window` that makes transitions `first, ..., first + count - 1` of a grid stochastic.
+    @abc.abstractmethod
+    def gaussian(
+        self,
+        x: Float[Array, " *latent"],
+        v: Float[Array, " *latent"],
+        t: Float[Array, ""],
+        t_next: Float[Array, ""],
+        level: Float[Array, ""],
+    ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
+        """The transition's `(mean, std)` at noise level `level` (0 on deterministic steps).
 
-        **Arguments:**
-
-        - `timesteps`: the grid, e.g. `RectifiedFlow().timesteps(steps)`.
-        - `first`: the index of the first stochastic transition.
-        - `count`: how many consecutive transitions are stochastic.
-
-        **Returns:**
-
-        `(start, stop)` for `FlowSDE(window=...)`.
-
-        **Raises:**
-
-        - `ValueError`: if the transitions fall outside the grid.
+        At `level == 0` this must be the deterministic Euler step with std 0.
         """
-        grid = [float(t) for t in jnp.asarray(timesteps)]
-        transitions = len(grid) - 1
-        if not (0 <= first and count >= 1 and first + count <= transitions):
-            raise ValueError(
-                f"`first`={first} and `count`={count} select transitions outside the grid's "
-                f"{transitions} transitions."
-            )
-        return (grid[first], grid[first + count])
+
+    @abc.abstractmethod
+    def can_be_stochastic(self, t_next: Float[Array, " *batch"]) -> Bool[Array, " *batch"]:
+        """Where the sampler can draw noise at all, whatever the window."""
 
     def is_stochastic(
         self, t: Float[ArrayLike, " *batch"], t_next: Float[ArrayLike, " *batch"]
     ) -> Bool[Array, " *batch"]:
-        """Whether the transition `t -> t_next` samples noise (elementwise on arrays)."""
+        """Whether the transition `t -> t_next` samples noise (elementwise on arrays).
+
+        It does when `noise_level > 0`, it lies inside the `window` (`t <= start` and
+        `t_next >= stop`, to a tolerance of 1e-6), and the sampler can draw noise there.
+        """
         t = jnp.asarray(t)
         t_next = jnp.asarray(t_next)
         stochastic = jnp.full(jnp.broadcast_shapes(t.shape, t_next.shape), self.noise_level > 0)
@@ -129,9 +133,7 @@ class FlowSDE(eqx.Module):
             start, stop = self.window
             stochastic = stochastic & (t <= start + _WINDOW_TOLERANCE)
             stochastic = stochastic & (t_next >= stop - _WINDOW_TOLERANCE)
-        if self.kind == "cps":
-            stochastic = stochastic & (t_next > 0)
-        return stochastic
+        return stochastic & self.can_be_stochastic(t_next)
 
     def transition(
         self,
@@ -153,33 +155,23 @@ class FlowSDE(eqx.Module):
         `(mean, std)`: the mean shaped like `x` and the scalar std, both in float32 at least.
         `std` is 0 for a deterministic transition.
         """
-        dtype = compute_dtype(jnp.result_type(x, v))
-        x = x.astype(dtype)
-        v = v.astype(dtype)
-        t = jnp.asarray(t, dtype)
-        t_next = jnp.asarray(t_next, dtype)
-        level = jnp.where(self.is_stochastic(t, t_next), self.noise_level, 0.0).astype(dtype)
-        dt = t_next - t
-        if self.kind == "flow":
-            t_star = jnp.where(t == 1, t_next, t)
-            sigma = level * jnp.sqrt(t / (1 - t_star))
-            sigma_sq = sigma**2
-            mean = x * (1 + sigma_sq * dt / (2 * t)) + v * (1 + sigma_sq * (1 - t) / (2 * t)) * dt
-            std = sigma * jnp.sqrt(-dt)
-        else:
-            std = t_next * jnp.sin(level * math.pi / 2)
-            data_estimate = x - t * v
-            noise_estimate = x + (1 - t) * v
-            # sqrt(t_next^2 - std^2) = t_next cos(a pi / 2), without float32 cancellation.
-            noise_scale = t_next * jnp.cos(level * math.pi / 2)
-            mean = data_estimate * (1 - t_next) + noise_estimate * noise_scale
-        return mean, std
+        dtype = compute_dtype(x.dtype, v.dtype)
+        start = jnp.asarray(t, dtype)
+        end = jnp.asarray(t_next, dtype)
+        level = jnp.where(self.is_stochastic(start, end), self.noise_level, 0.0).astype(dtype)
+        return self.gaussian(x.astype(dtype), v.astype(dtype), start, end, level)
 
     def sample(
-        self, key: PRNGKeyArray, mean: Float[Array, " *latent"], std: Float[Array, ""]
+        self,
+        mean: Float[Array, " *latent"],
+        std: Float[ArrayLike, ""],
+        noise: Float[Array, " *latent"],
     ) -> Float[Array, " *latent"]:
-        """Draw `mean + std z` with `z ~ N(0, I)`."""
-        return mean + std * jax.random.normal(key, mean.shape, mean.dtype)
+        """Draw `mean + std z` from a standard normal draw `z` shaped like `mean`.
+
+        The draw is an argument so that a rollout can make all its draws in one batched call.
+        """
+        return mean + jnp.asarray(std, mean.dtype) * noise.astype(mean.dtype)
 
     def log_prob(
         self,
@@ -203,7 +195,7 @@ class FlowSDE(eqx.Module):
         A float32 (at least) scalar; 0 for a deterministic transition (`std == 0`), which has
         no density.
         """
-        dtype = compute_dtype(jnp.result_type(x_next, mean))
+        dtype = compute_dtype(x_next.dtype, mean.dtype)
         std = jnp.asarray(std, dtype)
         positive = std > 0
         safe_std = jnp.where(positive, std, 1.0)
@@ -238,9 +230,9 @@ class FlowSDE(eqx.Module):
 
         **Raises:**
 
-        - `ValueError`: if `kl_weighting="released"` and `dt` is not given.
+        - `ValueError`: naming `dt` if `kl_weighting="released"` and `dt` is not given.
         """
-        dtype = compute_dtype(jnp.result_type(mean, mean_ref))
+        dtype = compute_dtype(mean.dtype, mean_ref.dtype)
         std = jnp.asarray(std, dtype)
         positive = std > 0
         safe_std = jnp.where(positive, std, 1.0)
@@ -248,6 +240,106 @@ class FlowSDE(eqx.Module):
         value = jnp.where(positive, squared / (2 * safe_std**2), 0.0)
         if self.kl_weighting == "released":
             if dt is None:
-                raise ValueError("`dt` is required by FlowSDE.kl when kl_weighting='released'.")
+                raise ValueError("`dt` is required by kl when kl_weighting='released'.")
             value = value * jnp.abs(jnp.asarray(dt, dtype))
         return value
+
+
+@final
+class FlowSDE(AbstractSDE):
+    """The Flow-GRPO SDE that turns a rectified-flow ODE into a Gaussian policy per step.
+
+    For a transition `t -> t_next` with `dt = t_next - t < 0`, velocity `v` at `(x, t)` and
+    noise level `a`: `sigma = a sqrt(t / (1 - t*))` with `t* = t_next` when `t == 1` and
+    `t* = t` otherwise (so the first transition's std is exactly `a`),
+    `mean = x (1 + sigma^2 dt / (2t)) + v (1 + sigma^2 (1 - t) / (2t)) dt`,
+    `std = sigma sqrt(-dt)`.
+
+    **Arguments:**
+
+    - `noise_level`: `a` above; 0.7 by default as in Flow-GRPO.
+    - `window`: `None` (every transition stochastic) or `(start, stop)` times with
+        `1 >= start > stop >= 0`: a transition `t -> t_next` is stochastic when it lies inside,
+        `t <= start` and `t_next >= stop`. This is Flow-GRPO-Fast's / MixGRPO's window; use
+        `window_for_indices` to place it on a grid.
+    - `kl_weighting`: `"paper"` (default) for the conditional Gaussian KL of arXiv:2505.05470v5
+        section 4, `mean_coords[(mu - mu_ref)^2] / (2 sigma^2 |dt|)`; `"released"` for the
+        released `train_sd3.py` term `mean_coords[(mu - mu_ref)^2] / (2 sigma^2)`, which equals
+        `|dt|` times the paper's KL and so weights late, short steps less.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, as `AbstractSDE`.
+    """
+
+    noise_level: float = 0.7
+    window: tuple[float, float] | None = None
+    kl_weighting: KLWeighting = "paper"
+
+    def gaussian(
+        self,
+        x: Float[Array, " *latent"],
+        v: Float[Array, " *latent"],
+        t: Float[Array, ""],
+        t_next: Float[Array, ""],
+        level: Float[Array, ""],
+    ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
+        dt = t_next - t
+        t_star = jnp.where(t == 1, t_next, t)
+        sigma = level * jnp.sqrt(t / (1 - t_star))
+        sigma_sq = sigma**2
+        mean = x * (1 + sigma_sq * dt / (2 * t)) + v * (1 + sigma_sq * (1 - t) / (2 * t)) * dt
+        return mean, sigma * jnp.sqrt(-dt)
+
+    def can_be_stochastic(self, t_next: Float[Array, " *batch"]) -> Bool[Array, " *batch"]:
+        return jnp.ones(t_next.shape, bool)
+
+
+@final
+class CoefficientsPreservingSDE(AbstractSDE):
+    """Coefficients-preserving sampling (CPS, arXiv:2509.05952) as a Gaussian policy.
+
+    For a transition `t -> t_next` with velocity `v` and noise level `a`:
+    `std = t_next sin(a pi / 2)`, `x0 = x - t v`, `x1 = x + (1 - t) v`,
+    `mean = x0 (1 - t_next) + x1 sqrt(t_next^2 - std^2)`. Deterministic at `t_next = 0`.
+    Unlike the released CPS code, which drops the `1 / (2 std^2)` factor so its "ratio" is
+    not a likelihood ratio, `log_prob` here is the true Gaussian log density.
+
+    **Arguments:**
+
+    - `noise_level`: `a` above, in [0, 1]; 0.7 by default.
+    - `window`, `kl_weighting`: as for `FlowSDE`.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, as `AbstractSDE`, or for a `noise_level` above 1.
+    """
+
+    noise_level: float = 0.7
+    window: tuple[float, float] | None = None
+    kl_weighting: KLWeighting = "paper"
+
+    def __check_init__(self) -> None:
+        if isinstance(self.noise_level, (int, float)) and self.noise_level > 1:
+            raise ValueError(
+                "`noise_level` must be in [0, 1] for coefficients-preserving sampling, got "
+                f"{self.noise_level}."
+            )
+
+    def gaussian(
+        self,
+        x: Float[Array, " *latent"],
+        v: Float[Array, " *latent"],
+        t: Float[Array, ""],
+        t_next: Float[Array, ""],
+        level: Float[Array, ""],
+    ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
+        std = t_next * jnp.sin(level * math.pi / 2)
+        data_estimate = x - t * v
+        noise_estimate = x + (1 - t) * v
+        # sqrt(t_next^2 - std^2) = t_next cos(a pi / 2), without float32 cancellation.
+        noise_scale = t_next * jnp.cos(level * math.pi / 2)
+        return data_estimate * (1 - t_next) + noise_estimate * noise_scale, std
+
+    def can_be_stochastic(self, t_next: Float[Array, " *batch"]) -> Bool[Array, " *batch"]:
+        return t_next > 0

@@ -1,4 +1,4 @@
-"""Training: a generic trainer, flow-matching pretraining, checkpoints, and the main job."""
+"""Training: a generic trainer, training loops, flow-matching pretraining and checkpoints."""
 
 from ._checkpoint import (
     Checkpointer as Checkpointer,
@@ -8,18 +8,12 @@ from ._checkpoint import (
 from ._flow_matching import (
     FlowMatchingObjective as FlowMatchingObjective,
     SupervisedBatch as SupervisedBatch,
-)
-from ._job import (
-    PRESETS as PRESETS,
-    JobConfig as JobConfig,
-    make_config as make_config,
-    run_eval as run_eval,
-    run_pretrain as run_pretrain,
-    run_train as run_train,
+    TimeSampling as TimeSampling,
 )
 from ._loops import (
     MetricsLog as MetricsLog,
     flow_grpo_epoch as flow_grpo_epoch,
+    minibatch_count as minibatch_count,
     minibatches as minibatches,
     supervised_steps as supervised_steps,
 )

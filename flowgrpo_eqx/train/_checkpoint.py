@@ -12,31 +12,14 @@ import shutil
 from typing import Any, TypeVar
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 from jaxtyping import PyTree
+
+from .._misc import data_to_keys, keys_to_data
 
 
 T = TypeVar("T")
 
 _PREFIX = "ckpt_"
-
-
-def _is_typed_key(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-
-
-def _keys_to_data(tree: PyTree[Any]) -> PyTree[Any]:
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_typed_key(x) else x, tree)
-
-
-def _data_to_keys(tree: PyTree[Any], like: PyTree[Any]) -> PyTree[Any]:
-    def restore(loaded: Any, template: Any) -> Any:
-        if _is_typed_key(template):
-            return jax.random.wrap_key_data(loaded, impl=jax.random.key_impl(template))
-        return loaded
-
-    return jax.tree.map(restore, tree, like)
 
 
 def _fsync_folder(path: pathlib.Path) -> None:
@@ -102,7 +85,7 @@ class Checkpointer:
             shutil.rmtree(temporary)
         temporary.mkdir()
         with open(temporary / "state.eqx", "wb") as handle:
-            eqx.tree_serialise_leaves(handle, _keys_to_data(tree))
+            eqx.tree_serialise_leaves(handle, keys_to_data(tree))
             handle.flush()
             os.fsync(handle.fileno())
         with open(temporary / "meta.json", "w") as handle:
@@ -139,10 +122,10 @@ class Checkpointer:
         if folder is None or not (folder / "meta.json").exists():
             raise FileNotFoundError(f"No checkpoint in {self.directory}.")
         with open(folder / "state.eqx", "rb") as handle:
-            loaded = eqx.tree_deserialise_leaves(handle, _keys_to_data(like))
+            loaded = eqx.tree_deserialise_leaves(handle, keys_to_data(like))
         with open(folder / "meta.json") as handle:
             metadata: dict[str, Any] = json.load(handle)
-        restored: T = _data_to_keys(loaded, like)
+        restored: T = data_to_keys(loaded, like)
         return restored, metadata
 
 

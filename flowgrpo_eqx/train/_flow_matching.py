@@ -1,6 +1,6 @@
 """Flow-matching pretraining of the base velocity model, in the same trainer interface."""
 
-from typing import Any, final
+from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
 import jax
@@ -9,9 +9,15 @@ from jaxtyping import Array, Float, PyTree
 
 from .._custom_types import Mean, Model, Step
 from .._flow_base import AbstractFlowObjective, Variables
-from .._inputs import CFG, AbstractAutoEncoder, IdentityAutoEncoder, InputSpec
+from .._guided_flow import GuidedFlow, flow_from
+from .._inputs import CFG, AbstractAutoEncoder, InputSpec
+from .._misc import check_int
 from .._process import AbstractProcess
 from .._solver import AbstractSolver, Euler
+
+
+TimeSampling: TypeAlias = Literal["logit_normal", "uniform"]
+"""How flow matching draws its training times: SD3's logit-normal, or uniform."""
 
 
 @final
@@ -56,18 +62,17 @@ class FlowMatchingObjective(AbstractFlowObjective):
 
     - `ValueError`: naming the argument, for `cond_dropout` outside [0, 1), an unknown
         `time_sampling`, `steps < 2`, or dropout/guidance without a null condition.
+
+    Training a model that returns a velocity of the wrong shape, or on rows whose
+    conditioning does not match the null condition, raises a `ValueError` saying so.
     """
 
-    model: Model
-    process: AbstractProcess
-    inputs: InputSpec
-    guidance: CFG | None
+    flow: GuidedFlow
     sampler: AbstractSolver
     steps: int
-    autoencoder: AbstractAutoEncoder
     pretrained: Model | None
     cond_dropout: float
-    time_sampling: str
+    time_sampling: TimeSampling
 
     def __init__(
         self,
@@ -81,15 +86,11 @@ class FlowMatchingObjective(AbstractFlowObjective):
         autoencoder: AbstractAutoEncoder | None = None,
         pretrained: Model | None = None,
         cond_dropout: float = 0.1,
-        time_sampling: str = "logit_normal",
+        time_sampling: TimeSampling = "logit_normal",
     ):
-        self.model = model
-        self.process = process
-        self.inputs = inputs
-        self.guidance = guidance
+        self.flow = flow_from(model, process, inputs, guidance, autoencoder)
         self.sampler = sampler
         self.steps = steps
-        self.autoencoder = IdentityAutoEncoder() if autoencoder is None else autoencoder
         self.pretrained = pretrained
         self.cond_dropout = cond_dropout
         self.time_sampling = time_sampling
@@ -101,12 +102,9 @@ class FlowMatchingObjective(AbstractFlowObjective):
             raise ValueError(
                 f"`time_sampling` must be 'logit_normal' or 'uniform', got {self.time_sampling!r}."
             )
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 2:
-            raise ValueError(f"`steps` must be an int >= 2, got {self.steps!r}.")
-        if (self.cond_dropout > 0 or self.guidance is not None) and not self.inputs.has_null:
-            raise ValueError(
-                "`cond_dropout` > 0 or `guidance` needs a null condition: pass InputSpec(null=...)."
-            )
+        check_int("steps", self.steps, 2)
+        if self.cond_dropout > 0 and not self.flow.inputs.has_null:
+            raise ValueError("`cond_dropout` > 0 needs a null condition: pass InputSpec(null=...).")
 
     def held_variables(self) -> Variables:
         """Nothing is held: the held slot is free for the trainer's EMA."""
@@ -137,20 +135,21 @@ class FlowMatchingObjective(AbstractFlowObjective):
         noise_key, time_key, drop_key = jax.random.split(step.key, 3)
         noise = jax.random.normal(noise_key, batch.data.shape, batch.data.dtype)
         t = self.sample_times(time_key, rows).astype(batch.data.dtype)
-        x_t = jax.vmap(self.process.interpolate)(batch.data, noise, t)
-        target = jax.vmap(self.process.velocity_target)(batch.data, noise)
-        conditioning = self.inputs.condition(batch.cond)
+        process = self.flow.process
+        x_t = jax.vmap(process.interpolate)(batch.data, noise, t)
+        target = jax.vmap(process.velocity_target)(batch.data, noise)
+        conditioning = self.flow.inputs.condition(batch.cond)
         dropped = jnp.zeros((rows,), bool)
         if self.cond_dropout > 0:
             dropped = jax.random.bernoulli(drop_key, self.cond_dropout, (rows,))
-            null = self.inputs.null_condition(rows)
+            null = self.flow.null_like(conditioning)
 
             def choose(c: Array, u: Array) -> Array:
                 mask = dropped.reshape((rows,) + (1,) * (c.ndim - 1))
                 return jnp.where(mask, u.astype(c.dtype), c)
 
             conditioning = jax.tree.map(choose, conditioning, null)
-        prediction = jax.vmap(variables.policy)(x_t, t, conditioning)
+        prediction = self.flow.call_model(variables.policy, x_t, t, conditioning)
         error = (prediction.astype(jnp.float32) - target.astype(jnp.float32)) ** 2
         per_row = jnp.mean(error.reshape(rows, -1), axis=1)
         count = jnp.asarray(rows, jnp.float32)

@@ -4,27 +4,16 @@ import json
 import os
 import pathlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, final
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpy.typing as npt
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._custom_types import Transitions
 from .._rollout import FlowRollout, RolloutInfo
 from ._trainer import Trainer, TrainState
-
-
-def select_rows(rows: PyTree[Any], indices: npt.NDArray[np.int64]) -> PyTree[Any]:
-    """Rows `indices` of every leaf."""
-    return jax.tree.map(lambda leaf: np.asarray(leaf)[indices], rows)
-
-
-def count_rows(rows: PyTree[Any]) -> int:
-    """The leading size shared by the rows' leaves."""
-    return int(np.shape(jax.tree.leaves(rows)[0])[0])
 
 
 def minibatch_count(rows: int, minibatch_rows: int) -> int:
@@ -135,36 +124,45 @@ def supervised_steps(
     return state, _mean_metrics(history)
 
 
+@final
 class MetricsLog:
     """`metrics.jsonl`: one JSON object per line, appended and flushed as training goes.
 
     **Arguments:**
 
-    - `path`: the file.
+    - `path`: the file, or `None` for a log that keeps nothing (e.g. on processes other than
+        process 0, which writes the run's files).
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = pathlib.Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: str | os.PathLike[str] | None):
+        self.path = None if path is None else pathlib.Path(path)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append one record."""
+        if self.path is None:
+            return
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
             handle.flush()
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
+        """Every record written so far, oldest first."""
+        if self.path is None or not self.path.exists():
             return []
         with open(self.path) as handle:
             return [json.loads(line) for line in handle if line.strip()]
 
     def clear(self) -> None:
         """Start an empty log."""
-        if self.path.exists():
+        if self.path is not None and self.path.exists():
             self.path.unlink()
 
     def keep_only(self, keep: Callable[[dict[str, Any]], bool]) -> None:
         """Rewrite the log with only the records `keep` accepts (used when resuming)."""
+        if self.path is None:
+            return
         records = [r for r in self.read() if keep(r)]
         temporary = self.path.with_name(self.path.name + ".tmp")
         with open(temporary, "w") as handle:

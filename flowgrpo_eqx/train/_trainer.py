@@ -1,4 +1,4 @@
-"""A generic trainer for objectives with the seed's methods (`init`, `held_variables`, `loss`).
+"""A generic trainer for objectives with `init`, `held_variables` and `loss`.
 
 The optimizer step is one jit-compiled function of an immutable `TrainState`; everything
 random is derived from keys held in that state, so a run resumed from a checkpoint repeats
@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._custom_types import Mean, Model, Step
 from .._flow_base import AbstractFlowObjective, Variables
+from .._misc import own_copy
 
 
 @final
@@ -134,10 +135,15 @@ class Trainer(eqx.Module):
             raise ValueError(f"`ema_decay` must be in [0, 1) or None, got {self.ema_decay!r}.")
 
     def split_policy(self, policy: Model) -> tuple[PyTree[Any], PyTree[Any]]:
-        """`(trainable, frozen)` parts of the policy, by the `trainable` filter."""
-        trainable, frozen = eqx.partition(policy, self.trainable)
-        trainable = eqx.filter(trainable, eqx.is_inexact_array)
-        return trainable, eqx.combine(frozen, eqx.filter(policy, self.trainable, inverse=True))
+        """`(trainable, frozen)` parts of the policy, by the `trainable` filter.
+
+        The trainable part holds the floating-point arrays the filter selects; everything
+        else, including whatever non-array leaves (activations, static settings) the filter
+        selects, stays in the frozen part, so `eqx.combine` of the two is the whole policy.
+        """
+        selected, unselected = eqx.partition(policy, self.trainable)
+        trainable, selected_static = eqx.partition(selected, eqx.is_inexact_array)
+        return trainable, eqx.combine(unselected, selected_static)
 
     def init(self, key: PRNGKeyArray, variables: Variables | None = None) -> TrainState:
         """The initial state: the objective's variables and a fresh optimizer state.
@@ -149,7 +155,7 @@ class Trainer(eqx.Module):
         """
         init_key, train_key = jax.random.split(key)
         variables = self.objective.init(init_key, variables)
-        variables = Variables(policy=_own_copy(variables.policy), held=_own_copy(variables.held))
+        variables = Variables(policy=own_copy(variables.policy), held=own_copy(variables.held))
         trainable, _ = self.split_policy(variables.policy)
         opt_state = self.optimizer.init(trainable)
         return TrainState(
@@ -199,7 +205,10 @@ class Trainer(eqx.Module):
         (value, (total, aux)), grads = eqx.filter_value_and_grad(objective_value, has_aux=True)(
             trainable
         )
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, trainable)
+        # optax mixes Python floats with its int32 step count (bias correction, schedules),
+        # which strict dtype promotion rejects; only the optimizer's arithmetic is exempt.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, trainable)
         trainable = eqx.apply_updates(trainable, updates)
         policy = eqx.combine(trainable, frozen)
         held = variables.held
@@ -213,7 +222,7 @@ class Trainer(eqx.Module):
                 return average
 
             held = jax.tree.map(blend, held, policy)
-        grad_norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+        grad_norm = optax.tree.norm(grads)
         metrics = {"loss": value, "grad_norm": grad_norm, "count": total.count}
         metrics.update(mean_values(aux))
         new_state = TrainState(
@@ -231,10 +240,3 @@ def _update_donating(
 ) -> tuple[TrainState, dict[str, Array]]:
     trainer, batch = trainer_and_batch
     return trainer._update(state, batch)
-
-
-def _own_copy(tree: PyTree[Any]) -> PyTree[Any]:
-    """Fresh buffers for every array, so that donating the state frees nothing shared."""
-    return jax.tree.map(
-        lambda leaf: jnp.array(leaf, copy=True) if eqx.is_array(leaf) else leaf, tree
-    )

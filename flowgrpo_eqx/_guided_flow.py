@@ -1,0 +1,222 @@
+"""`GuidedFlow`: the model and what surrounds it, shared by every objective and the rollout.
+
+The process, the conditioning inputs, classifier-free guidance and the autoencoder, with the
+guided velocity on a batch, probability-flow ODE sampling and decoding.
+"""
+
+from typing import Any, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PyTree
+
+from ._custom_types import Model
+from ._inputs import CFG, AbstractAutoEncoder, IdentityAutoEncoder, InputSpec
+from ._process import AbstractProcess
+from ._sde import compute_dtype
+from ._solver import AbstractSolver
+
+
+def _per_example_shapes(tree: PyTree[Any]) -> PyTree[Any]:
+    return jax.tree.map(lambda leaf: tuple(jnp.shape(leaf)[1:]), tree)
+
+
+@final
+class GuidedFlow(eqx.Module):
+    """A velocity model with its process, conditioning, guidance and autoencoder.
+
+    Objectives hold one; the model itself is passed to each method, so the same code serves
+    the live policy, the frozen reference and an EMA.
+
+    **Arguments:**
+
+    - `model`: the velocity model, `model(x, t, cond) -> v` on one unbatched example; its
+        structure (and, unless an objective is given other weights, its initial weights).
+    - `process`: the generative process (`RectifiedFlow`), which supplies the time grid.
+    - `inputs`: an `InputSpec`: which row fields condition the model, and the null condition.
+    - `guidance`: classifier-free guidance, or `None`.
+    - `autoencoder`: decodes latents to samples in [-1, 1] (identity by default).
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for a model that is not callable, a wrong type, or
+        guidance without a null condition.
+    """
+
+    model: Model
+    process: AbstractProcess
+    inputs: InputSpec
+    guidance: CFG | None = CFG(3.0)
+    autoencoder: AbstractAutoEncoder = IdentityAutoEncoder()
+
+    def __check_init__(self) -> None:
+        if not callable(self.model):
+            raise ValueError(f"`model` must be callable as model(x, t, cond), got {self.model!r}.")
+        if not isinstance(self.process, AbstractProcess):
+            raise ValueError(f"`process` must be an AbstractProcess, got {self.process!r}.")
+        if not isinstance(self.inputs, InputSpec):
+            raise ValueError(f"`inputs` must be an InputSpec, got {self.inputs!r}.")
+        if self.guidance is not None and not isinstance(self.guidance, CFG):
+            raise ValueError(f"`guidance` must be a CFG or None, got {self.guidance!r}.")
+        if self.guidance is not None and not self.inputs.has_null:
+            raise ValueError(
+                "`guidance` needs a null condition, but `inputs` has none: pass "
+                "InputSpec(null=...) or guidance=None."
+            )
+        if not isinstance(self.autoencoder, AbstractAutoEncoder):
+            raise ValueError(
+                f"`autoencoder` must be an AbstractAutoEncoder, got {self.autoencoder!r}."
+            )
+
+    def null_like(self, conditioning: PyTree[Any]) -> PyTree[Any]:
+        """The null condition repeated for every row of `conditioning`, checked against it.
+
+        **Raises:**
+
+        - `ValueError`: when the rows' conditioning and the null condition differ in
+            structure or in per-example shapes, naming both.
+        """
+        rows = jax.tree.leaves(conditioning)[0].shape[0]
+        null = self.inputs.null_condition(rows)
+        got = _per_example_shapes(conditioning)
+        want = _per_example_shapes(null)
+        if got != want:
+            raise ValueError(
+                "The rows' conditioning does not match the null condition: per example the "
+                f"rows give shapes {got}, the null condition (InputSpec.null) {want}."
+            )
+        return null
+
+    def call_model(
+        self,
+        model: Model,
+        x: Float[Array, " B *latent"],
+        t: Float[Array, " B"],
+        conditioning: PyTree[Any],
+    ) -> Float[Array, " B *latent"]:
+        """The model vmapped over a batch, without guidance, checked for its output's shape.
+
+        **Arguments:**
+
+        - `model`: the model.
+        - `x`: `[B, *latent]` states.
+        - `t`: `[B]` times.
+        - `conditioning`: the model's conditioning (already selected and encoded).
+
+        **Returns:**
+
+        `[B, *latent]` velocities in float32 at least.
+
+        **Raises:**
+
+        - `ValueError`: when the model returns a velocity not shaped like `x`.
+        """
+        velocities: Array = jax.vmap(model)(x, t, conditioning)
+        if velocities.shape != x.shape:
+            raise ValueError(
+                f"The model returned a velocity of shape {tuple(velocities.shape[1:])} for a "
+                f"latent of shape {tuple(x.shape[1:])}; model(x, t, cond) must return one "
+                "velocity shaped like its x."
+            )
+        return velocities.astype(compute_dtype(x.dtype))
+
+    def velocity(
+        self,
+        model: Model,
+        x: Float[Array, " B *latent"],
+        t: Float[Array, " B"],
+        cond: PyTree[Any],
+    ) -> Float[Array, " B *latent"]:
+        """The guided velocity of `model` on a batch, both guidance branches in one call.
+
+        **Arguments:**
+
+        - `model`: the policy or the reference.
+        - `x`: `[B, *latent]` states.
+        - `t`: `[B]` times.
+        - `cond`: the batch's rows (leading axis `B`), reduced by `inputs`.
+
+        **Returns:**
+
+        `[B, *latent]` velocities in float32 at least.
+
+        **Raises:**
+
+        - `ValueError`: when the model returns a velocity not shaped like `x`, or the rows'
+            conditioning does not match the null condition.
+        """
+        conditioning = self.inputs.condition(cond)
+        if self.guidance is None:
+            return self.call_model(model, x, t, conditioning)
+        rows = x.shape[0]
+        null = self.null_like(conditioning)
+        both = jax.tree.map(
+            lambda c, u: jnp.concatenate([c, u.astype(c.dtype)], axis=0), conditioning, null
+        )
+        velocities = self.call_model(
+            model, jnp.concatenate([x, x], axis=0), jnp.concatenate([t, t], axis=0), both
+        )
+        return self.guidance.combine(velocities[:rows], velocities[rows:])
+
+    def sample_latents(
+        self,
+        model: Model,
+        cond: PyTree[Any],
+        noise: Float[Array, " N *latent"],
+        sampler: AbstractSolver,
+        steps: int,
+    ) -> Float[Array, " N *latent"]:
+        """Integrate the guided probability-flow ODE from `noise` at t = 1 to t = 0.
+
+        **Arguments:**
+
+        - `model`: the model to sample from.
+        - `cond`: one row per sample (leading axis `N`).
+        - `noise`: `[N, *latent]` starting points.
+        - `sampler`: the ODE solver.
+        - `steps`: the number of time points of the grid.
+
+        **Returns:**
+
+        `[N, *latent]` final latents.
+        """
+        grid = self.process.timesteps(steps)
+        rows = noise.shape[0]
+
+        def velocity(
+            x: Float[Array, " N *latent"], t: Float[Array, ""]
+        ) -> Float[Array, " N *latent"]:
+            return self.velocity(model, x, jnp.full((rows,), t, x.dtype), cond)
+
+        def body(x: Float[Array, " N *latent"], times: Array) -> tuple[Array, None]:
+            return sampler.step(velocity, x, times[0], times[1]), None
+
+        start = noise.astype(compute_dtype(noise.dtype))
+        intervals = jnp.stack([grid[:-1], grid[1:]], axis=1)
+        final, _ = jax.lax.scan(body, start, intervals)
+        return final
+
+    def decode(self, latents: Float[Array, " N *latent"]) -> Float[Array, " N *sample"]:
+        """Decode latents to samples in [-1, 1] with the autoencoder (clipped)."""
+        return jnp.clip(jax.vmap(self.autoencoder.decode)(latents), -1.0, 1.0)
+
+
+def flow_from(
+    model: Model,
+    process: AbstractProcess,
+    inputs: InputSpec,
+    guidance: CFG | None,
+    autoencoder: AbstractAutoEncoder | None,
+) -> GuidedFlow:
+    """A `GuidedFlow` from an objective's constructor arguments (`None`: identity decoder)."""
+    return GuidedFlow(
+        model,
+        process,
+        inputs,
+        guidance=guidance,
+        autoencoder=IdentityAutoEncoder() if autoencoder is None else autoencoder,
+    )
+
+
+__all__ = ["GuidedFlow", "flow_from"]
