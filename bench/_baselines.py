@@ -70,10 +70,10 @@ def _guided(
     objective: fg.FlowGRPOObjective, x: jax.Array, t: jax.Array, rows: Any
 ) -> tuple[jax.Array, jax.Array, Any]:
     """The model batch of one guided evaluation: both CFG branches stacked, as the library."""
-    conditioning = objective.inputs.condition(rows)
-    if objective.guidance is None:
+    conditioning = objective.flow.inputs.condition(rows)
+    if objective.flow.guidance is None:
         return x, t, conditioning
-    null = objective.inputs.null_condition(x.shape[0])
+    null = objective.flow.inputs.null_condition(x.shape[0])
     both = jax.tree.map(
         lambda c, u: jnp.concatenate([c, u.astype(c.dtype)], axis=0), conditioning, null
     )
@@ -128,7 +128,7 @@ def model_work(
 def model_rollout(rollout: fg.FlowRollout, policy: Any, device_rows: Any) -> Callable[[], Any]:
     """(steps - 1) guided forwards over the N rows, chained by a plain Euler update."""
     objective = rollout.objective
-    latent_shape = objective.inputs.latent_shape
+    latent_shape = objective.flow.inputs.latent_shape
     assert latent_shape is not None
     params, static = eqx.partition(policy, eqx.is_inexact_array)
     grid = rollout.timesteps()
@@ -142,8 +142,8 @@ def model_rollout(rollout: fg.FlowRollout, policy: Any, device_rows: Any) -> Cal
             t, t_next = times
             mx, mt, mc = _guided(objective, x, jnp.full((n,), t, x.dtype), rows)
             v = jax.vmap(model)(mx, mt, mc).astype(x.dtype)
-            if objective.guidance is not None:
-                v = objective.guidance.combine(v[:n], v[n:])
+            if objective.flow.guidance is not None:
+                v = objective.flow.guidance.combine(v[:n], v[n:])
             return x + (t_next - t) * v, None
 
         final, _ = jax.lax.scan(body, start, (grid[:-1], grid[1:]))

@@ -153,7 +153,7 @@ def measure(setup: Setup, plan: Plan) -> dict[str, Any]:
     batch, _ = rollout.collect(variables, rows, jax.random.key(1))
     jax.block_until_ready(batch)  # type: ignore[no-untyped-call]
     n, k = batch.num_rows, batch.num_transitions
-    guided = 2 if objective.guidance is not None else 1
+    guided = 2 if objective.flow.guidance is not None else 1
     model_inputs = guided * n * k
 
     log(f"{setup.name}: compiling the step for cost and memory analysis")

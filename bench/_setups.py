@@ -3,7 +3,7 @@
 - `mlp_setup`: `MLPVelocity(latent_dim=64, cond_dim=16, hidden=512, depth=4)`, N = 32 samples
   (8 source rows x 4 groups), K = 10 transitions (rollout steps = 11), CFG 4.5, beta 0.04,
   AdamW (`default_optimizer`), and a cheap float64 numpy reward on the host.
-- `dit_setup`: the demo task's `DiT` at the settings of `flowgrpo_eqx.train.make_config()`
+- `dit_setup`: the demo task's `DiT` at the settings of `flowgrpo_eqx.shapes_demo.make_config()`
   (read at run time), scored by `ShapesReward`, with fewer source rows (smaller N) for time.
 """
 
@@ -20,9 +20,8 @@ import numpy.typing as npt
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx.models import MLPVelocity
-from flowgrpo_eqx.tasks import PROMPT_LENGTH
-from flowgrpo_eqx.train import Trainer, default_optimizer, make_config
-from flowgrpo_eqx.train._job import ShapesJob
+from flowgrpo_eqx.shapes_demo import PROMPT_LENGTH, ShapesJob, make_config
+from flowgrpo_eqx.train import Trainer, default_optimizer
 
 
 @dataclasses.dataclass
@@ -176,7 +175,7 @@ def dit_setup(quick: bool) -> Setup:
     info = {
         "model": f"DiT(width={config.width}, depth={config.depth}, heads={config.heads}, "
         f"patch={config.patch}) on {task.image_shape} images, prompt length {PROMPT_LENGTH}",
-        "settings_from": "flowgrpo_eqx.train.make_config() (JobConfig defaults)",
+        "settings_from": "flowgrpo_eqx.shapes_demo.make_config() (JobConfig defaults)",
         "weights": "fresh init (seed from JobConfig) with the zero-initialised adaLN layers "
         "given N(0, 0.02^2) values; no pretraining",
         "parameters": int(sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))),

@@ -7,7 +7,9 @@ Flow-GRPO part differs.
 
 import json
 import os
+import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,20 +19,45 @@ import jax
 import numpy as np
 import pytest
 
-from flowgrpo_eqx.train import load_model, make_config
-from flowgrpo_eqx.train._job import ShapesJob
+from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
+from flowgrpo_eqx.train import load_model
 
 
 TIMEOUT = 600
 COMMON = ["--preset", "tiny", "--quiet", "--seed", "5"]
 
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
 def run_cli(*args, env=None, timeout=TIMEOUT):
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "flowgrpo_eqx.cli", *args],
-                            capture_output=True, text=True, env=environment, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=timeout,
+    )
     return result, time.monotonic() - started
+
+
+def process_with_arguments(*needles):
+    """The pid of the one running process whose command line holds every needle."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            arguments = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        text = " ".join(a.decode(errors="replace") for a in arguments).strip()
+        if all(needle in text for needle in needles):
+            found.append(int(entry.name))
+    assert len(found) == 1, found
+    return found[0]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +99,10 @@ def assert_same_run(folder, baseline):
     leaves_want = jax.tree.leaves(eqx.filter(policy_want, eqx.is_array))
     leaves_got = jax.tree.leaves(eqx.filter(policy_got, eqx.is_array))
     base = load_model(next(baseline.glob("base_*.eqx")), job.model)
-    moved = [not np.array_equal(a, b) for a, b in
-             zip(jax.tree.leaves(eqx.filter(base, eqx.is_array)), leaves_want, strict=True)]
+    moved = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(eqx.filter(base, eqx.is_array)), leaves_want, strict=True)
+    ]
     assert any(moved), "Flow-GRPO changed nothing; the comparison would be vacuous"
     for a, b in zip(leaves_want, leaves_got, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
@@ -81,8 +110,13 @@ def assert_same_run(folder, baseline):
 
 def test_four_simulated_devices_match_one_device(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "four")
-    result, _ = run_cli("train", *COMMON, "--out", str(out),
-                        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    result, _ = run_cli(
+        "train",
+        *COMMON,
+        "--out",
+        str(out),
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for placement in placements(out):
         assert placement["devices"] == 4 and placement["processes"] == 1
@@ -105,29 +139,72 @@ def test_two_processes_match_one_process(baseline, tmp_path):
 
 def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "reward_fault")
-    result, seconds = run_cli("launch", "--local", "2", "--grace-seconds", "60", "--", "train",
-                              *COMMON, "--out", str(out),
-                              env={"FLOWGRPO_INJECT_FAULT": "reward:1"})
+    result, seconds = run_cli(
+        "launch",
+        "--local",
+        "2",
+        "--grace-seconds",
+        "60",
+        "--",
+        "train",
+        *COMMON,
+        "--out",
+        str(out),
+        "--custom-reward",
+        "tests.failing_rewards:FailingReward",
+    )
     assert result.returncode == 1
     for rank in (0, 1):
-        assert (f"[rank {rank}] flowgrpo-eqx: error on process {rank}: (from process 0, reward "
-                "'injected_failure')") in result.stdout
+        assert (
+            f"[rank {rank}] flowgrpo-eqx: error on process {rank}: (from process 0, reward "
+            "'injected_failure')"
+        ) in result.stdout
     assert "[launch] stopping rank" not in result.stdout  # both stopped on their own
     assert seconds < 240
 
 
 def test_dead_process_stops_the_others_with_a_clear_error(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "death")
-    result, seconds = run_cli("launch", "--local", "2", "--grace-seconds", "120", "--", "train",
-                              *COMMON, "--out", str(out), env={"FLOWGRPO_INJECT_FAULT": "die:1:1"})
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flowgrpo_eqx.shapes_demo.cli",
+            "launch",
+            "--local",
+            "2",
+            "--grace-seconds",
+            "120",
+            "--",
+            "train",
+            *COMMON,
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment,
+    )
+    # Kill process 1 once training is under way (epoch 1's checkpoint is written).
+    while not (out / "checkpoints" / "ckpt_00000001").exists() and launcher.poll() is None:
+        time.sleep(0.05)
+    victim = process_with_arguments("--process-id 1", str(out))
+    os.kill(victim, signal.SIGKILL)
+    stdout, _ = launcher.communicate(timeout=TIMEOUT)
+    seconds = time.monotonic() - started
+    result = subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, "")
     assert result.returncode != 0
-    assert "[rank 1] process 1: dying as injected" in result.stdout
     # Process 0 stops on its own with a clear error: ours when the failure surfaces as a Python
     # exception, or the runtime's own when its heartbeat check ends the process first.
     ours = "[rank 0] flowgrpo-eqx: error on process 0: another process failed"
-    runtime = ("Terminating process because the JAX distributed service detected fatal errors. "
-               "This most likely indicates that another task died")
+    runtime = (
+        "Terminating process because the JAX distributed service detected fatal errors. "
+        "This most likely indicates that another task died"
+    )
     assert ours in result.stdout or runtime in result.stdout, result.stdout[-3000:]
     assert "[launch] stopping rank" not in result.stdout
-    assert "[launch] rank 1 failed (exit status 17)" in result.stdout
+    assert "[launch] rank 1 failed (exit status -9)" in result.stdout
     assert seconds < 300

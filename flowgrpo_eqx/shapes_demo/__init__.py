@@ -1,6 +1,26 @@
-"""Embedded procedural tasks: prompts, ground-truth renderers and rule-based rewards."""
+"""The shapes demo: an application built on the library, beside it, never imported by it.
 
-from .shapes import (
+A procedural compositional task (two coloured shapes, a rule-based checker), the main job
+that pretrains a small DiT on it and fine-tunes it with Flow-GRPO, its configuration, report
+pictures and the `flowgrpo-eqx` command line.
+"""
+
+from .config import (
+    PRESETS as PRESETS,
+    JobConfig as JobConfig,
+    LrSchedule as LrSchedule,
+    RewardName as RewardName,
+    make_config as make_config,
+    setting_help as setting_help,
+)
+from .job import (
+    SHIPPED_DIR as SHIPPED_DIR,
+    ShapesJob as ShapesJob,
+    run_eval as run_eval,
+    run_pretrain as run_pretrain,
+    run_train as run_train,
+)
+from .task import (
     COLOURS as COLOURS,
     HALF as HALF,
     IMAGE_SIZE as IMAGE_SIZE,
@@ -8,6 +28,7 @@ from .shapes import (
     NUM_COLOURS as NUM_COLOURS,
     NUM_PROMPTS as NUM_PROMPTS,
     NUM_SHAPES as NUM_SHAPES,
+    NUM_TRAIN_PROMPTS as NUM_TRAIN_PROMPTS,
     OBJECT_SIZES as OBJECT_SIZES,
     PALETTE as PALETTE,
     PROMPT_LENGTH as PROMPT_LENGTH,

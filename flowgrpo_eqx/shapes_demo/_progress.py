@@ -1,11 +1,10 @@
-"""Progress bars (tqdm) that show the latest metrics, or nothing in quiet mode."""
+"""Progress bars (tqdm, loaded when a bar is made) that show the latest metrics."""
 
 import sys
-from typing import Any
-
-from tqdm.auto import tqdm
+from typing import Any, final
 
 
+@final
 class Progress:
     """A progress bar over `total` units with metric read-outs.
 
@@ -18,6 +17,8 @@ class Progress:
     """
 
     def __init__(self, total: int, description: str, *, disable: bool = False, initial: int = 0):
+        from tqdm.auto import tqdm
+
         self.bar = tqdm(
             total=total,
             desc=description,

@@ -17,20 +17,17 @@ Every `JobConfig` setting has a flag (`--learning-rate 1e-4`, `--train-steps non
 import argparse
 import dataclasses
 import os
-import signal
 import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .train._job import SETTING_HELP, JobConfig, make_config
+from .config import JobConfig, make_config
 
 
 def _parser_for(annotation: Any) -> Callable[[str], Any]:
-    """A string parser for a `JobConfig` field's type (`int`, `float | None`, ...)."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, {"int": int, "float": float, "str": str, "None": None})
+    """A string parser for a `JobConfig` field's type (`int`, `float | None`, a `Literal`)."""
     args = typing.get_args(annotation)
     optional = isinstance(annotation, types.UnionType) and type(None) in args
     base = next((a for a in args if a is not type(None)), annotation) if optional else annotation
@@ -38,6 +35,8 @@ def _parser_for(annotation: Any) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         if optional and text.lower() == "none":
             return None
+        if typing.get_origin(base) is typing.Literal:
+            return text
         return base(text)
 
     parse.__name__ = getattr(base, "__name__", "value")
@@ -46,14 +45,20 @@ def _parser_for(annotation: Any) -> Callable[[str], Any]:
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (default: the preset's)")
+    hints = typing.get_type_hints(JobConfig)
     for field in dataclasses.fields(JobConfig):
         flag = "--" + field.name.replace("_", "-")
+        annotation = hints[field.name]
+        choices = (
+            typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+        )
         group.add_argument(
             flag,
             dest=field.name,
-            type=_parser_for(field.type),
+            type=_parser_for(annotation),
+            choices=choices,
             default=argparse.SUPPRESS,
-            help=f"{SETTING_HELP[field.name]} (default {field.default!r})",
+            help=f"{field.metadata['help']} (default {field.default!r})",
         )
 
 
@@ -68,12 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="pretrain or load the base model, then Flow-GRPO")
     train.add_argument("--out", default="runs/train", help="run folder (default runs/train)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    train.add_argument(
-        "--kill-after-epoch",
-        type=int,
-        default=None,
-        help="testing crash recovery: SIGKILL this process right after epoch N's checkpoint",
-    )
     _add_common(train)
 
     pretrain = commands.add_parser("pretrain", help="flow-matching pretraining of the base model")
@@ -126,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = vars(build_parser().parse_args(argv))
     command = arguments.pop("command")
     if command == "launch":
-        from ._launch import launch_local
+        from .launch import launch_local
 
         rest = (
             [a for a in arguments["rest"] if a != "--"]
@@ -145,8 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as error:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)
         return 2
-    from ._distributed import initialize
-    from ._reward import RewardError
+    from .._distributed import initialize
+    from .._reward import RewardError
 
     try:
         initialize(arguments["coordinator"], arguments["num_processes"], arguments["process_id"])
@@ -193,20 +192,16 @@ def _rank() -> int:
 
 def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
     """Run one subcommand in this process (jax.distributed already started)."""
-    from .train._job import run_eval, run_pretrain, run_train
+    from .job import run_eval, run_pretrain, run_train
 
     if command == "train":
-        kill_after = arguments["kill_after_epoch"]
         run_train(
             config,
             arguments["out"],
             resume=arguments["resume"],
             quiet=arguments["quiet"],
-            stop_after_epoch=kill_after,
             devices=arguments["devices"],
         )
-        if kill_after is not None:
-            os.kill(os.getpid(), signal.SIGKILL)
     elif command == "pretrain":
         run_pretrain(config, arguments["out"], quiet=arguments["quiet"])
     else:

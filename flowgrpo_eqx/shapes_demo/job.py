@@ -6,16 +6,12 @@ a run resumed from its latest checkpoint ends exactly as an uninterrupted one.
 """
 
 import dataclasses
-import hashlib
 import json
-import os
 import pathlib
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,215 +22,39 @@ from .._custom_types import Step
 from .._distributed import data_mesh, local_copy, owned_rows, process_counts, replicate
 from .._flow_base import Variables
 from .._inputs import CFG, InputSpec
+from .._misc import leading_rows, select_rows
 from .._objective import FlowGRPOObjective
-from .._preview import preview_grid
 from .._process import RectifiedFlow
-from .._reward import FlowReward, JpegIncompressibility
+from .._reward import FlowReward, JpegIncompressibility, load_reward
 from .._rollout import FlowRollout
-from .._sde import FlowSDE
+from .._sde import FlowSDE, window_for_indices
 from ..models import DiT
-from ..tasks import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
-from ._checkpoint import Checkpointer, load_model, save_model
-from ._flow_matching import FlowMatchingObjective, SupervisedBatch
-from ._loops import (
+from ..train import (
+    Checkpointer,
+    FlowMatchingObjective,
     MetricsLog,
-    count_rows,
+    SupervisedBatch,
+    Trainer,
+    TrainState,
+    default_optimizer,
     flow_grpo_epoch,
+    load_model,
     minibatch_count,
-    select_rows,
+    save_model,
     supervised_steps,
 )
 from ._progress import Progress
-from ._trainer import Trainer, TrainState, default_optimizer
-
-
-@dataclasses.dataclass(frozen=True)
-class JobConfig:
-    """Every setting of the main job; `flowgrpo-eqx train --help` lists them as flags."""
-
-    # model
-    width: int = 64
-    depth: int = 4
-    heads: int = 4
-    patch: int = 4
-    # pretraining (flow matching)
-    pretrain_steps: int = 10000
-    pretrain_batch: int = 64
-    pretrain_lr: float = 1e-3
-    cond_dropout: float = 0.1
-    # Flow-GRPO
-    epochs: int = 200
-    prompts_per_epoch: int = 16
-    groups: int = 16
-    rollout_steps: int = 6
-    train_steps: int | None = 2
-    sde_steps: int | None = 2
-    inner_epochs: int = 1
-    minibatch_rows: int | None = 64
-    learning_rate: float = 1e-4
-    lr_schedule: str = "cosine"  # "constant" | "cosine" (to 0 at the last update)
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    beta: float = 0.0
-    clip_range: float = 0.2
-    adv_clip_max: float = 5.0
-    noise_level: float = 0.7
-    guidance_scale: float = 3.0
-    reward: str = "partial"  # "partial" | "strict" (the checker) | "jpeg_incompressibility"
-    ema_decay: float | None = None
-    transition_chunk: int | None = None
-    # evaluation
-    eval_steps: int = 21
-    eval_samples_per_prompt: int = 8
-    eval_every: int = 20
-    preview_prompts: int = 8
-    # bookkeeping
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 3
-    seed: int = 0
-
-    def base_fingerprint(self) -> str:
-        """A hash of everything that determines the pretrained base model."""
-        fields = (
-            "width",
-            "depth",
-            "heads",
-            "patch",
-            "pretrain_steps",
-            "pretrain_batch",
-            "pretrain_lr",
-            "cond_dropout",
-            "seed",
-        )
-        text = json.dumps({name: getattr(self, name) for name in fields}, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-SETTING_HELP: dict[str, str] = {
-    "width": "DiT token width",
-    "depth": "DiT blocks",
-    "heads": "attention heads per block",
-    "patch": "patch side in pixels (16 / patch tokens per side)",
-    "pretrain_steps": "flow-matching steps of the base model",
-    "pretrain_batch": "images per flow-matching step",
-    "pretrain_lr": "flow-matching AdamW learning rate",
-    "cond_dropout": "probability of the null prompt in pretraining (for CFG)",
-    "epochs": "Flow-GRPO epochs (one rollout each)",
-    "prompts_per_epoch": "training prompts per rollout",
-    "groups": "samples per prompt (the GRPO group)",
-    "rollout_steps": "time-grid points of the rollout sampler (steps - 1 transitions)",
-    "train_steps": "leading transitions recorded and trained (None: all)",
-    "sde_steps": "leading transitions that sample noise, ODE after (Flow-GRPO-Fast; None: all)",
-    "inner_epochs": "passes over each rollout",
-    "minibatch_rows": "rows per optimizer update (None: the whole rollout)",
-    "learning_rate": "AdamW learning rate (the peak, with a schedule)",
-    "lr_schedule": "constant | cosine (to 0 at the last update)",
-    "weight_decay": "AdamW decoupled weight decay",
-    "max_grad_norm": "global-norm gradient clip",
-    "beta": "KL weight to the base model (0: none; the held slot then free for EMA)",
-    "clip_range": "PPO ratio clip",
-    "adv_clip_max": "advantage clip",
-    "noise_level": "SDE noise level a",
-    "guidance_scale": "classifier-free guidance scale (rollout, loss and evaluation)",
-    "reward": "partial | strict (the task checker) | jpeg_incompressibility",
-    "ema_decay": "EMA of the policy in the held slot (needs beta 0; None: off)",
-    "transition_chunk": "transitions per scanned chunk of the loss (None: all at once)",
-    "eval_steps": "ODE steps of held-out evaluation",
-    "eval_samples_per_prompt": "held-out samples per prompt (fixed noise)",
-    "eval_every": "epochs between held-out evaluations",
-    "preview_prompts": "prompts in samples_before.png / samples_after.png",
-    "checkpoint_every": "epochs between checkpoints",
-    "keep_checkpoints": "checkpoints kept",
-    "seed": "the seed everything random derives from",
-}
-"""A line of `--help` for each `JobConfig` setting."""
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "tiny": dict(
-        width=16,
-        depth=1,
-        heads=2,
-        patch=4,
-        pretrain_steps=20,
-        pretrain_batch=16,
-        epochs=4,
-        prompts_per_epoch=2,
-        groups=4,
-        minibatch_rows=4,
-        rollout_steps=4,
-        eval_steps=4,
-        eval_samples_per_prompt=1,
-        eval_every=2,
-        checkpoint_every=1,
-        preview_prompts=4,
-        reward="jpeg_incompressibility",
-    ),
-}
-
-
-def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
-    """A `JobConfig` from a preset and overrides.
-
-    **Raises:**
-
-    - `ValueError`: for an unknown preset or setting.
-    """
-    if preset not in PRESETS:
-        raise ValueError(f"`preset` must be one of {sorted(PRESETS)}, got {preset!r}.")
-    names = {f.name for f in dataclasses.fields(JobConfig)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ValueError(f"Unknown settings {unknown}; known: {sorted(names)}.")
-    return JobConfig(**{**PRESETS[preset], **overrides})
-
-
-class _FailingReward:
-    name = "injected_failure"
-
-    def __call__(self, samples: Any, rows: Any) -> Any:
-        raise RuntimeError("fault injected by FLOWGRPO_INJECT_FAULT")
-
-
-def _inject_fault(rollout: FlowRollout, epoch: int) -> FlowRollout:
-    """Testing failure handling: `FLOWGRPO_INJECT_FAULT` = `reward:E` makes the reward raise
-    at epoch E; `die:R:E` makes process R exit abruptly at epoch E."""
-    fault = os.environ.get("FLOWGRPO_INJECT_FAULT", "")
-    parts = fault.split(":")
-    if parts[0] == "reward" and int(parts[1]) == epoch:
-        failing: FlowRollout = eqx.tree_at(lambda r: r.reward, rollout, _FailingReward())
-        return failing
-    if parts[0] == "die" and int(parts[2]) == epoch and int(parts[1]) == jax.process_index():
-        print(f"process {jax.process_index()}: dying as injected", file=sys.stderr, flush=True)
-        os._exit(17)
-    return rollout
+from .config import JobConfig
+from .report import plot_curve
+from .task import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
 
 
 def _silent(message: str) -> None:
     del message
 
 
-class _NullLog(MetricsLog):
-    """The metrics log of processes other than 0: writes nothing."""
-
-    def __init__(self) -> None:
-        pass
-
-    def write(self, record: dict[str, Any]) -> None:
-        del record
-
-    def read(self) -> list[dict[str, Any]]:
-        return []
-
-    def keep_only(self, keep: Callable[[dict[str, Any]], bool]) -> None:
-        del keep
-
-    def clear(self) -> None:
-        pass
-
-
-SHIPPED_DIR = pathlib.Path(__file__).resolve().parent.parent / "tasks" / "checkpoints"
+SHIPPED_DIR = pathlib.Path(__file__).resolve().parent / "checkpoints"
+"""Where the shipped base models live, named `base_<fingerprint>.eqx`."""
 
 
 class ShapesJob:
@@ -251,18 +71,15 @@ class ShapesJob:
         self.config = config
         self.out = pathlib.Path(out)
         self.quiet = quiet
-        if config.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(
-                f"`lr_schedule` must be 'constant' or 'cosine', got {config.lr_schedule!r}."
-            )
         self.task = ShapesTask()
         self.reward: FlowReward
-        if config.reward == "jpeg_incompressibility":
+        if config.custom_reward is not None:
+            self.reward = load_reward(config.custom_reward)
+        elif config.reward == "jpeg_incompressibility":
             # Dense even for an untrained model: used by the tiny smoke preset.
             self.reward = JpegIncompressibility()
         else:
-            self.reward = ShapesReward(self.task, kind=config.reward)  # type: ignore[arg-type]
-        self.strict = ShapesReward(self.task, kind="strict")
+            self.reward = ShapesReward(self.task, kind=config.reward)
         self.inputs = InputSpec(
             select="tokens",
             null=jnp.full((PROMPT_LENGTH,), NULL_TOKEN, jnp.int32),
@@ -337,22 +154,12 @@ class ShapesJob:
 
     def sde_window(self) -> tuple[float, float] | None:
         """The SDE window of `sde_steps` (the leading rollout transitions that sample noise;
-        the rest are ODE steps, as Flow-GRPO-Fast), or `None` when every transition does.
-
-        **Raises:**
-
-        - `ValueError`: naming `sde_steps` when it is not in `1..rollout_steps - 1`.
-        """
+        the rest are ODE steps, as Flow-GRPO-Fast), or `None` when every transition does."""
         config = self.config
         if config.sde_steps is None:
             return None
-        if not 1 <= config.sde_steps <= config.rollout_steps - 1:
-            raise ValueError(
-                f"`sde_steps` must be None or in 1..{config.rollout_steps - 1} (rollout_steps="
-                f"{config.rollout_steps}), got {config.sde_steps}."
-            )
         grid = RectifiedFlow().timesteps(config.rollout_steps)
-        return FlowSDE.window_for_indices(grid, 0, config.sde_steps)
+        return window_for_indices(grid, 0, config.sde_steps)
 
     def objective(self, base: Any) -> FlowGRPOObjective:
         config = self.config
@@ -383,15 +190,9 @@ class ShapesJob:
 
     def updates(self) -> int:
         """How many optimizer updates the Flow-GRPO run makes (epochs x inner epochs x
-        minibatches per rollout).
-
-        **Raises:**
-
-        - `ValueError`: naming `minibatch_rows` when it does not divide a rollout's rows
-            (training prompts per epoch x `groups`), before any work is done.
-        """
+        minibatches per rollout)."""
         config = self.config
-        rows = count_rows(self.epoch_rows(0)) * config.groups
+        rows = config.rollout_rows
         size = rows if config.minibatch_rows is None else config.minibatch_rows
         return config.epochs * config.inner_epochs * minibatch_count(rows, size)
 
@@ -410,9 +211,9 @@ class ShapesJob:
         """The training prompts of one epoch, drawn without replacement from the train split."""
         rows = self.task.rows("train")
         rng = np.random.default_rng([self.config.seed, 7, epoch])
-        count = min(self.config.prompts_per_epoch, count_rows(rows))
+        count = min(self.config.prompts_per_epoch, leading_rows(rows))
         picked: dict[str, npt.NDArray[Any]] = select_rows(
-            rows, rng.permutation(count_rows(rows))[:count]
+            rows, rng.permutation(leading_rows(rows))[:count]
         )
         return picked
 
@@ -444,40 +245,19 @@ class ShapesJob:
     def preview(
         self, objective: FlowGRPOObjective, variables: Variables, path: pathlib.Path, title: str
     ) -> None:
-        """Samples for the first held-out prompts with fixed noise, captioned with scores."""
-        rows = self.task.rows("heldout")
-        tokens = rows["tokens"][: self.config.preview_prompts]
+        """Samples for the first held-out prompts with fixed noise, captioned with their
+        partial scores, written by process 0."""
         if jax.process_index() != 0:
             return
-        step = Step(index=0, key=jax.random.key(20_000 + self.config.seed))
-        variables = local_copy(variables)
-        evaluation = objective.evaluate(variables, {"tokens": jnp.asarray(tokens)}, step)
-        scores = self.task.check(np.asarray(evaluation.samples), tokens).partial
-        captions = [self.task.caption(t) for t in tokens]
-        preview_grid(np.asarray(evaluation.samples), path, captions, scores, title=title, columns=4)
-
-
-def _plot_curve(records: list[dict[str, Any]], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [(r["epoch"], r["reward_mean"]) for r in records if "reward_mean" in r]
-    held = [(r["epoch"], r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r]
-    figure, axis = plt.subplots(figsize=(6, 3.5), dpi=100)
-    if train:
-        axis.plot(*zip(*train, strict=True), label="train reward (partial score)", marker=".")
-    if held:
-        axis.plot(*zip(*held, strict=True), label="held-out strict accuracy", marker="o")
-    axis.set_xlabel("epoch")
-    axis.set_ylim(0, 1.02)
-    axis.grid(alpha=0.3)
-    axis.legend(loc="lower right")
-    axis.set_title("Flow-GRPO on the shapes task")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+        tokens = self.task.rows("heldout")["tokens"][: self.config.preview_prompts]
+        objective.preview(
+            local_copy(variables),
+            {"tokens": jnp.asarray(tokens)},
+            Step(index=0, key=jax.random.key(20_000 + self.config.seed)),
+            scored=ShapesReward(self.task, kind="partial"),
+            path=str(path),
+            title=title,
+        )
 
 
 def run_train(
@@ -486,7 +266,6 @@ def run_train(
     *,
     resume: bool = False,
     quiet: bool = False,
-    stop_after_epoch: int | None = None,
     devices: int | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -501,7 +280,6 @@ def run_train(
     - `out`: the run folder.
     - `resume`: continue from the latest checkpoint in `out/checkpoints`.
     - `quiet`: no progress bars.
-    - `stop_after_epoch`: stop (as if killed) after this epoch's checkpoint; for tests.
     - `devices`: shard rows over this many devices (default: every device of every
         process; 1 turns sharding off).
     - `log`: where messages go (process 0 only).
@@ -527,8 +305,9 @@ def run_train(
     rollout = job.rollout(objective, mesh)
     trainer = job.trainer(objective)
     checkpoints = Checkpointer(out / "checkpoints", keep=config.keep_checkpoints)
-    metrics = MetricsLog(out / "metrics.jsonl") if root else _NullLog()
-    placement = MetricsLog(out / "distributed.jsonl") if root else _NullLog()
+    # Only process 0 keeps the run's files; the others write to no log at all.
+    metrics = MetricsLog(out / "metrics.jsonl" if root else None)
+    placement = MetricsLog(out / "distributed.jsonl" if root else None)
     state = trainer.init(jax.random.key(config.seed + 2))
     first_epoch = 0
     if resume and checkpoints.latest() is not None:
@@ -567,7 +346,7 @@ def run_train(
         state, summary, info = flow_grpo_epoch(
             trainer,
             state,
-            _inject_fault(rollout, epoch),
+            rollout,
             job.epoch_rows(epoch),
             jax.random.fold_in(run_key, epoch),
             inner_epochs=config.inner_epochs,
@@ -597,9 +376,6 @@ def run_train(
         if epoch % config.checkpoint_every == 0 or epoch == config.epochs:
             if root:
                 checkpoints.save(epoch, local_copy(state), {"epoch": epoch, "base": base_measure})
-            if stop_after_epoch is not None and epoch >= stop_after_epoch:
-                progress.close()
-                return {"stopped_at_epoch": epoch}
     progress.close()
     final = job.measure(objective, state.variables)
     if not root:
@@ -612,7 +388,7 @@ def run_train(
     )
     save_model(out / "policy.eqx", local_copy(state.variables.policy))
     records = metrics.read()
-    _plot_curve(records, out / "reward_curve.png")
+    plot_curve(records, out / "reward_curve.png")
     train_rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
     summary_out = {
         "base_accuracy": base_measure["accuracy"],

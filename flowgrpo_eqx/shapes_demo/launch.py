@@ -73,7 +73,7 @@ def launch_local(
         arguments = [
             sys.executable,
             "-m",
-            "flowgrpo_eqx.cli",
+            "flowgrpo_eqx.shapes_demo.cli",
             *command,
             "--coordinator",
             address,

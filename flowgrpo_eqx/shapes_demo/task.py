@@ -17,7 +17,7 @@ Everything is host-side numpy; nothing is downloaded.
 import dataclasses
 import itertools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, final
+from typing import Any, Final, Literal, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -30,15 +30,11 @@ SPLITS: Final[tuple[str, ...]] = ("train", "heldout", "all")
 REWARD_KINDS: Final[tuple[str, ...]] = ("partial", "strict")
 """The scores `ShapesReward` can return."""
 
-# For static checkers these are Literals. At runtime they are plain `str`, so that a runtime
-# type checker (the test suite's jaxtyping/beartype import hook) lets a bad value through to
-# the functions' own checks, which raise a `ValueError` naming the argument.
-if TYPE_CHECKING:
-    Split: TypeAlias = Literal["train", "heldout", "all"]
-    RewardKind: TypeAlias = Literal["partial", "strict"]
-else:
-    Split = str
-    RewardKind = str
+Split: TypeAlias = Literal["train", "heldout", "all"]
+"""A split of the prompts."""
+
+RewardKind: TypeAlias = Literal["partial", "strict"]
+"""Which score of the checker a `ShapesReward` returns."""
 
 IMAGE_SIZE: Final = 16
 """Height and width of every image, in pixels."""
@@ -211,6 +207,10 @@ def _all_tokens() -> NDArray[np.int64]:
         range(NUM_COLOURS, VOCAB_SIZE),
     )
     return np.array(list(rows), dtype=np.int64)
+
+
+NUM_TRAIN_PROMPTS: Final = int(np.sum(~_heldout_mask(_all_tokens())))
+"""How many prompts the training split has (108)."""
 
 
 @final

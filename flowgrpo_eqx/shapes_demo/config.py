@@ -1,0 +1,240 @@
+"""The main job's settings: one dataclass whose fields carry their own help, checked up front.
+
+`flowgrpo-eqx train --help` lists a flag for every field; presets are named sets of overrides.
+"""
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Literal, TypeAlias
+
+from .._misc import is_int
+
+
+RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]
+"""The built-in rewards: the task checker's partial or strict score, or DDPO's JPEG size."""
+
+LrSchedule: TypeAlias = Literal["constant", "cosine"]
+"""The step size: constant, or a cosine from the peak down to 0 at the last update."""
+
+REWARD_NAMES: tuple[RewardName, ...] = ("partial", "strict", "jpeg_incompressibility")
+LR_SCHEDULES: tuple[LrSchedule, ...] = ("constant", "cosine")
+
+
+def _setting(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """Every setting of the main job; `flowgrpo-eqx train --help` lists them as flags.
+
+    Each field's help text is its `metadata["help"]`. The whole configuration is checked
+    when it is made (`__post_init__`), before any work.
+
+    **Raises:**
+
+    - `ValueError`: naming the setting, for a value of the wrong type or outside its range,
+        or settings that do not fit together (`sde_steps` longer than the rollout, a
+        `minibatch_rows` that does not divide a rollout's rows, ...).
+    """
+
+    # model
+    width: int = _setting(64, "DiT token width")
+    depth: int = _setting(4, "DiT blocks")
+    heads: int = _setting(4, "attention heads per block")
+    patch: int = _setting(4, "patch side in pixels (16 / patch tokens per side)")
+    # pretraining (flow matching)
+    pretrain_steps: int = _setting(10000, "flow-matching steps of the base model")
+    pretrain_batch: int = _setting(64, "images per flow-matching step")
+    pretrain_lr: float = _setting(1e-3, "flow-matching AdamW learning rate")
+    cond_dropout: float = _setting(0.1, "probability of the null prompt in pretraining (CFG)")
+    # Flow-GRPO
+    epochs: int = _setting(200, "Flow-GRPO epochs (one rollout each)")
+    prompts_per_epoch: int = _setting(16, "training prompts per rollout")
+    groups: int = _setting(16, "samples per prompt (the GRPO group)")
+    rollout_steps: int = _setting(
+        6, "time-grid points of the rollout sampler (steps - 1 transitions)"
+    )
+    train_steps: int | None = _setting(2, "leading transitions recorded and trained (none: all)")
+    sde_steps: int | None = _setting(
+        2, "leading transitions that sample noise, ODE after (Flow-GRPO-Fast; none: all)"
+    )
+    inner_epochs: int = _setting(1, "passes over each rollout")
+    minibatch_rows: int | None = _setting(64, "rows per optimizer update (none: the whole rollout)")
+    learning_rate: float = _setting(1e-4, "AdamW learning rate (the peak, with a schedule)")
+    lr_schedule: LrSchedule = _setting("cosine", "constant | cosine (to 0 at the last update)")
+    weight_decay: float = _setting(0.0, "AdamW decoupled weight decay")
+    max_grad_norm: float = _setting(1.0, "global-norm gradient clip")
+    beta: float = _setting(0.0, "KL weight to the base model (0: none; held slot free for EMA)")
+    clip_range: float = _setting(0.2, "PPO ratio clip")
+    adv_clip_max: float = _setting(5.0, "advantage clip")
+    noise_level: float = _setting(0.7, "SDE noise level a")
+    guidance_scale: float = _setting(
+        3.0, "classifier-free guidance scale (rollout, loss and evaluation)"
+    )
+    reward: RewardName = _setting(
+        "partial", "partial | strict (the task checker) | jpeg_incompressibility"
+    )
+    custom_reward: str | None = _setting(
+        None, "package.module:callable of your own FlowReward, used instead of --reward"
+    )
+    ema_decay: float | None = _setting(
+        None, "EMA of the policy in the held slot (needs beta 0; none: off)"
+    )
+    transition_chunk: int | None = _setting(
+        None, "transitions per scanned chunk of the loss (none: all at once)"
+    )
+    # evaluation
+    eval_steps: int = _setting(21, "ODE steps of held-out evaluation")
+    eval_samples_per_prompt: int = _setting(8, "held-out samples per prompt (fixed noise)")
+    eval_every: int = _setting(20, "epochs between held-out evaluations")
+    preview_prompts: int = _setting(8, "prompts in samples_before.png / samples_after.png")
+    # bookkeeping
+    checkpoint_every: int = _setting(10, "epochs between checkpoints")
+    keep_checkpoints: int = _setting(3, "checkpoints kept")
+    seed: int = _setting(0, "the seed everything random derives from")
+
+    def __post_init__(self) -> None:
+        at_least = {
+            "width": 1,
+            "depth": 1,
+            "heads": 1,
+            "patch": 1,
+            "pretrain_steps": 0,
+            "pretrain_batch": 1,
+            "epochs": 1,
+            "prompts_per_epoch": 1,
+            "groups": 1,
+            "rollout_steps": 2,
+            "inner_epochs": 1,
+            "eval_steps": 2,
+            "eval_samples_per_prompt": 1,
+            "eval_every": 1,
+            "preview_prompts": 1,
+            "checkpoint_every": 1,
+            "keep_checkpoints": 1,
+            "seed": 0,
+        }
+        for name, minimum in at_least.items():
+            value = getattr(self, name)
+            if not (is_int(value) and value >= minimum):
+                raise ValueError(f"Setting `{name}` must be an int >= {minimum}, got {value!r}.")
+        transitions = self.rollout_steps - 1
+        for name in ("train_steps", "sde_steps"):
+            value = getattr(self, name)
+            if value is not None and not (is_int(value) and 1 <= value <= transitions):
+                raise ValueError(
+                    f"Setting `{name}` must be none or an int in 1..{transitions} "
+                    f"(rollout_steps={self.rollout_steps} gives {transitions} transitions), "
+                    f"got {value!r}."
+                )
+        for name in ("minibatch_rows", "transition_chunk"):
+            value = getattr(self, name)
+            if value is not None and not (is_int(value) and value >= 1):
+                raise ValueError(f"Setting `{name}` must be none or an int >= 1, got {value!r}.")
+        positive = ("pretrain_lr", "learning_rate", "max_grad_norm", "clip_range", "adv_clip_max")
+        non_negative = ("weight_decay", "beta", "noise_level", "guidance_scale")
+        for name in positive + non_negative:
+            value = getattr(self, name)
+            bound_ok = value > 0 if name in positive else value >= 0
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and bound_ok):
+                relation = "> 0" if name in positive else ">= 0"
+                raise ValueError(f"Setting `{name}` must be a number {relation}, got {value!r}.")
+        if not 0.0 <= self.cond_dropout < 1.0:
+            raise ValueError(
+                f"Setting `cond_dropout` must be in [0, 1), got {self.cond_dropout!r}."
+            )
+        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(
+                f"Setting `ema_decay` must be none or in [0, 1), got {self.ema_decay!r}."
+            )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"Setting `lr_schedule` must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}."
+            )
+        if self.reward not in REWARD_NAMES:
+            raise ValueError(
+                f"Setting `reward` must be one of {REWARD_NAMES}, got {self.reward!r}."
+            )
+        if self.custom_reward is not None and ":" not in self.custom_reward:
+            raise ValueError(
+                "Setting `custom_reward` must be package.module:callable, got "
+                f"{self.custom_reward!r}."
+            )
+        if self.minibatch_rows is not None and self.rollout_rows % self.minibatch_rows != 0:
+            raise ValueError(
+                f"Setting `minibatch_rows`={self.minibatch_rows} must divide a rollout's "
+                f"{self.rollout_rows} rows (prompts_per_epoch x groups)."
+            )
+
+    @property
+    def rollout_rows(self) -> int:
+        """Rows of one rollout: the epoch's training prompts times `groups`."""
+        from .task import NUM_TRAIN_PROMPTS
+
+        return min(self.prompts_per_epoch, NUM_TRAIN_PROMPTS) * self.groups
+
+    def base_fingerprint(self) -> str:
+        """A hash of everything that determines the pretrained base model."""
+        fields = (
+            "width",
+            "depth",
+            "heads",
+            "patch",
+            "pretrain_steps",
+            "pretrain_batch",
+            "pretrain_lr",
+            "cond_dropout",
+            "seed",
+        )
+        text = json.dumps({name: getattr(self, name) for name in fields}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def setting_help(name: str) -> str:
+    """The help line of setting `name`."""
+    field = next(f for f in dataclasses.fields(JobConfig) if f.name == name)
+    help_text: str = field.metadata["help"]
+    return help_text
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "tiny": dict(
+        width=16,
+        depth=1,
+        heads=2,
+        patch=4,
+        pretrain_steps=20,
+        pretrain_batch=16,
+        epochs=4,
+        prompts_per_epoch=2,
+        groups=4,
+        minibatch_rows=4,
+        rollout_steps=4,
+        eval_steps=4,
+        eval_samples_per_prompt=1,
+        eval_every=2,
+        checkpoint_every=1,
+        preview_prompts=4,
+        reward="jpeg_incompressibility",
+    ),
+}
+"""Named sets of overrides: `default` (the main job) and `tiny` (a smoke run for tests)."""
+
+
+def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
+    """A `JobConfig` from a preset and overrides, checked as a whole.
+
+    **Raises:**
+
+    - `ValueError`: for an unknown preset or setting, or a bad value (naming the setting).
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"`preset` must be one of {sorted(PRESETS)}, got {preset!r}.")
+    names = {f.name for f in dataclasses.fields(JobConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"Unknown settings {unknown}; known: {sorted(names)}.")
+    return JobConfig(**{**PRESETS[preset], **overrides})
