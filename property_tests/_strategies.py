@@ -21,6 +21,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings, strategies as st
 
 import flowgrpo_eqx as fg
+from tests import numpy_reference as ref
 
 
 COND_DIM = 2
@@ -130,16 +131,12 @@ class Config:
         if self.window_indices is None:
             return None
         first, count = self.window_indices
-        return fg.FlowSDE.window_for_indices(jnp.asarray(self.grid), first, count)
+        return fg.window_for_indices(jnp.asarray(self.grid), first, count)
 
     @property
-    def sde(self) -> fg.FlowSDE:
-        return fg.FlowSDE(
-            self.noise_level,
-            kind=self.kind,
-            window=self.window,
-            kl_weighting=self.kl_weighting,
-        )
+    def sde(self) -> fg.AbstractSDE:
+        sde_class = fg.FlowSDE if self.kind == "flow" else fg.CoefficientsPreservingSDE
+        return sde_class(self.noise_level, window=self.window, kl_weighting=self.kl_weighting)
 
     def objective(self, **overrides: Any) -> fg.FlowGRPOObjective:
         options: dict[str, Any] = dict(
@@ -253,7 +250,7 @@ def all_finite(grad: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# Independent NumPy statements (DESIGN 3.2, 3.5).
+# Independent NumPy statements (docs/mathematics.md §2, §5).
 
 
 def kept_numpy(
@@ -264,46 +261,9 @@ def kept_numpy(
     kind: str,
     window: tuple[float, float] | None,
 ) -> np.ndarray:
-    """The kept set: mask AND stochastic, with the window rule `t <= start, t_next >= stop`."""
-    stochastic = np.full(mask.shape, noise_level > 0)
-    if window is not None:
-        start, stop = window
-        stochastic &= (t <= start) & (t_next >= stop)
-    if kind == "cps":
-        stochastic &= t_next > 0
-    kept: np.ndarray = np.asarray(mask, bool) & stochastic
+    """The kept set: mask AND stochastic (the NumPy reference's stochastic set)."""
+    kept: np.ndarray = np.asarray(mask, bool) & ref.stochastic(t, t_next, noise_level, kind, window)
     return kept
-
-
-def numpy_transition(
-    x: np.ndarray,
-    v: np.ndarray,
-    t: np.ndarray,
-    t_next: np.ndarray,
-    level: np.ndarray,
-    kind: str,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The SDE step of DESIGN 3.2 in float64, batched over a leading axis; `level` per row."""
-    x = np.asarray(x, np.float64)
-    v = np.asarray(v, np.float64)
-    t = np.asarray(t, np.float64)
-    t_next = np.asarray(t_next, np.float64)
-    dt = t_next - t
-    if kind == "flow":
-        t_star = np.where(t == 1.0, t_next, t)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            sigma = level * np.sqrt(t / (1.0 - t_star))
-        sigma = np.where(level > 0, sigma, 0.0)
-        s2 = sigma**2
-        mean = (
-            x * (1 + s2 * dt / (2 * t))[:, None] + v * ((1 + s2 * (1 - t) / (2 * t)) * dt)[:, None]
-        )
-        return mean, sigma * np.sqrt(-dt)
-    std = t_next * np.sin(level * math.pi / 2)
-    x0 = x - t[:, None] * v
-    x1 = x + (1 - t)[:, None] * v
-    mean = x0 * (1 - t_next)[:, None] + x1 * np.sqrt(t_next**2 - std**2)[:, None]
-    return mean, std
 
 
 # --------------------------------------------------------------------------------------
@@ -355,7 +315,7 @@ def make_rollout(
         np.ones(n * k, bool), flat_t, flat_t_next, config.noise_level, config.kind, config.window
     )
     level = np.where(stochastic, config.noise_level, 0.0)
-    mean, std = numpy_transition(flat_x, v, flat_t, flat_t_next, level, config.kind)
+    mean, std = ref.gaussian(flat_x, v, flat_t, flat_t_next, level, config.kind)
     z = rng.normal(size=(n * k, d))
     x_next = mean + std[:, None] * z
     safe_std = np.where(std > 0, std, 1.0)

@@ -1,4 +1,4 @@
-"""Property tests of `group_advantages` (DESIGN section 3.7), against independent NumPy."""
+"""Property tests of `group_advantages` (docs/mathematics.md §7), against independent NumPy."""
 
 import numpy as np
 from hypothesis import assume, given, strategies as st
@@ -35,7 +35,7 @@ def _spread_batches(draw: st.DrawFn) -> Batch:
 
 
 def _reference(rewards: np.ndarray, groups: int, std: str = "group") -> np.ndarray:
-    """DESIGN 3.7 written out with explicit loops in float64."""
+    """Mathematics §7 written out with explicit loops in float64."""
     r = np.asarray(rewards, np.float64).reshape(-1, groups)
     flat = r.reshape(-1)
     out = np.zeros_like(r)

@@ -1,4 +1,4 @@
-"""Property tests of `FlowGRPOObjective.loss` / `log_probs` (DESIGN sections 3.5, 3.6, 4).
+"""Property tests of `FlowGRPOObjective.loss` / `log_probs` (docs/mathematics.md §5, §6).
 
 The model is a tiny MLP defined in `_strategies.py`; batches are rollout-like (next latents
 sampled from the configuration's own transitions). See `_strategies.py` for why shapes and
@@ -385,7 +385,7 @@ def test_clipped_in_advantage_direction_has_zero_gradient(
 
 
 # --------------------------------------------------------------------------------------
-# log_probs scores each entry as the SDE's mean-coordinate Gaussian density (DESIGN 3.3).
+# log_probs scores each entry as the SDE's mean-coordinate Gaussian density (mathematics §3).
 
 
 @S.fast_settings(25)

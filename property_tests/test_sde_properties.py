@@ -1,6 +1,6 @@
-"""Property tests of `FlowSDE` and the time grid (DESIGN sections 3.1 - 3.4).
+"""Property tests of `FlowSDE` and the time grid (docs/mathematics.md §1-§4).
 
-Every expectation is an independent float64 NumPy statement of the design's formulas.
+Every expectation is an independent float64 NumPy statement of the formulas in docs/mathematics.md.
 """
 
 import math
@@ -12,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 
 import flowgrpo_eqx as fg
 from property_tests import _strategies as S
+from tests import numpy_reference as ref
 
 
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -44,8 +45,9 @@ def test_kl_nonnegative_zero_on_equal_means_and_released_weighting(
 ) -> None:
     mean = data.draw(_vectors(dim))
     mean_ref = data.draw(_vectors(dim))
-    paper = fg.FlowSDE(0.7, kind=kind)
-    released = fg.FlowSDE(0.7, kind=kind, kl_weighting="released")
+    sde_class = fg.FlowSDE if kind == "flow" else fg.CoefficientsPreservingSDE
+    paper = sde_class(0.7)
+    released = sde_class(0.7, kl_weighting="released")
     m, m_ref = jnp.asarray(mean), jnp.asarray(mean_ref)
 
     kl = float(paper.kl(m, m_ref, std))
@@ -86,7 +88,7 @@ def test_grid_endpoints_are_exactly_one_and_zero(shift: float, steps: int) -> No
     assert grid[0] == 1.0, f"grid starts at {grid[0]!r}"
     assert grid[-1] == 0.0, f"grid ends at {grid[-1]!r}"
     assert np.all(np.diff(grid) < 0)
-    # The interior agrees with the float64 formula of DESIGN 3.1.
+    # The interior agrees with the float64 formula of mathematics §1.
     u = np.linspace(1.0, 0.0, steps)
     np.testing.assert_allclose(grid, shift * u / (1 + (shift - 1) * u), rtol=1e-5, atol=1e-7)
 
@@ -154,12 +156,12 @@ def test_transition_matches_numpy_and_sampled_log_prob(
     x = data.draw(_vectors(dim))
     v = data.draw(_vectors(dim))
     t, t_next = grid[i], grid[i + 1]
-    sde = fg.FlowSDE(noise_level, kind=kind)
+    sde = (fg.FlowSDE if kind == "flow" else fg.CoefficientsPreservingSDE)(noise_level)
     mean, std = sde.transition(jnp.asarray(x), jnp.asarray(v), t, t_next)
     stochastic = not (kind == "cps" and t_next == 0)
     assert bool(sde.is_stochastic(t, t_next)) == stochastic
     level = np.asarray([noise_level if stochastic else 0.0])
-    want_mean, want_std = S.numpy_transition(
+    want_mean, want_std = ref.gaussian(
         x[None], v[None], np.asarray([t]), np.asarray([t_next]), level, kind
     )
     np.testing.assert_allclose(float(std), want_std[0], rtol=2e-5, atol=1e-7)
@@ -201,10 +203,10 @@ def test_cps_mean_is_accurate_for_noise_levels_near_one(
     grid = S.grid_of(steps, 1.0)
     i = min(int(position * (steps - 2)), steps - 3)  # t_next > 0: stochastic
     t, t_next = grid[i], grid[i + 1]
-    mean, std = fg.FlowSDE(noise_level, kind="cps").transition(
+    mean, std = fg.CoefficientsPreservingSDE(noise_level).transition(
         jnp.asarray(x), jnp.asarray(v), t, t_next
     )
-    want_mean, want_std = S.numpy_transition(
+    want_mean, want_std = ref.gaussian(
         x[None], v[None], np.asarray([t]), np.asarray([t_next]), np.asarray([noise_level]), "cps"
     )
     np.testing.assert_allclose(float(std), want_std[0], rtol=2e-5, atol=1e-7)

@@ -1,6 +1,7 @@
-"""Independent float64 NumPy statements of DESIGN section 3, used by the tests as the oracle.
+"""Independent float64 NumPy statements of `docs/mathematics.md`: the tests' only oracle.
 
-Nothing here imports `flowgrpo_eqx`: every formula is written out again from the design.
+Nothing here imports `flowgrpo_eqx`: every formula is written out again from that page. The
+example tests and the Hypothesis properties both import it.
 """
 
 import math
@@ -14,6 +15,8 @@ def grid(steps: int, shift: float = 1.0) -> np.ndarray:
 
 
 def stochastic(t, t_next, noise_level, kind="flow", window=None):
+    """Whether each transition samples noise: level > 0, inside the window (to 1e-6), and for
+    CPS not the last step."""
     t = np.asarray(t, np.float64)
     t_next = np.asarray(t_next, np.float64)
     out = np.full(np.broadcast(t, t_next).shape, noise_level > 0)
@@ -25,31 +28,40 @@ def stochastic(t, t_next, noise_level, kind="flow", window=None):
     return out
 
 
-def flow_transition(x, v, t, t_next, noise_level):
-    """Flow-GRPO SDE step of one latent; returns (mean, std)."""
+def gaussian(x, v, t, t_next, level, kind="flow"):
+    """The SDE step's (mean, std) at noise `level`, for one latent or a batch of rows.
+
+    `x`, `v`: `[*latent]` or `[N, *latent]`; `t`, `t_next`, `level`: scalars or `[N]`.
+    """
     x = np.asarray(x, np.float64)
     v = np.asarray(v, np.float64)
+    t = np.asarray(t, np.float64)
+    t_next = np.asarray(t_next, np.float64)
+    level = np.asarray(level, np.float64)
+
+    def per_row(a):
+        return a.reshape(a.shape + (1,) * (x.ndim - a.ndim))
+
     dt = t_next - t
-    t_star = t_next if t == 1.0 else t
-    sigma = noise_level * math.sqrt(t / (1.0 - t_star))
-    mean = x * (1 + sigma**2 / (2 * t) * dt) + v * (1 + sigma**2 * (1 - t) / (2 * t)) * dt
-    return mean, sigma * math.sqrt(-dt)
-
-
-def cps_transition(x, v, t, t_next, noise_level):
-    x = np.asarray(x, np.float64)
-    v = np.asarray(v, np.float64)
-    std = t_next * math.sin(noise_level * math.pi / 2)
-    x0 = x - t * v
-    x1 = x + (1 - t) * v
-    return x0 * (1 - t_next) + x1 * math.sqrt(t_next**2 - std**2), std
+    if kind == "flow":
+        t_star = np.where(t == 1.0, t_next, t)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sigma = level * np.sqrt(t / (1.0 - t_star))
+        sigma = np.where(level > 0, sigma, 0.0)
+        s2 = sigma**2
+        mean = x * per_row(1 + s2 * dt / (2 * t)) + v * per_row((1 + s2 * (1 - t) / (2 * t)) * dt)
+        return mean, sigma * np.sqrt(-dt)
+    std = t_next * np.sin(level * math.pi / 2)
+    x0 = x - per_row(t) * v
+    x1 = x + per_row(1 - t) * v
+    return x0 * per_row(1 - t_next) + x1 * per_row(np.sqrt(t_next**2 - std**2)), std
 
 
 def transition(x, v, t, t_next, noise_level, kind="flow", window=None):
+    """One latent's SDE step `(mean, std)`; deterministic (level 0) outside the stochastic set."""
     level = noise_level if stochastic(t, t_next, noise_level, kind, window) else 0.0
-    if kind == "flow":
-        return flow_transition(x, v, t, t_next, level)
-    return cps_transition(x, v, t, t_next, level)
+    mean, std = gaussian(x, v, t, t_next, level, kind)
+    return mean, float(std)
 
 
 def log_prob(x_next, mean, std):

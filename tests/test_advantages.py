@@ -3,6 +3,7 @@ import pytest
 
 import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
+from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4, 7])
@@ -50,5 +51,5 @@ def test_equal_rows_in_different_groups_do_not_merge():
     ],
 )
 def test_bad_arguments_named(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match=name):
         fg.group_advantages(**kwargs)

@@ -37,8 +37,8 @@ def sample(sde, steps, num=6000, seed=0):
         (t, t_next), key = inputs
         v = jax.vmap(model, in_axes=(0, None, None))(x, t, None)
         mean, std = jax.vmap(sde.transition, in_axes=(0, 0, None, None))(x, v, t, t_next)
-        keys = jax.random.split(key, x.shape[0])
-        return jax.vmap(sde.sample)(keys, mean, std), None
+        noise = jax.random.normal(key, x.shape)
+        return jax.vmap(sde.sample)(mean, std, noise), None
 
     keys = jax.random.split(jax.random.key(seed), steps)
     x = jax.random.normal(keys[0], (num, MU.shape[0]))
@@ -66,9 +66,9 @@ def test_cps_behaviour():
     CPS(0.7) ~0.335 at 121 and at 241 steps, CPS(0.1) ~0.397). At `t_next = 0` the last
     step is deterministic.
     """
-    strong = sample(fg.FlowSDE(0.7, kind="cps"), steps=121)
-    finer = sample(fg.FlowSDE(0.7, kind="cps"), steps=241, seed=1)
-    weak = sample(fg.FlowSDE(0.1, kind="cps"), steps=121)
+    strong = sample(fg.CoefficientsPreservingSDE(0.7), steps=121)
+    finer = sample(fg.CoefficientsPreservingSDE(0.7), steps=241, seed=1)
+    weak = sample(fg.CoefficientsPreservingSDE(0.1), steps=121)
     for samples in (strong, finer, weak):
         np.testing.assert_allclose(samples.mean(0), MU, atol=0.03)
     np.testing.assert_allclose(weak.std(0), SCALE, atol=0.03)
@@ -79,5 +79,6 @@ def test_cps_behaviour():
 def test_too_much_noise_with_few_steps_is_visible():
     """A sanity check that the tolerance above can fail: with 4 steps the SDE is off."""
     samples = sample(fg.FlowSDE(0.7), steps=4)
-    assert np.max(np.abs(samples.std(0) - SCALE)) > 0.03 or np.max(
-        np.abs(samples.mean(0) - MU)) > 0.03
+    assert (
+        np.max(np.abs(samples.std(0) - SCALE)) > 0.03 or np.max(np.abs(samples.mean(0) - MU)) > 0.03
+    )

@@ -1,4 +1,4 @@
-"""FlowGRPOObjective against an independent float64 NumPy statement of DESIGN section 3."""
+"""FlowGRPOObjective against an independent float64 NumPy statement (docs/mathematics.md §2-§6)."""
 
 import dataclasses
 import math
@@ -11,6 +11,13 @@ import pytest
 
 import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
+
+
+SDES = {"flow": fg.FlowSDE, "cps": fg.CoefficientsPreservingSDE}
+
+
+def kind_of(sde):
+    return "cps" if isinstance(sde, fg.CoefficientsPreservingSDE) else "flow"
 
 
 AUX_NAMES = (
@@ -93,7 +100,7 @@ def make_batch(seed, n=5, k=6, steps=8, advantages_per_transition=False, poison=
 def numpy_loss(objective, policy, reference, batch):
     """The whole objective, transition by transition, in float64."""
     sde = objective.sde
-    scale = None if objective.guidance is None else objective.guidance.scale
+    scale = None if objective.flow.guidance is None else objective.flow.guidance.scale
     n, k = batch.timesteps.shape
     arrays = {
         f: np.asarray(getattr(batch, f), np.float64)
@@ -118,13 +125,13 @@ def numpy_loss(objective, policy, reference, batch):
             t = float(arrays["timesteps"][i, j])
             t_next = float(arrays["next_timesteps"][i, j])
             if not (
-                mask[i, j] and ref.stochastic(t, t_next, sde.noise_level, sde.kind, sde.window)
+                mask[i, j] and ref.stochastic(t, t_next, sde.noise_level, kind_of(sde), sde.window)
             ):
                 continue
             count += 1
             x = arrays["latents"][i, j]
             v = numpy_guided(policy, x, t, cond[i], scale)
-            mean, std = ref.transition(x, v, t, t_next, sde.noise_level, sde.kind, sde.window)
+            mean, std = ref.transition(x, v, t, t_next, sde.noise_level, kind_of(sde), sde.window)
             log_p = ref.log_prob(arrays["next_latents"][i, j], mean, std)
             log_ratio = log_p - arrays["old_log_probs"][i, j]
             ratio = math.exp(log_ratio)
@@ -138,7 +145,7 @@ def numpy_loss(objective, policy, reference, batch):
             if objective.beta > 0:
                 v_ref = numpy_guided(reference, x, t, cond[i], scale)
                 mean_ref, _ = ref.transition(
-                    x, v_ref, t, t_next, sde.noise_level, sde.kind, sde.window
+                    x, v_ref, t, t_next, sde.noise_level, kind_of(sde), sde.window
                 )
                 kl = ref.kl_paper(mean, mean_ref, std)
                 if sde.kl_weighting == "released":
@@ -170,7 +177,7 @@ def make_objective(
         model,
         fg.RectifiedFlow(shift=3.0),
         fg.InputSpec(null=jnp.asarray(NULL), latent_shape=(DIM,)),
-        sde=fg.FlowSDE(0.7, kind=kind, window=window, kl_weighting=weighting),
+        sde=SDES[kind](0.7, window=window, kl_weighting=weighting),
         beta=beta,
         clip_range=clip_range,
         adv_clip_max=5.0,

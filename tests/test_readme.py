@@ -30,6 +30,19 @@ def test_readme_has_set_up_commands_and_seed_table():
     text = README.read_text()
     assert 'pip install -e ".[dev]"' in text
     assert "python -m pytest" in text
-    for name in ("FlowGRPOObjective", "FlowReward", "FlowRollout", "InputSpec", "FlowSDE",
-                 "CFG", "Euler", "AutoEncoder", "Variables", "Batch", "Step", "Mean", "Aux"):
+    for name in (
+        "FlowGRPOObjective",
+        "FlowReward",
+        "FlowRollout",
+        "InputSpec",
+        "FlowSDE",
+        "CFG",
+        "Euler",
+        "AutoEncoder",
+        "Variables",
+        "Batch",
+        "Step",
+        "Mean",
+        "Aux",
+    ):
         assert f"`{name}" in text, name

@@ -37,15 +37,18 @@ def test_weighted_reward_sums_checked_float64_scores():
     def tiny(s, rows):
         return np.full(s.shape[0], 1e-12)
 
-    weighted = fg.WeightedReward([(fg.JpegIncompressibility(), 0.5), (brightness, 2.0),
-                                  (tiny, 3.0)])
+    weighted = fg.WeightedReward(
+        [(fg.JpegIncompressibility(), 0.5), (brightness, 2.0), (tiny, 3.0)]
+    )
     got = weighted(samples, None)
-    want = (0.5 * fg.JpegIncompressibility()(samples, None) + 2.0 * brightness(samples, None)
-            + 3e-12)
+    want = 0.5 * fg.JpegIncompressibility()(samples, None) + 2.0 * brightness(samples, None) + 3e-12
     assert got.dtype == np.float64
     np.testing.assert_array_equal(got, want)
-    assert set(weighted.components(samples, None)) == {"jpeg_incompressibility", "brightness",
-                                                       "tiny"}
+    assert set(weighted.components(samples, None)) == {
+        "jpeg_incompressibility",
+        "brightness",
+        "tiny",
+    }
     assert "0.5*jpeg_incompressibility" in weighted.name
 
 

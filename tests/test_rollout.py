@@ -55,8 +55,10 @@ def make_rollout(reward, *, groups=3, steps=6, train_steps=None, window=None, gu
     return fg.FlowRollout(objective, reward, groups=groups, steps=steps, train_steps=train_steps)
 
 
-ROWS = {"cond": np.array([[0.5, -0.5], [0.5, -0.5], [1.0, 2.0]], np.float32),
-        "prompt_id": np.array([7, 7, 9])}
+ROWS = {
+    "cond": np.array([[0.5, -0.5], [0.5, -0.5], [1.0, 2.0]], np.float32),
+    "prompt_id": np.array([7, 7, 9]),
+}
 
 
 @pytest.mark.parametrize("train_steps", [None, 1, 3])
@@ -72,10 +74,12 @@ def test_batch_shapes_grid_and_chaining(train_steps):
     assert batch.advantages.shape == (n,) and batch.advantages.dtype == jnp.float32
     grid = ref.grid(6, 2.0)
     np.testing.assert_allclose(np.asarray(batch.timesteps), np.tile(grid[:k], (n, 1)), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(batch.next_timesteps), np.tile(grid[1 : k + 1], (n, 1)),
-                               rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(batch.next_latents[:, :-1]),
-                                  np.asarray(batch.latents[:, 1:]))
+    np.testing.assert_allclose(
+        np.asarray(batch.next_timesteps), np.tile(grid[1 : k + 1], (n, 1)), rtol=1e-6
+    )
+    np.testing.assert_array_equal(
+        np.asarray(batch.next_latents[:, :-1]), np.asarray(batch.latents[:, 1:])
+    )
     assert len(reward.calls) == 1
     samples, rows = reward.calls[0]
     assert samples.shape == (n, *LATENT) and np.abs(samples).max() <= 1.0
@@ -108,8 +112,7 @@ def test_float64_rewards_below_float32_resolution():
     batch, info = rollout.collect(variables, ROWS, jax.random.key(3))
     expected = ref.group_advantages(1.0 + 1e-8 * np.arange(9), 3)
     np.testing.assert_array_equal(info.rewards, 1.0 + 1e-8 * np.arange(9))
-    np.testing.assert_allclose(np.asarray(batch.advantages), expected.astype(np.float32),
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(batch.advantages), expected.astype(np.float32), rtol=1e-6)
     # The float32 rewards would be equal within each group, giving all-zero advantages.
     assert np.abs(np.asarray(batch.advantages)).max() > 5e-5
     np.testing.assert_array_equal(np.asarray(batch.advantages) != 0, np.abs(expected) > 1e-12)
@@ -122,7 +125,7 @@ def test_constant_group_fully_masked_and_window_masks_deterministic():
         return values
 
     grid = fg.RectifiedFlow(2.0).timesteps(6)
-    window = fg.FlowSDE.window_for_indices(grid, 1, 2)
+    window = fg.window_for_indices(grid, 1, 2)
     rollout = make_rollout(CountingReward(constant_first_group), window=window)
     variables = rollout.objective.init(jax.random.key(0))
     batch, info = rollout.collect(variables, ROWS, jax.random.key(4))
@@ -154,7 +157,7 @@ def test_train_steps_outside_grid_named(train_steps):
 
 def test_recorded_range_without_noise_rejected():
     grid = fg.RectifiedFlow(2.0).timesteps(6)
-    window = fg.FlowSDE.window_for_indices(grid, 3, 2)
+    window = fg.window_for_indices(grid, 3, 2)
     with pytest.raises(ValueError, match="train_steps"):
         make_rollout(CountingReward(), steps=6, train_steps=2, window=window)
 
@@ -217,12 +220,18 @@ def test_preview_png_and_evaluate_scores(tmp_path):
     objective = rollout.objective
     variables = objective.init(jax.random.key(0))
     rows = {"cond": jnp.asarray(ROWS["cond"]), "prompt_id": jnp.asarray(ROWS["prompt_id"])}
-    evaluation = objective.evaluate(variables, rows, fg.Step(0, jax.random.key(1)),
-                                    reward=reward)
+    evaluation = objective.evaluate(variables, rows, fg.Step(0, jax.random.key(1)), reward=reward)
     assert evaluation.scores.dtype == np.float64 and evaluation.scores.shape == (3,)
     path = tmp_path / "grid" / "preview.png"
-    out = objective.preview(variables, rows, fg.Step(0, jax.random.key(1)), scored=reward,
-                            path=str(path), captions=["a", "b", "c"], title="preview")
+    out = objective.preview(
+        variables,
+        rows,
+        fg.Step(0, jax.random.key(1)),
+        scored=reward,
+        path=str(path),
+        captions=["a", "b", "c"],
+        title="preview",
+    )
     np.testing.assert_array_equal(out.scores, evaluation.scores)
     with Image.open(path) as image:
         image.load()

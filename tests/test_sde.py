@@ -7,6 +7,10 @@ import pytest
 
 import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
+from tests.errors import NAMED_ARGUMENT_ERRORS
+
+
+SDES = {"flow": fg.FlowSDE, "cps": fg.CoefficientsPreservingSDE}
 
 
 def _random_transitions(seed, count=20, dim=6, shift=3.0, steps=11):
@@ -26,7 +30,7 @@ def _random_transitions(seed, count=20, dim=6, shift=3.0, steps=11):
 @pytest.mark.parametrize("kind", ["flow", "cps"])
 @pytest.mark.parametrize("noise_level", [0.0, 0.3, 0.7, 1.0])
 def test_transition_and_log_prob_match_numpy(kind, noise_level):
-    sde = fg.FlowSDE(noise_level=noise_level, kind=kind)
+    sde = SDES[kind](noise_level=noise_level)
     for x, v, t, t_next, z in _random_transitions(int(noise_level * 10)):
         mean, std = sde.transition(jnp.asarray(x), jnp.asarray(v), t, t_next)
         want_mean, want_std = ref.transition(x, v, float(t), float(t_next), noise_level, kind)
@@ -34,13 +38,14 @@ def test_transition_and_log_prob_match_numpy(kind, noise_level):
         np.testing.assert_allclose(float(std), want_std, rtol=2e-5, atol=1e-7)
         x_next = want_mean + want_std * z
         got = sde.log_prob(jnp.asarray(x_next, jnp.float32), mean, std)
-        np.testing.assert_allclose(float(got), ref.log_prob(x_next, want_mean, want_std),
-                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            float(got), ref.log_prob(x_next, want_mean, want_std), rtol=1e-4, atol=1e-4
+        )
 
 
 def test_window_makes_outside_transitions_euler():
     grid = ref.grid(11, 1.0)
-    window = fg.FlowSDE.window_for_indices(jnp.asarray(grid), 2, 3)
+    window = fg.window_for_indices(jnp.asarray(grid), 2, 3)
     sde = fg.FlowSDE(noise_level=0.7, window=window)
     x = jnp.ones(3)
     v = jnp.full(3, 2.0)
@@ -49,8 +54,9 @@ def test_window_makes_outside_transitions_euler():
         mean, std = sde.transition(x, v, t, t_next)
         inside = 2 <= i < 5
         assert bool(sde.is_stochastic(t, t_next)) == inside
-        want_mean, want_std = ref.transition(np.ones(3), np.full(3, 2.0), t, t_next, 0.7,
-                                             window=window)
+        want_mean, want_std = ref.transition(
+            np.ones(3), np.full(3, 2.0), t, t_next, 0.7, window=window
+        )
         np.testing.assert_allclose(np.asarray(mean), want_mean, rtol=1e-5)
         assert (float(std) > 0) == inside
         if not inside:
@@ -67,7 +73,7 @@ def test_first_transition_std_is_noise_level():
 
 
 def test_cps_is_deterministic_at_data_end():
-    sde = fg.FlowSDE(0.7, kind="cps")
+    sde = fg.CoefficientsPreservingSDE(0.7)
     mean, std = sde.transition(jnp.ones(2), jnp.ones(2), 0.1, 0.0)
     assert float(std) == 0.0
     np.testing.assert_allclose(np.asarray(mean), 1.0 - 0.1, rtol=1e-6)
@@ -81,20 +87,23 @@ def test_kl_matches_numpy_both_weightings(weighting):
     for i in range(10):
         t, t_next = float(grid[i]), float(grid[i + 1])
         x, v, v_ref = (rng.normal(size=5) for _ in range(3))
-        mean, std = sde.transition(jnp.asarray(x, jnp.float32), jnp.asarray(v, jnp.float32),
-                                   t, t_next)
-        mean_ref, _ = sde.transition(jnp.asarray(x, jnp.float32),
-                                     jnp.asarray(v_ref, jnp.float32), t, t_next)
+        mean, std = sde.transition(
+            jnp.asarray(x, jnp.float32), jnp.asarray(v, jnp.float32), t, t_next
+        )
+        mean_ref, _ = sde.transition(
+            jnp.asarray(x, jnp.float32), jnp.asarray(v_ref, jnp.float32), t, t_next
+        )
         got = float(sde.kl(mean, mean_ref, std, t_next - t))
-        want_mean, want_std = ref.flow_transition(x, v, t, t_next, 0.7)
-        want_ref, _ = ref.flow_transition(x, v_ref, t, t_next, 0.7)
+        want_mean, want_std = ref.gaussian(x, v, t, t_next, 0.7, "flow")
+        want_ref, _ = ref.gaussian(x, v_ref, t, t_next, 0.7, "flow")
         if weighting == "paper":
             want = ref.kl_paper(want_mean, want_ref, want_std)
         else:
             sigma = want_std / math.sqrt(t - t_next)
             want = ref.kl_released(want_mean, want_ref, sigma)
-            np.testing.assert_allclose(want, (t - t_next) * ref.kl_paper(want_mean, want_ref,
-                                                                        want_std), rtol=1e-9)
+            np.testing.assert_allclose(
+                want, (t - t_next) * ref.kl_paper(want_mean, want_ref, want_std), rtol=1e-9
+            )
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-9)
 
 
@@ -114,29 +123,30 @@ def test_low_precision_inputs_computed_in_float32():
 
 def test_sample_has_requested_moments():
     sde = fg.FlowSDE()
-    draws = sde.sample(jax.random.key(0), jnp.full((20000,), 2.0), jnp.asarray(0.5))
+    noise = jax.random.normal(jax.random.key(0), (20000,))
+    draws = sde.sample(jnp.full((20000,), 2.0), jnp.asarray(0.5), noise)
     assert abs(float(draws.mean()) - 2.0) < 0.02
     assert abs(float(draws.std()) - 0.5) < 0.02
 
 
 @pytest.mark.parametrize(
-    "kwargs, name",
+    "kind, kwargs, name",
     [
-        ({"noise_level": -0.1}, "noise_level"),
-        ({"kind": "ddim"}, "kind"),
-        ({"kl_weighting": "other"}, "kl_weighting"),
-        ({"window": (0.5, 0.6)}, "window"),
-        ({"window": (1.5, 0.2)}, "window"),
-        ({"window": (0.5, -0.1)}, "window"),
-        ({"kind": "cps", "noise_level": 1.5}, "noise_level"),
+        ("flow", {"noise_level": -0.1}, "noise_level"),
+        ("cps", {"noise_level": -0.1}, "noise_level"),
+        ("flow", {"kl_weighting": "other"}, "kl_weighting"),
+        ("flow", {"window": (0.5, 0.6)}, "window"),
+        ("flow", {"window": (1.5, 0.2)}, "window"),
+        ("cps", {"window": (0.5, -0.1)}, "window"),
+        ("cps", {"noise_level": 1.5}, "noise_level"),
     ],
 )
-def test_bad_settings_named(kwargs, name):
-    with pytest.raises(ValueError, match=name):
-        fg.FlowSDE(**kwargs)
+def test_bad_settings_named(kind, kwargs, name):
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match=name):
+        SDES[kind](**kwargs)
 
 
 def test_window_for_indices_outside_grid():
     grid = fg.RectifiedFlow().timesteps(11)
     with pytest.raises(ValueError, match="outside the grid"):
-        fg.FlowSDE.window_for_indices(grid, 8, 5)
+        fg.window_for_indices(grid, 8, 5)

@@ -1,4 +1,4 @@
-"""Tests of the embedded procedural compositional task, `flowgrpo_eqx.tasks`."""
+"""Tests of the embedded procedural compositional task, `flowgrpo_eqx.shapes_demo.task`."""
 
 import itertools
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from flowgrpo_eqx.tasks import (
+from flowgrpo_eqx.shapes_demo.task import (
     COLOURS,
     IMAGE_SIZE,
     NULL_TOKEN,
@@ -18,6 +18,7 @@ from flowgrpo_eqx.tasks import (
     ShapesReward,
     ShapesTask,
 )
+from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
 TASK = ShapesTask()
@@ -417,9 +418,9 @@ def test_reward_accepts_jax_arrays() -> None:
 
 
 def test_bad_split_raises() -> None:
-    with pytest.raises(ValueError, match="split"):
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="split"):
         TASK.prompts("test")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="split"):
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="split"):
         TASK.rows("validation")  # type: ignore[arg-type]
 
 
@@ -471,7 +472,7 @@ def test_batch_mismatch_and_missing_rows_raise() -> None:
 
 
 def test_bad_reward_kind_and_task_settings_raise() -> None:
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="kind"):
         ShapesReward(TASK, "mean")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="min_pixels"):
         ShapesTask(min_pixels=0)

@@ -3,8 +3,10 @@
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import equinox as eqx
 import jax
@@ -26,6 +28,7 @@ from flowgrpo_eqx.train import (
     load_model,
     save_model,
 )
+from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
 LATENT = 4
@@ -157,7 +160,8 @@ def test_update_matches_manual_optax_step():
         return objective.loss(variables, batch, step)[0].value
 
     grads = eqx.filter_grad(value)(params)
-    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's own arithmetic, as in the Trainer
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
     want = eqx.apply_updates(params, updates)
     want_arrays = arrays(want)
     new_state, metrics = trainer.update(state, batch)
@@ -232,10 +236,15 @@ def test_bad_trainer_and_flow_matching_settings():
             default_optimizer(1e-3, decay_steps=bad)
     with pytest.raises(ValueError, match="cond_dropout"):
         FlowMatchingObjective(
-            objective.model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.zeros(2)), cond_dropout=1.0
+            objective.flow.model,
+            fg.RectifiedFlow(),
+            fg.InputSpec(null=jnp.zeros(2)),
+            cond_dropout=1.0,
         )
     with pytest.raises(ValueError, match="null"):
-        FlowMatchingObjective(objective.model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None)
+        FlowMatchingObjective(
+            objective.flow.model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None
+        )
 
 
 def test_checkpointer_keeps_latest_and_restores(tmp_path):
@@ -276,10 +285,10 @@ def test_interrupted_checkpoint_write_keeps_previous_loadable(tmp_path, monkeypa
 
 def test_model_export_round_trip(tmp_path):
     objective, _, _ = make_setup(beta=0.0)
-    save_model(tmp_path / "m.eqx", objective.model)
+    save_model(tmp_path / "m.eqx", objective.flow.model)
     like = MLPVelocity(LATENT, COND, hidden=16, depth=2, time_features=8, key=jax.random.key(5))
     loaded = load_model(tmp_path / "m.eqx", like)
-    assert eqx.tree_equal(loaded, objective.model)
+    assert eqx.tree_equal(loaded, objective.flow.model)
 
 
 def test_metrics_log_keep_only(tmp_path):
@@ -292,7 +301,7 @@ def test_metrics_log_keep_only(tmp_path):
 
 def _cli(*args, cwd):
     return subprocess.run(
-        [sys.executable, "-m", "flowgrpo_eqx.cli", *args],
+        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -303,20 +312,32 @@ def _cli(*args, cwd):
 def test_killed_run_resumes_to_identical_result(tmp_path):
     whole = tmp_path / "whole"
     killed = tmp_path / "killed"
-    common = ["train", "--preset", "tiny", "--quiet", "--seed", "3"]
+    common = ["train", "--preset", "tiny", "--quiet", "--seed", "3", "--epochs", "8"]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     first = subprocess.Popen(
-        [sys.executable, "-m", "flowgrpo_eqx.cli", *common, "--out", str(whole)],
+        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *common, "--out", str(whole)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    crashed = _cli(*common, "--out", str(killed), "--kill-after-epoch", "2", cwd=tmp_path)
+    # The crash: start the same run, wait for epoch 2's checkpoint, then SIGKILL it.
+    crashing = subprocess.Popen(
+        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *common, "--out", str(killed)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    checkpoint = killed / "checkpoints" / "ckpt_00000002"
+    while not checkpoint.exists() and crashing.poll() is None:
+        time.sleep(0.02)
+    crashing.send_signal(signal.SIGKILL)
+    _, crash_err = crashing.communicate(timeout=600)
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, err
-    assert crashed.returncode == -9, crashed.stderr
-    assert (killed / "checkpoints" / "ckpt_00000002").exists()
+    assert crashing.returncode == -9, crash_err
+    assert checkpoint.exists()
     assert not (killed / "summary.json").exists()
     resumed = _cli(*common, "--out", str(killed), "--resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
@@ -348,7 +369,7 @@ def test_cli_rejects_unknown_preset(tmp_path):
 
 
 def test_sde_steps_makes_only_leading_transitions_stochastic(tmp_path):
-    from flowgrpo_eqx.train._job import ShapesJob, make_config
+    from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
 
     job = ShapesJob(make_config("tiny", rollout_steps=5, sde_steps=2), tmp_path, quiet=True)
     sde = job.objective(job.model).sde
@@ -360,9 +381,8 @@ def test_sde_steps_makes_only_leading_transitions_stochastic(tmp_path):
     )
     assert everywhere.objective(everywhere.model).sde.window is None
     for bad in (0, 5):
-        job = ShapesJob(make_config("tiny", rollout_steps=5, sde_steps=bad), tmp_path, quiet=True)
         with pytest.raises(ValueError, match="sde_steps"):
-            job.objective(job.model)
+            make_config("tiny", rollout_steps=5, sde_steps=bad)
 
 
 def test_cosine_decay_step_sizes_match_numpy():
@@ -374,7 +394,8 @@ def test_cosine_decay_step_sizes_match_numpy():
     state = optimizer.init(params)
     moves = []
     for _ in range(6):
-        updates, state = optimizer.update(grads, state, params)
+        with jax.numpy_dtype_promotion("standard"):  # optax's own arithmetic
+            updates, state = optimizer.update(grads, state, params)
         moves.append(np.asarray(updates))
     index = np.arange(6)
     want = 1e-2 * 0.5 * (1.0 + np.cos(np.pi * np.minimum(index, 4) / 4))
@@ -385,27 +406,27 @@ def test_cosine_decay_step_sizes_match_numpy():
 
 
 def test_job_cosine_schedule_spans_the_run_and_bad_schedule_named(tmp_path):
-    from flowgrpo_eqx.train._job import ShapesJob, make_config
+    from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
 
     job = ShapesJob(make_config("tiny", epochs=3, inner_epochs=2, minibatch_rows=4), tmp_path)
     # tiny: 2 prompts x 4 groups = 8 rows -> 2 minibatches, x 2 inner epochs, x 3 epochs
     assert job.updates() == 12
-    with pytest.raises(ValueError, match="lr_schedule"):
-        ShapesJob(make_config("tiny", lr_schedule="linear"), tmp_path)
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="lr_schedule"):
+        make_config("tiny", lr_schedule="linear")
     for bad in (3, 16):  # 8 rows a rollout
         with pytest.raises(ValueError, match="minibatch_rows"):
-            ShapesJob(make_config("tiny", minibatch_rows=bad), tmp_path).updates()
+            make_config("tiny", minibatch_rows=bad)
 
 
 def test_every_setting_has_a_described_flag():
     import dataclasses
 
-    from flowgrpo_eqx.train._job import SETTING_HELP, JobConfig
+    from flowgrpo_eqx.shapes_demo import JobConfig, setting_help
 
     names = {field.name for field in dataclasses.fields(JobConfig)}
-    assert set(SETTING_HELP) == names
+    assert all(len(setting_help(name)) > 5 for name in names)
     train = subprocess.run(
-        [sys.executable, "-m", "flowgrpo_eqx.cli", "train", "--help"],
+        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", "train", "--help"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -413,3 +434,47 @@ def test_every_setting_has_a_described_flag():
     assert train.returncode == 0
     for name in names:
         assert "--" + name.replace("_", "-") in train.stdout
+
+
+class TwoPartModel(eqx.Module):
+    """A user model with an `eqx.nn.MLP` (whose activation is a non-array leaf) and a head."""
+
+    mlp: eqx.nn.MLP
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.mlp = eqx.nn.MLP(LATENT + COND + 1, 8, width_size=8, depth=1, key=k1)
+        self.head = eqx.nn.Linear(8, LATENT, key=k2)
+
+    def __call__(self, x, t, cond):
+        return self.head(self.mlp(jnp.concatenate([x, cond, t[None]])))
+
+
+def test_equinox_faq_filter_spec_trains_exactly_the_selected_submodule():
+    model = TwoPartModel(jax.random.key(0))
+    # The Equinox FAQ's idiom for training part of a model: a spec of bools shaped like the
+    # model (its non-array leaves, such as the MLP's activation, included), True on `mlp`.
+    spec = eqx.tree_at(lambda m: m.mlp, jax.tree.map(lambda _: False, model), replace=True)
+    objective = fg.FlowGRPOObjective(
+        model,
+        fg.RectifiedFlow(),
+        fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+        clip_range=0.2,
+        guidance=fg.CFG(2.0),
+        steps=4,
+    )
+    rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
+    trainer = Trainer(objective, default_optimizer(1e-2, 0.0), trainable=spec)
+    state = trainer.init(jax.random.key(1))
+    state, _ = run_epochs(trainer, rollout, state, epochs=1)
+    after = state.variables.policy
+    # The activation survived, so the policy still runs.
+    assert after.mlp.activation is model.mlp.activation
+    changed = [
+        not np.array_equal(a, b) for a, b in zip(arrays(model.mlp), arrays(after.mlp), strict=True)
+    ]
+    assert all(changed)
+    assert eqx.tree_equal(after.head, model.head)
+    trainable, _ = trainer.split_policy(model)
+    assert jax.tree.leaves(trainable.head) == []

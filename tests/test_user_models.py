@@ -57,7 +57,7 @@ class TinyConvNet(eqx.Module):
 
 def rollout_like_batch(objective, variables, rows, latent_shape, steps=5, seed=0):
     """Sample SDE transitions with the objective's own pieces, as a rollout would."""
-    grid = objective.process.timesteps(steps)
+    grid = objective.flow.process.timesteps(steps)
     n = jax.tree.leaves(rows)[0].shape[0]
     key = jax.random.key(seed)
     x = jax.random.normal(key, (n, *latent_shape))
@@ -68,7 +68,8 @@ def rollout_like_batch(objective, variables, rows, latent_shape, steps=5, seed=0
         t_next = jnp.full((n,), grid[i + 1])
         mean, std = transition(variables.policy, x, t, t_next, rows)
         key, sub = jax.random.split(key)
-        x_next = jax.vmap(objective.sde.sample)(jax.random.split(sub, n), mean, std)
+        noise = jax.random.normal(sub, mean.shape)
+        x_next = jax.vmap(objective.sde.sample)(mean, std, noise)
         log_probs.append(jax.vmap(objective.sde.log_prob)(x_next, mean, std))
         latents.append(x)
         next_latents.append(x_next)
@@ -107,14 +108,18 @@ CASES = {
 def test_user_model_trains(name, guidance):
     case = CASES[name]
     objective = fg.FlowGRPOObjective(
-        case["make"](jax.random.key(0)), fg.RectifiedFlow(shift=2.0), case["inputs"](),
-        guidance=guidance, beta=0.05, clip_range=0.2, steps=4,
+        case["make"](jax.random.key(0)),
+        fg.RectifiedFlow(shift=2.0),
+        case["inputs"](),
+        guidance=guidance,
+        beta=0.05,
+        clip_range=0.2,
+        steps=4,
     )
     variables = objective.init(jax.random.key(1))
     batch = rollout_like_batch(objective, variables, case["rows"](), case["latent"])
     rescored = objective.log_probs(variables, batch)
-    np.testing.assert_allclose(np.asarray(rescored), np.asarray(batch.old_log_probs),
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(rescored), np.asarray(batch.old_log_probs), atol=1e-5)
     step = fg.Step(index=0, key=jax.random.key(2))
 
     @eqx.filter_jit
@@ -132,3 +137,47 @@ def test_user_model_trains(name, guidance):
     assert any(np.any(g != 0) for g in grad_leaves)
     evaluation = objective.evaluate(variables, case["rows"](), step)
     assert evaluation.samples.shape == (4, *case["latent"])
+
+
+class WrongShapeVelocity(eqx.Module):
+    """A user model with a bug: it returns one number fewer than the latent has."""
+
+    linear: eqx.nn.Linear
+
+    def __init__(self, dim, cond_dim, key):
+        self.linear = eqx.nn.Linear(dim + cond_dim + 1, dim - 1, key=key)
+
+    def __call__(self, x, t, cond):
+        return self.linear(jnp.concatenate([x, cond, t[None]]))
+
+
+GUIDANCE = fg.CFG(2.0)
+
+
+def _user_objective(model, null, guidance=GUIDANCE):
+    return fg.FlowGRPOObjective(
+        model,
+        fg.RectifiedFlow(),
+        fg.InputSpec(select="cond", null=null, latent_shape=(4,)),
+        guidance=guidance,
+    )
+
+
+@pytest.mark.parametrize("guidance", [GUIDANCE, None])
+def test_wrong_velocity_shape_is_named(guidance):
+    objective = _user_objective(WrongShapeVelocity(4, 2, jax.random.key(0)), jnp.zeros(2), guidance)
+    rollout = fg.FlowRollout(objective, lambda s, r: np.zeros(len(s)), groups=2, steps=3)
+    variables = objective.init(jax.random.key(1))
+    rows = {"cond": np.ones((2, 2), np.float32)}
+    with pytest.raises(ValueError, match=r"velocity of shape \(3,\) for a latent of shape \(4,\)"):
+        rollout.collect(variables, rows, jax.random.key(2))
+
+
+def test_condition_not_matching_null_is_named():
+    # The null condition has 3 numbers, the rows' conditioning 2.
+    objective = _user_objective(VectorMLP(4, 2, jax.random.key(0)), jnp.zeros(3))
+    rollout = fg.FlowRollout(objective, lambda s, r: np.zeros(len(s)), groups=2, steps=3)
+    variables = objective.init(jax.random.key(1))
+    rows = {"cond": np.ones((2, 2), np.float32)}
+    with pytest.raises(ValueError, match=r"rows give shapes \(2,\), the null condition .* \(3,\)"):
+        rollout.collect(variables, rows, jax.random.key(2))
