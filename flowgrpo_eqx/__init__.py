@@ -15,6 +15,7 @@ from ._flow_base import (
     Evaluation as Evaluation,
     Variables as Variables,
 )
+from ._http_reward import HttpReward as HttpReward
 from ._inputs import (
     CFG as CFG,
     AbstractAutoEncoder as AbstractAutoEncoder,
