@@ -20,6 +20,7 @@ import http.client
 import io
 import json
 import os
+import socket
 import struct
 import time
 import urllib.parse
@@ -385,12 +386,17 @@ class HttpReward:
             headers["Authorization"] = f"Bearer {self._token}"
         connection_type = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         connection = connection_type(self._host, self._port, timeout=self.timeout)
+        response = None
         try:
+            connection.connect()
+            # Kept: http.client lets go of the socket once it sees a closing reply's headers.
+            sock = connection.sock
+            _wait_at_most(sock, deadline)
             connection.request("POST", self._path, body=body, headers=headers)
-            _wait_at_most(connection, deadline)
+            _wait_at_most(sock, deadline)
             response = connection.getresponse()
             limit = 8 * count + (1 << 16) if response.status == 200 else _ERROR_BODY_LIMIT
-            reply = _read_until(connection, response, deadline, limit)
+            reply = _read_until(sock, response, deadline, limit)
         except TimeoutError:
             raise _Retryable(f"timed out after {self.timeout:g} s") from None
         except ConnectionRefusedError:
@@ -398,6 +404,8 @@ class HttpReward:
         except (OSError, http.client.HTTPException) as error:
             raise _Retryable(f"connection failed: {type(error).__name__}: {error}") from None
         finally:
+            if response is not None:
+                response.close()
             connection.close()
         if response.status != 200:
             described = f"HTTP {response.status} {response.reason}: {_error_text(reply)}"
@@ -407,25 +415,22 @@ class HttpReward:
         return _checked_scores(reply, count)
 
 
-def _wait_at_most(connection: http.client.HTTPConnection, deadline: float) -> None:
+def _wait_at_most(sock: socket.socket, deadline: float) -> None:
+    """Bound the socket's next operation by what is left of the attempt."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError
-    if connection.sock is not None:
-        connection.sock.settimeout(remaining)
+    sock.settimeout(remaining)
 
 
 def _read_until(
-    connection: http.client.HTTPConnection,
-    response: http.client.HTTPResponse,
-    deadline: float,
-    limit: int,
+    sock: socket.socket, response: http.client.HTTPResponse, deadline: float, limit: int
 ) -> bytes:
     """The reply body, each read bounded by the attempt's deadline and the whole by `limit`."""
     chunks: list[bytes] = []
     size = 0
     while True:
-        _wait_at_most(connection, deadline)
+        _wait_at_most(sock, deadline)
         chunk = response.read1(1 << 16)
         if not chunk:
             return b"".join(chunks)

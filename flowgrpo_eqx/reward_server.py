@@ -167,7 +167,8 @@ def make_app(
         except web.HTTPRequestEntityTooLarge:
             return _error(413, "too_large", f"the body exceeds {max_request_bytes} bytes.")
         try:
-            samples, rows = await asyncio.to_thread(decode_request, body)
+            # On the loop: decoding is a copy of the body, cheaper than a hop to a thread.
+            samples, rows = decode_request(body)
         except WireError as error:
             return _error(400, error.kind, str(error))
         loop = asyncio.get_running_loop()
