@@ -91,6 +91,14 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
             scores = np.zeros(count - 1)
         elif mode == "float32":
             scores = np.zeros(count, dtype=np.float32)
+        elif mode == "trickle":
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            for _ in range(100):
+                self.wfile.write(b"x")
+                time.sleep(SLOW_SECONDS / 100)
+            return
         elif mode == "garbage":
             self._reply(200, b"not an npy array")
             return

@@ -207,6 +207,16 @@ def test_timeouts_are_retried_with_exponential_backoff(scripted_url, backoffs):
     assert backoffs == [0.25, 0.5]
 
 
+def test_a_trickling_reply_cannot_outlast_the_timeout(scripted_url, backoffs):
+    # The reply's 100 bytes arrive one by one over SLOW_SECONDS; no single read waits
+    # longer than the timeout, so only the attempt's deadline stops it.
+    samples, rows = batch(count=2)
+    remote = fg.HttpReward(scripted_url + "/trickle", timeout=0.5, retries=0)
+    with pytest.raises(fg.RewardError, match="failed after 1 attempt: timed out after 0.5 s"):
+        remote(samples, rows)
+    assert get_json(scripted_url + "/count")["posts"]["trickle"] == 1
+
+
 def test_token_checked(token_url, backoffs):
     samples, rows = batch()
     with pytest.raises(fg.RewardError, match="401") as raised:
