@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=51)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    levels = rng.integers(0, 256, size=(64, 16, 16, 3)).astype(np.float32)
-    samples = levels / np.float32(127.5) - np.float32(1.0)
+    levels = rng.integers(0, 256, size=(64, 16, 16, 3))
+    samples = (levels / 127.5 - 1.0).astype(np.float32)
     rows = {"index": np.arange(64)}
     started = time.perf_counter()
     process, url = start_server()

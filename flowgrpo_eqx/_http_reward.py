@@ -124,7 +124,8 @@ def encode_request(samples: Any, rows: Any, *, images_as_uint8: bool = False) ->
     - `samples`: `[N, *sample]` samples in [-1, 1].
     - `rows`: None, an array, or a (nested) dict of arrays with leading axis `N`.
     - `images_as_uint8`: send the samples as uint8 images (`to_uint8_images`), a quarter of
-        the float32 bytes; the server turns them back into float32 `x / 127.5 - 1`.
+        the float32 bytes; the server turns them back into float32 `x / 127.5 - 1`
+        (computed in float64, rounded once).
 
     **Raises:**
 
@@ -166,7 +167,8 @@ def _npy_or_explain(array: npt.NDArray[Any], name: str) -> bytes:
 def decode_request(body: bytes) -> tuple[npt.NDArray[Any], Any]:
     """The samples and rows of a request body (`encode_request`'s inverse).
 
-    uint8 samples come back as float32 `x / 127.5 - 1`, computed in float32.
+    uint8 samples come back as float32 `x / 127.5 - 1`, computed in float64 and rounded once
+    (float32 arithmetic would round twice and miss the nearest float32 for some levels).
 
     **Returns:**
 
@@ -218,7 +220,7 @@ def decode_request(body: bytes) -> tuple[npt.NDArray[Any], Any]:
     if encoding == "uint8":
         if samples.dtype != np.uint8:
             raise WireError("malformed_body", f"uint8 samples arrived as {samples.dtype}.")
-        samples = samples.astype(np.float32) / np.float32(127.5) - np.float32(1.0)
+        samples = (samples / 127.5 - 1.0).astype(np.float32)
     for name, leaf in arrays.items():
         if leaf.ndim == 0 or leaf.shape[0] != samples.shape[0]:
             raise WireError(
@@ -281,7 +283,7 @@ class HttpReward:
         `FLOWGRPO_REWARD_TOKEN` is used when set.
     - `backoff`: the first pause in seconds.
     - `images_as_uint8`: send images as uint8 (a quarter of the float32 bytes). Scores are
-        then the reward's on `to_uint8_images(samples) / 127.5 - 1` in float32, which equals
+        then the reward's on float32 `to_uint8_images(samples) / 127.5 - 1`, which equals
         `samples` only for samples already on that grid.
 
     A call ends within about `timeout * (retries + 1) + backoff * (2**retries - 1)` seconds.

@@ -165,7 +165,7 @@ def test_scores_are_bit_identical_to_in_process(brightness_url, dtype):
 def test_uint8_images_on_the_grid_score_bit_identically(brightness_url):
     grid, rows = batch()
     levels = to_uint8_images(grid)
-    samples = levels.astype(np.float32) / np.float32(127.5) - np.float32(1.0)
+    samples = (levels / 127.5 - 1.0).astype(np.float32)
     got = fg.HttpReward(brightness_url, images_as_uint8=True)(samples, rows)
     assert same_bits(got, reward_fixtures.brightness(samples, rows))
     float_bytes = len(encode_request(samples, rows))
