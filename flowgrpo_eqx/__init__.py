@@ -16,6 +16,7 @@ from ._flow_base import (
     Variables as Variables,
 )
 from ._guided_flow import GuidedFlow as GuidedFlow
+from ._http_reward import HttpReward as HttpReward
 from ._inputs import (
     CFG as CFG,
     AbstractAutoEncoder as AbstractAutoEncoder,
