@@ -12,16 +12,13 @@ are read with `allow_pickle=False`: nothing a client sends is ever unpickled.
 import argparse
 import asyncio
 import hmac
-import importlib
-import inspect
 import ipaddress
 import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from ._http_reward import (
     NPY_CONTENT_TYPE,
@@ -30,7 +27,7 @@ from ._http_reward import (
     decode_request,
     npy_bytes,
 )
-from ._reward import FlowReward, RewardError, reward_name, score
+from ._reward import FlowReward, RewardError, load_reward, reward_name, score
 
 
 try:
@@ -42,73 +39,6 @@ except ModuleNotFoundError as _missing:
 
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 30
-
-
-def load_reward(
-    spec: str, builtins: Mapping[str, Callable[[], FlowReward]] | None = None
-) -> FlowReward:
-    """The reward a command line names.
-
-    Rule: `spec` is first looked up in `builtins` (whose factories are called with no
-    arguments). Otherwise it is `package.module:attribute` (the attribute may be dotted) or
-    `package.module.attribute`, and the attribute becomes the reward as follows:
-
-    - a class is instantiated with no arguments;
-    - a function that needs no arguments is a factory and is called;
-    - anything else callable (a reward function `f(samples, rows)`, a reward instance) is
-      the reward itself.
-
-    **Arguments:**
-
-    - `spec`: the reward's name or import path.
-    - `builtins`: named factories of built-in rewards.
-
-    **Returns:**
-
-    The reward.
-
-    **Raises:**
-
-    - `ValueError`: naming `spec`, if it cannot be imported or does not give a callable.
-    """
-    if builtins is not None and spec in builtins:
-        return _callable_reward(builtins[spec](), spec)
-    module_name, colon, attribute_path = spec.partition(":")
-    if not colon:
-        module_name, _, attribute_path = spec.rpartition(".")
-    if not module_name or not attribute_path:
-        known = f" or one of {sorted(builtins)}" if builtins else ""
-        raise ValueError(f"Reward {spec!r} must be 'package.module:callable'{known}.")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in attribute_path.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"Reward {spec!r} cannot be loaded: {error}") from error
-    if inspect.isclass(target) or (inspect.isfunction(target) and _needs_no_arguments(target)):
-        try:
-            target = target()
-        except TypeError as error:
-            raise ValueError(
-                f"Reward {spec!r} must be constructible with no arguments: {error}"
-            ) from error
-    return _callable_reward(target, spec)
-
-
-def _needs_no_arguments(function: Callable[..., Any]) -> bool:
-    parameters = inspect.signature(function).parameters.values()
-    return all(
-        p.default is not inspect.Parameter.empty
-        or p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        for p in parameters
-    )
-
-
-def _callable_reward(reward: Any, spec: str) -> FlowReward:
-    if not callable(reward):
-        raise ValueError(f"Reward {spec!r} gave {type(reward).__name__}, which is not callable.")
-    loaded: FlowReward = reward
-    return loaded
 
 
 def _error(web_status: int, kind: str, message: str) -> web.Response:

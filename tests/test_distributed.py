@@ -151,7 +151,7 @@ def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
         "--out",
         str(out),
         "--custom-reward",
-        "tests.failing_rewards:FailingReward",
+        "tests.cli_rewards:FailingReward",
     )
     assert result.returncode == 1
     for rank in (0, 1):

@@ -64,6 +64,7 @@ def flow_grpo_epoch(
     *,
     inner_epochs: int = 1,
     minibatch_rows: int | None = None,
+    after_updates: Callable[[TrainState, Transitions, RolloutInfo], None] | None = None,
 ) -> tuple[TrainState, dict[str, float], RolloutInfo]:
     """One Flow-GRPO epoch: collect a rollout, then `inner_epochs` passes of updates over it.
 
@@ -77,6 +78,8 @@ def flow_grpo_epoch(
     - `inner_epochs`: passes over the rollout.
     - `minibatch_rows`: rows per update (must divide the rollout's rows); all at once if
         `None`.
+    - `after_updates`: called with the new state, the rollout's batch and its info once the
+        epoch's updates are done (e.g. to log the policy ratio's distribution).
 
     **Returns:**
 
@@ -91,6 +94,8 @@ def flow_grpo_epoch(
         for minibatch in minibatches(batch, size, jax.random.fold_in(shuffle_key, inner)):
             state, metrics = trainer.update(state, minibatch)
             history.append(metrics)
+    if after_updates is not None:
+        after_updates(state, batch, info)
     summary = _mean_metrics(history)
     summary.update(
         reward_mean=float(info.reward_mean),
