@@ -5,51 +5,32 @@ A scheduler's SIGTERM stops a run after the epoch in progress with a checkpoint,
 path and skipped, and a folder with none intact is a named error, never a raw traceback.
 """
 
-import json
-import os
-import pathlib
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from flowgrpo_eqx.train import MetricsLog
 from flowgrpo_eqx.train._preemption import PREEMPTED_EXIT_STATUS
-
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-TIMEOUT = 600
-# Checkpoints every 3 epochs, so a stop at another epoch must write its own.
-COMMON = ["--preset", "tiny", "--quiet", "--seed", "4", "--epochs", "7", "--checkpoint-every", "3"]
-# Figures of summary.json that must not depend on an interruption.
-RESULT_FIELDS = (
-    "base_accuracy",
-    "final_accuracy",
-    "base_reward",
-    "final_reward",
-    "base_diversity",
-    "final_diversity",
-    "train_reward_first_epoch",
-    "train_reward_last_epoch",
-    "epochs",
+from tests.cli_helpers import (
+    RESULT_FIELDS,
+    TIMEOUT,
+    command,
+    environment,
+    result_of,
+    run_cli,
+    with_base,
 )
 
 
-def command(*args):
-    return [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *args]
-
-
-def environment():
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+# Checkpoints every 3 epochs, so a stop at another epoch must write its own.
+COMMON = ["--preset", "tiny", "--quiet", "--seed", "4", "--epochs", "7", "--checkpoint-every", "3"]
 
 
 def run(*args):
-    return subprocess.run(
-        command(*args), capture_output=True, text=True, env=environment(), timeout=TIMEOUT
-    )
+    return run_cli(*args)
 
 
 def epochs_done(folder):
@@ -60,9 +41,7 @@ def epochs_done(folder):
 
 
 def assert_same_result(folder, reference):
-    got = json.loads((folder / "summary.json").read_text())
-    want = json.loads((reference / "summary.json").read_text())
-    assert {k: got[k] for k in RESULT_FIELDS} == {k: want[k] for k in RESULT_FIELDS}
+    assert result_of(folder) == result_of(reference)
     assert (folder / "policy.eqx").read_bytes() == (reference / "policy.eqx").read_bytes()
     assert (
         MetricsLog(folder / "metrics.jsonl").read()
@@ -79,13 +58,6 @@ def uninterrupted(tmp_path_factory):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
-
-
-def with_base(reference, folder):
-    folder.mkdir(parents=True, exist_ok=True)
-    for base in reference.glob("base_*.eqx"):
-        shutil.copy(base, folder / base.name)
-    return folder
 
 
 def test_sigterm_checkpoints_the_epoch_and_resume_matches(uninterrupted, tmp_path):
@@ -230,8 +202,7 @@ def test_two_processes_stop_together_and_resume_to_the_same_result(uninterrupted
     assert "every rank stopped after a signal and checkpointed" in output
     resumed = run("launch", "--local", "2", "--", "train", *COMMON, "--out", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    got = json.loads((out / "summary.json").read_text())
-    want = json.loads((uninterrupted / "summary.json").read_text())
+    got, want = result_of(out), result_of(uninterrupted)
     # Two processes match one to float32 round-off (tests/test_distributed.py).
     for name in RESULT_FIELDS:
         assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name

@@ -5,12 +5,8 @@ Every run here is a real `flowgrpo-eqx` process on the tiny preset; reward serve
 """
 
 import json
-import os
-import pathlib
-import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -19,35 +15,14 @@ import pytest
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.shapes_demo.config import config_to_toml
 from flowgrpo_eqx.train import MetricsLog
+from tests.cli_helpers import command, environment, result_of, run_cli, with_base
 
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-TIMEOUT = 600
 COMMON = ["--preset", "tiny", "--quiet", "--seed", "6"]
-RESULT_FIELDS = (
-    "base_accuracy",
-    "final_accuracy",
-    "base_reward",
-    "final_reward",
-    "base_diversity",
-    "final_diversity",
-    "train_reward_first_epoch",
-    "train_reward_last_epoch",
-)
-
-
-def environment(**extra):
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **extra}
 
 
 def cli(*args, **extra_env):
-    return subprocess.run(
-        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *args],
-        capture_output=True,
-        text=True,
-        env=environment(**extra_env),
-        timeout=TIMEOUT,
-    )
+    return run_cli(*args, **extra_env)
 
 
 class Server:
@@ -55,8 +30,7 @@ class Server:
 
     def __init__(self, reward, **extra_env):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", "serve-reward", reward,
-             "--port", "0"],
+            command("serve-reward", reward, "--port", "0"),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -81,18 +55,6 @@ def in_process(tmp_path_factory):
     return out
 
 
-def with_base(reference, folder):
-    folder.mkdir(parents=True, exist_ok=True)
-    for base in reference.glob("base_*.eqx"):
-        shutil.copy(base, folder / base.name)
-    return folder
-
-
-def result_of(folder):
-    summary = json.loads((folder / "summary.json").read_text())
-    return {name: summary[name] for name in RESULT_FIELDS}
-
-
 def test_training_through_a_reward_server_matches_in_process(in_process, tmp_path):
     server = Server("jpeg_incompressibility")
     try:
@@ -110,8 +72,7 @@ def test_server_killed_mid_run_is_a_named_error_and_resume_finishes(in_process, 
     server = Server("jpeg_incompressibility")
     options = ["--reward-timeout", "2", "--reward-retries", "1"]
     run = subprocess.Popen(
-        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", "train", *COMMON, *options,
-         "--out", str(out), "--reward-url", server.url],
+        command("train", *COMMON, *options, "--out", str(out), "--reward-url", server.url),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
