@@ -138,6 +138,10 @@ class FlowGRPOObjective(AbstractFlowObjective):
         `held` is `True` when `beta > 0`: the slot is the frozen reference, neither trained
         nor written by an EMA. With `beta == 0` it is `False`: the slot is free for the EMA.
         The policy is never held.
+
+        **Returns:**
+
+        `Variables(policy=False, held=beta > 0)`.
         """
         return Variables(policy=False, held=self.beta > 0)
 
@@ -152,7 +156,23 @@ class FlowGRPOObjective(AbstractFlowObjective):
         t_next: Float[Array, " B"],
         cond: PyTree[Any],
     ) -> tuple[Float[Array, " B *latent"], Float[Array, " B"]]:
-        """The batch's Gaussian transitions `(mean, std)` under `sde` and the guided velocity."""
+        """The batch's Gaussian transitions `(mean, std)` under `sde` and the guided velocity.
+
+        **Arguments:**
+
+        - `model`: the policy or the reference.
+        - `x`: `[B, *latent]` states at `t`.
+        - `t`, `t_next`: `[B]` start and end times.
+        - `cond`: the batch's rows (leading axis `B`).
+
+        **Returns:**
+
+        `(mean, std)`: `[B, *latent]` means and `[B]` stds (0 on deterministic transitions).
+
+        **Raises:**
+
+        - `ValueError`: as `GuidedFlow.velocity`.
+        """
         v = self.flow.velocity(model, x, t, cond)
         return jax.vmap(self.sde.transition)(x, v, t, t_next)
 
@@ -211,7 +231,16 @@ class FlowGRPOObjective(AbstractFlowObjective):
     # Public objective methods
 
     def kept(self, batch: Transitions) -> Bool[Array, " N K"]:
-        """The kept set: masked-in transitions that are stochastic under `sde`."""
+        """The kept set: masked-in transitions that are stochastic under `sde`.
+
+        **Arguments:**
+
+        - `batch`: the recorded transitions.
+
+        **Returns:**
+
+        `[N, K]` bools: `transition_mask` and stochastic; the loss averages over these.
+        """
         return batch.transition_mask & self.sde.is_stochastic(batch.timesteps, batch.next_timesteps)
 
     def log_probs(self, variables: Variables, batch: Transitions) -> Float[Array, " N K"]:

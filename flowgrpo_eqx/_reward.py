@@ -28,11 +28,32 @@ class FlowReward(Protocol):
     A `name` attribute, if present, is used in error messages and metrics.
     """
 
-    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.ArrayLike: ...
+    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.ArrayLike:
+        """Score a batch of samples.
+
+        **Arguments:**
+
+        - `samples`: numpy `[N, *sample]` in [-1, 1].
+        - `rows`: the source rows repeated once per sample.
+
+        **Returns:**
+
+        `[N]` finite scores (anything `np.asarray(..., dtype=np.float64)` accepts).
+
+        **Raises:**
+
+        Anything: the library's callers turn an exception, a wrong shape, NaN or inf into a
+        `RewardError` naming the reward.
+        """
+        ...
 
 
 class RewardError(ValueError):
-    """A reward raised, or returned the wrong shape or non-finite scores."""
+    """A reward raised, or returned the wrong shape or non-finite scores.
+
+    A `ValueError`; its message names the reward (and for `HttpReward` the URL). With many
+    processes, a failure on process 0 is raised as the same `RewardError` on every process.
+    """
 
 
 def reward_name(reward: Any) -> str:
@@ -208,6 +229,21 @@ class JpegCompressibility:
         self.quality = _checked_quality(quality)
 
     def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        """Minus each image's JPEG size in kB.
+
+        **Arguments:**
+
+        - `samples`: `[N, H, W]` or `[N, H, W, C]` images in [-1, 1], `C` in (1, 3, 4).
+        - `rows`: unused.
+
+        **Returns:**
+
+        `[N]` float64 scores, higher for smaller files.
+
+        **Raises:**
+
+        - `ValueError`: if `samples` is not a batch of images.
+        """
         del rows
         return -jpeg_sizes_kb(samples, self.quality)
 
@@ -231,6 +267,21 @@ class JpegIncompressibility:
         self.quality = _checked_quality(quality)
 
     def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        """Each image's JPEG size in kB.
+
+        **Arguments:**
+
+        - `samples`: `[N, H, W]` or `[N, H, W, C]` images in [-1, 1], `C` in (1, 3, 4).
+        - `rows`: unused.
+
+        **Returns:**
+
+        `[N]` float64 scores, higher for larger files.
+
+        **Raises:**
+
+        - `ValueError`: if `samples` is not a batch of images.
+        """
         del rows
         return jpeg_sizes_kb(samples, self.quality)
 
@@ -260,10 +311,39 @@ class WeightedReward:
     def components(
         self, samples: npt.NDArray[Any], rows: Any
     ) -> dict[str, npt.NDArray[np.float64]]:
-        """Each term's (unweighted, checked) float64 scores, by reward name."""
+        """Each term's (unweighted, checked) float64 scores, by reward name.
+
+        **Arguments:**
+
+        - `samples`: `[N, *sample]` numpy samples in [-1, 1].
+        - `rows`: the repeated source rows.
+
+        **Returns:**
+
+        `{name: [N] float64 scores}`, one entry per term (metrics log each one).
+
+        **Raises:**
+
+        - `RewardError`: naming the term's reward, if it fails.
+        """
         return {reward_name(r): score(r, samples, rows) for r, _ in self.terms}
 
     def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        """The weighted sum of the terms' scores.
+
+        **Arguments:**
+
+        - `samples`: `[N, *sample]` numpy samples in [-1, 1].
+        - `rows`: the repeated source rows.
+
+        **Returns:**
+
+        `[N]` float64 `sum(weight * score)`.
+
+        **Raises:**
+
+        - `RewardError`: naming the term's reward, if one fails.
+        """
         total = np.zeros(int(np.shape(samples)[0]), dtype=np.float64)
         for reward, weight in self.terms:
             total += weight * score(reward, samples, rows)

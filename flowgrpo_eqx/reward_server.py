@@ -3,7 +3,7 @@
     python -m flowgrpo_eqx.reward_server package.module:reward --port 8000 [--token T]
 
 Endpoints: `GET /health` answers `{"status": "ok", "reward": name}`; `POST /score` takes the
-wire format of `flowgrpo_eqx._http_reward` and answers the `[N]` float64 scores as `.npy`,
+wire format that `HttpReward` sends and answers the `[N]` float64 scores as `.npy`,
 or a JSON `{"error": kind, "message": text}` with status 400 (`malformed_body`,
 `pickled_array`), 401 (`unauthorized`), 413 (`too_large`) or 500 (`reward_failed`). Bodies
 are read with `allow_pickle=False`: nothing a client sends is ever unpickled.
@@ -39,6 +39,7 @@ except ModuleNotFoundError as _missing:
 
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 30
+"""The largest request body a server accepts by default (1 GiB); larger ones get 413."""
 
 
 def _error(web_status: int, kind: str, message: str) -> web.Response:
@@ -60,8 +61,8 @@ def make_app(
 
     Rewards are called one at a time on one worker thread (models on accelerators are
     rarely safe to call concurrently), so the server keeps answering `/health` and
-    rejecting bad requests while a batch is scored. Scores pass through
-    `flowgrpo_eqx._reward.score`, so a reward that raises, or returns a wrong shape or
+    rejecting bad requests while a batch is scored. Scores go through the
+    same checks as a reward called in process, so a reward that raises, or returns a wrong shape or
     non-finite scores, gives a 500 naming it; the server keeps serving after any request.
 
     **Arguments:**
@@ -192,7 +193,24 @@ async def _serve(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m flowgrpo_eqx.reward_server REWARD [--host H] [--port P] [--token T]`."""
+    """`python -m flowgrpo_eqx.reward_server REWARD [--host H] [--port P] [--token T]`.
+
+    Loads `REWARD` with `load_reward` and serves it with `serve` until SIGINT or SIGTERM.
+    The token defaults to the `FLOWGRPO_REWARD_TOKEN` environment variable.
+
+    **Arguments:**
+
+    - `argv`: the command-line arguments after the program name; `None` reads `sys.argv`.
+
+    **Returns:**
+
+    0, the exit status, once the server has stopped.
+
+    **Raises:**
+
+    - `SystemExit`: with status 2 and a usage message, for bad arguments or a reward that
+        cannot be loaded.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m flowgrpo_eqx.reward_server", description="Serve a reward over HTTP."
     )
