@@ -235,7 +235,7 @@ def add(
     alpha = float(rank) if alpha is None else alpha
     _check_alpha(alpha)
     if has_adapters(model):
-        raise ValueError("`model` already has adapters; use `lora.base(model)` to add anew.")
+        raise ValueError("`model` already has adapters; add them to `lora.base(model)` instead.")
     paths = _selected_paths(model, where)
     linears = _linears_by_path(model)
     shapes: list[tuple[int, int]] = []

@@ -6,6 +6,8 @@ with NumPy and passed to jitted calls (eager ops compile once per shape on a sma
 
 import math
 import os
+import pathlib
+import re
 from typing import Any
 
 import equinox as eqx
@@ -497,3 +499,22 @@ def test_adding_twice_and_misusing_the_functions_name_the_argument() -> None:
         lora.save_adapters("unused.lora", model)
     with pytest.raises(ValueError, match="`base_model`"):
         lora.load_adapters("unused.lora", adapted)
+
+
+def test_docs_example_runs(tmp_path: Any, monkeypatch: Any) -> None:
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "lora.md"
+    (example,) = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "lora_docs_example"}
+    exec(compile(example, str(page), "exec"), namespace)
+    policy, base = namespace["policy"], namespace["base"]
+    assert policy.layer_paths == (
+        ".blocks[0].qkv",
+        ".blocks[0].proj",
+        ".blocks[1].qkv",
+        ".blocks[1].proj",
+    )
+    assert any(np.any(np.asarray(adapter.b)) for adapter in policy.adapters)
+    assert leaves_equal(namespace["reference"], base)
+    loaded = eqx.tree_deserialise_leaves(tmp_path / "policy.eqx", base)
+    assert leaves_equal(loaded, namespace["export"])
