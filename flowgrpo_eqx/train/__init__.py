@@ -22,3 +22,16 @@ from ._trainer import (
     TrainState as TrainState,
     default_optimizer as default_optimizer,
 )
+from ._writers import (
+    WANDB_MODES as WANDB_MODES,
+    WRITER_NAMES as WRITER_NAMES,
+    ImageLike as ImageLike,
+    JsonlWriter as JsonlWriter,
+    MetricsWriter as MetricsWriter,
+    MultiWriter as MultiWriter,
+    TensorBoardWriter as TensorBoardWriter,
+    WandbWriter as WandbWriter,
+    finite_values as finite_values,
+    image_pixels as image_pixels,
+    make_writers as make_writers,
+)

@@ -1,0 +1,484 @@
+"""Damaged checkpoints are reported and skipped, a full disk loses nothing, SIGTERM stops cleanly.
+
+Checkpoints are real folders in `tmp_path`, damaged the way a crash, a full disk or a careless
+hand damages them; signals are real signals sent to real subprocesses, and the two-process test
+runs JAX's distributed runtime with gloo collectives on 127.0.0.1.
+"""
+
+import errno
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flowgrpo_eqx._launch import free_port
+from flowgrpo_eqx.train import _checkpoint
+from flowgrpo_eqx.train._checkpoint import Checkpointer, CheckpointError, load_model, save_model
+from flowgrpo_eqx.train._preemption import PREEMPTED_EXIT_STATUS, GracefulStop
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WIDTH = 8
+
+
+def make_state(seed, width=WIDTH):
+    return {
+        "model": eqx.nn.MLP(3, 2, width, 2, key=jax.random.key(seed)),
+        "counter": jnp.asarray(seed, jnp.int32),
+        "key": jax.random.key(seed + 100),
+    }
+
+
+def host_leaves(tree):
+    """Every array leaf as numpy, typed keys as their raw data."""
+    arrays = eqx.filter(tree, eqx.is_array)
+    return [
+        np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+        for x in jax.tree.leaves(arrays)
+    ]
+
+
+def assert_identical(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    got_leaves, want_leaves = host_leaves(got), host_leaves(want)
+    assert len(got_leaves) == len(want_leaves) > 0
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    assert jax.random.key_impl(got["key"]) == jax.random.key_impl(want["key"])
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """Three checkpoints of three different states, steps 1..3."""
+    checkpoints = Checkpointer(tmp_path / "checkpoints", keep=5)
+    states = {}
+    for step in (1, 2, 3):
+        states[step] = make_state(step)
+        checkpoints.save(step, states[step], {"epoch": step, "note": f"epoch {step}"})
+    return checkpoints, states
+
+
+def folder(checkpoints, step):
+    return checkpoints.directory / f"ckpt_{step:08d}"
+
+
+def truncate_state(path):
+    data = (path / "state.eqx").read_bytes()
+    (path / "state.eqx").write_bytes(data[: len(data) // 2])
+
+
+def flip_state_byte(path):
+    data = bytearray((path / "state.eqx").read_bytes())
+    data[-3] ^= 0xFF
+    (path / "state.eqx").write_bytes(bytes(data))
+
+
+def garble_meta(path):
+    (path / "meta.json").write_bytes(b'{"step": 3, "epo\x00\xff')
+
+
+def meta_not_object(path):
+    (path / "meta.json").write_text("[3, 3]")
+
+
+def remove_state(path):
+    (path / "state.eqx").unlink()
+
+
+def remove_meta(path):
+    (path / "meta.json").unlink()
+
+
+def wider_state(path):
+    """The newest checkpoint holds a model of another width (e.g. the config changed)."""
+    other = Checkpointer(path.parent / "elsewhere")
+    written = other.save(3, make_state(3, width=WIDTH * 2), {"epoch": 3})
+    for name in ("state.eqx", "meta.json"):
+        os.replace(written / name, path / name)
+
+
+DAMAGES = {
+    "truncated state.eqx": (truncate_state, "bytes but meta.json records"),
+    "flipped byte in state.eqx": (flip_state_byte, "SHA-256 does not match"),
+    "garbled meta.json": (garble_meta, "meta.json is not valid JSON"),
+    "meta.json not an object": (meta_not_object, "meta.json holds a JSON list, not an object"),
+    "missing state.eqx": (remove_state, "state.eqx is missing"),
+    "missing meta.json": (remove_meta, "meta.json is missing"),
+    "different model width": (wider_state, "does not hold the expected state"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=list(DAMAGES))
+def test_damaged_newest_is_reported_and_the_previous_restored(saved, damage):
+    checkpoints, states = saved
+    damage_fn, problem = DAMAGES[damage]
+    newest = folder(checkpoints, 3)
+    damage_fn(newest)
+    lines = []
+    result = checkpoints.restore_latest(make_state(0), report=lines.append)
+    assert result is not None
+    tree, metadata, path = result
+    assert path == folder(checkpoints, 2)
+    assert metadata["epoch"] == 2 and metadata["step"] == 2 and metadata["note"] == "epoch 2"
+    assert_identical(tree, states[2])
+    assert len(lines) == 2
+    assert lines[0].startswith(f"Skipping unusable checkpoint {newest}: ")
+    assert problem in lines[0]
+    assert "\n" not in lines[0]
+    assert str(folder(checkpoints, 2)) in lines[1] and "step 2, epoch 2" in lines[1]
+    with pytest.raises(CheckpointError, match=problem) as caught:
+        checkpoints.verify(newest, make_state(0))
+    assert caught.value.path == newest and str(newest) in str(caught.value)
+    with pytest.raises(CheckpointError, match=problem):
+        checkpoints.restore(make_state(0))
+    with pytest.raises(CheckpointError, match=problem):
+        checkpoints.restore(make_state(0), newest)
+
+
+def test_intact_checkpoints_verify_and_record_their_checksum(saved):
+    checkpoints, states = saved
+    for step in (1, 2, 3):
+        path = folder(checkpoints, step)
+        checkpoints.verify(path, make_state(0))
+        data = (path / "state.eqx").read_bytes()
+        meta = json.loads((path / "meta.json").read_text())
+        assert meta == {
+            "step": step,
+            "epoch": step,
+            "note": f"epoch {step}",
+            "state_bytes": len(data),
+            "state_sha256": hashlib.sha256(data).hexdigest(),
+        }
+        restored, metadata = checkpoints.restore(make_state(0), path)
+        assert metadata == meta
+        assert_identical(restored, states[step])
+    lines = []
+    tree, _, path = checkpoints.restore_latest(make_state(0), report=lines.append)
+    assert path == folder(checkpoints, 3)
+    assert_identical(tree, states[3])
+    assert lines == [f"Continuing from checkpoint {path} (step 3, epoch 3)."]
+
+
+def test_state_with_fewer_leaves_than_the_checkpoint_is_refused(saved):
+    checkpoints, _ = saved
+    smaller = {"counter": jnp.asarray(0, jnp.int32), "key": jax.random.key(0)}
+    with pytest.raises(CheckpointError, match="bytes more than the expected state reads"):
+        checkpoints.verify(folder(checkpoints, 3), smaller)
+
+
+def test_checkpoint_without_recorded_checksum_still_loads_and_is_checked(saved):
+    checkpoints, states = saved
+    for step in (2, 3):
+        meta_path = folder(checkpoints, step) / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["state_bytes"], meta["state_sha256"]
+        meta_path.write_text(json.dumps(meta))
+    truncate_state(folder(checkpoints, 3))
+    lines = []
+    tree, metadata, path = checkpoints.restore_latest(make_state(0), report=lines.append)
+    assert path == folder(checkpoints, 2) and metadata["epoch"] == 2
+    assert_identical(tree, states[2])
+    assert (
+        "does not hold the expected state" in lines[0] and str(folder(checkpoints, 3)) in lines[0]
+    )
+
+
+def test_all_damaged_raises_naming_the_folder_and_every_problem(saved):
+    checkpoints, _ = saved
+    truncate_state(folder(checkpoints, 3))
+    garble_meta(folder(checkpoints, 2))
+    remove_state(folder(checkpoints, 1))
+    lines = []
+    with pytest.raises(CheckpointError) as caught:
+        checkpoints.restore_latest(make_state(0), report=lines.append)
+    message = str(caught.value)
+    assert caught.value.path == checkpoints.directory
+    assert message.startswith(f"{checkpoints.directory}: none of its 3 checkpoints is usable")
+    assert "ckpt_00000003: state.eqx is" in message
+    assert "ckpt_00000002: meta.json is not valid JSON" in message
+    assert "ckpt_00000001: state.eqx is missing" in message
+    assert [line.split(":")[0] for line in lines] == [
+        f"Skipping unusable checkpoint {folder(checkpoints, step)}" for step in (3, 2, 1)
+    ]
+
+
+def test_restore_with_a_different_width_raises_for_every_checkpoint(saved):
+    checkpoints, _ = saved
+    with pytest.raises(CheckpointError, match="none of its 3 checkpoints is usable") as caught:
+        checkpoints.restore_latest(make_state(0, width=WIDTH * 2), report=lambda line: None)
+    assert "changed shape" in str(caught.value)
+
+
+def test_no_checkpoints_gives_none_and_interrupted_saves_are_ignored(tmp_path):
+    lines = []
+    assert (
+        Checkpointer(tmp_path / "absent").restore_latest(make_state(0), report=lines.append) is None
+    )
+    checkpoints = Checkpointer(tmp_path / "checkpoints")
+    (checkpoints.directory / ".tmp-00000004-123").mkdir(parents=True)
+    (checkpoints.directory / "ckpt_notes").mkdir()
+    assert checkpoints.paths() == []
+    assert checkpoints.restore_latest(make_state(0), report=lines.append) is None
+    assert lines == []
+    with pytest.raises(FileNotFoundError, match=str(checkpoints.directory)):
+        checkpoints.restore(make_state(0))
+    with pytest.raises(CheckpointError, match="no such checkpoint folder"):
+        checkpoints.verify(checkpoints.directory / "ckpt_00000009", make_state(0))
+
+
+def test_paths_list_checkpoints_with_missing_meta(saved):
+    checkpoints, _ = saved
+    remove_meta(folder(checkpoints, 2))
+    assert checkpoints.paths() == [folder(checkpoints, step) for step in (1, 2, 3)]
+
+
+def test_reserved_metadata_keys_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="state_sha256"):
+        Checkpointer(tmp_path).save(1, make_state(1), {"state_sha256": "0" * 64})
+    assert not any(tmp_path.iterdir())
+
+
+def test_pruning_keeps_the_checkpoint_just_written_over_newer_damaged_ones(saved):
+    checkpoints, states = saved
+    remove_meta(folder(checkpoints, 3))
+    (checkpoints.directory / "ckpt_00000005").mkdir()
+    restored, _, _ = checkpoints.restore_latest(make_state(0), report=lambda line: None)
+    pruning = Checkpointer(checkpoints.directory, keep=1)
+    pruning.save(2, restored, {"epoch": 2})
+    assert pruning.paths() == [folder(checkpoints, 2), folder(checkpoints, 5)]
+    lines = []
+    tree, _, path = pruning.restore_latest(make_state(0), report=lines.append)
+    assert path == folder(checkpoints, 2)
+    assert_identical(tree, states[2])
+    assert (
+        lines[0] == f"Skipping unusable checkpoint {folder(checkpoints, 5)}: meta.json is missing"
+    )
+    assert len(lines) == 2
+
+
+def disk_full_in_serialise(monkeypatch):
+    original = _checkpoint.eqx.tree_serialise_leaves
+
+    def fill_disk(handle, tree):
+        handle.write(b"the first bytes fit")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_checkpoint.eqx, "tree_serialise_leaves", fill_disk)
+    return original
+
+
+def disk_full_in_fsync(monkeypatch):
+    def fill_disk(descriptor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_checkpoint.os, "fsync", fill_disk)
+
+
+DISK_FULL = {"write": disk_full_in_serialise, "fsync": disk_full_in_fsync}
+
+
+@pytest.mark.parametrize("where", DISK_FULL)
+def test_disk_full_while_saving_keeps_previous_checkpoints(saved, monkeypatch, where):
+    checkpoints, states = saved
+    DISK_FULL[where](monkeypatch)
+    with pytest.raises(OSError) as caught:
+        checkpoints.save(4, make_state(4), {"epoch": 4})
+    monkeypatch.undo()
+    error = caught.value
+    assert not isinstance(error, CheckpointError)
+    assert error.errno == errno.ENOSPC
+    assert error.filename == str(folder(checkpoints, 4))
+    assert "No space left on device" in str(error) and str(folder(checkpoints, 4)) in str(error)
+    assert isinstance(error.__cause__, OSError)
+    assert sorted(p.name for p in checkpoints.directory.iterdir()) == [
+        f"ckpt_{step:08d}" for step in (1, 2, 3)
+    ]
+    lines = []
+    tree, metadata, path = checkpoints.restore_latest(make_state(0), report=lines.append)
+    assert path == folder(checkpoints, 3) and metadata["epoch"] == 3
+    assert_identical(tree, states[3])
+    assert len(lines) == 1
+
+
+@pytest.mark.parametrize("where", DISK_FULL)
+def test_disk_full_while_exporting_a_model_keeps_the_old_file(tmp_path, monkeypatch, where):
+    target = tmp_path / "policy.eqx"
+    old = make_state(1)["model"]
+    save_model(target, old)
+    DISK_FULL[where](monkeypatch)
+    with pytest.raises(OSError) as caught:
+        save_model(target, make_state(2)["model"])
+    monkeypatch.undo()
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(target)
+    assert str(target) in str(caught.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["policy.eqx"]
+    loaded = load_model(target, make_state(0)["model"])
+    for a, b in zip(host_leaves(loaded), host_leaves(old), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_load_model_of_another_width_names_the_file(tmp_path):
+    target = tmp_path / "policy.eqx"
+    save_model(target, make_state(1, width=WIDTH * 2)["model"])
+    with pytest.raises(CheckpointError, match="changed shape") as caught:
+        load_model(target, make_state(0)["model"])
+    assert caught.value.path == target and str(target) in str(caught.value)
+
+
+def run_python(script, *args, timeout=120):
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONUNBUFFERED": "1",
+        "JAX_PLATFORMS": "cpu",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+SINGLE_PROCESS = """
+    import os, signal, sys, time
+    from flowgrpo_eqx.train._preemption import GracefulStop
+
+    chosen = signal.Signals[sys.argv[1]]
+    with GracefulStop(log=lambda line: print("LOG", line, flush=True)) as stop:
+        print("before", stop.requested(), stop.agreed(0), flush=True)
+        os.kill(os.getpid(), chosen)
+        deadline = time.monotonic() + 60
+        while not stop.requested() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("after", stop.requested(), stop.agreed(1), stop.received.name, flush=True)
+        os.kill(os.getpid(), chosen)
+        time.sleep(60)
+        print("survived the second signal", flush=True)
+"""
+
+
+@pytest.mark.parametrize("chosen", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_first_signal_requests_a_stop_second_kills(chosen):
+    process = run_python(SINGLE_PROCESS, chosen.name)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == -chosen, stderr[-3000:]
+    assert stdout.splitlines() == [
+        "before False False",
+        f"LOG received {chosen.name}: finishing the current update, then checkpointing and "
+        f"stopping (a second {chosen.name} stops at once)",
+        f"after True True {chosen.name}",
+    ]
+
+
+def test_handlers_are_restored_and_nothing_is_requested_without_a_signal():
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop = GracefulStop(log=lambda line: None)
+    with stop:
+        for sig in before:
+            assert signal.getsignal(sig) not in (before[sig], signal.SIG_DFL, signal.SIG_IGN)
+        assert stop.requested() is False and stop.agreed(7) is False and stop.received is None
+        with pytest.raises(RuntimeError, match="already active"):
+            stop.__enter__()
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_outside_the_main_thread_nothing_is_installed():
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    def enter():
+        with GracefulStop(log=lambda line: None) as stop:
+            seen.append(signal.getsignal(signal.SIGTERM))
+            seen.append(stop.requested())
+
+    worker = threading.Thread(target=enter)
+    worker.start()
+    worker.join()
+    assert seen == [before, False]
+
+
+def test_ignored_signal_stays_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with GracefulStop(log=lambda line: None):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+TWO_PROCESSES = """
+    import json, os, signal, sys, time
+    from flowgrpo_eqx._distributed import initialize
+    from flowgrpo_eqx.train._preemption import PREEMPTED_EXIT_STATUS, GracefulStop
+
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    initialize(f"127.0.0.1:{port}", 2, rank)
+    import jax
+
+    logged = []
+    with GracefulStop(log=logged.append) as stop:
+        try:
+            stop.agreed(100 + rank)
+            mismatch = None
+        except RuntimeError as error:
+            mismatch = str(error)
+        for step in range(1, 50):
+            if rank == 1 and step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                deadline = time.monotonic() + 60
+                while not stop.requested() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            if stop.agreed(step):
+                break
+        print(json.dumps({
+            "rank": rank, "processes": jax.process_count(), "stopped_after": step,
+            "requested": stop.requested(), "logged": logged, "mismatch": mismatch,
+        }), flush=True)
+    sys.exit(PREEMPTED_EXIT_STATUS)
+"""
+
+
+def test_two_processes_stop_after_the_same_step_when_one_gets_sigterm():
+    port = free_port()
+    processes = [run_python(TWO_PROCESSES, rank, port) for rank in (0, 1)]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=180))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    reports = []
+    for process, (stdout, stderr) in zip(processes, outputs, strict=True):
+        assert process.returncode == PREEMPTED_EXIT_STATUS == 75, stderr[-3000:]
+        reports.append(json.loads(stdout.strip().splitlines()[-1]))
+    for rank, report in enumerate(reports):
+        assert report["rank"] == rank and report["processes"] == 2
+        assert report["stopped_after"] == 3
+        assert "different steps" in report["mismatch"] and "[100, 101]" in report["mismatch"]
+    assert [r["requested"] for r in reports] == [False, True]
+    assert reports[1]["logged"] == [
+        "received SIGTERM: finishing the current update, then checkpointing and stopping "
+        "(a second SIGTERM stops at once)"
+    ]
+    assert reports[0]["logged"] == [
+        "process 1 received a stop signal: stopping after step 3, then checkpointing"
+    ]
