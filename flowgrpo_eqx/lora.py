@@ -7,9 +7,12 @@ calls the base model with each selected layer's weight replaced by
 its layers or reads their `weight` directly. `b` starts at zero, so a fresh `LoraModel`
 computes exactly what the base model computes.
 
-Train only the adapters with `adapter_filter(model)` as the trainable filter; `base(model)`
-is the frozen base (the adapters switched off), `merge(model)` a plain model with the
-adapters folded in.
+Train only the adapters with `adapter_filter(model)` as the trainable filter (the library's
+`Trainer` does so by default for a policy with adapters); `base(model)` is the frozen base
+(the adapters switched off, the KL reference), `merge(model)` a plain model with the adapters
+folded in. `without_bases`/`with_bases` leave the frozen base out of checkpoints and put it
+back; `save_adapters`/`load_adapters` write and read the adapters alone, with the base
+model's `fingerprint`.
 """
 
 import hashlib
@@ -410,6 +413,83 @@ def with_adapters(model: _T, adapters: PyTree[Any]) -> _T:
                 f"`model` has {old_leaf.dtype}{list(jnp.shape(old_leaf))}."
             )
     combined: _T = eqx.combine(new, eqx.filter(model, mask, inverse=True))
+    return combined
+
+
+def without_adapters(tree: _T) -> _T:
+    """`tree` with every `LoraModel` in it replaced by its base model (`lora.base`).
+
+    The same policy with its adapters switched off: the KL reference of a policy with
+    adapters. The base models' arrays are shared, not copied.
+
+    **Arguments:**
+
+    - `tree`: any PyTree, typically a `LoraModel`.
+
+    **Returns:**
+
+    `tree` without adapters; `tree` itself when it holds none.
+    """
+    switched_off: _T = jax.tree.map(
+        lambda node: node.base if _is_lora_model(node) else node, tree, is_leaf=_is_lora_model
+    )
+    return switched_off
+
+
+def _base_array_filter(tree: PyTree[Any]) -> PyTree[bool]:
+    """`True` exactly on the arrays of every `LoraModel`'s base model in `tree`."""
+
+    def mark(node: Any) -> Any:
+        if not _is_lora_model(node):
+            return False
+        marked = jax.tree.map(lambda _: False, node)
+        return eqx.tree_at(lambda m: m.base, marked, jax.tree.map(eqx.is_array, node.base))
+
+    return jax.tree.map(mark, tree, is_leaf=_is_lora_model)
+
+
+def without_bases(tree: _T) -> _T:
+    """`tree` with the arrays of every `LoraModel`'s base model left out (set to `None`).
+
+    What a checkpoint of a run that trains adapters needs to store: the adapters, and
+    whatever else `tree` holds (an optimizer state, step counters, keys), but not the frozen
+    base weights. Put the bases back with `with_bases`; record `fingerprint(base)` beside
+    the checkpoint to check that they are the right ones.
+
+    **Arguments:**
+
+    - `tree`: any PyTree, e.g. a train state whose policy is a `LoraModel`.
+
+    **Returns:**
+
+    `tree` without base arrays; equal to `tree` when it holds no `LoraModel`.
+    """
+    stripped: _T = eqx.filter(tree, _base_array_filter(tree), inverse=True)
+    return stripped
+
+
+def with_bases(tree: _T, like: _T) -> _T:
+    """`tree` (from `without_bases`) with the base models' arrays taken from `like`.
+
+    **Arguments:**
+
+    - `tree`: a PyTree that `without_bases` made, or one of its structure (e.g. restored
+        from a checkpoint).
+    - `like`: a PyTree of the full structure whose `LoraModel`s hold the base models.
+
+    **Returns:**
+
+    The full PyTree: `tree`'s arrays, with `like`'s base arrays in the `LoraModel`s.
+
+    **Raises:**
+
+    - `ValueError`: naming `tree` when its structure is not that of `without_bases(like)`.
+    """
+    bases = eqx.filter(like, _base_array_filter(like))
+    expected: Any = jax.tree.structure(without_bases(like))
+    if jax.tree.structure(tree) != expected:
+        raise ValueError("`tree` does not have the structure of `without_bases(like)`.")
+    combined: _T = eqx.combine(tree, bases)
     return combined
 
 

@@ -295,7 +295,9 @@ def test_adamw_on_adapter_partition_leaves_base_bit_identical(kind: str) -> None
             return toy_regression(eqx.combine(trainable, frozen), x, t, cond, target)
 
         value, grads = eqx.filter_value_and_grad(loss)(trainable)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        # (optax mixes Python floats with its int32 step count, as a user's default allows.)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, opt_state, trainable)
         return eqx.apply_updates(trainable, updates), opt_state, value
 
     losses = []
@@ -506,7 +508,9 @@ def test_docs_example_runs(tmp_path: Any, monkeypatch: Any) -> None:
     (example,) = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {"__name__": "lora_docs_example"}
-    exec(compile(example, str(page), "exec"), namespace)
+    # Run as a user runs it: under JAX's default (standard) dtype promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        exec(compile(example, str(page), "exec"), namespace)
     policy, base = namespace["policy"], namespace["base"]
     assert policy.layer_paths == (
         ".blocks[0].qkv",
