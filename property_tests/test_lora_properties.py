@@ -1,7 +1,8 @@
 """Property tests of `flowgrpo_eqx.lora` on a small user model (`eqx.nn.MLP`, tanh).
 
 The expectation is a float64 NumPy forward pass with every adapted weight written out as
-`W + (alpha / rank) B A`. Each distinct (rank, selected layers) compiles once, so examples
+`W + (alpha / rank) B A`; trained with the library's `Trainer`, the base stays bit-identical
+whatever the number of updates. Each distinct (rank, selected layers) compiles once, so examples
 are few.
 """
 
@@ -15,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, strategies as st
 
+import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
+from flowgrpo_eqx.train import Trainer, default_optimizer
 from property_tests import _strategies as S
 
 
@@ -157,3 +160,72 @@ def test_adapter_files_round_trip(rank: int, alpha: float, chosen: list[int], se
     fresh = adapted_model(rank, alpha, chosen, seed)
     assert leaves_equal(lora.with_adapters(fresh, lora.adapters(loaded)), model)
     assert lora.fingerprint(lora.base(loaded)) == lora.fingerprint(BASE)
+
+
+# --------------------------------------------------------------------------------------
+# Training a policy with adapters: the base never moves.
+
+TRAIN_ROWS, TRAIN_K = 4, 2
+TRAIN_POLICY = lora.add(BASE, 2, key=jax.random.key(7), alpha=4.0)
+TRAIN_OBJECTIVE = fg.FlowGRPOObjective(
+    TRAIN_POLICY,
+    fg.RectifiedFlow(),
+    fg.InputSpec(null=jnp.zeros(COND), latent_shape=(DIM,)),
+    beta=0.2,
+    clip_range=0.2,
+    guidance=fg.CFG(2.0),
+)
+TRAINER = Trainer(TRAIN_OBJECTIVE, default_optimizer(3e-2, 0.0), ema_decay=0.5)
+
+
+@eqx.filter_jit
+def rescored(variables: fg.Variables, batch: fg.Transitions) -> jax.Array:
+    out: jax.Array = TRAIN_OBJECTIVE.log_probs(variables, batch)
+    return out
+
+
+def on_policy_batch(variables: fg.Variables, seed: int) -> fg.Transitions:
+    """Random transitions whose `old_log_probs` are the policy's own (ratio 1)."""
+    rng = np.random.default_rng(seed)
+    grid = np.linspace(1.0, 0.0, TRAIN_K + 2)
+    latents = rng.normal(size=(TRAIN_ROWS, TRAIN_K, DIM))
+    batch = fg.Transitions(
+        latents=jnp.asarray(latents, jnp.float32),
+        next_latents=jnp.asarray(latents + 0.3 * rng.normal(size=latents.shape), jnp.float32),
+        timesteps=jnp.asarray(np.tile(grid[:TRAIN_K], (TRAIN_ROWS, 1)), jnp.float32),
+        next_timesteps=jnp.asarray(np.tile(grid[1 : TRAIN_K + 1], (TRAIN_ROWS, 1)), jnp.float32),
+        old_log_probs=jnp.zeros((TRAIN_ROWS, TRAIN_K), jnp.float32),
+        transition_mask=jnp.ones((TRAIN_ROWS, TRAIN_K), bool),
+        advantages=jnp.asarray(rng.normal(size=(TRAIN_ROWS,)), jnp.float32),
+        cond=jnp.asarray(rng.normal(size=(TRAIN_ROWS, COND)), jnp.float32),
+    )
+    on_policy: fg.Transitions = eqx.tree_at(
+        lambda b: b.old_log_probs, batch, rescored(variables, batch)
+    )
+    return on_policy
+
+
+@S.fast_settings(6)
+@given(updates=st.integers(0, 4), seed=_seeds)
+def test_trainer_updates_move_adapters_only(updates: int, seed: int) -> None:
+    state = TRAINER.init(jax.random.key(seed))
+    adapters_before = [np.asarray(x) for x in jax.tree.leaves(TRAIN_POLICY.adapters)]
+    for index in range(updates):
+        batch = on_policy_batch(state.variables, seed + index)
+        state, metrics = TRAINER.update(state, batch)
+        if index == 0:
+            assert float(metrics["ratio"]) == 1.0 and float(metrics["kl"]) == 0.0
+    policy = state.variables.policy
+    assert leaves_equal(lora.base(policy), BASE)
+    frozen = lora.adapter_filter(policy)
+    assert leaves_equal(
+        eqx.filter(policy, frozen, inverse=True),
+        eqx.filter(TRAIN_POLICY, frozen, inverse=True),
+    )
+    adapters_after = [np.asarray(x) for x in jax.tree.leaves(policy.adapters)]
+    changed = any(
+        not np.array_equal(a, b) for a, b in zip(adapters_before, adapters_after, strict=True)
+    )
+    assert changed == (updates > 0)
+    # The held slot is the EMA of the adapters: adapter arrays only.
+    assert len(jax.tree.leaves(state.variables.held)) == len(adapters_after)
