@@ -18,7 +18,8 @@ buffers, temporaries, and `total_bytes` = arguments + outputs - aliased + tempor
 upper bound of what is live during the step). Figures are exact byte counts of one
 compilation, not timings. The adapters fold into the weights at call time
 (`W + (alpha / rank) B A`), so a LoRA step's temporaries include the folded weights and
-their `[out, in]` gradients: about the base's bytes more than full fine-tuning's.
+their `[out, in]` gradients: about the base's bytes more than full fine-tuning's (measured:
+0.9x the base on the MLP, 1.3x on the DiT, where activations dominate the temporaries).
 """
 
 import argparse
