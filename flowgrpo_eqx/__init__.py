@@ -1,5 +1,6 @@
 """Flow-GRPO for rectified-flow generators, as a strictly typed functional Equinox library."""
 
+from . import lora as lora
 from ._advantages import AdvantageStd as AdvantageStd, group_advantages as group_advantages
 from ._custom_types import Aux as Aux, Mean as Mean, Step as Step, Transitions as Transitions
 from ._distributed import (

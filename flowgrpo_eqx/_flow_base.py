@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from . import lora
 from ._custom_types import Mean, Model, Step, Transitions
 from ._guided_flow import GuidedFlow
 from ._misc import leading_rows
@@ -25,12 +26,16 @@ class Variables(eqx.Module):
     **Arguments:**
 
     - `policy`: the live velocity model, trained by the optimizer.
-    - `held`: with `beta > 0`, the frozen reference (a copy of the initial denoiser) that the
-        KL term compares with; with `beta == 0`, free for the trainer's EMA of the policy.
+    - `held`: for a policy without adapters: with `beta > 0`, the frozen reference (a copy
+        of the initial denoiser) that the KL term compares with; with `beta == 0`, free for
+        the trainer's EMA of the policy. For a policy with LoRA adapters (`lora.add`), the
+        KL reference is the policy with its adapters switched off, so the slot is always
+        free: it holds the adapters alone (`lora.adapters(policy)`, the EMA of the adapters
+        when the trainer keeps one), or `None` when nothing uses it.
     """
 
     policy: Model
-    held: Model
+    held: Model | None
 
 
 @final
@@ -91,12 +96,18 @@ class AbstractFlowObjective(eqx.Module):
         exactly, and a PyTree of auxiliary `Mean`s (and scalars) that become metrics.
         """
 
+    def initial_policy(self) -> Model:
+        """The policy `init` starts from: `pretrained` when given, else the flow's model."""
+        return self.flow.model if self.pretrained is None else self.pretrained
+
     def init(self, key: PRNGKeyArray, variables: Variables | None = None) -> Variables:
         """The initial variables: the live policy and the held slot.
 
         The policy is `variables.policy` when given (e.g. restored from a checkpoint), else
-        `pretrained`, else `model`. The held slot starts as a copy of that initial policy: the
-        frozen reference when `beta > 0`, the EMA's starting point otherwise.
+        `initial_policy()`. The held slot starts as a copy of that initial policy: the frozen
+        reference when `beta > 0`, the EMA's starting point otherwise. For a policy with LoRA
+        adapters it starts as the adapters alone (`lora.adapters(policy)`): the KL reference
+        is the policy with its adapters switched off, and the EMA averages the adapters.
 
         **Arguments:**
 
@@ -111,8 +122,9 @@ class AbstractFlowObjective(eqx.Module):
         del key
         if variables is not None:
             return variables
-        policy = self.flow.model if self.pretrained is None else self.pretrained
-        return Variables(policy=policy, held=policy)
+        policy = self.initial_policy()
+        held = lora.adapters(policy) if lora.has_adapters(policy) else policy
+        return Variables(policy=policy, held=held)
 
     def _rows_and_latent_shape(
         self, batch: Transitions | PyTree[Any]

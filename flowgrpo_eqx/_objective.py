@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree
 
+from . import lora
 from ._custom_types import Aux, Mean, Model, Step, Transitions, check_transitions
 from ._flow_base import AbstractFlowObjective, Variables
 from ._guided_flow import GuidedFlow, flow_from
@@ -37,7 +38,9 @@ class FlowGRPOObjective(AbstractFlowObjective):
     Its ratio uses the mean-coordinate log likelihood of the released implementation (not the
     product of all coordinate likelihood ratios). With `beta > 0` a conditional transition KL,
     coordinate-averaged and with a variance that includes elapsed time, regularises it towards
-    a frozen copy of the initial denoiser held in the variables' held slot.
+    the reference: a frozen copy of the initial denoiser held in the variables' held slot, or,
+    for a policy with LoRA adapters (`lora.add`), the same policy with its adapters switched
+    off (`lora.without_adapters`), which costs no copy and leaves the held slot free.
 
     For each recorded transition, with `A = clip(advantage, -adv_clip_max, adv_clip_max)` and
     `r = exp(log p_theta - old_log_prob)`:
@@ -53,7 +56,8 @@ class FlowGRPOObjective(AbstractFlowObjective):
     - `inputs`: an `InputSpec`: which row fields condition the model, and the null condition.
     - `sde`: the SDE (`FlowSDE`, `CoefficientsPreservingSDE`) used both by the rollout and
         for rescoring.
-    - `beta`: the KL weight; `beta > 0` freezes the initial denoiser in the held slot.
+    - `beta`: the KL weight; `beta > 0` freezes the initial denoiser in the held slot (for a
+        policy without adapters).
     - `clip_range`: the ratio clip `epsilon` (1e-4 by default, as Flow-GRPO).
     - `adv_clip_max`: advantages are clipped to `[-adv_clip_max, adv_clip_max]`.
     - `autoencoder`: decodes latents to samples in [-1, 1]; identity (with clipping) if `None`.
@@ -135,15 +139,18 @@ class FlowGRPOObjective(AbstractFlowObjective):
     def held_variables(self) -> Variables:
         """Which variable slots the trainer must leave untouched, as a `Variables` of bools.
 
-        `held` is `True` when `beta > 0`: the slot is the frozen reference, neither trained
-        nor written by an EMA. With `beta == 0` it is `False`: the slot is free for the EMA.
-        The policy is never held.
+        `held` is `True` when `beta > 0` and the initial policy has no LoRA adapters: the
+        slot is the frozen reference, neither trained nor written by an EMA. Otherwise it is
+        `False` and the slot is free for the EMA: with `beta == 0`, or for a policy with
+        adapters, whose reference is the policy with its adapters switched off. The policy is
+        never held.
 
         **Returns:**
 
-        `Variables(policy=False, held=beta > 0)`.
+        `Variables(policy=False, held=...)` as above.
         """
-        return Variables(policy=False, held=self.beta > 0)
+        reference_held = self.beta > 0 and not lora.has_adapters(self.initial_policy())
+        return Variables(policy=False, held=reference_held)
 
     # ----------------------------------------------------------------------------------
     # The guided velocity and the per-transition Gaussian
@@ -283,9 +290,10 @@ class FlowGRPOObjective(AbstractFlowObjective):
 
         A `lax.scan` over the transitions (in chunks of `transition_chunk`) that carries
         nothing between them; each transition contributes its surrogate, its KL to the frozen
-        reference, whether it counted, and whether its ratio was clipped. Masked transitions
-        are replaced by a safe dummy before any arithmetic, so NaN or inf in them reach neither
-        the loss nor its gradient.
+        reference (the held slot; for a policy with LoRA adapters, the policy with its
+        adapters switched off), whether it counted, and whether its ratio was clipped. Masked
+        transitions are replaced by a safe dummy before any arithmetic, so NaN or inf in them
+        reach neither the loss nor its gradient.
 
         **Arguments:**
 
@@ -306,7 +314,12 @@ class FlowGRPOObjective(AbstractFlowObjective):
         del step
         check_transitions(batch)
         policy = variables.policy
-        reference = _stop_gradient(variables.held) if self.beta > 0 else None
+        reference = None
+        if self.beta > 0:
+            if lora.has_adapters(policy):
+                reference = _stop_gradient(lora.without_adapters(policy))
+            else:
+                reference = _stop_gradient(variables.held)
         n, k = batch.timesteps.shape
         kept = self.kept(batch)
         advantages = batch.advantages

@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         initialize(arguments["coordinator"], arguments["num_processes"], arguments["process_id"])
         return _run(command, config, arguments)
-    except (RewardError, CheckpointError, OSError) as error:
+    except (RewardError, CheckpointError, OSError, ValueError) as error:
         print(f"flowgrpo-eqx: error on process {_rank()}: {error}", file=sys.stderr, flush=True)
         return _exit_failed(1)
     except Exception as error:  # noqa: BLE001 - a peer's death surfaces as a runtime error

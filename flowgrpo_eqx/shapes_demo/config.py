@@ -6,6 +6,7 @@
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import tomllib
 import types
@@ -74,7 +75,10 @@ class JobConfig:
     lr_schedule: LrSchedule = _setting("cosine", "constant | cosine (to 0 at the last update)")
     weight_decay: float = _setting(0.0, "AdamW decoupled weight decay")
     max_grad_norm: float = _setting(1.0, "global-norm gradient clip")
-    beta: float = _setting(0.0, "KL weight to the base model (0: none; held slot free for EMA)")
+    beta: float = _setting(
+        0.0,
+        "KL weight to the base model (0: none; without LoRA the held slot is then free for EMA)",
+    )
     clip_range: float = _setting(0.2, "PPO ratio clip")
     adv_clip_max: float = _setting(5.0, "advantage clip")
     noise_level: float = _setting(0.7, "SDE noise level a")
@@ -95,10 +99,23 @@ class JobConfig:
     reward_timeout: float = _setting(60.0, "seconds one request to the reward server may take")
     reward_retries: int = _setting(2, "retries of a failed reward request (with backoff)")
     ema_decay: float | None = _setting(
-        None, "EMA of the policy in the held slot (needs beta 0; none: off)"
+        None,
+        "EMA of the policy (of the adapters with LoRA) in the held slot (needs beta 0 "
+        "without LoRA; none: off)",
     )
     transition_chunk: int | None = _setting(
         None, "transitions per scanned chunk of the loss (none: all at once)"
+    )
+    # LoRA
+    lora_rank: int = _setting(
+        0,
+        "rank of LoRA adapters on every linear layer of the DiT, trained alone (0: full "
+        "fine-tuning)",
+    )
+    lora_alpha: float | None = _setting(
+        None,
+        "LoRA scale numerator: updates are (alpha / rank) B A (none: 2 x rank, the "
+        "Flow-GRPO release's ratio)",
     )
     # evaluation
     eval_steps: int = _setting(21, "ODE steps of held-out evaluation")
@@ -144,6 +161,7 @@ class JobConfig:
             "seed": 0,
             "pretrain_seed": 0,
             "eval_seed": 0,
+            "lora_rank": 0,
         }
         for name, minimum in at_least.items():
             value = getattr(self, name)
@@ -206,11 +224,32 @@ class JobConfig:
                 "Setting `custom_reward` must be package.module:callable, got "
                 f"{self.custom_reward!r}."
             )
+        if self.lora_alpha is not None:
+            alpha = self.lora_alpha
+            if not (
+                isinstance(alpha, (int, float))
+                and not isinstance(alpha, bool)
+                and math.isfinite(alpha)
+                and alpha > 0
+            ):
+                raise ValueError(
+                    f"Setting `lora_alpha` must be none or a finite number > 0, got {alpha!r}."
+                )
+            if self.lora_rank == 0:
+                raise ValueError(
+                    "Setting `lora_alpha` needs `lora_rank` >= 1 (0 is full fine-tuning), got "
+                    f"lora_alpha={alpha!r} with lora_rank=0."
+                )
         if self.minibatch_rows is not None and self.rollout_rows % self.minibatch_rows != 0:
             raise ValueError(
                 f"Setting `minibatch_rows`={self.minibatch_rows} must divide a rollout's "
                 f"{self.rollout_rows} rows (prompts_per_epoch x groups)."
             )
+
+    @property
+    def lora_scale_numerator(self) -> float:
+        """The LoRA `alpha` in use: `lora_alpha`, or 2 x `lora_rank` when it is none."""
+        return float(2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha)
 
     @property
     def rollout_rows(self) -> int:

@@ -22,6 +22,7 @@ import numpy.typing as npt
 from jax.sharding import Mesh
 from jaxtyping import Array
 
+from .. import lora
 from .._custom_types import Step, Transitions
 from .._distributed import (
     data_mesh,
@@ -183,6 +184,81 @@ class ShapesJob:
         model = self.pretrain(log)
         save_model(self.base_paths()[0], model)
         return model, "pretrained now"
+
+    def saved_base(self, *folders: pathlib.Path) -> Any:
+        """The saved base model `base_<fingerprint>.eqx`, looked for in `folders`, then
+        where `base_model` looks; never pretrained.
+
+        **Raises:**
+
+        - `FileNotFoundError`: naming the file, if it is nowhere.
+        """
+        name = f"base_{self.config.base_fingerprint()}.eqx"
+        for path in [folder / name for folder in folders] + self.base_paths():
+            if path.exists():
+                return load_model(path, self.model)
+        raise FileNotFoundError(f"No base model {name} in {[*folders, *self.base_paths()]}.")
+
+    # -- LoRA -------------------------------------------------------------------------
+
+    def policy(self, base: Any) -> Any:
+        """The policy Flow-GRPO trains: `base` itself, or with `lora_rank > 0` a
+        `lora.LoraModel` with adapters on every linear layer of `base` (only they train)."""
+        config = self.config
+        if config.lora_rank == 0:
+            return base
+        return lora.add(
+            base,
+            config.lora_rank,
+            alpha=config.lora_scale_numerator,
+            key=jax.random.key(config.seed + 4),
+        )
+
+    def checkpoint_metadata(self, base: Any) -> dict[str, Any]:
+        """What a checkpoint records besides the state: the base model's `lora.fingerprint`
+        when the policy has adapters (the state is stored without the base)."""
+        if self.config.lora_rank == 0:
+            return {}
+        return {"lora_base_fingerprint": lora.fingerprint(base)}
+
+    def from_checkpoint(
+        self, stored: Any, like: TrainState, metadata: dict[str, Any], path: pathlib.Path
+    ) -> TrainState:
+        """The train state from what a checkpoint stored (`lora.without_bases(state)`).
+
+        **Arguments:**
+
+        - `stored`: the restored tree, of the structure of `lora.without_bases(like)`.
+        - `like`: a fresh state whose policy holds this run's base model.
+        - `metadata`: the checkpoint's metadata.
+        - `path`: the checkpoint (or its folder), for the message.
+
+        **Raises:**
+
+        - `ValueError`: naming the checkpoint and both fingerprints, if its adapters belong
+            to another base model than this run's.
+        """
+        if lora.has_adapters(like.variables.policy):
+            found = lora.fingerprint(lora.base(like.variables.policy))
+            recorded = metadata.get("lora_base_fingerprint")
+            if recorded != found:
+                raise ValueError(
+                    f"Checkpoint {path} holds adapters for the base model with fingerprint "
+                    f"{recorded}, but this run's base model has fingerprint {found}."
+                )
+        restored: TrainState = lora.with_bases(stored, like)
+        return restored
+
+    def save_policy(self, policy: Any) -> pathlib.Path:
+        """Export the trained policy: `policy.eqx`, or for a policy with adapters only the
+        adapters and the base's fingerprint, `policy.lora` (`lora.save_adapters`)."""
+        if lora.has_adapters(policy):
+            path = self.out / "policy.lora"
+            lora.save_adapters(path, policy)
+        else:
+            path = self.out / "policy.eqx"
+            save_model(path, policy)
+        return path
 
     # -- Flow-GRPO --------------------------------------------------------------------
 
@@ -377,7 +453,8 @@ def run_train(
     base, base_source = job.base_model(log)
     device_count = jax.device_count() if devices is None else devices
     mesh = data_mesh(device_count) if device_count > 1 else None
-    objective = job.objective(base)
+    objective = job.objective(job.policy(base))
+    checkpoint_metadata = job.checkpoint_metadata(base)
     rollout = job.rollout(objective, mesh)
     trainer = job.trainer(objective)
     checkpoints = Checkpointer(out / "checkpoints", keep=config.keep_checkpoints)
@@ -394,7 +471,7 @@ def run_train(
             return _train_epochs(
                 job, objective, rollout, trainer, checkpoints, metrics, placement, writers,
                 stop, mesh=mesh, resume=resume, quiet=quiet, log=log, started=started,
-                base_source=base_source,
+                base_source=base_source, checkpoint_metadata=checkpoint_metadata,
             )  # fmt: skip
     finally:
         if writers is not None:
@@ -418,17 +495,19 @@ def _train_epochs(
     log: Callable[[str], None],
     started: float,
     base_source: str,
+    checkpoint_metadata: dict[str, Any],
 ) -> dict[str, Any]:
     config = job.config
     out = job.out
     root = jax.process_index() == 0
     state = trainer.init(jax.random.key(config.seed + 2))
     first_epoch = 0
-    found = checkpoints.restore_latest(state, report=log) if resume else None
+    found = checkpoints.restore_latest(lora.without_bases(state), report=log) if resume else None
     if resume and found is None:
         log(f"No checkpoint in {checkpoints.directory}: starting from the beginning.")
     if found is not None:
-        state, meta, _ = found
+        stored, meta, path = found
+        state = job.from_checkpoint(stored, state, meta, path)
         first_epoch = int(meta["epoch"])
         base_measure = meta["base"]
         metrics.keep_only(lambda r: r.get("epoch", 0) <= first_epoch)
@@ -502,7 +581,11 @@ def _train_epochs(
         stopping = stop.agreed(epoch)
         if epoch % config.checkpoint_every == 0 or epoch == config.epochs or stopping:
             if root:
-                checkpoints.save(epoch, local_copy(state), {"epoch": epoch, "base": base_measure})
+                checkpoints.save(
+                    epoch,
+                    lora.without_bases(local_copy(state)),
+                    {"epoch": epoch, "base": base_measure, **checkpoint_metadata},
+                )
         if stopping and epoch < config.epochs:
             progress.close()
             cause = stop.received.name if stop.received is not None else "a peer's signal"
@@ -523,7 +606,7 @@ def _train_epochs(
     )
     if writers is not None:
         writers.image(config.epochs, "heldout_samples", out / "samples_after.png")
-    save_model(out / "policy.eqx", local_copy(state.variables.policy))
+    job.save_policy(local_copy(state.variables.policy))
     records = metrics.read()
     plot_curve(records, out / "reward_curve.png")
     train_rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
@@ -656,15 +739,18 @@ def run_eval(
     out: str | pathlib.Path,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Measure a saved policy (`policy.eqx`, a base `.eqx`, or a checkpoint folder)."""
+    """Measure a saved policy (`policy.eqx`, `policy.lora` with its run's base model beside
+    it, a base `.eqx`, or a checkpoint folder)."""
     job = ShapesJob(config, out, True)
     path = pathlib.Path(checkpoint)
     if path.is_dir():
-        objective = job.objective(job.model)
-        trainer = job.trainer(objective)
+        start = job.policy(job.saved_base(path.parent.parent)) if config.lora_rank else job.model
+        trainer = job.trainer(job.objective(start))
         like: TrainState = trainer.init(jax.random.key(0))
-        state, _ = Checkpointer(path.parent).restore(like, path)
-        policy = state.variables.policy
+        stored, meta = Checkpointer(path.parent).restore(lora.without_bases(like), path)
+        policy = job.from_checkpoint(stored, like, meta, path).variables.policy
+    elif path.suffix == ".lora":
+        policy = lora.load_adapters(path, job.saved_base(path.parent))
     else:
         policy = load_model(path, job.model)
     objective = job.objective(policy)

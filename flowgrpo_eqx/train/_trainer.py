@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
+from .. import lora
 from .._custom_types import Mean, Model, Step
 from .._flow_base import AbstractFlowObjective, Variables
 from .._misc import own_copy
@@ -101,11 +102,18 @@ class Trainer(eqx.Module):
     - `objective`: any `AbstractFlowObjective` (`FlowGRPOObjective`, `FlowMatchingObjective`).
     - `optimizer`: an optax transformation; `default_optimizer()` (AdamW, clip 1.0) if `None`.
     - `trainable`: an Equinox filter choosing the trained parameters of the policy: a
-        callable on leaves (default `eqx.is_inexact_array`: every float array trains) or a
-        PyTree of bools shaped like the policy. Everything else stays frozen.
+        callable on leaves or a PyTree of bools shaped like the policy. Everything else stays
+        frozen. `None` (the default) trains the LoRA adapters of a policy that has them
+        (`lora.adapter_filter(policy)`: the base weights stay frozen and the optimizer state
+        holds adapter-shaped arrays only), and every float array of any other policy
+        (`eqx.is_inexact_array`). A filter that also trains a LoRA policy's base weights
+        moves its KL reference (the policy with its adapters off) with them.
     - `ema_decay`: the decay of the EMA kept in the held slot when the objective leaves it
         free (`held_variables().held` is `False`); `None` disables the EMA. When the slot is
-        held (`beta > 0`: the frozen reference), the EMA never writes it.
+        held (`beta > 0` without adapters: the frozen reference), the EMA never writes it.
+        For a policy with LoRA adapters the slot is free whatever `beta` (the reference is
+        the policy with its adapters off) and the EMA averages the adapters alone; without
+        an EMA the slot then holds `None`.
 
     **Raises:**
 
@@ -114,7 +122,7 @@ class Trainer(eqx.Module):
 
     objective: AbstractFlowObjective
     optimizer: optax.GradientTransformation = eqx.field(static=True)
-    trainable: Callable[[Any], bool] | PyTree[bool] = eqx.field(static=True)
+    trainable: Callable[[Any], bool] | PyTree[bool] | None = eqx.field(static=True)
     ema_decay: float | None
 
     def __init__(
@@ -122,7 +130,7 @@ class Trainer(eqx.Module):
         objective: AbstractFlowObjective,
         optimizer: optax.GradientTransformation | None = None,
         *,
-        trainable: Callable[[Any], bool] | PyTree[bool] = eqx.is_inexact_array,
+        trainable: Callable[[Any], bool] | PyTree[bool] | None = None,
         ema_decay: float | None = None,
     ):
         self.objective = objective
@@ -134,8 +142,26 @@ class Trainer(eqx.Module):
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"`ema_decay` must be in [0, 1) or None, got {self.ema_decay!r}.")
 
+    def trainable_filter(self, policy: Model) -> Callable[[Any], bool] | PyTree[bool]:
+        """The filter in use for `policy`: `trainable`, or its default when `None`.
+
+        **Arguments:**
+
+        - `policy`: the live policy.
+
+        **Returns:**
+
+        `trainable` when given; else `lora.adapter_filter(policy)` when the policy has LoRA
+        adapters, else `eqx.is_inexact_array`.
+        """
+        if self.trainable is not None:
+            return self.trainable
+        if lora.has_adapters(policy):
+            return lora.adapter_filter(policy)
+        return eqx.is_inexact_array
+
     def split_policy(self, policy: Model) -> tuple[PyTree[Any], PyTree[Any]]:
-        """`(trainable, frozen)` parts of the policy, by the `trainable` filter.
+        """`(trainable, frozen)` parts of the policy, by `trainable_filter(policy)`.
 
         The trainable part holds the floating-point arrays the filter selects; everything
         else, including whatever non-array leaves (activations, static settings) the filter
@@ -150,7 +176,7 @@ class Trainer(eqx.Module):
         `(trainable, frozen)`, two PyTrees shaped like `policy` with `None` where the other
         one has the leaf.
         """
-        selected, unselected = eqx.partition(policy, self.trainable)
+        selected, unselected = eqx.partition(policy, self.trainable_filter(policy))
         trainable, selected_static = eqx.partition(selected, eqx.is_inexact_array)
         return trainable, eqx.combine(unselected, selected_static)
 
@@ -162,6 +188,16 @@ class Trainer(eqx.Module):
         - `key`: seeds all of training's randomness.
         - `variables`: start from these instead of `objective.init`.
 
+        For a policy with LoRA adapters, the held slot holds the EMA's starting point (the
+        adapters alone) when there is an EMA, else `None`: nothing reads it, since the KL
+        reference is the policy with its adapters off.
+
+        **Raises:**
+
+        - `ValueError`: naming `variables` when its policy has LoRA adapters and the
+            objective's initial policy has none, or the other way round (the held slot's
+            role would be decided for the wrong kind of policy).
+
         **Returns:**
 
         A `TrainState` at step 0, holding its own copies of the variables' arrays (updates
@@ -169,7 +205,20 @@ class Trainer(eqx.Module):
         """
         init_key, train_key = jax.random.split(key)
         variables = self.objective.init(init_key, variables)
-        variables = Variables(policy=own_copy(variables.policy), held=own_copy(variables.held))
+        if lora.has_adapters(variables.policy) != lora.has_adapters(
+            self.objective.initial_policy()
+        ):
+            raise ValueError(
+                "`variables.policy` and the objective's initial policy must both have LoRA "
+                "adapters or both have none; build the objective with the adapted model."
+            )
+        held = variables.held
+        if lora.has_adapters(variables.policy):
+            if not self.ema_active:
+                held = None
+            elif held is None:
+                held = lora.adapters(variables.policy)
+        variables = Variables(policy=own_copy(variables.policy), held=own_copy(held))
         trainable, _ = self.split_policy(variables.policy)
         opt_state = self.optimizer.init(trainable)
         return TrainState(
@@ -181,7 +230,8 @@ class Trainer(eqx.Module):
 
     @property
     def ema_active(self) -> bool:
-        """Whether updates write an EMA into the held slot."""
+        """Whether updates write an EMA into the held slot (of the adapters alone, for a
+        policy with LoRA adapters)."""
         held = bool(self.objective.held_variables().held)
         return self.ema_decay is not None and not held
 
@@ -235,7 +285,8 @@ class Trainer(eqx.Module):
                     return decay * average + (1.0 - decay) * current
                 return average
 
-            held = jax.tree.map(blend, held, policy)
+            current = lora.adapters(policy) if lora.has_adapters(policy) else policy
+            held = jax.tree.map(blend, held, current)
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": value, "grad_norm": grad_norm, "count": total.count}
         metrics.update(mean_values(aux))
