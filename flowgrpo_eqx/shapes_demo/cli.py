@@ -6,6 +6,9 @@
 - `flowgrpo-eqx eval --checkpoint PATH`: measure a saved policy.
 - `flowgrpo-eqx serve-reward REWARD --port P`: serve a reward over HTTP for `--reward-url`.
 - `flowgrpo-eqx train --seeds 0,1,2 --out DIR`: one run per training seed and a summary.
+- `flowgrpo-eqx check`: the porting check (one collect, one update, a verdict per line) on
+  the demo's setup, or on a user's with `--factory package.module:callable`; exit status 1
+  if any line fails.
 - `flowgrpo-eqx launch --local N -- train ...`: run a subcommand as N local processes on
   JAX's distributed runtime.
 
@@ -134,6 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--out", default="runs/eval", help="where samples_eval.png goes")
     _add_common(evaluate)
+
+    check = commands.add_parser(
+        "check", help="the porting check: one collect and one update, a verdict per line"
+    )
+    check.add_argument("--out", default="runs/check", help="where a pretrained base goes")
+    check.add_argument(
+        "--factory",
+        default=None,
+        help="package.module:callable returning (objective, rollout, variables, rows)",
+    )
+    _add_common(check)
 
     launch = commands.add_parser(
         "launch", help="run a subcommand as N local processes (jax.distributed, gloo on CPU)"
@@ -279,6 +293,13 @@ def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
         )
         if result.get("preempted"):
             return PREEMPTED_EXIT_STATUS
+    elif command == "check":
+        from .check import run_check
+
+        report = run_check(
+            config, arguments["out"], factory=arguments["factory"], quiet=arguments["quiet"]
+        )
+        return 0 if report.passed else 1
     elif command == "pretrain":
         run_pretrain(config, arguments["out"], quiet=arguments["quiet"])
     else:
