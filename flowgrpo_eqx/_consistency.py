@@ -7,6 +7,7 @@ train. Each line of the report measures one of these on the user's own objective
 variables and rows, against a documented threshold.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, final
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
 
 
 @final
-class CheckLine(eqx.Module):
+@dataclasses.dataclass(frozen=True)
+class CheckLine:
     """One line of a `ConsistencyReport`.
 
     **Arguments:**
