@@ -2,6 +2,12 @@
 
 from . import lora as lora
 from ._advantages import AdvantageStd as AdvantageStd, group_advantages as group_advantages
+from ._consistency import (
+    CheckLine as CheckLine,
+    ConsistencyReport as ConsistencyReport,
+    ConsistencyThresholds as ConsistencyThresholds,
+    check_consistency as check_consistency,
+)
 from ._custom_types import Aux as Aux, Mean as Mean, Step as Step, Transitions as Transitions
 from ._distributed import (
     data_mesh as data_mesh,
@@ -17,6 +23,7 @@ from ._flow_base import (
     Variables as Variables,
 )
 from ._guided_flow import GuidedFlow as GuidedFlow
+from ._http_reward import HttpReward as HttpReward
 from ._inputs import (
     CFG as CFG,
     AbstractAutoEncoder as AbstractAutoEncoder,

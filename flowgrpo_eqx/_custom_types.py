@@ -121,14 +121,17 @@ class Transitions(eqx.Module):
 
     @property
     def num_rows(self) -> int:
+        """`N`, the number of rows (samples)."""
         return int(self.latents.shape[0])
 
     @property
     def num_transitions(self) -> int:
+        """`K`, the number of recorded transitions per row."""
         return int(self.latents.shape[1])
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
+        """The shape of one latent, `latents.shape[2:]`."""
         return tuple(int(d) for d in self.latents.shape[2:])
 
 

@@ -81,7 +81,20 @@ def initialize(
 
 
 def data_mesh(devices: int | None = None) -> Mesh:
-    """A one-axis mesh (`"data"`) over the first `devices` global devices (default: all)."""
+    """A one-axis mesh (`"data"`) over the first `devices` global devices (default: all).
+
+    **Arguments:**
+
+    - `devices`: how many of `jax.devices()` (in their order) the mesh spans; `None` for all.
+
+    **Returns:**
+
+    A `jax.sharding.Mesh` with the one axis `"data"`.
+
+    **Raises:**
+
+    - `ValueError`: naming `devices`, when it is not in `1..len(jax.devices())`.
+    """
     available = jax.devices()
     count = len(available) if devices is None else devices
     if not 1 <= count <= len(available):
@@ -133,7 +146,21 @@ def shard_batch(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
 
 
 def replicate(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
-    """Global arrays fully replicated over the mesh (parameters, optimizer state, keys)."""
+    """Global arrays fully replicated over the mesh (parameters, optimizer state, keys).
+
+    Every process passes the same host values. PRNG keys stay keys; leaves that are not
+    arrays (activations, static settings) are returned as they are.
+
+    **Arguments:**
+
+    - `tree`: any PyTree, e.g. a `TrainState`.
+    - `mesh`: the data mesh.
+
+    **Returns:**
+
+    The same PyTree with every array leaf a global `jax.Array` with a full copy on every
+    device of the mesh.
+    """
     sharding = replicated(mesh)
 
     def place(leaf: Any) -> Any:
@@ -146,7 +173,23 @@ def replicate(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
 
 
 def local_copy(tree: PyTree[Any]) -> PyTree[Any]:
-    """This process's own copy of replicated global arrays, usable in local computations."""
+    """This process's own copy of replicated global arrays, usable in local computations.
+
+    With one process (every array fully addressable) the tree is returned as it is.
+
+    **Arguments:**
+
+    - `tree`: a PyTree whose global arrays are replicated (e.g. the trained policy).
+
+    **Returns:**
+
+    The same PyTree with each global array that spans other processes replaced by this
+    process's local copy.
+
+    **Raises:**
+
+    - `ValueError`: for an array that spans other processes and is sharded, not replicated.
+    """
 
     def take(leaf: Any) -> Any:
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
@@ -159,7 +202,17 @@ def local_copy(tree: PyTree[Any]) -> PyTree[Any]:
 
 
 def owned_rows(tree: PyTree[Any]) -> int:
-    """How many rows of a row-sharded global batch this process holds."""
+    """How many rows of a row-sharded global batch this process holds.
+
+    **Arguments:**
+
+    - `tree`: a PyTree of row-sharded arrays (e.g. a `Transitions` batch from
+        `FlowRollout.collect`); its first leaf is counted. A NumPy leaf counts all its rows.
+
+    **Returns:**
+
+    The number of distinct rows held by this process's devices.
+    """
     leaf = jax.tree.leaves(tree)[0]
     if not isinstance(leaf, jax.Array):
         return int(np.shape(leaf)[0])

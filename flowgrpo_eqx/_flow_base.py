@@ -69,11 +69,32 @@ class AbstractFlowObjective(eqx.Module):
 
     @abc.abstractmethod
     def held_variables(self) -> Variables:
-        """Which variable slots the trainer must leave untouched, as a `Variables` of bools."""
+        """Which variable slots the trainer must leave untouched, as a `Variables` of bools.
+
+        **Returns:**
+
+        `Variables(policy=..., held=...)` of Python bools: `True` for a slot neither the
+        optimizer nor the EMA writes.
+        """
 
     @abc.abstractmethod
     def loss(self, variables: Variables, batch: Any, step: Step) -> tuple[Mean, Any]:
-        """The objective as an exactly reducible `Mean`, with auxiliary `Mean` statistics."""
+        """The objective as an exactly reducible `Mean`, with auxiliary `Mean` statistics.
+
+        The trainer differentiates `loss(...)[0].value` with respect to the policy's
+        trainable parameters.
+
+        **Arguments:**
+
+        - `variables`: the live policy and the held slot.
+        - `batch`: whatever this objective trains on (`Transitions` for Flow-GRPO).
+        - `step`: the step index and a PRNG key for whatever the loss samples.
+
+        **Returns:**
+
+        `(Mean(total, count), aux)`: the value as a sum and a count, so that shards reduce
+        exactly, and a PyTree of auxiliary `Mean`s (and scalars) that become metrics.
+        """
 
     def initial_policy(self) -> Model:
         """The policy `init` starts from: `pretrained` when given, else the flow's model."""

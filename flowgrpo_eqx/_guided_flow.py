@@ -72,6 +72,15 @@ class GuidedFlow(eqx.Module):
     def null_like(self, conditioning: PyTree[Any]) -> PyTree[Any]:
         """The null condition repeated for every row of `conditioning`, checked against it.
 
+        **Arguments:**
+
+        - `conditioning`: the rows' conditioning, already selected and encoded (leading
+            axis `B`).
+
+        **Returns:**
+
+        The encoded null condition with the same leading axis `B`.
+
         **Raises:**
 
         - `ValueError`: when the rows' conditioning and the null condition differ in
@@ -198,7 +207,16 @@ class GuidedFlow(eqx.Module):
         return final
 
     def decode(self, latents: Float[Array, " N *latent"]) -> Float[Array, " N *sample"]:
-        """Decode latents to samples in [-1, 1] with the autoencoder (clipped)."""
+        """Decode latents to samples in [-1, 1] with the autoencoder (clipped).
+
+        **Arguments:**
+
+        - `latents`: `[N, *latent]` final latents.
+
+        **Returns:**
+
+        `[N, *sample]` samples, clipped to [-1, 1].
+        """
         return jnp.clip(jax.vmap(self.autoencoder.decode)(latents), -1.0, 1.0)
 
 

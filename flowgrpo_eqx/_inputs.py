@@ -59,7 +59,20 @@ class InputSpec(eqx.Module):
         return self.null is not None
 
     def selected(self, rows: PyTree[Any]) -> PyTree[Any]:
-        """The part of `rows` (batched or one example) that conditions the model."""
+        """The part of `rows` (batched or one example) that conditions the model.
+
+        **Arguments:**
+
+        - `rows`: a batch of rows (leading axis `N`) or one example.
+
+        **Returns:**
+
+        `rows` itself, `rows[select]`, or the sub-dict `{k: rows[k]}`, as `select` says.
+
+        **Raises:**
+
+        - `ValueError`: when `select` does not match the rows' structure.
+        """
         if self.select is None:
             return rows
         try:
@@ -73,7 +86,20 @@ class InputSpec(eqx.Module):
             ) from error
 
     def condition(self, rows: PyTree[Any]) -> PyTree[Any]:
-        """The model's conditioning for a batch of rows (leading axis `N`)."""
+        """The model's conditioning for a batch of rows (leading axis `N`).
+
+        **Arguments:**
+
+        - `rows`: a batch of rows, leaves with a leading axis `N`.
+
+        **Returns:**
+
+        The selected conditioning, passed through `encoder` (vmapped) when there is one.
+
+        **Raises:**
+
+        - `ValueError`: when `select` does not match the rows' structure.
+        """
         chosen = self.selected(rows)
         if self.encoder is None:
             return chosen
@@ -81,6 +107,14 @@ class InputSpec(eqx.Module):
 
     def null_condition(self, num_rows: int) -> PyTree[Any]:
         """The null condition, encoded and repeated for `num_rows` rows.
+
+        **Arguments:**
+
+        - `num_rows`: the size `N` of the leading axis to repeat it over.
+
+        **Returns:**
+
+        The null condition (through `encoder` when there is one) with a leading axis `N`.
 
         **Raises:**
 
@@ -121,20 +155,52 @@ class CFG(eqx.Module):
     def combine(
         self, conditional: Float[Array, " *shape"], unconditional: Float[Array, " *shape"]
     ) -> Float[Array, " *shape"]:
-        """Mix the two branches' velocities."""
+        """Mix the two branches' velocities: `unconditional + scale (conditional - unconditional)`.
+
+        **Arguments:**
+
+        - `conditional`: the velocity given the rows' conditioning.
+        - `unconditional`: the velocity given the null condition, same shape.
+
+        **Returns:**
+
+        The guided velocity, same shape.
+        """
         return unconditional + self.scale * (conditional - unconditional)
 
 
 class AbstractAutoEncoder(eqx.Module):
-    """Maps samples in [-1, 1] to latents and back, one unbatched example at a time."""
+    """Maps samples in [-1, 1] to latents and back, one unbatched example at a time.
+
+    Subclass it for a real autoencoder (a VAE's encoder and decoder, frozen); the objective
+    vmaps it over a batch and clips decoded samples to [-1, 1].
+    """
 
     @abc.abstractmethod
     def encode(self, sample: Float[Array, " *sample"]) -> Float[Array, " *latent"]:
-        """The latent of one sample."""
+        """The latent of one sample.
+
+        **Arguments:**
+
+        - `sample`: one sample in [-1, 1], without a batch axis.
+
+        **Returns:**
+
+        Its latent.
+        """
 
     @abc.abstractmethod
     def decode(self, latent: Float[Array, " *latent"]) -> Float[Array, " *sample"]:
-        """The sample in [-1, 1] of one latent."""
+        """The sample in [-1, 1] of one latent.
+
+        **Arguments:**
+
+        - `latent`: one latent, without a batch axis.
+
+        **Returns:**
+
+        Its sample, in [-1, 1].
+        """
 
 
 @final
@@ -142,7 +208,27 @@ class IdentityAutoEncoder(AbstractAutoEncoder):
     """Latents are the samples themselves; decoding clips them to [-1, 1]."""
 
     def encode(self, sample: Float[Array, " *sample"]) -> Float[Array, " *sample"]:
+        """The sample itself.
+
+        **Arguments:**
+
+        - `sample`: one sample in [-1, 1].
+
+        **Returns:**
+
+        `sample`, unchanged.
+        """
         return sample
 
     def decode(self, latent: Float[Array, " *latent"]) -> Float[Array, " *latent"]:
+        """The latent clipped to [-1, 1].
+
+        **Arguments:**
+
+        - `latent`: one latent.
+
+        **Returns:**
+
+        `clip(latent, -1, 1)`.
+        """
         return jnp.clip(latent, -1.0, 1.0)

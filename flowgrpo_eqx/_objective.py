@@ -144,6 +144,10 @@ class FlowGRPOObjective(AbstractFlowObjective):
         `False` and the slot is free for the EMA: with `beta == 0`, or for a policy with
         adapters, whose reference is the policy with its adapters switched off. The policy is
         never held.
+
+        **Returns:**
+
+        `Variables(policy=False, held=...)` as above.
         """
         reference_held = self.beta > 0 and not lora.has_adapters(self.initial_policy())
         return Variables(policy=False, held=reference_held)
@@ -159,7 +163,23 @@ class FlowGRPOObjective(AbstractFlowObjective):
         t_next: Float[Array, " B"],
         cond: PyTree[Any],
     ) -> tuple[Float[Array, " B *latent"], Float[Array, " B"]]:
-        """The batch's Gaussian transitions `(mean, std)` under `sde` and the guided velocity."""
+        """The batch's Gaussian transitions `(mean, std)` under `sde` and the guided velocity.
+
+        **Arguments:**
+
+        - `model`: the policy or the reference.
+        - `x`: `[B, *latent]` states at `t`.
+        - `t`, `t_next`: `[B]` start and end times.
+        - `cond`: the batch's rows (leading axis `B`).
+
+        **Returns:**
+
+        `(mean, std)`: `[B, *latent]` means and `[B]` stds (0 on deterministic transitions).
+
+        **Raises:**
+
+        - `ValueError`: as `GuidedFlow.velocity`.
+        """
         v = self.flow.velocity(model, x, t, cond)
         return jax.vmap(self.sde.transition)(x, v, t, t_next)
 
@@ -218,7 +238,16 @@ class FlowGRPOObjective(AbstractFlowObjective):
     # Public objective methods
 
     def kept(self, batch: Transitions) -> Bool[Array, " N K"]:
-        """The kept set: masked-in transitions that are stochastic under `sde`."""
+        """The kept set: masked-in transitions that are stochastic under `sde`.
+
+        **Arguments:**
+
+        - `batch`: the recorded transitions.
+
+        **Returns:**
+
+        `[N, K]` bools: `transition_mask` and stochastic; the loss averages over these.
+        """
         return batch.transition_mask & self.sde.is_stochastic(batch.timesteps, batch.next_timesteps)
 
     def log_probs(self, variables: Variables, batch: Transitions) -> Float[Array, " N K"]:

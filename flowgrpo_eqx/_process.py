@@ -9,7 +9,12 @@ from jaxtyping import Array, ArrayLike, Float
 
 
 class AbstractProcess(eqx.Module):
-    """A generative process that runs from noise at `t = 1` to data at `t = 0`."""
+    """A generative process that runs from noise at `t = 1` to data at `t = 0`.
+
+    It says how training pairs are made (`interpolate`, `velocity_target`: flow-matching
+    pretraining uses them) and on which time grid sampling runs (`timesteps`: the rollout,
+    evaluation and previews use it).
+    """
 
     @abc.abstractmethod
     def interpolate(
@@ -18,17 +23,47 @@ class AbstractProcess(eqx.Module):
         noise: Float[Array, " *latent"],
         t: Float[ArrayLike, ""],
     ) -> Float[Array, " *latent"]:
-        """The noisy state `x_t` between `data` (t = 0) and `noise` (t = 1)."""
+        """The noisy state `x_t` between `data` (t = 0) and `noise` (t = 1).
+
+        **Arguments:**
+
+        - `data`: one clean latent.
+        - `noise`: one standard normal draw shaped like `data`.
+        - `t`: the time, a scalar in [0, 1].
+
+        **Returns:**
+
+        `x_t`, shaped like `data`.
+        """
 
     @abc.abstractmethod
     def velocity_target(
         self, data: Float[Array, " *latent"], noise: Float[Array, " *latent"]
     ) -> Float[Array, " *latent"]:
-        """The regression target for the velocity `dx_t / dt`."""
+        """The regression target for the velocity `dx_t / dt`.
+
+        **Arguments:**
+
+        - `data`: one clean latent.
+        - `noise`: the noise it was interpolated with.
+
+        **Returns:**
+
+        The target velocity, shaped like `data`.
+        """
 
     @abc.abstractmethod
     def timesteps(self, steps: int) -> Float[Array, " steps"]:
-        """The sampling grid of `steps` time points from 1 down to 0."""
+        """The sampling grid of `steps` time points from 1 down to 0.
+
+        **Arguments:**
+
+        - `steps`: the number of time points (`steps - 1` transitions).
+
+        **Returns:**
+
+        `[steps]` decreasing times, the first 1 and the last 0.
+        """
 
 
 @final
@@ -57,12 +92,35 @@ class RectifiedFlow(AbstractProcess):
         noise: Float[Array, " *latent"],
         t: Float[ArrayLike, ""],
     ) -> Float[Array, " *latent"]:
+        """`x_t = (1 - t) data + t noise`.
+
+        **Arguments:**
+
+        - `data`: one clean latent `x_0`.
+        - `noise`: one standard normal draw `eps` shaped like `data`.
+        - `t`: the time, a scalar in [0, 1].
+
+        **Returns:**
+
+        `x_t` in `data`'s dtype.
+        """
         time = jnp.asarray(t, data.dtype)
         return (1 - time) * data + time * noise
 
     def velocity_target(
         self, data: Float[Array, " *latent"], noise: Float[Array, " *latent"]
     ) -> Float[Array, " *latent"]:
+        """`eps - x_0`, the constant velocity of the straight path from `data` to `noise`.
+
+        **Arguments:**
+
+        - `data`: one clean latent `x_0`.
+        - `noise`: the noise `eps` it was interpolated with.
+
+        **Returns:**
+
+        `noise - data`.
+        """
         return noise - data
 
     def timesteps(self, steps: int) -> Float[Array, " steps"]:

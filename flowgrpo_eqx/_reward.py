@@ -5,8 +5,9 @@ precision through collection, transport between processes and the group statisti
 """
 
 import importlib
+import inspect
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, final, runtime_checkable
 
 import numpy as np
@@ -27,11 +28,32 @@ class FlowReward(Protocol):
     A `name` attribute, if present, is used in error messages and metrics.
     """
 
-    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.ArrayLike: ...
+    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.ArrayLike:
+        """Score a batch of samples.
+
+        **Arguments:**
+
+        - `samples`: numpy `[N, *sample]` in [-1, 1].
+        - `rows`: the source rows repeated once per sample.
+
+        **Returns:**
+
+        `[N]` finite scores (anything `np.asarray(..., dtype=np.float64)` accepts).
+
+        **Raises:**
+
+        Anything: the library's callers turn an exception, a wrong shape, NaN or inf into a
+        `RewardError` naming the reward.
+        """
+        ...
 
 
 class RewardError(ValueError):
-    """A reward raised, or returned the wrong shape or non-finite scores."""
+    """A reward raised, or returned the wrong shape or non-finite scores.
+
+    A `ValueError`; its message names the reward (and for `HttpReward` the URL). With many
+    processes, a failure on process 0 is raised as the same `RewardError` on every process.
+    """
 
 
 def reward_name(reward: Any) -> str:
@@ -84,15 +106,24 @@ def score(reward: FlowReward, samples: npt.NDArray[Any], rows: Any) -> npt.NDArr
     return values
 
 
-def load_reward(spec: str) -> FlowReward:
-    """The reward named by `spec`, `package.module:attribute`, imported.
+def load_reward(
+    spec: str, builtins: Mapping[str, Callable[[], FlowReward]] | None = None
+) -> FlowReward:
+    """The reward a command line names.
 
-    The attribute is used as the reward when it is a reward already (a function, or an
-    instance with `__call__`); a class is instantiated without arguments.
+    Rule: `spec` is first looked up in `builtins` (whose factories are called with no
+    arguments). Otherwise it is `package.module:attribute` (the attribute may be dotted) or
+    `package.module.attribute`, and the attribute becomes the reward as follows:
+
+    - a class is instantiated with no arguments;
+    - a function that needs no arguments is a factory and is called;
+    - anything else callable (a reward function `f(samples, rows)`, a reward instance) is
+      the reward itself.
 
     **Arguments:**
 
-    - `spec`: `package.module:attribute`, e.g. `my_rewards:OcrReward`.
+    - `spec`: the reward's name or import path.
+    - `builtins`: named factories of built-in rewards.
 
     **Returns:**
 
@@ -100,24 +131,46 @@ def load_reward(spec: str) -> FlowReward:
 
     **Raises:**
 
-    - `ValueError`: naming `spec`, when it is malformed, the module cannot be imported, the
-        attribute is missing, or the result is not callable.
+    - `ValueError`: naming `spec`, if it cannot be imported or does not give a callable.
     """
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"`spec` must be package.module:attribute, got {spec!r}.")
+    if builtins is not None and spec in builtins:
+        return _callable_reward(builtins[spec](), spec)
+    module_name, colon, attribute_path = spec.partition(":")
+    if not colon:
+        module_name, _, attribute_path = spec.rpartition(".")
+    if not module_name or not attribute_path:
+        known = f" or one of {sorted(builtins)}" if builtins else ""
+        raise ValueError(f"Reward {spec!r} must be 'package.module:callable'{known}.")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"`spec` {spec!r}: cannot import {module_name!r}: {error}") from error
-    try:
-        found = getattr(module, attribute)
-    except AttributeError as error:
-        raise ValueError(f"`spec` {spec!r}: {module_name!r} has no {attribute!r}.") from error
-    reward = found() if isinstance(found, type) else found
+        target: Any = importlib.import_module(module_name)
+        for part in attribute_path.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"Reward {spec!r} cannot be loaded: {error}") from error
+    if inspect.isclass(target) or (inspect.isfunction(target) and _needs_no_arguments(target)):
+        try:
+            target = target()
+        except TypeError as error:
+            raise ValueError(
+                f"Reward {spec!r} must be constructible with no arguments: {error}"
+            ) from error
+    return _callable_reward(target, spec)
+
+
+def _needs_no_arguments(function: Callable[..., Any]) -> bool:
+    parameters = inspect.signature(function).parameters.values()
+    return all(
+        p.default is not inspect.Parameter.empty
+        or p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        for p in parameters
+    )
+
+
+def _callable_reward(reward: Any, spec: str) -> FlowReward:
     if not callable(reward):
-        raise ValueError(f"`spec` {spec!r} is not a callable reward(samples, rows).")
-    return reward  # type: ignore[no-any-return]
+        raise ValueError(f"Reward {spec!r} gave {type(reward).__name__}, which is not callable.")
+    loaded: FlowReward = reward
+    return loaded
 
 
 def to_uint8_images(samples: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:
@@ -176,6 +229,21 @@ class JpegCompressibility:
         self.quality = _checked_quality(quality)
 
     def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        """Minus each image's JPEG size in kB.
+
+        **Arguments:**
+
+        - `samples`: `[N, H, W]` or `[N, H, W, C]` images in [-1, 1], `C` in (1, 3, 4).
+        - `rows`: unused.
+
+        **Returns:**
+
+        `[N]` float64 scores, higher for smaller files.
+
+        **Raises:**
+
+        - `ValueError`: if `samples` is not a batch of images.
+        """
         del rows
         return -jpeg_sizes_kb(samples, self.quality)
 
@@ -199,6 +267,21 @@ class JpegIncompressibility:
         self.quality = _checked_quality(quality)
 
     def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        """Each image's JPEG size in kB.
+
+        **Arguments:**
+
+        - `samples`: `[N, H, W]` or `[N, H, W, C]` images in [-1, 1], `C` in (1, 3, 4).
+        - `rows`: unused.
+
+        **Returns:**
+
+        `[N]` float64 scores, higher for larger files.
+
+        **Raises:**
+
+        - `ValueError`: if `samples` is not a batch of images.
+        """
         del rows
         return jpeg_sizes_kb(samples, self.quality)
 
@@ -228,10 +311,39 @@ class WeightedReward:
     def components(
         self, samples: npt.NDArray[Any], rows: Any
     ) -> dict[str, npt.NDArray[np.float64]]:
-        """Each term's (unweighted, checked) float64 scores, by reward name."""
+        """Each term's (unweighted, checked) float64 scores, by reward name.
+
+        **Arguments:**
+
+        - `samples`: `[N, *sample]` numpy samples in [-1, 1].
+        - `rows`: the repeated source rows.
+
+        **Returns:**
+
+        `{name: [N] float64 scores}`, one entry per term (metrics log each one).
+
+        **Raises:**
+
+        - `RewardError`: naming the term's reward, if it fails.
+        """
         return {reward_name(r): score(r, samples, rows) for r, _ in self.terms}
 
     def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        """The weighted sum of the terms' scores.
+
+        **Arguments:**
+
+        - `samples`: `[N, *sample]` numpy samples in [-1, 1].
+        - `rows`: the repeated source rows.
+
+        **Returns:**
+
+        `[N]` float64 `sum(weight * score)`.
+
+        **Raises:**
+
+        - `RewardError`: naming the term's reward, if one fails.
+        """
         total = np.zeros(int(np.shape(samples)[0]), dtype=np.float64)
         for reward, weight in self.terms:
             total += weight * score(reward, samples, rows)

@@ -144,7 +144,12 @@ class FlowRollout(eqx.Module):
         return self.steps - 1 if self.train_steps is None else self.train_steps
 
     def timesteps(self) -> Float[Array, " steps"]:
-        """The rollout's time grid."""
+        """The rollout's time grid.
+
+        **Returns:**
+
+        `[steps]` times from 1 to 0, `objective.flow.process.timesteps(steps)`.
+        """
         return self.objective.flow.process.timesteps(self.steps)
 
     def generate(self, policy: Model, rows: PyTree[Any], key: PRNGKeyArray) -> Generated:
@@ -239,6 +244,16 @@ class FlowRollout(eqx.Module):
         """The `Transitions` batch from a generation record and host advantages.
 
         The mask keeps stochastic transitions of rows with a non-zero advantage.
+
+        **Arguments:**
+
+        - `generated`: what `generate` recorded.
+        - `rows`: the repeated rows on the device(s), `[N, ...]`.
+        - `advantages`: `[N]` float32 advantages from `group_advantages`.
+
+        **Returns:**
+
+        The `Transitions` batch, placed like `rows` (row-sharded over `mesh` when given).
         """
         num = generated.log_probs.shape[0]
         grid = np.asarray(self.timesteps())

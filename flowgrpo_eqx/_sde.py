@@ -111,12 +111,33 @@ class AbstractSDE(eqx.Module):
     ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
         """The transition's `(mean, std)` at noise level `level` (0 on deterministic steps).
 
-        At `level == 0` this must be the deterministic Euler step with std 0.
+        At `level == 0` this must be the deterministic Euler step with std 0. `transition`
+        calls it with the level already set to 0 outside the window.
+
+        **Arguments:**
+
+        - `x`: one latent at time `t`, in the compute dtype.
+        - `v`: the (guided) velocity at `(x, t)`.
+        - `t`, `t_next`: the transition's start and end times, `t_next < t`.
+        - `level`: the noise level to use, `noise_level` or 0.
+
+        **Returns:**
+
+        `(mean, std)`: the mean shaped like `x` and the scalar std.
         """
 
     @abc.abstractmethod
     def can_be_stochastic(self, t_next: Float[Array, " *batch"]) -> Bool[Array, " *batch"]:
-        """Where the sampler can draw noise at all, whatever the window."""
+        """Where the sampler can draw noise at all, whatever the window.
+
+        **Arguments:**
+
+        - `t_next`: transition end times, any shape.
+
+        **Returns:**
+
+        A bool array shaped like `t_next`.
+        """
 
     def is_stochastic(
         self, t: Float[ArrayLike, " *batch"], t_next: Float[ArrayLike, " *batch"]
@@ -125,6 +146,15 @@ class AbstractSDE(eqx.Module):
 
         It does when `noise_level > 0`, it lies inside the `window` (`t <= start` and
         `t_next >= stop`, to a tolerance of 1e-6), and the sampler can draw noise there.
+
+        **Arguments:**
+
+        - `t`: transition start times.
+        - `t_next`: transition end times, broadcastable with `t`.
+
+        **Returns:**
+
+        A bool array of their broadcast shape.
         """
         t = jnp.asarray(t)
         t_next = jnp.asarray(t_next)
@@ -170,6 +200,15 @@ class AbstractSDE(eqx.Module):
         """Draw `mean + std z` from a standard normal draw `z` shaped like `mean`.
 
         The draw is an argument so that a rollout can make all its draws in one batched call.
+
+        **Arguments:**
+
+        - `mean`, `std`: the transition's Gaussian, from `transition`.
+        - `noise`: a standard normal draw `z` shaped like `mean`.
+
+        **Returns:**
+
+        `mean + std z` in `mean`'s dtype; `mean` itself on a deterministic transition.
         """
         return mean + jnp.asarray(std, mean.dtype) * noise.astype(mean.dtype)
 
@@ -284,6 +323,16 @@ class FlowSDE(AbstractSDE):
         t_next: Float[Array, ""],
         level: Float[Array, ""],
     ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
+        """The Flow-GRPO Gaussian above at noise level `level`.
+
+        **Arguments:**
+
+        - `x`, `v`, `t`, `t_next`, `level`: as `AbstractSDE.gaussian`.
+
+        **Returns:**
+
+        `(mean, std)` with `std = sigma sqrt(-dt)`; at `level == 0` the Euler step, std 0.
+        """
         dt = t_next - t
         t_star = jnp.where(t == 1, t_next, t)
         sigma = level * jnp.sqrt(t / (1 - t_star))
@@ -292,6 +341,16 @@ class FlowSDE(AbstractSDE):
         return mean, sigma * jnp.sqrt(-dt)
 
     def can_be_stochastic(self, t_next: Float[Array, " *batch"]) -> Bool[Array, " *batch"]:
+        """Everywhere: the Flow-GRPO SDE can draw noise on every transition.
+
+        **Arguments:**
+
+        - `t_next`: transition end times.
+
+        **Returns:**
+
+        `True` shaped like `t_next`.
+        """
         return jnp.ones(t_next.shape, bool)
 
 
@@ -334,6 +393,17 @@ class CoefficientsPreservingSDE(AbstractSDE):
         t_next: Float[Array, ""],
         level: Float[Array, ""],
     ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
+        """The coefficients-preserving Gaussian above at noise level `level`.
+
+        **Arguments:**
+
+        - `x`, `v`, `t`, `t_next`, `level`: as `AbstractSDE.gaussian`.
+
+        **Returns:**
+
+        `(mean, std)` with `std = t_next sin(level pi / 2)`; at `level == 0` the Euler step,
+        std 0.
+        """
         std = t_next * jnp.sin(level * math.pi / 2)
         data_estimate = x - t * v
         noise_estimate = x + (1 - t) * v
@@ -342,4 +412,14 @@ class CoefficientsPreservingSDE(AbstractSDE):
         return data_estimate * (1 - t_next) + noise_estimate * noise_scale, std
 
     def can_be_stochastic(self, t_next: Float[Array, " *batch"]) -> Bool[Array, " *batch"]:
+        """Where `t_next > 0`: the last step, to the data, is deterministic.
+
+        **Arguments:**
+
+        - `t_next`: transition end times.
+
+        **Returns:**
+
+        `t_next > 0`.
+        """
         return t_next > 0

@@ -47,6 +47,18 @@ class Euler(AbstractSolver):
         t: Float[Array, ""],
         t_next: Float[Array, ""],
     ) -> Float[Array, " N *latent"]:
+        """`x + v(x, t) (t_next - t)`.
+
+        **Arguments:**
+
+        - `velocity`: the (guided) velocity field on a batch, `velocity(x, t)`.
+        - `x`: the states at time `t`.
+        - `t`, `t_next`: the interval's ends.
+
+        **Returns:**
+
+        The states at `t_next`.
+        """
         return x + velocity(x, t) * (t_next - t)
 
 
@@ -65,6 +77,18 @@ class Heun(AbstractSolver):
         t: Float[Array, ""],
         t_next: Float[Array, ""],
     ) -> Float[Array, " N *latent"]:
+        """The trapezoid of the velocities at `(x, t)` and at the Euler prediction at `t_next`.
+
+        **Arguments:**
+
+        - `velocity`: the (guided) velocity field on a batch, `velocity(x, t)`.
+        - `x`: the states at time `t`.
+        - `t`, `t_next`: the interval's ends.
+
+        **Returns:**
+
+        `x + (v(x, t) + v(x + v(x, t) dt, t_next)) dt / 2` with `dt = t_next - t`.
+        """
         dt = t_next - t
         v_start = velocity(x, t)
         predicted = x + v_start * dt

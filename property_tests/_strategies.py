@@ -1,24 +1,22 @@
-"""Shared pieces of the property tests: a tiny user-defined velocity model, rollout-like
-batches built from it (in NumPy, so building data compiles nothing), jitted loss/gradient
-wrappers, an independent NumPy statement of the kept set, and Hypothesis strategies.
+"""The property tests' own pieces: a tiny velocity model with its float64 NumPy statement,
+objective configurations, and rollout-like batches whose next latents and log densities come
+from the NumPy oracle (`tests/numpy_reference.py`), so building data compiles nothing.
 
-Every jitted call compiles once per (objective static configuration, shapes), and an XLA
-compilation of the loss and its gradient costs about a second on a small CPU. So the
-objective configurations and the batch shapes are drawn from small fixed sets; Hypothesis
-varies the data (seeds, masks, grid indices, advantages, ratios) within them.
+The strategies, jitted evaluations and invariant assertions are the public ones of
+`flowgrpo_eqx.testing`. Every jitted call compiles once per (objective static configuration,
+shapes), so the configurations and the batch shapes are drawn from small fixed sets.
 """
 
 import dataclasses
 import functools
 import math
-import os
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import strategies as st
 
 import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
@@ -26,20 +24,6 @@ from tests import numpy_reference as ref
 
 COND_DIM = 2
 HIDDEN = 8
-
-# (N, K) shapes of the batches (duplicating one doubles N: at most 6 rows).
-SHAPES = ((2, 5), (3, 2), (1, 1))
-
-
-def fast_settings(max_examples: int) -> settings:
-    """Settings sized for a small CPU; `PROPERTY_TESTS_SCALE=k` runs k times more examples."""
-    scale = float(os.environ.get("PROPERTY_TESTS_SCALE", "1"))
-    return settings(
-        max_examples=max(1, round(max_examples * scale)),
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        print_blob=True,
-    )
 
 
 # --------------------------------------------------------------------------------------
@@ -195,61 +179,6 @@ BETA_FREE_CONFIGS = tuple(c for c in CONFIGS if c.beta == 0)
 
 
 # --------------------------------------------------------------------------------------
-# Jitted wrappers (cached on the objective's static fields and the shapes).
-
-
-def _step() -> fg.Step:
-    return fg.Step(index=0, key=jax.random.key(0))
-
-
-@eqx.filter_jit
-def loss_value_and_grad(
-    obj: fg.FlowGRPOObjective, variables: fg.Variables, batch: fg.Transitions
-) -> tuple[jax.Array, fg.Mean, fg.Aux, Any]:
-    """`(total.value, total, aux, d total.value / d policy)`."""
-
-    def value(policy: Any) -> tuple[jax.Array, tuple[fg.Mean, fg.Aux]]:
-        total, aux = obj.loss(fg.Variables(policy, variables.held), batch, _step())
-        return total.value, (total, aux)
-
-    (val, (total, aux)), grad = eqx.filter_value_and_grad(value, has_aux=True)(variables.policy)
-    return val, total, aux, grad
-
-
-@eqx.filter_jit
-def loss_only(
-    obj: fg.FlowGRPOObjective, variables: fg.Variables, batch: fg.Transitions
-) -> tuple[fg.Mean, fg.Aux]:
-    return obj.loss(variables, batch, _step())
-
-
-@eqx.filter_jit
-def log_probs(obj: fg.FlowGRPOObjective, variables: fg.Variables, batch: fg.Transitions) -> Any:
-    return obj.log_probs(variables, batch)
-
-
-def grad_leaves(grad: Any) -> list[np.ndarray]:
-    return [np.asarray(leaf) for leaf in jax.tree.leaves(eqx.filter(grad, eqx.is_array))]
-
-
-def assert_grads_close(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-6) -> None:
-    """Leafwise closeness; `atol` is relative to the largest entry of `want` (sums reorder)."""
-    want_leaves = grad_leaves(want)
-    scale = max([float(np.max(np.abs(w))) for w in want_leaves if w.size] + [1e-30])
-    for g, w in zip(grad_leaves(got), want_leaves, strict=True):
-        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * max(scale, 1.0))
-
-
-def assert_grads_equal(got: Any, want: Any) -> None:
-    for g, w in zip(grad_leaves(got), grad_leaves(want), strict=True):
-        np.testing.assert_array_equal(g, w)
-
-
-def all_finite(grad: Any) -> bool:
-    return all(bool(np.all(np.isfinite(g))) for g in grad_leaves(grad))
-
-
-# --------------------------------------------------------------------------------------
 # Independent NumPy statements (docs/mathematics.md §2, §5).
 
 
@@ -343,26 +272,8 @@ def make_rollout(
     )
 
 
-FIELDS = tuple(field.name for field in dataclasses.fields(fg.Transitions))
-
-
-def replace(batch: fg.Transitions, **fields: Any) -> fg.Transitions:
-    """A copy of `batch` with some fields replaced (validated again by `Transitions`)."""
-    values = {f: getattr(batch, f) for f in FIELDS}
-    values.update(fields)
-    return fg.Transitions(**values)
-
-
-def map_rows(batch: fg.Transitions, fn: Any) -> fg.Transitions:
-    """Apply `fn` to every array of every field, cond included (row-axis operations)."""
-    return replace(batch, **{f: jax.tree.map(fn, getattr(batch, f)) for f in FIELDS})
-
-
 # --------------------------------------------------------------------------------------
 # Strategies.
 
-seeds = st.integers(0, 2**32 - 1)
-shapes = st.sampled_from(SHAPES)
 configs = st.sampled_from(CONFIGS)
 beta_free_configs = st.sampled_from(BETA_FREE_CONFIGS)
-mask_probabilities = st.sampled_from((0.0, 0.4, 0.8, 1.0))

@@ -5,7 +5,8 @@ from hypothesis import assume, given, strategies as st
 from hypothesis.extra import numpy as hnp
 
 import flowgrpo_eqx as fg
-from property_tests import _strategies as S
+import flowgrpo_eqx.testing as T
+from tests import numpy_reference as ref
 
 
 EPS = 1e-4
@@ -55,7 +56,7 @@ def _scale(advantages: np.ndarray) -> float:
     return max(1.0, float(np.max(np.abs(advantages)))) if advantages.size else 1.0
 
 
-@S.fast_settings(200)
+@T.property_settings(200)
 @given(batch=_batches(), std=st.sampled_from(("group", "global")))
 def test_matches_reference_and_zero_mean_per_group(batch: Batch, std: str) -> None:
     rewards, groups = batch
@@ -69,7 +70,7 @@ def test_matches_reference_and_zero_mean_per_group(batch: Batch, std: str) -> No
     np.testing.assert_allclose(means, 0.0, atol=1e-5 * _scale(got))
 
 
-@S.fast_settings(200)
+@T.property_settings(200)
 @given(
     values=st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=4),
     other=_batches(),
@@ -86,7 +87,7 @@ def test_constant_groups_are_exactly_zero(values: list[float], other: Batch, std
         assert np.all(got == 0.0)
 
 
-@S.fast_settings(100)
+@T.property_settings(100)
 @given(
     value=st.floats(-1e6, 1e6),
     groups=_groups,
@@ -101,7 +102,7 @@ def test_all_constant_batch_is_exactly_zero(
     assert np.all(got == 0.0)
 
 
-@S.fast_settings(150)
+@T.property_settings(150)
 @given(
     batch=_spread_batches(),
     a=st.floats(0.1, 10.0),
@@ -118,7 +119,7 @@ def test_invariant_to_positive_affine_maps(batch: Batch, a: float, b: float) -> 
     np.testing.assert_allclose(mapped, base, rtol=rtol, atol=1e-5 * _scale(base))
 
 
-@S.fast_settings(150)
+@T.property_settings(150)
 @given(
     first=hnp.arrays(np.float64, st.integers(1, 6), elements=st.floats(-10, 10)),
     data=st.data(),
@@ -145,7 +146,7 @@ def test_groups_with_equal_rewards_are_not_merged(
     np.testing.assert_allclose(together, want, rtol=1e-6, atol=1e-6 * _scale(want))
 
 
-@S.fast_settings(150)
+@T.property_settings(150)
 @given(batch=_batches(), data=st.data(), std=st.sampled_from(("group", "global")))
 def test_permutation_equivariant_within_groups(batch: Batch, data: st.DataObject, std: str) -> None:
     rewards, groups = batch
@@ -161,7 +162,7 @@ def test_permutation_equivariant_within_groups(batch: Batch, data: st.DataObject
     np.testing.assert_allclose(permuted, base[perm], rtol=1e-6, atol=1e-6 * _scale(base))
 
 
-@S.fast_settings(100)
+@T.property_settings(100)
 @given(batch=_spread_batches())
 def test_global_std_is_population_std_of_whole_batch(batch: Batch) -> None:
     rewards, groups = batch
@@ -175,3 +176,17 @@ def test_global_std_is_population_std_of_whole_batch(batch: Batch) -> None:
     spreads = grouped.std(axis=1)
     if np.ptp(spreads) > 1e-3 * spreads.max() and grouped.shape[0] > 1:
         assert not np.allclose(got, per_group, rtol=1e-4, atol=1e-6)
+
+
+@T.property_settings(150)
+@given(batch=T.reward_groups(), std=st.sampled_from(("group", "global")))
+def test_public_invariants_on_groups_with_ties_and_constant_groups(batch: Batch, std: str) -> None:
+    rewards, groups = batch
+    T.assert_group_advantages_invariants(rewards, groups, std=std)
+    # ... and the float64 statement of mathematics §7 (constant groups exactly 0).
+    np.testing.assert_allclose(
+        fg.group_advantages(rewards, groups, std=std),
+        ref.group_advantages(rewards, groups, std=std),
+        rtol=1e-6,
+        atol=1e-6 * _scale(ref.group_advantages(rewards, groups, std=std)),
+    )

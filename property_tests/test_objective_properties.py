@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import assume, given, strategies as st
 
+import flowgrpo_eqx.testing as T
 from property_tests import _strategies as S
 
 
@@ -42,10 +43,10 @@ def _count_cases(draw: st.DrawFn) -> tuple[S.Config, int, float]:
         window_indices=window,
         dim=4,
     )
-    return config, draw(S.seeds), draw(S.mask_probabilities)
+    return config, draw(T.seeds()), draw(st.sampled_from(T.MASK_PROBABILITIES))
 
 
-@S.fast_settings(25)
+@T.property_settings(25)
 @given(case=_count_cases())
 def test_denominator_is_the_kept_stochastic_count(case: tuple[S.Config, int, float]) -> None:
     config, seed, mask_p = case
@@ -68,7 +69,7 @@ def test_denominator_is_the_kept_stochastic_count(case: tuple[S.Config, int, flo
     np.testing.assert_array_equal(expected, mask & by_index)
 
     obj = config.objective()
-    total, aux = S.loss_only(obj, config.variables(obj), batch)
+    total, aux = T.loss_only(obj, config.variables(obj), batch)
     want = float(expected.sum())
     assert float(total.count) == want
     assert float(aux.counted) == want
@@ -79,8 +80,9 @@ def test_denominator_is_the_kept_stochastic_count(case: tuple[S.Config, int, flo
         assert float(total.value) == 0.0
         assert float(total.total) == 0.0
 
-    # The objective's own kept set agrees entry by entry.
+    # The objective's own kept set agrees entry by entry, and so does the public invariant.
     np.testing.assert_array_equal(np.asarray(obj.kept(batch)), expected)
+    T.assert_denominator_is_kept_count(obj, config.variables(obj), batch)
 
 
 # --------------------------------------------------------------------------------------
@@ -89,14 +91,14 @@ def test_denominator_is_the_kept_stochastic_count(case: tuple[S.Config, int, flo
 _poisons = st.sampled_from((math.nan, math.inf, -math.inf, 3e38))
 
 
-@S.fast_settings(30)
+@T.property_settings(30)
 @given(
     config=S.configs,
-    shape=S.shapes,
-    seed=S.seeds,
+    shape=st.sampled_from(T.SHAPES),
+    seed=T.seeds(),
     mask_p=st.sampled_from((0.0, 0.4, 0.8)),
     per_transition=st.booleans(),
-    poisons=st.fixed_dictionaries({f: _poisons for f in S.FIELDS[:5] + ("advantages",)}),
+    poisons=st.fixed_dictionaries({f: _poisons for f in T.TRANSITION_FIELDS[:5] + ("advantages",)}),
 )
 def test_masked_entries_never_leak(
     config: S.Config,
@@ -121,7 +123,7 @@ def test_masked_entries_never_leak(
     advantage_where: np.ndarray = masked
     if not per_transition:
         advantage_where = np.all(masked, axis=1)  # an [N] advantage only of wholly masked rows
-    bad = S.replace(
+    bad = T.replace_fields(
         batch,
         latents=poison("latents", masked),
         next_latents=poison("next_latents", masked),
@@ -133,31 +135,33 @@ def test_masked_entries_never_leak(
 
     obj = config.objective()
     variables = config.variables(obj)
-    value, total, aux, grad = S.loss_value_and_grad(obj, variables, batch)
-    bad_value, bad_total, bad_aux, bad_grad = S.loss_value_and_grad(obj, variables, bad)
+    value, total, aux, grad = T.loss_value_and_grad(obj, variables, batch)
+    bad_value, bad_total, bad_aux, bad_grad = T.loss_value_and_grad(obj, variables, bad)
 
     assert np.isfinite(float(bad_value))
-    assert S.all_finite(bad_grad)
+    assert T.all_finite(bad_grad)
     assert float(bad_value) == float(value)
     assert float(bad_total.count) == float(total.count) == float(rollout.kept.sum())
     for leaf, bad_leaf in zip(jax.tree.leaves(aux), jax.tree.leaves(bad_aux), strict=True):
         np.testing.assert_array_equal(np.asarray(bad_leaf), np.asarray(leaf))
-    S.assert_grads_equal(bad_grad, grad)
+    T.assert_trees_equal(bad_grad, grad)
 
     if rollout.kept.sum() == 0:  # D = 0: loss 0 and zero gradients, never NaN
         assert float(bad_value) == 0.0
-        assert all(np.all(g == 0) for g in S.grad_leaves(bad_grad))
+        assert all(np.all(g == 0) for g in T.gradient_leaves(bad_grad))
+    # The public invariant poisons the conditioning of unkept rows as well.
+    T.assert_masked_entries_inert(obj, variables, batch, poison=poisons["latents"])
 
 
 # --------------------------------------------------------------------------------------
 # 3. Invariance to row permutation and to duplicating the batch.
 
 
-@S.fast_settings(25)
+@T.property_settings(25)
 @given(
     config=S.configs,
-    shape=S.shapes,
-    seed=S.seeds,
+    shape=st.sampled_from(T.SHAPES),
+    seed=T.seeds(),
     per_transition=st.booleans(),
     data=st.data(),
 )
@@ -173,25 +177,14 @@ def test_row_permutation_invariance(
         config, seed, rows, transitions, mask_p=0.8, per_transition_advantages=per_transition
     )
     perm = np.asarray(data.draw(st.permutations(range(rows))), dtype=np.int32)
-    permuted = S.map_rows(rollout.batch, lambda leaf: leaf[perm])
     obj = config.objective()
-    variables = config.variables(obj)
-    value, total, aux, grad = S.loss_value_and_grad(obj, variables, rollout.batch)
-    p_value, p_total, p_aux, p_grad = S.loss_value_and_grad(obj, variables, permuted)
-    assert float(p_total.count) == float(total.count)
-    np.testing.assert_allclose(float(p_value), float(value), rtol=1e-5, atol=1e-6)
-    for name in ("kl", "clipfrac", "ratio", "approx_kl"):
-        np.testing.assert_allclose(
-            float(getattr(p_aux, name).value),
-            float(getattr(aux, name).value),
-            rtol=1e-5,
-            atol=1e-6,
-        )
-    S.assert_grads_close(p_grad, grad)
+    T.assert_row_permutation_invariant(obj, config.variables(obj), rollout.batch, perm)
 
 
-@S.fast_settings(20)
-@given(config=S.configs, shape=S.shapes, seed=S.seeds, per_transition=st.booleans())
+@T.property_settings(20)
+@given(
+    config=S.configs, shape=st.sampled_from(T.SHAPES), seed=T.seeds(), per_transition=st.booleans()
+)
 def test_duplicated_batch_doubles_total_and_count(
     config: S.Config, shape: tuple[int, int], seed: int, per_transition: bool
 ) -> None:
@@ -199,23 +192,8 @@ def test_duplicated_batch_doubles_total_and_count(
     rollout = S.make_rollout(
         config, seed, rows, transitions, mask_p=0.8, per_transition_advantages=per_transition
     )
-    doubled = S.map_rows(rollout.batch, lambda leaf: jnp.concatenate([leaf, leaf], axis=0))
     obj = config.objective()
-    variables = config.variables(obj)
-    value, total, aux, grad = S.loss_value_and_grad(obj, variables, rollout.batch)
-    d_value, d_total, d_aux, d_grad = S.loss_value_and_grad(obj, variables, doubled)
-    assert float(d_total.count) == 2 * float(total.count)
-    assert float(d_aux.counted) == 2 * float(aux.counted)
-    np.testing.assert_allclose(float(d_total.total), 2 * float(total.total), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(float(d_value), float(value), rtol=1e-5, atol=1e-6)
-    for name in ("kl", "clipfrac", "ratio", "approx_kl", "policy_loss"):
-        np.testing.assert_allclose(
-            float(getattr(d_aux, name).total),
-            2 * float(getattr(aux, name).total),
-            rtol=1e-5,
-            atol=1e-6,
-        )
-    S.assert_grads_close(d_grad, grad)
+    T.assert_duplication_doubles_total(obj, config.variables(obj), rollout.batch)
 
 
 # --------------------------------------------------------------------------------------
@@ -229,12 +207,12 @@ def _log_ratios(rng: np.random.Generator, shape: tuple[int, int], clip: float) -
     return np.where(near, u + 0.01, u)
 
 
-@S.fast_settings(25)
+@T.property_settings(25)
 @given(
     config=S.configs,
-    shape=S.shapes,
-    seed=S.seeds,
-    mask_p=S.mask_probabilities,
+    shape=st.sampled_from(T.SHAPES),
+    seed=T.seeds(),
+    mask_p=st.sampled_from(T.MASK_PROBABILITIES),
     per_transition=st.booleans(),
 )
 def test_clipfrac_decomposes_and_matches_numpy(
@@ -250,10 +228,10 @@ def test_clipfrac_decomposes_and_matches_numpy(
     )
     obj = config.objective()
     variables = config.variables(obj)
-    own = np.asarray(S.log_probs(obj, variables, rollout.batch))
+    own = np.asarray(T.log_probs(obj, variables, rollout.batch))
     u = _log_ratios(np.random.default_rng(seed), shape, config.clip_range)
-    batch = S.replace(rollout.batch, old_log_probs=jnp.asarray(own - u, jnp.float32))
-    _, total, aux, _ = S.loss_value_and_grad(obj, variables, batch)
+    batch = T.replace_fields(rollout.batch, old_log_probs=jnp.asarray(own - u, jnp.float32))
+    _, total, aux, _ = T.loss_value_and_grad(obj, variables, batch)
 
     kept = rollout.kept
     ratio = np.exp(u)
@@ -279,11 +257,11 @@ def test_clipfrac_decomposes_and_matches_numpy(
 # 5. An unchanged policy rescored on its own log probs has ratio 1.
 
 
-@S.fast_settings(25)
+@T.property_settings(25)
 @given(
     config=S.configs,
-    shape=S.shapes,
-    seed=S.seeds,
+    shape=st.sampled_from(T.SHAPES),
+    seed=T.seeds(),
     per_transition=st.booleans(),
 )
 def test_unchanged_policy_has_ratio_one(
@@ -295,15 +273,12 @@ def test_unchanged_policy_has_ratio_one(
     )
     obj = config.objective()
     variables = config.variables(obj)
-    own = S.log_probs(obj, variables, rollout.batch)
-    batch = S.replace(rollout.batch, old_log_probs=own)
-    _, total, aux, _ = S.loss_value_and_grad(obj, variables, batch)
+    T.assert_unchanged_policy_ratio_one(obj, variables, rollout.batch)
+    own = T.log_probs(obj, variables, rollout.batch)
+    batch = T.replace_fields(rollout.batch, old_log_probs=own)
+    _, total, aux, _ = T.loss_value_and_grad(obj, variables, batch)
     kept = rollout.kept
     assume(kept.any())
-    np.testing.assert_allclose(float(aux.ratio.value), 1.0, rtol=0, atol=1e-6)
-    assert float(aux.clipfrac.value) == 0.0
-    assert float(aux.clipfrac_gt_one.value) == 0.0
-    assert float(aux.clipfrac_lt_one.value) == 0.0
     assert float(aux.approx_kl.value) <= 1e-11
     # With r = 1 the surrogate is -clip(A): the policy loss is minus the mean kept advantage.
     advantages = np.asarray(rollout.batch.advantages, np.float64)
@@ -329,11 +304,11 @@ def test_unchanged_policy_has_ratio_one(
 # 6. Transitions clipped in the advantage's direction give exactly zero gradient.
 
 
-@S.fast_settings(25)
+@T.property_settings(25)
 @given(
     config=st.sampled_from(S.BETA_FREE_CONFIGS + (S.CONFIGS[1].replace(beta=0.0),)),
-    shape=S.shapes,
-    seed=S.seeds,
+    shape=st.sampled_from(T.SHAPES),
+    seed=T.seeds(),
     per_transition=st.booleans(),
     mask_p=st.sampled_from((0.5, 1.0)),
 )
@@ -351,7 +326,7 @@ def test_clipped_in_advantage_direction_has_zero_gradient(
     rng = np.random.default_rng(seed)
     obj = config.objective()
     variables = config.variables(obj)
-    own = np.asarray(S.log_probs(obj, variables, rollout.batch))
+    own = np.asarray(T.log_probs(obj, variables, rollout.batch))
     clip = config.clip_range
 
     # The direction of each advantage (per row or per transition), and its magnitude (some
@@ -365,9 +340,9 @@ def test_clipped_in_advantage_direction_has_zero_gradient(
     u = np.where(per_entry > 0, math.log1p(clip) + margin, math.log1p(-clip) - margin)
     old = jnp.asarray(own - u, jnp.float32)
 
-    aligned = S.replace(rollout.batch, old_log_probs=old, advantages=jnp.asarray(advantage))
-    value, total, aux, grad = S.loss_value_and_grad(obj, variables, aligned)
-    assert all(np.all(g == 0) for g in S.grad_leaves(grad)), "clipped transitions leak gradient"
+    aligned = T.replace_fields(rollout.batch, old_log_probs=old, advantages=jnp.asarray(advantage))
+    value, total, aux, grad = T.loss_value_and_grad(obj, variables, aligned)
+    assert all(np.all(g == 0) for g in T.gradient_leaves(grad)), "clipped transitions leak gradient"
     kept = rollout.kept
     if kept.any():
         entry = advantage if per_transition else np.repeat(advantage[:, None], transitions, 1)
@@ -376,11 +351,11 @@ def test_clipped_in_advantage_direction_has_zero_gradient(
         np.testing.assert_allclose(float(value), want, rtol=1e-5, atol=1e-6)
         assert float(aux.clipfrac.value) == 1.0
 
-    opposite = S.replace(aligned, advantages=jnp.asarray(-advantage))
-    _, _, _, opposite_grad = S.loss_value_and_grad(obj, variables, opposite)
-    assert S.all_finite(opposite_grad)
+    opposite = T.replace_fields(aligned, advantages=jnp.asarray(-advantage))
+    _, _, _, opposite_grad = T.loss_value_and_grad(obj, variables, opposite)
+    assert T.all_finite(opposite_grad)
     assume(kept.any())
-    largest = max(float(np.max(np.abs(g))) for g in S.grad_leaves(opposite_grad))
+    largest = max(float(np.max(np.abs(g))) for g in T.gradient_leaves(opposite_grad))
     assert largest > 1e-6, "unclipped transitions give no gradient"
 
 
@@ -388,15 +363,15 @@ def test_clipped_in_advantage_direction_has_zero_gradient(
 # log_probs scores each entry as the SDE's mean-coordinate Gaussian density (mathematics §3).
 
 
-@S.fast_settings(25)
-@given(config=S.configs, shape=S.shapes, seed=S.seeds)
+@T.property_settings(25)
+@given(config=S.configs, shape=st.sampled_from(T.SHAPES), seed=T.seeds())
 def test_log_probs_match_numpy_per_entry(
     config: S.Config, shape: tuple[int, int], seed: int
 ) -> None:
     rows, transitions = shape
     rollout = S.make_rollout(config, seed, rows, transitions)
     obj = config.objective()
-    got = np.asarray(S.log_probs(obj, config.variables(obj), rollout.batch))
+    got = np.asarray(T.log_probs(obj, config.variables(obj), rollout.batch))
     assert got.shape == (rows, transitions)
     np.testing.assert_allclose(got, rollout.own, rtol=1e-5, atol=2e-5)
 
@@ -405,11 +380,11 @@ def test_log_probs_match_numpy_per_entry(
 # 10. transition_chunk does not change the loss or its gradient.
 
 
-@S.fast_settings(12)
+@T.property_settings(12)
 @given(
     config=st.sampled_from((S.CONFIGS[1], S.CONFIGS[3])),
-    shape=st.sampled_from(S.SHAPES[:2]),
-    seed=S.seeds,
+    shape=st.sampled_from(T.SHAPES[:2]),
+    seed=T.seeds(),
     chunk=st.sampled_from((1, 2)),
     mask_p=st.sampled_from((0.8, 1.0)),
 )
@@ -423,23 +398,44 @@ def test_transition_chunk_agrees(
     whole = config.objective()
     chunked = config.objective(transition_chunk=chunk)
     variables = config.variables(whole)
-    value, total, aux, grad = S.loss_value_and_grad(whole, variables, rollout.batch)
-    c_value, c_total, c_aux, c_grad = S.loss_value_and_grad(chunked, variables, rollout.batch)
-    assert float(c_total.count) == float(total.count)
-    np.testing.assert_allclose(float(c_value), float(value), rtol=1e-5, atol=1e-6)
-    for name in ("kl", "clipfrac", "ratio", "approx_kl", "policy_loss"):
-        np.testing.assert_allclose(
-            float(getattr(c_aux, name).value),
-            float(getattr(aux, name).value),
-            rtol=1e-5,
-            atol=1e-6,
-        )
-    S.assert_grads_close(c_grad, grad)
+    T.assert_transition_chunk_agrees(whole, chunked, variables, rollout.batch)
     # Entry by entry, both agree with the sample's own NumPy log density.
     for obj in (whole, chunked):
         np.testing.assert_allclose(
-            np.asarray(S.log_probs(obj, variables, rollout.batch)),
+            np.asarray(T.log_probs(obj, variables, rollout.batch)),
             rollout.own,
             rtol=1e-5,
             atol=2e-5,
         )
+
+
+# --------------------------------------------------------------------------------------
+# The public strategy of `flowgrpo_eqx.testing`: batches sampled by the objective itself.
+
+_SAMPLED = S.CONFIGS[1]  # a window (deterministic intervals), guidance and a KL reference
+_SAMPLED_OBJECTIVE = _SAMPLED.objective()
+_SAMPLED_VARIABLES = _SAMPLED.variables(_SAMPLED_OBJECTIVE)
+
+
+@T.property_settings(15)
+@given(
+    batch=T.transitions(_SAMPLED_OBJECTIVE, _SAMPLED_VARIABLES, steps=_SAMPLED.steps),
+    poison=st.sampled_from((math.nan, math.inf, -math.inf)),
+)
+def test_invariants_hold_on_batches_the_objective_samples(batch, poison: float) -> None:
+    obj, variables = _SAMPLED_OBJECTIVE, _SAMPLED_VARIABLES
+    T.assert_denominator_is_kept_count(obj, variables, batch)
+    T.assert_masked_entries_inert(obj, variables, batch, poison=poison)
+    T.assert_unchanged_policy_ratio_one(obj, variables, batch)
+    # Sampled from the grid: deterministic intervals (outside the window) occur and score 0.
+    stochastic = S.kept_numpy(
+        np.ones(batch.transition_mask.shape, bool),
+        np.asarray(batch.timesteps),
+        np.asarray(batch.next_timesteps),
+        _SAMPLED.noise_level,
+        _SAMPLED.kind,
+        _SAMPLED.window,
+    )
+    own = np.asarray(T.log_probs(obj, variables, batch))
+    assert np.all(own[~stochastic] == 0.0)
+    assert np.all(own[stochastic] != 0.0)

@@ -11,6 +11,7 @@ from hypothesis import example, given, strategies as st
 from hypothesis.extra import numpy as hnp
 
 import flowgrpo_eqx as fg
+import flowgrpo_eqx.testing as T
 from property_tests import _strategies as S
 from tests import numpy_reference as ref
 
@@ -32,7 +33,7 @@ def _vectors(dim: int) -> st.SearchStrategy[np.ndarray]:
 # 7. KL >= 0, 0 on equal means, released weighting = |dt| * paper.
 
 
-@S.fast_settings(60)
+@T.property_settings(60)
 @given(
     data=st.data(),
     dim=_dims,
@@ -75,7 +76,7 @@ def test_kl_nonnegative_zero_on_equal_means_and_released_weighting(
 # 9. The grid starts at 1 and ends at 0; the first transition's std is `noise_level`.
 
 
-@S.fast_settings(60)
+@T.property_settings(60)
 @given(shift=_shifts, steps=st.integers(2, 60))
 @example(shift=1.0, steps=2)
 @example(shift=3.0, steps=41)
@@ -93,7 +94,7 @@ def test_grid_endpoints_are_exactly_one_and_zero(shift: float, steps: int) -> No
     np.testing.assert_allclose(grid, shift * u / (1 + (shift - 1) * u), rtol=1e-5, atol=1e-7)
 
 
-@S.fast_settings(60)
+@T.property_settings(60)
 @given(shift=_shifts, steps=st.integers(2, 60), noise_level=_noise_levels, dim=_dims)
 @example(shift=1.0, steps=2, noise_level=0.7, dim=3)
 @example(shift=0.1, steps=11, noise_level=0.7, dim=3)
@@ -113,7 +114,7 @@ def test_first_transition_std_is_noise_level(
 # 9. log_prob: the density of the mean itself, and the mean-coordinate formula.
 
 
-@S.fast_settings(60)
+@T.property_settings(60)
 @given(data=st.data(), dim=_dims, std=_stds)
 def test_log_prob_matches_mean_coordinate_formula(
     data: st.DataObject, dim: int, std: float
@@ -139,7 +140,7 @@ def test_log_prob_matches_mean_coordinate_formula(
     assert float(sde.log_prob(jnp.asarray(x_next), m, 0.0)) == 0.0
 
 
-@S.fast_settings(40)
+@T.property_settings(40)
 @given(
     data=st.data(),
     dim=_dims,
@@ -180,7 +181,7 @@ def test_transition_matches_numpy_and_sampled_log_prob(
         assert float(std) == 0.0
 
 
-@S.fast_settings(40)
+@T.property_settings(40)
 @given(
     noise_level=st.floats(0.9, 1.0),
     steps=st.integers(3, 20),
@@ -212,3 +213,43 @@ def test_cps_mean_is_accurate_for_noise_levels_near_one(
     np.testing.assert_allclose(float(std), want_std[0], rtol=2e-5, atol=1e-7)
     scale = 1.0 + float(np.max(np.abs(want_mean)))
     np.testing.assert_allclose(np.asarray(mean), want_mean[0], rtol=2e-5, atol=2e-6 * scale)
+
+
+@T.property_settings(40)
+@given(grid=T.time_grids(shifts=st.just(3.0)))
+def test_public_grid_invariant(grid: np.ndarray) -> None:
+    steps = grid.shape[0]
+    T.assert_grid_endpoints(fg.RectifiedFlow(3.0), steps)
+    np.testing.assert_allclose(grid, ref.grid(steps, 3.0), rtol=1e-5, atol=1e-7)
+
+
+@T.property_settings(60)
+@given(
+    data=st.data(),
+    dim=_dims,
+    kind=st.sampled_from(("flow", "cps")),
+    noise_level=st.sampled_from((0.0, 0.5, 0.9)),
+    steps=st.integers(3, 12),
+    windowed=st.booleans(),
+)
+def test_public_sde_invariants(
+    data: st.DataObject, dim: int, kind: str, noise_level: float, steps: int, windowed: bool
+) -> None:
+    grid = S.grid_of(steps, 3.0)
+    i = data.draw(st.integers(0, steps - 2))
+    window = fg.window_for_indices(jnp.asarray(grid), 0, 1) if windowed else None
+    sde = (fg.FlowSDE if kind == "flow" else fg.CoefficientsPreservingSDE)(
+        noise_level, window=window
+    )
+    T.assert_sde_invariants(
+        sde,
+        data.draw(_vectors(dim)),
+        data.draw(_vectors(dim)),
+        float(grid[i]),
+        float(grid[i + 1]),
+        data.draw(hnp.arrays(np.float32, (dim,), elements=st.floats(-3, 3, width=32))),
+        data.draw(_vectors(dim)),
+    )
+    # Which intervals are stochastic is the NumPy oracle's statement.
+    _, std = sde.transition(jnp.zeros(dim), jnp.zeros(dim), grid[i], grid[i + 1])
+    assert (float(std) > 0) == bool(ref.stochastic(grid[i], grid[i + 1], noise_level, kind, window))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowgrpo_eqx._launch import free_port
+from flowgrpo_eqx.shapes_demo.launch import free_port
 from flowgrpo_eqx.train import _checkpoint
 from flowgrpo_eqx.train._checkpoint import Checkpointer, CheckpointError, load_model, save_model
 from flowgrpo_eqx.train._preemption import PREEMPTED_EXIT_STATUS, GracefulStop

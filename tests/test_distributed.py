@@ -8,7 +8,6 @@ Flow-GRPO part differs.
 import json
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 
 from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
 from flowgrpo_eqx.train import load_model
+from tests.cli_helpers import with_base
 
 
 TIMEOUT = 600
@@ -67,13 +67,6 @@ def baseline(tmp_path_factory):
     result, _ = run_cli("train", *COMMON, "--out", str(out), "--devices", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
-
-
-def with_base(baseline, folder):
-    folder.mkdir(parents=True, exist_ok=True)
-    for base in baseline.glob("base_*.eqx"):
-        shutil.copy(base, folder / base.name)
-    return folder
 
 
 def records(folder):
@@ -151,7 +144,7 @@ def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
         "--out",
         str(out),
         "--custom-reward",
-        "tests.failing_rewards:FailingReward",
+        "tests.cli_rewards:FailingReward",
     )
     assert result.returncode == 1
     for rank in (0, 1):

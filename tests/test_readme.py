@@ -26,7 +26,7 @@ def test_readme_user_model_example_runs(capsys):
     assert int(state.step) == 3 * 2  # 3 epochs x (16 rows / 8 per minibatch)
 
 
-def test_readme_has_set_up_commands_and_seed_table():
+def test_readme_has_set_up_commands_and_name_table():
     text = README.read_text()
     assert 'pip install -e ".[dev]"' in text
     assert "python -m pytest" in text
@@ -46,3 +46,19 @@ def test_readme_has_set_up_commands_and_seed_table():
         "Aux",
     ):
         assert f"`{name}" in text, name
+
+
+def test_readme_config_file_example_is_a_valid_config(tmp_path):
+    from flowgrpo_eqx.shapes_demo import make_config
+    from flowgrpo_eqx.shapes_demo.config import read_config_file
+
+    block = next(
+        b
+        for b in re.findall(r"```toml\n(.*?)```", README.read_text(), flags=re.S)
+        if "learning_rate" in b
+    )
+    path = tmp_path / "run.toml"
+    path.write_text(block)
+    config = make_config(**read_config_file(path))
+    assert config.learning_rate == 3e-4 and config.train_steps is None
+    assert config.log == ("tensorboard",)

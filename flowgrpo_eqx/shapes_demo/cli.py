@@ -4,6 +4,11 @@
   it with Flow-GRPO, measure again.
 - `flowgrpo-eqx pretrain --out DIR`: flow-matching pretraining of the base model only.
 - `flowgrpo-eqx eval --checkpoint PATH`: measure a saved policy.
+- `flowgrpo-eqx serve-reward REWARD --port P`: serve a reward over HTTP for `--reward-url`.
+- `flowgrpo-eqx train --seeds 0,1,2 --out DIR`: one run per training seed and a summary.
+- `flowgrpo-eqx check`: the porting check (one collect, one update, a verdict per line) on
+  the demo's setup, or on a user's with `--factory package.module:callable`; exit status 1
+  if any line fails.
 - `flowgrpo-eqx launch --local N -- train ...`: run a subcommand as N local processes on
   JAX's distributed runtime.
 
@@ -23,11 +28,12 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .config import JobConfig, make_config
+from .config import JobConfig, config_to_toml, make_config, read_config_file
 
 
 def _parser_for(annotation: Any) -> Callable[[str], Any]:
-    """A string parser for a `JobConfig` field's type (`int`, `float | None`, a `Literal`)."""
+    """A string parser for a `JobConfig` field's type (`int`, `float | None`, a `Literal`,
+    a tuple given comma-separated)."""
     args = typing.get_args(annotation)
     optional = isinstance(annotation, types.UnionType) and type(None) in args
     base = next((a for a in args if a is not type(None)), annotation) if optional else annotation
@@ -35,6 +41,8 @@ def _parser_for(annotation: Any) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         if optional and text.lower() == "none":
             return None
+        if typing.get_origin(base) is tuple:
+            return tuple(item.strip() for item in text.split(",") if item.strip())
         if typing.get_origin(base) is typing.Literal:
             return text
         return base(text)
@@ -72,8 +80,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="pretrain or load the base model, then Flow-GRPO")
     train.add_argument("--out", default="runs/train", help="run folder (default runs/train)")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest intact checkpoint (damaged ones are reported and skipped)",
+    )
+    train.add_argument(
+        "--config",
+        default=None,
+        help="a TOML file of settings (a run folder's config.toml reproduces that run); "
+        "precedence: preset < file < flags",
+    )
+    train.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings as TOML and exit",
+    )
+    train.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated training seeds: one run per seed in OUT/seed_<s>, then "
+        "OUT/seeds_summary.json (mean, std, worst, best) and OUT/seeds_accuracy.png",
+    )
+    train.add_argument(
+        "--reward-token",
+        default=None,
+        help="token for --reward-url's server (default: $FLOWGRPO_REWARD_TOKEN)",
+    )
     _add_common(train)
+
+    serve = commands.add_parser(
+        "serve-reward", help="serve a reward over HTTP for --reward-url (needs aiohttp)"
+    )
+    serve.add_argument(
+        "reward",
+        help="a built-in reward name (partial, strict, jpeg_incompressibility, "
+        "jpeg_compressibility) or package.module:callable",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    serve.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    serve.add_argument(
+        "--token",
+        default=None,
+        help="a token clients must send (default: $FLOWGRPO_REWARD_TOKEN, or none)",
+    )
 
     pretrain = commands.add_parser("pretrain", help="flow-matching pretraining of the base model")
     pretrain.add_argument("--out", default="runs/pretrain", help="where base_<hash>.eqx goes")
@@ -87,6 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--out", default="runs/eval", help="where samples_eval.png goes")
     _add_common(evaluate)
+
+    check = commands.add_parser(
+        "check", help="the porting check: one collect and one update, a verdict per line"
+    )
+    check.add_argument("--out", default="runs/check", help="where a pretrained base goes")
+    check.add_argument(
+        "--factory",
+        default=None,
+        help="package.module:callable returning (objective, rollout, variables, rows)",
+    )
+    _add_common(check)
 
     launch = commands.add_parser(
         "launch", help="run a subcommand as N local processes (jax.distributed, gloo on CPU)"
@@ -124,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     arguments = vars(build_parser().parse_args(argv))
     command = arguments.pop("command")
+    if command == "serve-reward":
+        return _serve_reward(arguments)
     if command == "launch":
         from .launch import launch_local
 
@@ -140,17 +203,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = {f.name for f in dataclasses.fields(JobConfig)}
     overrides = {k: v for k, v in arguments.items() if k in names}
     try:
-        config = make_config(arguments["preset"], **overrides)
+        from_file = read_config_file(arguments["config"]) if arguments.get("config") else {}
+        config = make_config(arguments["preset"], **{**from_file, **overrides})
     except (ValueError, TypeError) as error:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)
         return 2
+    if arguments.get("print_config"):
+        print(config_to_toml(config), end="")
+        return 0
     from .._distributed import initialize
     from .._reward import RewardError
+    from ..train._checkpoint import CheckpointError
 
     try:
         initialize(arguments["coordinator"], arguments["num_processes"], arguments["process_id"])
         return _run(command, config, arguments)
-    except RewardError as error:
+    except (RewardError, CheckpointError, OSError, ValueError) as error:
         print(f"flowgrpo-eqx: error on process {_rank()}: {error}", file=sys.stderr, flush=True)
         return _exit_failed(1)
     except Exception as error:  # noqa: BLE001 - a peer's death surfaces as a runtime error
@@ -164,6 +232,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         return _exit_failed(1)
+
+
+def _serve_reward(arguments: dict[str, Any]) -> int:
+    """`flowgrpo-eqx serve-reward`: serve a built-in or imported reward until SIGINT/SIGTERM."""
+    from .._reward import load_reward
+    from .job import BUILTIN_REWARDS
+
+    try:
+        reward = load_reward(arguments["reward"], BUILTIN_REWARDS)
+        from ..reward_server import serve
+    except (ValueError, ModuleNotFoundError) as error:
+        print(f"flowgrpo-eqx: {error}", file=sys.stderr)
+        return 2
+    token = arguments["token"] or os.environ.get("FLOWGRPO_REWARD_TOKEN") or None
+    serve(reward, host=arguments["host"], port=arguments["port"], token=token)
+    return 0
 
 
 def _processes() -> int:
@@ -192,16 +276,30 @@ def _rank() -> int:
 
 def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
     """Run one subcommand in this process (jax.distributed already started)."""
-    from .job import run_eval, run_pretrain, run_train
+    from ..train._preemption import PREEMPTED_EXIT_STATUS
+    from .job import run_eval, run_pretrain, run_seeds, run_train
 
-    if command == "train":
-        run_train(
+    if command == "train" and arguments["seeds"] is not None:
+        seeds = [int(seed) for seed in arguments["seeds"].split(",") if seed.strip()]
+        run_seeds(config, arguments["out"], seeds, quiet=arguments["quiet"])
+    elif command == "train":
+        result = run_train(
             config,
             arguments["out"],
             resume=arguments["resume"],
             quiet=arguments["quiet"],
             devices=arguments["devices"],
+            reward_token=arguments["reward_token"],
         )
+        if result.get("preempted"):
+            return PREEMPTED_EXIT_STATUS
+    elif command == "check":
+        from .check import run_check
+
+        report = run_check(
+            config, arguments["out"], factory=arguments["factory"], quiet=arguments["quiet"]
+        )
+        return 0 if report.passed else 1
     elif command == "pretrain":
         run_pretrain(config, arguments["out"], quiet=arguments["quiet"])
     else:

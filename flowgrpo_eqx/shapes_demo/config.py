@@ -7,6 +7,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import tomllib
+import types
+import typing
 from typing import Any, Literal, TypeAlias
 
 from .._misc import is_int
@@ -18,8 +22,12 @@ RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]
 LrSchedule: TypeAlias = Literal["constant", "cosine"]
 """The step size: constant, or a cosine from the peak down to 0 at the last update."""
 
+LogName: TypeAlias = Literal["tensorboard", "wandb"]
+"""Where a run's metrics go besides `metrics.jsonl`."""
+
 REWARD_NAMES: tuple[RewardName, ...] = ("partial", "strict", "jpeg_incompressibility")
 LR_SCHEDULES: tuple[LrSchedule, ...] = ("constant", "cosine")
+LOG_NAMES: tuple[LogName, ...] = ("tensorboard", "wandb")
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -83,6 +91,13 @@ class JobConfig:
     custom_reward: str | None = _setting(
         None, "package.module:callable of your own FlowReward, used instead of --reward"
     )
+    reward_url: str | None = _setting(
+        None,
+        "score through a reward server at this URL instead of in process (flowgrpo-eqx "
+        "serve-reward; token from --reward-token or FLOWGRPO_REWARD_TOKEN)",
+    )
+    reward_timeout: float = _setting(60.0, "seconds one request to the reward server may take")
+    reward_retries: int = _setting(2, "retries of a failed reward request (with backoff)")
     ema_decay: float | None = _setting(
         None,
         "EMA of the policy (of the adapters with LoRA) in the held slot (needs beta 0 "
@@ -107,10 +122,21 @@ class JobConfig:
     eval_samples_per_prompt: int = _setting(8, "held-out samples per prompt (fixed noise)")
     eval_every: int = _setting(20, "epochs between held-out evaluations")
     preview_prompts: int = _setting(8, "prompts in samples_before.png / samples_after.png")
+    eval_seed: int = _setting(
+        0, "seed of the held-out evaluation's fixed noise (runs compare on the same samples)"
+    )
     # bookkeeping
     checkpoint_every: int = _setting(10, "epochs between checkpoints")
     keep_checkpoints: int = _setting(3, "checkpoints kept")
-    seed: int = _setting(0, "the seed everything random derives from")
+    log: tuple[LogName, ...] = _setting(
+        (), "metrics writers besides metrics.jsonl: tensorboard, wandb (comma-separated)"
+    )
+    seed: int = _setting(
+        0, "seed of the Flow-GRPO run: rollout noise and minibatch order (not the base model)"
+    )
+    pretrain_seed: int = _setting(
+        0, "seed of the base model: its initial weights and pretraining data"
+    )
 
     def __post_init__(self) -> None:
         at_least = {
@@ -131,7 +157,10 @@ class JobConfig:
             "preview_prompts": 1,
             "checkpoint_every": 1,
             "keep_checkpoints": 1,
+            "reward_retries": 0,
             "seed": 0,
+            "pretrain_seed": 0,
+            "eval_seed": 0,
             "lora_rank": 0,
         }
         for name, minimum in at_least.items():
@@ -151,7 +180,14 @@ class JobConfig:
             value = getattr(self, name)
             if value is not None and not (is_int(value) and value >= 1):
                 raise ValueError(f"Setting `{name}` must be none or an int >= 1, got {value!r}.")
-        positive = ("pretrain_lr", "learning_rate", "max_grad_norm", "clip_range", "adv_clip_max")
+        positive = (
+            "pretrain_lr",
+            "learning_rate",
+            "max_grad_norm",
+            "clip_range",
+            "adv_clip_max",
+            "reward_timeout",
+        )
         non_negative = ("weight_decay", "beta", "noise_level", "guidance_scale")
         for name in positive + non_negative:
             value = getattr(self, name)
@@ -174,6 +210,14 @@ class JobConfig:
         if self.reward not in REWARD_NAMES:
             raise ValueError(
                 f"Setting `reward` must be one of {REWARD_NAMES}, got {self.reward!r}."
+            )
+        if not isinstance(self.log, tuple) or any(name not in LOG_NAMES for name in self.log):
+            raise ValueError(f"Setting `log` must name writers from {LOG_NAMES}, got {self.log!r}.")
+        if self.custom_reward is not None and self.reward_url is not None:
+            raise ValueError("Settings `custom_reward` and `reward_url` exclude each other.")
+        if self.reward_url is not None and not self.reward_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"Setting `reward_url` must be an http(s) URL, got {self.reward_url!r}."
             )
         if self.custom_reward is not None and ":" not in self.custom_reward:
             raise ValueError(
@@ -215,7 +259,8 @@ class JobConfig:
         return min(self.prompts_per_epoch, NUM_TRAIN_PROMPTS) * self.groups
 
     def base_fingerprint(self) -> str:
-        """A hash of everything that determines the pretrained base model."""
+        """A hash of everything that determines the pretrained base model (and nothing else:
+        the Flow-GRPO `seed` does not enter, so every training seed reuses one base)."""
         fields = (
             "width",
             "depth",
@@ -225,9 +270,12 @@ class JobConfig:
             "pretrain_batch",
             "pretrain_lr",
             "cond_dropout",
-            "seed",
         )
-        text = json.dumps({name: getattr(self, name) for name in fields}, sort_keys=True)
+        settings: dict[str, Any] = {name: getattr(self, name) for name in fields}
+        # Stored under "seed", its name when one seed drove everything, so that the shipped
+        # base model keeps its file name.
+        settings["seed"] = self.pretrain_seed
+        text = json.dumps(settings, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -277,3 +325,97 @@ def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
     if unknown:
         raise ValueError(f"Unknown settings {unknown}; known: {sorted(names)}.")
     return JobConfig(**{**PRESETS[preset], **overrides})
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(JobConfig)
+
+
+def _accepts(annotation: Any, value: Any) -> bool:
+    """Whether a TOML value fits a `JobConfig` field's type (`"none"` stands for `None`)."""
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) and type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        return value == "none" or _accepts(inner, value)
+    if typing.get_origin(annotation) is Literal:
+        return value in args
+    if typing.get_origin(annotation) is tuple:
+        return isinstance(value, list) and all(_accepts(args[0], item) for item in value)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def _from_toml(annotation: Any, value: Any) -> Any:
+    if value == "none":
+        return None
+    if typing.get_origin(annotation) is tuple:
+        return tuple(value)
+    if annotation is float:
+        return float(value)
+    return value
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The settings a TOML file gives (a flat table of setting names; `"none"` for none).
+
+    **Arguments:**
+
+    - `path`: the `.toml` file, e.g. a run folder's `config.toml`.
+
+    **Returns:**
+
+    `{setting: value}` for the settings the file names.
+
+    **Raises:**
+
+    - `ValueError`: naming the file and the key, for a file that is not TOML, an unknown
+        setting, or a value of the wrong type.
+    """
+    try:
+        with open(path, "rb") as handle:
+            table = tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ValueError(f"Config file {os.fspath(path)!r}: {error}") from error
+    hints = _field_types()
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in hints:
+            raise ValueError(
+                f"Config file {os.fspath(path)!r}: unknown setting {key!r}; known: {sorted(hints)}."
+            )
+        if not _accepts(hints[key], value):
+            raise ValueError(
+                f"Config file {os.fspath(path)!r}: setting {key!r} = {value!r} is not of type "
+                f"{hints[key]}."
+            )
+        values[key] = _from_toml(hints[key], value)
+    return values
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:
+        return '"none"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"No TOML form for {value!r}.")
+
+
+def config_to_toml(config: JobConfig) -> str:
+    """The whole configuration as TOML, one setting per line with its help as a comment.
+
+    `read_config_file` of the text gives back the same configuration.
+    """
+    lines = ["# flowgrpo-eqx train --config THIS_FILE reproduces the run's settings."]
+    for field in dataclasses.fields(JobConfig):
+        lines.append(f"# {field.metadata['help']}")
+        lines.append(f"{field.name} = {_toml_value(getattr(config, field.name))}")
+    return "\n".join(lines) + "\n"

@@ -1,33 +1,45 @@
 """The main job: pretrain (or load) a base model on the shapes task, measure it, fine-tune it
 with Flow-GRPO, and measure again.
 
-Everything random derives from `JobConfig.seed`, the step counters and the epoch index, so
+The base model derives from `JobConfig.pretrain_seed`, the Flow-GRPO run from `seed` (with
+the step counters and the epoch index), and the held-out evaluation's noise from `eval_seed`;
 a run resumed from its latest checkpoint ends exactly as an uninterrupted one.
 """
 
 import dataclasses
 import json
 import pathlib
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 from jax.sharding import Mesh
+from jaxtyping import Array
 
 from .. import lora
-from .._custom_types import Step
-from .._distributed import data_mesh, local_copy, owned_rows, process_counts, replicate
+from .._custom_types import Step, Transitions
+from .._distributed import (
+    data_mesh,
+    host_samples,
+    local_copy,
+    owned_rows,
+    process_counts,
+    replicate,
+)
 from .._flow_base import Variables
+from .._http_reward import HttpReward
 from .._inputs import CFG, InputSpec
 from .._misc import leading_rows, select_rows
 from .._objective import FlowGRPOObjective
 from .._process import RectifiedFlow
-from .._reward import FlowReward, JpegIncompressibility, load_reward
-from .._rollout import FlowRollout
+from .._reward import FlowReward, JpegCompressibility, JpegIncompressibility, load_reward
+from .._rollout import FlowRollout, RolloutInfo
 from .._sde import FlowSDE, window_for_indices
 from ..models import DiT
 from ..train import (
@@ -44,15 +56,26 @@ from ..train import (
     save_model,
     supervised_steps,
 )
+from ..train._preemption import GracefulStop
+from ..train._writers import MetricsWriter, make_writers
 from ._progress import Progress
-from .config import JobConfig
-from .report import plot_curve
+from .config import JobConfig, config_to_toml
+from .report import plot_curve, plot_seed_curves
 from .task import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
 
 
 def _silent(message: str) -> None:
     del message
 
+
+BUILTIN_REWARDS: dict[str, Callable[[], FlowReward]] = {
+    "partial": lambda: ShapesReward(ShapesTask(), kind="partial"),
+    "strict": lambda: ShapesReward(ShapesTask(), kind="strict"),
+    # Dense even for an untrained model: used by the tiny smoke preset.
+    "jpeg_incompressibility": JpegIncompressibility,
+    "jpeg_compressibility": JpegCompressibility,
+}
+"""The rewards `--reward` and `flowgrpo-eqx serve-reward` know by name."""
 
 SHIPPED_DIR = pathlib.Path(__file__).resolve().parent / "checkpoints"
 """Where the shipped base models live, named `base_<fingerprint>.eqx`."""
@@ -68,7 +91,14 @@ class ShapesJob:
     - `quiet`: no progress bars.
     """
 
-    def __init__(self, config: JobConfig, out: str | pathlib.Path, quiet: bool = False):
+    def __init__(
+        self,
+        config: JobConfig,
+        out: str | pathlib.Path,
+        quiet: bool = False,
+        *,
+        reward_token: str | None = None,
+    ):
         self.config = config
         self.out = pathlib.Path(out)
         self.quiet = quiet
@@ -76,11 +106,15 @@ class ShapesJob:
         self.reward: FlowReward
         if config.custom_reward is not None:
             self.reward = load_reward(config.custom_reward)
-        elif config.reward == "jpeg_incompressibility":
-            # Dense even for an untrained model: used by the tiny smoke preset.
-            self.reward = JpegIncompressibility()
+        elif config.reward_url is not None:
+            self.reward = HttpReward(
+                config.reward_url,
+                timeout=config.reward_timeout,
+                retries=config.reward_retries,
+                token=reward_token,
+            )
         else:
-            self.reward = ShapesReward(self.task, kind=config.reward)
+            self.reward = BUILTIN_REWARDS[config.reward]()
         self.inputs = InputSpec(
             select="tokens",
             null=jnp.full((PROMPT_LENGTH,), NULL_TOKEN, jnp.int32),
@@ -96,7 +130,7 @@ class ShapesJob:
             heads=config.heads,
             vocab_size=VOCAB_SIZE + 1,
             prompt_length=PROMPT_LENGTH,
-            key=jax.random.key(config.seed),
+            key=jax.random.key(config.pretrain_seed),
         )
         self.guidance = CFG(config.guidance_scale)
 
@@ -120,11 +154,11 @@ class ShapesJob:
         """Flow-matching pretraining on rendered images of every prompt; returns the model."""
         config = self.config
         trainer = Trainer(self.pretrain_objective(), default_optimizer(config.pretrain_lr, 0.0))
-        state = trainer.init(jax.random.key(config.seed + 1))
+        state = trainer.init(jax.random.key(config.pretrain_seed + 1))
         prompts = self.task.rows("all")["tokens"]
 
         def make_batch(index: int) -> SupervisedBatch:
-            rng = np.random.default_rng([config.seed, index])
+            rng = np.random.default_rng([config.pretrain_seed, index])
             tokens = prompts[rng.integers(0, len(prompts), config.pretrain_batch)]
             images = self.task.render(tokens, rng)
             return SupervisedBatch(data=jnp.asarray(images), cond={"tokens": jnp.asarray(tokens)})
@@ -300,7 +334,7 @@ class ShapesJob:
         per_prompt = self.config.eval_samples_per_prompt
         rows = self.task.rows("heldout")
         tokens = np.repeat(rows["tokens"], per_prompt, axis=0)
-        step = Step(index=0, key=jax.random.key(10_000 + self.config.seed))
+        step = Step(index=0, key=jax.random.key(10_000 + self.config.eval_seed))
         variables = local_copy(variables)
         evaluation = objective.evaluate(variables, {"tokens": jnp.asarray(tokens)}, step)
         samples = np.asarray(evaluation.samples, np.float64)
@@ -329,11 +363,38 @@ class ShapesJob:
         objective.preview(
             local_copy(variables),
             {"tokens": jnp.asarray(tokens)},
-            Step(index=0, key=jax.random.key(20_000 + self.config.seed)),
+            Step(index=0, key=jax.random.key(20_000 + self.config.eval_seed)),
             scored=ShapesReward(self.task, kind="partial"),
             path=str(path),
             title=title,
         )
+
+
+@eqx.filter_jit
+def _kept_ratios(
+    objective: FlowGRPOObjective, variables: Variables, batch: Transitions
+) -> tuple[Array, Array]:
+    ratios = jnp.exp(objective.log_probs(variables, batch) - batch.old_log_probs)
+    return ratios, objective.kept(batch)
+
+
+def _log_distributions(
+    writers: MetricsWriter | None, objective: FlowGRPOObjective, epoch: int
+) -> Callable[[TrainState, Transitions, RolloutInfo], None]:
+    """After an epoch's updates: histograms of the advantages and of the policy ratio of the
+    kept transitions (run on every process, since gathering rows is collective)."""
+
+    def record(state: TrainState, batch: Transitions, info: RolloutInfo) -> None:
+        del info
+        ratios, kept = _kept_ratios(objective, state.variables, batch)
+        advantages = host_samples(batch.advantages)
+        ratio_values = host_samples(ratios)[host_samples(kept)]
+        if writers is not None:
+            writers.histogram(epoch, "advantages", advantages)
+            if ratio_values.size:
+                writers.histogram(epoch, "policy_ratio", ratio_values)
+
+    return record
 
 
 def run_train(
@@ -343,6 +404,7 @@ def run_train(
     resume: bool = False,
     quiet: bool = False,
     devices: int | None = None,
+    reward_token: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the main job and write the run folder; returns the summary.
@@ -350,19 +412,33 @@ def run_train(
     With several devices (or processes), rows are sharded over a data mesh and parameters
     replicated; process 0 alone scores rewards and writes files.
 
+    On SIGTERM or SIGINT the run finishes the epoch in progress, writes a checkpoint, says so
+    and returns `{"stopped_at_epoch": E, "preempted": True}` (the command line then exits with
+    `PREEMPTED_EXIT_STATUS`); a second signal stops at once. With several processes every
+    process stops after the same epoch. `resume=True` then continues to the result an
+    uninterrupted run would have had.
+
     **Arguments:**
 
     - `config`: the settings.
     - `out`: the run folder.
-    - `resume`: continue from the latest checkpoint in `out/checkpoints`.
+    - `resume`: continue from the newest intact checkpoint in `out/checkpoints` (damaged
+        ones are reported by path and skipped).
     - `quiet`: no progress bars.
     - `devices`: shard rows over this many devices (default: every device of every
         process; 1 turns sharding off).
+    - `reward_token`: the token for `config.reward_url`'s server (default: the
+        `FLOWGRPO_REWARD_TOKEN` environment variable).
     - `log`: where messages go (process 0 only).
 
     **Returns:**
 
-    The summary (also written to `summary.json`).
+    The summary (also written to `summary.json`), or the stop record after a signal.
+
+    **Raises:**
+
+    - `CheckpointError`: when resuming and checkpoints exist but none is intact.
+    - `RewardError`: when the reward fails (the run folder keeps its last checkpoint).
     """
     started = time.perf_counter()
     out = pathlib.Path(out)
@@ -372,8 +448,8 @@ def run_train(
         quiet = True
     out.mkdir(parents=True, exist_ok=True)
     if root:
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-    job = ShapesJob(config, out, quiet)
+        (out / "config.toml").write_text(config_to_toml(config))
+    job = ShapesJob(config, out, quiet, reward_token=reward_token)
     base, base_source = job.base_model(log)
     device_count = jax.device_count() if devices is None else devices
     mesh = data_mesh(device_count) if device_count > 1 else None
@@ -385,16 +461,57 @@ def run_train(
     # Only process 0 keeps the run's files; the others write to no log at all.
     metrics = MetricsLog(out / "metrics.jsonl" if root else None)
     placement = MetricsLog(out / "distributed.jsonl" if root else None)
+    writers = (
+        make_writers(config.log, out, config=dataclasses.asdict(config))
+        if root and config.log
+        else None
+    )
+    try:
+        with GracefulStop(log) as stop:
+            return _train_epochs(
+                job, objective, rollout, trainer, checkpoints, metrics, placement, writers,
+                stop, mesh=mesh, resume=resume, quiet=quiet, log=log, started=started,
+                base_source=base_source, checkpoint_metadata=checkpoint_metadata,
+            )  # fmt: skip
+    finally:
+        if writers is not None:
+            writers.close()
+
+
+def _train_epochs(
+    job: "ShapesJob",
+    objective: FlowGRPOObjective,
+    rollout: FlowRollout,
+    trainer: Trainer,
+    checkpoints: Checkpointer,
+    metrics: MetricsLog,
+    placement: MetricsLog,
+    writers: MetricsWriter | None,
+    stop: GracefulStop,
+    *,
+    mesh: Mesh | None,
+    resume: bool,
+    quiet: bool,
+    log: Callable[[str], None],
+    started: float,
+    base_source: str,
+    checkpoint_metadata: dict[str, Any],
+) -> dict[str, Any]:
+    config = job.config
+    out = job.out
+    root = jax.process_index() == 0
     state = trainer.init(jax.random.key(config.seed + 2))
     first_epoch = 0
-    if resume and checkpoints.latest() is not None:
-        stored, meta = checkpoints.restore(lora.without_bases(state))
-        state = job.from_checkpoint(stored, state, meta, checkpoints.directory)
+    found = checkpoints.restore_latest(lora.without_bases(state), report=log) if resume else None
+    if resume and found is None:
+        log(f"No checkpoint in {checkpoints.directory}: starting from the beginning.")
+    if found is not None:
+        stored, meta, path = found
+        state = job.from_checkpoint(stored, state, meta, path)
         first_epoch = int(meta["epoch"])
         base_measure = meta["base"]
         metrics.keep_only(lambda r: r.get("epoch", 0) <= first_epoch)
         placement.keep_only(lambda r: r.get("epoch", 0) <= first_epoch)
-        log(f"Resumed from {checkpoints.latest()} at epoch {first_epoch}.")
     else:
         metrics.clear()
         placement.clear()
@@ -412,6 +529,9 @@ def run_train(
                 "heldout_reward": base_measure["reward"],
             }
         )
+        if writers is not None:
+            writers.scalars(0, {"heldout_accuracy": float(base_measure["accuracy"])})
+            writers.image(0, "heldout_samples", out / "samples_before.png")
     if mesh is not None:
         state = replicate(state, mesh)
     log(
@@ -429,6 +549,7 @@ def run_train(
             jax.random.fold_in(run_key, epoch),
             inner_epochs=config.inner_epochs,
             minibatch_rows=config.minibatch_rows,
+            after_updates=_log_distributions(writers, objective, epoch) if config.log else None,
         )
         placement.write(
             {
@@ -444,20 +565,35 @@ def run_train(
         if epoch % config.eval_every == 0 or epoch == config.epochs:
             measured = job.measure(objective, state.variables)
             record.update(heldout_accuracy=measured["accuracy"], heldout_reward=measured["reward"])
+            if writers is not None:
+                picture = out / "previews" / f"epoch_{epoch:05d}.png"
+                job.preview(objective, state.variables, picture, f"epoch {epoch}")
+                writers.image(epoch, "heldout_samples", picture)
         metrics.write(record)
+        if writers is not None:
+            writers.scalars(epoch, {k: float(v) for k, v in record.items() if k != "epoch"})
         progress.update(
             1,
             reward=summary["reward_mean"],
             loss=summary.get("loss", 0.0),
             acc=record.get("heldout_accuracy"),
         )
-        if epoch % config.checkpoint_every == 0 or epoch == config.epochs:
+        stopping = stop.agreed(epoch)
+        if epoch % config.checkpoint_every == 0 or epoch == config.epochs or stopping:
             if root:
                 checkpoints.save(
                     epoch,
                     lora.without_bases(local_copy(state)),
                     {"epoch": epoch, "base": base_measure, **checkpoint_metadata},
                 )
+        if stopping and epoch < config.epochs:
+            progress.close()
+            cause = stop.received.name if stop.received is not None else "a peer's signal"
+            log(
+                f"Stopped after epoch {epoch} ({cause}); checkpoint in "
+                f"{checkpoints.directory}; continue with --resume."
+            )
+            return {"stopped_at_epoch": epoch, "preempted": True}
     progress.close()
     final = job.measure(objective, state.variables)
     if not root:
@@ -468,6 +604,8 @@ def run_train(
         out / "samples_after.png",
         f"after Flow-GRPO: held-out accuracy {final['accuracy']:.2f}",
     )
+    if writers is not None:
+        writers.image(config.epochs, "heldout_samples", out / "samples_after.png")
     job.save_policy(local_copy(state.variables.policy))
     records = metrics.read()
     plot_curve(records, out / "reward_curve.png")
@@ -494,6 +632,83 @@ def run_train(
         f"diversity {final['diversity']:.3f} (base {base_measure['diversity']:.3f})."
     )
     return summary_out
+
+
+def run_seeds(
+    config: JobConfig,
+    out: str | pathlib.Path,
+    seeds: list[int],
+    *,
+    quiet: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run one configuration once per training seed and summarise the runs.
+
+    Each run goes to `out/seed_<s>` with `seed = s` (the base model and the evaluation noise
+    are shared). `out/seeds_summary.json` holds, for every numeric summary figure, the mean,
+    the standard deviation (population, over the seeds), the worst (lowest) and the best
+    (highest) value, and every seed's value; `out/seeds_accuracy.png` plots every seed's
+    held-out accuracy curve.
+
+    **Arguments:**
+
+    - `config`: the settings shared by every run (its `seed` is replaced).
+    - `out`: the parent folder.
+    - `seeds`: the training seeds, at least one, no repeats.
+    - `quiet`: no progress bars.
+    - `log`: where messages go.
+
+    **Returns:**
+
+    The summary (also written to `seeds_summary.json`).
+
+    **Raises:**
+
+    - `ValueError`: naming `seeds` if it is empty or repeats a seed.
+    """
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"`seeds` must be distinct training seeds, at least one, got {seeds}.")
+    out = pathlib.Path(out)
+    runs: dict[int, dict[str, Any]] = {}
+    curves: dict[int, list[tuple[int, float]]] = {}
+    for index, seed in enumerate(seeds):
+        folder = out / f"seed_{seed}"
+        if index > 0:
+            # Every seed fine-tunes the same base model: share the one the first run found or
+            # pretrained instead of pretraining it again.
+            folder.mkdir(parents=True, exist_ok=True)
+            for base_file in (out / f"seed_{seeds[0]}").glob("base_*.eqx"):
+                shutil.copy(base_file, folder / base_file.name)
+        log(f"Training seed {seed} into {folder}.")
+        runs[seed] = run_train(dataclasses.replace(config, seed=seed), folder, quiet=quiet, log=log)
+        records = MetricsLog(folder / "metrics.jsonl").read()
+        curves[seed] = [
+            (r["epoch"], r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r
+        ]
+    figures = sorted(
+        name
+        for name, value in runs[seeds[0]].items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    )
+    summary: dict[str, Any] = {"seeds": seeds, "folders": [f"seed_{seed}" for seed in seeds]}
+    for name in figures:
+        values = np.asarray([float(runs[seed][name]) for seed in seeds], np.float64)
+        summary[name] = {
+            "mean": float(values.mean()),
+            "std": float(values.std()),
+            "worst": float(values.min()),
+            "best": float(values.max()),
+            "per_seed": {str(seed): float(v) for seed, v in zip(seeds, values, strict=True)},
+        }
+    (out / "seeds_summary.json").write_text(json.dumps(summary, indent=2))
+    plot_seed_curves(curves, out / "seeds_accuracy.png")
+    accuracy = summary.get("final_accuracy")
+    if accuracy is not None:
+        log(
+            f"Held-out accuracy over seeds {seeds}: {accuracy['mean']:.3f} ± {accuracy['std']:.3f} "
+            f"(worst {accuracy['worst']:.3f}, best {accuracy['best']:.3f})."
+        )
+    return summary
 
 
 def run_pretrain(

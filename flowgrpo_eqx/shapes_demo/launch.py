@@ -4,10 +4,12 @@ For prototyping and tests on one machine: each process gets `--coordinator 127.0
 --num-processes N --process-id I`, their output is streamed with a `[rank I]` prefix, and if
 one fails the others are given a short grace period to fail on their own (JAX's runtime
 notices a dead peer) and are then stopped, and the launcher exits with the failing one's
-status and error.
+status and error. SIGTERM and SIGINT sent to the launcher are passed on to every process, which
+then stop together after the same epoch; the launcher exits with `PREEMPTED_EXIT_STATUS`.
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +17,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
+
+from ..train._preemption import PREEMPTED_EXIT_STATUS
 
 
 def free_port() -> int:
@@ -32,6 +36,28 @@ def _pump(rank: int, stream: IO[str], tail: deque[str], lock: threading.Lock) ->
         with lock:
             sys.stdout.write(f"[rank {rank}] {line}")
             sys.stdout.flush()
+
+
+def _forward_signals(
+    children: list["subprocess.Popen[str]"],
+) -> dict[int, Any]:
+    """Pass SIGTERM and SIGINT on to every running child (a scheduler signals the launcher;
+    the ranks then stop together at the same epoch). Returns the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(signum: int, frame: Any) -> None:
+        del frame
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    return {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 def launch_local(
@@ -66,6 +92,7 @@ def launch_local(
     address = f"127.0.0.1:{port or free_port()}"
     lock = threading.Lock()
     children: list[subprocess.Popen[str]] = []
+    forwarded = _forward_signals(children)
     tails: list[deque[str]] = []
     pumps = []
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -130,8 +157,15 @@ def launch_local(
         time.sleep(0.2)
     for pump in pumps:
         pump.join(timeout=5)
+    _restore_signals(forwarded)
     if failed is None:
         return 0
+    if all(child.returncode == PREEMPTED_EXIT_STATUS for child in children):
+        print(
+            "[launch] every rank stopped after a signal and checkpointed; continue with --resume.",
+            flush=True,
+        )
+        return PREEMPTED_EXIT_STATUS
     rank, code = failed
     last = next((line for line in reversed(tails[rank]) if line.strip()), "(no output)")
     print(f"[launch] rank {rank} failed (exit status {code}): {last}", flush=True)

@@ -32,3 +32,31 @@ def plot_curve(records: list[dict[str, Any]], path: pathlib.Path) -> None:
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
+
+
+def plot_seed_curves(curves: dict[int, list[tuple[int, float]]], path: pathlib.Path) -> None:
+    """Plot every training seed's held-out strict accuracy per epoch as a PNG.
+
+    **Arguments:**
+
+    - `curves`: `{seed: [(epoch, accuracy), ...]}`.
+    - `path`: where the PNG goes.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for seed, points in sorted(curves.items()):
+        if points:
+            axis.plot(*zip(*points, strict=True), marker="o", label=f"seed {seed}")
+    axis.set_xlabel("epoch")
+    axis.set_ylabel("held-out strict accuracy")
+    axis.set_ylim(0, 1.02)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right")
+    axis.set_title("Flow-GRPO on the shapes task, one curve per training seed")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

@@ -222,6 +222,10 @@ class Checkpointer:
 
         Damaged ones (e.g. a missing or garbled `meta.json`) are listed so that reading them
         reports the damage; the `.tmp-*` folders of interrupted saves are not.
+
+        **Returns:**
+
+        The folders, sorted by step; empty when `directory` does not exist.
         """
         if not self.directory.exists():
             return []
@@ -233,7 +237,12 @@ class Checkpointer:
         return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
     def latest(self) -> pathlib.Path | None:
-        """The newest checkpoint folder (not necessarily intact), or `None`."""
+        """The newest checkpoint folder (not necessarily intact), or `None`.
+
+        **Returns:**
+
+        The last of `paths()`, or `None` when there is none.
+        """
         paths = self.paths()
         return paths[-1] if paths else None
 
@@ -388,6 +397,14 @@ class Checkpointer:
 def save_model(path: str | os.PathLike[str], model: PyTree[Any]) -> None:
     """Export a model's leaves with `eqx.tree_serialise_leaves`, atomically.
 
+    The leaves go to a temporary file beside `path`, which is synced and then renamed over
+    `path`, so `path` holds either the old model or the whole new one.
+
+    **Arguments:**
+
+    - `path`: the file to write (its folder is created if missing).
+    - `model`: any PyTree of arrays, e.g. an `eqx.Module`.
+
     **Raises:**
 
     - `OSError`: of the original kind and errno (e.g. `ENOSPC`, disk full), naming `path`,
@@ -411,6 +428,16 @@ def save_model(path: str | os.PathLike[str], model: PyTree[Any]) -> None:
 
 def load_model(path: str | os.PathLike[str], like: T) -> T:
     """Load a model exported by `save_model` into the structure of `like`.
+
+    **Arguments:**
+
+    - `path`: the file `save_model` wrote.
+    - `like`: a model of the same structure (e.g. freshly built with any key); only its
+        structure, shapes and dtypes are used.
+
+    **Returns:**
+
+    `like` with the saved leaves.
 
     **Raises:**
 

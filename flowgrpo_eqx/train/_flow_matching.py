@@ -28,6 +28,10 @@ class SupervisedBatch(eqx.Module):
 
     - `data`: `[B, *latent]` clean latents `x_0`.
     - `cond`: the rows that condition them (leading axis `B`).
+
+    **Raises:**
+
+    - `ValueError`: naming the `cond` leaf whose leading axis is not `B`.
     """
 
     data: Float[Array, " B *latent"]
@@ -107,11 +111,27 @@ class FlowMatchingObjective(AbstractFlowObjective):
             raise ValueError("`cond_dropout` > 0 needs a null condition: pass InputSpec(null=...).")
 
     def held_variables(self) -> Variables:
-        """Nothing is held: the held slot is free for the trainer's EMA."""
+        """Nothing is held: the held slot is free for the trainer's EMA.
+
+        **Returns:**
+
+        `Variables(policy=False, held=False)`.
+        """
         return Variables(policy=False, held=False)
 
     def sample_times(self, key: Array, count: int) -> Float[Array, " B"]:
-        """Training times in (0, 1)."""
+        """Training times in (0, 1), drawn as `time_sampling` says.
+
+        **Arguments:**
+
+        - `key`: a PRNG key.
+        - `count`: how many times to draw.
+
+        **Returns:**
+
+        `[count]` float32 times: `sigmoid` of a standard normal (`"logit_normal"`), or
+        uniform on `[1e-4, 1 - 1e-4]` (`"uniform"`).
+        """
         if self.time_sampling == "uniform":
             return jax.random.uniform(key, (count,), minval=1e-4, maxval=1.0 - 1e-4)
         return jax.nn.sigmoid(jax.random.normal(key, (count,)))

@@ -19,6 +19,15 @@ from ._trainer import Trainer, TrainState
 def minibatch_count(rows: int, minibatch_rows: int) -> int:
     """How many minibatches of `minibatch_rows` rows a rollout of `rows` rows makes.
 
+    **Arguments:**
+
+    - `rows`: the rollout's rows `N`.
+    - `minibatch_rows`: rows per update.
+
+    **Returns:**
+
+    `rows // minibatch_rows`.
+
     **Raises:**
 
     - `ValueError`: naming `minibatch_rows` if `rows` is not a multiple of it (nothing is
@@ -35,6 +44,16 @@ def minibatches(
     batch: Transitions, minibatch_rows: int, key: PRNGKeyArray
 ) -> Iterator[Transitions]:
     """The batch's rows, shuffled by `key`, in minibatches of `minibatch_rows` rows.
+
+    **Arguments:**
+
+    - `batch`: the rollout's `Transitions`.
+    - `minibatch_rows`: rows per minibatch; must divide `batch.num_rows`.
+    - `key`: the PRNG key of the shuffle.
+
+    **Returns:**
+
+    An iterator over `Transitions` minibatches that together hold every row once.
 
     **Raises:**
 
@@ -64,6 +83,7 @@ def flow_grpo_epoch(
     *,
     inner_epochs: int = 1,
     minibatch_rows: int | None = None,
+    after_updates: Callable[[TrainState, Transitions, RolloutInfo], None] | None = None,
 ) -> tuple[TrainState, dict[str, float], RolloutInfo]:
     """One Flow-GRPO epoch: collect a rollout, then `inner_epochs` passes of updates over it.
 
@@ -77,6 +97,8 @@ def flow_grpo_epoch(
     - `inner_epochs`: passes over the rollout.
     - `minibatch_rows`: rows per update (must divide the rollout's rows); all at once if
         `None`.
+    - `after_updates`: called with the new state, the rollout's batch and its info once the
+        epoch's updates are done (e.g. to log the policy ratio's distribution).
 
     **Returns:**
 
@@ -91,6 +113,8 @@ def flow_grpo_epoch(
         for minibatch in minibatches(batch, size, jax.random.fold_in(shuffle_key, inner)):
             state, metrics = trainer.update(state, minibatch)
             history.append(metrics)
+    if after_updates is not None:
+        after_updates(state, batch, info)
     summary = _mean_metrics(history)
     summary.update(
         reward_mean=float(info.reward_mean),
@@ -110,6 +134,15 @@ def supervised_steps(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> tuple[TrainState, dict[str, float]]:
     """`count` updates on batches `make_batch(i)` for `i = first, ..., first + count - 1`.
+
+    **Arguments:**
+
+    - `trainer`: the trainer (e.g. of a `FlowMatchingObjective`).
+    - `state`: the current state (donated).
+    - `make_batch`: the batch of step `i`, e.g. a `SupervisedBatch`.
+    - `first`: the index of the first step (so that a resumed run continues the sequence).
+    - `count`: how many updates.
+    - `on_step`: called after each update with its index and its metrics as floats.
 
     **Returns:**
 
@@ -140,7 +173,12 @@ class MetricsLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record."""
+        """Append one record.
+
+        **Arguments:**
+
+        - `record`: a JSON-serialisable dict, written with sorted keys on one line.
+        """
         if self.path is None:
             return
         with open(self.path, "a") as handle:
@@ -148,7 +186,12 @@ class MetricsLog:
             handle.flush()
 
     def read(self) -> list[dict[str, Any]]:
-        """Every record written so far, oldest first."""
+        """Every record written so far, oldest first.
+
+        **Returns:**
+
+        The records as dicts; empty for a log that keeps nothing or has no file yet.
+        """
         if self.path is None or not self.path.exists():
             return []
         with open(self.path) as handle:
@@ -160,7 +203,12 @@ class MetricsLog:
             self.path.unlink()
 
     def keep_only(self, keep: Callable[[dict[str, Any]], bool]) -> None:
-        """Rewrite the log with only the records `keep` accepts (used when resuming)."""
+        """Rewrite the log with only the records `keep` accepts (used when resuming).
+
+        **Arguments:**
+
+        - `keep`: `True` for a record to keep, e.g. one of an epoch before the checkpoint.
+        """
         if self.path is None:
             return
         records = [r for r in self.read() if keep(r)]

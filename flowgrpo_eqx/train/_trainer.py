@@ -166,6 +166,15 @@ class Trainer(eqx.Module):
         The trainable part holds the floating-point arrays the filter selects; everything
         else, including whatever non-array leaves (activations, static settings) the filter
         selects, stays in the frozen part, so `eqx.combine` of the two is the whole policy.
+
+        **Arguments:**
+
+        - `policy`: the live policy.
+
+        **Returns:**
+
+        `(trainable, frozen)`, two PyTrees shaped like `policy` with `None` where the other
+        one has the leaf.
         """
         selected, unselected = eqx.partition(policy, self.trainable_filter(policy))
         trainable, selected_static = eqx.partition(selected, eqx.is_inexact_array)
@@ -188,6 +197,11 @@ class Trainer(eqx.Module):
         - `ValueError`: naming `variables` when its policy has LoRA adapters and the
             objective's initial policy has none, or the other way round (the held slot's
             role would be decided for the wrong kind of policy).
+
+        **Returns:**
+
+        A `TrainState` at step 0, holding its own copies of the variables' arrays (updates
+        donate their buffers, so the objective's model is never consumed).
         """
         init_key, train_key = jax.random.split(key)
         variables = self.objective.init(init_key, variables)

@@ -62,13 +62,43 @@ class MetricsWriter(Protocol):
     Steps are the loop's epochs; a writer may assume they do not decrease.
     """
 
-    def scalars(self, step: int, values: Mapping[str, float]) -> None: ...
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """Record named numbers at one step.
 
-    def image(self, step: int, name: str, image: ImageLike) -> None: ...
+        **Arguments:**
 
-    def histogram(self, step: int, name: str, values: npt.ArrayLike) -> None: ...
+        - `step`: the loop's epoch.
+        - `values`: names to Python floats, e.g. `{"reward_mean": 0.42, "loss": 0.013}`.
+        """
+        ...
 
-    def close(self) -> None: ...
+    def image(self, step: int, name: str, image: ImageLike) -> None:
+        """Record one picture at one step.
+
+        **Arguments:**
+
+        - `step`: the loop's epoch.
+        - `name`: the picture's name, e.g. `"preview"`.
+        - `image`: a `uint8` array `[H, W, 3]`, or the path of a PNG; `image_pixels` turns
+            either into the array.
+        """
+        ...
+
+    def histogram(self, step: int, name: str, values: npt.ArrayLike) -> None:
+        """Record the distribution of some numbers at one step.
+
+        **Arguments:**
+
+        - `step`: the loop's epoch.
+        - `name`: the histogram's name, e.g. `"advantages"`.
+        - `values`: numbers of any shape; they may include NaN or inf (`finite_values`
+            leaves those out).
+        """
+        ...
+
+    def close(self) -> None:
+        """Write out what is pending and release the writer; called once, at the end."""
+        ...
 
 
 def image_pixels(name: str, image: ImageLike) -> npt.NDArray[np.uint8]:
@@ -155,9 +185,26 @@ class JsonlWriter:
             handle.flush()
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """Append `{step_key: step, **values}`.
+
+        **Arguments:**
+
+        - `step`, `values`: as `MetricsWriter.scalars`.
+        """
         self._append({self.step_key: step, **_plain_scalars(values)})
 
     def image(self, step: int, name: str, image: ImageLike) -> None:
+        """Save an array as `images/<name>_<step>.png` beside the log and append its path
+        (a path is recorded as given).
+
+        **Arguments:**
+
+        - `step`, `name`, `image`: as `MetricsWriter.image`.
+
+        **Raises:**
+
+        - `ValueError`: naming `image`, for an array that is not `uint8` `[H, W, 3]`.
+        """
         if isinstance(image, str | os.PathLike):
             written = os.fspath(image)
         else:
@@ -170,6 +217,17 @@ class JsonlWriter:
         self._append({self.step_key: step, "image": name, "path": written})
 
     def histogram(self, step: int, name: str, values: npt.ArrayLike) -> None:
+        """Append the finite values' count, min, max, sum and sum of squares (nothing
+        when none is finite).
+
+        **Arguments:**
+
+        - `step`, `name`, `values`: as `MetricsWriter.histogram`.
+
+        **Raises:**
+
+        - `ValueError`: naming `values`, if it is empty.
+        """
         finite = finite_values(name, values)
         if finite.size == 0:
             return
@@ -229,17 +287,50 @@ class TensorBoardWriter:
         return self._writer
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """Write each value as a TensorBoard scalar and flush.
+
+        **Arguments:**
+
+        - `step`, `values`: as `MetricsWriter.scalars`.
+
+        **Raises:**
+
+        - `RuntimeError`: if the writer is closed.
+        """
         writer = self._open()
         for key, value in _plain_scalars(values).items():
             writer.add_scalar(key, value, global_step=step)
         writer.flush()
 
     def image(self, step: int, name: str, image: ImageLike) -> None:
+        """Write a TensorBoard image and flush.
+
+        **Arguments:**
+
+        - `step`, `name`, `image`: as `MetricsWriter.image`.
+
+        **Raises:**
+
+        - `ValueError`: naming `image`, for an array that is not `uint8` `[H, W, 3]`.
+        - `RuntimeError`: if the writer is closed.
+        """
         writer = self._open()
         writer.add_image(name, image_pixels(name, image), global_step=step, dataformats="HWC")
         writer.flush()
 
     def histogram(self, step: int, name: str, values: npt.ArrayLike) -> None:
+        """Write a TensorBoard histogram of the finite values and flush (nothing when
+        none is finite).
+
+        **Arguments:**
+
+        - `step`, `name`, `values`: as `MetricsWriter.histogram`.
+
+        **Raises:**
+
+        - `ValueError`: naming `values`, if it is empty.
+        - `RuntimeError`: if the writer is closed.
+        """
         writer = self._open()
         finite = finite_values(name, values)
         if finite.size == 0:
@@ -344,13 +435,46 @@ class WandbWriter:
         return self._run
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """Log the values to the run at `step`.
+
+        **Arguments:**
+
+        - `step`, `values`: as `MetricsWriter.scalars`.
+
+        **Raises:**
+
+        - `RuntimeError`: if the writer is closed.
+        """
         self._open().log(_plain_scalars(values), step=step)
 
     def image(self, step: int, name: str, image: ImageLike) -> None:
+        """Log a `wandb.Image` at `step`.
+
+        **Arguments:**
+
+        - `step`, `name`, `image`: as `MetricsWriter.image`.
+
+        **Raises:**
+
+        - `ValueError`: naming `image`, for an array that is not `uint8` `[H, W, 3]`.
+        - `RuntimeError`: if the writer is closed.
+        """
         run = self._open()
         run.log({name: self._wandb.Image(image_pixels(name, image))}, step=step)
 
     def histogram(self, step: int, name: str, values: npt.ArrayLike) -> None:
+        """Log a 64-bin `wandb.Histogram` of the finite values at `step` (nothing when
+        none is finite).
+
+        **Arguments:**
+
+        - `step`, `name`, `values`: as `MetricsWriter.histogram`.
+
+        **Raises:**
+
+        - `ValueError`: naming `values`, if it is empty.
+        - `RuntimeError`: if the writer is closed.
+        """
         run = self._open()
         finite = finite_values(name, values)
         if finite.size == 0:
@@ -385,25 +509,65 @@ class MultiWriter:
     **Arguments:**
 
     - `writers`: the writers (anything satisfying `MetricsWriter`).
+
+    **Raises:**
+
+    Whatever a writer raises: each call goes to the writers in order and stops at the first
+    error, except `close`, which closes every writer first.
     """
 
     def __init__(self, writers: Sequence[MetricsWriter]):
         self.writers = tuple(writers)
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """Send `scalars(step, values)` to every writer, in order.
+
+        **Arguments:**
+
+        - `step`, `values`: as `MetricsWriter.scalars`.
+
+        **Raises:**
+
+        Whatever a writer raises; later writers are not called.
+        """
         for writer in self.writers:
             writer.scalars(step, values)
 
     def image(self, step: int, name: str, image: ImageLike) -> None:
+        """Send `image(step, name, image)` to every writer, in order.
+
+        **Arguments:**
+
+        - `step`, `name`, `image`: as `MetricsWriter.image`.
+
+        **Raises:**
+
+        Whatever a writer raises; later writers are not called.
+        """
         for writer in self.writers:
             writer.image(step, name, image)
 
     def histogram(self, step: int, name: str, values: npt.ArrayLike) -> None:
+        """Send `histogram(step, name, values)` to every writer, in order.
+
+        **Arguments:**
+
+        - `step`, `name`, `values`: as `MetricsWriter.histogram`.
+
+        **Raises:**
+
+        Whatever a writer raises; later writers are not called.
+        """
         for writer in self.writers:
             writer.histogram(step, name, values)
 
     def close(self) -> None:
-        """Close every writer, even if one raises; the first error is raised after."""
+        """Close every writer, even if one raises; the first error is raised after.
+
+        **Raises:**
+
+        The first error a writer's `close` raised, once every writer has been closed.
+        """
         first_error: BaseException | None = None
         for writer in self.writers:
             try:

@@ -1,0 +1,138 @@
+"""What scoring through a local reward server costs: `python -m bench.reward_server`.
+
+Prints one JSON object on stdout. A 64-image 16x16x3 float32 batch is scored by a cheap
+float64 reward (`brightness`, below) in process, and by the same reward served by
+`python -m flowgrpo_eqx.reward_server` on 127.0.0.1 through `flowgrpo_eqx.HttpReward`.
+Each round times every variant once in a rotated order; the figures are per-round ratios
+to the in-process call, summarised by their median and quartiles:
+
+- `http_over_in_process`: one `HttpReward` call (encode, POST, decode, score, reply);
+- `http_uint8_over_in_process`: the same with `images_as_uint8=True`;
+- `wire_over_in_process`: only the encoding and decoding both ends do, no HTTP.
+
+With a reward this cheap the ratio is the request's fixed cost in units of almost nothing;
+`detail.median_ms_absolute_informational` gives the times themselves.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import flowgrpo_eqx as fg
+from flowgrpo_eqx._http_reward import decode_request, encode_request, load_npy, npy_bytes
+
+from ._timing import log, median, summary
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def brightness(samples: Any, rows: Any) -> Any:
+    """Mean brightness in float64 plus a row term: a reward that costs next to nothing."""
+    flat = np.asarray(samples, dtype=np.float64).reshape(samples.shape[0], -1)
+    return flat.mean(axis=1) + 1e-3 * rows["index"]
+
+
+def start_server() -> tuple[subprocess.Popen[str], str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flowgrpo_eqx.reward_server", "bench.reward_server:brightness"]
+        + ["--port", "0"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line.startswith("serving "):
+        process.kill()
+        raise RuntimeError(f"the reward server did not start: {line!r}")
+    return process, line.split(" on ")[-1].strip()
+
+
+def interleave(
+    variants: dict[str, Callable[[], Any]], rounds: int, warmup: int
+) -> dict[str, list[float]]:
+    """Wall seconds of every variant once per round, in a rotated order (numpy only)."""
+    names = list(variants)
+    for name in names:
+        for _ in range(warmup):
+            variants[name]()
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            variants[name]()
+            wall[name].append(time.perf_counter() - start)
+    return wall
+
+
+def ratios(wall: dict[str, list[float]], numerator: str) -> Any:
+    return np.asarray(wall[numerator]) / np.asarray(wall["in_process"])
+
+
+def wire_round_trip(samples: Any, rows: Any) -> Any:
+    decoded = decode_request(encode_request(samples, rows))
+    return load_npy(npy_bytes(brightness(*decoded)), "reply")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.reward_server", description=__doc__)
+    parser.add_argument("--rounds", type=int, default=51)
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(0)
+    levels = rng.integers(0, 256, size=(64, 16, 16, 3))
+    samples = (levels / 127.5 - 1.0).astype(np.float32)
+    rows = {"index": np.arange(64)}
+    started = time.perf_counter()
+    process, url = start_server()
+    try:
+        remote = fg.HttpReward(url, timeout=30.0)
+        remote_uint8 = fg.HttpReward(url, timeout=30.0, images_as_uint8=True)
+        want = brightness(samples, rows)
+        for reward in (remote, remote_uint8):
+            if not np.array_equal(reward(samples, rows), want):
+                raise AssertionError(f"{reward.name} scores differ from the in-process ones")
+        log(f"serving on {url}; {args.rounds} rounds")
+        wall = interleave(
+            {
+                "in_process": lambda: brightness(samples, rows),
+                "http": lambda: remote(samples, rows),
+                "http_uint8": lambda: remote_uint8(samples, rows),
+                "wire": lambda: wire_round_trip(samples, rows),
+            },
+            rounds=args.rounds,
+            warmup=3,
+        )
+    finally:
+        process.terminate()
+        process.wait(30)
+    output = {
+        "batch": {"images": 64, "shape": [16, 16, 3], "dtype": "float32"},
+        "http_over_in_process": summary(ratios(wall, "http"), 1),
+        "http_uint8_over_in_process": summary(ratios(wall, "http_uint8"), 1),
+        "wire_over_in_process": summary(ratios(wall, "wire"), 1),
+        "detail": {
+            "median_ms_absolute_informational": {
+                name: median(np.asarray(values) * 1e3, 4) for name, values in wall.items()
+            },
+        },
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(output, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

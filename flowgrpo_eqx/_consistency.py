@@ -1,0 +1,607 @@
+"""`check_consistency`: the porting check, one collect and one update on a user's setup.
+
+What goes wrong when a model is ported to Flow-GRPO is rarely loud: rescored log densities
+drift from the rollout's (dropout left on, a low-precision model, a different SDE), the
+on-policy ratio is not 1, masked garbage leaks into the gradient, part of the model does not
+train. Each line of the report measures one of these on the user's own objective, rollout,
+variables and rows, against a documented threshold.
+"""
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from ._custom_types import Aux, Step, Transitions
+from ._flow_base import Variables
+from ._misc import repeat_rows
+from ._objective import FlowGRPOObjective
+from ._reward import RewardError, reward_name
+from ._rollout import FlowRollout
+
+
+if TYPE_CHECKING:
+    from .train import Trainer
+
+
+@final
+class CheckLine(eqx.Module):
+    """One line of a `ConsistencyReport`.
+
+    **Arguments:**
+
+    - `name`: what is checked.
+    - `value`: what was measured (a number, or a short text such as a dtype).
+    - `threshold`: the condition the value must meet, as text (`"<= 1e-06"`).
+    - `passed`: whether it met it.
+    - `detail`: what the value is over, or what went wrong and where.
+    """
+
+    name: str
+    value: float | int | str
+    threshold: str
+    passed: bool
+    detail: str = ""
+
+
+def _format_value(value: float | int | str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return str(int(value))
+    number = float(value)
+    if number == 0.0:
+        return "0"
+    if not math.isfinite(number):
+        return str(number)
+    if 1e-3 <= abs(number) < 1e4:
+        return f"{number:.7g}"
+    return f"{number:.3e}"
+
+
+@final
+class ConsistencyReport(eqx.Module):
+    """The porting check's verdict: one `CheckLine` per measured property.
+
+    `str(report)` (or `report.table()`) is an aligned text table; `report.passed` is whether
+    every line passed.
+
+    **Arguments:**
+
+    - `lines`: the checked lines, in the order they were measured.
+    """
+
+    lines: tuple[CheckLine, ...]
+
+    @property
+    def passed(self) -> bool:
+        """Whether every line passed (and there is at least one)."""
+        return bool(self.lines) and all(line.passed for line in self.lines)
+
+    @property
+    def failed(self) -> tuple[CheckLine, ...]:
+        """The lines that did not pass."""
+        return tuple(line for line in self.lines if not line.passed)
+
+    def line(self, name: str) -> CheckLine:
+        """The line called `name`.
+
+        **Raises:**
+
+        - `KeyError`: naming the line, when the report has none of that name.
+        """
+        for line in self.lines:
+            if line.name == name:
+                return line
+        raise KeyError(f"No line {name!r}; lines: {[line.name for line in self.lines]}.")
+
+    def table(self) -> str:
+        """The report as an aligned text table, one row per line and a closing verdict."""
+        header = ("check", "value", "threshold", "verdict", "detail")
+        rows = [
+            (
+                line.name,
+                _format_value(line.value),
+                line.threshold,
+                "pass" if line.passed else "FAIL",
+                line.detail,
+            )
+            for line in self.lines
+        ]
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
+
+        def render(row: tuple[str, ...]) -> str:
+            cells = [row[i].ljust(widths[i]) for i in range(4)]
+            return "  ".join([*cells, row[4]]).rstrip()
+
+        rule = "  ".join("-" * width for width in widths) + "  ------"
+        passed = sum(line.passed for line in self.lines)
+        verdict = "PASSED" if self.passed else "FAILED"
+        closing = f"{verdict}: {passed} of {len(self.lines)} checks passed."
+        return "\n".join([render(header), rule, *(render(row) for row in rows), closing])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+@final
+class ConsistencyThresholds(eqx.Module):
+    """The thresholds of `check_consistency`; every one may be overridden.
+
+    The defaults suit a float32 model on one device, where rescoring repeats the rollout's
+    arithmetic on other batch shapes and differs from it by a few float32 ulps (about 1e-7 on
+    log densities of order 1).
+
+    **Arguments:**
+
+    - `log_prob_gap`: the largest allowed `|rescored - recorded|` log density of a kept
+        transition, and of their mean (1e-6).
+    - `ratio`: the largest allowed `|r - 1|` of the first update's policy ratio: its mean,
+        minimum and maximum over kept transitions (1e-6).
+    - `clip_fraction`: the largest allowed fraction of clipped ratios in the first update (0).
+    - `kl`: the largest allowed KL to the reference at initialisation, when `beta > 0`
+        (1e-7; the policy and the reference are the same weights, so it is 0 exactly unless
+        the model is not a function of its inputs).
+    - `masked_change`: the largest allowed change of the loss and of the gradient (relative
+        to the largest clean gradient entry) when masked entries hold NaN or inf (1e-6; a
+        leak shows as NaN or as a change of order one).
+    - `rollout_difference`: the largest allowed difference between two collects with the
+        same key, over every array of the batch (0: identical).
+
+    **Raises:**
+
+    - `ValueError`: naming the threshold, for a negative or non-numeric one.
+    """
+
+    log_prob_gap: float = 1e-6
+    ratio: float = 1e-6
+    clip_fraction: float = 0.0
+    kl: float = 1e-7
+    masked_change: float = 1e-6
+    rollout_difference: float = 0.0
+
+    def __check_init__(self) -> None:
+        for name in (
+            "log_prob_gap",
+            "ratio",
+            "clip_fraction",
+            "kl",
+            "masked_change",
+            "rollout_difference",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"`{name}` must be a number >= 0, got {value!r}.")
+
+
+# ------------------------------------------------------------------------------------------
+# Jit-compiled pieces.
+
+
+@eqx.filter_jit
+def _rescore(objective: FlowGRPOObjective, variables: Variables, batch: Transitions) -> Array:
+    return objective.log_probs(variables, batch)
+
+
+@eqx.filter_jit
+def _loss_and_gradient(
+    objective: FlowGRPOObjective,
+    trainer: "Trainer",
+    variables: Variables,
+    batch: Transitions,
+    step: Step,
+) -> tuple[Array, Aux, PyTree[Any]]:
+    """The loss value and the gradient with respect to the trainer's trainable arrays."""
+    trainable, frozen = trainer.split_policy(variables.policy)
+
+    def value(params: PyTree[Any]) -> tuple[Array, Aux]:
+        policy = eqx.combine(params, frozen)
+        total, aux = objective.loss(Variables(policy=policy, held=variables.held), batch, step)
+        return total.value, aux
+
+    (loss, aux), gradient = eqx.filter_value_and_grad(value, has_aux=True)(trainable)
+    return loss, aux, gradient
+
+
+# ------------------------------------------------------------------------------------------
+# Host-side helpers.
+
+
+def _arrays_by_path(tree: PyTree[Any], prefix: str) -> dict[str, npt.NDArray[Any]]:
+    """Every array leaf of `tree` as a host copy, keyed by its path."""
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
+    return {prefix + jax.tree_util.keystr(path): np.array(leaf) for path, leaf in leaves}
+
+
+def _named(paths: list[str], limit: int = 4) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def _largest_difference(first: PyTree[Any], second: PyTree[Any]) -> float:
+    """The largest absolute difference between two trees of arrays (inf where they disagree
+    in structure, shape or a non-float entry; NaN on one side only counts as inf)."""
+    first_leaves, first_def = jax.tree.flatten(first)
+    second_leaves, second_def = jax.tree.flatten(second)
+    if str(first_def) != str(second_def):
+        return math.inf
+    largest = 0.0
+    for a, b in zip(first_leaves, second_leaves, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return math.inf
+        if not np.issubdtype(a.dtype, np.inexact):
+            if not np.array_equal(a, b):
+                return math.inf
+            continue
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
+        if np.any(~same & ~np.isfinite(a64 - b64)):
+            return math.inf
+        if a.size:
+            largest = max(largest, float(np.max(np.where(same, 0.0, np.abs(a64 - b64)))))
+    return largest
+
+
+def _poisoned_pair(
+    objective: FlowGRPOObjective, batch: Transitions
+) -> tuple[Transitions, Transitions, int] | None:
+    """A clean batch with more transitions masked out, the same batch with NaN and inf in
+    every masked entry, and how many entries were poisoned; `None` when no masking leaves
+    a kept transition beside a masked one."""
+    mask = np.asarray(batch.transition_mask)
+    stochastic = np.asarray(objective.sde.is_stochastic(batch.timesteps, batch.next_timesteps))
+    n, k = mask.shape
+    rows, columns = np.indices((n, k))
+    checker = (rows + columns) % 2 == 1
+    last_row = rows == n - 1
+    chosen = None
+    for drop in (checker | last_row, checker, last_row, np.zeros_like(mask)):
+        new_mask = mask & ~drop
+        if np.any(new_mask & stochastic) and np.any(~new_mask):
+            chosen = new_mask
+            break
+    if chosen is None:
+        return None
+    masked = ~chosen
+    masked_rows = np.all(masked, axis=1)
+
+    def poison(value: Array, where: npt.NDArray[np.bool_], bad: float) -> Array:
+        host = np.array(value)
+        host[where] = bad
+        return jnp.asarray(host)
+
+    clean = eqx.tree_at(lambda b: b.transition_mask, batch, jnp.asarray(chosen))
+    advantages = np.asarray(batch.advantages)
+    advantage_where = masked if advantages.ndim == 2 else masked_rows
+
+    def poison_condition(leaf: Any) -> Any:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            return leaf
+        return poison(leaf, masked_rows, math.nan)
+
+    poisoned = Transitions(
+        latents=poison(batch.latents, masked, math.nan),
+        next_latents=poison(batch.next_latents, masked, math.inf),
+        timesteps=poison(batch.timesteps, masked, -math.inf),
+        next_timesteps=poison(batch.next_timesteps, masked, math.nan),
+        old_log_probs=poison(batch.old_log_probs, masked, math.inf),
+        transition_mask=jnp.asarray(chosen),
+        advantages=poison(batch.advantages, advantage_where, math.nan),
+        cond=jax.tree.map(poison_condition, batch.cond),
+    )
+    return clean, poisoned, int(masked.sum())
+
+
+def _relative_change(changed: float, scale: float) -> float:
+    return changed / max(scale, 1e-30) if math.isfinite(changed) else math.inf
+
+
+# ------------------------------------------------------------------------------------------
+# The check.
+
+
+def check_consistency(
+    objective: FlowGRPOObjective,
+    rollout: FlowRollout,
+    variables: Variables | None,
+    rows: PyTree[Any],
+    key: PRNGKeyArray,
+    *,
+    trainer: "Trainer | None" = None,
+    thresholds: ConsistencyThresholds | None = None,
+) -> ConsistencyReport:
+    """Run one collect and one update on a setup and report what a port commonly breaks.
+
+    The lines, in order (a line is left out where it does not apply):
+
+    - `reward shape`, `reward dtype`, `reward finite`, `reward repeatable`: the reward,
+        called directly on decoded samples of the live policy, returns `[N]` float64 finite
+        scores, the same ones when called again on the same samples.
+    - `rollout reproducible`: two collects with the same key give identical batches.
+    - `kept transitions`: the batch has at least one transition that counts (masked in and
+        stochastic; a reward that ties every group keeps none).
+    - `log-prob gap max`, `log-prob gap mean`: `|objective.log_probs - old_log_probs|` over
+        the kept transitions: rescoring must reproduce the rollout's log densities.
+    - `ratio mean` (from the first update's loss), `ratio min`, `ratio max` (from the
+        rescored log densities): exactly 1 on-policy.
+    - `clip fraction`: 0 on-policy.
+    - `KL at init` (only when `beta > 0`): the policy is its own reference at first.
+    - `masked NaN/inf: loss`, `masked NaN/inf: gradient`: NaN and inf written into masked
+        entries (and into the float conditioning of wholly masked rows) change neither.
+    - `zero-gradient arrays`: every trainable array of the policy gets a finite, non-zero
+        gradient; the offending array paths are named.
+    - `held arrays changed`: one `Trainer.update` leaves the frozen part of the policy and
+        (unless an EMA writes it) the held slot exactly as they were.
+
+    Runs in one process; every step is the library's own (`rollout.collect`,
+    `objective.log_probs`, `objective.loss`, `Trainer.update`).
+
+    **Arguments:**
+
+    - `objective`: the `FlowGRPOObjective` to check.
+    - `rollout`: the `FlowRollout` that collects for it (normally over the same objective).
+    - `variables`: the variables to start from, or `None` for `objective.init(key)`.
+    - `rows`: the source rows of one rollout, `[P, ...]` host leaves.
+    - `key`: the PRNG key of the collect and the update.
+    - `trainer`: the `Trainer` whose update is checked (its `trainable` filter decides which
+        arrays must get a gradient); `Trainer(objective)` when `None`.
+    - `thresholds`: `ConsistencyThresholds()` when `None`.
+
+    **Returns:**
+
+    The `ConsistencyReport`; `print(report)` shows the table, `report.passed` the verdict.
+
+    **Raises:**
+
+    - `ValueError`: if `objective` is not a `FlowGRPOObjective` or `rollout` not a
+        `FlowRollout`.
+    """
+    from .train import Trainer
+
+    if not isinstance(objective, FlowGRPOObjective):
+        raise ValueError(f"`objective` must be a FlowGRPOObjective, got {objective!r}.")
+    if not isinstance(rollout, FlowRollout):
+        raise ValueError(f"`rollout` must be a FlowRollout, got {rollout!r}.")
+    limits = ConsistencyThresholds() if thresholds is None else thresholds
+    trainer = Trainer(objective) if trainer is None else trainer
+    collect_key, init_key, step_key = jax.random.split(key, 3)
+    if variables is None:
+        variables = objective.init(init_key)
+    lines: list[CheckLine] = []
+
+    def add(name: str, value: float | int | str, threshold: str, passed: Any, detail: str) -> None:
+        lines.append(CheckLine(name, value, threshold, bool(passed), detail))
+
+    def report() -> ConsistencyReport:
+        return ConsistencyReport(tuple(lines))
+
+    # -- the reward, called directly on the policy's decoded samples -----------------------
+    host_rows = repeat_rows(rows, rollout.groups)
+    generated = rollout.generate(
+        variables.policy, jax.tree.map(jnp.asarray, host_rows), collect_key
+    )
+    samples = np.asarray(generated.samples)
+    num = int(samples.shape[0])
+    _check_reward(rollout.reward, samples, host_rows, num, add)
+
+    # -- two collects with one key ----------------------------------------------------------
+    try:
+        batch, info = rollout.collect(variables, rows, collect_key)
+        again, again_info = rollout.collect(variables, rows, collect_key)
+    except RewardError as error:
+        add("rollout collect", "raised", "no error", False, str(error))
+        return report()
+    difference = max(
+        _largest_difference(batch, again), _largest_difference(info.rewards, again_info.rewards)
+    )
+    add(
+        "rollout reproducible",
+        difference,
+        f"<= {limits.rollout_difference:g}",
+        difference <= limits.rollout_difference,
+        "largest difference between two collects with the same key (batch and rewards)",
+    )
+
+    kept = np.asarray(objective.kept(batch))
+    kept_count = int(kept.sum())
+    add(
+        "kept transitions",
+        kept_count,
+        ">= 1",
+        kept_count >= 1,
+        f"of {kept.size} recorded; masked in (non-zero advantage) and stochastic",
+    )
+
+    # -- rescoring ------------------------------------------------------------------------
+    rescored = np.asarray(_rescore(objective, variables, batch), np.float64)
+    recorded = np.asarray(batch.old_log_probs, np.float64)
+    log_ratio = (rescored - recorded)[kept]
+    gap = np.abs(log_ratio)
+    gap_max = float(np.max(gap)) if kept_count else math.nan
+    gap_mean = float(np.mean(gap)) if kept_count else math.nan
+    where = ""
+    if kept_count and not gap_max <= limits.log_prob_gap:
+        row, column = np.argwhere(kept)[int(np.nanargmax(np.where(np.isnan(gap), np.inf, gap)))]
+        where = f"; worst at row {row}, transition {column}"
+    add(
+        "log-prob gap max",
+        gap_max,
+        f"<= {limits.log_prob_gap:g}",
+        gap_max <= limits.log_prob_gap,
+        f"|rescored - recorded| over kept transitions{where}",
+    )
+    add(
+        "log-prob gap mean",
+        gap_mean,
+        f"<= {limits.log_prob_gap:g}",
+        gap_mean <= limits.log_prob_gap,
+        "mean |rescored - recorded| over kept transitions",
+    )
+
+    # -- one Trainer.update, with snapshots of what it must not change ---------------------
+    state = trainer.init(init_key, variables)
+    _, frozen = trainer.split_policy(state.variables.policy)
+    must_stay = _arrays_by_path(frozen, "policy")
+    if not trainer.ema_active:
+        must_stay.update(_arrays_by_path(state.variables.held, "held"))
+    loss, aux, gradient = _loss_and_gradient(
+        objective, trainer, state.variables, batch, Step(index=0, key=step_key)
+    )
+    del loss, aux
+    gradient_arrays = _arrays_by_path(gradient, "policy")
+    new_state, metrics = trainer.update(state, batch)
+
+    ratio_mean = float(metrics["ratio"])
+    ratio_min = float(np.exp(np.min(log_ratio))) if kept_count else math.nan
+    ratio_max = float(np.exp(np.max(log_ratio))) if kept_count else math.nan
+    ratio_rule = f"|r - 1| <= {limits.ratio:g}"
+    add(
+        "ratio mean",
+        ratio_mean,
+        ratio_rule,
+        abs(ratio_mean - 1.0) <= limits.ratio,
+        "the first update's mean policy ratio over kept transitions",
+    )
+    add("ratio min", ratio_min, ratio_rule, abs(ratio_min - 1.0) <= limits.ratio, "")
+    add("ratio max", ratio_max, ratio_rule, abs(ratio_max - 1.0) <= limits.ratio, "")
+    clip_fraction = float(metrics["clipfrac"])
+    add(
+        "clip fraction",
+        clip_fraction,
+        f"<= {limits.clip_fraction:g}",
+        clip_fraction <= limits.clip_fraction,
+        f"the first update's fraction of ratios outside 1 +- {objective.clip_range:g}",
+    )
+    if objective.beta > 0:
+        kl = float(metrics["kl"])
+        add(
+            "KL at init",
+            kl,
+            f"<= {limits.kl:g}",
+            kl <= limits.kl,
+            "the first update's KL to the reference (the same weights at initialisation)",
+        )
+
+    # -- masked entries poisoned with NaN and inf --------------------------------------------
+    pair = _poisoned_pair(objective, batch)
+    if pair is None:
+        for name in ("masked NaN/inf: loss", "masked NaN/inf: gradient"):
+            add(name, "untested", f"<= {limits.masked_change:g}", False, "no entry to mask")
+    else:
+        clean, poisoned, count = pair
+        step = Step(index=0, key=step_key)
+        clean_loss, _, clean_gradient = _loss_and_gradient(
+            objective, trainer, variables, clean, step
+        )
+        bad_loss, _, bad_gradient = _loss_and_gradient(
+            objective, trainer, variables, poisoned, step
+        )
+        loss_change = _relative_change(
+            _largest_difference(bad_loss, clean_loss), abs(float(clean_loss))
+        )
+        clean_scale = max(
+            [float(np.max(np.abs(g))) for g in jax.tree.leaves(clean_gradient) if np.size(g)]
+            + [0.0]
+        )
+        gradient_change = _relative_change(
+            _largest_difference(bad_gradient, clean_gradient), clean_scale
+        )
+        detail = f"{count} masked entries hold NaN/inf; relative change"
+        add(
+            "masked NaN/inf: loss",
+            loss_change,
+            f"<= {limits.masked_change:g}",
+            loss_change <= limits.masked_change,
+            detail,
+        )
+        add(
+            "masked NaN/inf: gradient",
+            gradient_change,
+            f"<= {limits.masked_change:g}",
+            gradient_change <= limits.masked_change,
+            detail + " (to the largest gradient entry)",
+        )
+
+    # -- gradient reach and what the update must not touch -----------------------------------
+    dead = [
+        path
+        for path, g in gradient_arrays.items()
+        if g.size and (not np.all(np.isfinite(g)) or not np.any(g != 0))
+    ]
+    add(
+        "zero-gradient arrays",
+        len(dead),
+        "== 0",
+        not dead,
+        (f"no gradient (or non-finite): {_named(dead)}" if dead else "")
+        + f"{'; ' if dead else ''}of {len(gradient_arrays)} trainable arrays",
+    )
+    after = _arrays_by_path(trainer.split_policy(new_state.variables.policy)[1], "policy")
+    if not trainer.ema_active:
+        after.update(_arrays_by_path(new_state.variables.held, "held"))
+    changed = [
+        path
+        for path, before in must_stay.items()
+        if path not in after or not np.array_equal(before, after[path], equal_nan=True)
+    ]
+    add(
+        "held arrays changed",
+        len(changed),
+        "== 0",
+        not changed,
+        (f"changed by one update: {_named(changed)}; " if changed else "")
+        + f"of {len(must_stay)} frozen or held arrays",
+    )
+    return report()
+
+
+def _check_reward(
+    reward: Any,
+    samples: npt.NDArray[Any],
+    host_rows: PyTree[Any],
+    num: int,
+    add: Callable[[str, float | int | str, str, Any, str], None],
+) -> None:
+    name = reward_name(reward)
+    try:
+        raw = reward(samples, host_rows)
+        again = reward(samples, host_rows)
+    except Exception as error:  # noqa: BLE001 - reported as a failed line
+        add("reward call", "raised", "no error", False, f"{name}: {type(error).__name__}: {error}")
+        return
+    values = np.asarray(raw)
+    repeated = np.asarray(again)
+    add(
+        "reward shape",
+        str(values.shape),
+        f"[N] = ({num},)",
+        values.shape == (num,),
+        f"{name} on {num} decoded samples",
+    )
+    add(
+        "reward dtype",
+        str(values.dtype),
+        "float64",
+        values.dtype == np.float64,
+        "as returned; lower precision is lost before the group statistics",
+    )
+    numeric = np.issubdtype(values.dtype, np.number)
+    finite = bool(numeric and np.all(np.isfinite(values.astype(np.float64))))
+    add("reward finite", "yes" if finite else "no", "all finite", finite, "")
+    same = values.shape == repeated.shape and bool(
+        np.array_equal(values, repeated, equal_nan=numeric)
+    )
+    add(
+        "reward repeatable",
+        "yes" if same else "no",
+        "same scores twice",
+        same,
+        "the same samples scored twice",
+    )

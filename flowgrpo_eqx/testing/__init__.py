@@ -1,0 +1,61 @@
+"""Test what you build on Flow-GRPO the way the library tests itself.
+
+Hypothesis strategies (time grids, transition batches with masks and deterministic
+intervals, reward groups with ties and constant groups, advantages of both shapes), jitted
+evaluations of an objective, and its invariants as assertion functions: a new objective,
+SDE, model or advantage function can be checked against them in a user's own property
+tests. For example:
+
+```python
+from hypothesis import given
+import flowgrpo_eqx.testing as fgt
+
+objective = ...  # a FlowGRPOObjective over your model
+variables = objective.init(jax.random.key(0))
+
+@fgt.property_settings(20)
+@given(batch=fgt.transitions(objective, variables))
+def test_masked_entries_are_inert(batch):
+    fgt.assert_masked_entries_inert(objective, variables, batch)
+```
+
+This subpackage needs Hypothesis (`pip install "flowgrpo_eqx[testing]"`); `import
+flowgrpo_eqx` never imports it.
+"""
+
+from ._helpers import (
+    TRANSITION_FIELDS as TRANSITION_FIELDS,
+    all_finite as all_finite,
+    assert_trees_close as assert_trees_close,
+    assert_trees_equal as assert_trees_equal,
+    gradient_leaves as gradient_leaves,
+    log_probs as log_probs,
+    loss_only as loss_only,
+    loss_value_and_grad as loss_value_and_grad,
+    map_rows as map_rows,
+    replace_fields as replace_fields,
+)
+from ._invariants import (
+    assert_denominator_is_kept_count as assert_denominator_is_kept_count,
+    assert_duplication_doubles_total as assert_duplication_doubles_total,
+    assert_grid_endpoints as assert_grid_endpoints,
+    assert_group_advantages_invariants as assert_group_advantages_invariants,
+    assert_masked_entries_inert as assert_masked_entries_inert,
+    assert_row_permutation_invariant as assert_row_permutation_invariant,
+    assert_sde_invariants as assert_sde_invariants,
+    assert_transition_chunk_agrees as assert_transition_chunk_agrees,
+    assert_unchanged_policy_ratio_one as assert_unchanged_policy_ratio_one,
+)
+from ._strategies import (
+    MASK_PROBABILITIES as MASK_PROBABILITIES,
+    SHAPES as SHAPES,
+    advantages as advantages,
+    default_rows as default_rows,
+    property_settings as property_settings,
+    reward_groups as reward_groups,
+    rollout_like_transitions as rollout_like_transitions,
+    seeds as seeds,
+    time_grids as time_grids,
+    transition_masks as transition_masks,
+    transitions as transitions,
+)

@@ -1,0 +1,120 @@
+"""Jit-compiled evaluations of an objective and tree comparisons, for property tests."""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import numpy.typing as npt
+from jaxtyping import Array, PyTree
+
+from .._custom_types import Aux, Mean, Step, Transitions
+from .._flow_base import Variables
+from .._objective import FlowGRPOObjective
+
+
+TRANSITION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Transitions))
+"""The field names of `Transitions`, in order."""
+
+
+def _step() -> Step:
+    return Step(index=0, key=jax.random.key(0))
+
+
+@eqx.filter_jit
+def loss_value_and_grad(
+    objective: FlowGRPOObjective, variables: Variables, batch: Transitions
+) -> tuple[Array, Mean, Aux, PyTree[Any]]:
+    """The loss and its gradient with respect to the policy, jit-compiled.
+
+    **Arguments:**
+
+    - `objective`: the objective.
+    - `variables`: its variables; the gradient is taken with respect to `variables.policy`.
+    - `batch`: the transitions.
+
+    **Returns:**
+
+    `(value, total, aux, gradient)`: `total.value`, the `Mean` itself, the auxiliary
+    statistics and `d value / d policy`.
+    """
+
+    def value(policy: Any) -> tuple[Array, tuple[Mean, Aux]]:
+        total, aux = objective.loss(Variables(policy, variables.held), batch, _step())
+        return total.value, (total, aux)
+
+    (val, (total, aux)), grad = eqx.filter_value_and_grad(value, has_aux=True)(variables.policy)
+    return val, total, aux, grad
+
+
+@eqx.filter_jit
+def loss_only(
+    objective: FlowGRPOObjective, variables: Variables, batch: Transitions
+) -> tuple[Mean, Aux]:
+    """`objective.loss(variables, batch, step)`, jit-compiled."""
+    return objective.loss(variables, batch, _step())
+
+
+@eqx.filter_jit
+def log_probs(objective: FlowGRPOObjective, variables: Variables, batch: Transitions) -> Array:
+    """`objective.log_probs(variables, batch)`, jit-compiled."""
+    return objective.log_probs(variables, batch)
+
+
+def replace_fields(batch: Transitions, **fields: Any) -> Transitions:
+    """A copy of `batch` with some fields replaced (and checked again by `Transitions`)."""
+    values = {name: getattr(batch, name) for name in TRANSITION_FIELDS}
+    values.update(fields)
+    return Transitions(**values)
+
+
+def map_rows(batch: Transitions, fn: Callable[[Any], Any]) -> Transitions:
+    """Apply `fn` to every array of every field, `cond` included (row-axis operations such
+    as a permutation or a duplication of the rows)."""
+    return replace_fields(
+        batch, **{name: jax.tree.map(fn, getattr(batch, name)) for name in TRANSITION_FIELDS}
+    )
+
+
+def gradient_leaves(gradient: PyTree[Any]) -> list[npt.NDArray[Any]]:
+    """The array leaves of a gradient as host arrays."""
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(eqx.filter(gradient, eqx.is_array))]
+
+
+def all_finite(tree: PyTree[Any]) -> bool:
+    """Whether every array entry of `tree` is finite."""
+    return all(bool(np.all(np.isfinite(leaf))) for leaf in gradient_leaves(tree))
+
+
+def assert_trees_close(
+    got: PyTree[Any], want: PyTree[Any], rtol: float = 1e-4, atol: float = 1e-6
+) -> None:
+    """Leafwise closeness of two trees of arrays; `atol` is taken relative to the largest
+    entry of `want` (at least 1), since sums over transitions reorder.
+
+    **Raises:**
+
+    - `AssertionError`: naming the first leaf that differs.
+    """
+    want_leaves = gradient_leaves(want)
+    got_leaves = gradient_leaves(got)
+    assert len(got_leaves) == len(want_leaves), (len(got_leaves), len(want_leaves))
+    scale = max([float(np.max(np.abs(w))) for w in want_leaves if w.size] + [1.0])
+    for index, (g, w) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * scale, err_msg=f"leaf {index}")
+
+
+def assert_trees_equal(got: PyTree[Any], want: PyTree[Any]) -> None:
+    """Leafwise exact equality of two trees of arrays.
+
+    **Raises:**
+
+    - `AssertionError`: naming the first leaf that differs.
+    """
+    got_leaves = gradient_leaves(got)
+    want_leaves = gradient_leaves(want)
+    assert len(got_leaves) == len(want_leaves), (len(got_leaves), len(want_leaves))
+    for index, (g, w) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        np.testing.assert_array_equal(g, w, err_msg=f"leaf {index}")

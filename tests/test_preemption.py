@@ -1,0 +1,208 @@
+"""Preemption and damaged checkpoints, through the command line as a user meets them.
+
+A scheduler's SIGTERM stops a run after the epoch in progress with a checkpoint, and
+`--resume` ends exactly where an uninterrupted run ends; damaged checkpoints are reported by
+path and skipped, and a folder with none intact is a named error, never a raw traceback.
+"""
+
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from flowgrpo_eqx.train import MetricsLog
+from flowgrpo_eqx.train._preemption import PREEMPTED_EXIT_STATUS
+from tests.cli_helpers import (
+    RESULT_FIELDS,
+    TIMEOUT,
+    command,
+    environment,
+    result_of,
+    run_cli,
+    with_base,
+)
+
+
+# Checkpoints every 3 epochs, so a stop at another epoch must write its own.
+COMMON = ["--preset", "tiny", "--quiet", "--seed", "4", "--epochs", "7", "--checkpoint-every", "3"]
+
+
+def run(*args):
+    return run_cli(*args)
+
+
+def epochs_done(folder):
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((r.get("epoch", 0) for r in MetricsLog(path).read()), default=0)
+
+
+def assert_same_result(folder, reference):
+    assert result_of(folder) == result_of(reference)
+    assert (folder / "policy.eqx").read_bytes() == (reference / "policy.eqx").read_bytes()
+    assert (
+        MetricsLog(folder / "metrics.jsonl").read()
+        == MetricsLog(reference / "metrics.jsonl").read()
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    # Every epoch's checkpoint kept, for the damaged-checkpoint tests' copies.
+    result = run(
+        "train", *COMMON, "--out", str(out), "--checkpoint-every", "1", "--keep-checkpoints", "7"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_sigterm_checkpoints_the_epoch_and_resume_matches(uninterrupted, tmp_path):
+    out = with_base(uninterrupted, tmp_path / "preempted")
+    process = subprocess.Popen(
+        command("train", *COMMON, "--out", str(out)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment(),
+    )
+    while epochs_done(out) < 1 and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=TIMEOUT)
+    assert process.returncode == PREEMPTED_EXIT_STATUS, output[-3000:]
+    assert "received SIGTERM" in output
+    stopped = epochs_done(out)
+    assert 1 <= stopped < 7
+    assert f"Stopped after epoch {stopped} (SIGTERM)" in output
+    # The stop wrote its own checkpoint (epoch 1 or 2 is not a multiple of 3, say).
+    assert (out / "checkpoints" / f"ckpt_{stopped:08d}").exists()
+    assert not (out / "summary.json").exists()
+    resumed = run("train", *COMMON, "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Continuing from checkpoint {out / 'checkpoints' / f'ckpt_{stopped:08d}'}" in (
+        resumed.stdout
+    )
+    assert_same_result(out, uninterrupted)
+
+
+def test_second_signal_stops_at_once(uninterrupted, tmp_path):
+    out = with_base(uninterrupted, tmp_path / "impatient")
+    process = subprocess.Popen(
+        command("train", *COMMON, "--out", str(out)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment(),
+    )
+    while epochs_done(out) < 1 and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=TIMEOUT)
+    # Either the second signal ended the run at once, or the run had already stopped itself.
+    assert process.returncode in (-signal.SIGINT, PREEMPTED_EXIT_STATUS), output[-3000:]
+    assert "Traceback" not in output
+
+
+def _damage(checkpoint, how):
+    state = checkpoint / "state.eqx"
+    meta = checkpoint / "meta.json"
+    if how == "truncated":
+        state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    elif how == "garbled":
+        meta.write_text("{not json")
+    elif how == "missing":
+        state.unlink()
+    else:
+        raise AssertionError(how)
+
+
+def _resumable_copy(reference, folder, newest):
+    """A copy of the uninterrupted run as it stood after epoch `newest`'s checkpoint."""
+    with_base(reference, folder)
+    (folder / "checkpoints").mkdir()
+    for checkpoint in sorted((reference / "checkpoints").glob("ckpt_*")):
+        if int(checkpoint.name[len("ckpt_") :]) <= newest:
+            shutil.copytree(checkpoint, folder / "checkpoints" / checkpoint.name)
+    records = [r for r in MetricsLog(reference / "metrics.jsonl").read() if r["epoch"] <= newest]
+    log = MetricsLog(folder / "metrics.jsonl")
+    for record in records:
+        log.write(record)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def other_width_checkpoint(tmp_path_factory):
+    """A checkpoint of a model of another width: intact, but not this run's structure."""
+    out = tmp_path_factory.mktemp("other_width")
+    result = run("train", *COMMON, "--width", "8", "--epochs", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out / "checkpoints" / "ckpt_00000001"
+
+
+@pytest.mark.parametrize(
+    "damages",
+    [("truncated", "garbled"), ("missing", "other_width")],
+    ids=["truncated-then-garbled", "missing-then-other-width"],
+)
+def test_damaged_checkpoints_are_named_and_skipped(
+    uninterrupted, other_width_checkpoint, tmp_path, damages
+):
+    out = _resumable_copy(uninterrupted, tmp_path / "damaged", newest=6)
+    newest, second = out / "checkpoints" / "ckpt_00000006", out / "checkpoints" / "ckpt_00000005"
+    for checkpoint, how in zip((newest, second), damages, strict=True):
+        if how == "other_width":
+            shutil.rmtree(checkpoint)
+            shutil.copytree(other_width_checkpoint, checkpoint)
+        else:
+            _damage(checkpoint, how)
+    result = run("train", *COMMON, "--out", str(out), "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert f"Skipping unusable checkpoint {newest}" in result.stdout
+    assert f"Skipping unusable checkpoint {second}" in result.stdout
+    continued = out / "checkpoints" / "ckpt_00000004"
+    assert f"Continuing from checkpoint {continued} (step 4, epoch 4)" in result.stdout
+    assert_same_result(out, uninterrupted)
+
+
+def test_no_intact_checkpoint_is_a_named_error(uninterrupted, tmp_path):
+    out = _resumable_copy(uninterrupted, tmp_path / "ruined", newest=2)
+    for checkpoint in (out / "checkpoints").glob("ckpt_*"):
+        _damage(checkpoint, "truncated")
+    result = run("train", *COMMON, "--out", str(out), "--resume")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert f"{out / 'checkpoints'}: none of its 2 checkpoints is usable" in result.stderr
+    assert not (out / "summary.json").exists()
+
+
+def test_two_processes_stop_together_and_resume_to_the_same_result(uninterrupted, tmp_path):
+    out = with_base(uninterrupted, tmp_path / "two")
+    launcher = subprocess.Popen(
+        command("launch", "--local", "2", "--", "train", *COMMON, "--out", str(out)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment(),
+    )
+    while epochs_done(out) < 1 and launcher.poll() is None:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=TIMEOUT)
+    assert launcher.returncode == PREEMPTED_EXIT_STATUS, output[-3000:]
+    stopped = epochs_done(out)
+    # Process 0 reports the stop; both processes stopped after the same epoch.
+    assert f"[rank 0] Stopped after epoch {stopped}" in output
+    assert "every rank stopped after a signal and checkpointed" in output
+    resumed = run("launch", "--local", "2", "--", "train", *COMMON, "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    got, want = result_of(out), result_of(uninterrupted)
+    # Two processes match one to float32 round-off (tests/test_distributed.py).
+    for name in RESULT_FIELDS:
+        assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name

@@ -1,0 +1,437 @@
+"""`HttpReward` against real reward server processes on 127.0.0.1.
+
+Every server is its own process (`python -m flowgrpo_eqx.reward_server ...`, or the
+scripted misbehaving server in `tests/reward_fixtures.py`) bound to a free port chosen by
+the server itself, and is terminated at the end of the module.
+"""
+
+import io
+import json
+import os
+import pathlib
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import flowgrpo_eqx as fg
+from flowgrpo_eqx import _http_reward
+from flowgrpo_eqx._http_reward import MAGIC, decode_request, encode_request
+from flowgrpo_eqx._reward import score, to_uint8_images
+from flowgrpo_eqx.reward_server import load_reward
+
+from . import reward_fixtures
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+START_SECONDS = 120.0
+FAST = {"timeout": 0.5, "retries": 1, "backoff": 0.01}
+
+
+def start(arguments, log_path, token=None):
+    """Start `python -m ...arguments` on a free port; returns (process, base URL)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.pop("FLOWGRPO_REWARD_TOKEN", None)
+    if token is not None:
+        env["FLOWGRPO_REWARD_TOKEN"] = token
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", *arguments],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+    first_line = []
+    reader = threading.Thread(target=lambda: first_line.append(process.stdout.readline()))
+    reader.start()
+    reader.join(START_SECONDS)
+    line = first_line[0] if first_line else ""
+    if not line.startswith("serving "):
+        process.kill()
+        raise RuntimeError(f"{arguments} did not start: {line!r}\n{log_path.read_text()}")
+    url = line.split(" on ")[-1].strip()
+    assert url.startswith("http://127.0.0.1:")
+    assert get_json(url + "/health")["status"] == "ok"
+    return process, url
+
+
+@pytest.fixture(scope="module")
+def stopping():
+    """Servers told to stop, waited for together at the end (each exit takes seconds)."""
+    processes = []
+    yield processes
+    for process in processes:
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def get_json(url):
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def post(url, body, token=None):
+    """POST raw bytes; returns (status, body bytes) for success and HTTP errors alike."""
+    headers = {"Content-Type": _http_reward.CONTENT_TYPE}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def server_fixture(arguments, token=None):
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory, stopping):
+        log = tmp_path_factory.mktemp("server") / "stderr.txt"
+        process, url = start(arguments, log, token)
+        yield url
+        process.terminate()
+        stopping.append(process)
+
+    return fixture
+
+
+def reward_args(name, *extra):
+    return ["flowgrpo_eqx.reward_server", f"tests.reward_fixtures:{name}", "--port", "0", *extra]
+
+
+brightness_url = server_fixture(reward_args("brightness"))
+token_url = server_fixture(reward_args("sample_mean", "--token", "right-token"))
+env_token_url = server_fixture(reward_args("sample_mean"), token="env-token")
+slow_url = server_fixture(reward_args("slow"))
+nan_url = server_fixture(reward_args("nan_scores"))
+short_url = server_fixture(reward_args("one_score_short"))
+jpeg_url = server_fixture(
+    ["flowgrpo_eqx.reward_server", "flowgrpo_eqx.JpegIncompressibility", "--port", "0"]
+)
+scripted_url = server_fixture(["tests.reward_fixtures"])
+
+
+def batch(count=6, shape=(8, 8, 3), seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    samples = rng.uniform(-1, 1, size=(count, *shape)).astype(dtype)
+    rows = {
+        "offset": rng.normal(size=count),
+        "meta": {"index": np.arange(count, dtype=np.int32)},
+        "prompt": np.array([f"prompt {i}" * (i + 1) for i in range(count)]),
+    }
+    return samples, rows
+
+
+def same_bits(got, want):
+    return (
+        got.dtype == np.float64
+        and np.array_equal(got, want)
+        and got.tobytes() == np.asarray(want, dtype=np.float64).tobytes()
+    )
+
+
+@pytest.fixture
+def backoffs(monkeypatch):
+    """The pauses HttpReward took, recorded instead of slept."""
+    pauses = []
+    monkeypatch.setattr(_http_reward, "_sleep", pauses.append)
+    return pauses
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scores_are_bit_identical_to_in_process(brightness_url, dtype):
+    samples, rows = batch(dtype=dtype)
+    remote = fg.HttpReward(brightness_url)
+    got = remote(samples, rows)
+    want = reward_fixtures.brightness(samples, rows)
+    assert same_bits(got, want)
+    assert same_bits(score(remote, samples, rows), want)
+    assert remote.name == f"http:{brightness_url}"
+
+
+def test_uint8_images_on_the_grid_score_bit_identically(brightness_url):
+    grid, rows = batch()
+    levels = to_uint8_images(grid)
+    samples = (levels / 127.5 - 1.0).astype(np.float32)
+    got = fg.HttpReward(brightness_url, images_as_uint8=True)(samples, rows)
+    assert same_bits(got, reward_fixtures.brightness(samples, rows))
+    float_bytes = len(encode_request(samples, rows))
+    assert (
+        len(encode_request(samples, rows, images_as_uint8=True)) == float_bytes - 3 * samples.size
+    )
+
+
+def test_64_image_batch_round_trip_through_the_module_entry(jpeg_url):
+    samples = np.random.default_rng(3).uniform(-1, 1, (64, 16, 16, 3)).astype(np.float32)
+    rows = {"id": np.arange(64)}
+    assert get_json(jpeg_url + "/health")["reward"] == "jpeg_incompressibility"
+    got = fg.HttpReward(jpeg_url)(samples, rows)
+    assert got.shape == (64,)
+    assert same_bits(got, fg.JpegIncompressibility()(samples, rows))
+
+
+def test_slow_reward_times_out_and_abandoned_attempts_are_dropped(slow_url, backoffs):
+    samples, _ = batch(count=2)
+    with pytest.raises(fg.RewardError, match="timed out") as raised:
+        fg.HttpReward(slow_url, **FAST)(samples, {"sleep": np.ones(2, bool)})
+    assert slow_url in str(raised.value) and "after 2 attempts" in str(raised.value)
+    assert backoffs == [FAST["backoff"]]
+    # The reward is still sleeping on its thread; health is answered by the event loop.
+    assert get_json(slow_url + "/health") == {"status": "ok", "reward": "slow"}
+    # Queued behind the sleeping call; the second, abandoned attempt never reached the
+    # reward, so this is its second call.
+    calls = fg.HttpReward(slow_url, timeout=60.0)(samples, {"sleep": np.zeros(2, bool)})
+    assert calls.tolist() == [2.0, 2.0]
+
+
+def test_timeouts_are_retried_with_exponential_backoff(scripted_url, backoffs):
+    samples, rows = batch(count=2)
+    remote = fg.HttpReward(scripted_url + "/sleep", timeout=0.5, retries=2, backoff=0.25)
+    with pytest.raises(fg.RewardError, match="timed out after 0.5 s") as raised:
+        remote(samples, rows)
+    assert f"{scripted_url}/sleep failed after 3 attempts" in str(raised.value)
+    assert get_json(scripted_url + "/count")["posts"]["sleep"] == 3
+    assert backoffs == [0.25, 0.5]
+
+
+def test_a_trickling_reply_cannot_outlast_the_timeout(scripted_url, backoffs):
+    # The reply's 100 bytes arrive one by one over SLOW_SECONDS; no single read waits
+    # longer than the timeout, so only the attempt's deadline stops it.
+    samples, rows = batch(count=2)
+    remote = fg.HttpReward(scripted_url + "/trickle", timeout=0.5, retries=0)
+    with pytest.raises(fg.RewardError, match="failed after 1 attempt: timed out after 0.5 s"):
+        remote(samples, rows)
+    assert get_json(scripted_url + "/count")["posts"]["trickle"] == 1
+
+
+def test_token_checked(token_url, backoffs):
+    samples, rows = batch()
+    with pytest.raises(fg.RewardError, match="401") as raised:
+        fg.HttpReward(token_url, token="wrong-token", **FAST)(samples, rows)
+    assert token_url in str(raised.value) and "not retried" in str(raised.value)
+    with pytest.raises(fg.RewardError, match="401 Unauthorized: unauthorized"):
+        fg.HttpReward(token_url, **FAST)(samples, rows)
+    assert backoffs == []
+    got = fg.HttpReward(token_url, token="right-token")(samples, rows)
+    assert same_bits(got, reward_fixtures.sample_mean(samples, rows))
+    assert "right-token" not in repr(fg.HttpReward(token_url, token="right-token"))
+
+
+def test_token_read_from_the_environment_on_both_sides(env_token_url, monkeypatch):
+    samples, rows = batch()
+    monkeypatch.delenv("FLOWGRPO_REWARD_TOKEN", raising=False)
+    with pytest.raises(fg.RewardError, match="401"):
+        fg.HttpReward(env_token_url, **FAST)(samples, rows)
+    monkeypatch.setenv("FLOWGRPO_REWARD_TOKEN", "env-token")
+    got = fg.HttpReward(env_token_url)(samples, rows)
+    assert same_bits(got, reward_fixtures.sample_mean(samples, rows))
+
+
+def test_server_without_token_accepts_any_token(brightness_url):
+    samples, rows = batch()
+    got = fg.HttpReward(brightness_url, token="anything")(samples, rows)
+    assert same_bits(got, reward_fixtures.brightness(samples, rows))
+
+
+@pytest.mark.parametrize(
+    ("fixture", "message"),
+    [("nan_url", "non-finite scores"), ("short_url", r"returned shape \(5,\)")],
+)
+def test_failing_reward_gives_500_naming_the_reward(fixture, message, request, backoffs):
+    url = request.getfixturevalue(fixture)
+    samples, rows = batch()
+    with pytest.raises(fg.RewardError, match=message) as raised:
+        fg.HttpReward(url, **FAST)(samples, rows)
+    assert url in str(raised.value) and "HTTP 500" in str(raised.value)
+    assert "reward_failed" in str(raised.value)
+    assert backoffs == [FAST["backoff"]]
+    assert get_json(url + "/health")["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("nan", "non-finite scores at rows"),
+        ("short", r"expected float64 \(6,\)"),
+        ("float32", r"holds float32 \(6,\)"),
+        ("garbage", "malformed reply"),
+    ],
+)
+def test_bad_replies_are_rejected_by_the_client(scripted_url, mode, message, backoffs):
+    samples, rows = batch()
+    url = f"{scripted_url}/{mode}"
+    with pytest.raises(fg.RewardError, match=message) as raised:
+        fg.HttpReward(url, **FAST)(samples, rows)
+    assert f"{url} failed after 2 attempts" in str(raised.value)
+    assert get_json(scripted_url + "/count")["posts"][mode] == 2
+
+
+class _TouchOnUnpickle:
+    """Unpickling this creates a file: proof that a server unpickled what it was sent."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def container(named_blobs, samples="float", rows="dict"):
+    header = json.dumps(
+        {"samples": samples, "rows": rows, "arrays": [[n, len(b)] for n, b in named_blobs]}
+    ).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header + b"".join(b for _, b in named_blobs)
+
+
+def npy(array, allow_pickle=False):
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=allow_pickle)
+    return buffer.getvalue()
+
+
+def test_pickles_are_refused_and_the_server_keeps_serving(brightness_url, tmp_path):
+    sentinel = tmp_path / "unpickled"
+    payload = _TouchOnUnpickle(str(sentinel))
+    objects = np.empty(6, dtype=object)
+    objects[:] = [payload] * 6
+    samples, rows = batch()
+
+    status, body = post(brightness_url + "/score", pickle.dumps(payload))
+    assert status == 400 and json.loads(body)["error"] == "malformed_body"
+    status, body = post(brightness_url + "/score", npy(objects, allow_pickle=True))
+    assert status == 400 and json.loads(body)["error"] == "malformed_body"
+    smuggled = container(
+        [("samples", npy(samples)), ("rows/offset", npy(objects, allow_pickle=True))]
+    )
+    status, body = post(brightness_url + "/score", smuggled)
+    assert status == 400 and json.loads(body)["error"] == "pickled_array"
+    assert "rows/offset" in json.loads(body)["message"]
+    assert not sentinel.exists()
+
+    assert get_json(brightness_url + "/health")["status"] == "ok"
+    got = fg.HttpReward(brightness_url)(samples, rows)
+    assert same_bits(got, reward_fixtures.brightness(samples, rows))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        MAGIC,
+        MAGIC + struct.pack("<I", 10**6),
+        container([("samples", npy(np.zeros((2, 3))))], rows="none")[:-3],
+        container([("samples", npy(np.zeros((2, 3)))), ("rows/a", npy(np.zeros(3)))]),
+        container([("rows/a", npy(np.zeros(2))), ("samples", npy(np.zeros((2, 3))))]),
+        container([("samples", npy(np.zeros((2, 3))))], samples="uint8", rows="none"),
+        container([("samples", npy(np.zeros((2, 3)))), ("rows/x", b"\x93NUMPY junk")]),
+    ],
+    ids=["empty", "magic", "header", "truncated", "rows-axis", "order", "uint8", "npy"],
+)
+def test_malformed_bodies_give_400(brightness_url, body):
+    status, reply = post(brightness_url + "/score", body)
+    assert status == 400 and json.loads(reply)["error"] == "malformed_body"
+    assert get_json(brightness_url + "/health")["status"] == "ok"
+
+
+def test_server_down_raises_after_every_attempt(backoffs):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    samples, rows = batch()
+    with pytest.raises(fg.RewardError, match="connection refused") as raised:
+        fg.HttpReward(url, timeout=0.5, retries=2, backoff=0.01)(samples, rows)
+    assert f"{url} failed after 3 attempts" in str(raised.value)
+    assert backoffs == [0.01, 0.02]
+
+
+def test_wire_format_round_trips_rows_of_every_kind():
+    samples, rows = batch()
+    for sent in (rows, None, rows["offset"], {}):
+        got_samples, got_rows = decode_request(encode_request(samples, sent))
+        assert got_samples.dtype == samples.dtype and np.array_equal(got_samples, samples)
+        if sent is None:
+            assert got_rows is None
+        elif isinstance(sent, dict):
+            assert got_rows.keys() == sent.keys()
+            if sent:
+                assert np.array_equal(got_rows["meta"]["index"], sent["meta"]["index"])
+                assert np.array_equal(got_rows["prompt"], sent["prompt"])
+                assert same_bits(got_rows["offset"], sent["offset"])
+        else:
+            assert same_bits(got_rows, sent)
+    grey = samples[..., 0]
+    got_samples, _ = decode_request(encode_request(grey, None, images_as_uint8=True))
+    assert got_samples.shape == grey.shape and got_samples.dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ({"a/b": np.zeros(6)}, "without '/'"),
+        ({"a": [1, 2]}, "is a list"),
+        ({"a": np.array([object()] * 6)}, "cannot be sent without pickling"),
+    ],
+)
+def test_rows_that_cannot_be_sent_raise_before_any_request(rows, message):
+    samples, _ = batch()
+    remote = fg.HttpReward("http://127.0.0.1:9")
+    with pytest.raises(fg.RewardError, match=message):
+        remote(samples, rows)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"url": "ftp://host"}, "url"),
+        ({"url": "http://"}, "url"),
+        ({"url": "http://h:1/?q=1"}, "url"),
+        ({"timeout": 0.0}, "timeout"),
+        ({"retries": -1}, "retries"),
+        ({"backoff": -0.1}, "backoff"),
+    ],
+)
+def test_arguments_checked(kwargs, argument):
+    arguments = {"url": "http://127.0.0.1:8000", **kwargs}
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        fg.HttpReward(arguments.pop("url"), **arguments)
+
+
+class _RewardClass:
+    name = "from_class"
+
+    def __call__(self, samples, rows):
+        return np.ones(len(samples))
+
+
+def _reward_factory(scale=2.0):
+    return lambda samples, rows: np.full(len(samples), scale)
+
+
+def test_load_reward_rule():
+    samples = np.zeros((3, 2))
+    assert load_reward("flowgrpo_eqx:JpegCompressibility").name == "jpeg_compressibility"
+    assert load_reward("flowgrpo_eqx.JpegIncompressibility").name == "jpeg_incompressibility"
+    assert isinstance(load_reward("tests.test_reward_server:_RewardClass"), _RewardClass)
+    assert load_reward("tests.test_reward_server:_reward_factory")(samples, None)[0] == 2.0
+    assert load_reward("tests.reward_fixtures:sample_mean") is reward_fixtures.sample_mean
+    instance = _RewardClass()
+    assert load_reward("mine", {"mine": lambda: instance}) is instance
+    for bad in ("no_module_here:reward", "tests.reward_fixtures:missing", "nothing"):
+        with pytest.raises(ValueError, match="Reward"):
+            load_reward(bad)
+    with pytest.raises(ValueError, match="not callable"):
+        load_reward("tests.reward_fixtures:SLOW_SECONDS")

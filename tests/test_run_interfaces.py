@@ -1,0 +1,236 @@
+"""How people drive a run: a reward server, metrics in TensorBoard, config files, seeds.
+
+Every run here is a real `flowgrpo-eqx` process on the tiny preset; reward servers are real
+`flowgrpo-eqx serve-reward` processes on 127.0.0.1.
+"""
+
+import json
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from flowgrpo_eqx.shapes_demo import make_config
+from flowgrpo_eqx.shapes_demo.config import config_to_toml
+from flowgrpo_eqx.train import MetricsLog
+from tests.cli_helpers import command, environment, result_of, run_cli, with_base
+
+
+COMMON = ["--preset", "tiny", "--quiet", "--seed", "6"]
+
+
+def cli(*args, **extra_env):
+    return run_cli(*args, **extra_env)
+
+
+class Server:
+    """A `flowgrpo-eqx serve-reward` process on a free loopback port."""
+
+    def __init__(self, reward, **extra_env):
+        self.process = subprocess.Popen(
+            command("serve-reward", reward, "--port", "0"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=environment(**extra_env),
+        )  # fmt: skip
+        line = self.process.stdout.readline()
+        assert line.startswith("serving "), line
+        self.url = line.split(" on ")[1].strip()
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+        self.process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("in_process")
+    result = cli("train", *COMMON, "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_training_through_a_reward_server_matches_in_process(in_process, tmp_path):
+    server = Server("jpeg_incompressibility")
+    try:
+        out = with_base(in_process, tmp_path / "served")
+        result = cli("train", *COMMON, "--out", str(out), "--reward-url", server.url)
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result_of(out) == result_of(in_process)
+    assert (out / "policy.eqx").read_bytes() == (in_process / "policy.eqx").read_bytes()
+
+
+def test_server_killed_mid_run_is_a_named_error_and_resume_finishes(in_process, tmp_path):
+    out = with_base(in_process, tmp_path / "outage")
+    server = Server("jpeg_incompressibility")
+    options = ["--reward-timeout", "2", "--reward-retries", "1"]
+    run = subprocess.Popen(
+        command("train", *COMMON, *options, "--out", str(out), "--reward-url", server.url),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment(),
+    )  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    while run.poll() is None and not any(
+        r.get("epoch", 0) >= 1 for r in (MetricsLog(metrics).read() if metrics.exists() else [])
+    ):
+        time.sleep(0.05)
+    server.process.kill()
+    server.stop()
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 1, err[-3000:]
+    assert f"flowgrpo-eqx: error on process 0: Reward 'http:{server.url}'" in err
+    assert server.url in err and "Traceback" not in err
+    restarted = Server("jpeg_incompressibility")
+    try:
+        resumed = cli(
+            "train", *COMMON, *options, "--out", str(out), "--reward-url", restarted.url,
+            "--resume",
+        )  # fmt: skip
+    finally:
+        restarted.stop()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert result_of(out) == result_of(in_process)
+    assert (out / "policy.eqx").read_bytes() == (in_process / "policy.eqx").read_bytes()
+
+
+def test_two_processes_send_one_request_per_collect(in_process, tmp_path):
+    calls = tmp_path / "calls.txt"
+    server = Server("tests.cli_rewards:CountedJpegIncompressibility", REWARD_CALLS_FILE=str(calls))
+    try:
+        out = with_base(in_process, tmp_path / "two")
+        result = cli(
+            "launch", "--local", "2", "--", "train", *COMMON, "--out", str(out),
+            "--reward-url", server.url,
+        )  # fmt: skip
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stdout[-3000:]
+    epochs = make_config("tiny").epochs
+    rows = make_config("tiny").rollout_rows
+    # One request per collect (epoch), each scoring every row of the global batch.
+    assert calls.read_text().split() == [str(rows)] * epochs
+    for placement in MetricsLog(out / "distributed.jsonl").read():
+        assert placement["reward_calls_per_process"] == [1, 0]
+
+
+def test_tensorboard_log_holds_scalars_images_and_histograms(in_process, tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    out = with_base(in_process, tmp_path / "watched")
+    result = cli("train", *COMMON, "--out", str(out), "--log", "tensorboard")
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = event_accumulator.EventAccumulator(
+        str(out / "tensorboard"),
+        size_guidance={
+            event_accumulator.SCALARS: 0,
+            event_accumulator.IMAGES: 0,
+            event_accumulator.HISTOGRAMS: 0,
+        },
+    )
+    events.Reload()
+    tags = events.Tags()
+    records = MetricsLog(out / "metrics.jsonl").read()
+    rewards = events.Scalars("reward_mean")
+    assert [e.step for e in rewards] == [r["epoch"] for r in records if "reward_mean" in r]
+    np.testing.assert_allclose(
+        [e.value for e in rewards],
+        [r["reward_mean"] for r in records if "reward_mean" in r],
+        rtol=1e-6,
+    )
+    assert "heldout_accuracy" in tags["scalars"]
+    assert "heldout_samples" in tags["images"]
+    assert {"advantages", "policy_ratio"} <= set(tags["histograms"])
+    advantages = events.Histograms("advantages")
+    assert len(advantages) == make_config("tiny").epochs
+    # Group-normalised advantages: as many as rows, summing to ~0.
+    assert advantages[0].histogram_value.num == make_config("tiny").rollout_rows
+    assert abs(advantages[0].histogram_value.sum) < 1e-3
+
+
+def test_config_file_round_trip_and_precedence(in_process, tmp_path):
+    saved = in_process / "config.toml"
+    # The run folder's config.toml reproduces the run's configuration exactly.
+    printed = cli("train", "--config", str(saved), "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == saved.read_text()
+    assert printed.stdout == config_to_toml(make_config("tiny", seed=6))
+    # preset < file < flags
+    partial = tmp_path / "run.toml"
+    partial.write_text('epochs = 9\nlearning_rate = 3e-4\nlog = ["tensorboard"]\n')
+    resolved = cli("train", "--preset", "tiny", "--config", str(partial), "--epochs", "5",
+                   "--print-config")  # fmt: skip
+    assert resolved.returncode == 0, resolved.stderr
+    lines = set(resolved.stdout.splitlines())
+    assert {"epochs = 5", "learning_rate = 0.0003", 'log = ["tensorboard"]', "width = 16"} <= lines
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("epochs = 3\nwidht = 8\n", "unknown setting 'widht'"),
+        ('epochs = "three"\n', "setting 'epochs' = 'three' is not of type"),
+        ("learning_rate = true\n", "setting 'learning_rate' = True is not of type"),
+        ('reward = "clip"\n', "setting 'reward' = 'clip' is not of type"),
+        ("epochs = [\n", "Config file"),
+    ],
+)
+def test_config_file_errors_name_the_key_and_file(tmp_path, text, named):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    result = cli("train", "--config", str(path), "--print-config")
+    assert result.returncode == 2
+    assert named in result.stderr and str(path) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_training_seeds_share_the_base_and_differ_only_in_the_run(in_process, tmp_path):
+    again = with_base(in_process, tmp_path / "again")
+    other = with_base(in_process, tmp_path / "other")
+    same = cli("train", *COMMON, "--out", str(again))
+    changed = cli("train", *COMMON, "--seed", "7", "--out", str(other))
+    assert same.returncode == 0 and changed.returncode == 0, same.stderr + changed.stderr
+    base = next(in_process.glob("base_*.eqx")).name
+    for folder in (again, other):
+        summary = json.loads((folder / "summary.json").read_text())
+        # The base model was loaded (not pretrained again) from the same file name.
+        assert summary["base_source"] == str(folder / base)
+    # The same --seed reproduces the run bit for bit ...
+    assert (again / "policy.eqx").read_bytes() == (in_process / "policy.eqx").read_bytes()
+    assert (
+        MetricsLog(again / "metrics.jsonl").read()
+        == MetricsLog(in_process / "metrics.jsonl").read()
+    )
+    # ... another --seed keeps the base model and its measurement, but not the rollouts.
+    first = result_of(in_process)
+    second = result_of(other)
+    assert second["base_accuracy"] == first["base_accuracy"]
+    assert second["base_diversity"] == first["base_diversity"]
+    assert second["train_reward_first_epoch"] != first["train_reward_first_epoch"]
+
+
+def test_several_seeds_in_one_command(tmp_path):
+    out = tmp_path / "seeds"
+    result = cli("train", "--preset", "tiny", "--quiet", "--epochs", "2", "--seeds", "0,1",
+                 "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "seeds_summary.json").read_text())
+    assert summary["seeds"] == [0, 1]
+    runs = [json.loads((out / f"seed_{s}" / "summary.json").read_text()) for s in (0, 1)]
+    for name in ("final_accuracy", "train_reward_last_epoch", "wall_seconds"):
+        values = np.asarray([run[name] for run in runs], np.float64)
+        figure = summary[name]
+        assert figure["mean"] == pytest.approx(values.mean())
+        assert figure["std"] == pytest.approx(values.std())
+        assert figure["worst"] == values.min() and figure["best"] == values.max()
+    base_files = [sorted((out / f"seed_{s}").glob("base_*.eqx")) for s in (0, 1)]
+    assert base_files[0][0].read_bytes() == base_files[1][0].read_bytes()
+    assert (out / "seeds_accuracy.png").stat().st_size > 0
