@@ -20,6 +20,7 @@ import pkgutil
 import re
 from dataclasses import dataclass
 
+import jax
 import pytest
 
 import flowgrpo_eqx
@@ -101,7 +102,10 @@ def test_page_python_blocks_run(page, tmp_path, monkeypatch, capsys):
         # Compiled with the page's name and the block's line offset, so that a failure's
         # traceback points at the page and line to fix.
         source = "\n" * block.line + block.code
-        exec(compile(source, str(block.page), "exec"), namespace)
+        # As a user runs it: under JAX's default dtype promotion, not the suite's strict one
+        # (optax's own arithmetic mixes Python floats with its int32 step count).
+        with jax.numpy_dtype_promotion("standard"):
+            exec(compile(source, str(block.page), "exec"), namespace)
     capsys.readouterr()
 
 

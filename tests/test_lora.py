@@ -504,7 +504,7 @@ def test_adding_twice_and_misusing_the_functions_name_the_argument() -> None:
 
 
 def test_docs_example_runs(tmp_path: Any, monkeypatch: Any) -> None:
-    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "lora.md"
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "lora.md"
     (example,) = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {"__name__": "lora_docs_example"}
