@@ -40,6 +40,17 @@ def epochs_done(folder):
     return max((r.get("epoch", 0) for r in MetricsLog(path).read()), default=0)
 
 
+def started_past_first_epoch(out, *args):
+    """`flowgrpo-eqx ARGS` started, returned once the run in `out` has finished an epoch."""
+    process = subprocess.Popen(
+        command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=environment(),
+    )  # fmt: skip
+    while epochs_done(out) < 1 and process.poll() is None:
+        time.sleep(0.05)
+    return process
+
+
 def assert_same_result(folder, reference):
     assert result_of(folder) == result_of(reference)
     assert (folder / "policy.eqx").read_bytes() == (reference / "policy.eqx").read_bytes()
@@ -62,15 +73,7 @@ def uninterrupted(tmp_path_factory):
 
 def test_sigterm_checkpoints_the_epoch_and_resume_matches(uninterrupted, tmp_path):
     out = with_base(uninterrupted, tmp_path / "preempted")
-    process = subprocess.Popen(
-        command("train", *COMMON, "--out", str(out)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=environment(),
-    )
-    while epochs_done(out) < 1 and process.poll() is None:
-        time.sleep(0.05)
+    process = started_past_first_epoch(out, "train", *COMMON, "--out", str(out))
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=TIMEOUT)
     assert process.returncode == PREEMPTED_EXIT_STATUS, output[-3000:]
@@ -91,15 +94,7 @@ def test_sigterm_checkpoints_the_epoch_and_resume_matches(uninterrupted, tmp_pat
 
 def test_second_signal_stops_at_once(uninterrupted, tmp_path):
     out = with_base(uninterrupted, tmp_path / "impatient")
-    process = subprocess.Popen(
-        command("train", *COMMON, "--out", str(out)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=environment(),
-    )
-    while epochs_done(out) < 1 and process.poll() is None:
-        time.sleep(0.05)
+    process = started_past_first_epoch(out, "train", *COMMON, "--out", str(out))
     process.send_signal(signal.SIGINT)
     time.sleep(0.05)
     process.send_signal(signal.SIGINT)
@@ -184,15 +179,9 @@ def test_no_intact_checkpoint_is_a_named_error(uninterrupted, tmp_path):
 
 def test_two_processes_stop_together_and_resume_to_the_same_result(uninterrupted, tmp_path):
     out = with_base(uninterrupted, tmp_path / "two")
-    launcher = subprocess.Popen(
-        command("launch", "--local", "2", "--", "train", *COMMON, "--out", str(out)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=environment(),
+    launcher = started_past_first_epoch(
+        out, "launch", "--local", "2", "--", "train", *COMMON, "--out", str(out)
     )
-    while epochs_done(out) < 1 and launcher.poll() is None:
-        time.sleep(0.05)
     launcher.send_signal(signal.SIGTERM)
     output, _ = launcher.communicate(timeout=TIMEOUT)
     assert launcher.returncode == PREEMPTED_EXIT_STATUS, output[-3000:]
