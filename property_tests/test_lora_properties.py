@@ -17,9 +17,8 @@ import numpy as np
 from hypothesis import given, strategies as st
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx import lora
+from flowgrpo_eqx import lora, testing as T
 from flowgrpo_eqx.train import Trainer, default_optimizer
-from property_tests import _strategies as S
 
 
 DIM, COND, WIDTH, DEPTH = 3, 2, 6, 2
@@ -105,7 +104,7 @@ _chosen = st.lists(st.integers(0, NUM_LAYERS - 1), min_size=1, max_size=NUM_LAYE
 _seeds = st.integers(0, 2**31 - 1)
 
 
-@S.fast_settings(10)
+@T.property_settings(10)
 @given(rank=_ranks, alpha=_alphas, chosen=_chosen, seed=_seeds)
 def test_fresh_adapters_change_nothing(
     rank: int, alpha: float, chosen: list[int], seed: int
@@ -120,7 +119,7 @@ def test_fresh_adapters_change_nothing(
     assert leaves_equal(lora.base(model), BASE)
 
 
-@S.fast_settings(10)
+@T.property_settings(10)
 @given(
     rank=_ranks,
     alpha=_alphas,
@@ -143,7 +142,7 @@ def test_random_adapters_compute_w_plus_scaled_ba(
     assert leaves_equal(lora.base(model), BASE)
 
 
-@S.fast_settings(10)
+@T.property_settings(10)
 @given(rank=_ranks, alpha=_alphas, chosen=_chosen, seed=_seeds)
 def test_adapter_files_round_trip(rank: int, alpha: float, chosen: list[int], seed: int) -> None:
     model = with_random_adapters(adapted_model(rank, alpha, chosen, seed), seed + 1, 0.5)
@@ -205,7 +204,7 @@ def on_policy_batch(variables: fg.Variables, seed: int) -> fg.Transitions:
     return on_policy
 
 
-@S.fast_settings(6)
+@T.property_settings(6)
 @given(updates=st.integers(0, 4), seed=_seeds)
 def test_trainer_updates_move_adapters_only(updates: int, seed: int) -> None:
     state = TRAINER.init(jax.random.key(seed))

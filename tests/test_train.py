@@ -341,7 +341,7 @@ def test_killed_run_resumes_to_identical_result(tmp_path):
     assert not (killed / "summary.json").exists()
     resumed = _cli(*common, "--out", str(killed), "--resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    assert "Resumed from" in resumed.stdout
+    assert "Continuing from checkpoint" in resumed.stdout
     assert (whole / "policy.eqx").read_bytes() == (killed / "policy.eqx").read_bytes()
     assert MetricsLog(whole / "metrics.jsonl").read() == MetricsLog(killed / "metrics.jsonl").read()
     summary = json.loads((killed / "summary.json").read_text())

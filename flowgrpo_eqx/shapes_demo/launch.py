@@ -124,6 +124,7 @@ def launch_local(
         tails.append(tail)
         pumps.append(pump)
     failed: tuple[int, int] | None = None
+    stopped: set[int] = set()
     deadline: float | None = None
     while True:
         codes = [child.poll() for child in children]
@@ -151,6 +152,7 @@ def launch_local(
                             flush=True,
                         )
                     child.kill()
+                    stopped.add(rank)
             for child in children:
                 child.wait()
             break
@@ -166,7 +168,13 @@ def launch_local(
             flush=True,
         )
         return PREEMPTED_EXIT_STATUS
-    rank, code = failed
-    last = next((line for line in reversed(tails[rank]) if line.strip()), "(no output)")
-    print(f"[launch] rank {rank} failed (exit status {code}): {last}", flush=True)
+    # Ranks that died within one poll of each other cannot be ordered, so each failed rank is
+    # named with its status and last line; the exit status is the first one seen.
+    for rank, child in enumerate(children):
+        if rank not in stopped and child.returncode not in (0, PREEMPTED_EXIT_STATUS):
+            last = next((line for line in reversed(tails[rank]) if line.strip()), "(no output)")
+            print(
+                f"[launch] rank {rank} failed (exit status {child.returncode}): {last}", flush=True
+            )
+    code = failed[1]
     return code if code > 0 else 128 - code
