@@ -84,24 +84,61 @@ def first_transitions(batch: fg.Transitions, k: int) -> fg.Transitions:
     return out
 
 
+def _scheduled(setup: Setup, schedule: fg.AbstractWindowSchedule) -> tuple[Any, Trainer]:
+    """The setup's rollout and trainer with `schedule` placing the stochastic window (the
+    objective's SDE without a window of its own)."""
+    rollout = setup.rollout
+    sde = rollout.objective.sde
+    free = fg.FlowSDE(sde.noise_level, window=None, kl_weighting=sde.kl_weighting)
+    objective = eqx.tree_at(lambda o: o.sde, rollout.objective, free)
+    scheduled = fg.FlowRollout(
+        objective,
+        rollout.reward,
+        groups=rollout.groups,
+        steps=rollout.steps,
+        advantage_std=rollout.advantage_std,
+        window_schedule=schedule,
+        mesh=rollout.mesh,
+    )
+    return scheduled, setup.make_trainer(objective)
+
+
 def recompiles(setup: Setup, epochs_after_warmup: int = 3) -> dict[str, Any]:
-    """Compilations in `flow_grpo_epoch` (rollout + updates) after one warmup epoch."""
+    """Compilations in `flow_grpo_epoch` (rollout + updates) after one warmup epoch, for the
+    setup's rollout and again with a random and a sliding window schedule (the window moves
+    every epoch: its position is traced, so nothing recompiles)."""
     counter = compile_counter()
-    trainer = setup.trainer
-    state = trainer.init(jax.random.key(11))
-    run_key = jax.random.key(12)
-    counts = []
-    for epoch in range(1 + epochs_after_warmup):
-        counter.start()
-        state, _, _ = flow_grpo_epoch(
-            trainer, state, setup.rollout, setup.rows(epoch), jax.random.fold_in(run_key, epoch)
-        )
-        jax.block_until_ready(state)  # type: ignore[no-untyped-call]
-        counts.append(counter.stop())
-        log(f"{setup.name}: epoch {epoch} compiled {counts[-1]} program(s)")
+    count = setup.rollout.recorded_transitions
+    variants: dict[str, tuple[Any, Trainer]] = {"fixed": (setup.rollout, setup.trainer)}
+    if count < setup.rollout.steps - 1:
+        variants["random"] = _scheduled(setup, fg.RandomWindow(count))
+        variants["sliding"] = _scheduled(setup, fg.SlidingWindow(count, shift_every=1))
+    per_schedule: dict[str, list[int]] = {}
+    starts: dict[str, list[int]] = {}
+    for name, (rollout, trainer) in variants.items():
+        state = trainer.init(jax.random.key(11))
+        run_key = jax.random.key(12)
+        counts = []
+        starts[name] = []
+        for epoch in range(1 + epochs_after_warmup):
+            counter.start()
+            state, _, info = flow_grpo_epoch(
+                trainer,
+                state,
+                rollout,
+                setup.rows(epoch),
+                jax.random.fold_in(run_key, epoch),
+                epoch=epoch + 1,
+            )
+            jax.block_until_ready(state)  # type: ignore[no-untyped-call]
+            counts.append(counter.stop())
+            starts[name].append(info.window_start)
+            log(f"{setup.name}: {name} window, epoch {epoch} compiled {counts[-1]} program(s)")
+        per_schedule[name] = counts
     return {
-        "recompiles_after_warmup": int(sum(counts[1:])),
-        "compiles_per_epoch": counts,
+        "recompiles_after_warmup": int(sum(sum(c[1:]) for c in per_schedule.values())),
+        "compiles_per_epoch": per_schedule,
+        "window_starts": starts,
         "epochs_after_warmup": epochs_after_warmup,
         "event": "/jax/core/compile/backend_compile_duration",
     }

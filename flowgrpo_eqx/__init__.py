@@ -1,7 +1,12 @@
 """Flow-GRPO for rectified-flow generators, as a strictly typed functional Equinox library."""
 
 from . import lora as lora
-from ._advantages import AdvantageStd as AdvantageStd, group_advantages as group_advantages
+from ._advantages import (
+    AdvantageStd as AdvantageStd,
+    RewardCombination as RewardCombination,
+    group_advantages as group_advantages,
+    per_reward_advantages as per_reward_advantages,
+)
 from ._consistency import (
     CheckLine as CheckLine,
     ConsistencyReport as ConsistencyReport,
@@ -50,6 +55,13 @@ from ._sde import (
     window_for_indices as window_for_indices,
 )
 from ._solver import AbstractSolver as AbstractSolver, Euler as Euler, Heun as Heun
+from ._window import (
+    AbstractWindowSchedule as AbstractWindowSchedule,
+    AtEnd as AtEnd,
+    FixedWindow as FixedWindow,
+    RandomWindow as RandomWindow,
+    SlidingWindow as SlidingWindow,
+)
 
 
 __version__ = "0.1.0"

@@ -11,6 +11,11 @@ from ._misc import check_int
 AdvantageStd: TypeAlias = Literal["group", "global"]
 """Which std normalises advantages: each group's own, or the whole batch's."""
 
+RewardCombination: TypeAlias = Literal["sum", "normalize_each"]
+"""How a `WeightedReward`'s terms become advantages: normalise their weighted sum within
+each group (`"sum"`), or normalise each term within its group and then take the weighted sum
+(`"normalize_each"`, Flow-Factory's per-reward normalisation)."""
+
 
 def group_advantages(
     rewards: npt.ArrayLike,
@@ -42,6 +47,14 @@ def group_advantages(
     - `ValueError`: naming the argument, for a bad shape, group size, eps, std mode, or
         non-finite rewards.
     """
+    result: npt.NDArray[np.float32] = _normalised(rewards, groups, eps, std).astype(np.float32)
+    return result
+
+
+def _normalised(
+    rewards: npt.ArrayLike, groups: int, eps: float, std: AdvantageStd
+) -> npt.NDArray[np.float64]:
+    """`group_advantages` before its cast to float32."""
     values = np.asarray(rewards, dtype=np.float64)
     if values.ndim != 1:
         raise ValueError(f"`rewards` must have shape [N], got {values.shape}.")
@@ -66,5 +79,54 @@ def group_advantages(
     advantages: npt.NDArray[np.float64] = centred / (spread + eps)
     constant = np.all(grouped == grouped[:, :1], axis=1)
     advantages[constant] = 0.0
-    result: npt.NDArray[np.float32] = advantages.reshape(-1).astype(np.float32)
+    flat: npt.NDArray[np.float64] = advantages.reshape(-1)
+    return flat
+
+
+def per_reward_advantages(
+    components: npt.ArrayLike,
+    weights: npt.ArrayLike,
+    groups: int,
+    eps: float = 1e-4,
+    std: AdvantageStd = "group",
+) -> npt.NDArray[np.float32]:
+    """Each reward normalised within its group first, then the weighted sum (float64).
+
+    `A = sum_k w_k (r_k - mean_group(r_k)) / (std(r_k) + eps)` with the std of
+    `group_advantages` (`std="group"` or `"global"`), every term in float64, cast to float32
+    at the end. A reward's scale and offset therefore do not matter, only its weight: each
+    term is invariant to `r_k -> a r_k + b` with `a > 0` (exactly when `eps = 0`). A row's
+    advantage is zero when every reward is constant in its group.
+
+    **Arguments:**
+
+    - `components`: `[R, N]` scores, one row per reward.
+    - `weights`: `[R]` finite weights.
+    - `groups`: the group size `G`; `N` must be a multiple of it.
+    - `eps`: added to each reward's std, 1e-4 by default.
+    - `std`: `"group"` (default) or `"global"`.
+
+    **Returns:**
+
+    `[N]` float32 advantages.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for shapes that do not fit, non-finite weights, or
+        what `group_advantages` rejects.
+    """
+    scores = np.asarray(components, dtype=np.float64)
+    factors = np.asarray(weights, dtype=np.float64)
+    if scores.ndim != 2:
+        raise ValueError(f"`components` must have shape [R, N], got {scores.shape}.")
+    if factors.shape != (scores.shape[0],):
+        raise ValueError(
+            f"`weights` must have shape [R] = ({scores.shape[0]},), got {factors.shape}."
+        )
+    if not np.all(np.isfinite(factors)):
+        raise ValueError(f"`weights` must be finite, got {factors.tolist()}.")
+    total = np.zeros(scores.shape[1], dtype=np.float64)
+    for factor, row in zip(factors, scores, strict=True):
+        total += factor * _normalised(row, groups, eps, std)
+    result: npt.NDArray[np.float32] = total.astype(np.float32)
     return result

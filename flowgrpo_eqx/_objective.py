@@ -162,6 +162,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
         t: Float[Array, " B"],
         t_next: Float[Array, " B"],
         cond: PyTree[Any],
+        allowed: Bool[Array, " B"] | None = None,
     ) -> tuple[Float[Array, " B *latent"], Float[Array, " B"]]:
         """The batch's Gaussian transitions `(mean, std)` under `sde` and the guided velocity.
 
@@ -171,6 +172,8 @@ class FlowGRPOObjective(AbstractFlowObjective):
         - `x`: `[B, *latent]` states at `t`.
         - `t`, `t_next`: `[B]` start and end times.
         - `cond`: the batch's rows (leading axis `B`).
+        - `allowed`: `[B]`, `False` where the transition must be deterministic whatever the
+            SDE says (`AbstractSDE.transition`); `None` allows noise everywhere.
 
         **Returns:**
 
@@ -181,7 +184,9 @@ class FlowGRPOObjective(AbstractFlowObjective):
         - `ValueError`: as `GuidedFlow.velocity`.
         """
         v = self.flow.velocity(model, x, t, cond)
-        return jax.vmap(self.sde.transition)(x, v, t, t_next)
+        if allowed is None:
+            return jax.vmap(self.sde.transition)(x, v, t, t_next)
+        return jax.vmap(self.sde.transition)(x, v, t, t_next, allowed)
 
     # ----------------------------------------------------------------------------------
     # Scanning over transitions

@@ -9,15 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from ._advantages import AdvantageStd, group_advantages
+from ._advantages import AdvantageStd, RewardCombination, group_advantages, per_reward_advantages
 from ._custom_types import Model, Transitions
 from ._distributed import host_samples, row_sharding, score_on_root, shard_batch
 from ._flow_base import Variables
 from ._misc import check_int, is_int, leading_rows, repeat_rows
 from ._objective import FlowGRPOObjective
-from ._reward import FlowReward
+from ._reward import FlowReward, WeightedReward
+from ._window import AbstractWindowSchedule
 
 
 @final
@@ -54,6 +55,8 @@ class RolloutInfo(eqx.Module):
         reward, float64 statistics, transport between processes).
     - `reward_calls_here`: how many times this process called the reward (1 on process 0,
         0 elsewhere).
+    - `window_start`: the first recorded transition (a window schedule's position; 0
+        without one).
     """
 
     rewards: npt.NDArray[np.float64]
@@ -63,6 +66,7 @@ class RolloutInfo(eqx.Module):
     samples: Float[Array, " N *sample"]
     seconds: dict[str, float]
     reward_calls_here: int
+    window_start: int
 
 
 @final
@@ -87,6 +91,19 @@ class FlowRollout(eqx.Module):
     - `steps`: time points of the rollout grid; `steps=11` draws ten transitions.
     - `train_steps`: how many leading transitions to record; `None` records all.
     - `advantage_std`: `"group"` (default) or `"global"` (the release's `global_std`).
+    - `reward_combination`: `"sum"` (default) normalises the reward's scores within each
+        group; `"normalize_each"` needs a `WeightedReward` and normalises each of its terms
+        within its group before the weighted sum (`per_reward_advantages`), so no term's
+        scale drowns the others. `RolloutInfo.rewards` is the weighted sum either way.
+    - `window_schedule`: `None` (default) records the first `train_steps` transitions and
+        leaves the stochastic ones to the SDE's `window`; or an `AbstractWindowSchedule`
+        (`FixedWindow`, `RandomWindow`, `SlidingWindow`) that places, for each `collect`,
+        `count` consecutive stochastic transitions (the others are ODE steps) and records
+        exactly those. The position is a traced value: moving it never recompiles. Needs
+        `train_steps=None` and an SDE with `window=None`.
+    - `shared_noise`: if `True`, every sample of a group starts from the same N(0, I) draw
+        (groups differ), so the group baseline compares SDE branches only (the release's
+        `same_latent`). `False` (default) draws every sample's start independently.
     - `mesh`: a data mesh (`flowgrpo_eqx.data_mesh()`) to shard rows over, or `None` for the
         default device. With many processes, every process calls `collect` with the same
         global rows; generation is collective, the reward runs on process 0 only, and the
@@ -95,7 +112,9 @@ class FlowRollout(eqx.Module):
     **Raises:**
 
     - `ValueError`: naming the argument, for `groups < 1`, `steps < 2`, a `train_steps`
-        outside `1..steps - 1`, or a recorded range with no stochastic transition.
+        outside `1..steps - 1`, a recorded range with no stochastic transition, or a
+        `window_schedule` longer than the trajectory or beside `train_steps` or the SDE's
+        `window`.
     """
 
     objective: FlowGRPOObjective
@@ -104,6 +123,9 @@ class FlowRollout(eqx.Module):
     steps: int = 11
     train_steps: int | None = None
     advantage_std: AdvantageStd = "group"
+    reward_combination: RewardCombination = "sum"
+    window_schedule: AbstractWindowSchedule | None = None
+    shared_noise: bool = eqx.field(default=False, static=True)
     mesh: Mesh | None = eqx.field(default=None, static=True)
 
     def __check_init__(self) -> None:
@@ -123,10 +145,42 @@ class FlowRollout(eqx.Module):
                 f"`train_steps` must be None or an int in 1..{transitions} (steps={self.steps} "
                 f"gives {transitions} transitions), got {self.train_steps!r}."
             )
+        if self.reward_combination not in ("sum", "normalize_each"):
+            raise ValueError(
+                "`reward_combination` must be 'sum' or 'normalize_each', got "
+                f"{self.reward_combination!r}."
+            )
+        if self.reward_combination == "normalize_each" and not isinstance(
+            self.reward, WeightedReward
+        ):
+            raise ValueError(
+                "`reward_combination='normalize_each'` needs a WeightedReward (its terms are "
+                f"normalised one by one), got {self.reward!r}."
+            )
+        if not isinstance(self.shared_noise, bool):
+            raise ValueError(f"`shared_noise` must be a bool, got {self.shared_noise!r}.")
         if self.advantage_std not in ("group", "global"):
             raise ValueError(
                 f"`advantage_std` must be 'group' or 'global', got {self.advantage_std!r}."
             )
+        if self.window_schedule is not None:
+            if not isinstance(self.window_schedule, AbstractWindowSchedule):
+                raise ValueError(
+                    "`window_schedule` must be None or an AbstractWindowSchedule, got "
+                    f"{self.window_schedule!r}."
+                )
+            if self.train_steps is not None:
+                raise ValueError(
+                    "`train_steps` must be None with a `window_schedule` (its `count` "
+                    f"transitions are recorded), got {self.train_steps!r}."
+                )
+            if self.objective.sde.window is not None:
+                raise ValueError(
+                    "The objective's sde `window` must be None with a `window_schedule` (the "
+                    f"schedule places the noise), got {self.objective.sde.window!r}."
+                )
+            self.window_schedule.check_fits(transitions)
+            return
         grid = self.timesteps()
         recorded = self.recorded_transitions
         if not bool(
@@ -141,7 +195,25 @@ class FlowRollout(eqx.Module):
     @property
     def recorded_transitions(self) -> int:
         """`K`, the number of recorded transitions per sample."""
+        if self.window_schedule is not None:
+            return self.window_schedule.count
         return self.steps - 1 if self.train_steps is None else self.train_steps
+
+    def window_start(self, epoch: int, key: PRNGKeyArray) -> int:
+        """The first recorded transition of a `collect` in `epoch` with `key`.
+
+        **Arguments:**
+
+        - `epoch`: the epoch, from 1.
+        - `key`: the key passed to `collect`.
+
+        **Returns:**
+
+        The window schedule's position, or 0 without a schedule.
+        """
+        if self.window_schedule is None:
+            return 0
+        return self.window_schedule.first(epoch, self.steps - 1, key)
 
     def timesteps(self) -> Float[Array, " steps"]:
         """The rollout's time grid.
@@ -152,13 +224,19 @@ class FlowRollout(eqx.Module):
         """
         return self.objective.flow.process.timesteps(self.steps)
 
-    def generate(self, policy: Model, rows: PyTree[Any], key: PRNGKeyArray) -> Generated:
+    def generate(
+        self, policy: Model, rows: PyTree[Any], key: PRNGKeyArray, first: int = 0
+    ) -> Generated:
         """Sample the SDE for already repeated rows (jit-compiled; shapes static).
 
         **Arguments:**
 
         - `policy`: the live policy.
-        - `rows`: `[N, ...]` conditioning rows, already repeated per group.
+        - `first`: with a `window_schedule`, the first recorded (and stochastic)
+            transition, `window_start(epoch, key)`; traced, so any value reuses one
+            compilation. Ignored without a schedule.
+        - `rows`: `[N, ...]` conditioning rows, already repeated per group (`N` a multiple of
+            `groups` when `shared_noise`).
         - `key`: the PRNG key for the starting noise and the SDE's noise.
 
         **Returns:**
@@ -167,7 +245,8 @@ class FlowRollout(eqx.Module):
 
         **Raises:**
 
-        - `ValueError`: if the objective's `InputSpec` has no `latent_shape`.
+        - `ValueError`: if the objective's `InputSpec` has no `latent_shape`, or if
+            `shared_noise` and the rows are not whole groups.
         """
         if self.objective.flow.inputs.latent_shape is None:
             raise ValueError(
@@ -175,12 +254,27 @@ class FlowRollout(eqx.Module):
                 "objective."
             )
         sharding = None if self.mesh is None else row_sharding(self.mesh)
+        starts_per_group = self.groups if self.shared_noise else 1
+        if leading_rows(rows) % starts_per_group:
+            raise ValueError(
+                f"`rows` must hold whole groups of {self.groups} with `shared_noise=True`, got "
+                f"{leading_rows(rows)} rows."
+            )
         return _generate(
-            self.objective, self.steps, self.recorded_transitions, sharding, policy, rows, key
+            self.objective,
+            self.steps,
+            self.recorded_transitions,
+            self.window_schedule is not None,
+            starts_per_group,
+            sharding,
+            policy,
+            rows,
+            key,
+            jnp.asarray(first, jnp.int32),
         )
 
     def collect(
-        self, variables: Variables, rows: PyTree[Any], key: PRNGKeyArray
+        self, variables: Variables, rows: PyTree[Any], key: PRNGKeyArray, epoch: int = 1
     ) -> tuple[Transitions, RolloutInfo]:
         """Generate groups for the source `rows`, score them, and build the training batch.
 
@@ -189,6 +283,7 @@ class FlowRollout(eqx.Module):
         - `variables`: the objective's variables; the live policy generates. Never modified.
         - `rows`: the source rows, `[P, ...]` leaves (the structure `InputSpec` reads).
         - `key`: a PRNG key.
+        - `epoch`: the epoch, from 1; places a `window_schedule`'s window (1 by default).
 
         **Returns:**
 
@@ -202,19 +297,30 @@ class FlowRollout(eqx.Module):
         host_rows = repeat_rows(rows, self.groups)
         device_rows = self._place(host_rows)
         started = time.perf_counter()
-        generated = self.generate(variables.policy, device_rows, key)
+        first = self.window_start(epoch, key)
+        generated = self.generate(variables.policy, device_rows, key, first)
         jax.block_until_ready(generated)  # type: ignore[no-untyped-call]
         generated_at = time.perf_counter()
         samples = host_samples(generated.samples)
         is_root = jax.process_index() == 0
-        rewards = score_on_root(self.reward, samples if is_root else None, host_rows)
-        del samples
-        advantages = group_advantages(rewards, self.groups, std=self.advantage_std)
+        here = samples if is_root else None
+        if isinstance(self.reward, WeightedReward) and self.reward_combination == "normalize_each":
+            terms = self.reward.terms
+            components = np.stack([score_on_root(term, here, host_rows) for term, _ in terms])
+            weights = np.array([weight for _, weight in terms])
+            rewards = weights @ components
+            advantages = per_reward_advantages(
+                components, weights, self.groups, std=self.advantage_std
+            )
+        else:
+            rewards = score_on_root(self.reward, here, host_rows)
+            advantages = group_advantages(rewards, self.groups, std=self.advantage_std)
+        del samples, here
         grouped = rewards.reshape(-1, self.groups)
         zero_std_fraction = float(np.mean(np.all(grouped == grouped[:, :1], axis=1)))
         mean_group_std = float(np.mean(grouped.std(axis=1)))
         scored_at = time.perf_counter()
-        batch = self.build_batch(generated, device_rows, advantages)
+        batch = self.build_batch(generated, device_rows, advantages, first)
         info = RolloutInfo(
             rewards=rewards,
             reward_mean=np.float32(rewards.mean()),
@@ -226,6 +332,7 @@ class FlowRollout(eqx.Module):
                 "reward": scored_at - generated_at,
             },
             reward_calls_here=int(is_root),
+            window_start=first,
         )
         return batch, info
 
@@ -240,6 +347,7 @@ class FlowRollout(eqx.Module):
         generated: Generated,
         rows: PyTree[Any],
         advantages: npt.NDArray[np.float32],
+        first: int = 0,
     ) -> Transitions:
         """The `Transitions` batch from a generation record and host advantages.
 
@@ -250,6 +358,7 @@ class FlowRollout(eqx.Module):
         - `generated`: what `generate` recorded.
         - `rows`: the repeated rows on the device(s), `[N, ...]`.
         - `advantages`: `[N]` float32 advantages from `group_advantages`.
+        - `first`: the first recorded transition (`window_start`; 0 without a schedule).
 
         **Returns:**
 
@@ -258,8 +367,8 @@ class FlowRollout(eqx.Module):
         num = generated.log_probs.shape[0]
         grid = np.asarray(self.timesteps())
         recorded = self.recorded_transitions
-        timesteps = np.broadcast_to(grid[:recorded], (num, recorded))
-        next_timesteps = np.broadcast_to(grid[1 : recorded + 1], (num, recorded))
+        timesteps = np.broadcast_to(grid[first : first + recorded], (num, recorded))
+        next_timesteps = np.broadcast_to(grid[first + 1 : first + recorded + 1], (num, recorded))
         stochastic = np.asarray(self.objective.sde.is_stochastic(timesteps, next_timesteps))
         host_advantages = np.asarray(advantages, np.float32)
         mask = stochastic & (host_advantages != 0)[:, None]
@@ -288,18 +397,31 @@ def _generate(
     objective: FlowGRPOObjective,
     steps: int,
     recorded: int,
+    scheduled: bool,
+    starts_per_group: int,
     sharding: NamedSharding | None,
     policy: Model,
     rows: PyTree[Any],
     key: PRNGKeyArray,
+    first: Int[Array, ""],
 ) -> Generated:
-    """One `lax.scan` over the grid recording the first `recorded` transitions."""
+    """One `lax.scan` over the grid recording the first `recorded` transitions.
+
+    Consecutive runs of `starts_per_group` rows share one starting draw (1: all independent).
+    When `scheduled`, only transitions `first .. first + recorded - 1` draw noise and the
+    whole trajectory is recorded, then those `recorded` transitions sliced out at the traced
+    `first`.
+    """
     latent_shape = objective.flow.inputs.latent_shape
     assert latent_shape is not None
     num = leading_rows(rows)
     grid = objective.flow.process.timesteps(steps)
     noise_key, step_key = jax.random.split(key)
-    start = jax.random.normal(noise_key, (num, *latent_shape), jnp.float32)
+    if starts_per_group == 1:
+        start = jax.random.normal(noise_key, (num, *latent_shape), jnp.float32)
+    else:
+        draws = jax.random.normal(noise_key, (num // starts_per_group, *latent_shape), jnp.float32)
+        start = jnp.repeat(draws, starts_per_group, axis=0)
     if sharding is not None:
         start = jax.lax.with_sharding_constraint(start, sharding)  # type: ignore[no-untyped-call]
     step_keys = jax.random.split(step_key, steps - 1)
@@ -316,10 +438,13 @@ def _generate(
         per_step = NamedSharding(sharding.mesh, spec)
         noise = jax.lax.with_sharding_constraint(noise, per_step)  # type: ignore[no-untyped-call]
 
-    def transition(x: Array, t: Array, t_next: Array, z: Array) -> tuple[Array, Array]:
+    def transition(
+        x: Array, t: Array, t_next: Array, z: Array, allowed: Array | None = None
+    ) -> tuple[Array, Array]:
         times = jnp.full((num,), t, x.dtype)
         next_times = jnp.full((num,), t_next, x.dtype)
-        mean, std = objective.transition(policy, x, times, next_times, rows)
+        allowed_rows = None if allowed is None else jnp.full((num,), allowed)
+        mean, std = objective.transition(policy, x, times, next_times, rows, allowed_rows)
         x_next = jax.vmap(objective.sde.sample)(mean, std, z)
         log_prob = jax.vmap(objective.sde.log_prob)(x_next, mean, std)
         return x_next, log_prob
@@ -336,9 +461,25 @@ def _generate(
         x_next, _ = transition(x, t, t_next, z)
         return x_next, None
 
-    head = (grid[:recorded], grid[1 : recorded + 1], noise[:recorded])
-    x, (latents, next_latents, log_probs) = jax.lax.scan(recording, start, head)
-    if recorded < steps - 1:
+    if scheduled:
+
+        def windowed(
+            x: Array, inputs: tuple[Array, Array, Array, Array]
+        ) -> tuple[Array, tuple[Array, Array, Array]]:
+            t, t_next, z, index = inputs
+            allowed = (index >= first) & (index < first + recorded)
+            x_next, log_prob = transition(x, t, t_next, z, allowed)
+            return x_next, (x, x_next, log_prob)
+
+        indices = jnp.arange(steps - 1)
+        x, every = jax.lax.scan(windowed, start, (grid[:-1], grid[1:], noise, indices))
+        latents, next_latents, log_probs = jax.tree.map(
+            lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, first, recorded, axis=0), every
+        )
+    else:
+        head = (grid[:recorded], grid[1 : recorded + 1], noise[:recorded])
+        x, (latents, next_latents, log_probs) = jax.lax.scan(recording, start, head)
+    if not scheduled and recorded < steps - 1:
         tail = (grid[recorded:-1], grid[recorded + 1 :], noise[recorded:])
         x, _ = jax.lax.scan(silent, x, tail)
     generated = Generated(

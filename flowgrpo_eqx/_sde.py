@@ -171,6 +171,7 @@ class AbstractSDE(eqx.Module):
         v: Float[Array, " *latent"],
         t: Float[ArrayLike, ""],
         t_next: Float[ArrayLike, ""],
+        allowed: Bool[ArrayLike, ""] = True,
     ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
         """The Gaussian transition `p(x_next | x)` of one unbatched latent.
 
@@ -179,6 +180,8 @@ class AbstractSDE(eqx.Module):
         - `x`: the latent at time `t`.
         - `v`: the (guided) velocity at `(x, t)`.
         - `t`, `t_next`: the transition's start and end times, `t_next < t`.
+        - `allowed`: `False` makes the transition deterministic even where `is_stochastic`
+            holds (a rollout's window schedule, a traced value); `True` by default.
 
         **Returns:**
 
@@ -188,7 +191,8 @@ class AbstractSDE(eqx.Module):
         dtype = compute_dtype(x.dtype, v.dtype)
         start = jnp.asarray(t, dtype)
         end = jnp.asarray(t_next, dtype)
-        level = jnp.where(self.is_stochastic(start, end), self.noise_level, 0.0).astype(dtype)
+        stochastic = self.is_stochastic(start, end) & jnp.asarray(allowed)
+        level = jnp.where(stochastic, self.noise_level, 0.0).astype(dtype)
         return self.gaussian(x.astype(dtype), v.astype(dtype), start, end, level)
 
     def sample(

@@ -190,3 +190,34 @@ def test_public_invariants_on_groups_with_ties_and_constant_groups(batch: Batch,
         rtol=1e-6,
         atol=1e-6 * _scale(ref.group_advantages(rewards, groups, std=std)),
     )
+
+
+@T.property_settings(100)
+@given(
+    first=_spread_batches(),
+    data=st.data(),
+    scales=st.lists(st.floats(1e-3, 1e3), min_size=2, max_size=2),
+    offsets=st.lists(st.floats(-1e3, 1e3), min_size=2, max_size=2),
+    weights=st.lists(st.floats(-3.0, 3.0), min_size=2, max_size=2),
+)
+def test_per_reward_normalisation_ignores_each_rewards_affine_scale(
+    first: Batch,
+    data: st.DataObject,
+    scales: list[float],
+    offsets: list[float],
+    weights: list[float],
+) -> None:
+    """With `eps = 0`, `r_k -> a_k r_k + b_k` (`a_k > 0`) leaves the advantages unchanged."""
+    rewards, groups = first
+    second = data.draw(
+        hnp.arrays(np.float64, rewards.shape, elements=st.floats(-5.0, 5.0)), label="second"
+    )
+    assume(np.all(second.reshape(-1, groups).std(axis=1) >= 0.05))
+    components = np.stack([rewards, second])
+    rescaled = np.asarray(scales)[:, None] * components + np.asarray(offsets)[:, None]
+    plain = fg.per_reward_advantages(components, weights, groups, eps=0.0)
+    moved = fg.per_reward_advantages(rescaled, weights, groups, eps=0.0)
+    np.testing.assert_allclose(moved, plain, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        plain, ref.per_reward_advantages(components, weights, groups, eps=0.0), atol=1e-5
+    )

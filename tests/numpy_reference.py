@@ -105,3 +105,19 @@ def group_advantages(rewards, groups, eps=1e-4, std="group"):
         for i in range(groups):
             out[p, i] = 0.0 if np.all(r[p] == r[p, 0]) else (r[p, i] - mean) / (spread + eps)
     return out.reshape(-1)
+
+
+def per_reward_advantages(components, weights, groups, eps=1e-4):
+    """`sum_k w_k (r_k - mean_group) / (std_group + eps)`, term by term, in float64."""
+    scores = np.asarray(components, np.float64)
+    total = np.zeros(scores.shape[1])
+    for weight, row in zip(weights, scores, strict=True):
+        for start in range(0, row.size, groups):
+            group = row[start : start + groups]
+            mean = math.fsum(group) / groups
+            spread = math.sqrt(math.fsum((x - mean) ** 2 for x in group) / groups)
+            constant = bool(np.all(group == group[0]))
+            for i, x in enumerate(group):
+                term = 0.0 if constant else (x - mean) / (spread + eps)
+                total[start + i] += float(weight) * term
+    return total

@@ -53,3 +53,35 @@ def test_equal_rows_in_different_groups_do_not_merge():
 def test_bad_arguments_named(kwargs, name):
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match=name):
         fg.group_advantages(**kwargs)
+
+
+def test_per_reward_normalisation_matches_numpy_statement():
+    rng = np.random.default_rng(3)
+    # Three rewards on very different scales; the second group of the first reward is constant.
+    components = np.stack(
+        [rng.normal(size=12), 1e4 * rng.normal(size=12), 1e-3 * rng.normal(size=12) + 7.0]
+    )
+    components[0, 4:8] = 2.5
+    weights = np.array([1.0, 0.5, -2.0])
+    got = fg.per_reward_advantages(components, weights, 4)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(
+        got, ref.per_reward_advantages(components, weights, 4), rtol=1e-6, atol=1e-6
+    )
+    # Every reward constant within a group: that group's advantages are exactly zero.
+    components[:, 8:] = components[:, 8:9]
+    assert np.all(fg.per_reward_advantages(components, weights, 4)[8:] == 0.0)
+
+
+@pytest.mark.parametrize(
+    "components, weights, name",
+    [
+        (np.zeros(8), [1.0], "components"),
+        (np.zeros((2, 8)), [1.0], "weights"),
+        (np.zeros((2, 8)), [1.0, np.inf], "weights"),
+        (np.zeros((1, 7)), [1.0], "groups"),
+    ],
+)
+def test_per_reward_bad_arguments_named(components, weights, name):
+    with pytest.raises(ValueError, match=name):
+        fg.per_reward_advantages(components, weights, 4)

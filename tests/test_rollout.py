@@ -9,6 +9,7 @@ from PIL import Image
 
 import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
+from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
 LATENT = (3, 3, 3)
@@ -43,7 +44,9 @@ class CountingReward:
         return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
 
 
-def make_rollout(reward, *, groups=3, steps=6, train_steps=None, window=None, guidance=True):
+def make_rollout(
+    reward, *, groups=3, steps=6, train_steps=None, window=None, guidance=True, shared_noise=False
+):
     objective = fg.FlowGRPOObjective(
         SmallNet(jax.random.key(0)),
         fg.RectifiedFlow(shift=2.0),
@@ -52,7 +55,14 @@ def make_rollout(reward, *, groups=3, steps=6, train_steps=None, window=None, gu
         guidance=fg.CFG(2.0) if guidance else None,
         steps=4,
     )
-    return fg.FlowRollout(objective, reward, groups=groups, steps=steps, train_steps=train_steps)
+    return fg.FlowRollout(
+        objective,
+        reward,
+        groups=groups,
+        steps=steps,
+        train_steps=train_steps,
+        shared_noise=shared_noise,
+    )
 
 
 ROWS = {
@@ -237,3 +247,78 @@ def test_preview_png_and_evaluate_scores(tmp_path):
         image.load()
         assert image.format == "PNG" and image.size[0] > 0 and image.size[1] > 0
         assert len(np.unique(np.asarray(image.convert("L")))) > 2
+
+
+def test_shared_noise_one_start_per_group():
+    rollout = make_rollout(CountingReward(), groups=3, shared_noise=True)
+    variables = rollout.objective.init(jax.random.key(0))
+    batch, _ = rollout.collect(variables, ROWS, jax.random.key(1))
+    starts = np.asarray(batch.latents[:, 0]).reshape(3, 3, -1)  # [source row, member, ...]
+    for group in starts:
+        np.testing.assert_array_equal(group, np.broadcast_to(group[0], group.shape))
+    # Groups differ, also the two of equal conditioning (source rows 0 and 1).
+    for first in range(3):
+        for second in range(first + 1, 3):
+            assert not np.any(starts[first, 0] == starts[second, 0])
+    # The SDE's noise still branches the members of a group.
+    after = np.asarray(batch.next_latents[:, 0]).reshape(3, 3, -1)
+    assert not np.any(after[0, 0] == after[0, 1])
+
+
+def test_independent_noise_is_the_documented_draw():
+    """Without `shared_noise` the starts are `normal(split(key)[0], [N, *latent])`, the draw
+    from before the option existed."""
+    rollout = make_rollout(CountingReward(), groups=3)
+    assert rollout.shared_noise is False
+    variables = rollout.objective.init(jax.random.key(0))
+    key = jax.random.key(1)
+    batch, _ = rollout.collect(variables, ROWS, key)
+    expected = jax.random.normal(jax.random.split(key)[0], (9, *LATENT), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(batch.latents[:, 0]), np.asarray(expected))
+
+
+def test_shared_noise_needs_whole_groups_and_a_bool():
+    rollout = make_rollout(CountingReward(), groups=3, shared_noise=True)
+    variables = rollout.objective.init(jax.random.key(0))
+    rows = {name: np.repeat(value, 3, axis=0)[:4] for name, value in ROWS.items()}
+    with pytest.raises(ValueError, match="shared_noise"):
+        rollout.generate(variables.policy, rows, jax.random.key(1))
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="shared_noise"):
+        make_rollout(CountingReward(), shared_noise=1)
+
+
+def test_rewards_normalised_one_by_one_before_the_weighted_sum():
+    def brightness(samples, rows):
+        return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
+
+    def huge_contrast(samples, rows):
+        return 1e6 * samples.reshape(samples.shape[0], -1).std(axis=1).astype(np.float64)
+
+    terms = [(brightness, 2.0), (huge_contrast, 0.5)]
+    rollout = make_rollout(fg.WeightedReward(terms), groups=3)
+    each = eqx.tree_at(lambda r: r.reward_combination, rollout, "normalize_each")
+    variables = rollout.objective.init(jax.random.key(0))
+    key = jax.random.key(1)
+    summed, summed_info = rollout.collect(variables, ROWS, key)
+    batch, info = each.collect(variables, ROWS, key)
+    # Same samples and the same reported (weighted-sum) rewards; only the advantages differ.
+    np.testing.assert_array_equal(info.rewards, summed_info.rewards)
+    samples = np.asarray(info.samples)
+    components = np.stack([brightness(samples, None), huge_contrast(samples, None)])
+    np.testing.assert_allclose(info.rewards, np.array([2.0, 0.5]) @ components, rtol=1e-12)
+    np.testing.assert_allclose(
+        np.asarray(batch.advantages),
+        ref.per_reward_advantages(components, [2.0, 0.5], 3),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    assert not np.allclose(np.asarray(batch.advantages), np.asarray(summed.advantages))
+
+
+def test_per_reward_normalisation_needs_a_weighted_reward():
+    with pytest.raises(ValueError, match="reward_combination"):
+        fg.FlowRollout(
+            make_rollout(CountingReward()).objective,
+            CountingReward(),
+            reward_combination="normalize_each",
+        )

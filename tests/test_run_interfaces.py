@@ -234,3 +234,30 @@ def test_several_seeds_in_one_command(tmp_path):
     base_files = [sorted((out / f"seed_{s}").glob("base_*.eqx")) for s in (0, 1)]
     assert base_files[0][0].read_bytes() == base_files[1][0].read_bytes()
     assert (out / "seeds_accuracy.png").stat().st_size > 0
+
+
+def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tmp_path):
+    out = with_base(in_process, tmp_path / "sliding")
+    flags = ["--window-schedule", "sliding", "--window-shift-every", "1", "--shared-noise", "true"]
+    result = cli("train", *COMMON, *flags, "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [r for r in MetricsLog(out / "metrics.jsonl").read() if "window_start" in r]
+    # The tiny preset: 3 transitions, a window of sde_steps = 2 moving one step per epoch.
+    assert [r["window_start"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    saved = set((out / "config.toml").read_text().splitlines())
+    assert {'window_schedule = "sliding"', "window_shift_every = 1", "shared_noise = true"} <= saved
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--shared-noise", "maybe"], "--shared-noise"),
+        (["--window-schedule", "wrap"], "--window-schedule"),
+        (["--window-schedule", "random", "--train-steps", "1"], "train_steps"),
+        (["--window-schedule", "sliding", "--window-shift-every", "0"], "window_shift_every"),
+    ],
+)
+def test_bad_recipe_options_are_named(flags, named):
+    result = cli("train", "--preset", "tiny", *flags, "--print-config")
+    assert result.returncode == 2
+    assert named in result.stderr and "Traceback" not in result.stderr

@@ -31,6 +31,9 @@ from typing import Any
 from .config import JobConfig, config_to_toml, make_config, read_config_file
 
 
+_BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
 def _parser_for(annotation: Any) -> Callable[[str], Any]:
     """A string parser for a `JobConfig` field's type (`int`, `float | None`, a `Literal`,
     a tuple given comma-separated)."""
@@ -45,6 +48,10 @@ def _parser_for(annotation: Any) -> Callable[[str], Any]:
             return tuple(item.strip() for item in text.split(",") if item.strip())
         if typing.get_origin(base) is typing.Literal:
             return text
+        if base is bool:
+            if text.lower() not in _BOOLEANS:
+                raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+            return _BOOLEANS[text.lower()]
         return base(text)
 
     parse.__name__ = getattr(base, "__name__", "value")

@@ -22,12 +22,17 @@ RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]
 LrSchedule: TypeAlias = Literal["constant", "cosine"]
 """The step size: constant, or a cosine from the peak down to 0 at the last update."""
 
+WindowScheduleName: TypeAlias = Literal["fixed", "random", "sliding"]
+"""Where the `sde_steps` stochastic transitions sit: the leading ones, a random position per
+rollout, or MixGRPO's window sliding later every `window_shift_every` epochs."""
+
 LogName: TypeAlias = Literal["tensorboard", "wandb"]
 """Where a run's metrics go besides `metrics.jsonl`."""
 
 REWARD_NAMES: tuple[RewardName, ...] = ("partial", "strict", "jpeg_incompressibility")
 LR_SCHEDULES: tuple[LrSchedule, ...] = ("constant", "cosine")
 LOG_NAMES: tuple[LogName, ...] = ("tensorboard", "wandb")
+WINDOW_SCHEDULES: tuple[WindowScheduleName, ...] = ("fixed", "random", "sliding")
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -69,6 +74,16 @@ class JobConfig:
     sde_steps: int | None = _setting(
         2, "leading transitions that sample noise, ODE after (Flow-GRPO-Fast; none: all)"
     )
+    shared_noise: bool = _setting(
+        False, "every sample of a group starts from the same noise (groups differ)"
+    )
+    window_schedule: WindowScheduleName = _setting(
+        "fixed",
+        "fixed (the first sde_steps transitions) | random (a random position per rollout) | "
+        "sliding (MixGRPO: later by window_stride every window_shift_every epochs)",
+    )
+    window_shift_every: int = _setting(20, "epochs between moves of the sliding window")
+    window_stride: int = _setting(1, "transitions per move of the sliding window")
     inner_epochs: int = _setting(1, "passes over each rollout")
     minibatch_rows: int | None = _setting(64, "rows per optimizer update (none: the whole rollout)")
     learning_rate: float = _setting(1e-4, "AdamW learning rate (the peak, with a schedule)")
@@ -162,11 +177,18 @@ class JobConfig:
             "pretrain_seed": 0,
             "eval_seed": 0,
             "lora_rank": 0,
+            "window_shift_every": 1,
+            "window_stride": 1,
         }
         for name, minimum in at_least.items():
             value = getattr(self, name)
             if not (is_int(value) and value >= minimum):
                 raise ValueError(f"Setting `{name}` must be an int >= {minimum}, got {value!r}.")
+        for name in ("shared_noise",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"Setting `{name}` must be true or false, got {getattr(self, name)!r}."
+                )
         transitions = self.rollout_steps - 1
         for name in ("train_steps", "sde_steps"):
             value = getattr(self, name)
@@ -202,6 +224,17 @@ class JobConfig:
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(
                 f"Setting `ema_decay` must be none or in [0, 1), got {self.ema_decay!r}."
+            )
+        if self.window_schedule not in WINDOW_SCHEDULES:
+            raise ValueError(
+                f"Setting `window_schedule` must be one of {WINDOW_SCHEDULES}, got "
+                f"{self.window_schedule!r}."
+            )
+        if self.window_schedule != "fixed" and self.train_steps not in (None, self.sde_steps):
+            raise ValueError(
+                f"Setting `train_steps`={self.train_steps} must equal `sde_steps`="
+                f"{self.sde_steps} (or be none) with window_schedule={self.window_schedule!r}: "
+                "the moving window's transitions are the trained ones."
             )
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(

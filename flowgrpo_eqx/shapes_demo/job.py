@@ -41,6 +41,7 @@ from .._process import RectifiedFlow
 from .._reward import FlowReward, JpegCompressibility, JpegIncompressibility, load_reward
 from .._rollout import FlowRollout, RolloutInfo
 from .._sde import FlowSDE, window_for_indices
+from .._window import AbstractWindowSchedule, RandomWindow, SlidingWindow
 from ..models import DiT
 from ..train import (
     Checkpointer,
@@ -266,7 +267,7 @@ class ShapesJob:
         """The SDE window of `sde_steps` (the leading rollout transitions that sample noise;
         the rest are ODE steps, as Flow-GRPO-Fast), or `None` when every transition does."""
         config = self.config
-        if config.sde_steps is None:
+        if config.sde_steps is None or config.window_schedule != "fixed":
             return None
         grid = RectifiedFlow().timesteps(config.rollout_steps)
         return window_for_indices(grid, 0, config.sde_steps)
@@ -294,9 +295,24 @@ class ShapesJob:
             self.reward,
             groups=config.groups,
             steps=config.rollout_steps,
-            train_steps=config.train_steps,
+            train_steps=config.train_steps if config.window_schedule == "fixed" else None,
+            shared_noise=config.shared_noise,
+            window_schedule=self.window_schedule(),
             mesh=mesh,
         )
+
+    def window_schedule(self) -> AbstractWindowSchedule | None:
+        """`None` for the fixed leading window (the SDE's `window`), else a schedule of
+        `sde_steps` stochastic, trained transitions."""
+        config = self.config
+        count = config.sde_steps if config.sde_steps is not None else config.rollout_steps - 1
+        if config.window_schedule == "random":
+            return RandomWindow(count)
+        if config.window_schedule == "sliding":
+            return SlidingWindow(
+                count, shift_every=config.window_shift_every, stride=config.window_stride
+            )
+        return None
 
     def updates(self) -> int:
         """How many optimizer updates the Flow-GRPO run makes (epochs x inner epochs x
@@ -547,6 +563,7 @@ def _train_epochs(
             rollout,
             job.epoch_rows(epoch),
             jax.random.fold_in(run_key, epoch),
+            epoch=epoch,
             inner_epochs=config.inner_epochs,
             minibatch_rows=config.minibatch_rows,
             after_updates=_log_distributions(writers, objective, epoch) if config.log else None,

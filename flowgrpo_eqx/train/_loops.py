@@ -81,6 +81,7 @@ def flow_grpo_epoch(
     rows: PyTree[Any],
     key: PRNGKeyArray,
     *,
+    epoch: int = 1,
     inner_epochs: int = 1,
     minibatch_rows: int | None = None,
     after_updates: Callable[[TrainState, Transitions, RolloutInfo], None] | None = None,
@@ -94,6 +95,7 @@ def flow_grpo_epoch(
     - `rollout`: the `FlowRollout`.
     - `rows`: this epoch's source rows.
     - `key`: this epoch's key (rollout noise and shuffling).
+    - `epoch`: the epoch, from 1: where the rollout's `window_schedule` puts the window.
     - `inner_epochs`: passes over the rollout.
     - `minibatch_rows`: rows per update (must divide the rollout's rows); all at once if
         `None`.
@@ -106,7 +108,7 @@ def flow_grpo_epoch(
     and the rollout's `RolloutInfo`.
     """
     rollout_key, shuffle_key = jax.random.split(key)
-    batch, info = rollout.collect(state.variables, rows, rollout_key)
+    batch, info = rollout.collect(state.variables, rows, rollout_key, epoch)
     size = batch.num_rows if minibatch_rows is None else minibatch_rows
     history = []
     for inner in range(inner_epochs):
@@ -121,6 +123,7 @@ def flow_grpo_epoch(
         reward_zero_std_fraction=info.zero_std_fraction,
         reward_group_std=info.mean_group_std,
         kept_fraction=float(jnp.mean(batch.transition_mask)),
+        window_start=float(info.window_start),
     )
     return state, summary, info
 
