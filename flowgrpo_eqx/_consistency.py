@@ -7,6 +7,7 @@ train. Each line of the report measures one of these on the user's own objective
 variables and rows, against a documented threshold.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, final
@@ -31,8 +32,9 @@ if TYPE_CHECKING:
 
 
 @final
-class CheckLine(eqx.Module):
-    """One line of a `ConsistencyReport`.
+@dataclasses.dataclass(frozen=True)
+class CheckLine:
+    """One line of a `ConsistencyReport` (immutable; its texts are free text, not modes).
 
     **Arguments:**
 
