@@ -1,6 +1,7 @@
 """Edges of the mathematical modules that the formula tests pass over: exact draws, dtypes
 kept through low-precision inputs, the boundaries of argument checks, and error messages.
-Each was found by a surviving mutant (docs/mutation.md)."""
+Each kills mutants that survived the formula tests, or was written against the diff of one
+not yet run (docs/mutation.md)."""
 
 import jax
 import jax.numpy as jnp
@@ -103,3 +104,55 @@ def test_grid_is_float32_with_x64_enabled():
         grid = fg.RectifiedFlow(3.0).timesteps(5)
         assert grid.dtype == jnp.float32
         assert float(grid[0]) == 1.0 and float(grid[-1]) == 0.0
+
+
+# --------------------------------------------------------------------------------------
+# The SDEs: window boundaries and tolerance, float64 when any input is float64, messages.
+
+
+def test_window_may_span_the_whole_grid_and_no_more():
+    assert fg.FlowSDE(0.7, window=(1.0, 0.0)).window == (1.0, 0.0)
+    assert fg.CoefficientsPreservingSDE(1.0).noise_level == 1.0
+    for window in ((0.5, 0.5), (0.4, 0.5), (1.5, 0.5), (0.5, -0.25)):
+        with pytest.raises(ValueError, match=r"^`window` must be \(start, stop\) times"):
+            fg.FlowSDE(0.7, window=window)
+
+
+def test_window_tolerance_is_inclusive_at_one_millionth():
+    sde = fg.FlowSDE(0.7, window=(0.5, 0.25))
+    start = np.float32(0.5) + np.float32(1e-6)
+    stop = np.float32(0.25) - np.float32(1e-6)
+    assert bool(sde.is_stochastic(start, np.float32(0.3)))
+    assert bool(sde.is_stochastic(np.float32(0.4), stop))
+    assert not bool(sde.is_stochastic(np.nextafter(start, np.float32(1)), np.float32(0.3)))
+    assert not bool(sde.is_stochastic(np.float32(0.4), np.nextafter(stop, np.float32(0))))
+
+
+@pytest.mark.parametrize("sde", [fg.FlowSDE(0.7), fg.CoefficientsPreservingSDE(0.7)])
+def test_any_float64_input_computes_in_float64(sde):
+    with jax.enable_x64(True):
+        low = jnp.asarray([0.25, -0.5], jnp.float32)
+        high = jnp.asarray([0.5, 0.125], jnp.float64)
+        for x, v in ((low, high), (high, low)):
+            mean, std = sde.transition(x, v, 0.75, 0.5)
+            assert mean.dtype == jnp.float64 and std.dtype == jnp.float64
+        assert sde.log_prob(low, high, std).dtype == jnp.float64
+        assert sde.log_prob(high, low, std).dtype == jnp.float64
+        assert sde.kl(low, high, std).dtype == jnp.float64
+        assert sde.kl(high, low, std).dtype == jnp.float64
+        assert fg.FlowSDE(kl_weighting="released").kl(low, high, std, -0.25).dtype == jnp.float64
+        assert sde.transition(low, low, 0.75, 0.5)[0].dtype == jnp.float32
+
+
+def test_sde_messages_name_the_argument_first():
+    with pytest.raises(ValueError, match=r"^`noise_level` must be a number >= 0, got -0.5"):
+        fg.FlowSDE(-0.5)
+    with pytest.raises(ValueError, match=r"^`noise_level` must be in \[0, 1\] for coeff"):
+        fg.CoefficientsPreservingSDE(1.5)
+    released = fg.FlowSDE(kl_weighting="released")
+    m = jnp.zeros(2)
+    with pytest.raises(ValueError, match=r"^`dt` is required by kl when kl_weighting="):
+        released.kl(m, m, 0.5)
+    grid = fg.RectifiedFlow().timesteps(4)
+    with pytest.raises(ValueError, match=r"^`first`=2 and `count`=2 select transitions outside"):
+        fg.window_for_indices(grid, 2, 2)
