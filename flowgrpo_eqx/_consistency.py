@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 @final
 @dataclasses.dataclass(frozen=True)
 class CheckLine:
-    """One line of a `ConsistencyReport`.
+    """One line of a `ConsistencyReport` (immutable; its texts are free text, not modes).
 
     **Arguments:**
 

@@ -193,7 +193,10 @@ def test_trainable_filter_freezes_arrays_that_then_stay_put() -> None:
     assert report.line("held arrays changed").detail.endswith("of 8 frozen or held arrays")
 
 
-def test_bfloat16_model_fails_the_log_prob_gap_and_thresholds_can_be_loosened() -> None:
+def test_bfloat16_model_gap_is_measured_and_thresholds_can_be_loosened() -> None:
+    """The check measures rather than assumes: on one CPU a bf16 model repeats its rounding
+    exactly in rescoring (each row's arithmetic does not depend on the batch), elsewhere
+    kernels chosen by batch shape may not; either way the verdict follows the threshold."""
     model = jax.tree.map(
         lambda leaf: leaf.astype(jnp.bfloat16) if eqx.is_inexact_array(leaf) else leaf,
         VectorMLP(jax.random.key(0)),

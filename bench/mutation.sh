@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Mutation testing of the mathematical modules with mutmut 3 (pip install -e ".[mutation]").
+#
+#   bench/mutation.sh                      # _advantages, _process and _sde
+#   bench/mutation.sh _objective           # any of the modules listed in [tool.mutmut]
+#
+# The configuration is pyproject.toml's [tool.mutmut]: which files are mutated, which test
+# files run (-x, no cache, no xdist), and a fork server that has imported only third-party
+# modules, so every mutant starts from fresh jit caches. The first run records which tests
+# reach which function (several minutes); each mutant then runs only those tests. Results
+# stay in mutants/ (delete it to start over); the summary is printed by
+# bench/mutation_score.py. Not part of CI: it takes about an hour for the default modules.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$#" -eq 0 ]; then
+    set -- _advantages _process _sde
+fi
+names=()
+for module in "$@"; do
+    names+=("flowgrpo_eqx.${module}.*")
+done
+mutmut run --max-children "${MUTATION_CHILDREN:-1}" "${names[@]}" || true
+python bench/mutation_score.py "$@"

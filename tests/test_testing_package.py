@@ -1,0 +1,71 @@
+"""`flowgrpo_eqx.testing`: loaded only on request, and its assertions fail on what breaks them."""
+
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+
+import flowgrpo_eqx as fg
+import flowgrpo_eqx.testing as fgt
+
+
+def test_hypothesis_loads_with_the_testing_package_only():
+    code = (
+        "import sys, flowgrpo_eqx, flowgrpo_eqx.train\n"
+        "print('hypothesis' in sys.modules)\n"
+        "import flowgrpo_eqx.testing\n"
+        "print('hypothesis' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
+
+
+def _uncentred(rewards, groups, std="group"):
+    """A broken advantage: divides by the spread but forgets to subtract the mean."""
+    grouped = np.asarray(rewards, np.float64).reshape(-1, groups)
+    return (grouped / (grouped.std(axis=1, keepdims=True) + 1e-4)).reshape(-1).astype(np.float32)
+
+
+def test_group_advantage_invariants_catch_a_missing_mean():
+    rewards = np.array([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+    fgt.assert_group_advantages_invariants(rewards, 3)
+    with pytest.raises(AssertionError):
+        fgt.assert_group_advantages_invariants(rewards, 3, advantages_fn=_uncentred)
+
+
+class _OffGrid(fg.AbstractProcess):
+    """A broken process whose grid stops short of 0."""
+
+    def interpolate(self, data, noise, t):
+        return (1 - t) * data + t * noise
+
+    def velocity_target(self, data, noise):
+        return noise - data
+
+    def timesteps(self, steps):
+        return jnp.linspace(1.0, 0.01, steps, dtype=jnp.float32)
+
+
+def test_grid_invariant_catches_a_grid_that_stops_short():
+    fgt.assert_grid_endpoints(fg.RectifiedFlow(3.0), 7)
+    with pytest.raises(AssertionError, match="ends at"):
+        fgt.assert_grid_endpoints(_OffGrid(), 7)
+
+
+@fgt.property_settings(30)
+@given(batch=fgt.reward_groups())
+def test_reward_groups_are_float64_and_whole_groups(batch):
+    rewards, groups = batch
+    assert rewards.dtype == np.float64
+    assert rewards.size % groups == 0 and rewards.size >= groups
+
+
+@fgt.property_settings(20)
+@given(advantages=fgt.advantages(3, 2), mask=fgt.transition_masks(3, 2))
+def test_advantage_and_mask_strategies_have_the_batch_shapes(advantages, mask):
+    assert advantages.dtype == np.float32 and advantages.shape in ((3,), (3, 2))
+    assert mask.dtype == np.bool_ and mask.shape == (3, 2)
