@@ -22,6 +22,7 @@ Every `JobConfig` setting has a flag (`--learning-rate 1e-4`, `--train-steps non
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import types
 import typing
@@ -299,6 +300,10 @@ def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
             reward_token=arguments["reward_token"],
         )
         if result.get("preempted"):
+            # The process is on its way out: a second signal during interpreter shutdown
+            # must end it at once, not raise KeyboardInterrupt inside an exit handler.
+            for stop_signal in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(stop_signal, signal.SIG_DFL)
             return PREEMPTED_EXIT_STATUS
     elif command == "check":
         from .check import run_check
