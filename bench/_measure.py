@@ -108,11 +108,15 @@ def recompiles(setup: Setup, epochs_after_warmup: int = 3) -> dict[str, Any]:
     setup's rollout and again with a random and a sliding window schedule (the window moves
     every epoch: its position is traced, so nothing recompiles)."""
     counter = compile_counter()
-    count = setup.rollout.recorded_transitions
-    variants: dict[str, tuple[Any, Trainer]] = {"fixed": (setup.rollout, setup.trainer)}
-    if count < setup.rollout.steps - 1:
-        variants["random"] = _scheduled(setup, fg.RandomWindow(count))
-        variants["sliding"] = _scheduled(setup, fg.SlidingWindow(count, shift_every=1))
+    transitions = setup.rollout.steps - 1
+    recorded = setup.rollout.recorded_transitions
+    # A window that can move: the setup's own length, or half the trajectory if it has all.
+    count = recorded if recorded < transitions else max(1, transitions // 2)
+    variants: dict[str, tuple[Any, Trainer]] = {
+        "fixed": (setup.rollout, setup.trainer),
+        "random": _scheduled(setup, fg.RandomWindow(count)),
+        "sliding": _scheduled(setup, fg.SlidingWindow(count, shift_every=1)),
+    }
     per_schedule: dict[str, list[int]] = {}
     starts: dict[str, list[int]] = {}
     for name, (rollout, trainer) in variants.items():
