@@ -32,15 +32,13 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 def run_cli(*args, env=None, timeout=TIMEOUT):
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    started = time.monotonic()
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *args],
         capture_output=True,
         text=True,
         env=environment,
         timeout=timeout,
     )
-    return result, time.monotonic() - started
 
 
 def process_with_arguments(*needles):
@@ -64,7 +62,7 @@ def process_with_arguments(*needles):
 def baseline(tmp_path_factory):
     """The one-process, one-device run every other run must reproduce."""
     out = tmp_path_factory.mktemp("baseline")
-    result, _ = run_cli("train", *COMMON, "--out", str(out), "--devices", "1")
+    result = run_cli("train", *COMMON, "--out", str(out), "--devices", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -103,7 +101,7 @@ def assert_same_run(folder, baseline):
 
 def test_four_simulated_devices_match_one_device(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "four")
-    result, _ = run_cli(
+    result = run_cli(
         "train",
         *COMMON,
         "--out",
@@ -119,7 +117,7 @@ def test_four_simulated_devices_match_one_device(baseline, tmp_path):
 
 def test_two_processes_match_one_process(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "two")
-    result, _ = run_cli("launch", "--local", "2", "--", "train", *COMMON, "--out", str(out))
+    result = run_cli("launch", "--local", "2", "--", "train", *COMMON, "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
     for placement in placements(out):
         assert placement["processes"] == 2 and placement["devices"] == 2
@@ -132,7 +130,7 @@ def test_two_processes_match_one_process(baseline, tmp_path):
 
 def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "reward_fault")
-    result, seconds = run_cli(
+    result = run_cli(
         "launch",
         "--local",
         "2",
@@ -153,13 +151,11 @@ def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
             "'injected_failure')"
         ) in result.stdout
     assert "[launch] stopping rank" not in result.stdout  # both stopped on their own
-    assert seconds < 240
 
 
 def test_dead_process_stops_the_others_with_a_clear_error(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "death")
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    started = time.monotonic()
     launcher = subprocess.Popen(
         [
             sys.executable,
@@ -187,7 +183,6 @@ def test_dead_process_stops_the_others_with_a_clear_error(baseline, tmp_path):
     victim = process_with_arguments("--process-id 1", str(out))
     os.kill(victim, signal.SIGKILL)
     stdout, _ = launcher.communicate(timeout=TIMEOUT)
-    seconds = time.monotonic() - started
     result = subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, "")
     assert result.returncode != 0
     # Process 0 stops on its own with a clear error: ours when the failure surfaces as a Python
@@ -200,4 +195,3 @@ def test_dead_process_stops_the_others_with_a_clear_error(baseline, tmp_path):
     assert ours in result.stdout or runtime in result.stdout, result.stdout[-3000:]
     assert "[launch] stopping rank" not in result.stdout
     assert "[launch] rank 1 failed (exit status -9)" in result.stdout
-    assert seconds < 300
