@@ -195,3 +195,14 @@ def test_dead_process_stops_the_others_with_a_clear_error(baseline, tmp_path):
     assert ours in result.stdout or runtime in result.stdout, result.stdout[-3000:]
     assert "[launch] stopping rank" not in result.stdout
     assert "[launch] rank 1 failed (exit status -9)" in result.stdout
+
+
+def test_runtime_statuses_are_told_apart_from_named_errors():
+    from flowgrpo_eqx.shapes_demo.cli import _is_runtime_status
+
+    # How JAX raised a peer's death in CI: the failed all-reduce reached a later gather.
+    gloo = "UNKNOWN: Gloo all-reduce failed: [pair.cc:538] Read error: Connection reset by peer"
+    assert _is_runtime_status(ValueError(gloo))
+    assert _is_runtime_status(RuntimeError("UNAVAILABLE: failed to connect to all addresses"))
+    assert not _is_runtime_status(ValueError("`epochs` must be >= 1, got 0."))
+    assert not _is_runtime_status(ValueError("UNKNOWN reward 'x'"))

@@ -226,10 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         initialize(arguments["coordinator"], arguments["num_processes"], arguments["process_id"])
         return _run(command, config, arguments)
-    except (RewardError, CheckpointError, OSError, ValueError) as error:
-        print(f"flowgrpo-eqx: error on process {_rank()}: {error}", file=sys.stderr, flush=True)
-        return _exit_failed(1)
     except Exception as error:  # noqa: BLE001 - a peer's death surfaces as a runtime error
+        named = isinstance(error, (RewardError, CheckpointError, OSError, ValueError))
+        if named and not (_processes() > 1 and _is_runtime_status(error)):
+            print(f"flowgrpo-eqx: error on process {_rank()}: {error}", file=sys.stderr, flush=True)
+            return _exit_failed(1)
         if _processes() == 1:
             raise
         first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
@@ -256,6 +257,24 @@ def _serve_reward(arguments: dict[str, Any]) -> int:
     token = arguments["token"] or os.environ.get("FLOWGRPO_REWARD_TOKEN") or None
     serve(reward, host=arguments["host"], port=arguments["port"], token=token)
     return 0
+
+
+# The status codes with which the XLA runtime prefixes its errors. JAX raises a failed collective
+# as `JaxRuntimeError`, or as `ValueError` when the failure reaches a later operation on its result.
+_RUNTIME_STATUSES = (
+    "ABORTED",
+    "CANCELLED",
+    "DEADLINE_EXCEEDED",
+    "FAILED_PRECONDITION",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "UNKNOWN",
+)
+
+
+def _is_runtime_status(error: Exception) -> bool:
+    """Whether `error` carries a status from the XLA runtime rather than one of our messages."""
+    return str(error).startswith(tuple(f"{status}:" for status in _RUNTIME_STATUSES))
 
 
 def _processes() -> int:
