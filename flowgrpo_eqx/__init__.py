@@ -13,7 +13,13 @@ from ._consistency import (
     ConsistencyThresholds as ConsistencyThresholds,
     check_consistency as check_consistency,
 )
-from ._custom_types import Aux as Aux, Mean as Mean, Step as Step, Transitions as Transitions
+from ._custom_types import (
+    Aux as Aux,
+    Mean as Mean,
+    Step as Step,
+    StepRatios as StepRatios,
+    Transitions as Transitions,
+)
 from ._distributed import (
     data_mesh as data_mesh,
     initialize as initialize,
@@ -35,7 +41,12 @@ from ._inputs import (
     IdentityAutoEncoder as IdentityAutoEncoder,
     InputSpec as InputSpec,
 )
-from ._objective import FlowGRPOObjective as FlowGRPOObjective
+from ._objective import (
+    FlowGRPOObjective as FlowGRPOObjective,
+    GRPOGuard as GRPOGuard,
+    ratio_norm as ratio_norm,
+    step_weights as step_weights,
+)
 from ._preview import preview_grid as preview_grid
 from ._process import AbstractProcess as AbstractProcess, RectifiedFlow as RectifiedFlow
 from ._reward import (

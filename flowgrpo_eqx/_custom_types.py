@@ -61,6 +61,26 @@ class Step(eqx.Module):
     key: PRNGKeyArray
 
 
+class StepRatios(eqx.Module):
+    """The policy ratio per transition index (step) before and after GRPO-Guard's RatioNorm.
+
+    Statistics over the kept transitions of each step `k` of one minibatch (a step with none
+    has mean and std 0); the std is the population one. They describe the whole minibatch, so
+    unlike a `Mean` they are not reduced across shards but computed from the global batch.
+
+    **Arguments:**
+
+    - `raw_mean`, `raw_std`: `[K]` mean and std of `r = exp(log p_theta - old_log_prob)`.
+    - `normalised_mean`, `normalised_std`: `[K]` the same of the normalised ratio (equal to
+        the raw ones when RatioNorm is off).
+    """
+
+    raw_mean: Float[Array, " K"]
+    raw_std: Float[Array, " K"]
+    normalised_mean: Float[Array, " K"]
+    normalised_std: Float[Array, " K"]
+
+
 class Aux(eqx.Module):
     """Diagnostics of one loss evaluation, each a `Mean` over the kept transitions.
 
@@ -74,6 +94,8 @@ class Aux(eqx.Module):
     - `approx_kl`: `0.5 * (log p_theta - old_log_prob)^2`.
     - `ratio`: the policy ratio `r`.
     - `counted`: the number of kept stochastic transitions `D`.
+    - `step_ratios`: with GRPO-Guard (`FlowGRPOObjective(guard=...)`), the ratio's mean and
+        std per step before and after normalisation; `None` without it.
     """
 
     policy_loss: Mean
@@ -84,6 +106,7 @@ class Aux(eqx.Module):
     approx_kl: Mean
     ratio: Mean
     counted: Float[Array, ""]
+    step_ratios: StepRatios | None = None
 
 
 class Transitions(eqx.Module):
@@ -187,6 +210,7 @@ def check_transitions(batch: Transitions) -> None:
 __all__ = [
     "Array",
     "Aux",
+    "StepRatios",
     "Condition",
     "Latent",
     "Latents",

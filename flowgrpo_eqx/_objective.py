@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree
 
 from . import lora
-from ._custom_types import Aux, Mean, Model, Step, Transitions, check_transitions
+from ._custom_types import Aux, Mean, Model, Step, StepRatios, Transitions, check_transitions
 from ._flow_base import AbstractFlowObjective, Variables
 from ._guided_flow import GuidedFlow, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
@@ -28,6 +28,102 @@ _SAFE_T_NEXT = 0.5
 def _stop_gradient(tree: PyTree[Any]) -> PyTree[Any]:
     dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
     return eqx.combine(jax.lax.stop_gradient(dynamic), static)
+
+
+@final
+class GRPOGuard(eqx.Module):
+    """GRPO-Guard's regulated clipping (arXiv:2510.22319): RatioNorm and step reweighting.
+
+    Flow-GRPO's log-ratio at a step with transition std `s` is, to second order, a drift
+    `-|mu_theta - mu_old|^2 / (2 s^2)` plus noise of scale `1/s`: its mean sits below 0 and its
+    spread differs from step to step, so the clip catches too few positive-advantage updates.
+
+    - RatioNorm scales each kept transition's log-ratio by its std `s` (a spread consistent
+      across steps) and subtracts that scaled log-ratio's mean over the kept transitions of
+      the same step `k` in the minibatch (the drift), so that the ratio is centred on 1 at
+      every step before it is clipped. The mean is a function of the policy like any other:
+      gradients flow through it.
+    - Step reweighting multiplies each kept transition's surrogate by `1 / dt` (`dt = t -
+      t_next`), divided by the mean of `1 / dt` over the kept transitions, so that the
+      gradient is balanced over noise levels while the loss keeps its overall scale.
+
+    Both use statistics of the whole minibatch, so a guarded loss is not a sum of per-shard
+    parts; the trainer evaluates each minibatch as one program, over every device. The formulas
+    and how they relate to the paper and to other implementations are in
+    `docs/mathematics.md` (§5a).
+
+    **Arguments:**
+
+    - `ratio_norm`: whether to normalise the log-ratio per step (RatioNorm).
+    - `reweight`: whether to reweight the surrogate by `1 / dt`.
+
+    **Raises:**
+
+    - `ValueError`: if both are off (the guard would do nothing).
+    """
+
+    ratio_norm: bool = True
+    reweight: bool = True
+
+    def __check_init__(self) -> None:
+        if not (self.ratio_norm or self.reweight):
+            raise ValueError("`ratio_norm` and `reweight` are both False: the guard does nothing.")
+
+
+def ratio_norm(
+    log_ratio: Float[Array, " N K"], std: Float[Array, " N K"], kept: Bool[Array, " N K"]
+) -> Float[Array, " N K"]:
+    """GRPO-Guard's RatioNorm: the log-ratio scaled by the transition std, centred per step.
+
+    For each step (column) `k`, `normalised[n, k] = s[n, k] l[n, k] - mean_kept_k(s l)`, where
+    the mean is over the kept rows of column `k`; entries outside the kept set are 0.
+
+    **Arguments:**
+
+    - `log_ratio`: `[N, K]` `log p_theta - old_log_prob`.
+    - `std`: `[N, K]` each transition's std.
+    - `kept`: `[N, K]` the kept set.
+
+    **Returns:**
+
+    `[N, K]` normalised log-ratios, with mean 0 over the kept rows of every column.
+    """
+    scaled = jnp.where(kept, log_ratio * std, 0.0)
+    step_mean, _ = _step_statistics(scaled, kept)
+    return jnp.where(kept, scaled - step_mean[None, :], 0.0)
+
+
+def step_weights(
+    t: Float[Array, " N K"], t_next: Float[Array, " N K"], kept: Bool[Array, " N K"]
+) -> Float[Array, " N K"]:
+    """GRPO-Guard's step reweighting: `1 / dt` over its mean on the kept set.
+
+    **Arguments:**
+
+    - `t`, `t_next`: `[N, K]` each transition's start and end times (`t > t_next`).
+    - `kept`: `[N, K]` the kept set.
+
+    **Returns:**
+
+    `[N, K]` weights `(1 / dt) / mean_kept(1 / dt)` with `dt = t - t_next`, so their mean over
+    the kept set is 1; 0 outside it.
+    """
+    safe_dt = jnp.where(kept, t - t_next, 1.0)
+    inverse = jnp.where(kept, 1.0 / safe_dt, 0.0)
+    count = jnp.maximum(jnp.sum(kept, dtype=inverse.dtype), 1.0)
+    mean = jnp.sum(inverse) / count
+    return inverse / jnp.where(mean > 0, mean, 1.0)
+
+
+def _step_statistics(
+    values: Float[Array, " N K"], kept: Bool[Array, " N K"]
+) -> tuple[Float[Array, " K"], Float[Array, " K"]]:
+    """Mean and population std of `values` over the kept rows of each column (0 if none)."""
+    count = jnp.sum(kept, axis=0, dtype=values.dtype)
+    safe_count = jnp.maximum(count, 1.0)
+    mean = jnp.sum(jnp.where(kept, values, 0.0), axis=0) / safe_count
+    square = jnp.sum(jnp.where(kept, (values - mean[None, :]) ** 2, 0.0), axis=0) / safe_count
+    return mean, jnp.sqrt(square)
 
 
 @final
@@ -72,11 +168,15 @@ class FlowGRPOObjective(AbstractFlowObjective):
         last chunk is padded with copies whose results are discarded.
     - `remat`: whether each scan step is rematerialised (`jax.checkpoint`); `None` (default)
         means "when there is more than one chunk".
+    - `guard`: `GRPOGuard()` for GRPO-Guard's RatioNorm and step reweighting (the ratio and
+        the surrogate above are then the guarded ones, and `Aux.step_ratios` reports the
+        ratio per step before and after normalisation); `None` (default) for plain Flow-GRPO.
 
     **Raises:**
 
     - `ValueError`: naming the argument, for `clip_range <= 0`, `adv_clip_max <= 0`,
-        `beta < 0`, `steps < 2`, `transition_chunk < 1`, or guidance without a null condition.
+        `beta < 0`, `steps < 2`, `transition_chunk < 1`, a `guard` that is not a
+        `GRPOGuard`, or guidance without a null condition.
     """
 
     flow: GuidedFlow
@@ -89,6 +189,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
     pretrained: Model | None
     transition_chunk: int | None
     remat: bool | None
+    guard: GRPOGuard | None
 
     def __init__(
         self,
@@ -107,6 +208,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
         pretrained: Model | None = None,
         transition_chunk: int | None = None,
         remat: bool | None = None,
+        guard: GRPOGuard | None = None,
     ):
         self.flow = flow_from(model, process, inputs, guidance, autoencoder)
         self.sde = sde
@@ -118,6 +220,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
         self.pretrained = pretrained
         self.transition_chunk = transition_chunk
         self.remat = remat
+        self.guard = guard
 
     def __check_init__(self) -> None:
         if not isinstance(self.sde, AbstractSDE):
@@ -132,6 +235,8 @@ class FlowGRPOObjective(AbstractFlowObjective):
             raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
         check_int("steps", self.steps, 2)
         check_int("transition_chunk", self.transition_chunk, 1, optional=True)
+        if self.guard is not None and not isinstance(self.guard, GRPOGuard):
+            raise ValueError(f"`guard` must be a GRPOGuard or None, got {self.guard!r}.")
 
     # ----------------------------------------------------------------------------------
     # Variables
@@ -348,31 +453,17 @@ class FlowGRPOObjective(AbstractFlowObjective):
         def per_transition(chunk: dict[str, Array], cond: PyTree[Any]) -> dict[str, Array]:
             mean, std = self.transition(policy, chunk["x"], chunk["t"], chunk["t_next"], cond)
             log_prob = jax.vmap(self.sde.log_prob)(chunk["x_next"], mean, std)
-            log_ratio = log_prob - chunk["old"]
-            ratio = jnp.exp(log_ratio)
-            advantage = jnp.clip(chunk["advantage"], -self.adv_clip_max, self.adv_clip_max)
-            clipped_ratio = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
-            surrogate = jnp.maximum(-advantage * ratio, -advantage * clipped_ratio)
             if reference is not None:
                 mean_ref, _ = self.transition(
                     reference, chunk["x"], chunk["t"], chunk["t_next"], cond
                 )
                 kl = jax.vmap(self.sde.kl)(mean, mean_ref, std, chunk["t_next"] - chunk["t"])
             else:
-                kl = jnp.zeros_like(surrogate)
+                kl = jnp.zeros_like(log_prob)
+            zero = jnp.zeros_like(log_prob)
             on = chunk["kept"]
-            zero = jnp.zeros_like(surrogate)
-            stats = {
-                "objective": surrogate + self.beta * kl,
-                "policy_loss": surrogate,
-                "kl": kl,
-                "clipfrac": (jnp.abs(ratio - 1.0) > self.clip_range).astype(surrogate.dtype),
-                "clipfrac_gt_one": (ratio - 1.0 > self.clip_range).astype(surrogate.dtype),
-                "clipfrac_lt_one": (1.0 - ratio > self.clip_range).astype(surrogate.dtype),
-                "approx_kl": 0.5 * log_ratio**2,
-                "ratio": ratio,
-            }
-            return {name: jnp.where(on, value, zero) for name, value in stats.items()}
+            per = {"log_ratio": log_prob - chunk["old"], "kl": kl, "std": std}
+            return {name: jnp.where(on, value, zero) for name, value in per.items()}
 
         # A row with no kept transition may carry anything in its conditioning too.
         row_kept = jnp.any(kept, axis=1)
@@ -384,11 +475,44 @@ class FlowGRPOObjective(AbstractFlowObjective):
             return jnp.where(mask, leaf, jnp.zeros((), leaf.dtype))
 
         cond = jax.tree.map(clean_condition, batch.cond)
-        stats = self._map_transitions(per_transition, inputs, cond)
+        scored = self._map_transitions(per_transition, inputs, cond)
+        raw_log_ratio = scored["log_ratio"]
+        log_ratio = raw_log_ratio
+        weight = None
+        if self.guard is not None and self.guard.ratio_norm:
+            log_ratio = ratio_norm(raw_log_ratio, scored["std"], kept)
+        if self.guard is not None and self.guard.reweight:
+            weight = step_weights(inputs["t"], inputs["t_next"], kept)
+        ratio = jnp.exp(log_ratio)
+        advantage = jnp.clip(inputs["advantage"], -self.adv_clip_max, self.adv_clip_max)
+        clipped_ratio = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
+        surrogate = jnp.maximum(-advantage * ratio, -advantage * clipped_ratio)
+        if weight is not None:
+            surrogate = weight * surrogate
+        kl = scored["kl"]
+        zero = jnp.zeros_like(surrogate)
+        per_transition_stats = {
+            "objective": surrogate + self.beta * kl,
+            "policy_loss": surrogate,
+            "kl": kl,
+            "clipfrac": (jnp.abs(ratio - 1.0) > self.clip_range).astype(surrogate.dtype),
+            "clipfrac_gt_one": (ratio - 1.0 > self.clip_range).astype(surrogate.dtype),
+            "clipfrac_lt_one": (1.0 - ratio > self.clip_range).astype(surrogate.dtype),
+            "approx_kl": 0.5 * raw_log_ratio**2,
+            "ratio": ratio,
+        }
+        stats = {name: jnp.where(kept, value, zero) for name, value in per_transition_stats.items()}
         count = jax.lax.stop_gradient(jnp.sum(kept, dtype=jnp.float32))
 
         def mean_of(name: str) -> Mean:
             return Mean(total=jnp.sum(stats[name]), count=count)
+
+        step_ratios = None
+        if self.guard is not None:
+            raw = jax.lax.stop_gradient(jnp.exp(raw_log_ratio))
+            raw_mean, raw_std = _step_statistics(raw, kept)
+            normalised_mean, normalised_std = _step_statistics(jax.lax.stop_gradient(ratio), kept)
+            step_ratios = StepRatios(raw_mean, raw_std, normalised_mean, normalised_std)
 
         aux = Aux(
             policy_loss=mean_of("policy_loss"),
@@ -399,5 +523,6 @@ class FlowGRPOObjective(AbstractFlowObjective):
             approx_kl=mean_of("approx_kl"),
             ratio=mean_of("ratio"),
             counted=count,
+            step_ratios=step_ratios,
         )
         return mean_of("objective"), aux

@@ -91,6 +91,37 @@ def surrogate(advantage, ratio, clip_range, adv_clip_max):
     return max(-a * ratio, -a * float(np.clip(ratio, 1 - clip_range, 1 + clip_range)))
 
 
+def ratio_norm(log_ratio, std, kept):
+    """GRPO-Guard's RatioNorm (§5a): per step, the std-scaled log-ratio minus its kept mean."""
+    log_ratio, std = np.asarray(log_ratio, np.float64), np.asarray(std, np.float64)
+    out = np.zeros_like(log_ratio)
+    for j in range(log_ratio.shape[1]):
+        rows = [i for i in range(log_ratio.shape[0]) if kept[i, j]]
+        if not rows:
+            continue
+        scaled = {i: log_ratio[i, j] * std[i, j] for i in rows}
+        centre = sum(scaled.values()) / len(rows)
+        for i in rows:
+            out[i, j] = scaled[i] - centre
+    return out
+
+
+def step_weights(t, t_next, kept):
+    """GRPO-Guard's reweighting (§5a): 1/dt over the kept set's mean of 1/dt; 0 elsewhere."""
+    inverse = {
+        (i, j): 1.0 / (float(t[i, j]) - float(t_next[i, j]))
+        for i in range(kept.shape[0])
+        for j in range(kept.shape[1])
+        if kept[i, j]
+    }
+    out = np.zeros(kept.shape)
+    if inverse:
+        mean = sum(inverse.values()) / len(inverse)
+        for (i, j), value in inverse.items():
+            out[i, j] = value / mean
+    return out
+
+
 def group_advantages(rewards, groups, eps=1e-4, std="group"):
     r = np.asarray(rewards, np.float64).reshape(-1, groups)
     out = np.empty_like(r)

@@ -238,14 +238,27 @@ def test_several_seeds_in_one_command(tmp_path):
 
 def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tmp_path):
     out = with_base(in_process, tmp_path / "sliding")
-    flags = ["--window-schedule", "sliding", "--window-shift-every", "1", "--shared-noise", "true"]
+    flags = ["--window-schedule", "sliding", "--window-shift-every", "1", "--shared-noise", "true",
+             "--grpo-guard", "true", "--reward-combination", "normalize_each",
+             "--reward-weights", "jpeg_incompressibility=1,partial=0.5"]  # fmt: skip
     result = cli("train", *COMMON, *flags, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     records = [r for r in MetricsLog(out / "metrics.jsonl").read() if "window_start" in r]
     # The tiny preset: 3 transitions, a window of sde_steps = 2 moving one step per epoch.
     assert [r["window_start"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    # GRPO-Guard's per-step ratios are logged for each recorded transition.
+    assert all(
+        {"step_ratios/raw_mean/0", "step_ratios/normalised_std/1"} <= set(r) for r in records
+    )
     saved = set((out / "config.toml").read_text().splitlines())
-    assert {'window_schedule = "sliding"', "window_shift_every = 1", "shared_noise = true"} <= saved
+    assert {
+        'window_schedule = "sliding"',
+        "window_shift_every = 1",
+        "shared_noise = true",
+        "grpo_guard = true",
+        'reward_combination = "normalize_each"',
+        'reward_weights = "jpeg_incompressibility=1,partial=0.5"',
+    } <= saved
 
 
 @pytest.mark.parametrize(
@@ -255,6 +268,10 @@ def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tm
         (["--window-schedule", "wrap"], "--window-schedule"),
         (["--window-schedule", "random", "--train-steps", "1"], "train_steps"),
         (["--window-schedule", "sliding", "--window-shift-every", "0"], "window_shift_every"),
+        (["--grpo-guard", "perhaps"], "--grpo-guard"),
+        (["--reward-weights", "partial=1,sharpness=2"], "reward_weights"),
+        (["--reward-weights", "partial=heavy"], "reward_weights"),
+        (["--reward-combination", "normalize_each"], "reward_combination"),
     ],
 )
 def test_bad_recipe_options_are_named(flags, named):

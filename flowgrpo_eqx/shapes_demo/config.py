@@ -13,6 +13,7 @@ import types
 import typing
 from typing import Any, Literal, TypeAlias
 
+from .._advantages import RewardCombination
 from .._misc import is_int
 
 
@@ -33,6 +34,7 @@ REWARD_NAMES: tuple[RewardName, ...] = ("partial", "strict", "jpeg_incompressibi
 LR_SCHEDULES: tuple[LrSchedule, ...] = ("constant", "cosine")
 LOG_NAMES: tuple[LogName, ...] = ("tensorboard", "wandb")
 WINDOW_SCHEDULES: tuple[WindowScheduleName, ...] = ("fixed", "random", "sliding")
+REWARD_COMBINATIONS: tuple[RewardCombination, ...] = ("sum", "normalize_each")
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -95,6 +97,9 @@ class JobConfig:
         "KL weight to the base model (0: none; without LoRA the held slot is then free for EMA)",
     )
     clip_range: float = _setting(0.2, "PPO ratio clip")
+    grpo_guard: bool = _setting(
+        False, "GRPO-Guard: the ratio normalised per step and 1/dt step weights (mathematics §5a)"
+    )
     adv_clip_max: float = _setting(5.0, "advantage clip")
     noise_level: float = _setting(0.7, "SDE noise level a")
     guidance_scale: float = _setting(
@@ -102,6 +107,14 @@ class JobConfig:
     )
     reward: RewardName = _setting(
         "partial", "partial | strict (the task checker) | jpeg_incompressibility"
+    )
+    reward_weights: str | None = _setting(
+        None, "a weighted sum of built-in rewards instead of --reward, e.g. partial=1,strict=0.5"
+    )
+    reward_combination: RewardCombination = _setting(
+        "sum",
+        "sum (normalise the weighted sum in each group) | normalize_each (normalise each "
+        "reward of --reward-weights in its group, then combine)",
     )
     custom_reward: str | None = _setting(
         None, "package.module:callable of your own FlowReward, used instead of --reward"
@@ -184,7 +197,7 @@ class JobConfig:
             value = getattr(self, name)
             if not (is_int(value) and value >= minimum):
                 raise ValueError(f"Setting `{name}` must be an int >= {minimum}, got {value!r}.")
-        for name in ("shared_noise",):
+        for name in ("shared_noise", "grpo_guard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"Setting `{name}` must be true or false, got {getattr(self, name)!r}."
@@ -243,6 +256,23 @@ class JobConfig:
         if self.reward not in REWARD_NAMES:
             raise ValueError(
                 f"Setting `reward` must be one of {REWARD_NAMES}, got {self.reward!r}."
+            )
+        if self.reward_combination not in REWARD_COMBINATIONS:
+            raise ValueError(
+                f"Setting `reward_combination` must be one of {REWARD_COMBINATIONS}, got "
+                f"{self.reward_combination!r}."
+            )
+        if self.reward_weights is not None:
+            parse_reward_weights(self.reward_weights)
+            if self.custom_reward is not None or self.reward_url is not None:
+                raise ValueError(
+                    "Setting `reward_weights` combines built-in rewards; it excludes "
+                    "`custom_reward` and `reward_url`."
+                )
+        elif self.reward_combination != "sum":
+            raise ValueError(
+                f"Setting `reward_combination`={self.reward_combination!r} needs several rewards: "
+                "set `reward_weights`."
             )
         if not isinstance(self.log, tuple) or any(name not in LOG_NAMES for name in self.log):
             raise ValueError(f"Setting `log` must name writers from {LOG_NAMES}, got {self.log!r}.")
@@ -310,6 +340,47 @@ class JobConfig:
         settings["seed"] = self.pretrain_seed
         text = json.dumps(settings, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def parse_reward_weights(text: str) -> dict[RewardName, float]:
+    """`partial=1,strict=0.5` as `{reward name: weight}`.
+
+    **Arguments:**
+
+    - `text`: comma-separated `name=weight` pairs naming built-in rewards.
+
+    **Returns:**
+
+    The weights by reward name, in the order given.
+
+    **Raises:**
+
+    - `ValueError`: naming `reward_weights`, for a malformed pair, an unknown or repeated
+        reward, or a weight that is not a finite number.
+    """
+    weights: dict[RewardName, float] = {}
+    for pair in text.split(","):
+        name, equals, weight_text = (part.strip() for part in pair.partition("="))
+        if not equals:
+            raise ValueError(f"Setting `reward_weights` needs name=weight pairs, got {pair!r}.")
+        if name not in REWARD_NAMES:
+            raise ValueError(
+                f"Setting `reward_weights` names an unknown reward {name!r}; the built-in "
+                f"rewards are {REWARD_NAMES}."
+            )
+        if name in weights:
+            raise ValueError(f"Setting `reward_weights` names {name!r} twice.")
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            weight = math.nan
+        if not math.isfinite(weight):
+            raise ValueError(
+                f"Setting `reward_weights` gives {name!r} the weight {weight_text!r}; it must "
+                "be a finite number."
+            )
+        weights[name] = weight
+    return weights
 
 
 def setting_help(name: str) -> str:

@@ -36,9 +36,15 @@ from .._flow_base import Variables
 from .._http_reward import HttpReward
 from .._inputs import CFG, InputSpec
 from .._misc import leading_rows, select_rows
-from .._objective import FlowGRPOObjective
+from .._objective import FlowGRPOObjective, GRPOGuard
 from .._process import RectifiedFlow
-from .._reward import FlowReward, JpegCompressibility, JpegIncompressibility, load_reward
+from .._reward import (
+    FlowReward,
+    JpegCompressibility,
+    JpegIncompressibility,
+    WeightedReward,
+    load_reward,
+)
 from .._rollout import FlowRollout, RolloutInfo
 from .._sde import FlowSDE, window_for_indices
 from .._window import AbstractWindowSchedule, RandomWindow, SlidingWindow
@@ -60,7 +66,7 @@ from ..train import (
 from ..train._preemption import GracefulStop
 from ..train._writers import MetricsWriter, make_writers
 from ._progress import Progress
-from .config import JobConfig, config_to_toml
+from .config import JobConfig, config_to_toml, parse_reward_weights
 from .report import plot_curve, plot_seed_curves
 from .task import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
 
@@ -113,6 +119,11 @@ class ShapesJob:
                 timeout=config.reward_timeout,
                 retries=config.reward_retries,
                 token=reward_token,
+            )
+        elif config.reward_weights is not None:
+            weights = parse_reward_weights(config.reward_weights)
+            self.reward = WeightedReward(
+                [(BUILTIN_REWARDS[name](), weight) for name, weight in weights.items()]
             )
         else:
             self.reward = BUILTIN_REWARDS[config.reward]()
@@ -286,6 +297,7 @@ class ShapesJob:
             steps=config.eval_steps,
             pretrained=base,
             transition_chunk=config.transition_chunk,
+            guard=GRPOGuard() if config.grpo_guard else None,
         )
 
     def rollout(self, objective: FlowGRPOObjective, mesh: Mesh | None = None) -> FlowRollout:
@@ -297,6 +309,7 @@ class ShapesJob:
             steps=config.rollout_steps,
             train_steps=config.train_steps if config.window_schedule == "fixed" else None,
             shared_noise=config.shared_noise,
+            reward_combination=config.reward_combination,
             window_schedule=self.window_schedule(),
             mesh=mesh,
         )

@@ -84,12 +84,20 @@ def default_optimizer(
 
 
 def mean_values(tree: PyTree[Any]) -> dict[str, Float[Array, ""]]:
-    """Flatten an auxiliary PyTree of `Mean`s (and scalars) to `{name: value}`."""
+    """Flatten an auxiliary PyTree of `Mean`s (and arrays) to `{name: scalar}`.
+
+    A one-axis array (a statistic per step, as `StepRatios`) gives one scalar per entry,
+    named `name/0`, `name/1`, ...
+    """
     out: dict[str, Float[Array, ""]] = {}
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, Mean))
     for path, leaf in leaves:
         name = jax.tree_util.keystr(path, simple=True, separator="/")
-        out[name] = leaf.value if isinstance(leaf, Mean) else jnp.asarray(leaf, jnp.float32)
+        value = leaf.value if isinstance(leaf, Mean) else jnp.asarray(leaf, jnp.float32)
+        if value.ndim == 1:
+            out.update({f"{name}/{index}": value[index] for index in range(value.shape[0])})
+        else:
+            out[name] = value
     return out
 
 
