@@ -21,12 +21,15 @@ from ._custom_types import (
     Transitions as Transitions,
 )
 from ._distributed import (
+    ParamSharding as ParamSharding,
     data_mesh as data_mesh,
+    device_fraction as device_fraction,
     initialize as initialize,
     local_copy as local_copy,
     owned_rows as owned_rows,
     replicate as replicate,
     shard_batch as shard_batch,
+    shard_parameters as shard_parameters,
 )
 from ._flow_base import (
     AbstractFlowObjective as AbstractFlowObjective,

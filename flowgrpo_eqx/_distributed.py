@@ -7,11 +7,13 @@ runs once on process 0, its float64 scores reach every process as bytes, and eac
 keeps only the rows it owns.
 """
 
+import math
 import os
 import struct
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 from jax.experimental import multihost_utils
@@ -172,30 +174,137 @@ def replicate(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
     return data_to_keys(jax.tree.map(place, keys_to_data(tree)), tree)
 
 
-def local_copy(tree: PyTree[Any]) -> PyTree[Any]:
-    """This process's own copy of replicated global arrays, usable in local computations.
+ParamSharding: TypeAlias = Literal["replicated", "fsdp"]
+"""How parameters and optimizer state lie on a data mesh: a full copy on every device, or
+fully sharded data parallel (each large array split along one axis over the devices)."""
 
-    With one process (every array fully addressable) the tree is returned as it is.
+PARAM_SHARDINGS: tuple[ParamSharding, ...] = ("replicated", "fsdp")
+
+
+def fsdp_spec(shape: tuple[int, ...], devices: int, min_elements: int) -> PartitionSpec:
+    """The FSDP partition of an array: its largest axis divisible by `devices` goes over the
+    data axis; an array smaller than `min_elements`, or with no such axis, is replicated.
 
     **Arguments:**
 
-    - `tree`: a PyTree whose global arrays are replicated (e.g. the trained policy).
+    - `shape`: the array's shape.
+    - `devices`: the size of the data axis.
+    - `min_elements`: arrays with fewer elements stay replicated (biases, norms, scalars:
+        splitting them saves little and costs a gather each).
 
     **Returns:**
 
-    The same PyTree with each global array that spans other processes replaced by this
-    process's local copy.
+    A `PartitionSpec`: `PartitionSpec()` (replicated) or `"data"` at one axis.
+    """
+    if math.prod(shape) < min_elements or devices == 1:
+        return PartitionSpec()  # type: ignore[no-untyped-call]
+    divisible = [axis for axis, size in enumerate(shape) if size % devices == 0]
+    if not divisible:
+        return PartitionSpec()  # type: ignore[no-untyped-call]
+    axis = max(divisible, key=lambda a: (shape[a], -a))
+    spec: list[str | None] = [None] * len(shape)
+    spec[axis] = DATA_AXIS
+    return PartitionSpec(*spec)  # type: ignore[no-untyped-call]
+
+
+def shard_parameters(
+    tree: PyTree[Any],
+    mesh: Mesh,
+    param_sharding: ParamSharding = "fsdp",
+    *,
+    min_elements: int = 4096,
+) -> PyTree[Any]:
+    """Place parameters, the held slot and optimizer state on the mesh, replicated or FSDP.
+
+    With `"fsdp"` every array of at least `min_elements` elements is split along one axis
+    over the data axis (`fsdp_spec`), so each device holds about `1 / devices` of it; the
+    trainer's updates keep these shardings (XLA's GSPMD gathers a weight where a computation
+    needs it whole). Every process passes the same host values. PRNG keys and arrays too small
+    to split are replicated; leaves that are not arrays are returned as they are.
+
+    **Arguments:**
+
+    - `tree`: any PyTree, e.g. a `TrainState`.
+    - `mesh`: the data mesh.
+    - `param_sharding`: `"replicated"` (as `replicate`) or `"fsdp"`.
+    - `min_elements`: with `"fsdp"`, smaller arrays stay replicated.
+
+    **Returns:**
+
+    The same PyTree with every array leaf a global `jax.Array` on the mesh.
 
     **Raises:**
 
-    - `ValueError`: for an array that spans other processes and is sharded, not replicated.
+    - `ValueError`: naming `param_sharding` or `min_elements` when invalid.
+    """
+    if param_sharding not in PARAM_SHARDINGS:
+        raise ValueError(
+            f"`param_sharding` must be one of {PARAM_SHARDINGS}, got {param_sharding!r}."
+        )
+    if not (isinstance(min_elements, int) and min_elements >= 1):
+        raise ValueError(f"`min_elements` must be an int >= 1, got {min_elements!r}.")
+    size = int(mesh.devices.size)
+
+    def place(leaf: Any) -> Any:
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            return leaf
+        host = np.asarray(leaf)
+        spec = (
+            fsdp_spec(host.shape, size, min_elements)
+            if param_sharding == "fsdp" and host.ndim > 0
+            else PartitionSpec()  # type: ignore[no-untyped-call]
+        )
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return data_to_keys(jax.tree.map(place, keys_to_data(tree)), tree)
+
+
+def device_fraction(tree: PyTree[Any]) -> float:
+    """The fraction of `tree`'s array bytes that this process's first device holds.
+
+    1 for replicated (or single-device) arrays, about `1 / devices` for FSDP-sharded ones.
+
+    **Arguments:**
+
+    - `tree`: a PyTree of arrays (e.g. a `TrainState`).
+
+    **Returns:**
+
+    Bytes on `jax.local_devices()[0]` over the bytes of the whole arrays (1.0 for no arrays).
+    """
+    device = jax.local_devices()[0]
+    here = whole = 0
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array) or jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            continue
+        whole += leaf.nbytes
+        here += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+    return here / whole if whole else 1.0
+
+
+def local_copy(tree: PyTree[Any]) -> PyTree[Any]:
+    """This process's own whole copy of global arrays, usable in local computations.
+
+    With one process (every array fully addressable) the tree is returned as it is. With
+    several, a replicated array gives its local copy and a sharded one (FSDP parameters) is
+    gathered from every process: then every process must call this, in the same order.
+
+    **Arguments:**
+
+    - `tree`: a PyTree of global arrays (e.g. the trained policy, or a `TrainState`).
+
+    **Returns:**
+
+    The same PyTree with each global array that spans other processes replaced by a whole
+    copy on this process.
     """
 
     def take(leaf: Any) -> Any:
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            if not leaf.is_fully_replicated:
-                raise ValueError("local_copy needs replicated arrays; got a sharded one.")
-            return leaf.addressable_data(0)
+            if leaf.is_fully_replicated:
+                return leaf.addressable_data(0)
+            return jnp.asarray(multihost_utils.process_allgather(leaf, tiled=True))
         return leaf
 
     return jax.tree.map(take, tree)

@@ -99,11 +99,16 @@ def assert_same_run(folder, baseline):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_four_simulated_devices_match_one_device(baseline, tmp_path):
+def test_four_simulated_devices_with_fsdp_match_one_device(baseline, tmp_path):
+    # Rows are split over the 4 devices, and so are the parameters, the KL-free run's EMA-free
+    # held slot and AdamW's moments (`--param-sharding fsdp`); the data-parallel replicated
+    # layout on 4 devices is covered by tests/test_lora_job.py.
     out = with_base(baseline, tmp_path / "four")
     result = run_cli(
         "train",
         *COMMON,
+        "--param-sharding",
+        "fsdp",
         "--out",
         str(out),
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
@@ -112,12 +117,19 @@ def test_four_simulated_devices_match_one_device(baseline, tmp_path):
     for placement in placements(out):
         assert placement["devices"] == 4 and placement["processes"] == 1
         assert placement["reward_calls_per_process"] == [1]
+        # The tiny DiT's large matrices are split in four; its small arrays stay whole.
+        assert placement["param_sharding"] == "fsdp"
+        assert 0.25 < placement["state_fraction_per_device"] < 0.75
     assert_same_run(out, baseline)
 
 
-def test_two_processes_match_one_process(baseline, tmp_path):
+def test_two_processes_with_fsdp_match_one_process(baseline, tmp_path):
+    # FSDP across processes: checkpoints, previews and the saved policy gather the shards from
+    # both processes. The replicated layout across processes is what every other multi-process
+    # test here runs.
     out = with_base(baseline, tmp_path / "two")
-    result = run_cli("launch", "--local", "2", "--", "train", *COMMON, "--out", str(out))
+    flags = [*COMMON, "--param-sharding", "fsdp"]
+    result = run_cli("launch", "--local", "2", "--", "train", *flags, "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
     for placement in placements(out):
         assert placement["processes"] == 2 and placement["devices"] == 2
@@ -125,6 +137,7 @@ def test_two_processes_match_one_process(baseline, tmp_path):
         assert placement["reward_calls_per_process"] == [1, 0]
         # Each process held half of the rows of each batch.
         assert placement["rows_per_process"] == [placement["rows_total"] // 2] * 2
+        assert placement["state_fraction_per_device"] < 0.9
     assert_same_run(out, baseline)
 
 

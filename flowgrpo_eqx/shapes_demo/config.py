@@ -14,6 +14,7 @@ import typing
 from typing import Any, Literal, TypeAlias
 
 from .._advantages import RewardCombination
+from .._distributed import PARAM_SHARDINGS, ParamSharding
 from .._misc import is_int
 
 
@@ -154,6 +155,12 @@ class JobConfig:
         0, "seed of the held-out evaluation's fixed noise (runs compare on the same samples)"
     )
     # bookkeeping
+    param_sharding: ParamSharding = _setting(
+        "replicated",
+        "replicated (a full copy of parameters and optimizer state per device) | fsdp "
+        "(each large array split over the devices)",
+    )
+    fsdp_min_elements: int = _setting(1024, "with fsdp, arrays smaller than this stay replicated")
     checkpoint_every: int = _setting(10, "epochs between checkpoints")
     keep_checkpoints: int = _setting(3, "checkpoints kept")
     log: tuple[LogName, ...] = _setting(
@@ -192,6 +199,7 @@ class JobConfig:
             "lora_rank": 0,
             "window_shift_every": 1,
             "window_stride": 1,
+            "fsdp_min_elements": 1,
         }
         for name, minimum in at_least.items():
             value = getattr(self, name)
@@ -256,6 +264,11 @@ class JobConfig:
         if self.reward not in REWARD_NAMES:
             raise ValueError(
                 f"Setting `reward` must be one of {REWARD_NAMES}, got {self.reward!r}."
+            )
+        if self.param_sharding not in PARAM_SHARDINGS:
+            raise ValueError(
+                f"Setting `param_sharding` must be one of {PARAM_SHARDINGS}, got "
+                f"{self.param_sharding!r}."
             )
         if self.reward_combination not in REWARD_COMBINATIONS:
             raise ValueError(

@@ -26,11 +26,12 @@ from .. import lora
 from .._custom_types import Step, Transitions
 from .._distributed import (
     data_mesh,
+    device_fraction,
     host_samples,
     local_copy,
     owned_rows,
     process_counts,
-    replicate,
+    shard_parameters,
 )
 from .._flow_base import Variables
 from .._http_reward import HttpReward
@@ -385,12 +386,14 @@ class ShapesJob:
         self, objective: FlowGRPOObjective, variables: Variables, path: pathlib.Path, title: str
     ) -> None:
         """Samples for the first held-out prompts with fixed noise, captioned with their
-        partial scores, written by process 0."""
+        partial scores, written by process 0 (every process takes part in gathering sharded
+        parameters)."""
+        variables = local_copy(variables)
         if jax.process_index() != 0:
             return
         tokens = self.task.rows("heldout")["tokens"][: self.config.preview_prompts]
         objective.preview(
-            local_copy(variables),
+            variables,
             {"tokens": jnp.asarray(tokens)},
             Step(index=0, key=jax.random.key(20_000 + self.config.eval_seed)),
             scored=ShapesReward(self.task, kind="partial"),
@@ -562,7 +565,9 @@ def _train_epochs(
             writers.scalars(0, {"heldout_accuracy": float(base_measure["accuracy"])})
             writers.image(0, "heldout_samples", out / "samples_before.png")
     if mesh is not None:
-        state = replicate(state, mesh)
+        state = shard_parameters(
+            state, mesh, config.param_sharding, min_elements=config.fsdp_min_elements
+        )
     log(
         f"Base model ({base_source}): held-out accuracy {base_measure['accuracy']:.3f}, "
         f"reward {base_measure['reward']:.3f}, diversity {base_measure['diversity']:.3f}"
@@ -589,16 +594,19 @@ def _train_epochs(
                 "reward_calls_per_process": process_counts(info.reward_calls_here),
                 "rows_per_process": process_counts(owned_rows(info.samples)),
                 "rows_total": int(info.samples.shape[0]),
+                "param_sharding": config.param_sharding,
+                "state_fraction_per_device": device_fraction(state),
             }
         )
         record: dict[str, Any] = {"epoch": epoch, **summary}
         if epoch % config.eval_every == 0 or epoch == config.epochs:
             measured = job.measure(objective, state.variables)
             record.update(heldout_accuracy=measured["accuracy"], heldout_reward=measured["reward"])
-            if writers is not None:
+            if config.log:
                 picture = out / "previews" / f"epoch_{epoch:05d}.png"
                 job.preview(objective, state.variables, picture, f"epoch {epoch}")
-                writers.image(epoch, "heldout_samples", picture)
+                if writers is not None:
+                    writers.image(epoch, "heldout_samples", picture)
         metrics.write(record)
         if writers is not None:
             writers.scalars(epoch, {k: float(v) for k, v in record.items() if k != "epoch"})
@@ -610,10 +618,12 @@ def _train_epochs(
         )
         stopping = stop.agreed(epoch)
         if epoch % config.checkpoint_every == 0 or epoch == config.epochs or stopping:
+            # Every process takes part in gathering sharded arrays; process 0 writes them.
+            host_state = lora.without_bases(local_copy(state))
             if root:
                 checkpoints.save(
                     epoch,
-                    lora.without_bases(local_copy(state)),
+                    host_state,
                     {"epoch": epoch, "base": base_measure, **checkpoint_metadata},
                 )
         if stopping and epoch < config.epochs:
@@ -626,17 +636,18 @@ def _train_epochs(
             return {"stopped_at_epoch": epoch, "preempted": True}
     progress.close()
     final = job.measure(objective, state.variables)
+    final_variables = local_copy(state.variables)
     if not root:
         return {"process_index": jax.process_index()}
     job.preview(
         objective,
-        state.variables,
+        final_variables,
         out / "samples_after.png",
         f"after Flow-GRPO: held-out accuracy {final['accuracy']:.2f}",
     )
     if writers is not None:
         writers.image(config.epochs, "heldout_samples", out / "samples_after.png")
-    job.save_policy(local_copy(state.variables.policy))
+    job.save_policy(final_variables.policy)
     records = metrics.read()
     plot_curve(records, out / "reward_curve.png")
     train_rewards = [r["reward_mean"] for r in records if "reward_mean" in r]

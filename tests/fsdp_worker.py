@@ -1,0 +1,133 @@
+"""`python -m tests.fsdp_worker` with 4 simulated devices: one device replicated vs 4 with FSDP.
+
+Run by `tests/test_fsdp.py` in a fresh interpreter (the device count is fixed at JAX's start);
+prints one JSON object with both runs' metrics, the largest parameter difference and how the
+FSDP state lies on the devices.
+"""
+
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flowgrpo_eqx as fg
+from flowgrpo_eqx.models import MLPVelocity
+from flowgrpo_eqx.train import Trainer
+
+
+ROWS, TRANSITIONS, LATENT, COND = 8, 3, 8, 3
+UPDATES = 3
+MIN_ELEMENTS = 256
+
+
+def make_batch(objective, variables):
+    """Transitions on the objective's grid whose recorded log densities are a perturbed
+    policy's, so that ratios move away from 1 and some clip."""
+    rng = np.random.default_rng(0)
+    grid = np.asarray(fg.RectifiedFlow().timesteps(TRANSITIONS + 1))
+    t = np.broadcast_to(grid[:-1], (ROWS, TRANSITIONS)).astype(np.float32)
+    t_next = np.broadcast_to(grid[1:], (ROWS, TRANSITIONS)).astype(np.float32)
+    latents = rng.normal(size=(ROWS, TRANSITIONS, LATENT)).astype(np.float32)
+    batch = fg.Transitions(
+        latents=jnp.asarray(latents),
+        next_latents=jnp.asarray(latents + 0.3 * rng.normal(size=latents.shape), jnp.float32),
+        timesteps=jnp.asarray(t),
+        next_timesteps=jnp.asarray(t_next),
+        old_log_probs=jnp.zeros((ROWS, TRANSITIONS), jnp.float32),
+        transition_mask=jnp.asarray(rng.random((ROWS, TRANSITIONS)) < 0.8),
+        advantages=jnp.asarray(rng.normal(size=ROWS), jnp.float32),
+        cond=jnp.asarray(rng.normal(size=(ROWS, COND)), jnp.float32),
+    )
+    old = objective.log_probs(variables, batch)
+    noise = jnp.asarray(0.2 * rng.normal(size=old.shape), jnp.float32)
+    return eqx.tree_at(lambda b: b.old_log_probs, batch, old + noise)
+
+
+def train(trainer, state, batch):
+    history = []
+    for _ in range(UPDATES):
+        state, metrics = trainer.update(state, batch)
+        history.append({name: float(value) for name, value in metrics.items()})
+    return state, history
+
+
+def device_bytes(tree, device):
+    """Bytes of `tree`'s arrays held on `device`, and of the whole arrays."""
+    here = whole = 0
+    for leaf in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
+        whole += leaf.nbytes
+        here += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+    return here, whole
+
+
+def main():
+    model = MLPVelocity(LATENT, COND, hidden=64, depth=2, key=jax.random.key(0))
+    objective = fg.FlowGRPOObjective(
+        model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.1, clip_range=0.2
+    )
+    trainer = Trainer(objective)
+    initial = trainer.init(jax.random.key(1))
+    batch = make_batch(objective, initial.variables)
+    host_state = jax.device_get(initial)
+    host_batch = jax.device_get(batch)
+
+    one = fg.data_mesh(1)
+    replicated_state, replicated = train(
+        trainer,
+        fg.shard_parameters(host_state, one, "replicated"),
+        fg.shard_batch(host_batch, one),
+    )
+    four = fg.data_mesh(4)
+    sharded_start = fg.shard_parameters(host_state, four, "fsdp", min_elements=MIN_ELEMENTS)
+    sharded_state, sharded = train(trainer, sharded_start, fg.shard_batch(host_batch, four))
+
+    moved = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(
+            jax.tree.leaves(eqx.filter(host_state.variables.policy, eqx.is_array)),
+            jax.tree.leaves(eqx.filter(replicated_state.variables.policy, eqx.is_array)),
+            strict=True,
+        )
+    )
+    difference = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(
+            jax.tree.leaves(eqx.filter(replicated_state, eqx.is_inexact_array)),
+            jax.tree.leaves(eqx.filter(sharded_state, eqx.is_inexact_array)),
+            strict=True,
+        )
+    )
+    large = [
+        leaf
+        for part in (
+            sharded_state.variables.policy,
+            sharded_state.variables.held,
+            sharded_state.opt_state,
+        )
+        for leaf in jax.tree.leaves(eqx.filter(part, eqx.is_inexact_array))
+        if leaf.size >= MIN_ELEMENTS
+    ]
+    here, whole = device_bytes((sharded_state.variables, sharded_state.opt_state), jax.devices()[0])
+    print(
+        json.dumps(
+            {
+                "replicated": replicated,
+                "fsdp": sharded,
+                "moved": moved,
+                "largest_difference": difference,
+                "large_arrays": len(large),
+                "large_sharded": sum(
+                    not leaf.sharding.is_fully_replicated
+                    and leaf.addressable_shards[0].data.size * 4 == leaf.size
+                    for leaf in large
+                ),
+                "device_fraction": here / whole,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
