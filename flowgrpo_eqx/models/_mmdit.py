@@ -44,6 +44,14 @@ class _Stream(eqx.Module):
 
     `pre_only` keeps only what the joint attention needs from this stream (its adaLN shift and
     scale and its QKV): SD3's last block does this for the text stream, whose output is unused.
+
+    **Arguments:**
+
+    - `width`: the token width.
+    - `heads`: the number of attention heads; divides `width`.
+    - `mlp_ratio`: the MLP hidden width over `width`.
+    - `pre_only`: whether to keep only the adaLN shift and scale and the QKV.
+    - `key`: a JAX PRNG key for the initialisation.
     """
 
     modulation: eqx.nn.Linear
