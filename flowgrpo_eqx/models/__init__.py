@@ -6,3 +6,4 @@ from ._mlp import (
     silu as silu,
     sinusoidal_time_features as sinusoidal_time_features,
 )
+from ._mmdit import MMDiT as MMDiT, MMDiTCondition as MMDiTCondition

@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 
 def _check_int(name: str, value: int, minimum: int) -> None:
@@ -88,22 +88,25 @@ def _uniform_arrays(
     Drawn as fixed-size chunks (`fold_in(key, i)`, `[_CHUNK]` each) and sliced. Eagerly, each
     distinct random shape costs an XLA compile (a second or so on a small CPU), so this keeps
     eager construction to one compiled RNG program for every model and configuration, with the
-    slicing in NumPy. Under a trace (`jit`, `vmap`, `eval_shape`) it is traced as usual, to the
-    same values.
+    slicing in NumPy. Under a trace (`jit`, `vmap`, `eval_shape`) the chunks are one `vmap`ped
+    draw, to the same values, so tracing stays quick at any size.
     """
     sizes = [math.prod(shape) for shape, _ in specs]
     num_chunks = max(1, -(-sum(sizes) // _CHUNK))
-    chunks = [
-        jax.random.uniform(jax.random.fold_in(key, i), (_CHUNK,), minval=-1.0, maxval=1.0)
-        for i in range(num_chunks)
-    ]
-    try:
-        flat_np: np.ndarray[Any, np.dtype[np.float32]] | None = np.concatenate(
-            [np.asarray(chunk) for chunk in chunks]
-        )
-    except jax.errors.TracerArrayConversionError:
-        flat_np = None
-    flat = jnp.concatenate(chunks) if flat_np is None else None
+
+    def chunk(i: int | Int[Array, ""]) -> Float[Array, " chunk"]:
+        return jax.random.uniform(jax.random.fold_in(key, i), (_CHUNK,), minval=-1.0, maxval=1.0)
+
+    first = chunk(0)
+    flat_np: np.ndarray[Any, np.dtype[np.float32]] | None = None
+    flat: Float[Array, " total"] | None = None
+    if isinstance(first, jax.core.Tracer):
+        # One batched draw (the same bits as the loop below): tracing a billion-parameter
+        # model chunk by chunk would take tens of seconds.
+        flat = jax.vmap(chunk)(jnp.arange(num_chunks)).reshape(-1)
+    else:
+        chunks = [first] + [chunk(i) for i in range(1, num_chunks)]
+        flat_np = np.concatenate([np.asarray(c) for c in chunks])
     arrays: list[Float[Array, "..."]] = []
     offset = 0
     for (shape, scale), size in zip(specs, sizes, strict=True):
