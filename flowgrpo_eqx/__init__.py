@@ -35,6 +35,11 @@ from ._inputs import (
     IdentityAutoEncoder as IdentityAutoEncoder,
     InputSpec as InputSpec,
 )
+from ._nft import (
+    DiffusionNFTObjective as DiffusionNFTObjective,
+    NFTBatch as NFTBatch,
+    nft_batch as nft_batch,
+)
 from ._objective import FlowGRPOObjective as FlowGRPOObjective
 from ._preview import preview_grid as preview_grid
 from ._process import AbstractProcess as AbstractProcess, RectifiedFlow as RectifiedFlow
