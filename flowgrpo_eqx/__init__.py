@@ -44,6 +44,11 @@ from ._inputs import (
     IdentityAutoEncoder as IdentityAutoEncoder,
     InputSpec as InputSpec,
 )
+from ._nft import (
+    DiffusionNFTObjective as DiffusionNFTObjective,
+    NFTBatch as NFTBatch,
+    nft_batch as nft_batch,
+)
 from ._objective import (
     FlowGRPOObjective as FlowGRPOObjective,
     GRPOGuard as GRPOGuard,

@@ -51,6 +51,8 @@ class RolloutInfo(eqx.Module):
     - `zero_std_fraction`: the fraction of groups whose rewards are all equal.
     - `mean_group_std`: the mean over groups of the population reward std.
     - `samples`: `[N, *sample]` the decoded samples (device array).
+    - `final`: `[N, *latent]` the final latents at t = 0 that `samples` decode (device
+        array): what DiffusionNFT trains on (`nft_batch`).
     - `seconds`: wall time of `generation` (device work) and `reward` (host transfer,
         reward, float64 statistics, transport between processes).
     - `reward_calls_here`: how many times this process called the reward (1 on process 0,
@@ -64,6 +66,7 @@ class RolloutInfo(eqx.Module):
     zero_std_fraction: float
     mean_group_std: float
     samples: Float[Array, " N *sample"]
+    final: Float[Array, " N *latent"]
     seconds: dict[str, float]
     reward_calls_here: int
     window_start: int
@@ -327,6 +330,7 @@ class FlowRollout(eqx.Module):
             zero_std_fraction=zero_std_fraction,
             mean_group_std=mean_group_std,
             samples=generated.samples,
+            final=generated.final,
             seconds={
                 "generation": generated_at - started,
                 "reward": scored_at - generated_at,

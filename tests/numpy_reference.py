@@ -152,3 +152,27 @@ def per_reward_advantages(components, weights, groups, eps=1e-4):
                 term = 0.0 if constant else (x - mean) / (spread + eps)
                 total[start + i] += float(weight) * term
     return total
+
+
+def nft_loss(data, noise, t, v_theta, v_old, advantages, mask, beta, adv_max):
+    """DiffusionNFT (mathematics.md §8), row by row in float64: `(total, count)`.
+
+    `data`, `noise`, `v_theta`, `v_old`: `[N, D]`; `t`, `advantages`: `[N]`; `mask`: `[N]`.
+    `v_theta` and `v_old` are the velocities at `x_t = (1 - t) data + t noise`.
+    """
+    total = 0.0
+    count = 0
+    for i in range(len(mask)):
+        if not mask[i]:
+            continue
+        target = np.asarray(noise[i], np.float64) - np.asarray(data[i], np.float64)
+        theta = np.asarray(v_theta[i], np.float64)
+        old = np.asarray(v_old[i], np.float64)
+        r = 0.5 + 0.5 * min(max(float(advantages[i]) / adv_max, -1.0), 1.0)
+        positive = (1.0 - beta) * old + beta * theta
+        negative = (1.0 + beta) * old - beta * theta
+        total += r * np.mean((positive - target) ** 2) + (1.0 - r) * np.mean(
+            (negative - target) ** 2
+        )
+        count += 1
+    return total, count

@@ -322,3 +322,24 @@ def test_per_reward_normalisation_needs_a_weighted_reward():
             CountingReward(),
             reward_combination="normalize_each",
         )
+
+
+def test_info_keeps_the_final_latents_that_nft_batch_trains_on():
+    rollout = make_rollout(CountingReward(), train_steps=None)
+    batch, info = rollout.collect(
+        rollout.objective.init(jax.random.key(0)), ROWS, jax.random.key(1)
+    )
+    np.testing.assert_array_equal(info.final, batch.next_latents[:, -1])
+    np.testing.assert_array_equal(rollout.objective.flow.decode(info.final), info.samples)
+    nft = fg.nft_batch(batch, info)
+    np.testing.assert_array_equal(nft.latents, info.final)
+    np.testing.assert_array_equal(nft.advantages, batch.advantages)
+    np.testing.assert_array_equal(nft.cond["cond"], batch.cond["cond"])
+    assert bool(np.all(nft.mask)) and nft.num_rows == batch.num_rows
+    per_transition = eqx.tree_at(
+        lambda b: b.advantages,
+        batch,
+        jnp.broadcast_to(batch.advantages[:, None], batch.timesteps.shape),
+    )
+    with pytest.raises(ValueError, match="one advantage per row"):
+        fg.nft_batch(per_transition, info)

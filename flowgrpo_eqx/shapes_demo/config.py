@@ -28,12 +28,17 @@ WindowScheduleName: TypeAlias = Literal["fixed", "random", "sliding"]
 """Where the `sde_steps` stochastic transitions sit: the leading ones, a random position per
 rollout, or MixGRPO's window sliding later every `window_shift_every` epochs."""
 
+AlgorithmName: TypeAlias = Literal["flow_grpo", "nft"]
+"""What fine-tunes the base model: Flow-GRPO's clipped policy gradient on recorded SDE
+transitions, or DiffusionNFT's negative-aware flow matching on final samples."""
+
 LogName: TypeAlias = Literal["tensorboard", "wandb"]
 """Where a run's metrics go besides `metrics.jsonl`."""
 
 REWARD_NAMES: tuple[RewardName, ...] = ("partial", "strict", "jpeg_incompressibility")
 LR_SCHEDULES: tuple[LrSchedule, ...] = ("constant", "cosine")
 LOG_NAMES: tuple[LogName, ...] = ("tensorboard", "wandb")
+ALGORITHMS: tuple[AlgorithmName, ...] = ("flow_grpo", "nft")
 WINDOW_SCHEDULES: tuple[WindowScheduleName, ...] = ("fixed", "random", "sliding")
 REWARD_COMBINATIONS: tuple[RewardCombination, ...] = ("sum", "normalize_each")
 
@@ -68,6 +73,19 @@ class JobConfig:
     cond_dropout: float = _setting(0.1, "probability of the null prompt in pretraining (CFG)")
     # Flow-GRPO
     epochs: int = _setting(200, "Flow-GRPO epochs (one rollout each)")
+    algorithm: AlgorithmName = _setting(
+        "flow_grpo",
+        "flow_grpo (clipped policy gradient on SDE transitions) | nft (DiffusionNFT: "
+        "negative-aware flow matching on final samples; adv_clip_max is its A_max)",
+    )
+    nft_beta: float = _setting(
+        1.0, "nft: strength of the implicit positive and negative policies, in (0, 1]"
+    )
+    nft_old_decay: float = _setting(
+        0.5,
+        "nft: EMA decay per update of the old (sampling) policy in the held slot (0: the "
+        "live policy)",
+    )
     prompts_per_epoch: int = _setting(16, "training prompts per rollout")
     groups: int = _setting(16, "samples per prompt (the GRPO group)")
     rollout_steps: int = _setting(
@@ -245,6 +263,34 @@ class JobConfig:
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(
                 f"Setting `ema_decay` must be none or in [0, 1), got {self.ema_decay!r}."
+            )
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"Setting `algorithm` must be one of {ALGORITHMS}, got {self.algorithm!r}."
+            )
+        if not (
+            isinstance(self.nft_beta, (int, float))
+            and not isinstance(self.nft_beta, bool)
+            and 0 < self.nft_beta <= 1
+        ):
+            raise ValueError(f"Setting `nft_beta` must be in (0, 1], got {self.nft_beta!r}.")
+        if not (
+            isinstance(self.nft_old_decay, (int, float))
+            and not isinstance(self.nft_old_decay, bool)
+            and 0 <= self.nft_old_decay < 1
+        ):
+            raise ValueError(
+                f"Setting `nft_old_decay` must be in [0, 1), got {self.nft_old_decay!r}."
+            )
+        if self.algorithm == "nft" and self.ema_decay is not None:
+            raise ValueError(
+                "Setting `ema_decay` must be none with algorithm 'nft': the held slot is its "
+                f"old policy, averaged with nft_old_decay; got ema_decay={self.ema_decay!r}."
+            )
+        if self.algorithm == "nft" and self.beta > 0:
+            raise ValueError(
+                "Setting `beta` (Flow-GRPO's KL weight) must be 0 with algorithm 'nft', got "
+                f"{self.beta!r}."
             )
         if self.window_schedule not in WINDOW_SCHEDULES:
             raise ValueError(

@@ -33,10 +33,11 @@ from .._distributed import (
     process_counts,
     shard_parameters,
 )
-from .._flow_base import Variables
+from .._flow_base import AbstractFlowObjective, Variables
 from .._http_reward import HttpReward
 from .._inputs import CFG, InputSpec
 from .._misc import leading_rows, select_rows
+from .._nft import DiffusionNFTObjective
 from .._objective import FlowGRPOObjective, GRPOGuard
 from .._process import RectifiedFlow
 from .._reward import (
@@ -61,6 +62,7 @@ from ..train import (
     flow_grpo_epoch,
     load_model,
     minibatch_count,
+    nft_epoch,
     save_model,
     supervised_steps,
 )
@@ -301,6 +303,27 @@ class ShapesJob:
             guard=GRPOGuard() if config.grpo_guard else None,
         )
 
+    def nft_objective(self, base: Any) -> DiffusionNFTObjective:
+        """DiffusionNFT's objective for `--algorithm nft`: `adv_clip_max` is its `A_max`."""
+        config = self.config
+        return DiffusionNFTObjective(
+            self.model,
+            RectifiedFlow(),
+            self.inputs,
+            beta=config.nft_beta,
+            adv_max=config.adv_clip_max,
+            guidance=self.guidance,
+            steps=config.eval_steps,
+            pretrained=base,
+        )
+
+    def train_objective(self, base: Any) -> AbstractFlowObjective:
+        """The objective the trainer trains: `objective(base)`, or with `--algorithm nft`
+        `nft_objective(base)` (the rollout still samples with `objective(base)`'s SDE)."""
+        if self.config.algorithm == "nft":
+            return self.nft_objective(base)
+        return self.objective(base)
+
     def rollout(self, objective: FlowGRPOObjective, mesh: Mesh | None = None) -> FlowRollout:
         config = self.config
         return FlowRollout(
@@ -336,7 +359,9 @@ class ShapesJob:
         size = rows if config.minibatch_rows is None else config.minibatch_rows
         return config.epochs * config.inner_epochs * minibatch_count(rows, size)
 
-    def trainer(self, objective: FlowGRPOObjective) -> Trainer:
+    def trainer(self, objective: AbstractFlowObjective) -> Trainer:
+        """The trainer of `objective`; with `--algorithm nft` its EMA (`nft_old_decay`) keeps
+        DiffusionNFT's old policy in the held slot."""
         config = self.config
         updates = self.updates()
         optimizer = default_optimizer(
@@ -345,7 +370,8 @@ class ShapesJob:
             config.max_grad_norm,
             decay_steps=updates if config.lr_schedule == "cosine" else None,
         )
-        return Trainer(objective, optimizer, ema_decay=config.ema_decay)
+        ema_decay = config.nft_old_decay if config.algorithm == "nft" else config.ema_decay
+        return Trainer(objective, optimizer, ema_decay=ema_decay)
 
     def epoch_rows(self, epoch: int) -> dict[str, npt.NDArray[Any]]:
         """The training prompts of one epoch, drawn without replacement from the train split."""
@@ -485,10 +511,13 @@ def run_train(
     base, base_source = job.base_model(log)
     device_count = jax.device_count() if devices is None else devices
     mesh = data_mesh(device_count) if device_count > 1 else None
-    objective = job.objective(job.policy(base))
+    policy = job.policy(base)
+    objective = job.objective(policy)
     checkpoint_metadata = job.checkpoint_metadata(base)
     rollout = job.rollout(objective, mesh)
-    trainer = job.trainer(objective)
+    trainer = job.trainer(
+        objective if config.algorithm == "flow_grpo" else job.nft_objective(policy)
+    )
     checkpoints = Checkpointer(out / "checkpoints", keep=config.keep_checkpoints)
     # Only process 0 keeps the run's files; the others write to no log at all.
     metrics = MetricsLog(out / "metrics.jsonl" if root else None)
@@ -575,17 +604,29 @@ def _train_epochs(
     run_key = jax.random.key(config.seed + 3)
     progress = Progress(config.epochs, "flow-grpo", disable=quiet, initial=first_epoch)
     for epoch in range(first_epoch + 1, config.epochs + 1):
-        state, summary, info = flow_grpo_epoch(
-            trainer,
-            state,
-            rollout,
-            job.epoch_rows(epoch),
-            jax.random.fold_in(run_key, epoch),
-            epoch=epoch,
-            inner_epochs=config.inner_epochs,
-            minibatch_rows=config.minibatch_rows,
-            after_updates=_log_distributions(writers, objective, epoch) if config.log else None,
-        )
+        if config.algorithm == "nft":
+            state, summary, info = nft_epoch(
+                trainer,
+                state,
+                rollout,
+                job.epoch_rows(epoch),
+                jax.random.fold_in(run_key, epoch),
+                epoch=epoch,
+                inner_epochs=config.inner_epochs,
+                minibatch_rows=config.minibatch_rows,
+            )
+        else:
+            state, summary, info = flow_grpo_epoch(
+                trainer,
+                state,
+                rollout,
+                job.epoch_rows(epoch),
+                jax.random.fold_in(run_key, epoch),
+                epoch=epoch,
+                inner_epochs=config.inner_epochs,
+                minibatch_rows=config.minibatch_rows,
+                after_updates=_log_distributions(writers, objective, epoch) if config.log else None,
+            )
         placement.write(
             {
                 "epoch": epoch,
@@ -786,7 +827,7 @@ def run_eval(
     path = pathlib.Path(checkpoint)
     if path.is_dir():
         start = job.policy(job.saved_base(path.parent.parent)) if config.lora_rank else job.model
-        trainer = job.trainer(job.objective(start))
+        trainer = job.trainer(job.train_objective(start))
         like: TrainState = trainer.init(jax.random.key(0))
         stored, meta = Checkpointer(path.parent).restore(lora.without_bases(like), path)
         policy = job.from_checkpoint(stored, like, meta, path).variables.policy

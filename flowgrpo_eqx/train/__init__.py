@@ -15,6 +15,7 @@ from ._loops import (
     flow_grpo_epoch as flow_grpo_epoch,
     minibatch_count as minibatch_count,
     minibatches as minibatches,
+    nft_epoch as nft_epoch,
     supervised_steps as supervised_steps,
 )
 from ._trainer import (

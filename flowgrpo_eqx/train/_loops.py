@@ -1,4 +1,4 @@
-"""Training loops: Flow-GRPO epochs over rollouts, and supervised steps for pretraining."""
+"""Training loops: Flow-GRPO and DiffusionNFT epochs over rollouts, and pretraining steps."""
 
 import json
 import os
@@ -12,6 +12,8 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._custom_types import Transitions
+from .._flow_base import Variables
+from .._nft import DiffusionNFTObjective, nft_batch
 from .._rollout import FlowRollout, RolloutInfo
 from ._trainer import Trainer, TrainState
 
@@ -124,6 +126,68 @@ def flow_grpo_epoch(
         reward_group_std=info.mean_group_std,
         kept_fraction=float(jnp.mean(batch.transition_mask)),
         window_start=float(info.window_start),
+    )
+    return state, summary, info
+
+
+def nft_epoch(
+    trainer: Trainer,
+    state: TrainState,
+    rollout: FlowRollout,
+    rows: PyTree[Any],
+    key: PRNGKeyArray,
+    *,
+    epoch: int = 1,
+    inner_epochs: int = 1,
+    minibatch_rows: int | None = None,
+) -> tuple[TrainState, dict[str, float], RolloutInfo]:
+    """One DiffusionNFT epoch: the old policy samples, then `inner_epochs` passes of updates.
+
+    The rollout samples with the objective's old policy (`DiffusionNFTObjective.old_policy`,
+    the held slot), whose final latents, rows and advantages form the `NFTBatch`
+    (`nft_batch`); the rollout's own objective supplies only the sampler (its SDE and
+    guidance), and the trajectory it records is not used.
+
+    **Arguments:**
+
+    - `trainer`: the trainer of a `DiffusionNFTObjective` (with `ema_decay`, its old policy
+        follows the live one; without, it stays the initial policy).
+    - `state`, `rollout`, `rows`, `key`, `epoch`, `inner_epochs`, `minibatch_rows`: as for
+        `flow_grpo_epoch`.
+
+    **Returns:**
+
+    The new state, the epoch's mean metrics (losses and reward statistics), and the
+    rollout's `RolloutInfo`.
+
+    **Raises:**
+
+    - `ValueError`: naming `trainer` if its objective is not a `DiffusionNFTObjective`.
+    """
+    objective = trainer.objective
+    if not isinstance(objective, DiffusionNFTObjective):
+        raise ValueError(
+            f"`trainer` must train a DiffusionNFTObjective, got {type(objective).__name__}."
+        )
+    rollout_key, shuffle_key = jax.random.split(key)
+    sampling = Variables(policy=objective.old_policy(state.variables), held=None)
+    transitions, info = rollout.collect(sampling, rows, rollout_key, epoch)
+    batch = nft_batch(transitions, info)
+    size = batch.num_rows if minibatch_rows is None else minibatch_rows
+    minibatch_count(batch.num_rows, size)
+    history = []
+    for inner in range(inner_epochs):
+        order = jax.random.permutation(jax.random.fold_in(shuffle_key, inner), batch.num_rows)
+        for start in range(0, batch.num_rows, size):
+            index = order[start : start + size]
+            minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
+            state, metrics = trainer.update(state, minibatch)
+            history.append(metrics)
+    summary = _mean_metrics(history)
+    summary.update(
+        reward_mean=float(info.reward_mean),
+        reward_zero_std_fraction=info.zero_std_fraction,
+        reward_group_std=info.mean_group_std,
     )
     return state, summary, info
 

@@ -1,0 +1,262 @@
+"""DiffusionNFTObjective against an independent float64 NumPy statement (mathematics.md §8),
+its exact identities, and `--algorithm nft` through the command line."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import flowgrpo_eqx as fg
+from flowgrpo_eqx.shapes_demo import JobConfig
+from flowgrpo_eqx.train import MetricsLog, Trainer
+from tests import numpy_reference as ref
+from tests.cli_helpers import run_cli
+from tests.errors import NAMED_ARGUMENT_ERRORS
+
+
+DIM = 4
+COND = 3
+NULL = np.array([0.5, -0.5, 0.0], np.float32)
+
+
+class LinearVelocity(eqx.Module):
+    """v = W x + b t + U c: simple enough to restate in NumPy."""
+
+    weight: jax.Array
+    time: jax.Array
+    cond_weight: jax.Array
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.weight = 0.3 * jax.random.normal(k1, (DIM, DIM))
+        self.time = jax.random.normal(k2, (DIM,))
+        self.cond_weight = jax.random.normal(k3, (DIM, COND))
+
+    def __call__(self, x, t, cond):
+        return self.weight @ x + self.time * t + self.cond_weight @ cond
+
+    def numpy(self, x, t, cond, scale):
+        w, b, u = (np.asarray(a, np.float64) for a in (self.weight, self.time, self.cond_weight))
+        v_cond = w @ x + b * t + u @ cond
+        if scale is None:
+            return v_cond
+        v_null = w @ x + b * t + u @ NULL.astype(np.float64)
+        return v_null + scale * (v_cond - v_null)
+
+
+def make_objective(beta=0.7, adv_max=2.0, guidance=None):
+    return fg.DiffusionNFTObjective(
+        LinearVelocity(jax.random.key(0)),
+        fg.RectifiedFlow(),
+        fg.InputSpec(null=jnp.asarray(NULL), latent_shape=(DIM,)),
+        beta=beta,
+        adv_max=adv_max,
+        guidance=guidance,
+    )
+
+
+def make_batch(seed, n=6, poison=False):
+    rng = np.random.default_rng(seed)
+    latents = rng.normal(size=(n, DIM)).astype(np.float32)
+    advantages = (rng.normal(size=n) * 2.0).astype(np.float32)
+    advantages[0] = 5.0  # beyond adv_max: r saturates at 1
+    cond = rng.normal(size=(n, COND)).astype(np.float32)
+    mask = rng.random(n) < 0.7
+    mask[:2] = True
+    mask[-1] = False
+    if poison:
+        latents[~mask] = np.nan
+        advantages[~mask] = np.inf
+        cond[~mask] = np.nan
+    return fg.NFTBatch(
+        latents=jnp.asarray(latents),
+        advantages=jnp.asarray(advantages),
+        cond=jnp.asarray(cond),
+        mask=jnp.asarray(mask),
+    )
+
+
+def draws(step, batch):
+    """The noise and times `loss` draws from `step.key`, as its docstring states them."""
+    noise_key, time_key = jax.random.split(step.key)
+    noise = jax.random.normal(noise_key, batch.latents.shape, jnp.float32)
+    t = jax.random.uniform(time_key, (batch.num_rows,), jnp.float32, 1e-4, 1.0 - 1e-4)
+    return np.asarray(noise, np.float64), np.asarray(t, np.float64)
+
+
+STEP = fg.Step(index=0, key=jax.random.key(3))
+
+
+@pytest.mark.parametrize("beta, guidance", [(0.7, None), (1.0, fg.CFG(2.5)), (0.2, None)])
+def test_loss_matches_numpy_statement(beta, guidance):
+    objective = make_objective(beta=beta, guidance=guidance)
+    policy, old = LinearVelocity(jax.random.key(1)), LinearVelocity(jax.random.key(2))
+    batch = make_batch(0)
+    total, aux = objective.loss(fg.Variables(policy=policy, held=old), batch, STEP)
+    noise, t = draws(STEP, batch)
+    data = np.asarray(batch.latents, np.float64)
+    cond = np.asarray(batch.cond, np.float64)
+    x_t = (1 - t)[:, None] * data + t[:, None] * noise
+    scale = None if guidance is None else guidance.scale
+    v_theta = [policy.numpy(x_t[i], t[i], cond[i], scale) for i in range(batch.num_rows)]
+    v_old = [old.numpy(x_t[i], t[i], cond[i], scale) for i in range(batch.num_rows)]
+    mask = np.asarray(batch.mask)
+    want_total, want_count = ref.nft_loss(
+        data, noise, t, v_theta, v_old, np.asarray(batch.advantages), mask, beta, 2.0
+    )
+    assert float(total.count) == want_count == int(mask.sum())
+    np.testing.assert_allclose(float(total.total), want_total, rtol=2e-5)
+    np.testing.assert_allclose(float(total.value), want_total / want_count, rtol=2e-5)
+    assert float(aux["drift"].value) > 0
+
+
+def test_unchanged_policy_is_flow_matching_with_an_advantage_weighted_gradient():
+    """With v_theta = v_old: v+ = v- = v_old, so the value is the old policy's flow-matching
+    error whatever the rewards, and the gradient is that of
+    `beta (2 r - 1) mean||v_theta - v||^2`, summed over counted rows over their count."""
+    beta = 0.6
+    objective = make_objective(beta=beta, guidance=fg.CFG(2.0))
+    policy = LinearVelocity(jax.random.key(1))
+    variables = fg.Variables(policy=policy, held=policy)
+    batch = make_batch(1)
+
+    def nft(model):
+        return objective.loss(fg.Variables(policy=model, held=policy), batch, STEP)
+
+    total, aux = objective.loss(variables, batch, STEP)
+    np.testing.assert_allclose(float(total.value), float(aux["old_mse"].value), rtol=1e-6)
+    grad = eqx.filter_grad(lambda m: nft(m)[0].value)(policy)
+
+    noise, t = (jnp.asarray(a, jnp.float32) for a in draws(STEP, batch))
+    mask = batch.mask
+    x_t = (1 - t)[:, None] * batch.latents + t[:, None] * noise
+    target = noise - batch.latents
+    r = 0.5 + 0.5 * jnp.clip(batch.advantages / 2.0, -1.0, 1.0)
+
+    def weighted_flow_matching(model):
+        v = objective.flow.velocity(model, x_t, t, batch.cond)
+        mse = jnp.mean((v - target) ** 2, axis=1)
+        weight = beta * (2 * r - 1)
+        return jnp.sum(jnp.where(mask, weight * mse, 0.0)) / jnp.sum(mask, dtype=jnp.float32)
+
+    want = eqx.filter_grad(weighted_flow_matching)(policy)
+    for got_leaf, want_leaf in zip(jax.tree.leaves(grad), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("advantage, closer", [(1.5, True), (-1.5, False)])
+def test_a_gradient_step_moves_the_velocity_towards_the_target_for_positive_advantage(
+    advantage, closer
+):
+    objective = make_objective()
+    policy = LinearVelocity(jax.random.key(1))
+    batch = fg.NFTBatch(
+        latents=jnp.ones((1, DIM)), advantages=jnp.asarray([advantage]), cond=jnp.ones((1, COND))
+    )
+    noise, t = (jnp.asarray(a, jnp.float32) for a in draws(STEP, batch))
+    x_t = (1 - t)[:, None] * batch.latents + t[:, None] * noise
+
+    def error(model):
+        v = objective.flow.velocity(model, x_t, t, batch.cond)
+        return float(jnp.mean((v - (noise - batch.latents)) ** 2))
+
+    grad = eqx.filter_grad(
+        lambda m: objective.loss(fg.Variables(policy=m, held=policy), batch, STEP)[0].value
+    )(policy)
+    moved = eqx.apply_updates(policy, jax.tree.map(lambda g: -1e-2 * g, grad))
+    assert (error(moved) < error(policy)) == closer
+
+
+def test_masked_rows_reach_neither_value_nor_gradient():
+    objective = make_objective(guidance=fg.CFG(2.0))
+    policy, old = LinearVelocity(jax.random.key(1)), LinearVelocity(jax.random.key(2))
+
+    def value_and_grad(batch):
+        def value(model):
+            return objective.loss(fg.Variables(policy=model, held=old), batch, STEP)[0].value
+
+        return eqx.filter_value_and_grad(value)(policy)
+
+    clean_value, clean_grad = value_and_grad(make_batch(2))
+    value, grad = value_and_grad(make_batch(2, poison=True))
+    assert np.isfinite(float(value)) and float(value) == float(clean_value)
+    for leaf, clean_leaf in zip(jax.tree.leaves(grad), jax.tree.leaves(clean_grad), strict=True):
+        assert np.all(np.isfinite(leaf))
+        np.testing.assert_array_equal(leaf, clean_leaf)
+    nothing = make_batch(2, poison=True)
+    nothing = eqx.tree_at(lambda b: b.mask, nothing, jnp.zeros_like(nothing.mask))
+    value, grad = value_and_grad(nothing)
+    assert float(value) == 0.0 and all(not np.any(leaf) for leaf in jax.tree.leaves(grad))
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        ({"beta": 0.0}, "beta"),
+        ({"beta": 1.5}, "beta"),
+        ({"beta": -0.5}, "beta"),
+        ({"adv_max": 0.0}, "adv_max"),
+        ({"adv_max": -1.0}, "adv_max"),
+        ({"steps": 1}, "steps"),
+    ],
+)
+def test_bad_settings_are_named(settings, named):
+    with pytest.raises(ValueError, match=f"`{named}`"):
+        fg.DiffusionNFTObjective(
+            LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), guidance=None,
+            **settings,
+        )  # fmt: skip
+
+
+def test_malformed_batches_and_a_missing_old_policy_are_named():
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="advantages"):
+        fg.NFTBatch(latents=jnp.ones((3, DIM)), advantages=jnp.ones(2), cond=jnp.ones((3, 1)))
+    with pytest.raises(ValueError, match=r"NFTBatch.cond\['c'\]"):
+        fg.NFTBatch(latents=jnp.ones((3, DIM)), advantages=jnp.ones(3), cond={"c": jnp.ones(2)})
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="mask"):
+        fg.NFTBatch(
+            latents=jnp.ones((3, DIM)), advantages=jnp.ones(3), cond=jnp.ones((3, 1)),
+            mask=jnp.ones(3),
+        )  # fmt: skip
+    objective = make_objective()
+    with pytest.raises(ValueError, match="held slot"):
+        objective.old_policy(fg.Variables(policy=LinearVelocity(jax.random.key(0)), held=None))
+
+
+def test_the_trainer_keeps_the_old_policy_as_an_ema_of_the_live_one():
+    objective = make_objective()
+    assert objective.held_variables() == fg.Variables(policy=False, held=False)
+    trainer = Trainer(objective, optax.sgd(0.1), ema_decay=0.25)
+    state = trainer.init(jax.random.key(0))
+    before = np.array(state.variables.held.weight)
+    state, metrics = trainer.update(state, make_batch(3))
+    want = 0.25 * before + 0.75 * state.variables.policy.weight
+    np.testing.assert_allclose(state.variables.held.weight, want, rtol=1e-6)
+    assert {"loss", "positive_mse", "negative_mse", "old_mse", "drift", "optimality"} <= set(
+        metrics
+    )
+
+
+def test_an_unknown_algorithm_is_named():
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="algorithm"):
+        JobConfig(algorithm="bogus")
+    with pytest.raises(ValueError, match="`ema_decay`"):
+        JobConfig(algorithm="nft", ema_decay=0.9)
+    with pytest.raises(ValueError, match="`nft_beta`"):
+        JobConfig(algorithm="nft", nft_beta=0.0)
+    result = run_cli("train", "--preset", "tiny", "--algorithm", "bogus", "--print-config")
+    assert result.returncode == 2
+    assert "--algorithm" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_tiny_preset_trains_with_nft_through_the_command_line(tmp_path):
+    out = tmp_path / "nft"
+    result = run_cli("train", "--preset", "tiny", "--quiet", "--algorithm", "nft", "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'algorithm = "nft"' in (out / "config.toml").read_text().splitlines()
+    records = [r for r in MetricsLog(out / "metrics.jsonl").read() if "reward_mean" in r]
+    assert [r["epoch"] for r in records] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) and "positive_mse" in r for r in records)
+    assert (out / "summary.json").exists() and (out / "policy.eqx").exists()
