@@ -36,7 +36,7 @@ from ._flow_base import (
     Evaluation as Evaluation,
     Variables as Variables,
 )
-from ._guided_flow import GuidedFlow as GuidedFlow
+from ._guided_flow import GuidedFlow as GuidedFlow, Precision as Precision
 from ._http_reward import HttpReward as HttpReward
 from ._inputs import (
     CFG as CFG,

@@ -4,7 +4,7 @@ The process, the conditioning inputs, classifier-free guidance and the autoencod
 guided velocity on a batch, probability-flow ODE sampling and decoding.
 """
 
-from typing import Any, final
+from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
 import jax
@@ -16,6 +16,26 @@ from ._inputs import CFG, AbstractAutoEncoder, IdentityAutoEncoder, InputSpec
 from ._process import AbstractProcess
 from ._sde import compute_dtype
 from ._solver import AbstractSolver
+
+
+Precision: TypeAlias = Literal["float32", "bfloat16"]
+"""The dtype the model computes in. With `"bfloat16"` the model's floating-point weights, its
+inputs and its activations are bfloat16 while the weights the optimizer keeps (the master
+weights) stay as they are (float32); the velocity leaves the model as float32, so the SDE,
+log densities, ratios, KL and advantages are float32 (or wider) either way."""
+
+PRECISIONS: tuple[Precision, ...] = ("float32", "bfloat16")
+
+
+def _to_bfloat16(tree: PyTree[Any]) -> PyTree[Any]:
+    """`tree` with every float32/float64 array cast to bfloat16 (other leaves as they are)."""
+
+    def cast(leaf: Any) -> Any:
+        if eqx.is_inexact_array(leaf) and jnp.dtype(leaf.dtype).itemsize >= 4:
+            return leaf.astype(jnp.bfloat16)
+        return leaf
+
+    return jax.tree.map(cast, tree)
 
 
 def _per_example_shapes(tree: PyTree[Any]) -> PyTree[Any]:
@@ -37,11 +57,14 @@ class GuidedFlow(eqx.Module):
     - `inputs`: an `InputSpec`: which row fields condition the model, and the null condition.
     - `guidance`: classifier-free guidance, or `None`.
     - `autoencoder`: decodes latents to samples in [-1, 1] (identity by default).
+    - `precision`: `"float32"` (default) or `"bfloat16"`: the dtype the model computes in
+        (`Precision`). The cast happens inside each call, so gradients reach the float32
+        weights and the optimizer updates those.
 
     **Raises:**
 
-    - `ValueError`: naming the argument, for a model that is not callable, a wrong type, or
-        guidance without a null condition.
+    - `ValueError`: naming the argument, for a model that is not callable, a wrong type,
+        guidance without a null condition, or an unknown `precision`.
     """
 
     model: Model
@@ -49,6 +72,7 @@ class GuidedFlow(eqx.Module):
     inputs: InputSpec
     guidance: CFG | None = CFG(3.0)
     autoencoder: AbstractAutoEncoder = IdentityAutoEncoder()
+    precision: Precision = "float32"
 
     def __check_init__(self) -> None:
         if not callable(self.model):
@@ -68,6 +92,8 @@ class GuidedFlow(eqx.Module):
             raise ValueError(
                 f"`autoencoder` must be an AbstractAutoEncoder, got {self.autoencoder!r}."
             )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"`precision` must be one of {PRECISIONS}, got {self.precision!r}.")
 
     def null_like(self, conditioning: PyTree[Any]) -> PyTree[Any]:
         """The null condition repeated for every row of `conditioning`, checked against it.
@@ -121,7 +147,11 @@ class GuidedFlow(eqx.Module):
 
         - `ValueError`: when the model returns a velocity not shaped like `x`.
         """
-        velocities: Array = jax.vmap(model)(x, t, conditioning)
+        inputs = (model, x, t, conditioning)
+        if self.precision == "bfloat16":
+            inputs = _to_bfloat16(inputs)
+        model, x_in, t_in, conditioning = inputs
+        velocities: Array = jax.vmap(model)(x_in, t_in, conditioning)
         if velocities.shape != x.shape:
             raise ValueError(
                 f"The model returned a velocity of shape {tuple(velocities.shape[1:])} for a "
@@ -226,6 +256,7 @@ def flow_from(
     inputs: InputSpec,
     guidance: CFG | None,
     autoencoder: AbstractAutoEncoder | None,
+    precision: Precision = "float32",
 ) -> GuidedFlow:
     """A `GuidedFlow` from an objective's constructor arguments (`None`: identity decoder)."""
     return GuidedFlow(
@@ -234,7 +265,8 @@ def flow_from(
         inputs,
         guidance=guidance,
         autoencoder=IdentityAutoEncoder() if autoencoder is None else autoencoder,
+        precision=precision,
     )
 
 
-__all__ = ["GuidedFlow", "flow_from"]
+__all__ = ["PRECISIONS", "GuidedFlow", "Precision", "flow_from"]

@@ -10,7 +10,7 @@ from jaxtyping import Array, Bool, Float, PyTree
 from . import lora
 from ._custom_types import Mean, Model, Step, Transitions
 from ._flow_base import AbstractFlowObjective, Variables
-from ._guided_flow import GuidedFlow, flow_from
+from ._guided_flow import GuidedFlow, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
 from ._misc import check_int
 from ._objective import _stop_gradient
@@ -134,7 +134,8 @@ class DiffusionNFTObjective(AbstractFlowObjective):
     **Arguments:**
 
     - `model`, `process`, `inputs`, `guidance`, `sampler`, `steps`, `autoencoder`,
-        `pretrained`: as for `FlowGRPOObjective` (`sampler` and `steps` serve `evaluate`).
+        `pretrained`, `precision`: as for `FlowGRPOObjective` (`sampler` and `steps` serve
+        `evaluate`).
     - `beta`: the mixing strength of the implicit policies, in (0, 1].
     - `adv_max`: the advantage at which the optimality probability saturates (0 or 1).
 
@@ -164,8 +165,9 @@ class DiffusionNFTObjective(AbstractFlowObjective):
         steps: int = 41,
         autoencoder: AbstractAutoEncoder | None = None,
         pretrained: Model | None = None,
+        precision: Precision = "float32",
     ):
-        self.flow = flow_from(model, process, inputs, guidance, autoencoder)
+        self.flow = flow_from(model, process, inputs, guidance, autoencoder, precision)
         self.sampler = sampler
         self.steps = steps
         self.pretrained = pretrained

@@ -11,7 +11,7 @@ from jaxtyping import Array, Bool, Float, PyTree
 from . import lora
 from ._custom_types import Aux, Mean, Model, Step, StepRatios, Transitions, check_transitions
 from ._flow_base import AbstractFlowObjective, Variables
-from ._guided_flow import GuidedFlow, flow_from
+from ._guided_flow import GuidedFlow, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
 from ._misc import check_int, tile_rows
 from ._process import AbstractProcess
@@ -171,6 +171,8 @@ class FlowGRPOObjective(AbstractFlowObjective):
     - `guard`: `GRPOGuard()` for GRPO-Guard's RatioNorm and step reweighting (the ratio and
         the surrogate above are then the guarded ones, and `Aux.step_ratios` reports the
         ratio per step before and after normalisation); `None` (default) for plain Flow-GRPO.
+    - `precision`: `"float32"` (default) or `"bfloat16"`, the dtype the model computes in
+        (`GuidedFlow`); the SDE, densities, ratio and KL stay float32.
 
     **Raises:**
 
@@ -209,8 +211,9 @@ class FlowGRPOObjective(AbstractFlowObjective):
         transition_chunk: int | None = None,
         remat: bool | None = None,
         guard: GRPOGuard | None = None,
+        precision: Precision = "float32",
     ):
-        self.flow = flow_from(model, process, inputs, guidance, autoencoder)
+        self.flow = flow_from(model, process, inputs, guidance, autoencoder, precision)
         self.sde = sde
         self.beta = beta
         self.clip_range = clip_range

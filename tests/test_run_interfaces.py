@@ -240,7 +240,8 @@ def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tm
     out = with_base(in_process, tmp_path / "sliding")
     flags = ["--window-schedule", "sliding", "--window-shift-every", "1", "--shared-noise", "true",
              "--grpo-guard", "true", "--reward-combination", "normalize_each",
-             "--reward-weights", "jpeg_incompressibility=1,partial=0.5"]  # fmt: skip
+             "--reward-weights", "jpeg_incompressibility=1,partial=0.5",
+             "--precision", "bfloat16"]  # fmt: skip
     result = cli("train", *COMMON, *flags, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     records = [r for r in MetricsLog(out / "metrics.jsonl").read() if "window_start" in r]
@@ -258,6 +259,7 @@ def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tm
         "grpo_guard = true",
         'reward_combination = "normalize_each"',
         'reward_weights = "jpeg_incompressibility=1,partial=0.5"',
+        'precision = "bfloat16"',
     } <= saved
 
 
@@ -272,6 +274,8 @@ def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tm
         (["--reward-weights", "partial=1,sharpness=2"], "reward_weights"),
         (["--reward-weights", "partial=heavy"], "reward_weights"),
         (["--reward-combination", "normalize_each"], "reward_combination"),
+        (["--precision", "float16"], "--precision"),
+        (["--param-sharding", "zero3"], "--param-sharding"),
     ],
 )
 def test_bad_recipe_options_are_named(flags, named):

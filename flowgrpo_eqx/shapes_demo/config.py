@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeAlias
 
 from .._advantages import RewardCombination
 from .._distributed import PARAM_SHARDINGS, ParamSharding
+from .._guided_flow import PRECISIONS, Precision
 from .._misc import is_int
 
 
@@ -173,6 +174,11 @@ class JobConfig:
         0, "seed of the held-out evaluation's fixed noise (runs compare on the same samples)"
     )
     # bookkeeping
+    precision: Precision = _setting(
+        "float32",
+        "float32 | bfloat16 (the model computes in bfloat16; master weights, the SDE, ratios "
+        "and advantages stay float32 or wider)",
+    )
     param_sharding: ParamSharding = _setting(
         "replicated",
         "replicated (a full copy of parameters and optimizer state per device) | fsdp "
@@ -310,6 +316,10 @@ class JobConfig:
         if self.reward not in REWARD_NAMES:
             raise ValueError(
                 f"Setting `reward` must be one of {REWARD_NAMES}, got {self.reward!r}."
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"Setting `precision` must be one of {PRECISIONS}, got {self.precision!r}."
             )
         if self.param_sharding not in PARAM_SHARDINGS:
             raise ValueError(

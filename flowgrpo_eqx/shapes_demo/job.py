@@ -301,6 +301,7 @@ class ShapesJob:
             pretrained=base,
             transition_chunk=config.transition_chunk,
             guard=GRPOGuard() if config.grpo_guard else None,
+            precision=config.precision,
         )
 
     def nft_objective(self, base: Any) -> DiffusionNFTObjective:
@@ -315,6 +316,7 @@ class ShapesJob:
             guidance=self.guidance,
             steps=config.eval_steps,
             pretrained=base,
+            precision=config.precision,
         )
 
     def train_objective(self, base: Any) -> AbstractFlowObjective:
