@@ -14,36 +14,7 @@ from flowgrpo_eqx.train import MetricsLog, Trainer
 from tests import numpy_reference as ref
 from tests.cli_helpers import run_cli
 from tests.errors import NAMED_ARGUMENT_ERRORS
-
-
-DIM = 4
-COND = 3
-NULL = np.array([0.5, -0.5, 0.0], np.float32)
-
-
-class LinearVelocity(eqx.Module):
-    """v = W x + b t + U c: simple enough to restate in NumPy."""
-
-    weight: jax.Array
-    time: jax.Array
-    cond_weight: jax.Array
-
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.weight = 0.3 * jax.random.normal(k1, (DIM, DIM))
-        self.time = jax.random.normal(k2, (DIM,))
-        self.cond_weight = jax.random.normal(k3, (DIM, COND))
-
-    def __call__(self, x, t, cond):
-        return self.weight @ x + self.time * t + self.cond_weight @ cond
-
-    def numpy(self, x, t, cond, scale):
-        w, b, u = (np.asarray(a, np.float64) for a in (self.weight, self.time, self.cond_weight))
-        v_cond = w @ x + b * t + u @ cond
-        if scale is None:
-            return v_cond
-        v_null = w @ x + b * t + u @ NULL.astype(np.float64)
-        return v_null + scale * (v_cond - v_null)
+from tests.test_objective import COND, DIM, NULL, LinearVelocity, numpy_guided
 
 
 def make_objective(beta=0.7, adv_max=2.0, guidance=None):
@@ -100,8 +71,8 @@ def test_loss_matches_numpy_statement(beta, guidance):
     cond = np.asarray(batch.cond, np.float64)
     x_t = (1 - t)[:, None] * data + t[:, None] * noise
     scale = None if guidance is None else guidance.scale
-    v_theta = [policy.numpy(x_t[i], t[i], cond[i], scale) for i in range(batch.num_rows)]
-    v_old = [old.numpy(x_t[i], t[i], cond[i], scale) for i in range(batch.num_rows)]
+    v_theta = [numpy_guided(policy, x_t[i], t[i], cond[i], scale) for i in range(batch.num_rows)]
+    v_old = [numpy_guided(old, x_t[i], t[i], cond[i], scale) for i in range(batch.num_rows)]
     mask = np.asarray(batch.mask)
     want_total, want_count = ref.nft_loss(
         data, noise, t, v_theta, v_old, np.asarray(batch.advantages), mask, beta, 2.0

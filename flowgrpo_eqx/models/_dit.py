@@ -48,6 +48,23 @@ def _dense(linear: eqx.nn.Linear, h: Float[Array, "S I"]) -> Float[Array, "S O"]
     return out
 
 
+def patchify(x: Float[Array, "H W C"], patch: int) -> Float[Array, "N P"]:
+    """Cut a channels-last square image into `patch x patch` patches, row-major, flattened."""
+    size, _, channels = x.shape
+    grid = size // patch
+    x = x.reshape(grid, patch, grid, patch, channels).transpose(0, 2, 1, 3, 4)
+    return x.reshape(grid * grid, patch * patch * channels)
+
+
+def unpatchify(
+    tokens: Float[Array, "N P"], patch: int, image_size: int, channels: int
+) -> Float[Array, "H W C"]:
+    """The inverse of `patchify`."""
+    grid = image_size // patch
+    x = tokens.reshape(grid, grid, patch, patch, channels).transpose(0, 2, 1, 3, 4)
+    return x.reshape(image_size, image_size, channels)
+
+
 def _sincos_2d(grid: int, width: int) -> npt.NDArray[np.float32]:
     """Fixed 2D sin-cos features `[grid * grid, width]`, zero past `4 * (width // 4)` columns."""
     quarter = width // 4
@@ -264,14 +281,10 @@ class DiT(eqx.Module):
         self.final_proj = _zero_linear(width, patch_dim, key=key)
 
     def _patchify(self, x: Float[Array, "H W C"]) -> Float[Array, "N P"]:
-        p, g, c = self.patch, self.image_size // self.patch, self.channels
-        x = x.reshape(g, p, g, p, c).transpose(0, 2, 1, 3, 4)
-        return x.reshape(g * g, p * p * c)
+        return patchify(x, self.patch)
 
     def _unpatchify(self, tokens: Float[Array, "N P"]) -> Float[Array, "H W C"]:
-        p, g, c = self.patch, self.image_size // self.patch, self.channels
-        x = tokens.reshape(g, g, p, p, c).transpose(0, 2, 1, 3, 4)
-        return x.reshape(g * p, g * p, c)
+        return unpatchify(tokens, self.patch, self.image_size, self.channels)
 
     def __call__(
         self,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._dit import _dense, _layer_norm, _modulate, _sincos_2d
+from ._dit import _dense, _layer_norm, _modulate, _sincos_2d, patchify, unpatchify
 from ._mlp import (
     _check_int,
     _init_linears,
@@ -368,14 +368,10 @@ class MMDiT(eqx.Module):
         )
 
     def _patchify(self, x: Float[Array, "H W C"]) -> Float[Array, "N P"]:
-        p, g, c = self.patch, self.image_size // self.patch, self.channels
-        x = x.reshape(g, p, g, p, c).transpose(0, 2, 1, 3, 4)
-        return x.reshape(g * g, p * p * c)
+        return patchify(x, self.patch)
 
     def _unpatchify(self, tokens: Float[Array, "N P"]) -> Float[Array, "H W C"]:
-        p, g, c = self.patch, self.image_size // self.patch, self.channels
-        x = tokens.reshape(g, g, p, p, c).transpose(0, 2, 1, 3, 4)
-        return x.reshape(g * p, g * p, c)
+        return unpatchify(tokens, self.patch, self.image_size, self.channels)
 
     def _text(
         self, cond: MMDiTCondition | Int[Array, " context_length"]
