@@ -31,6 +31,10 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         "partial + strict rewards, each normalised in its group",
         ["--reward-weights", "partial=1,strict=1", "--reward-combination", "normalize_each"],
     ),
+    "nft": (
+        "DiffusionNFT (`DiffusionNFTObjective`, untuned: beta 1, old-policy EMA 0.5)",
+        ["--algorithm", "nft"],
+    ),
     "weighted_sum": (
         "partial + strict rewards, their sum normalised (the control for the row above)",
         ["--reward-weights", "partial=1,strict=1"],
