@@ -21,7 +21,7 @@ def _steps(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     return log_ratio, std, dt, kept
 
 
-@T.property_settings(60)
+@T.property_settings(30)
 @given(steps=_steps(), shift=st.floats(-2.0, 2.0, width=32))
 def test_ratio_norm_has_mean_zero_per_step_over_kept_transitions(steps, shift):
     log_ratio, std, _, kept = steps
@@ -39,7 +39,7 @@ def test_ratio_norm_has_mean_zero_per_step_over_kept_transitions(steps, shift):
     np.testing.assert_allclose(again, normalised, atol=5e-5)
 
 
-@T.property_settings(60)
+@T.property_settings(30)
 @given(steps=_steps(), scale=st.floats(0.125, 8.0, width=32))
 def test_step_weights_average_one_and_ignore_the_time_unit(steps, scale):
     _, _, dt, kept = steps

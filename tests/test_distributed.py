@@ -99,6 +99,41 @@ def assert_same_run(folder, baseline):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
+def test_four_simulated_devices_match_one_device(baseline, tmp_path):
+    out = with_base(baseline, tmp_path / "four")
+    result = run_cli(
+        "train",
+        *COMMON,
+        "--out",
+        str(out),
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for placement in placements(out):
+        assert placement["devices"] == 4 and placement["processes"] == 1
+        assert placement["reward_calls_per_process"] == [1]
+        assert placement["param_sharding"] == "replicated"
+        assert placement["state_fraction_per_device"] == 1.0
+    assert_same_run(out, baseline)
+
+
+def test_two_processes_match_one_process(baseline, tmp_path):
+    out = with_base(baseline, tmp_path / "two")
+    result = run_cli("launch", "--local", "2", "--", "train", *COMMON, "--out", str(out))
+    assert result.returncode == 0, result.stdout[-3000:]
+    for placement in placements(out):
+        assert placement["processes"] == 2 and placement["devices"] == 2
+        # The reward ran once per collect in total, on process 0.
+        assert placement["reward_calls_per_process"] == [1, 0]
+        # Each process held half of the rows of each batch.
+        assert placement["rows_per_process"] == [placement["rows_total"] // 2] * 2
+    assert_same_run(out, baseline)
+
+
+# The same two runs with FSDP (`python -m pytest -m slow tests/test_distributed.py`): both
+# passed in a full run, taking 103 s and 175 s of a 2-core machine, more than the suite's time
+# allows; `tests/test_fsdp.py` checks FSDP on 4 devices against 1 in the default run.
+@pytest.mark.slow
 def test_four_simulated_devices_with_fsdp_match_one_device(baseline, tmp_path):
     # Rows are split over the 4 devices, and so are the parameters, the KL-free run's EMA-free
     # held slot and AdamW's moments (`--param-sharding fsdp`); the data-parallel replicated
@@ -123,6 +158,7 @@ def test_four_simulated_devices_with_fsdp_match_one_device(baseline, tmp_path):
     assert_same_run(out, baseline)
 
 
+@pytest.mark.slow
 def test_two_processes_with_fsdp_match_one_process(baseline, tmp_path):
     # FSDP across processes: checkpoints, previews and the saved policy gather the shards from
     # both processes. The replicated layout across processes is what every other multi-process
