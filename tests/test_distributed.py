@@ -132,7 +132,7 @@ def test_two_processes_match_one_process(baseline, tmp_path):
 
 # The same two runs with FSDP (`python -m pytest -m slow tests/test_distributed.py`): both
 # passed in a full run, taking 103 s and 175 s of a 2-core machine, more than the suite's time
-# allows; `tests/test_fsdp.py` checks FSDP on 4 devices against 1 in the default run.
+# allows.
 @pytest.mark.slow
 def test_four_simulated_devices_with_fsdp_match_one_device(baseline, tmp_path):
     # Rows are split over the 4 devices, and so are the parameters, the KL-free run's EMA-free
@@ -229,6 +229,9 @@ def test_dead_process_stops_the_others_with_a_clear_error(baseline, tmp_path):
     # Kill process 1 once training is under way (epoch 1's checkpoint is written).
     while not (out / "checkpoints" / "ckpt_00000001").exists() and launcher.poll() is None:
         time.sleep(0.05)
+    if launcher.poll() is not None:
+        stdout, _ = launcher.communicate()
+        pytest.fail(f"the launch ended before training got under way:\n{stdout[-3000:]}")
     victim = process_with_arguments("--process-id 1", str(out))
     os.kill(victim, signal.SIGKILL)
     stdout, _ = launcher.communicate(timeout=TIMEOUT)

@@ -197,6 +197,8 @@ def brightness(samples: np.ndarray, rows: Any) -> np.ndarray:
     return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
 
 
+# Slow (about 40 s, two compilations): `python -m pytest -m slow` runs it.
+@pytest.mark.slow
 def test_small_mmdit_trains_in_the_flow_grpo_loop() -> None:
     model = _model(depth=1)
     null = {

@@ -177,6 +177,8 @@ def test_no_intact_checkpoint_is_a_named_error(uninterrupted, tmp_path):
     assert not (out / "summary.json").exists()
 
 
+# Slow (about 140 s of two processes, twice): `python -m pytest -m slow` runs it.
+@pytest.mark.slow
 def test_two_processes_stop_together_and_resume_to_the_same_result(uninterrupted, tmp_path):
     out = with_base(uninterrupted, tmp_path / "two")
     launcher = started_past_first_epoch(

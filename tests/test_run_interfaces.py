@@ -102,6 +102,8 @@ def test_server_killed_mid_run_is_a_named_error_and_resume_finishes(in_process, 
     assert (out / "policy.eqx").read_bytes() == (in_process / "policy.eqx").read_bytes()
 
 
+# Slow (about 90 s of two processes): `python -m pytest -m slow` runs it.
+@pytest.mark.slow
 def test_two_processes_send_one_request_per_collect(in_process, tmp_path):
     calls = tmp_path / "calls.txt"
     server = Server("tests.cli_rewards:CountedJpegIncompressibility", REWARD_CALLS_FILE=str(calls))
