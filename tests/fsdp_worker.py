@@ -53,15 +53,6 @@ def train(trainer, state, batch):
     return state, history
 
 
-def device_bytes(tree, device):
-    """Bytes of `tree`'s arrays held on `device`, and of the whole arrays."""
-    here = whole = 0
-    for leaf in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
-        whole += leaf.nbytes
-        here += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
-    return here, whole
-
-
 def main():
     model = MLPVelocity(LATENT, COND, hidden=64, depth=2, key=jax.random.key(0))
     objective = fg.FlowGRPOObjective(
@@ -109,7 +100,6 @@ def main():
         for leaf in jax.tree.leaves(eqx.filter(part, eqx.is_inexact_array))
         if leaf.size >= MIN_ELEMENTS
     ]
-    here, whole = device_bytes((sharded_state.variables, sharded_state.opt_state), jax.devices()[0])
     print(
         json.dumps(
             {
@@ -123,7 +113,9 @@ def main():
                     and leaf.addressable_shards[0].data.size * 4 == leaf.size
                     for leaf in large
                 ),
-                "device_fraction": here / whole,
+                "device_fraction": fg.device_fraction(
+                    (sharded_state.variables, sharded_state.opt_state)
+                ),
             }
         )
     )
