@@ -99,51 +99,20 @@ def assert_same_run(folder, baseline):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_four_simulated_devices_match_one_device(baseline, tmp_path):
-    out = with_base(baseline, tmp_path / "four")
-    result = run_cli(
-        "train",
-        *COMMON,
-        "--out",
-        str(out),
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    for placement in placements(out):
-        assert placement["devices"] == 4 and placement["processes"] == 1
-        assert placement["reward_calls_per_process"] == [1]
-        assert placement["param_sharding"] == "replicated"
-        assert placement["state_fraction_per_device"] == 1.0
-    assert_same_run(out, baseline)
+# Parameters, the held slot and AdamW's moments replicated, or split over the devices with
+# FSDP (`--param-sharding fsdp`). The FSDP runs take 103 s and 175 s of a 2-core machine, more
+# than the suite's time allows: `python -m pytest -m slow tests/test_distributed.py` runs them.
+LAYOUTS = ["replicated", pytest.param("fsdp", marks=pytest.mark.slow)]
 
 
-def test_two_processes_match_one_process(baseline, tmp_path):
-    out = with_base(baseline, tmp_path / "two")
-    result = run_cli("launch", "--local", "2", "--", "train", *COMMON, "--out", str(out))
-    assert result.returncode == 0, result.stdout[-3000:]
-    for placement in placements(out):
-        assert placement["processes"] == 2 and placement["devices"] == 2
-        # The reward ran once per collect in total, on process 0.
-        assert placement["reward_calls_per_process"] == [1, 0]
-        # Each process held half of the rows of each batch.
-        assert placement["rows_per_process"] == [placement["rows_total"] // 2] * 2
-    assert_same_run(out, baseline)
-
-
-# The same two runs with FSDP (`python -m pytest -m slow tests/test_distributed.py`): both
-# passed in a full run, taking 103 s and 175 s of a 2-core machine, more than the suite's time
-# allows.
-@pytest.mark.slow
-def test_four_simulated_devices_with_fsdp_match_one_device(baseline, tmp_path):
-    # Rows are split over the 4 devices, and so are the parameters, the KL-free run's EMA-free
-    # held slot and AdamW's moments (`--param-sharding fsdp`); the data-parallel replicated
-    # layout on 4 devices is covered by tests/test_lora_job.py.
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_four_simulated_devices_match_one_device(baseline, tmp_path, layout):
     out = with_base(baseline, tmp_path / "four")
     result = run_cli(
         "train",
         *COMMON,
         "--param-sharding",
-        "fsdp",
+        layout,
         "--out",
         str(out),
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
@@ -152,19 +121,21 @@ def test_four_simulated_devices_with_fsdp_match_one_device(baseline, tmp_path):
     for placement in placements(out):
         assert placement["devices"] == 4 and placement["processes"] == 1
         assert placement["reward_calls_per_process"] == [1]
-        # The tiny DiT's large matrices are split in four; its small arrays stay whole.
-        assert placement["param_sharding"] == "fsdp"
-        assert 0.25 < placement["state_fraction_per_device"] < 0.75
+        assert placement["param_sharding"] == layout
+        if layout == "fsdp":
+            # The tiny DiT's large matrices are split in four; its small arrays stay whole.
+            assert 0.25 < placement["state_fraction_per_device"] < 0.75
+        else:
+            assert placement["state_fraction_per_device"] == 1.0
     assert_same_run(out, baseline)
 
 
-@pytest.mark.slow
-def test_two_processes_with_fsdp_match_one_process(baseline, tmp_path):
-    # FSDP across processes: checkpoints, previews and the saved policy gather the shards from
-    # both processes. The replicated layout across processes is what every other multi-process
-    # test here runs.
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_processes_match_one_process(baseline, tmp_path, layout):
+    # With FSDP, checkpoints, previews and the saved policy gather the shards from both
+    # processes.
     out = with_base(baseline, tmp_path / "two")
-    flags = [*COMMON, "--param-sharding", "fsdp"]
+    flags = [*COMMON, "--param-sharding", layout]
     result = run_cli("launch", "--local", "2", "--", "train", *flags, "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
     for placement in placements(out):
@@ -173,7 +144,8 @@ def test_two_processes_with_fsdp_match_one_process(baseline, tmp_path):
         assert placement["reward_calls_per_process"] == [1, 0]
         # Each process held half of the rows of each batch.
         assert placement["rows_per_process"] == [placement["rows_total"] // 2] * 2
-        assert placement["state_fraction_per_device"] < 0.9
+        if layout == "fsdp":
+            assert placement["state_fraction_per_device"] < 0.9
     assert_same_run(out, baseline)
 
 
