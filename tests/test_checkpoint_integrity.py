@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,15 +75,24 @@ def folder(checkpoints, step):
     return checkpoints.directory / f"ckpt_{step:08d}"
 
 
+def largest_state_file(path):
+    """The biggest file Orbax wrote under `state/` (one holding array data)."""
+    return max(
+        (p for p in (path / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
+
+
 def truncate_state(path):
-    data = (path / "state.eqx").read_bytes()
-    (path / "state.eqx").write_bytes(data[: len(data) // 2])
+    target = largest_state_file(path)
+    data = target.read_bytes()
+    target.write_bytes(data[: len(data) // 2])
 
 
 def flip_state_byte(path):
-    data = bytearray((path / "state.eqx").read_bytes())
+    target = largest_state_file(path)
+    data = bytearray(target.read_bytes())
     data[-3] ^= 0xFF
-    (path / "state.eqx").write_bytes(bytes(data))
+    target.write_bytes(bytes(data))
 
 
 def garble_meta(path):
@@ -94,7 +104,7 @@ def meta_not_object(path):
 
 
 def remove_state(path):
-    (path / "state.eqx").unlink()
+    largest_state_file(path).unlink()
 
 
 def remove_meta(path):
@@ -105,16 +115,17 @@ def wider_state(path):
     """The newest checkpoint holds a model of another width (e.g. the config changed)."""
     other = Checkpointer(path.parent / "elsewhere")
     written = other.save(3, make_state(3, width=WIDTH * 2), {"epoch": 3})
-    for name in ("state.eqx", "meta.json"):
+    shutil.rmtree(path / "state")
+    for name in ("state", "meta.json"):
         os.replace(written / name, path / name)
 
 
 DAMAGES = {
-    "truncated state.eqx": (truncate_state, "bytes but meta.json records"),
-    "flipped byte in state.eqx": (flip_state_byte, "SHA-256 does not match"),
+    "truncated state file": (truncate_state, "bytes but meta.json records"),
+    "flipped byte in a state file": (flip_state_byte, "SHA-256 does not match"),
     "garbled meta.json": (garble_meta, "meta.json is not valid JSON"),
     "meta.json not an object": (meta_not_object, "meta.json holds a JSON list, not an object"),
-    "missing state.eqx": (remove_state, "state.eqx is missing"),
+    "missing state file": (remove_state, "is missing"),
     "missing meta.json": (remove_meta, "meta.json is missing"),
     "different model width": (wider_state, "does not hold the expected state"),
 }
@@ -147,20 +158,34 @@ def test_damaged_newest_is_reported_and_the_previous_restored(saved, damage):
         checkpoints.restore(make_state(0), newest)
 
 
-def test_intact_checkpoints_verify_and_record_their_checksum(saved):
+def test_intact_checkpoints_verify_and_record_their_files_and_arrays(saved):
     checkpoints, states = saved
     for step in (1, 2, 3):
         path = folder(checkpoints, step)
         checkpoints.verify(path, make_state(0))
-        data = (path / "state.eqx").read_bytes()
         meta = json.loads((path / "meta.json").read_text())
+        files = {
+            p.relative_to(path / "state").as_posix(): [
+                p.stat().st_size,
+                hashlib.sha256(p.read_bytes()).hexdigest(),
+            ]
+            for p in (path / "state").rglob("*")
+            if p.is_file()
+        }
+        assert any(name.startswith("ocdbt.process_0/") for name in files)
+        stored = eqx.filter(raw_keys(states[step]), eqx.is_array)
+        arrays = [
+            [jax.tree_util.keystr(p), list(x.shape), str(x.dtype)]
+            for p, x in jax.tree_util.tree_flatten_with_path(stored)[0]
+        ]
         assert meta == {
             "step": step,
             "epoch": step,
             "note": f"epoch {step}",
-            "state_bytes": len(data),
-            "state_sha256": hashlib.sha256(data).hexdigest(),
+            "state_arrays": arrays,
+            "state_files": files,
         }
+        assert ["['key']", [2], "uint32"] in arrays
         restored, metadata = checkpoints.restore(make_state(0), path)
         assert metadata == meta
         assert_identical(restored, states[step])
@@ -171,27 +196,33 @@ def test_intact_checkpoints_verify_and_record_their_checksum(saved):
     assert lines == [f"Continuing from checkpoint {path} (step 3, epoch 3)."]
 
 
-def test_state_with_fewer_leaves_than_the_checkpoint_is_refused(saved):
+def is_key(leaf):
+    return isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def raw_keys(tree):
+    return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+
+def test_state_with_fewer_arrays_than_the_checkpoint_is_refused(saved):
     checkpoints, _ = saved
     smaller = {"counter": jnp.asarray(0, jnp.int32), "key": jax.random.key(0)}
-    with pytest.raises(CheckpointError, match="bytes more than the expected state reads"):
+    with pytest.raises(CheckpointError, match="it stores 8 arrays, the expected state has 2"):
         checkpoints.verify(folder(checkpoints, 3), smaller)
 
 
-def test_checkpoint_without_recorded_checksum_still_loads_and_is_checked(saved):
+def test_a_checkpoint_of_the_old_single_file_format_is_refused_by_name(saved):
     checkpoints, states = saved
-    for step in (2, 3):
-        meta_path = folder(checkpoints, step) / "meta.json"
-        meta = json.loads(meta_path.read_text())
-        del meta["state_bytes"], meta["state_sha256"]
-        meta_path.write_text(json.dumps(meta))
-    truncate_state(folder(checkpoints, 3))
+    old = folder(checkpoints, 4)
+    old.mkdir()
+    eqx.tree_serialise_leaves(old / "state.eqx", raw_keys(states[3]))
+    (old / "meta.json").write_text(json.dumps({"step": 4, "epoch": 4}))
     lines = []
-    tree, metadata, path = checkpoints.restore_latest(make_state(0), report=lines.append)
-    assert path == folder(checkpoints, 2) and metadata["epoch"] == 2
-    assert_identical(tree, states[2])
-    assert (
-        "does not hold the expected state" in lines[0] and str(folder(checkpoints, 3)) in lines[0]
+    _, metadata, path = checkpoints.restore_latest(make_state(0), report=lines.append)
+    assert path == folder(checkpoints, 3) and metadata["epoch"] == 3
+    assert lines[0] == (
+        f"Skipping unusable checkpoint {old}: meta.json records no 'state_arrays' "
+        "(not a checkpoint written by Checkpointer)"
     )
 
 
@@ -206,9 +237,9 @@ def test_all_damaged_raises_naming_the_folder_and_every_problem(saved):
     message = str(caught.value)
     assert caught.value.path == checkpoints.directory
     assert message.startswith(f"{checkpoints.directory}: none of its 3 checkpoints is usable")
-    assert "ckpt_00000003: state.eqx is" in message
+    assert "ckpt_00000003: state/" in message and "bytes but meta.json records" in message
     assert "ckpt_00000002: meta.json is not valid JSON" in message
-    assert "ckpt_00000001: state.eqx is missing" in message
+    assert "ckpt_00000001: state/" in message and " is missing" in message
     assert [line.split(":")[0] for line in lines] == [
         f"Skipping unusable checkpoint {folder(checkpoints, step)}" for step in (3, 2, 1)
     ]
@@ -218,7 +249,10 @@ def test_restore_with_a_different_width_raises_for_every_checkpoint(saved):
     checkpoints, _ = saved
     with pytest.raises(CheckpointError, match="none of its 3 checkpoints is usable") as caught:
         checkpoints.restore_latest(make_state(0, width=WIDTH * 2), report=lambda line: None)
-    assert "changed shape" in str(caught.value)
+    assert (
+        "array ['model'].layers[0].weight is float32[8, 3] in the checkpoint, the expected "
+        "state has ['model'].layers[0].weight as float32[16, 3]"
+    ) in str(caught.value)
 
 
 def test_no_checkpoints_gives_none_and_interrupted_saves_are_ignored(tmp_path):
@@ -245,8 +279,9 @@ def test_paths_list_checkpoints_with_missing_meta(saved):
 
 
 def test_reserved_metadata_keys_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="state_sha256"):
-        Checkpointer(tmp_path).save(1, make_state(1), {"state_sha256": "0" * 64})
+    for reserved in ("step", "state_arrays", "state_files"):
+        with pytest.raises(ValueError, match=reserved):
+            Checkpointer(tmp_path).save(1, make_state(1), {reserved: 0})
     assert not any(tmp_path.iterdir())
 
 
@@ -286,13 +321,25 @@ def disk_full_in_fsync(monkeypatch):
     monkeypatch.setattr(_checkpoint.os, "fsync", fill_disk)
 
 
+def disk_full_in_orbax_write(monkeypatch):
+    """Orbax writes the shards, then the disk is full (its last write fails)."""
+    original = _checkpoint._write_state
+
+    def fill_disk(folder, leaves):
+        original(folder, leaves)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_checkpoint, "_write_state", fill_disk)
+
+
 DISK_FULL = {"write": disk_full_in_serialise, "fsync": disk_full_in_fsync}
+CHECKPOINT_DISK_FULL = {"shards": disk_full_in_orbax_write, "fsync": disk_full_in_fsync}
 
 
-@pytest.mark.parametrize("where", DISK_FULL)
+@pytest.mark.parametrize("where", CHECKPOINT_DISK_FULL)
 def test_disk_full_while_saving_keeps_previous_checkpoints(saved, monkeypatch, where):
     checkpoints, states = saved
-    DISK_FULL[where](monkeypatch)
+    CHECKPOINT_DISK_FULL[where](monkeypatch)
     with pytest.raises(OSError) as caught:
         checkpoints.save(4, make_state(4), {"epoch": 4})
     monkeypatch.undo()

@@ -105,7 +105,10 @@ def test_second_signal_stops_at_once(uninterrupted, tmp_path):
 
 
 def _damage(checkpoint, how):
-    state = checkpoint / "state.eqx"
+    state = max(
+        (p for p in (checkpoint / "state").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
     meta = checkpoint / "meta.json"
     if how == "truncated":
         state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])

@@ -266,11 +266,12 @@ def test_interrupted_checkpoint_write_keeps_previous_loadable(tmp_path, monkeypa
     checkpoints.save(1, state, {"epoch": 1})
     newer, _ = run_epochs(trainer, rollout, trainer.init(jax.random.key(0)), epochs=1)
 
-    def crash_midway(handle, tree):
-        handle.write(b"partial bytes of a checkpoint")
+    def crash_midway(folder, leaves):
+        folder.mkdir()
+        (folder / "shard").write_bytes(b"partial bytes of a checkpoint")
         raise KeyboardInterrupt("killed while writing")
 
-    monkeypatch.setattr(_checkpoint.eqx, "tree_serialise_leaves", crash_midway)
+    monkeypatch.setattr(_checkpoint, "_write_state", crash_midway)
     with pytest.raises(KeyboardInterrupt):
         checkpoints.save(2, newer, {"epoch": 2})
     monkeypatch.undo()

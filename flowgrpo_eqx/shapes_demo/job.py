@@ -564,7 +564,12 @@ def _train_epochs(
     out = job.out
     root = jax.process_index() == 0
     state = trainer.init(jax.random.key(config.seed + 2))
+    if mesh is not None:
+        state = shard_parameters(
+            state, mesh, config.param_sharding, min_elements=config.fsdp_min_elements
+        )
     first_epoch = 0
+    # Restored arrays take the shardings of this run's state, whatever mesh wrote them.
     found = checkpoints.restore_latest(lora.without_bases(state), report=log) if resume else None
     if resume and found is None:
         log(f"No checkpoint in {checkpoints.directory}: starting from the beginning.")
@@ -595,10 +600,6 @@ def _train_epochs(
         if writers is not None:
             writers.scalars(0, {"heldout_accuracy": float(base_measure["accuracy"])})
             writers.image(0, "heldout_samples", out / "samples_before.png")
-    if mesh is not None:
-        state = shard_parameters(
-            state, mesh, config.param_sharding, min_elements=config.fsdp_min_elements
-        )
     log(
         f"Base model ({base_source}): held-out accuracy {base_measure['accuracy']:.3f}, "
         f"reward {base_measure['reward']:.3f}, diversity {base_measure['diversity']:.3f}"
@@ -661,14 +662,12 @@ def _train_epochs(
         )
         stopping = stop.agreed(epoch)
         if epoch % config.checkpoint_every == 0 or epoch == config.epochs or stopping:
-            # Every process takes part in gathering sharded arrays; process 0 writes them.
-            host_state = lora.without_bases(local_copy(state))
-            if root:
-                checkpoints.save(
-                    epoch,
-                    host_state,
-                    {"epoch": epoch, "base": base_measure, **checkpoint_metadata},
-                )
+            # Collective: every process writes the shards it holds.
+            checkpoints.save(
+                epoch,
+                lora.without_bases(state),
+                {"epoch": epoch, "base": base_measure, **checkpoint_metadata},
+            )
         if stopping and epoch < config.epochs:
             progress.close()
             cause = stop.received.name if stop.received is not None else "a peer's signal"

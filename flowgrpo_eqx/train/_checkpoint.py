@@ -1,19 +1,42 @@
-"""Atomic, verified checkpoints: write into a temporary folder, then rename it into place.
+"""Atomic, verified, sharded checkpoints on Orbax: every process writes its own shards.
 
-A checkpoint is a folder `ckpt_<step>` holding `state.eqx` (`eqx.tree_serialise_leaves`) and
-`meta.json`: the caller's metadata plus `step`, and the byte length (`state_bytes`) and
-SHA-256 (`state_sha256`) of `state.eqx`. A write interrupted at any point leaves at most a
-`.tmp-*` folder, which is ignored, and the previous checkpoints stay loadable; a write that
-fails (a full disk) removes its temporary folder and raises an `OSError` naming the checkpoint.
+A checkpoint is a folder `ckpt_<step>` holding
+
+- `state/`: the state's arrays, written by `orbax.checkpoint` (`StandardCheckpointHandler`,
+  TensorStore/OCDBT). Every process writes the shards its devices hold, so a sharded (FSDP)
+  state is never gathered onto one process to be saved, and a replicated array is written
+  once.
+- `meta.json`: the caller's metadata plus `step`, the path, shape and dtype of every stored
+  array (`state_arrays`), and the byte length and SHA-256 of every file under `state/`
+  (`state_files`).
+
+Saving is atomic: everything is written into a `.tmp-<step>` folder which is renamed into
+place only when complete, so a save interrupted at any point (even by SIGKILL) leaves at most
+that folder, which is ignored and removed by the next save of the same step, and the previous
+checkpoints stay loadable. A write that fails (a full disk) removes its temporary folder and
+raises an `OSError` naming the checkpoint.
+
+Restoring places each array with the sharding of the corresponding leaf of the template, so
+a checkpoint written on 4 devices restores onto 2 or onto 1 (or onto another sharding) with
+identical values, each process reading only what its devices hold.
 
 Reading checks everything it can before trusting a checkpoint: that `meta.json` is a JSON
-object, that `state.eqx` has the recorded length and checksum, and that it loads into the
-expected structure with the expected shapes and dtypes and nothing left over. Any failure is a
-`CheckpointError` naming the checkpoint and the problem; `Checkpointer.restore_latest` skips
-such checkpoints, says so, and continues from the newest usable one.
+object, that every recorded file is present with its recorded length and checksum, and that
+the stored arrays have the template's paths, shapes and dtypes, no more and no fewer. Any
+failure is a `CheckpointError` naming the checkpoint and the problem;
+`Checkpointer.restore_latest` skips such checkpoints, says so, and continues from the newest
+usable one.
+
+Orbax (rather than a format of our own, or one `eqx.tree_serialise_leaves` file per process)
+because it is the JAX ecosystem's maintained answer to exactly this: per-process shard writes
+coordinated across hosts, and restoring onto any sharding without materialising whole arrays.
+It is imported only when a checkpoint is saved or read. Single models (`save_model`,
+`load_model`: `policy.eqx` and the base models) stay one `eqx.tree_serialise_leaves` file:
+they are exports, read by `flowgrpo-eqx eval` or by users' own code, not checkpoints.
 """
 
 import hashlib
+import itertools
 import json
 import os
 import pathlib
@@ -22,6 +45,8 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
 import equinox as eqx
+import jax
+import numpy as np
 from jaxtyping import PyTree
 
 from .._misc import data_to_keys, keys_to_data
@@ -30,13 +55,18 @@ from .._misc import data_to_keys, keys_to_data
 T = TypeVar("T")
 
 _PREFIX = "ckpt_"
-_STATE = "state.eqx"
+_TEMPORARY_PREFIX = ".tmp-"
+_STATE = "state"
 _META = "meta.json"
-_SIZE_KEY = "state_bytes"
-_CHECKSUM_KEY = "state_sha256"
-# Everything a damaged or mismatched `state.eqx` makes equinox/numpy raise: `TreePathError` and
+_ARRAYS_KEY = "state_arrays"
+_FILES_KEY = "state_files"
+# Everything a damaged or mismatched model file makes equinox/numpy raise: `TreePathError` and
 # the shape/dtype checks are `RuntimeError`s, a short read is `EOFError` or `ValueError`.
 _LOAD_ERRORS = (RuntimeError, ValueError, TypeError, EOFError, OSError)
+_PYTHON_SCALARS = (bool, int, float, complex)
+# Orbax's barriers need names never used before in the process; saves are collective, so
+# every process counts them alike.
+_BARRIER_COUNTER = itertools.count()
 
 
 class CheckpointError(ValueError):
@@ -58,24 +88,6 @@ class CheckpointError(ValueError):
         self.path = pathlib.Path(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
-
-
-class _HashingWriter:
-    """A binary file that also computes the SHA-256 and length of what goes through it."""
-
-    def __init__(self, handle: BinaryIO):
-        self._handle = handle
-        self._digest = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes) -> int:
-        written = self._handle.write(data)
-        self._digest.update(data)
-        self.size += memoryview(data).nbytes
-        return written
-
-    def hexdigest(self) -> str:
-        return self._digest.hexdigest()
 
 
 def _fsync_folder(path: pathlib.Path) -> None:
@@ -113,17 +125,69 @@ def _deserialise(handle: BinaryIO, like: T, path: pathlib.Path, size: int) -> T:
     except _LOAD_ERRORS as error:
         raise CheckpointError(
             path,
-            "does not hold the expected state (a different model or settings, or damaged): "
+            "does not hold the expected model (a different model or settings, or damaged): "
             + _one_line(error),
         ) from error
     left = size - handle.tell()
     if left:
         raise CheckpointError(
             path,
-            f"holds {left} bytes more than the expected state reads "
+            f"holds {left} bytes more than the expected model reads "
             "(a different model or settings?)",
         )
     return loaded
+
+
+def _is_stored(leaf: Any) -> bool:
+    """Whether a checkpoint stores `leaf`; other leaves (functions, ...) come from the template."""
+    return eqx.is_array(leaf) or isinstance(leaf, _PYTHON_SCALARS)
+
+
+def _stored_leaves(tree: PyTree[Any]) -> list[tuple[str, Any]]:
+    """`(path, leaf)` for every stored leaf of `tree`, typed keys as their raw data."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(keys_to_data(tree))
+    return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat if _is_stored(leaf)]
+
+
+def _describe_array(leaf: Any) -> tuple[list[int], str]:
+    if isinstance(leaf, _PYTHON_SCALARS):
+        leaf = np.asarray(leaf)
+    return [int(n) for n in leaf.shape], str(np.dtype(leaf.dtype))
+
+
+def _sync(name: str) -> None:
+    """Wait for every process (nothing to wait for with one)."""
+    if jax.process_count() > 1:
+        from orbax.checkpoint import multihost
+
+        multihost.sync_global_processes(f"flowgrpo_eqx:{name}:{next(_BARRIER_COUNTER)}")
+
+
+def _orbax_checkpointer() -> Any:
+    import orbax.checkpoint as ocp
+
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+
+
+def _write_state(folder: pathlib.Path, leaves: list[tuple[str, Any]]) -> None:
+    """Every process writes its shards of `leaves` into `folder` (collective)."""
+    import orbax.checkpoint as ocp
+
+    arrays = {
+        f"{index:06d}": np.asarray(leaf) if isinstance(leaf, _PYTHON_SCALARS) else leaf
+        for index, (_, leaf) in enumerate(leaves)
+    }
+    _orbax_checkpointer().save(folder.absolute(), args=ocp.args.StandardSave(arrays))
+
+
+def _file_records(folder: pathlib.Path) -> dict[str, list[Any]]:
+    """`relative path -> [bytes, sha256]` of every file under `folder`."""
+    records: dict[str, list[Any]] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        with open(path, "rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        records[path.relative_to(folder).as_posix()] = [path.stat().st_size, digest]
+    return records
 
 
 def _read_metadata(folder: pathlib.Path) -> dict[str, Any]:
@@ -141,53 +205,102 @@ def _read_metadata(folder: pathlib.Path) -> dict[str, Any]:
         raise CheckpointError(
             folder, f"{_META} holds a JSON {type(metadata).__name__}, not an object"
         )
+    for key in (_ARRAYS_KEY, _FILES_KEY):
+        if not isinstance(metadata.get(key), (list, dict)):
+            raise CheckpointError(
+                folder, f"{_META} records no {key!r} (not a checkpoint written by Checkpointer)"
+            )
     return metadata
 
 
-def _check_state_file(folder: pathlib.Path, metadata: dict[str, Any]) -> int:
-    """Check `state.eqx` against the recorded length and checksum; return its length."""
-    state_path = folder / _STATE
-    if not state_path.is_file():
-        raise CheckpointError(folder, f"{_STATE} is missing")
-    size = state_path.stat().st_size
-    # Checkpoints written before the checksum was recorded are checked only by loading them.
-    if _SIZE_KEY in metadata:
-        recorded = metadata[_SIZE_KEY]
-        if not isinstance(recorded, int) or isinstance(recorded, bool):
-            raise CheckpointError(folder, f"{_META}'s {_SIZE_KEY!r} is not an integer")
-        if size != recorded:
+def _check_state_files(folder: pathlib.Path, metadata: dict[str, Any]) -> None:
+    """Every file recorded in `meta.json` is present with its length and checksum."""
+    state = folder / _STATE
+    if not state.is_dir():
+        raise CheckpointError(folder, f"{_STATE}/ is missing")
+    for name, record in metadata[_FILES_KEY].items():
+        path = state / name
+        if not path.is_file():
+            raise CheckpointError(folder, f"{_STATE}/{name} is missing")
+        size = path.stat().st_size
+        if size != record[0]:
             raise CheckpointError(
                 folder,
-                f"{_STATE} is {size} bytes but {_META} records {recorded} "
+                f"{_STATE}/{name} is {size} bytes but {_META} records {record[0]} "
                 "(truncated or overwritten)",
             )
-    if _CHECKSUM_KEY in metadata:
         try:
-            with open(state_path, "rb") as handle:
+            with open(path, "rb") as handle:
                 digest = hashlib.file_digest(handle, "sha256").hexdigest()
         except OSError as error:
             raise CheckpointError(
-                folder, f"{_STATE} cannot be read ({_one_line(error)})"
+                folder, f"{_STATE}/{name} cannot be read ({_one_line(error)})"
             ) from error
-        if digest != metadata[_CHECKSUM_KEY]:
+        if digest != record[1]:
             raise CheckpointError(
-                folder, f"{_STATE}'s SHA-256 does not match the one in {_META} (corrupted)"
+                folder, f"{_STATE}/{name}'s SHA-256 does not match the one in {_META} (corrupted)"
             )
-    return size
+
+
+def _check_arrays(
+    folder: pathlib.Path, metadata: dict[str, Any], leaves: list[tuple[str, Any]]
+) -> None:
+    """The stored arrays are the template's: same paths, shapes and dtypes, same number."""
+    recorded = metadata[_ARRAYS_KEY]
+    mismatch = "does not hold the expected state (a different model or settings?): "
+    if len(recorded) != len(leaves):
+        raise CheckpointError(
+            folder,
+            mismatch + f"it stores {len(recorded)} arrays, the expected state has {len(leaves)}",
+        )
+    for (path, leaf), stored in zip(leaves, recorded, strict=True):
+        shape, dtype = _describe_array(leaf)
+        if stored != [path, shape, dtype]:
+            raise CheckpointError(
+                folder,
+                mismatch + f"array {stored[0]} is {stored[2]}{stored[1]} in the checkpoint, "
+                f"the expected state has {path} as {dtype}{shape}",
+            )
+
+
+def _restore_target(leaf: Any) -> Any:
+    """What Orbax restores a stored leaf as: an array with `leaf`'s sharding, or NumPy."""
+    if isinstance(leaf, jax.Array):
+        # jax.ShapeDtypeStruct.__init__ carries no annotations.
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)  # type: ignore[no-untyped-call]
+    shape, dtype = _describe_array(leaf)
+    return np.zeros(shape, dtype)
 
 
 def _read_checkpoint(folder: pathlib.Path, like: T) -> tuple[T, dict[str, Any]]:
     """Check and load one checkpoint folder; any problem is a `CheckpointError` naming it."""
+    import orbax.checkpoint as ocp
+
     if not folder.is_dir():
         raise CheckpointError(folder, "no such checkpoint folder")
     metadata = _read_metadata(folder)
-    size = _check_state_file(folder, metadata)
+    _check_state_files(folder, metadata)
+    leaves = _stored_leaves(like)
+    _check_arrays(folder, metadata, leaves)
+    target = {f"{index:06d}": _restore_target(leaf) for index, (_, leaf) in enumerate(leaves)}
     try:
-        with open(folder / _STATE, "rb") as handle:
-            loaded = _deserialise(handle, keys_to_data(like), folder, size)
-    except OSError as error:
-        raise CheckpointError(folder, f"{_STATE} cannot be read ({_one_line(error)})") from error
-    restored: T = data_to_keys(loaded, like)
+        arrays = _orbax_checkpointer().restore(
+            (folder / _STATE).absolute(), args=ocp.args.StandardRestore(target)
+        )
+    except Exception as error:
+        raise CheckpointError(
+            folder, f"{_STATE}/ cannot be read by Orbax ({_one_line(error)})"
+        ) from error
+    loaded = iter(arrays[f"{index:06d}"] for index in range(len(leaves)))
+
+    def fill(leaf: Any) -> Any:
+        if not _is_stored(leaf):
+            return leaf
+        value = next(loaded)
+        return type(leaf)(value.item()) if isinstance(leaf, _PYTHON_SCALARS) else value
+
+    data = keys_to_data(like)
+    restored: T = data_to_keys(jax.tree.map(fill, data), like)
     return restored, metadata
 
 
@@ -201,9 +314,15 @@ def _describe(metadata: dict[str, Any], folder: pathlib.Path) -> str:
 class Checkpointer:
     """Save, list, prune, verify and restore checkpoints in one folder.
 
+    With several processes (`jax.distributed`), `save`, `restore` and `restore_latest` are
+    collective: every process calls them, in the same order, with its view of the same global
+    arrays. Each process writes and reads only its own shards; process 0 writes `meta.json`,
+    renames the finished checkpoint into place and prunes.
+
     **Arguments:**
 
-    - `directory`: where checkpoints live (created if missing).
+    - `directory`: where checkpoints live (created if missing); with several processes, a
+        folder every process sees (a shared file system).
     - `keep`: how many of the newest checkpoints to keep (older ones are deleted).
 
     **Raises:**
@@ -249,15 +368,17 @@ class Checkpointer:
     def save(self, step: int, tree: PyTree[Any], metadata: dict[str, Any]) -> pathlib.Path:
         """Write `tree` and `metadata` as checkpoint `step`, atomically, then prune.
 
-        Pruning deletes all but the `keep` newest checkpoints by step, never the one just
-        written, and only after it was written successfully.
+        Arrays keep their sharding: every process writes the shards its devices hold (a
+        replicated array once). Pruning deletes all but the `keep` newest checkpoints by
+        step, never the one just written, and only after it was written successfully.
 
         **Arguments:**
 
         - `step`: the checkpoint's number (e.g. the epoch); larger is newer.
-        - `tree`: any PyTree of arrays (e.g. a `TrainState`).
-        - `metadata`: JSON-serialisable facts to keep beside it (not `state_bytes` or
-            `state_sha256`, which record the checksum).
+        - `tree`: any PyTree of arrays (e.g. a `TrainState`), sharded or not; its other
+            leaves (functions, ...) are not stored, and come from the template on restore.
+        - `metadata`: JSON-serialisable facts to keep beside it (not `state_arrays` or
+            `state_files`, which record what was stored).
 
         **Returns:**
 
@@ -265,49 +386,52 @@ class Checkpointer:
 
         **Raises:**
 
-        - `ValueError`: if `metadata` uses a key reserved for the checksum.
+        - `ValueError`: if `metadata` uses a reserved key.
         - `OSError`: of the original kind and errno (e.g. `ENOSPC`, disk full), naming the
             checkpoint's folder, if writing fails. Its temporary folder is removed and the
             previous checkpoints are untouched.
         """
-        for reserved in (_SIZE_KEY, _CHECKSUM_KEY):
+        for reserved in ("step", _ARRAYS_KEY, _FILES_KEY):
             if reserved in metadata:
                 raise ValueError(f"`metadata` must not use the key {reserved!r}.")
+        root = jax.process_index() == 0
         final = self.directory / f"{_PREFIX}{step:08d}"
-        temporary = self.directory / f".tmp-{step:08d}-{os.getpid()}"
+        temporary = self.directory / f"{_TEMPORARY_PREFIX}{step:08d}"
+        leaves = _stored_leaves(tree)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            if temporary.exists():
-                shutil.rmtree(temporary)
-            temporary.mkdir()
-            with open(temporary / _STATE, "wb") as handle:
-                writer = _HashingWriter(handle)
-                eqx.tree_serialise_leaves(writer, keys_to_data(tree))
-                handle.flush()
-                os.fsync(handle.fileno())
-            record = {
-                "step": step,
-                **metadata,
-                _SIZE_KEY: writer.size,
-                _CHECKSUM_KEY: writer.hexdigest(),
-            }
-            text = json.dumps(record)
-            with open(temporary / _META, "w") as text_handle:
-                text_handle.write(text)
-                text_handle.flush()
-                os.fsync(text_handle.fileno())
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(temporary, final)
+            if root:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                if temporary.exists():
+                    shutil.rmtree(temporary)
+                temporary.mkdir()
+            _sync(f"{temporary}:created")
+            _write_state(temporary / _STATE, leaves)
+            if root:
+                record = {
+                    "step": step,
+                    **metadata,
+                    _ARRAYS_KEY: [[path, *_describe_array(leaf)] for path, leaf in leaves],
+                    _FILES_KEY: _file_records(temporary / _STATE),
+                }
+                with open(temporary / _META, "w") as handle:
+                    handle.write(json.dumps(record))
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(temporary, final)
+                _fsync_folder(self.directory)
         except Exception as error:
-            shutil.rmtree(temporary, ignore_errors=True)
+            if root:
+                shutil.rmtree(temporary, ignore_errors=True)
             if isinstance(error, OSError):
                 raise _write_error(error, final, "a checkpoint") from error
             raise
-        _fsync_folder(self.directory)
-        for old in self.paths()[: -self.keep]:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        if root:
+            for old in self.paths()[: -self.keep]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+        _sync(f"{final}:saved")
         return final
 
     def verify(self, path: str | os.PathLike[str], like: PyTree[Any]) -> None:
@@ -323,20 +447,22 @@ class Checkpointer:
         **Raises:**
 
         - `CheckpointError`: naming `path` and the problem: no such folder; `meta.json`
-            missing, unreadable or not a JSON object; `state.eqx` missing, of another length
-            or checksum than recorded; or a state of another structure, shape or dtype
-            than `like`.
+            missing, unreadable or not a JSON object; a file under `state/` missing, or of
+            another length or checksum than recorded; or arrays of other paths, shapes or
+            dtypes than `like`'s.
         """
         _read_checkpoint(pathlib.Path(path), like)
 
     def restore(
         self, like: T, path: str | os.PathLike[str] | None = None
     ) -> tuple[T, dict[str, Any]]:
-        """Load a checkpoint into the structure of `like`.
+        """Load a checkpoint into the structure, and onto the shardings, of `like`.
 
         **Arguments:**
 
         - `like`: a PyTree of the same structure, shapes and dtypes (e.g. a fresh state).
+            Each restored array takes the sharding of its leaf in `like`, whatever mesh the
+            checkpoint was written from.
         - `path`: the checkpoint folder; the newest one when `None` (use `restore_latest`
             to skip damaged ones instead).
 
@@ -362,7 +488,8 @@ class Checkpointer:
 
         **Arguments:**
 
-        - `like`: a PyTree of the same structure, shapes and dtypes (e.g. a fresh state).
+        - `like`: a PyTree of the same structure, shapes and dtypes (e.g. a fresh state),
+            whose leaves' shardings the restored arrays take.
         - `report`: called with one line per skipped checkpoint (its path and problem) and
             one naming the checkpoint, step and epoch it continues from.
 
