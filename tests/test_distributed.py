@@ -149,6 +149,43 @@ def test_two_processes_match_one_process(baseline, tmp_path, layout):
     assert_same_run(out, baseline)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline, tmp_path, layout):
+    # Each process writes its own shards of the checkpoint; the resumed run reads them onto
+    # a mesh of another size.
+    out = with_base(baseline, tmp_path / "killed")
+    flags = ["train", *COMMON, "--param-sharding", layout, "--out", str(out)]
+    environment = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(REPO),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    }
+    crashing = subprocess.Popen(
+        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *flags],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+    )
+    checkpoint = out / "checkpoints" / "ckpt_00000002"
+    while not checkpoint.exists() and crashing.poll() is None:
+        time.sleep(0.02)
+    crashing.send_signal(signal.SIGKILL)
+    _, crash_err = crashing.communicate(timeout=TIMEOUT)
+    assert crashing.returncode == -signal.SIGKILL, crash_err[-3000:]
+    assert not (out / "summary.json").exists()
+    resumed = run_cli(
+        *flags, "--resume", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Continuing from checkpoint" in resumed.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["devices"] == 2 and summary["resumed"]
+    assert {p["devices"] for p in placements(out)} == {4, 2}
+    assert_same_run(out, baseline)
+
+
 def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "reward_fault")
     result = run_cli(
