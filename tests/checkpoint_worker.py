@@ -5,7 +5,8 @@ the device count each mode needs (fixed at JAX's start):
 
 - `save FOLDER`: a train state (an MLP's policy, its held copy and AdamW's moments after one
   update) split over every device with FSDP, saved as checkpoint 1; writes every array's
-  values to `FOLDER/saved.npz` and prints how the arrays lay on the devices.
+  values to `FOLDER/saved.npz` and prints how the arrays lay on the devices and how many
+  were stored as arrays of their own (split ones) or packed (whole ones).
 - `restore FOLDER`: a fresh state of the same shapes placed with FSDP on every device (or on
   the one device there is), restored from checkpoint 1; writes `FOLDER/restored_<n>.npz` and
   prints whether every array took the fresh state's sharding.
@@ -76,9 +77,15 @@ def layout(tree):
 
 def save(folder):
     state = placed(train_state(0))
-    Checkpointer(folder / "checkpoints").save(1, state, {"devices": jax.device_count()})
+    written = Checkpointer(folder / "checkpoints").save(1, state, {"devices": jax.device_count()})
     np.savez(folder / "saved.npz", **host_values(state))
-    print(json.dumps(layout(state)))
+    places = [
+        record[3] for record in json.loads((written / "meta.json").read_text())["state_arrays"]
+    ]
+    packed = sum(place.startswith("packed_") for place in places)
+    print(
+        json.dumps({**layout(state), "own_arrays": len(places) - packed, "packed_arrays": packed})
+    )
 
 
 def restore(folder):

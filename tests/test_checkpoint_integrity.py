@@ -174,10 +174,13 @@ def test_intact_checkpoints_verify_and_record_their_files_and_arrays(saved):
         }
         assert any(name.startswith("ocdbt.process_0/") for name in files)
         stored = eqx.filter(raw_keys(states[step]), eqx.is_array)
-        arrays = [
-            [jax.tree_util.keystr(p), list(x.shape), str(x.dtype)]
-            for p, x in jax.tree_util.tree_flatten_with_path(stored)[0]
-        ]
+        # On one device every array is whole: packed one after another, one buffer per dtype.
+        arrays, offsets = [], {}
+        for p, x in jax.tree_util.tree_flatten_with_path(stored)[0]:
+            offset = offsets.get(str(x.dtype), 0)
+            offsets[str(x.dtype)] = offset + x.size
+            place = f"packed_{x.dtype}:{offset}"
+            arrays.append([jax.tree_util.keystr(p), list(x.shape), str(x.dtype), place])
         assert meta == {
             "step": step,
             "epoch": step,
@@ -185,7 +188,7 @@ def test_intact_checkpoints_verify_and_record_their_files_and_arrays(saved):
             "state_arrays": arrays,
             "state_files": files,
         }
-        assert ["['key']", [2], "uint32"] in arrays
+        assert ["['key']", [2], "uint32", "packed_uint32:0"] in arrays
         restored, metadata = checkpoints.restore(make_state(0), path)
         assert metadata == meta
         assert_identical(restored, states[step])
@@ -325,8 +328,8 @@ def disk_full_in_orbax_write(monkeypatch):
     """Orbax writes the shards, then the disk is full (its last write fails)."""
     original = _checkpoint._write_state
 
-    def fill_disk(folder, leaves):
-        original(folder, leaves)
+    def fill_disk(folder, leaves, plan):
+        original(folder, leaves, plan)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(_checkpoint, "_write_state", fill_disk)

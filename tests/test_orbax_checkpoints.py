@@ -49,6 +49,9 @@ def finished(process):
 def test_a_checkpoint_saved_on_four_devices_restores_on_two_and_on_one(tmp_path):
     saved = finished(worker("save", str(tmp_path), devices=4))
     assert saved["devices"] == 4 and saved["sharded_arrays"] >= 6
+    # Split arrays are stored shard by shard, whole ones packed into one buffer per dtype.
+    assert saved["own_arrays"] == saved["sharded_arrays"]
+    assert saved["packed_arrays"] == saved["arrays"] - saved["sharded_arrays"] > 0
     on_two = finished(worker("restore", str(tmp_path), devices=2))
     assert on_two["devices"] == 2 and on_two["sharded_arrays"] == saved["sharded_arrays"]
     assert on_two["same_sharding"] and on_two["meta"]["devices"] == 4

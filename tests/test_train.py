@@ -266,7 +266,7 @@ def test_interrupted_checkpoint_write_keeps_previous_loadable(tmp_path, monkeypa
     checkpoints.save(1, state, {"epoch": 1})
     newer, _ = run_epochs(trainer, rollout, trainer.init(jax.random.key(0)), epochs=1)
 
-    def crash_midway(folder, leaves):
+    def crash_midway(folder, leaves, plan):
         folder.mkdir()
         (folder / "shard").write_bytes(b"partial bytes of a checkpoint")
         raise KeyboardInterrupt("killed while writing")

@@ -3,12 +3,14 @@
 A checkpoint is a folder `ckpt_<step>` holding
 
 - `state/`: the state's arrays, written by `orbax.checkpoint` (`StandardCheckpointHandler`,
-  TensorStore/OCDBT). Every process writes the shards its devices hold, so a sharded (FSDP)
-  state is never gathered onto one process to be saved, and a replicated array is written
-  once.
-- `meta.json`: the caller's metadata plus `step`, the path, shape and dtype of every stored
-  array (`state_arrays`), and the byte length and SHA-256 of every file under `state/`
-  (`state_files`).
+  TensorStore/OCDBT). Every process writes the shards its devices hold of each array split
+  over devices (FSDP), so a sharded state is never gathered onto one process to be saved.
+  Whole arrays (replicated, on one device, or NumPy) are written once, by process 0, packed
+  into one flat buffer per dtype: Orbax's cost is per array, and a train state has hundreds
+  of small ones.
+- `meta.json`: the caller's metadata plus `step`, the path, shape, dtype and place (its own
+  Orbax array, or a packed buffer and offset) of every stored array (`state_arrays`), and the
+  byte length and SHA-256 of every file under `state/` (`state_files`).
 
 Saving is atomic: everything is written into a `.tmp-<step>` folder which is renamed into
 place only when complete, so a save interrupted at any point (even by SIGKILL) leaves at most
@@ -47,6 +49,7 @@ from typing import Any, BinaryIO, TypeVar
 import equinox as eqx
 import jax
 import numpy as np
+import numpy.typing as npt
 from jaxtyping import PyTree
 
 from .._misc import data_to_keys, keys_to_data
@@ -155,6 +158,36 @@ def _describe_array(leaf: Any) -> tuple[list[int], str]:
     return [int(n) for n in leaf.shape], str(np.dtype(leaf.dtype))
 
 
+def _is_split(leaf: Any) -> bool:
+    """Whether `leaf` is a global array split over devices (not whole on each of them)."""
+    return isinstance(leaf, jax.Array) and not leaf.sharding.is_fully_replicated
+
+
+def _whole_value(leaf: Any) -> npt.NDArray[Any]:
+    """A whole (unsplit) leaf's value on the host, from this process's own copy."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        leaf = leaf.addressable_data(0)
+    return np.asarray(leaf)
+
+
+def _storage_plan(leaves: list[tuple[str, Any]]) -> list[str]:
+    """Where each leaf is stored: `"<index>"` for an array of its own (a split one: every
+    process writes its shards), or `"packed_<dtype>:<offset>"` inside one flat buffer per
+    dtype holding every whole array (Orbax's cost is per array, and the main job's state has
+    hundreds of small ones)."""
+    plan: list[str] = []
+    offsets: dict[str, int] = {}
+    for index, (_, leaf) in enumerate(leaves):
+        if _is_split(leaf):
+            plan.append(f"{index:06d}")
+            continue
+        shape, dtype = _describe_array(leaf)
+        offset = offsets.get(dtype, 0)
+        plan.append(f"packed_{dtype}:{offset}")
+        offsets[dtype] = offset + int(np.prod(shape, dtype=np.int64))
+    return plan
+
+
 def _sync(name: str) -> None:
     """Wait for every process (nothing to wait for with one)."""
     if jax.process_count() > 1:
@@ -169,14 +202,20 @@ def _orbax_checkpointer() -> Any:
     return ocp.Checkpointer(ocp.StandardCheckpointHandler())
 
 
-def _write_state(folder: pathlib.Path, leaves: list[tuple[str, Any]]) -> None:
-    """Every process writes its shards of `leaves` into `folder` (collective)."""
+def _write_state(folder: pathlib.Path, leaves: list[tuple[str, Any]], plan: list[str]) -> None:
+    """Every process writes its shards of the split leaves, process 0 the packed buffers
+    of the whole ones, into `folder` (collective)."""
     import orbax.checkpoint as ocp
 
-    arrays = {
-        f"{index:06d}": np.asarray(leaf) if isinstance(leaf, _PYTHON_SCALARS) else leaf
-        for index, (_, leaf) in enumerate(leaves)
-    }
+    arrays: dict[str, Any] = {}
+    packed: dict[str, list[npt.NDArray[Any]]] = {}
+    for (_, leaf), where in zip(leaves, plan, strict=True):
+        if where.startswith("packed_"):
+            packed.setdefault(where.split(":")[0], []).append(_whole_value(leaf).ravel())
+        else:
+            arrays[where] = leaf
+    for name, parts in packed.items():
+        arrays[name] = np.concatenate(parts)
     _orbax_checkpointer().save(folder.absolute(), args=ocp.args.StandardSave(arrays))
 
 
@@ -255,7 +294,7 @@ def _check_arrays(
         )
     for (path, leaf), stored in zip(leaves, recorded, strict=True):
         shape, dtype = _describe_array(leaf)
-        if stored != [path, shape, dtype]:
+        if stored[:3] != [path, shape, dtype] or len(stored) != 4:
             raise CheckpointError(
                 folder,
                 mismatch + f"array {stored[0]} is {stored[2]}{stored[1]} in the checkpoint, "
@@ -264,12 +303,21 @@ def _check_arrays(
 
 
 def _restore_target(leaf: Any) -> Any:
-    """What Orbax restores a stored leaf as: an array with `leaf`'s sharding, or NumPy."""
+    """What Orbax restores a split leaf as: an array with `leaf`'s sharding, or NumPy."""
     if isinstance(leaf, jax.Array):
         # jax.ShapeDtypeStruct.__init__ carries no annotations.
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)  # type: ignore[no-untyped-call]
     shape, dtype = _describe_array(leaf)
     return np.zeros(shape, dtype)
+
+
+def _placed(value: npt.NDArray[Any], leaf: Any) -> Any:
+    """A whole array read from a packed buffer, placed like the template's `leaf`."""
+    if isinstance(leaf, _PYTHON_SCALARS):
+        return type(leaf)(value.item())
+    if isinstance(leaf, jax.Array):
+        return jax.make_array_from_callback(value.shape, leaf.sharding, lambda index: value[index])
+    return value
 
 
 def _read_checkpoint(folder: pathlib.Path, like: T) -> tuple[T, dict[str, Any]]:
@@ -282,7 +330,19 @@ def _read_checkpoint(folder: pathlib.Path, like: T) -> tuple[T, dict[str, Any]]:
     _check_state_files(folder, metadata)
     leaves = _stored_leaves(like)
     _check_arrays(folder, metadata, leaves)
-    target = {f"{index:06d}": _restore_target(leaf) for index, (_, leaf) in enumerate(leaves)}
+    plan = [str(record[3]) for record in metadata[_ARRAYS_KEY]]
+    target: dict[str, Any] = {}
+    sizes: dict[str, int] = {}
+    for (_, leaf), where in zip(leaves, plan, strict=True):
+        if where.startswith("packed_"):
+            name, offset = where.split(":")
+            shape, _ = _describe_array(leaf)
+            end = int(offset) + int(np.prod(shape, dtype=np.int64))
+            sizes[name] = max(sizes.get(name, 0), end)
+        else:
+            target[where] = _restore_target(leaf)
+    for name, size in sizes.items():
+        target[name] = np.zeros(size, np.dtype(name[len("packed_") :]))
     try:
         arrays = _orbax_checkpointer().restore(
             (folder / _STATE).absolute(), args=ocp.args.StandardRestore(target)
@@ -291,13 +351,20 @@ def _read_checkpoint(folder: pathlib.Path, like: T) -> tuple[T, dict[str, Any]]:
         raise CheckpointError(
             folder, f"{_STATE}/ cannot be read by Orbax ({_one_line(error)})"
         ) from error
-    loaded = iter(arrays[f"{index:06d}"] for index in range(len(leaves)))
+    values = []
+    for (_, leaf), where in zip(leaves, plan, strict=True):
+        if where.startswith("packed_"):
+            name, offset = where.split(":")
+            shape, _ = _describe_array(leaf)
+            start = int(offset)
+            flat = np.asarray(arrays[name])[start : start + int(np.prod(shape, dtype=np.int64))]
+            values.append(_placed(flat.reshape(shape), leaf))
+        else:
+            values.append(arrays[where])
+    loaded = iter(values)
 
     def fill(leaf: Any) -> Any:
-        if not _is_stored(leaf):
-            return leaf
-        value = next(loaded)
-        return type(leaf)(value.item()) if isinstance(leaf, _PYTHON_SCALARS) else value
+        return next(loaded) if _is_stored(leaf) else leaf
 
     data = keys_to_data(like)
     restored: T = data_to_keys(jax.tree.map(fill, data), like)
@@ -398,6 +465,7 @@ class Checkpointer:
         final = self.directory / f"{_PREFIX}{step:08d}"
         temporary = self.directory / f"{_TEMPORARY_PREFIX}{step:08d}"
         leaves = _stored_leaves(tree)
+        plan = _storage_plan(leaves)
         try:
             if root:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -405,12 +473,15 @@ class Checkpointer:
                     shutil.rmtree(temporary)
                 temporary.mkdir()
             _sync(f"{temporary}:created")
-            _write_state(temporary / _STATE, leaves)
+            _write_state(temporary / _STATE, leaves, plan)
             if root:
                 record = {
                     "step": step,
                     **metadata,
-                    _ARRAYS_KEY: [[path, *_describe_array(leaf)] for path, leaf in leaves],
+                    _ARRAYS_KEY: [
+                        [path, *_describe_array(leaf), where]
+                        for (path, leaf), where in zip(leaves, plan, strict=True)
+                    ],
                     _FILES_KEY: _file_records(temporary / _STATE),
                 }
                 with open(temporary / _META, "w") as handle:
