@@ -146,6 +146,13 @@ def test_two_processes_match_one_process(baseline, tmp_path, layout):
         assert placement["rows_per_process"] == [placement["rows_total"] // 2] * 2
         if layout == "fsdp":
             assert placement["state_fraction_per_device"] < 0.9
+    if layout == "fsdp":
+        # Each process wrote its own shards of the checkpoint; nothing was gathered to save it.
+        meta = json.loads((out / "checkpoints" / "ckpt_00000004" / "meta.json").read_text())
+        for process in (0, 1):
+            assert any(
+                name.startswith(f"ocdbt.process_{process}/d/") for name in meta["state_files"]
+            )
     assert_same_run(out, baseline)
 
 
