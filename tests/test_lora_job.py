@@ -93,7 +93,7 @@ def test_lora_run_stores_adapters_optimizer_state_and_base_fingerprint(baseline)
     stored, _ = checkpoints.restore(lora.without_bases(like), folder)
     stored_bytes = sum(
         np.prod(shape, dtype=np.int64) * np.dtype(dtype).itemsize
-        for _, shape, dtype in meta["state_arrays"]
+        for _, shape, dtype, _ in meta["state_arrays"]
     )
     assert stored_bytes < base_bytes
     state = job.from_checkpoint(stored, like, meta, folder)
