@@ -68,10 +68,12 @@ def _run(folder: pathlib.Path, flags: list[str], seed: int) -> dict[str, Any]:
     return summary
 
 
-def _figure(values: list[float], digits: int = 3) -> str:
+def _figure(values: list[float], digits: int = 3, worst: bool = False) -> str:
+    """One value as it is; several as mean ± (population) std, with the lowest if `worst`."""
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
-    return f"{statistics.fmean(values):.{digits}f} ± {statistics.pstdev(values):.{digits}f}"
+    figure = f"{statistics.fmean(values):.{digits}f} ± {statistics.pstdev(values):.{digits}f}"
+    return f"{figure} (worst {min(values):.{digits}f})" if worst else figure
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             return [float(run[key]) for run in runs]
 
         print(
-            f"| {name} | `{' '.join(flags) or '(none)'}` | {_figure(column('final_accuracy'))} "
-            f"| {_figure(column('other_noise_accuracy'))} "
+            f"| {name} | `{' '.join(flags) or '(none)'}` "
+            f"| {_figure(column('final_accuracy'), worst=True)} "
+            f"| {_figure(column('other_noise_accuracy'), worst=True)} "
             f"| {_figure(column('train_reward_last_epoch'))} "
             f"| {_figure(column('final_diversity'))} | {_figure(column('wall_seconds'), 0)} s |"
         )
