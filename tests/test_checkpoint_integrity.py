@@ -120,6 +120,27 @@ def wider_state(path):
         os.replace(written / name, path / name)
 
 
+def edit_meta(path, edit):
+    meta = json.loads((path / "meta.json").read_text())
+    edit(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def misplace_array(path):
+    def edit(meta):
+        meta["state_arrays"][0][3] = "packed_uint32:0"
+
+    edit_meta(path, edit)
+
+
+def malform_file_record(path):
+    def edit(meta):
+        name = next(iter(meta["state_files"]))
+        meta["state_files"][name] = "x"
+
+    edit_meta(path, edit)
+
+
 DAMAGES = {
     "truncated state file": (truncate_state, "bytes but meta.json records"),
     "flipped byte in a state file": (flip_state_byte, "SHA-256 does not match"),
@@ -128,6 +149,8 @@ DAMAGES = {
     "missing state file": (remove_state, "is missing"),
     "missing meta.json": (remove_meta, "meta.json is missing"),
     "different model width": (wider_state, "does not hold the expected state"),
+    "array misplaced in meta.json": (misplace_array, "places the int32 array"),
+    "file record malformed in meta.json": (malform_file_record, "'state_files' entry"),
 }
 
 

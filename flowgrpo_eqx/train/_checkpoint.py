@@ -258,6 +258,15 @@ def _check_state_files(folder: pathlib.Path, metadata: dict[str, Any]) -> None:
     if not state.is_dir():
         raise CheckpointError(folder, f"{_STATE}/ is missing")
     for name, record in metadata[_FILES_KEY].items():
+        if not (
+            isinstance(record, list)
+            and len(record) == 2
+            and type(record[0]) is int
+            and isinstance(record[1], str)
+        ):
+            raise CheckpointError(
+                folder, f"{_META}'s {_FILES_KEY!r} entry {name!r} is not [bytes, sha256]"
+            )
         path = state / name
         if not path.is_file():
             raise CheckpointError(folder, f"{_STATE}/{name} is missing")
@@ -292,14 +301,31 @@ def _check_arrays(
             folder,
             mismatch + f"it stores {len(recorded)} arrays, the expected state has {len(leaves)}",
         )
-    for (path, leaf), stored in zip(leaves, recorded, strict=True):
+    for index, ((path, leaf), stored) in enumerate(zip(leaves, recorded, strict=True)):
+        if not (isinstance(stored, list) and len(stored) == 4 and _is_place(stored[3])):
+            raise CheckpointError(
+                folder,
+                f"{_META}'s {_ARRAYS_KEY!r} entry {index} is not [path, shape, dtype, place]",
+            )
         shape, dtype = _describe_array(leaf)
-        if stored[:3] != [path, shape, dtype] or len(stored) != 4:
+        if stored[:3] != [path, shape, dtype]:
             raise CheckpointError(
                 folder,
                 mismatch + f"array {stored[0]} is {stored[2]}{stored[1]} in the checkpoint, "
                 f"the expected state has {path} as {dtype}{shape}",
             )
+        if stored[3].startswith("packed_") and stored[3].split(":")[0] != f"packed_{dtype}":
+            raise CheckpointError(folder, f"{_META} places the {dtype} array {path} in {stored[3]}")
+
+
+def _is_place(place: Any) -> bool:
+    """Whether `place` is one `_storage_plan` writes: `"<index>"` or `"packed_<dtype>:<offset>"`."""
+    if not isinstance(place, str):
+        return False
+    if place.startswith("packed_"):
+        _, _, offset = place.partition(":")
+        return offset.isdigit()
+    return place.isdigit()
 
 
 def _restore_target(leaf: Any) -> Any:
