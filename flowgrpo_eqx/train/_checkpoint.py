@@ -52,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import PyTree
 
+from .._distributed import local_copy
 from .._misc import data_to_keys, keys_to_data
 
 
@@ -163,13 +164,6 @@ def _is_split(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and not leaf.sharding.is_fully_replicated
 
 
-def _whole_value(leaf: Any) -> npt.NDArray[Any]:
-    """A whole (unsplit) leaf's value on the host, from this process's own copy."""
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        leaf = leaf.addressable_data(0)
-    return np.asarray(leaf)
-
-
 def _storage_plan(leaves: list[tuple[str, Any]]) -> list[str]:
     """Where each leaf is stored: `"<index>"` for an array of its own (a split one: every
     process writes its shards), or `"packed_<dtype>:<offset>"` inside one flat buffer per
@@ -211,7 +205,8 @@ def _write_state(folder: pathlib.Path, leaves: list[tuple[str, Any]], plan: list
     packed: dict[str, list[npt.NDArray[Any]]] = {}
     for (_, leaf), where in zip(leaves, plan, strict=True):
         if where.startswith("packed_"):
-            packed.setdefault(where.split(":")[0], []).append(_whole_value(leaf).ravel())
+            # A whole array's local copy: nothing is gathered.
+            packed.setdefault(where.split(":")[0], []).append(np.asarray(local_copy(leaf)).ravel())
         else:
             arrays[where] = leaf
     for name, parts in packed.items():
@@ -356,16 +351,20 @@ def _read_checkpoint(folder: pathlib.Path, like: T) -> tuple[T, dict[str, Any]]:
     _check_state_files(folder, metadata)
     leaves = _stored_leaves(like)
     _check_arrays(folder, metadata, leaves)
-    plan = [str(record[3]) for record in metadata[_ARRAYS_KEY]]
+    # Each leaf's Orbax array, and for a packed leaf its slice of that flat buffer.
+    places: list[tuple[str, slice | None]] = []
     target: dict[str, Any] = {}
     sizes: dict[str, int] = {}
-    for (_, leaf), where in zip(leaves, plan, strict=True):
+    for (_, leaf), record in zip(leaves, metadata[_ARRAYS_KEY], strict=True):
+        where = str(record[3])
         if where.startswith("packed_"):
             name, offset = where.split(":")
-            shape, _ = _describe_array(leaf)
-            end = int(offset) + int(np.prod(shape, dtype=np.int64))
+            start = int(offset)
+            end = start + int(np.prod(record[1], dtype=np.int64))
+            places.append((name, slice(start, end)))
             sizes[name] = max(sizes.get(name, 0), end)
         else:
+            places.append((where, None))
             target[where] = _restore_target(leaf)
     for name, size in sizes.items():
         target[name] = np.zeros(size, np.dtype(name[len("packed_") :]))
@@ -378,15 +377,12 @@ def _read_checkpoint(folder: pathlib.Path, like: T) -> tuple[T, dict[str, Any]]:
             folder, f"{_STATE}/ cannot be read by Orbax ({_one_line(error)})"
         ) from error
     values = []
-    for (_, leaf), where in zip(leaves, plan, strict=True):
-        if where.startswith("packed_"):
-            name, offset = where.split(":")
-            shape, _ = _describe_array(leaf)
-            start = int(offset)
-            flat = np.asarray(arrays[name])[start : start + int(np.prod(shape, dtype=np.int64))]
-            values.append(_placed(flat.reshape(shape), leaf))
+    for (_, leaf), (name, span) in zip(leaves, places, strict=True):
+        if span is None:
+            values.append(arrays[name])
         else:
-            values.append(arrays[where])
+            shape, _ = _describe_array(leaf)
+            values.append(_placed(np.asarray(arrays[name])[span].reshape(shape), leaf))
     loaded = iter(values)
 
     def fill(leaf: Any) -> Any:
