@@ -132,8 +132,8 @@ def test_four_simulated_devices_match_one_device(baseline, tmp_path, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_processes_match_one_process(baseline, tmp_path, layout):
-    # With FSDP, checkpoints, previews and the saved policy gather the shards from both
-    # processes.
+    # With FSDP, previews and the saved policy gather the shards from both processes; each
+    # process writes its own shards of a checkpoint.
     out = with_base(baseline, tmp_path / "two")
     flags = [*COMMON, "--param-sharding", layout]
     result = run_cli("launch", "--local", "2", "--", "train", *flags, "--out", str(out))
