@@ -1,32 +1,65 @@
 """`python -m bench.precision`: how far the first update's policy ratio is from 1, float32 vs
 bfloat16, on the shapes demo (its shipped base model, one rollout of the main job's size).
 
-For each precision, one rollout of 16 prompts x 16 samples is collected with the shipped
-base model, and one `Trainer.update` runs on its first minibatch of 64 rows (the main job's
-first update). Before that update the policy is the one that sampled, so its ratio
-`exp(log p_theta - old_log_prob)` would be exactly 1 in exact arithmetic: the update's
-metrics give its mean, its root-mean-square log (`sqrt(2 approx_kl)`) and the clipped
-fraction. Prints one JSON object.
+For each precision and each source of the old log densities (`Trainer(old_log_probs=...)`:
+as the rollout recorded them, or recomputed by the update's own program), one rollout of
+16 prompts x 16 samples is collected with the shipped base model, and one `Trainer.update`
+runs on its first minibatch of 64 rows (the main job's first update). Before that update the
+policy is the one that sampled, so its ratio `exp(log p_theta - old_log_prob)` would be
+exactly 1 in exact arithmetic: the update's metrics give its mean, its root-mean-square log
+(`sqrt(2 approx_kl)`) and the clipped fraction. Then each case runs whole epochs of the main
+job (`flow_grpo_epoch`: rollout, recomputation if any, four updates), one warm-up and
+`TIMED_EPOCHS` timed; `epoch_seconds` is their median, and `update_vs_rollout_epoch_time`
+the ratio of the two bfloat16 cases' medians, measured side by side in this run. Prints one
+JSON object.
 """
 
 import glob
 import json
 import math
 import pathlib
+import statistics
 import tempfile
+import time
 
 import jax
 
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.shapes_demo.job import ShapesJob
-from flowgrpo_eqx.train import load_model, minibatches
+from flowgrpo_eqx.train import (
+    Trainer,
+    flow_grpo_epoch,
+    load_model,
+    minibatches,
+    update_program_log_probs,
+)
 
 
-def _first_update(job, objective, variables, minibatch) -> dict[str, float]:
-    """The ratio statistics of one `Trainer.update` on `minibatch` from `variables`."""
-    trainer = job.trainer(objective)
+TIMED_EPOCHS = 5
+
+
+def _epoch_seconds(job, trainer, rollout, variables, rows) -> float:
+    """The median wall time of `TIMED_EPOCHS` main-job epochs after one warm-up."""
     state = trainer.init(jax.random.key(0), variables)
-    _, metrics = trainer.update(state, minibatch)
+    times = []
+    for epoch in range(1, TIMED_EPOCHS + 2):
+        started = time.perf_counter()
+        state, metrics, _ = flow_grpo_epoch(
+            trainer, state, rollout, job.epoch_rows(epoch), jax.random.key(epoch),
+            epoch=epoch, minibatch_rows=rows,
+        )  # fmt: skip
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def _first_update(trainer, variables, batch, rows) -> dict[str, float]:
+    """The ratio statistics of the first `Trainer.update` of an epoch on `batch`."""
+    state = trainer.init(jax.random.key(0), variables)
+    shuffle = jax.random.key(2)
+    if trainer.old_log_probs == "update":
+        batch = update_program_log_probs(trainer, state, batch, rows, shuffle)
+    _, metrics = trainer.update(state, next(minibatches(batch, rows, shuffle)))
     approx_kl = float(metrics["approx_kl"])
     return {
         "ratio_mean": float(metrics["ratio"]),
@@ -39,20 +72,26 @@ def main() -> int:
     results = {}
     base_path = sorted(glob.glob(str(pathlib.Path(__file__).parent.parent / "flowgrpo_eqx" /
                                      "shapes_demo" / "checkpoints" / "base_*.eqx")))[0]  # fmt: skip
-    for precision in ("float32", "bfloat16"):
-        config = make_config("default", precision=precision)
+    cases = (("float32", "rollout"), ("bfloat16", "rollout"), ("bfloat16", "update"))
+    for precision, old_log_probs in cases:
+        config = make_config("default", precision=precision, old_log_probs=old_log_probs)
         with tempfile.TemporaryDirectory() as out:
             job = ShapesJob(config, out, True)
             base = load_model(base_path, job.model)
             objective = job.objective(base)
             variables = objective.init(jax.random.key(0))
             rollout = job.rollout(objective)
-            key = jax.random.key(1)
-            batch, _ = rollout.collect(variables, job.epoch_rows(1), key)
-            shuffle = jax.random.key(2)
+            batch, _ = rollout.collect(variables, job.epoch_rows(1), jax.random.key(1))
+            trainer = job.trainer(objective)
+            assert isinstance(trainer, Trainer) and trainer.old_log_probs == old_log_probs
             rows = config.minibatch_rows or batch.num_rows
-            first = next(minibatches(batch, rows, shuffle))
-            results[precision] = _first_update(job, objective, variables, first)
+            case = _first_update(trainer, variables, batch, rows)
+            case["epoch_seconds"] = _epoch_seconds(job, trainer, rollout, variables, rows)
+            results[f"{precision}, old_log_probs={old_log_probs}"] = case
+    results["update_vs_rollout_epoch_time"] = (
+        results["bfloat16, old_log_probs=update"]["epoch_seconds"]
+        / results["bfloat16, old_log_probs=rollout"]["epoch_seconds"]
+    )
     print(json.dumps({"base": pathlib.Path(base_path).name, **results}, indent=2))
     return 0
 

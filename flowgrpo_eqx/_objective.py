@@ -465,7 +465,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
                 kl = jnp.zeros_like(log_prob)
             zero = jnp.zeros_like(log_prob)
             on = chunk["kept"]
-            per = {"log_ratio": log_prob - chunk["old"], "kl": kl, "std": std}
+            per = {"log_ratio": log_prob - chunk["old"], "log_prob": log_prob, "kl": kl, "std": std}
             return {name: jnp.where(on, value, zero) for name, value in per.items()}
 
         # A row with no kept transition may carry anything in its conditioning too.
@@ -527,5 +527,8 @@ class FlowGRPOObjective(AbstractFlowObjective):
             ratio=mean_of("ratio"),
             counted=count,
             step_ratios=step_ratios,
+            log_probs=jnp.where(
+                kept, jax.lax.stop_gradient(scored["log_prob"]), batch.old_log_probs
+            ),
         )
         return mean_of("objective"), aux

@@ -8,7 +8,8 @@ import pytest
 
 import flowgrpo_eqx as fg
 import flowgrpo_eqx.testing as fgt
-from flowgrpo_eqx.train import Trainer
+from flowgrpo_eqx.models import MLPVelocity
+from flowgrpo_eqx.train import Trainer, flow_grpo_epoch, minibatches, update_program_log_probs
 from tests.errors import NAMED_ARGUMENT_ERRORS
 from tests.test_objective import STEP, make_batch
 
@@ -93,3 +94,69 @@ def test_bfloat16_velocity_is_close_to_float32_and_updates_keep_float32_weights(
 def test_unknown_precision_is_named():
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="precision"):
         objective("float16")
+
+
+def test_old_log_probs_from_the_update_program_make_the_first_ratio_exactly_one():
+    # make_batch's old log densities are random: only a recomputation makes the ratio 1.
+    batch = make_batch(seed=4, n=6)
+    flow = objective("bfloat16")
+    variables = flow.init(jax.random.key(1))
+    trainer = Trainer(flow, old_log_probs="update")
+    state = trainer.init(jax.random.key(0), variables)
+    key = jax.random.key(5)
+    rescored = update_program_log_probs(trainer, state, batch, 3, key)
+    kept = np.asarray(flow.kept(batch))
+    old, new = np.asarray(batch.old_log_probs), np.asarray(rescored.old_log_probs)
+    np.testing.assert_array_equal(new[~kept], old[~kept])
+    assert np.all(np.abs(new[kept] - old[kept]) > 1e-3)
+    rescoring = np.asarray(flow.log_probs(variables, batch))[kept]
+    np.testing.assert_allclose(new[kept], rescoring, rtol=2e-2, atol=2e-2)
+    first = next(minibatches(rescored, 3, key))
+    _, metrics = trainer.update(state, first)
+    assert float(metrics["approx_kl"]) == 0.0
+    assert float(metrics["ratio"]) == 1.0
+    assert float(metrics["clipfrac"]) == 0.0
+
+
+def test_update_log_probs_needs_the_update_mode():
+    flow = objective("float32")
+    trainer = Trainer(flow)
+    state = trainer.init(jax.random.key(0))
+    with pytest.raises(ValueError, match="old_log_probs"):
+        trainer.update_log_probs(state, make_batch(seed=1))
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="old_log_probs"):
+        Trainer(flow, old_log_probs="recorded")
+
+
+def bfloat16_epoch(old_log_probs):
+    latent, cond = 6, 2
+    model = MLPVelocity(latent, cond, hidden=32, depth=2, time_features=8, key=jax.random.key(0))
+    flow = fg.FlowGRPOObjective(
+        model,
+        fg.RectifiedFlow(shift=3.0),
+        fg.InputSpec(null=jnp.zeros(cond), latent_shape=(latent,)),
+        clip_range=1e-4,
+        guidance=fg.CFG(2.0),
+        steps=4,
+        precision="bfloat16",
+    )
+
+    def brightness(samples, rows):
+        return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
+
+    rollout = fg.FlowRollout(flow, brightness, groups=4, steps=5)
+    trainer = Trainer(flow, old_log_probs=old_log_probs)
+    state = trainer.init(jax.random.key(1))
+    rows = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    _, metrics, _ = flow_grpo_epoch(trainer, state, rollout, rows, jax.random.key(2))
+    return metrics
+
+
+def test_a_bfloat16_epoch_starts_from_ratio_one_with_old_log_probs_from_the_update():
+    # One update per epoch (all rows at once): the epoch's metrics are the first update's.
+    recorded = bfloat16_epoch("rollout")
+    recomputed = bfloat16_epoch("update")
+    assert recorded["approx_kl"] > 0.0
+    assert recomputed["approx_kl"] == 0.0
+    assert recomputed["ratio"] == 1.0
+    assert recomputed["clipfrac"] == 0.0

@@ -14,6 +14,7 @@ import pytest
 
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.shapes_demo.config import config_to_toml
+from flowgrpo_eqx.shapes_demo.job import ShapesJob
 from flowgrpo_eqx.train import MetricsLog
 from tests.cli_helpers import command, environment, result_of, run_cli, with_base
 
@@ -243,7 +244,7 @@ def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tm
     flags = ["--window-schedule", "sliding", "--window-shift-every", "1", "--shared-noise", "true",
              "--grpo-guard", "true", "--reward-combination", "normalize_each",
              "--reward-weights", "jpeg_incompressibility=1,partial=0.5",
-             "--precision", "bfloat16"]  # fmt: skip
+             "--precision", "bfloat16", "--old-log-probs", "update"]  # fmt: skip
     result = cli("train", *COMMON, *flags, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     records = [r for r in MetricsLog(out / "metrics.jsonl").read() if "window_start" in r]
@@ -262,7 +263,23 @@ def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tm
         'reward_combination = "normalize_each"',
         'reward_weights = "jpeg_incompressibility=1,partial=0.5"',
         'precision = "bfloat16"',
+        'old_log_probs = "update"',
     } <= saved
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({}, "rollout"),
+        ({"precision": "bfloat16"}, "update"),
+        ({"precision": "bfloat16", "old_log_probs": "rollout"}, "rollout"),
+        ({"old_log_probs": "update"}, "update"),
+        ({"precision": "bfloat16", "algorithm": "nft"}, "rollout"),
+    ],
+)
+def test_old_log_probs_default_to_the_update_program_in_bfloat16(settings, expected, tmp_path):
+    job = ShapesJob(make_config("tiny", **settings), tmp_path, True)
+    assert job.trainer(job.objective(job.model)).old_log_probs == expected
 
 
 @pytest.mark.parametrize(
@@ -278,6 +295,7 @@ def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tm
         (["--reward-combination", "normalize_each"], "reward_combination"),
         (["--precision", "float16"], "--precision"),
         (["--param-sharding", "zero3"], "--param-sharding"),
+        (["--old-log-probs", "recorded"], "--old-log-probs"),
     ],
 )
 def test_bad_recipe_options_are_named(flags, named):

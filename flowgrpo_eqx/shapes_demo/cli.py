@@ -35,12 +35,20 @@ from .config import JobConfig, config_to_toml, make_config, read_config_file
 _BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
+def _optional(annotation: Any) -> tuple[bool, Any]:
+    """Whether a field's type admits `None`, and its type without `None` (`X | None` and
+    `Optional[Literal[...]]` alike)."""
+    args = typing.get_args(annotation)
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    if not (union and type(None) in args):
+        return False, annotation
+    return True, next(a for a in args if a is not type(None))
+
+
 def _parser_for(annotation: Any) -> Callable[[str], Any]:
     """A string parser for a `JobConfig` field's type (`int`, `float | None`, a `Literal`,
     a tuple given comma-separated)."""
-    args = typing.get_args(annotation)
-    optional = isinstance(annotation, types.UnionType) and type(None) in args
-    base = next((a for a in args if a is not type(None)), annotation) if optional else annotation
+    optional, base = _optional(annotation)
 
     def parse(text: str) -> Any:
         if optional and text.lower() == "none":
@@ -48,6 +56,9 @@ def _parser_for(annotation: Any) -> Callable[[str], Any]:
         if typing.get_origin(base) is tuple:
             return tuple(item.strip() for item in text.split(",") if item.strip())
         if typing.get_origin(base) is typing.Literal:
+            if optional and text not in typing.get_args(base):
+                allowed = ", ".join([*typing.get_args(base), "none"])
+                raise argparse.ArgumentTypeError(f"expected one of {allowed}, got {text!r}")
             return text
         if base is bool:
             if text.lower() not in _BOOLEANS:
@@ -65,14 +76,18 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(JobConfig):
         flag = "--" + field.name.replace("_", "-")
         annotation = hints[field.name]
-        choices = (
-            typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
-        )
+        optional, base = _optional(annotation)
+        literal = typing.get_origin(base) is typing.Literal
+        choices = typing.get_args(base) if literal and not optional else None
+        metavar = None
+        if literal and optional:
+            metavar = "{" + ",".join([*typing.get_args(base), "none"]) + "}"
         group.add_argument(
             flag,
             dest=field.name,
             type=_parser_for(annotation),
             choices=choices,
+            metavar=metavar,
             default=argparse.SUPPRESS,
             help=f"{field.metadata['help']} (default {field.default!r})",
         )

@@ -17,6 +17,7 @@ from .._advantages import RewardCombination
 from .._distributed import PARAM_SHARDINGS, ParamSharding
 from .._guided_flow import PRECISIONS, Precision
 from .._misc import is_int
+from ..train import OLD_LOG_PROBS, OldLogProbs
 
 
 RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]
@@ -179,6 +180,13 @@ class JobConfig:
         "float32 | bfloat16 (the model computes in bfloat16; master weights, the SDE, ratios "
         "and advantages stay float32 or wider)",
     )
+    old_log_probs: OldLogProbs | None = _setting(
+        None,
+        "rollout | update: the ratio's old log densities as the rollout recorded them, or "
+        "recomputed by the update's own program before each rollout's first update (exact "
+        "ratio 1 in bfloat16, one more update-program run per minibatch; none: update in "
+        "bfloat16, rollout in float32)",
+    )
     param_sharding: ParamSharding = _setting(
         "replicated",
         "replicated (a full copy of parameters and optimizer state per device) | fsdp "
@@ -320,6 +328,11 @@ class JobConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"Setting `precision` must be one of {PRECISIONS}, got {self.precision!r}."
+            )
+        if self.old_log_probs is not None and self.old_log_probs not in OLD_LOG_PROBS:
+            raise ValueError(
+                f"Setting `old_log_probs` must be one of {OLD_LOG_PROBS} or none, got "
+                f"{self.old_log_probs!r}."
             )
         if self.param_sharding not in PARAM_SHARDINGS:
             raise ValueError(
@@ -507,7 +520,8 @@ def _field_types() -> dict[str, Any]:
 def _accepts(annotation: Any, value: Any) -> bool:
     """Whether a TOML value fits a `JobConfig` field's type (`"none"` stands for `None`)."""
     args = typing.get_args(annotation)
-    if isinstance(annotation, types.UnionType) and type(None) in args:
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    if union and type(None) in args:
         inner = next(a for a in args if a is not type(None))
         return value == "none" or _accepts(inner, value)
     if typing.get_origin(annotation) is Literal:

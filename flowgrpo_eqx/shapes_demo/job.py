@@ -363,7 +363,8 @@ class ShapesJob:
 
     def trainer(self, objective: AbstractFlowObjective) -> Trainer:
         """The trainer of `objective`; with `--algorithm nft` its EMA (`nft_old_decay`) keeps
-        DiffusionNFT's old policy in the held slot."""
+        DiffusionNFT's old policy in the held slot (and there is no ratio, so no
+        `old_log_probs` to recompute)."""
         config = self.config
         updates = self.updates()
         optimizer = default_optimizer(
@@ -373,7 +374,12 @@ class ShapesJob:
             decay_steps=updates if config.lr_schedule == "cosine" else None,
         )
         ema_decay = config.nft_old_decay if config.algorithm == "nft" else config.ema_decay
-        return Trainer(objective, optimizer, ema_decay=ema_decay)
+        old_log_probs = config.old_log_probs
+        if old_log_probs is None:
+            old_log_probs = "update" if config.precision == "bfloat16" else "rollout"
+        if config.algorithm == "nft":
+            old_log_probs = "rollout"
+        return Trainer(objective, optimizer, ema_decay=ema_decay, old_log_probs=old_log_probs)
 
     def epoch_rows(self, epoch: int) -> dict[str, npt.NDArray[Any]]:
         """The training prompts of one epoch, drawn without replacement from the train split."""

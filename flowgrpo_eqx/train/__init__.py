@@ -17,8 +17,11 @@ from ._loops import (
     minibatches as minibatches,
     nft_epoch as nft_epoch,
     supervised_steps as supervised_steps,
+    update_program_log_probs as update_program_log_probs,
 )
 from ._trainer import (
+    OLD_LOG_PROBS as OLD_LOG_PROBS,
+    OldLogProbs as OldLogProbs,
     Trainer as Trainer,
     TrainState as TrainState,
     default_optimizer as default_optimizer,

@@ -6,6 +6,7 @@ import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any, final
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,12 +62,48 @@ def minibatches(
 
     - `ValueError`: as `minibatch_count`.
     """
-    rows = batch.num_rows
+    for index in _minibatch_rows(batch.num_rows, minibatch_rows, key):
+        yield jax.tree.map(lambda leaf, index=index: leaf[index], batch)
+
+
+def _minibatch_rows(rows: int, minibatch_rows: int, key: PRNGKeyArray) -> Iterator[Array]:
     minibatch_count(rows, minibatch_rows)
     order = jax.random.permutation(key, rows)
     for start in range(0, rows, minibatch_rows):
-        index = order[start : start + minibatch_rows]
-        yield jax.tree.map(lambda leaf, index=index: leaf[index], batch)
+        yield order[start : start + minibatch_rows]
+
+
+def update_program_log_probs(
+    trainer: Trainer, state: TrainState, batch: Transitions, minibatch_rows: int, key: PRNGKeyArray
+) -> Transitions:
+    """`batch` with its old log densities recomputed by the trainer's own update program.
+
+    The rows are cut into the minibatches `minibatches(batch, minibatch_rows, key)` gives, and
+    each is scored by `trainer.update_log_probs` at `state`, so that the first pass of updates
+    over those minibatches starts from a ratio of exactly 1.
+
+    **Arguments:**
+
+    - `trainer`: a trainer with `old_log_probs="update"`.
+    - `state`: the state that sampled the batch (not consumed).
+    - `batch`: the rollout's `Transitions`.
+    - `minibatch_rows`: rows per update; must divide `batch.num_rows`.
+    - `key`: the key of the first pass's shuffle.
+
+    **Returns:**
+
+    `batch` with new `old_log_probs` (unchanged where a transition is not kept).
+
+    **Raises:**
+
+    - `ValueError`: as `minibatch_count` and `Trainer.update_log_probs`.
+    """
+    old_log_probs = batch.old_log_probs
+    for index in _minibatch_rows(batch.num_rows, minibatch_rows, key):
+        minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
+        old_log_probs = old_log_probs.at[index].set(trainer.update_log_probs(state, minibatch))
+    rescored: Transitions = eqx.tree_at(lambda b: b.old_log_probs, batch, old_log_probs)
+    return rescored
 
 
 def _mean_metrics(history: list[dict[str, Array]]) -> dict[str, float]:
@@ -104,6 +141,9 @@ def flow_grpo_epoch(
     - `after_updates`: called with the new state, the rollout's batch and its info once the
         epoch's updates are done (e.g. to log the policy ratio's distribution).
 
+    With `Trainer(old_log_probs="update")`, the batch's old log densities are first
+    recomputed by the update program (`update_program_log_probs`).
+
     **Returns:**
 
     The new state, the epoch's mean metrics (losses, clip fractions, reward statistics),
@@ -112,6 +152,10 @@ def flow_grpo_epoch(
     rollout_key, shuffle_key = jax.random.split(key)
     batch, info = rollout.collect(state.variables, rows, rollout_key, epoch)
     size = batch.num_rows if minibatch_rows is None else minibatch_rows
+    if trainer.old_log_probs == "update":
+        batch = update_program_log_probs(
+            trainer, state, batch, size, jax.random.fold_in(shuffle_key, 0)
+        )
     history = []
     for inner in range(inner_epochs):
         for minibatch in minibatches(batch, size, jax.random.fold_in(shuffle_key, inner)):
@@ -177,9 +221,7 @@ def nft_epoch(
     minibatch_count(batch.num_rows, size)
     history = []
     for inner in range(inner_epochs):
-        order = jax.random.permutation(jax.random.fold_in(shuffle_key, inner), batch.num_rows)
-        for start in range(0, batch.num_rows, size):
-            index = order[start : start + size]
+        for index in _minibatch_rows(batch.num_rows, size, jax.random.fold_in(shuffle_key, inner)):
             minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
             state, metrics = trainer.update(state, minibatch)
             history.append(metrics)

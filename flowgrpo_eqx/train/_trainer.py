@@ -5,8 +5,9 @@ random is derived from keys held in that state, so a run resumed from a checkpoi
 an uninterrupted one exactly.
 """
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, final
+from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
 import jax
@@ -15,9 +16,16 @@ import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .. import lora
-from .._custom_types import Mean, Model, Step
+from .._custom_types import Aux, Mean, Model, Step, Transitions
 from .._flow_base import AbstractFlowObjective, Variables
 from .._misc import own_copy
+
+
+OldLogProbs: TypeAlias = Literal["rollout", "update"]
+"""Where a Flow-GRPO epoch takes the old log densities of its ratio from: as the rollout
+recorded them, or recomputed by the update's own compiled program before the first update."""
+
+OLD_LOG_PROBS: tuple[OldLogProbs, ...] = ("rollout", "update")
 
 
 @final
@@ -122,16 +130,25 @@ class Trainer(eqx.Module):
         For a policy with LoRA adapters the slot is free whatever `beta` (the reference is
         the policy with its adapters off) and the EMA averages the adapters alone; without
         an EMA the slot then holds `None`.
+    - `old_log_probs`: `"rollout"` (the default) keeps the old log densities the rollout
+        recorded; `"update"` has `flow_grpo_epoch` recompute them with this trainer's own
+        update program (`update_log_probs`) before the first update of each rollout. The
+        rollout and the update are different compiled programs; in float32 they agree to
+        about 1e-7, but in bfloat16 they round differently and the first update's ratio is
+        off 1 by about 4e-4 on the demo. With `"update"` the ratio of every transition of the
+        first update is exactly 1, at the cost of one more run of the update program per
+        minibatch of the first pass (a `FlowGRPOObjective`'s only).
 
     **Raises:**
 
-    - `ValueError`: for an `ema_decay` outside [0, 1).
+    - `ValueError`: for an `ema_decay` outside [0, 1), or an unknown `old_log_probs`.
     """
 
     objective: AbstractFlowObjective
     optimizer: optax.GradientTransformation = eqx.field(static=True)
     trainable: Callable[[Any], bool] | PyTree[bool] | None = eqx.field(static=True)
     ema_decay: float | None
+    old_log_probs: OldLogProbs = eqx.field(static=True)
 
     def __init__(
         self,
@@ -140,15 +157,21 @@ class Trainer(eqx.Module):
         *,
         trainable: Callable[[Any], bool] | PyTree[bool] | None = None,
         ema_decay: float | None = None,
+        old_log_probs: OldLogProbs = "rollout",
     ):
         self.objective = objective
         self.optimizer = default_optimizer() if optimizer is None else optimizer
         self.trainable = trainable
         self.ema_decay = ema_decay
+        self.old_log_probs = old_log_probs
 
     def __check_init__(self) -> None:
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"`ema_decay` must be in [0, 1) or None, got {self.ema_decay!r}.")
+        if self.old_log_probs not in OLD_LOG_PROBS:
+            raise ValueError(
+                f"`old_log_probs` must be one of {OLD_LOG_PROBS}, got {self.old_log_probs!r}."
+            )
 
     def trainable_filter(self, policy: Model) -> Callable[[Any], bool] | PyTree[bool]:
         """The filter in use for `policy`: `trainable`, or its default when `None`.
@@ -257,10 +280,48 @@ class Trainer(eqx.Module):
         The new state and `{name: scalar}` metrics: `loss`, `grad_norm`, and every
         auxiliary `Mean`'s value.
         """
-        result: tuple[TrainState, dict[str, Array]] = _update_donating((self, batch), state)
+        new_state, metrics, _ = _update_donating((self, batch), state)
+        return new_state, metrics
+
+    def update_log_probs(self, state: TrainState, batch: Transitions) -> Float[Array, " N K"]:
+        """The log densities the update program computes for `batch` at `state`'s policy.
+
+        Runs the very program `update` runs (same compiled executable, on a copy of `state`,
+        which is left as it was) and keeps only the policy's log density of each kept
+        transition, so a minibatch whose `old_log_probs` are these has a ratio of exactly 1
+        in its update from `state`, whatever the precision.
+
+        **Arguments:**
+
+        - `state`: the state whose policy scores (not consumed).
+        - `batch`: a minibatch of `Transitions`, shaped as the updates' minibatches.
+
+        **Returns:**
+
+        `[N, K]` log densities (`batch.old_log_probs` where a transition is not kept).
+
+        **Raises:**
+
+        - `ValueError`: naming `old_log_probs` unless it is `"update"` (the update program
+            then does not give them), or naming `objective` when its loss gives none.
+        """
+        if self.old_log_probs != "update":
+            raise ValueError(
+                f"`update_log_probs` needs Trainer(old_log_probs='update'), got "
+                f"{self.old_log_probs!r}."
+            )
+        _, _, log_probs = _update_donating((self, batch), own_copy(state))
+        if log_probs is None:
+            raise ValueError(
+                f"`objective` {type(self.objective).__name__} gives no per-transition log "
+                "densities (only a FlowGRPOObjective does)."
+            )
+        result: Float[Array, " N K"] = log_probs
         return result
 
-    def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array]]:
+    def _update(
+        self, state: TrainState, batch: Any
+    ) -> tuple[TrainState, dict[str, Array], Float[Array, " N K"] | None]:
         key, step_key = jax.random.split(state.key)
         variables = state.variables
         trainable, frozen = self.split_policy(variables.policy)
@@ -277,6 +338,11 @@ class Trainer(eqx.Module):
         (value, (total, aux)), grads = eqx.filter_value_and_grad(objective_value, has_aux=True)(
             trainable
         )
+        log_probs = None
+        if isinstance(aux, Aux):
+            if self.old_log_probs == "update":
+                log_probs = aux.log_probs
+            aux = dataclasses.replace(aux, log_probs=None)
         # optax mixes Python floats with its int32 step count (bias correction, schedules),
         # which strict dtype promotion rejects; only the optimizer's arithmetic is exempt.
         with jax.numpy_dtype_promotion("standard"):
@@ -304,12 +370,12 @@ class Trainer(eqx.Module):
             step=state.step + 1,
             key=key,
         )
-        return new_state, metrics
+        return new_state, metrics, log_probs
 
 
 @eqx.filter_jit(donate="all-except-first")
 def _update_donating(
     trainer_and_batch: tuple[Trainer, Any], state: TrainState
-) -> tuple[TrainState, dict[str, Array]]:
+) -> tuple[TrainState, dict[str, Array], Float[Array, " N K"] | None]:
     trainer, batch = trainer_and_batch
     return trainer._update(state, batch)
