@@ -14,7 +14,7 @@ import numpy as np
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx.models import MLPVelocity
-from flowgrpo_eqx.train import Trainer
+from flowgrpo_eqx.train import Trainer, update_program_log_probs
 
 
 ROWS, TRANSITIONS, LATENT, COND = 8, 3, 8, 3
@@ -90,6 +90,21 @@ def main():
             strict=True,
         )
     )
+    # bfloat16 with the old log densities taken from the update's program, on the FSDP mesh:
+    # the first update's ratio is exactly 1 there too.
+    bfloat16 = Trainer(
+        fg.FlowGRPOObjective(
+            model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.1,
+            clip_range=0.2, precision="bfloat16",
+        ),
+        old_log_probs="update",
+    )  # fmt: skip
+    bfloat16_state = fg.shard_parameters(host_state, four, "fsdp", min_elements=MIN_ELEMENTS)
+    four_rows = fg.shard_batch(host_batch, four)
+    rescored = update_program_log_probs(
+        bfloat16, bfloat16_state, four_rows, ROWS, jax.random.key(3)
+    )
+    _, first = bfloat16.update(bfloat16_state, rescored)
     large = [
         leaf
         for part in (
@@ -103,6 +118,7 @@ def main():
     print(
         json.dumps(
             {
+                "bfloat16_first_update": {name: float(v) for name, v in first.items()},
                 "replicated": replicated,
                 "fsdp": sharded,
                 "moved": moved,

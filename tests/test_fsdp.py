@@ -39,6 +39,8 @@ def test_four_devices_fsdp_match_one_device_and_stay_sharded():
     # four after the updates, and one device holds about a quarter of the state.
     assert report["large_arrays"] >= 9 and report["large_sharded"] == report["large_arrays"]
     assert 0.25 <= report["device_fraction"] <= 0.3
+    first = report["bfloat16_first_update"]
+    assert first["approx_kl"] == 0.0 and first["ratio"] == 1.0
 
 
 @pytest.mark.parametrize(
