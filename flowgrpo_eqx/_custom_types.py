@@ -97,7 +97,7 @@ class Aux(eqx.Module):
     - `step_ratios`: with GRPO-Guard (`FlowGRPOObjective(guard=...)`), the ratio's mean and
         std per step before and after normalisation; `None` without it.
     - `log_probs`: `[N, K]` the policy's log density of each kept transition as this very
-        evaluation computed it (`old_log_probs` where not kept; no gradient). Not a metric:
+        evaluation computed it (0 where not kept; no gradient). Not a metric:
         `Trainer(old_log_probs="update")` records it as the old log densities, so that the
         update's ratio starts from exactly 1 whatever the model's precision.
     """

@@ -527,8 +527,6 @@ class FlowGRPOObjective(AbstractFlowObjective):
             ratio=mean_of("ratio"),
             counted=count,
             step_ratios=step_ratios,
-            log_probs=jnp.where(
-                kept, jax.lax.stop_gradient(scored["log_prob"]), batch.old_log_probs
-            ),
+            log_probs=jax.lax.stop_gradient(scored["log_prob"]),
         )
         return mean_of("objective"), aux

@@ -17,7 +17,7 @@ from .._advantages import RewardCombination
 from .._distributed import PARAM_SHARDINGS, ParamSharding
 from .._guided_flow import PRECISIONS, Precision
 from .._misc import is_int
-from ..train import OLD_LOG_PROBS, OldLogProbs
+from ..train._trainer import OLD_LOG_PROBS, OldLogProbs
 
 
 RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]

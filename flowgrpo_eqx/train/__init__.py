@@ -20,7 +20,6 @@ from ._loops import (
     update_program_log_probs as update_program_log_probs,
 )
 from ._trainer import (
-    OLD_LOG_PROBS as OLD_LOG_PROBS,
     OldLogProbs as OldLogProbs,
     Trainer as Trainer,
     TrainState as TrainState,

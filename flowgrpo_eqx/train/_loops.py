@@ -15,6 +15,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from .._custom_types import Transitions
 from .._flow_base import Variables
 from .._nft import DiffusionNFTObjective, nft_batch
+from .._objective import FlowGRPOObjective
 from .._rollout import FlowRollout, RolloutInfo
 from ._trainer import Trainer, TrainState
 
@@ -84,7 +85,7 @@ def update_program_log_probs(
 
     **Arguments:**
 
-    - `trainer`: a trainer with `old_log_probs="update"`.
+    - `trainer`: a trainer of a `FlowGRPOObjective` with `old_log_probs="update"`.
     - `state`: the state that sampled the batch (not consumed).
     - `batch`: the rollout's `Transitions`.
     - `minibatch_rows`: rows per update; must divide `batch.num_rows`.
@@ -96,12 +97,22 @@ def update_program_log_probs(
 
     **Raises:**
 
-    - `ValueError`: as `minibatch_count` and `Trainer.update_log_probs`.
+    - `ValueError`: naming `trainer` if its objective is not a `FlowGRPOObjective`; as
+        `minibatch_count` and `Trainer.update_log_probs`.
     """
+    objective = trainer.objective
+    if not isinstance(objective, FlowGRPOObjective):
+        raise ValueError(
+            f"`trainer`'s objective must be a FlowGRPOObjective, got {type(objective).__name__}."
+        )
     old_log_probs = batch.old_log_probs
     for index in _minibatch_rows(batch.num_rows, minibatch_rows, key):
         minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
-        old_log_probs = old_log_probs.at[index].set(trainer.update_log_probs(state, minibatch))
+        scores = trainer.update_log_probs(state, minibatch)
+        kept = objective.kept(minibatch)
+        old_log_probs = old_log_probs.at[index].set(
+            jnp.where(kept, scores, minibatch.old_log_probs)
+        )
     rescored: Transitions = eqx.tree_at(lambda b: b.old_log_probs, batch, old_log_probs)
     return rescored
 

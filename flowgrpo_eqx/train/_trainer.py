@@ -298,7 +298,7 @@ class Trainer(eqx.Module):
 
         **Returns:**
 
-        `[N, K]` log densities (`batch.old_log_probs` where a transition is not kept).
+        `[N, K]` log densities (0 where a transition is not kept).
 
         **Raises:**
 
