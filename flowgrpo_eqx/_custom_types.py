@@ -55,10 +55,14 @@ class Step(eqx.Module):
 
     - `index`: the optimizer step index.
     - `key`: a JAX PRNG key.
+    - `report_log_probs`: whether a `FlowGRPOObjective`'s loss also reports each
+        transition's log density (`Aux.log_probs`); `Trainer(old_log_probs="update")` asks
+        for it. Off by default, so that programs that do not use them do not compute them.
     """
 
     index: Int[ArrayLike, ""]
     key: PRNGKeyArray
+    report_log_probs: bool = eqx.field(default=False, static=True)
 
 
 class StepRatios(eqx.Module):
@@ -97,7 +101,8 @@ class Aux(eqx.Module):
     - `step_ratios`: with GRPO-Guard (`FlowGRPOObjective(guard=...)`), the ratio's mean and
         std per step before and after normalisation; `None` without it.
     - `log_probs`: `[N, K]` the policy's log density of each kept transition as this very
-        evaluation computed it (0 where not kept; no gradient). Not a metric:
+        evaluation computed it (0 where not kept; no gradient), when `Step.report_log_probs`
+        asks for it, else `None`. Not a metric:
         `Trainer(old_log_probs="update")` records it as the old log densities, so that the
         update's ratio starts from exactly 1 whatever the model's precision.
     """

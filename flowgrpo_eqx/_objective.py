@@ -412,8 +412,9 @@ class FlowGRPOObjective(AbstractFlowObjective):
 
         - `variables`: from `init`; gradients flow into `variables.policy` only.
         - `batch`: the recorded transitions.
-        - `step`: the training step (unused by this objective's arithmetic; kept for the
-            trainer's uniform interface).
+        - `step`: the training step: its index and key are unused by this objective's
+            arithmetic; `step.report_log_probs` adds each transition's log density to the
+            `Aux` (`Aux.log_probs`).
 
         **Returns:**
 
@@ -424,7 +425,6 @@ class FlowGRPOObjective(AbstractFlowObjective):
 
         - `ValueError`: naming the field, for a malformed batch.
         """
-        del step
         check_transitions(batch)
         policy = variables.policy
         reference = None
@@ -465,7 +465,9 @@ class FlowGRPOObjective(AbstractFlowObjective):
                 kl = jnp.zeros_like(log_prob)
             zero = jnp.zeros_like(log_prob)
             on = chunk["kept"]
-            per = {"log_ratio": log_prob - chunk["old"], "log_prob": log_prob, "kl": kl, "std": std}
+            per = {"log_ratio": log_prob - chunk["old"], "kl": kl, "std": std}
+            if step.report_log_probs:
+                per["log_prob"] = log_prob
             return {name: jnp.where(on, value, zero) for name, value in per.items()}
 
         # A row with no kept transition may carry anything in its conditioning too.
@@ -527,6 +529,8 @@ class FlowGRPOObjective(AbstractFlowObjective):
             ratio=mean_of("ratio"),
             counted=count,
             step_ratios=step_ratios,
-            log_probs=jax.lax.stop_gradient(scored["log_prob"]),
+            log_probs=(
+                jax.lax.stop_gradient(scored["log_prob"]) if step.report_log_probs else None
+            ),
         )
         return mean_of("objective"), aux

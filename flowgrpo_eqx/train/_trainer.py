@@ -331,7 +331,11 @@ class Trainer(eqx.Module):
             total, aux = self.objective.loss(
                 Variables(policy=policy, held=variables.held),
                 batch,
-                Step(index=state.step, key=step_key),
+                Step(
+                    index=state.step,
+                    key=step_key,
+                    report_log_probs=self.old_log_probs == "update",
+                ),
             )
             return total.value, (total, aux)
 
@@ -339,9 +343,8 @@ class Trainer(eqx.Module):
             trainable
         )
         log_probs = None
-        if isinstance(aux, Aux):
-            if self.old_log_probs == "update":
-                log_probs = aux.log_probs
+        if isinstance(aux, Aux) and aux.log_probs is not None:
+            log_probs = aux.log_probs
             aux = dataclasses.replace(aux, log_probs=None)
         # optax mixes Python floats with its int32 step count (bias correction, schedules),
         # which strict dtype promotion rejects; only the optimizer's arithmetic is exempt.
