@@ -44,7 +44,7 @@ def _epoch_seconds(job, trainer, rollout, variables, rows) -> float:
     times = []
     for epoch in range(1, TIMED_EPOCHS + 2):
         started = time.perf_counter()
-        state, metrics, _ = flow_grpo_epoch(
+        state, _, _ = flow_grpo_epoch(
             trainer, state, rollout, job.epoch_rows(epoch), jax.random.key(epoch),
             epoch=epoch, minibatch_rows=rows,
         )  # fmt: skip

@@ -24,31 +24,20 @@ import dataclasses
 import os
 import signal
 import sys
-import types
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .config import JobConfig, config_to_toml, make_config, read_config_file
+from .config import JobConfig, config_to_toml, make_config, read_config_file, split_optional
 
 
 _BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
-def _optional(annotation: Any) -> tuple[bool, Any]:
-    """Whether a field's type admits `None`, and its type without `None` (`X | None` and
-    `Optional[Literal[...]]` alike)."""
-    args = typing.get_args(annotation)
-    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    if not (union and type(None) in args):
-        return False, annotation
-    return True, next(a for a in args if a is not type(None))
-
-
 def _parser_for(annotation: Any) -> Callable[[str], Any]:
     """A string parser for a `JobConfig` field's type (`int`, `float | None`, a `Literal`,
     a tuple given comma-separated)."""
-    optional, base = _optional(annotation)
+    optional, base = split_optional(annotation)
 
     def parse(text: str) -> Any:
         if optional and text.lower() == "none":
@@ -76,7 +65,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(JobConfig):
         flag = "--" + field.name.replace("_", "-")
         annotation = hints[field.name]
-        optional, base = _optional(annotation)
+        optional, base = split_optional(annotation)
         literal = typing.get_origin(base) is typing.Literal
         choices = typing.get_args(base) if literal and not optional else None
         metavar = None

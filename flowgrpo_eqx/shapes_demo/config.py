@@ -517,13 +517,30 @@ def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(JobConfig)
 
 
-def _accepts(annotation: Any, value: Any) -> bool:
-    """Whether a TOML value fits a `JobConfig` field's type (`"none"` stands for `None`)."""
+def split_optional(annotation: Any) -> tuple[bool, Any]:
+    """Whether a `JobConfig` field's type admits `None`, and the type without it.
+
+    **Arguments:**
+
+    - `annotation`: the field's type (`X | None` and `Optional[Literal[...]]` alike).
+
+    **Returns:**
+
+    `(optional, base)`: `base` is `X` for an optional type, else `annotation` itself.
+    """
     args = typing.get_args(annotation)
     union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    if union and type(None) in args:
-        inner = next(a for a in args if a is not type(None))
+    if not (union and type(None) in args):
+        return False, annotation
+    return True, next(a for a in args if a is not type(None))
+
+
+def _accepts(annotation: Any, value: Any) -> bool:
+    """Whether a TOML value fits a `JobConfig` field's type (`"none"` stands for `None`)."""
+    optional, inner = split_optional(annotation)
+    if optional:
         return value == "none" or _accepts(inner, value)
+    args = typing.get_args(annotation)
     if typing.get_origin(annotation) is Literal:
         return value in args
     if typing.get_origin(annotation) is tuple:
