@@ -7,11 +7,26 @@ The `flowgrpo-eqx` processes that tests start compile the same programs run afte
 share a persistent compilation cache (JAX's own, keyed by the program, the JAX version and
 the devices), which leaves their results unchanged and saves most of each run's start. The
 test processes themselves do not use it: tests that count compilations must see real ones.
+
+Under `bench/mutation.sh` (`FLOWGRPO_EQX_MUTATION=1`, docs/mutation.md) four things change.
+None can turn a surviving mutant into a killed one; the last can only do the opposite, so the
+score measured is a lower bound for the full suite:
+
+- the test process uses a persistent compilation cache of its own: a program the mutant
+  changed misses it and is compiled, an unchanged one is read back;
+- Hypothesis does not shrink a failing example (a failure is all the run needs to know);
+- the tests run fastest first, by the durations mutmut recorded, so that with `-x` a killed
+  mutant stops at the cheapest test that kills it;
+- the property tests run a quarter of their examples (`PROPERTY_TESTS_SCALE=0.25` unless
+  set), because a surviving mutant runs every test that reaches it.
 """
 
+import json
 import os
+import pathlib
 import tempfile
 
+import hypothesis
 import jax
 import pytest
 
@@ -26,6 +41,32 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+MUTATION_RUN = os.environ.get("FLOWGRPO_EQX_MUTATION") == "1"
+
+if MUTATION_RUN:
+    os.environ.setdefault("PROPERTY_TESTS_SCALE", "0.25")
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update(
+        "jax_compilation_cache_dir",
+        os.path.join(tempfile.gettempdir(), f"flowgrpo-eqx-mutation-cache-{os.getuid()}"),
+    )
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    hypothesis.settings.register_profile(
+        "mutation",
+        phases=[hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate],
+    )
+    hypothesis.settings.load_profile("mutation")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """In a mutation run, order the tests by the duration mutmut recorded for each."""
+    stats = pathlib.Path("mutmut-stats.json")
+    if not MUTATION_RUN or not stats.exists():
+        return
+    durations = json.loads(stats.read_text())["duration_by_test"]
+    items.sort(key=lambda item: durations.get(item.nodeid, float("inf")))
 
 
 @pytest.fixture

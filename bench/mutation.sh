@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Mutation testing of the mathematical modules with mutmut 3 (pip install -e ".[mutation]").
 #
-#   bench/mutation.sh                      # _advantages, _process and _sde
-#   bench/mutation.sh _objective           # any of the modules listed in [tool.mutmut]
+#   bench/mutation.sh                      # every module listed in [tool.mutmut]
+#   bench/mutation.sh _objective           # one or more of them
 #
 # The configuration is pyproject.toml's [tool.mutmut]: which files are mutated, which test
 # files run (-x, no cache, no xdist), and a fork server that has imported only third-party
@@ -14,11 +14,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "$#" -eq 0 ]; then
-    set -- _advantages _process _sde
+    set -- _advantages _process _sde _objective _guided_flow _nft
 fi
+export FLOWGRPO_EQX_MUTATION=1
 names=()
 for module in "$@"; do
     names+=("flowgrpo_eqx.${module}.*")
 done
-mutmut run --max-children "${MUTATION_CHILDREN:-1}" "${names[@]}" || true
+mutmut run --max-children "${MUTATION_CHILDREN:-2}" "${names[@]}" || true
 python bench/mutation_score.py "$@"
