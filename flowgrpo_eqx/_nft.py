@@ -54,7 +54,7 @@ class NFTBatch(eqx.Module):
         self.latents = latents
         self.advantages = advantages
         self.cond = cond
-        self.mask = jnp.ones((jnp.shape(latents)[0],), bool) if mask is None else mask
+        self.mask = jnp.ones(jnp.shape(latents)[:1], bool) if mask is None else mask
 
     def __check_init__(self) -> None:
         if jnp.ndim(self.latents) < 1:
