@@ -3,12 +3,19 @@ kept through low-precision inputs, the boundaries of argument checks, and error 
 Each kills mutants that survived the formula tests, or was written against the diff of one
 not yet run (docs/mutation.md)."""
 
+import contextlib
+import re
+from collections.abc import Iterator
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
+from tests import numpy_reference as ref
+from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
 # --------------------------------------------------------------------------------------
@@ -156,3 +163,463 @@ def test_sde_messages_name_the_argument_first():
     grid = fg.RectifiedFlow().timesteps(4)
     with pytest.raises(ValueError, match=r"^`first`=2 and `count`=2 select transitions outside"):
         fg.window_for_indices(grid, 2, 2)
+
+
+def exact_message(message: str) -> str:
+    """A `pytest.raises(match=...)` pattern for exactly `message`, case and all."""
+    return "^" + re.escape(message) + "$"
+
+
+@contextlib.contextmanager
+def raises_named(message: str) -> Iterator[None]:
+    """The library's exact `ValueError` for an argument of the wrong type, or, when the
+    runtime type checker of the test suite's default options is on, the checker's error
+    (which comes first)."""
+    with pytest.raises(NAMED_ARGUMENT_ERRORS) as error:
+        yield
+    if error.type is ValueError:
+        assert str(error.value) == message
+
+
+# --------------------------------------------------------------------------------------
+# per_reward_advantages: float64 terms whatever the inputs' dtype, and its messages.
+
+
+def test_per_reward_terms_are_float64_for_float32_components():
+    # Near 1e8 a float32 mean rounds by tens: each term must be computed from float64 values.
+    components = np.array([[1e8, 1e8 + 8, 1e8 + 16, 1e8 + 40], [0.0, 1.0, 3.0, 2.0]], np.float32)
+    got = fg.per_reward_advantages(components, np.array([1.0, 0.5], np.float32), groups=4)
+    exact = components.astype(np.float64)
+    terms = (exact - exact.mean(axis=1, keepdims=True)) / (exact.std(axis=1, keepdims=True) + 1e-4)
+    np.testing.assert_allclose(got, terms[0] + 0.5 * terms[1], rtol=1e-6)
+
+
+def test_per_reward_messages_give_the_expected_shapes():
+    with pytest.raises(
+        ValueError, match=exact_message("`weights` must have shape [R] = (2,), got (3,).")
+    ):
+        fg.per_reward_advantages(np.zeros((2, 4)), [1.0, 2.0, 3.0], groups=2)
+    with pytest.raises(
+        ValueError, match=exact_message("`components` must have shape [R, N], got (4,).")
+    ):
+        fg.per_reward_advantages(np.zeros(4), [1.0], groups=2)
+    with pytest.raises(
+        ValueError, match=exact_message("`weights` must be finite, got [1.0, nan].")
+    ):
+        fg.per_reward_advantages(np.zeros((2, 4)), [1.0, np.nan], groups=2)
+
+
+# --------------------------------------------------------------------------------------
+# GuidedFlow: the decoder's clip to [-1, 1], the bfloat16 cast of what the model sees, and
+# the time the ODE sampler passes in the state's dtype.
+
+
+def _times_model(x, t, cond):
+    return x * t
+
+
+class _Doubling(fg.AbstractAutoEncoder):
+    """A decoder whose samples leave [-1, 1] (the identity one clips on its own)."""
+
+    def encode(self, sample):
+        return sample / 2
+
+    def decode(self, latent):
+        return latent * 2
+
+
+def test_decode_clips_to_minus_one_and_one():
+    flow = fg.GuidedFlow(
+        _times_model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, autoencoder=_Doubling()
+    )
+    latents = jnp.asarray([[-3.0, -0.5, -0.125], [0.375, 0.5, 2.0]], jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(flow.decode(latents)), [[-1.0, -1.0, -0.25], [0.75, 1.0, 1.0]]
+    )
+
+
+def test_bfloat16_precision_casts_only_wide_floats_for_the_model():
+    seen = {}
+
+    def model(x, t, cond):
+        seen.update(x=x.dtype, t=t.dtype, scale=cond["scale"].dtype, label=cond["label"].dtype)
+        seen["half"] = cond["half"].dtype
+        return x * t * cond["scale"] * cond["half"].astype(x.dtype)
+
+    flow = fg.GuidedFlow(
+        model,
+        fg.RectifiedFlow(),
+        fg.InputSpec(),
+        guidance=None,
+        precision="bfloat16",
+    )
+    cond = {
+        "scale": jnp.full((2,), 2.0, jnp.float32),
+        "label": jnp.asarray([3, 4], jnp.int32),
+        "half": jnp.ones((2,), jnp.float16),
+    }
+    x = jnp.asarray([[1.0, -0.5], [0.25, 4.0]], jnp.float32)
+    got = flow.call_model(model, x, jnp.asarray([0.5, 0.5], jnp.float32), cond)
+    assert seen == dict(
+        x=jnp.bfloat16, t=jnp.bfloat16, scale=jnp.bfloat16, label=jnp.int32, half=jnp.float16
+    )
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), [[1.0, -0.5], [0.25, 4.0]])
+
+
+def test_the_sampler_gets_times_in_the_state_dtype():
+    seen = []
+
+    def model(x, t, cond):
+        seen.append(t.dtype)
+        return x * t
+
+    flow = fg.GuidedFlow(model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None)
+    # The solvers' float32 time steps meet a float64 state only under standard promotion.
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
+        noise = jnp.ones((2, 3), jnp.float64)
+        got = flow.sample_latents(model, jnp.zeros((2, 1)), noise, fg.Euler(), 3)
+        assert got.dtype == jnp.float64 and set(seen) == {jnp.dtype(jnp.float64)}
+        low = flow.sample_latents(
+            model, jnp.zeros((2, 1)), noise.astype(jnp.bfloat16), fg.Euler(), 3
+        )
+        assert low.dtype == jnp.float32
+    # Two Euler steps of v = x t from t = 1: x (1 - 1/2) (1 - 1/4).
+    np.testing.assert_allclose(np.asarray(got), np.full((2, 3), 0.375), rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------
+# The objectives choose their dtypes themselves: enabling x64 (where a missing `dtype=`
+# would mean float64) changes neither the values nor the gradients of float32 inputs.
+
+
+@eqx.filter_jit
+def _value_and_grad(objective, variables, batch, step):
+    def value(policy):
+        total, aux = objective.loss(eqx.tree_at(lambda v: v.policy, variables, policy), batch, step)
+        return total.value, (total, aux)
+
+    return eqx.filter_value_and_grad(value, has_aux=True)(variables.policy)
+
+
+def _assert_same_trees(got, want):
+    got_leaves = jax.tree.leaves(eqx.filter(got, eqx.is_array))
+    want_leaves = jax.tree.leaves(eqx.filter(want, eqx.is_array))
+    assert len(got_leaves) == len(want_leaves)
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert g.dtype == w.dtype, (g.dtype, w.dtype)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("beta, guard", [(0.0, None), (0.3, fg.GRPOGuard())])
+def test_flow_grpo_loss_is_unchanged_by_x64(beta, guard):
+    from tests import test_objective as objective_tests
+
+    objective = eqx.tree_at(
+        lambda o: o.guard,
+        objective_tests.make_objective(beta=beta),
+        guard,
+        is_leaf=lambda x: x is None,
+    )
+    policy = objective_tests.LinearVelocity(jax.random.key(1))
+    variables = fg.Variables(policy=policy, held=objective_tests.LinearVelocity(jax.random.key(2)))
+    batch = objective_tests.make_batch(0, poison=True)
+    step = fg.Step(index=0, key=jax.random.key(3), report_log_probs=True)
+    want = _value_and_grad(objective, variables, batch, step)
+    with jax.enable_x64(True):
+        got = _value_and_grad(objective, variables, batch, step)
+    _assert_same_trees(got, want)
+
+
+def test_nft_loss_is_unchanged_by_x64():
+    from tests import test_nft as nft_tests
+    from tests.test_objective import LinearVelocity
+
+    objective = nft_tests.make_objective(guidance=fg.CFG(2.0))
+    variables = fg.Variables(
+        policy=LinearVelocity(jax.random.key(1)), held=LinearVelocity(jax.random.key(2))
+    )
+    batch = nft_tests.make_batch(0, poison=True)
+    want = _value_and_grad(objective, variables, batch, nft_tests.STEP)
+    with jax.enable_x64(True):
+        got = _value_and_grad(objective, variables, batch, nft_tests.STEP)
+    _assert_same_trees(got, want)
+
+
+# --------------------------------------------------------------------------------------
+# nft_batch and the guard's settings.
+
+
+def test_nft_batch_takes_the_final_latents_the_rows_and_their_advantages():
+    from tests import test_objective as objective_tests
+
+    batch = objective_tests.make_batch(1, n=3, k=2, steps=4)
+    final = jnp.arange(3 * objective_tests.DIM, dtype=jnp.float32).reshape(3, -1)
+    info = fg.RolloutInfo(
+        rewards=np.zeros(3),
+        reward_mean=np.float32(0.0),
+        zero_std_fraction=0.0,
+        mean_group_std=0.0,
+        samples=final,
+        final=final,
+        seconds={},
+        reward_calls_here=1,
+        window_start=0,
+    )
+    nft = fg.nft_batch(batch, info)
+    np.testing.assert_array_equal(nft.latents, final)
+    np.testing.assert_array_equal(nft.advantages, batch.advantages)
+    np.testing.assert_array_equal(nft.cond, batch.cond)
+    np.testing.assert_array_equal(nft.mask, [True, True, True])
+    per_transition = objective_tests.make_batch(
+        1, n=3, k=2, steps=4, advantages_per_transition=True
+    )
+    message = (
+        "DiffusionNFT needs one advantage per row, got Transitions.advantages of shape (3, 2)."
+    )
+    with pytest.raises(ValueError, match=exact_message(message)):
+        fg.nft_batch(per_transition, info)
+
+
+def test_a_guard_that_does_nothing_is_refused_by_name():
+    message = "`ratio_norm` and `reweight` are both False: the guard does nothing."
+    with pytest.raises(ValueError, match=exact_message(message)):
+        fg.GRPOGuard(ratio_norm=False, reweight=False)
+    assert fg.GRPOGuard(ratio_norm=False).reweight and fg.GRPOGuard(reweight=False).ratio_norm
+
+
+# --------------------------------------------------------------------------------------
+# DiffusionNFT: documented defaults, the boundaries of its checks, and the LoRA old policy.
+
+
+def _nft(**settings):
+    from tests.test_objective import LinearVelocity
+
+    return fg.DiffusionNFTObjective(
+        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), **settings
+    )
+
+
+def test_nft_defaults_are_the_documented_ones():
+    objective = _nft(guidance=None)
+    assert (objective.beta, objective.adv_max, objective.steps) == (1.0, 5.0, 41)
+    assert objective.pretrained is None and isinstance(objective.sampler, fg.Euler)
+    assert objective.flow.precision == "float32"
+    assert isinstance(objective.flow.autoencoder, fg.IdentityAutoEncoder)
+    from tests.test_objective import NULL, LinearVelocity
+
+    guided = fg.DiffusionNFTObjective(
+        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(null=jnp.asarray(NULL))
+    )
+    assert guided.flow.guidance == fg.CFG(3.0)
+
+
+def test_nft_passes_its_arguments_on():
+    from tests.test_objective import LinearVelocity
+
+    pretrained = LinearVelocity(jax.random.key(7))
+    objective = _nft(
+        guidance=None,
+        autoencoder=_Doubling(),
+        precision="bfloat16",
+        pretrained=pretrained,
+        sampler=fg.Heun(),
+        adv_max=0.5,
+        steps=2,
+    )
+    assert isinstance(objective.flow.autoencoder, _Doubling)
+    assert objective.flow.precision == "bfloat16" and objective.pretrained is pretrained
+    assert isinstance(objective.sampler, fg.Heun)
+    assert (objective.adv_max, objective.steps) == (0.5, 2)
+
+
+def test_nft_messages_are_exact():
+    with raises_named("`sampler` must be an AbstractSolver, got 'euler'."):
+        _nft(guidance=None, sampler="euler")
+    message = (
+        "DiffusionNFT's old policy is the held slot, which is None: train a LoRA policy with an "
+        "EMA (Trainer(ema_decay=...))."
+    )
+    policy = _nft(guidance=None).initial_policy()
+    with pytest.raises(ValueError, match=exact_message(message)):
+        _nft(guidance=None).old_policy(fg.Variables(policy=policy, held=None))
+
+
+def test_nft_batch_accepts_scalar_latents_and_one_dimensional_rows():
+    batch = fg.NFTBatch(latents=jnp.ones(3), advantages=jnp.ones(3), cond=jnp.arange(3.0))
+    assert batch.num_rows == 3
+    with raises_named("NFTBatch.latents has shape (), expected [N, *latent]."):
+        fg.NFTBatch(latents=jnp.ones(()), advantages=jnp.ones(3), cond=jnp.ones(3))
+    with raises_named("NFTBatch.mask must be a bool array, got dtype int32."):
+        fg.NFTBatch(
+            latents=jnp.ones(3), advantages=jnp.ones(3), cond=jnp.ones(3),
+            mask=jnp.ones(3, jnp.int32),
+        )  # fmt: skip
+
+
+def test_nft_old_policy_of_a_lora_policy_is_the_policy_with_the_held_adapters():
+    from flowgrpo_eqx import lora
+
+    def adapted(seed):
+        model = lora.add(eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0)), 2, key=jax.random.key(1))
+        noisy = jax.tree.map(
+            lambda a: a + jax.random.normal(jax.random.key(seed), a.shape), lora.adapters(model)
+        )
+        return lora.with_adapters(model, noisy)
+
+    policy, old = adapted(2), adapted(3)
+    got = _nft(guidance=None).old_policy(fg.Variables(policy=policy, held=lora.adapters(old)))
+    _assert_same_trees(lora.adapters(got), lora.adapters(old))
+    _assert_same_trees(lora.without_adapters(got), lora.without_adapters(policy))
+
+
+# --------------------------------------------------------------------------------------
+# The KL computes in float32 for low-precision means, whatever JAX's default dtype.
+
+
+@pytest.mark.parametrize("sde", [fg.FlowSDE(0.7), fg.CoefficientsPreservingSDE(0.7)])
+def test_kl_of_bfloat16_means_is_float32_with_x64_enabled(sde):
+    mean = np.array([0.5, -1.0, 0.75])
+    mean_ref = np.array([0.25, 0.0, 1.0])
+    want = ref.kl_paper(mean, mean_ref, 0.5)
+    released = fg.FlowSDE(0.7, kl_weighting="released")
+    with jax.enable_x64(True):
+        low, low_ref = jnp.asarray(mean, jnp.bfloat16), jnp.asarray(mean_ref, jnp.bfloat16)
+        # The std and dt as a bfloat16 array and a NumPy float64 (not weakly typed): cast too.
+        std = jnp.asarray(0.5, jnp.bfloat16)
+        got = sde.kl(low, low_ref, std)
+        weighted = released.kl(low, low_ref, std, np.float64(-0.25))
+    assert got.dtype == jnp.float32 and weighted.dtype == jnp.float32
+    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    np.testing.assert_allclose(float(weighted), 0.25 * want, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# The null condition's per-example shapes are checked against the rows'.
+
+
+def test_a_null_condition_of_another_shape_is_named():
+    flow = fg.GuidedFlow(
+        _times_model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.zeros(3)), guidance=fg.CFG(2.0)
+    )
+    message = (
+        "The rows' conditioning does not match the null condition: per example the rows give "
+        "shapes (2,), the null condition (InputSpec.null) (3,)."
+    )
+    with pytest.raises(ValueError, match=exact_message(message)):
+        flow.null_like(jnp.zeros((4, 2)))
+    with pytest.raises(
+        ValueError, match=r"rows give shapes \(2, 3\), the null condition .* \(2, 4\)"
+    ):
+        fg.GuidedFlow(
+            _times_model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.zeros((2, 4))),
+        ).null_like(jnp.zeros((1, 2, 3)))  # fmt: skip
+    assert flow.null_like(jnp.ones((4, 3))).shape == (4, 3)
+
+
+# --------------------------------------------------------------------------------------
+# The frozen reference keeps a model's non-array fields.
+
+
+class _ScaledVelocity(eqx.Module):
+    weight: jax.Array
+    scale: float
+
+    def __call__(self, x, t, cond):
+        return self.scale * (self.weight * x) * t
+
+
+def test_the_kl_reference_keeps_non_array_fields():
+    from tests import test_objective as objective_tests
+
+    def objective(scale):
+        model = _ScaledVelocity(jnp.full(objective_tests.DIM, 0.5), scale)
+        return fg.FlowGRPOObjective(
+            model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.5, clip_range=0.2
+        )
+
+    batch = objective_tests.make_batch(0)
+    step = fg.Step(index=0, key=jax.random.key(0))
+    values = []
+    for scale in (2.0, jnp.asarray(2.0)):
+        variables = objective(scale).init(jax.random.key(0))
+        policy = eqx.tree_at(
+            lambda m: m.weight, variables.policy, jnp.full(objective_tests.DIM, 0.75)
+        )
+        total, aux = objective(scale).loss(
+            eqx.tree_at(lambda v: v.policy, variables, policy), batch, step
+        )
+        values.append((float(total.value), float(aux.kl.value)))
+    assert values[0] == values[1] and values[0][1] > 0
+
+
+# --------------------------------------------------------------------------------------
+# FlowGRPOObjective: the boundaries of its checks, exact messages, arguments passed on, and
+# the KL reference of a LoRA policy.
+
+
+def _flow_grpo(**settings):
+    from tests.test_objective import LinearVelocity
+
+    return fg.FlowGRPOObjective(
+        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), **settings
+    )
+
+
+def test_flow_grpo_accepts_its_smallest_settings_and_passes_arguments_on():
+    objective = _flow_grpo(
+        guidance=None,
+        adv_clip_max=0.5,
+        steps=2,
+        autoencoder=_Doubling(),
+        precision="bfloat16",
+        remat=False,
+        guard=fg.GRPOGuard(),
+    )
+    assert (objective.adv_clip_max, objective.steps, objective.remat) == (0.5, 2, False)
+    assert isinstance(objective.flow.autoencoder, _Doubling)
+    assert objective.flow.precision == "bfloat16" and objective.guard == fg.GRPOGuard()
+
+
+def test_flow_grpo_messages_are_exact():
+    with pytest.raises(ValueError, match=exact_message("`steps` must be an int >= 2, got 1.")):
+        _flow_grpo(guidance=None, steps=1)
+    chunk = "`transition_chunk` must be None or an int >= 1, got 0."
+    with pytest.raises(ValueError, match=exact_message(chunk)):
+        _flow_grpo(guidance=None, transition_chunk=0)
+    with raises_named("`sde` must be an AbstractSDE, got 'flow'."):
+        _flow_grpo(guidance=None, sde="flow")
+    with raises_named("`sampler` must be an AbstractSolver, got 'euler'."):
+        _flow_grpo(guidance=None, sampler="euler")
+    with raises_named("`guard` must be a GRPOGuard or None, got 'ratio_norm'."):
+        _flow_grpo(guidance=None, guard="ratio_norm")
+
+
+class _LinearModel(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, t, cond):
+        return self.linear(x) * t
+
+
+def test_the_kl_reference_of_a_lora_policy_is_its_base():
+    from flowgrpo_eqx import lora
+    from tests import test_objective as objective_tests
+
+    dim = objective_tests.DIM
+    base = _LinearModel(eqx.nn.Linear(dim, dim, key=jax.random.key(0)))
+    adapted = lora.add(base, 2, key=jax.random.key(1))
+    adapted = lora.with_adapters(
+        adapted,
+        jax.tree.map(lambda a: a + 0.3, lora.adapters(adapted)),
+    )
+    objective = fg.FlowGRPOObjective(
+        base, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.5, clip_range=0.2
+    )
+    batch = objective_tests.make_batch(0)
+    step = fg.Step(index=0, key=jax.random.key(0))
+    _, with_lora = objective.loss(fg.Variables(policy=adapted, held=None), batch, step)
+    merged = fg.Variables(policy=lora.merge(adapted), held=lora.without_adapters(adapted))
+    _, with_held = objective.loss(merged, batch, step)
+    assert float(with_lora.kl.value) > 0
+    np.testing.assert_allclose(float(with_lora.kl.value), float(with_held.kl.value), rtol=1e-5)
