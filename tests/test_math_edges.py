@@ -623,3 +623,52 @@ def test_the_kl_reference_of_a_lora_policy_is_its_base():
     _, with_held = objective.loss(merged, batch, step)
     assert float(with_lora.kl.value) > 0
     np.testing.assert_allclose(float(with_lora.kl.value), float(with_held.kl.value), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# FlowGRPOObjective.loss: the clip fractions count ratios strictly outside the clip range,
+# and the per-transition log densities are reported when the step asks.
+
+
+def _single_kept_transition(seed):
+    from tests import test_objective as objective_tests
+
+    batch = objective_tests.make_batch(seed, n=1, k=2, steps=4)
+    return eqx.tree_at(lambda b: b.transition_mask, batch, jnp.asarray([[True, False]]))
+
+
+@pytest.mark.parametrize("seed", [1, 5])  # ratios 0.78 and 1.32
+def test_a_ratio_exactly_at_the_clip_range_is_not_clipped(seed):
+    from tests import test_objective as objective_tests
+
+    batch = _single_kept_transition(seed)
+    variables = fg.Variables(policy=objective_tests.LinearVelocity(jax.random.key(1)), held=None)
+    step = fg.Step(index=0, key=jax.random.key(0))
+    _, aux = objective_tests.make_objective(clip_range=0.2).loss(variables, batch, step)
+    ratio = np.float32(aux.ratio.total)
+    assert float(aux.counted) == 1.0 and ratio != 1.0
+    boundary = float(abs(ratio - np.float32(1.0)))  # exact in float32 for ratios in [0.5, 2]
+    _, aux = objective_tests.make_objective(clip_range=boundary).loss(variables, batch, step)
+    assert np.float32(aux.ratio.total) == ratio
+    assert float(aux.clipfrac.total) == 0.0
+    assert float(aux.clipfrac_gt_one.total) == 0.0 and float(aux.clipfrac_lt_one.total) == 0.0
+    _, aux = objective_tests.make_objective(clip_range=boundary * 0.99).loss(variables, batch, step)
+    assert float(aux.clipfrac.total) == 1.0
+    assert float(aux.clipfrac_gt_one.total) == float(ratio > 1)
+    assert float(aux.clipfrac_lt_one.total) == float(ratio < 1)
+
+
+def test_the_loss_reports_log_densities_when_the_step_asks():
+    from tests import test_objective as objective_tests
+
+    objective = objective_tests.make_objective()
+    variables = fg.Variables(policy=objective_tests.LinearVelocity(jax.random.key(1)), held=None)
+    batch = objective_tests.make_batch(0)
+    _, aux = objective.loss(variables, batch, fg.Step(index=0, key=jax.random.key(0)))
+    assert aux.log_probs is None
+    asked = fg.Step(index=0, key=jax.random.key(0), report_log_probs=True)
+    _, aux = objective.loss(variables, batch, asked)
+    kept = np.asarray(objective.kept(batch))
+    want = np.where(kept, np.asarray(objective.log_probs(variables, batch)), 0.0)
+    np.testing.assert_allclose(np.asarray(aux.log_probs), want, rtol=1e-6, atol=1e-6)
+    assert np.any(np.asarray(aux.log_probs) != 0.0)
