@@ -672,3 +672,28 @@ def test_the_loss_reports_log_densities_when_the_step_asks():
     want = np.where(kept, np.asarray(objective.log_probs(variables, batch)), 0.0)
     np.testing.assert_allclose(np.asarray(aux.log_probs), want, rtol=1e-6, atol=1e-6)
     assert np.any(np.asarray(aux.log_probs) != 0.0)
+
+
+def test_transition_allowed_makes_the_forbidden_rows_deterministic():
+    from tests import test_objective as objective_tests
+
+    objective = objective_tests.make_objective(guidance=False)
+    model = objective_tests.LinearVelocity(jax.random.key(1))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, objective_tests.DIM)), jnp.float32)
+    cond = jnp.asarray(rng.normal(size=(3, objective_tests.COND)), jnp.float32)
+    t = jnp.asarray([0.75, 0.5, 0.625], jnp.float32)
+    t_next = jnp.asarray([0.5, 0.25, 0.375], jnp.float32)
+    allowed = jnp.asarray([True, False, True])
+    mean, std = objective.transition(model, x, t, t_next, cond, allowed)
+    free_mean, free_std = objective.transition(model, x, t, t_next, cond)
+    v = jax.vmap(model)(x, t, cond)
+    for row in range(3):
+        want_mean, want_std = objective.sde.transition(
+            x[row], v[row], t[row], t_next[row], allowed[row]
+        )
+        np.testing.assert_allclose(np.asarray(mean[row]), np.asarray(want_mean), rtol=1e-6)
+        assert float(std[row]) == float(want_std)
+    assert float(std[1]) == 0.0 and float(free_std[1]) > 0.0
+    np.testing.assert_array_equal(np.asarray(std[::2]), np.asarray(free_std[::2]))
+    np.testing.assert_array_equal(np.asarray(mean[::2]), np.asarray(free_mean[::2]))
