@@ -697,3 +697,16 @@ def test_transition_allowed_makes_the_forbidden_rows_deterministic():
     assert float(std[1]) == 0.0 and float(free_std[1]) > 0.0
     np.testing.assert_array_equal(np.asarray(std[::2]), np.asarray(free_std[::2]))
     np.testing.assert_array_equal(np.asarray(mean[::2]), np.asarray(free_mean[::2]))
+
+
+def test_a_lora_policy_holds_no_reference():
+    from flowgrpo_eqx import lora
+
+    base = _LinearModel(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
+    objective = fg.FlowGRPOObjective(
+        lora.add(base, 2, key=jax.random.key(1)), fg.RectifiedFlow(), fg.InputSpec(),
+        guidance=None, beta=0.5,
+    )  # fmt: skip
+    assert objective.held_variables() == fg.Variables(policy=False, held=False)
+    frozen = fg.FlowGRPOObjective(base, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.5)
+    assert frozen.held_variables() == fg.Variables(policy=False, held=True)
