@@ -1,8 +1,11 @@
 """Summarise mutmut's results in mutants/: the mutation score per module and the survivors.
 
 `python bench/mutation_score.py _advantages _sde` prints, per module, how many mutants were
-killed (a test failed), timed out (counted as killed: the mutant made a test hang), survived
-or were not reached by any test, and the score `killed / (killed + survived + untested)`.
+killed (a test failed), errored (mutmut's exit 255, which it files under "timeout": the test
+run raised, in practice a test module that failed to import with the mutant), timed out,
+survived, were not reached by any test, or are listed as equivalent in
+`bench/mutation_equivalent.txt` (an edit that changes no behaviour, with the reason). The
+score is `killed / (mutants run - equivalent)`, killed counting errors and timeouts.
 """
 
 import json
@@ -12,12 +15,26 @@ from collections import Counter
 
 
 KILLED = {1, 3}
-TIMEOUT = {24, -24, 152, 36, 255}
+ERRORED = {255}
+TIMEOUT = {24, -24, 152, 36}
 SURVIVED = {0}
 UNTESTED = {5, 33}
+MODULES = ["_advantages", "_process", "_sde", "_objective", "_guided_flow", "_nft"]
+EQUIVALENT = pathlib.Path(__file__).with_name("mutation_equivalent.txt")
+
+
+def equivalent_mutants(path: pathlib.Path = EQUIVALENT) -> dict[str, str]:
+    """The mutants listed as equivalent, each with its reason (`name  reason` per line)."""
+    listed = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, reason = line.partition(" ")
+            listed[name] = reason.strip()
+    return listed
 
 
 def summarise(modules: list[str], root: pathlib.Path = pathlib.Path("mutants")) -> int:
+    equivalent = equivalent_mutants()
     killed_all = counted_all = 0
     for module in modules:
         meta = root / "flowgrpo_eqx" / f"{module}.py.meta"
@@ -28,8 +45,16 @@ def summarise(modules: list[str], root: pathlib.Path = pathlib.Path("mutants")) 
         tally: Counter[str] = Counter()
         survivors = []
         for name, code in sorted(codes.items()):
-            if code in KILLED:
+            if code is None:
+                tally["not run"] += 1
+            elif name in equivalent:
+                tally["equivalent"] += 1
+                if code not in SURVIVED | UNTESTED:
+                    print(f"    listed as equivalent but exit {code}: {name}")
+            elif code in KILLED:
                 tally["killed"] += 1
+            elif code in ERRORED:
+                tally["errored"] += 1
             elif code in TIMEOUT:
                 tally["timeout"] += 1
             elif code in SURVIVED:
@@ -38,16 +63,15 @@ def summarise(modules: list[str], root: pathlib.Path = pathlib.Path("mutants")) 
             elif code in UNTESTED:
                 tally["untested"] += 1
                 survivors.append(name + " (no test)")
-            elif code is None:
-                tally["not run"] += 1
             else:
                 tally[f"exit {code}"] += 1
-        killed = tally["killed"] + tally["timeout"]
-        counted = killed + tally["survived"] + tally["untested"]
+                survivors.append(f"{name} (exit {code})")
+        killed = tally["killed"] + tally["errored"] + tally["timeout"]
+        counted = sum(tally.values()) - tally["not run"] - tally["equivalent"]
         killed_all += killed
         counted_all += counted
         score = 100.0 * killed / counted if counted else float("nan")
-        print(f"{module}: {dict(tally)}; score {killed}/{counted} = {score:.1f}%")
+        print(f"{module}: {dict(sorted(tally.items()))}; score {killed}/{counted} = {score:.1f}%")
         for name in survivors:
             print(f"    survived: {name}")
     if counted_all:
@@ -56,4 +80,4 @@ def summarise(modules: list[str], root: pathlib.Path = pathlib.Path("mutants")) 
 
 
 if __name__ == "__main__":
-    raise SystemExit(summarise(sys.argv[1:] or ["_advantages", "_process", "_sde"]))
+    raise SystemExit(summarise(sys.argv[1:] or MODULES))
