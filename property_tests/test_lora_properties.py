@@ -133,11 +133,14 @@ def test_random_adapters_compute_w_plus_scaled_ba(
     model = with_random_adapters(adapted_model(rank, alpha, chosen, seed), seed + 1, scale)
     x, t, cond = inputs(seed)
     expected = numpy_forward(model, x, t, cond)
-    np.testing.assert_allclose(np.asarray(vcall(model, x, t, cond)), expected, rtol=1e-5, atol=2e-6)
+    # float32 rounding is relative to the largest terms of a layer, not to each output: an
+    # output that cancels down from terms of size 50 keeps their absolute error.
+    atol = 4e-6 * max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(np.asarray(vcall(model, x, t, cond)), expected, rtol=1e-5, atol=atol)
     merged = eqx.filter_jit(lora.merge)(model)
     assert jax.tree.structure(merged) == jax.tree.structure(BASE)
     np.testing.assert_allclose(
-        np.asarray(vcall(merged, x, t, cond)), expected, rtol=1e-5, atol=2e-6
+        np.asarray(vcall(merged, x, t, cond)), expected, rtol=1e-5, atol=atol
     )
     assert leaves_equal(lora.base(model), BASE)
 
