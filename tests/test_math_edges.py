@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
-from tests import numpy_reference as ref
+from flowgrpo_eqx import lora
+from tests import numpy_reference as ref, test_nft as nft_tests, test_objective as objective_tests
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -313,7 +314,6 @@ def _assert_same_trees(got, want):
 
 @pytest.mark.parametrize("beta, guard", [(0.0, None), (0.3, fg.GRPOGuard())])
 def test_flow_grpo_loss_is_unchanged_by_x64(beta, guard):
-    from tests import test_objective as objective_tests
 
     objective = eqx.tree_at(
         lambda o: o.guard,
@@ -332,12 +332,11 @@ def test_flow_grpo_loss_is_unchanged_by_x64(beta, guard):
 
 
 def test_nft_loss_is_unchanged_by_x64():
-    from tests import test_nft as nft_tests
-    from tests.test_objective import LinearVelocity
 
     objective = nft_tests.make_objective(guidance=fg.CFG(2.0))
     variables = fg.Variables(
-        policy=LinearVelocity(jax.random.key(1)), held=LinearVelocity(jax.random.key(2))
+        policy=objective_tests.LinearVelocity(jax.random.key(1)),
+        held=objective_tests.LinearVelocity(jax.random.key(2)),
     )
     batch = nft_tests.make_batch(0, poison=True)
     want = _value_and_grad(objective, variables, batch, nft_tests.STEP)
@@ -351,7 +350,6 @@ def test_nft_loss_is_unchanged_by_x64():
 
 
 def test_nft_batch_takes_the_final_latents_the_rows_and_their_advantages():
-    from tests import test_objective as objective_tests
 
     batch = objective_tests.make_batch(1, n=3, k=2, steps=4)
     final = jnp.arange(3 * objective_tests.DIM, dtype=jnp.float32).reshape(3, -1)
@@ -393,10 +391,12 @@ def test_a_guard_that_does_nothing_is_refused_by_name():
 
 
 def _nft(**settings):
-    from tests.test_objective import LinearVelocity
 
     return fg.DiffusionNFTObjective(
-        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), **settings
+        objective_tests.LinearVelocity(jax.random.key(0)),
+        fg.RectifiedFlow(),
+        fg.InputSpec(),
+        **settings,
     )
 
 
@@ -406,18 +406,18 @@ def test_nft_defaults_are_the_documented_ones():
     assert objective.pretrained is None and isinstance(objective.sampler, fg.Euler)
     assert objective.flow.precision == "float32"
     assert isinstance(objective.flow.autoencoder, fg.IdentityAutoEncoder)
-    from tests.test_objective import NULL, LinearVelocity
 
     guided = fg.DiffusionNFTObjective(
-        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(null=jnp.asarray(NULL))
+        objective_tests.LinearVelocity(jax.random.key(0)),
+        fg.RectifiedFlow(),
+        fg.InputSpec(null=jnp.asarray(objective_tests.NULL)),
     )
     assert guided.flow.guidance == fg.CFG(3.0)
 
 
 def test_nft_passes_its_arguments_on():
-    from tests.test_objective import LinearVelocity
 
-    pretrained = LinearVelocity(jax.random.key(7))
+    pretrained = objective_tests.LinearVelocity(jax.random.key(7))
     objective = _nft(
         guidance=None,
         autoencoder=_Doubling(),
@@ -458,7 +458,6 @@ def test_nft_batch_accepts_scalar_latents_and_one_dimensional_rows():
 
 
 def test_nft_old_policy_of_a_lora_policy_is_the_policy_with_the_held_adapters():
-    from flowgrpo_eqx import lora
 
     def adapted(seed):
         model = lora.add(eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0)), 2, key=jax.random.key(1))
@@ -530,7 +529,6 @@ class _ScaledVelocity(eqx.Module):
 
 
 def test_the_kl_reference_keeps_non_array_fields():
-    from tests import test_objective as objective_tests
 
     def objective(scale):
         model = _ScaledVelocity(jnp.full(objective_tests.DIM, 0.5), scale)
@@ -559,10 +557,12 @@ def test_the_kl_reference_keeps_non_array_fields():
 
 
 def _flow_grpo(**settings):
-    from tests.test_objective import LinearVelocity
 
     return fg.FlowGRPOObjective(
-        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), **settings
+        objective_tests.LinearVelocity(jax.random.key(0)),
+        fg.RectifiedFlow(),
+        fg.InputSpec(),
+        **settings,
     )
 
 
@@ -603,8 +603,6 @@ class _LinearModel(eqx.Module):
 
 
 def test_the_kl_reference_of_a_lora_policy_is_its_base():
-    from flowgrpo_eqx import lora
-    from tests import test_objective as objective_tests
 
     dim = objective_tests.DIM
     base = _LinearModel(eqx.nn.Linear(dim, dim, key=jax.random.key(0)))
@@ -631,7 +629,6 @@ def test_the_kl_reference_of_a_lora_policy_is_its_base():
 
 
 def _single_kept_transition(seed):
-    from tests import test_objective as objective_tests
 
     batch = objective_tests.make_batch(seed, n=1, k=2, steps=4)
     return eqx.tree_at(lambda b: b.transition_mask, batch, jnp.asarray([[True, False]]))
@@ -639,7 +636,6 @@ def _single_kept_transition(seed):
 
 @pytest.mark.parametrize("seed", [1, 5])  # ratios 0.78 and 1.32
 def test_a_ratio_exactly_at_the_clip_range_is_not_clipped(seed):
-    from tests import test_objective as objective_tests
 
     batch = _single_kept_transition(seed)
     variables = fg.Variables(policy=objective_tests.LinearVelocity(jax.random.key(1)), held=None)
@@ -659,7 +655,6 @@ def test_a_ratio_exactly_at_the_clip_range_is_not_clipped(seed):
 
 
 def test_the_loss_reports_log_densities_when_the_step_asks():
-    from tests import test_objective as objective_tests
 
     objective = objective_tests.make_objective()
     variables = fg.Variables(policy=objective_tests.LinearVelocity(jax.random.key(1)), held=None)
@@ -675,7 +670,6 @@ def test_the_loss_reports_log_densities_when_the_step_asks():
 
 
 def test_transition_allowed_makes_the_forbidden_rows_deterministic():
-    from tests import test_objective as objective_tests
 
     objective = objective_tests.make_objective(guidance=False)
     model = objective_tests.LinearVelocity(jax.random.key(1))
@@ -700,7 +694,6 @@ def test_transition_allowed_makes_the_forbidden_rows_deterministic():
 
 
 def test_a_lora_policy_holds_no_reference():
-    from flowgrpo_eqx import lora
 
     base = _LinearModel(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
     objective = fg.FlowGRPOObjective(
