@@ -152,6 +152,19 @@ def test_any_float64_input_computes_in_float64(sde):
         assert sde.transition(low, low, 0.75, 0.5)[0].dtype == jnp.float32
 
 
+@pytest.mark.parametrize("sde", [fg.FlowSDE(0.7), fg.CoefficientsPreservingSDE(0.7)])
+def test_log_prob_takes_a_bfloat16_std_in_float32(sde):
+    # In bfloat16 `log std` and `std^2` would be off by about 0.4%.
+    rng = np.random.default_rng(0)
+    x_next = rng.normal(size=5).astype(np.float32)
+    mean = rng.normal(size=5).astype(np.float32)
+    std = jnp.asarray(0.3, jnp.bfloat16)
+    got = sde.log_prob(jnp.asarray(x_next), jnp.asarray(mean), std)
+    assert got.dtype == jnp.float32
+    want = ref.log_prob(x_next, mean, float(np.float32(std)))
+    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+
+
 def test_sde_messages_name_the_argument_first():
     with pytest.raises(ValueError, match=r"^`noise_level` must be a number >= 0, got -0.5"):
         fg.FlowSDE(-0.5)
@@ -703,3 +716,60 @@ def test_a_lora_policy_holds_no_reference():
     assert objective.held_variables() == fg.Variables(policy=False, held=False)
     frozen = fg.FlowGRPOObjective(base, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.5)
     assert frozen.held_variables() == fg.Variables(policy=False, held=True)
+
+
+# --------------------------------------------------------------------------------------
+# FlowGRPOObjective's scan over transitions: chunks padded only when `K` is not a multiple,
+# and rematerialised by default exactly when there is more than one chunk.
+
+
+def _jaxpr_equations(jaxpr) -> Iterator[object]:
+    for equation in jaxpr.eqns:
+        yield equation
+        for param in equation.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _jaxpr_equations(inner)
+
+
+def _traced_log_probs(chunk, remat, n, k):
+    objective = eqx.tree_at(
+        lambda o: o.remat,
+        objective_tests.make_objective(chunk=chunk),
+        remat,
+        is_leaf=lambda x: x is None,
+    )
+    variables = fg.Variables(policy=objective_tests.LinearVelocity(jax.random.key(1)), held=None)
+    batch = objective_tests.make_batch(0, n=n, k=k, steps=k + 2)
+    return list(_jaxpr_equations(eqx.filter_make_jaxpr(objective.log_probs)(variables, batch)[0]))
+
+
+@pytest.mark.parametrize(
+    "chunk, k, num_chunks, per_chunk",
+    [(None, 1, 1, 1), (None, 5, 1, 5), (3, 1, 1, 1), (3, 4, 2, 3), (2, 4, 2, 2), (8, 5, 1, 5)],
+)
+def test_the_scan_evaluates_chunks_of_the_documented_size(chunk, k, num_chunks, per_chunk):
+    n = 2
+    (scan,) = [e for e in _traced_log_probs(chunk, None, n, k) if e.primitive.name == "scan"]
+    first_xs = scan.params["num_consts"] + scan.params["num_carry"]
+    assert scan.params["length"] == num_chunks
+    for xs in scan.invars[first_xs:]:
+        assert xs.aval.shape[:2] == (num_chunks, per_chunk * n)
+
+
+@pytest.mark.parametrize(
+    "chunk, remat, k, expected",
+    [
+        (None, None, 4, False),
+        (4, None, 4, False),
+        (2, None, 4, True),
+        (1, None, 3, True),
+        (None, True, 4, True),
+        (2, False, 4, False),
+    ],
+)
+def test_remat_defaults_to_more_than_one_chunk(chunk, remat, k, expected):
+    remat_primitive = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
+    equations = _traced_log_probs(chunk, remat, 2, k)
+    assert any(e.primitive is remat_primitive for e in equations) == expected
