@@ -140,8 +140,8 @@ class AbstractSDE(eqx.Module):
         """
 
     def is_stochastic(
-        self, t: Float[ArrayLike, " *batch"], t_next: Float[ArrayLike, " *batch"]
-    ) -> Bool[Array, " *batch"]:
+        self, t: Float[ArrayLike, " *#batch"], t_next: Float[ArrayLike, " *#batch"]
+    ) -> Bool[Array, " *#batch"]:
         """Whether the transition `t -> t_next` samples noise (elementwise on arrays).
 
         It does when `noise_level > 0`, it lies inside the `window` (`t <= start` and

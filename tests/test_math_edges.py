@@ -165,6 +165,42 @@ def test_log_prob_takes_a_bfloat16_std_in_float32(sde):
     np.testing.assert_allclose(float(got), want, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "sde, kind", [(fg.FlowSDE(0.7), "flow"), (fg.CoefficientsPreservingSDE(0.7), "cps")]
+)
+def test_transition_takes_bfloat16_times_in_float32(sde, kind):
+    # In bfloat16, t / (1 - t) and the other time terms would be off by up to 0.4%.
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=4).astype(np.float32)
+    v = rng.normal(size=4).astype(np.float32)
+    t = jnp.asarray(0.9, jnp.bfloat16)
+    t_next = jnp.asarray(0.7, jnp.bfloat16)
+    mean, std = sde.transition(jnp.asarray(x), jnp.asarray(v), t, t_next)
+    assert mean.dtype == jnp.float32 and std.dtype == jnp.float32
+    want_mean, want_std = ref.transition(x, v, float(t), float(t_next), 0.7, kind)
+    np.testing.assert_allclose(np.asarray(mean), want_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(std), want_std, rtol=1e-5)
+
+
+def test_is_stochastic_has_the_broadcast_shape_of_its_times():
+    sde = fg.FlowSDE(0.7)
+    times = jnp.asarray([0.9, 0.5, 0.3], jnp.float32)
+    end = jnp.asarray(0.2, jnp.float32)
+    for t, t_next in ((times, end), (end + 0.7, times - 0.1)):
+        got = sde.is_stochastic(t, t_next)
+        assert got.shape == (3,)
+        want = [
+            ref.stochastic(a, b, 0.7) for a, b in np.broadcast(np.asarray(t), np.asarray(t_next))
+        ]
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_window_that_is_not_a_pair_is_named():
+    for window in ([0.8, 0.2], (0.8,), (0.8, 0.5, 0.2)):
+        with raises_named(f"`window` must be a pair (start, stop), got {window!r}."):
+            fg.FlowSDE(window=window)
+
+
 def test_sde_messages_name_the_argument_first():
     with pytest.raises(ValueError, match=r"^`noise_level` must be a number >= 0, got -0.5"):
         fg.FlowSDE(-0.5)
@@ -527,6 +563,41 @@ def test_a_null_condition_of_another_shape_is_named():
             _times_model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.zeros((2, 4))),
         ).null_like(jnp.zeros((1, 2, 3)))  # fmt: skip
     assert flow.null_like(jnp.ones((4, 3))).shape == (4, 3)
+
+
+def test_guided_flow_messages_are_exact():
+    def flow(**settings):
+        arguments = dict(
+            model=_times_model, process=fg.RectifiedFlow(), inputs=fg.InputSpec(), guidance=None
+        )
+        return fg.GuidedFlow(**(arguments | settings))
+
+    with raises_named("`model` must be callable as model(x, t, cond), got 3."):
+        flow(model=3)
+    with raises_named("`process` must be an AbstractProcess, got 'rectified'."):
+        flow(process="rectified")
+    with raises_named("`inputs` must be an InputSpec, got None."):
+        flow(inputs=None)
+    with raises_named("`guidance` must be a CFG or None, got 3.0."):
+        flow(guidance=3.0)
+    with raises_named("`autoencoder` must be an AbstractAutoEncoder, got 'vae'."):
+        flow(autoencoder="vae")
+    precisions = "('float32', 'bfloat16')"
+    with raises_named(f"`precision` must be one of {precisions}, got 'float16'."):
+        flow(precision="float16")
+    needs_null = (
+        "`guidance` needs a null condition, but `inputs` has none: pass InputSpec(null=...) or "
+        "guidance=None."
+    )
+    with pytest.raises(ValueError, match=exact_message(needs_null)):
+        flow(guidance=fg.CFG(2.0))
+
+
+def test_flow_matching_trains_in_float32():
+    objective = fg.train.FlowMatchingObjective(
+        _times_model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, cond_dropout=0.0
+    )
+    assert objective.flow.precision == "float32"
 
 
 # --------------------------------------------------------------------------------------
