@@ -593,6 +593,16 @@ def test_guided_flow_messages_are_exact():
         flow(guidance=fg.CFG(2.0))
 
 
+def test_a_velocity_of_the_wrong_shape_is_named_with_both_shapes():
+    flow = fg.GuidedFlow(_times_model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None)
+    message = (
+        "The model returned a velocity of shape (2, 4) for a latent of shape (3, 4); "
+        "model(x, t, cond) must return one velocity shaped like its x."
+    )
+    with pytest.raises(ValueError, match=exact_message(message)):
+        flow.call_model(lambda x, t, cond: x[:-1], jnp.ones((2, 3, 4)), jnp.ones(2), None)
+
+
 def test_flow_matching_trains_in_float32():
     objective = fg.train.FlowMatchingObjective(
         _times_model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, cond_dropout=0.0
