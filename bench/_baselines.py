@@ -67,13 +67,13 @@ def shaped_matmuls(
 
 
 def _guided(
-    objective: fg.FlowGRPOObjective, x: jax.Array, t: jax.Array, rows: Any
+    flow: fg.GuidedFlow, x: jax.Array, t: jax.Array, rows: Any
 ) -> tuple[jax.Array, jax.Array, Any]:
     """The model batch of one guided evaluation: both CFG branches stacked, as the library."""
-    conditioning = objective.flow.inputs.condition(rows)
-    if objective.flow.guidance is None:
+    conditioning = flow.inputs.condition(rows)
+    if flow.guidance is None:
         return x, t, conditioning
-    null = objective.flow.inputs.null_condition(x.shape[0])
+    null = flow.inputs.null_condition(x.shape[0])
     both = jax.tree.map(
         lambda c, u: jnp.concatenate([c, u.astype(c.dtype)], axis=0), conditioning, null
     )
@@ -90,7 +90,7 @@ def flat_transitions(batch: fg.Transitions) -> tuple[jax.Array, jax.Array, Any]:
 
 
 def model_work(
-    objective: fg.FlowGRPOObjective, variables: fg.Variables, batch: fg.Transitions
+    objective: fg.FlowGRPOObjective, variables: fg.FlowGRPOVariables, batch: fg.Transitions
 ) -> tuple[Callable[[], Any], jax.stages.Compiled]:
     """Value and gradient of the policy over the step's 2NK guided inputs, plus (beta > 0)
     the reference's forward over the same inputs.
@@ -99,15 +99,15 @@ def model_work(
     backward pass is a full one. Returns the call and its compiled executable.
     """
     params, static = eqx.partition(variables.policy, eqx.is_inexact_array)
-    reference, ref_static = eqx.partition(variables.held, eqx.is_inexact_array)
+    reference, ref_static = eqx.partition(variables.reference, eqx.is_inexact_array)
     if objective.beta <= 0:
         reference = None
     x, t, rows = flat_transitions(batch)
-    model_x, _, _ = _guided(objective, x, t, rows)
+    model_x, _, _ = _guided(objective.flow, x, t, rows)
     cotangent = jax.random.normal(jax.random.key(99), model_x.shape, jnp.float32)
 
     def work(params: Any, reference: Any, x: Any, t: Any, rows: Any, cotangent: Any) -> Any:
-        mx, mt, mc = _guided(objective, x, t, rows)
+        mx, mt, mc = _guided(objective.flow, x, t, rows)
 
         def value(p: Any) -> jax.Array:
             out = jax.vmap(eqx.combine(p, static))(mx, mt, mc)
@@ -127,8 +127,8 @@ def model_work(
 
 def model_rollout(rollout: fg.FlowRollout, policy: Any, device_rows: Any) -> Callable[[], Any]:
     """(steps - 1) guided forwards over the N rows, chained by a plain Euler update."""
-    objective = rollout.objective
-    latent_shape = objective.flow.inputs.latent_shape
+    flow = rollout.flow
+    latent_shape = flow.inputs.latent_shape
     assert latent_shape is not None
     params, static = eqx.partition(policy, eqx.is_inexact_array)
     grid = rollout.timesteps()
@@ -140,10 +140,10 @@ def model_rollout(rollout: fg.FlowRollout, policy: Any, device_rows: Any) -> Cal
 
         def body(x: jax.Array, times: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
             t, t_next = times
-            mx, mt, mc = _guided(objective, x, jnp.full((n,), t, x.dtype), rows)
+            mx, mt, mc = _guided(flow, x, jnp.full((n,), t, x.dtype), rows)
             v = jax.vmap(model)(mx, mt, mc).astype(x.dtype)
-            if objective.flow.guidance is not None:
-                v = objective.flow.guidance.combine(v[:n], v[n:])
+            if flow.guidance is not None:
+                v = flow.guidance.combine(v[:n], v[n:])
             return x + (t_next - t) * v, None
 
         final, _ = jax.lax.scan(body, start, (grid[:-1], grid[1:]))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx.train import Trainer, TrainState, flow_grpo_epoch
+from flowgrpo_eqx.train import Trainer, TrainState, rl_epoch
 
 from . import _baselines
 from ._setups import Setup
@@ -88,11 +88,12 @@ def _scheduled(setup: Setup, schedule: fg.AbstractWindowSchedule) -> tuple[Any, 
     """The setup's rollout and trainer with `schedule` placing the stochastic window (the
     objective's SDE without a window of its own)."""
     rollout = setup.rollout
-    sde = rollout.objective.sde
+    sde = setup.objective.sde
     free = fg.FlowSDE(sde.noise_level, window=None, kl_weighting=sde.kl_weighting)
-    objective = eqx.tree_at(lambda o: o.sde, rollout.objective, free)
+    objective = eqx.tree_at(lambda o: o.sde, setup.objective, free)
     scheduled = fg.FlowRollout(
-        objective,
+        objective.flow,
+        free,
         rollout.reward,
         groups=rollout.groups,
         steps=rollout.steps,
@@ -104,7 +105,7 @@ def _scheduled(setup: Setup, schedule: fg.AbstractWindowSchedule) -> tuple[Any, 
 
 
 def recompiles(setup: Setup, epochs_after_warmup: int = 3) -> dict[str, Any]:
-    """Compilations in `flow_grpo_epoch` (rollout + updates) after one warmup epoch, for the
+    """Compilations in `rl_epoch` (rollout + updates) after one warmup epoch, for the
     setup's rollout and again with a random and a sliding window schedule (the window moves
     every epoch: its position is traced, so nothing recompiles)."""
     counter = compile_counter()
@@ -126,7 +127,7 @@ def recompiles(setup: Setup, epochs_after_warmup: int = 3) -> dict[str, Any]:
         starts[name] = []
         for epoch in range(1 + epochs_after_warmup):
             counter.start()
-            state, _, info = flow_grpo_epoch(
+            state, _, info = rl_epoch(
                 trainer,
                 state,
                 rollout,
@@ -180,7 +181,7 @@ def measure(setup: Setup, plan: Plan) -> dict[str, Any]:
     detail: dict[str, Any] = {}
 
     if plan.recompiles:
-        log(f"{setup.name}: recompile check (1 warmup epoch + 3 epochs of flow_grpo_epoch)")
+        log(f"{setup.name}: recompile check (1 warmup epoch + 3 epochs of rl_epoch)")
         checked = recompiles(setup)
         result["recompiles_after_warmup"] = checked["recompiles_after_warmup"]
         detail["recompiles"] = checked
@@ -191,7 +192,7 @@ def measure(setup: Setup, plan: Plan) -> dict[str, Any]:
     state = trainer.init(jax.random.key(0))
     variables = own_copy(state.variables)
     rows = setup.rows(0)
-    batch, _ = rollout.collect(variables, rows, jax.random.key(1))
+    batch, _ = rollout.collect(variables.policy, rows, jax.random.key(1))
     jax.block_until_ready(batch)  # type: ignore[no-untyped-call]
     n, k = batch.num_rows, batch.num_transitions
     guided = 2 if objective.flow.guidance is not None else 1
@@ -275,7 +276,7 @@ def measure(setup: Setup, plan: Plan) -> dict[str, Any]:
         return rollout.generate(variables.policy, device_rows, next(keys))
 
     def collect() -> Any:
-        collected, info = rollout.collect(variables, rows, next(keys))
+        collected, info = rollout.collect(variables.policy, rows, next(keys))
         infos.append(info)
         return collected
 

@@ -1,9 +1,9 @@
 """`python -m bench.checkpoints`: what a checkpoint of the main job's train state costs.
 
-Builds the shapes demo's train state at the main job's settings (the DiT policy, its held slot
-and AdamW's moments), then times, side by side in rounds, one `Checkpointer.save` (Orbax:
-shards, `meta.json` with every file's SHA-256, the atomic rename) and one
-`eqx.tree_serialise_leaves` of the same state into a single file (the format checkpoints had
+Builds the shapes demo's train state at the main job's settings (the DiT policy and AdamW's
+moments; no reference at beta 0), then times, side by side in rounds, one
+`Checkpointer.save` (Orbax: shards, `meta.json` with every file's SHA-256, the atomic rename)
+and one `eqx.tree_serialise_leaves` of the same state into a single file (the format checkpoints had
 before Orbax), on wall clock and on process CPU time, plus one `Checkpointer.restore`. Prints
 one JSON object: medians per round, their ratio, and what 200 epochs with a checkpoint every
 `checkpoint_every` epochs add.

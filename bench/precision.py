@@ -1,14 +1,14 @@
 """`python -m bench.precision`: how far the first update's policy ratio is from 1, float32 vs
 bfloat16, on the shapes demo (its shipped base model, one rollout of the main job's size).
 
-For each precision and each source of the old log densities (`Trainer(old_log_probs=...)`:
+For each precision and each source of the old log densities (`FlowGRPOObjective(old_log_probs=...)`:
 as the rollout recorded them, or recomputed by the update's own program), one rollout of
 16 prompts x 16 samples is collected with the shipped base model, and one `Trainer.update`
 runs on its first minibatch of 64 rows (the main job's first update). Before that update the
 policy is the one that sampled, so its ratio `exp(log p_theta - old_log_prob)` would be
 exactly 1 in exact arithmetic: the update's metrics give its mean, its root-mean-square log
 (`sqrt(2 approx_kl)`) and the clipped fraction. Then each case runs whole epochs of the main
-job (`flow_grpo_epoch`: rollout, recomputation if any, four updates), one warm-up and
+job (`rl_epoch`: rollout, recomputation if any, four updates), one warm-up and
 `TIMED_EPOCHS` timed; `epoch_seconds` is their median, and `update_vs_rollout_epoch_time`
 the ratio of the two bfloat16 cases' medians, measured side by side in this run. Prints one
 JSON object.
@@ -26,13 +26,7 @@ import jax
 
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.shapes_demo.job import ShapesJob
-from flowgrpo_eqx.train import (
-    Trainer,
-    flow_grpo_epoch,
-    load_model,
-    minibatches,
-    update_program_log_probs,
-)
+from flowgrpo_eqx.train import load_model, minibatch_indices, rl_epoch
 
 
 TIMED_EPOCHS = 5
@@ -44,7 +38,7 @@ def _epoch_seconds(job, trainer, rollout, variables, rows) -> float:
     times = []
     for epoch in range(1, TIMED_EPOCHS + 2):
         started = time.perf_counter()
-        state, _, _ = flow_grpo_epoch(
+        state, _, _ = rl_epoch(
             trainer, state, rollout, job.epoch_rows(epoch), jax.random.key(epoch),
             epoch=epoch, minibatch_rows=rows,
         )  # fmt: skip
@@ -53,13 +47,14 @@ def _epoch_seconds(job, trainer, rollout, variables, rows) -> float:
     return statistics.median(times[1:])
 
 
-def _first_update(trainer, variables, batch, rows) -> dict[str, float]:
+def _first_update(objective, trainer, variables, batch, rows) -> dict[str, float]:
     """The ratio statistics of the first `Trainer.update` of an epoch on `batch`."""
     state = trainer.init(jax.random.key(0), variables)
-    shuffle = jax.random.key(2)
-    if trainer.old_log_probs == "update":
-        batch = update_program_log_probs(trainer, state, batch, rows, shuffle)
-    _, metrics = trainer.update(state, next(minibatches(batch, rows, shuffle)))
+    first_pass = minibatch_indices(batch.num_rows, rows, jax.random.key(2))
+    batch = objective.prepare_batch(
+        batch, lambda minibatch: trainer.run_update(state, minibatch), first_pass
+    )
+    _, metrics = trainer.update(state, jax.tree.map(lambda leaf: leaf[first_pass[0]], batch))
     approx_kl = float(metrics["approx_kl"])
     return {
         "ratio_mean": float(metrics["ratio"]),
@@ -81,11 +76,11 @@ def main() -> int:
             objective = job.objective(base)
             variables = objective.init(jax.random.key(0))
             rollout = job.rollout(objective)
-            batch, _ = rollout.collect(variables, job.epoch_rows(1), jax.random.key(1))
+            batch, _ = rollout.collect(variables.policy, job.epoch_rows(1), jax.random.key(1))
             trainer = job.trainer(objective)
-            assert isinstance(trainer, Trainer) and trainer.old_log_probs == old_log_probs
+            assert objective.old_log_probs == old_log_probs
             rows = config.minibatch_rows or batch.num_rows
-            case = _first_update(trainer, variables, batch, rows)
+            case = _first_update(objective, trainer, variables, batch, rows)
             case["epoch_seconds"] = _epoch_seconds(job, trainer, rollout, variables, rows)
             results[f"{precision}, old_log_probs={old_log_probs}"] = case
     results["update_vs_rollout_epoch_time"] = (

@@ -12,7 +12,7 @@ Modes (`--modes`, all by default):
 - `fsdp_float32`: the same state split with `shard_parameters`'s FSDP layout;
 - `fsdp_bfloat16`: as `fsdp_float32`, the model computing in bfloat16 (float32 master weights);
 - `lora_fsdp_bfloat16`: rank-64 LoRA adapters on every linear layer, FSDP, bfloat16; the
-  reference is the policy with its adapters off, so the held slot is empty.
+  reference is the policy with its adapters off, so no copy is kept.
 
 Per mode and per device: the bytes of the variables and of the optimizer state (exact, from
 the arrays' shapes and shardings) and XLA's temporaries of the compiled step

@@ -15,6 +15,7 @@ from ._consistency import (
 )
 from ._custom_types import (
     Aux as Aux,
+    FinalSamples as FinalSamples,
     Mean as Mean,
     Step as Step,
     StepRatios as StepRatios,
@@ -33,8 +34,9 @@ from ._distributed import (
 )
 from ._flow_base import (
     AbstractFlowObjective as AbstractFlowObjective,
+    AbstractVariables as AbstractVariables,
     Evaluation as Evaluation,
-    Variables as Variables,
+    PolicyVariables as PolicyVariables,
 )
 from ._guided_flow import GuidedFlow as GuidedFlow, Precision as Precision
 from ._http_reward import HttpReward as HttpReward
@@ -44,14 +46,12 @@ from ._inputs import (
     IdentityAutoEncoder as IdentityAutoEncoder,
     InputSpec as InputSpec,
 )
-from ._nft import (
-    DiffusionNFTObjective as DiffusionNFTObjective,
-    NFTBatch as NFTBatch,
-    nft_batch as nft_batch,
-)
+from ._nft import DiffusionNFTObjective as DiffusionNFTObjective, NFTVariables as NFTVariables
 from ._objective import (
     FlowGRPOObjective as FlowGRPOObjective,
+    FlowGRPOVariables as FlowGRPOVariables,
     GRPOGuard as GRPOGuard,
+    OldLogProbs as OldLogProbs,
     ratio_norm as ratio_norm,
     step_weights as step_weights,
 )
@@ -65,6 +65,7 @@ from ._reward import (
     WeightedReward as WeightedReward,
     load_reward as load_reward,
 )
+from ._rl import AbstractRLObjective as AbstractRLObjective
 from ._rollout import FlowRollout as FlowRollout, RolloutInfo as RolloutInfo
 from ._sde import (
     AbstractSDE as AbstractSDE,

@@ -20,9 +20,8 @@ import numpy.typing as npt
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._custom_types import Aux, Step, Transitions
-from ._flow_base import Variables
 from ._misc import repeat_rows
-from ._objective import FlowGRPOObjective
+from ._objective import FlowGRPOObjective, FlowGRPOVariables
 from ._reward import RewardError, reward_name
 from ._rollout import FlowRollout
 
@@ -187,7 +186,9 @@ class ConsistencyThresholds(eqx.Module):
 
 
 @eqx.filter_jit
-def _rescore(objective: FlowGRPOObjective, variables: Variables, batch: Transitions) -> Array:
+def _rescore(
+    objective: FlowGRPOObjective, variables: FlowGRPOVariables, batch: Transitions
+) -> Array:
     return objective.log_probs(variables, batch)
 
 
@@ -195,7 +196,7 @@ def _rescore(objective: FlowGRPOObjective, variables: Variables, batch: Transiti
 def _loss_and_gradient(
     objective: FlowGRPOObjective,
     trainer: "Trainer",
-    variables: Variables,
+    variables: FlowGRPOVariables,
     batch: Transitions,
     step: Step,
 ) -> tuple[Array, Aux, PyTree[Any]]:
@@ -204,7 +205,7 @@ def _loss_and_gradient(
 
     def value(params: PyTree[Any]) -> tuple[Array, Aux]:
         policy = eqx.combine(params, frozen)
-        total, aux = objective.loss(Variables(policy=policy, held=variables.held), batch, step)
+        total, aux = objective.loss(eqx.tree_at(lambda v: v.policy, variables, policy), batch, step)
         return total.value, aux
 
     (loss, aux), gradient = eqx.filter_value_and_grad(value, has_aux=True)(trainable)
@@ -312,7 +313,7 @@ def _relative_change(changed: float, scale: float) -> float:
 def check_consistency(
     objective: FlowGRPOObjective,
     rollout: FlowRollout,
-    variables: Variables | None,
+    variables: FlowGRPOVariables | None,
     rows: PyTree[Any],
     key: PRNGKeyArray,
     *,
@@ -339,8 +340,8 @@ def check_consistency(
         entries (and into the float conditioning of wholly masked rows) change neither.
     - `zero-gradient arrays`: every trainable array of the policy gets a finite, non-zero
         gradient; the offending array paths are named.
-    - `held arrays changed`: one `Trainer.update` leaves the frozen part of the policy and
-        (unless an EMA writes it) the held slot exactly as they were.
+    - `frozen arrays changed`: one `Trainer.update` leaves the frozen part of the policy and
+        the KL reference exactly as they were.
 
     Runs in one process; every step is the library's own (`rollout.collect`,
     `objective.log_probs`, `objective.loss`, `Trainer.update`).
@@ -395,8 +396,9 @@ def check_consistency(
 
     # -- two collects with one key ----------------------------------------------------------
     try:
-        batch, info = rollout.collect(variables, rows, collect_key)
-        again, again_info = rollout.collect(variables, rows, collect_key)
+        collected, info = rollout.collect(variables.policy, rows, collect_key)
+        again, again_info = rollout.collect(variables.policy, rows, collect_key)
+        batch = objective.training_batch(collected, info)
     except RewardError as error:
         add("rollout collect", "raised", "no error", False, str(error))
         return report()
@@ -449,12 +451,13 @@ def check_consistency(
 
     # -- one Trainer.update, with snapshots of what it must not change ---------------------
     state = trainer.init(init_key, variables)
-    _, frozen = trainer.split_policy(state.variables.policy)
+    start = state.variables
+    assert isinstance(start, FlowGRPOVariables)
+    _, frozen = trainer.split_policy(start.policy)
     must_stay = _arrays_by_path(frozen, "policy")
-    if not trainer.ema_active:
-        must_stay.update(_arrays_by_path(state.variables.held, "held"))
+    must_stay.update(_arrays_by_path(start.reference, "reference"))
     loss, aux, gradient = _loss_and_gradient(
-        objective, trainer, state.variables, batch, Step(index=0, key=step_key)
+        objective, trainer, start, batch, Step(index=0, key=step_key)
     )
     del loss, aux
     gradient_arrays = _arrays_by_path(gradient, "policy")
@@ -545,21 +548,22 @@ def check_consistency(
         (f"no gradient (or non-finite): {_named(dead)}" if dead else "")
         + f"{'; ' if dead else ''}of {len(gradient_arrays)} trainable arrays",
     )
-    after = _arrays_by_path(trainer.split_policy(new_state.variables.policy)[1], "policy")
-    if not trainer.ema_active:
-        after.update(_arrays_by_path(new_state.variables.held, "held"))
+    end = new_state.variables
+    assert isinstance(end, FlowGRPOVariables)
+    after = _arrays_by_path(trainer.split_policy(end.policy)[1], "policy")
+    after.update(_arrays_by_path(end.reference, "reference"))
     changed = [
         path
         for path, before in must_stay.items()
         if path not in after or not np.array_equal(before, after[path], equal_nan=True)
     ]
     add(
-        "held arrays changed",
+        "frozen arrays changed",
         len(changed),
         "== 0",
         not changed,
         (f"changed by one update: {_named(changed)}; " if changed else "")
-        + f"of {len(must_stay)} frozen or held arrays",
+        + f"of {len(must_stay)} frozen arrays (policy and reference)",
     )
     return report()
 

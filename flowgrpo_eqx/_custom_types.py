@@ -55,14 +55,10 @@ class Step(eqx.Module):
 
     - `index`: the optimizer step index.
     - `key`: a JAX PRNG key.
-    - `report_log_probs`: whether a `FlowGRPOObjective`'s loss also reports each
-        transition's log density (`Aux.log_probs`); `Trainer(old_log_probs="update")` asks
-        for it. Off by default, so that programs that do not use them do not compute them.
     """
 
     index: Int[ArrayLike, ""]
     key: PRNGKeyArray
-    report_log_probs: bool = eqx.field(default=False, static=True)
 
 
 class StepRatios(eqx.Module):
@@ -101,10 +97,11 @@ class Aux(eqx.Module):
     - `step_ratios`: with GRPO-Guard (`FlowGRPOObjective(guard=...)`), the ratio's mean and
         std per step before and after normalisation; `None` without it.
     - `log_probs`: `[N, K]` the policy's log density of each kept transition as this very
-        evaluation computed it (0 where not kept; no gradient), when `Step.report_log_probs`
-        asks for it, else `None`. Not a metric:
-        `Trainer(old_log_probs="update")` records it as the old log densities, so that the
-        update's ratio starts from exactly 1 whatever the model's precision.
+        evaluation computed it (0 where not kept; no gradient), when
+        `FlowGRPOObjective(old_log_probs="update")` asks for it, else `None`. Not a metric
+        (the trainer's metrics are the scalar and one-axis leaves): the objective records it
+        as the old log densities, so that the update's ratio starts from exactly 1 whatever
+        the model's precision.
     """
 
     policy_loss: Mean
@@ -168,6 +165,71 @@ class Transitions(eqx.Module):
         return tuple(int(d) for d in self.latents.shape[2:])
 
 
+class FinalSamples(eqx.Module):
+    """Final clean latents with their rows and advantages: a rollout without a trajectory.
+
+    What `FlowRollout.collect` gives with an ODE `sampler`, and what DiffusionNFT trains on.
+    No trajectory and no likelihood: any sampler may have drawn the latents.
+
+    **Arguments:**
+
+    - `latents`: `[N, *latent]` final clean latents `x_0` (at t = 0).
+    - `advantages`: `[N]` group-normalised advantages.
+    - `cond`: the rows that conditioned them (leaves with a leading axis `N`).
+    - `mask`: `[N]` bools, whether each row counts; `None` (the default) counts every row.
+
+    **Raises:**
+
+    - `ValueError`: naming the field whose leading axis is not `N`, or a `mask` that is not
+        bool.
+    """
+
+    latents: Float[Array, " N *latent"]
+    advantages: Float[Array, " N"]
+    cond: PyTree[Any]
+    mask: Bool[Array, " N"]
+
+    def __init__(
+        self,
+        latents: Float[Array, " N *latent"],
+        advantages: Float[Array, " N"],
+        cond: PyTree[Any],
+        mask: Bool[Array, " N"] | None = None,
+    ):
+        self.latents = latents
+        self.advantages = advantages
+        self.cond = cond
+        self.mask = jnp.ones(jnp.shape(latents)[:1], bool) if mask is None else mask
+
+    def __check_init__(self) -> None:
+        if jnp.ndim(self.latents) < 1:
+            raise ValueError(
+                f"FinalSamples.latents has shape {jnp.shape(self.latents)}, expected [N, *latent]."
+            )
+        rows = jnp.shape(self.latents)[0]
+        for name in ("advantages", "mask"):
+            shape = tuple(jnp.shape(getattr(self, name)))
+            if shape != (rows,):
+                raise ValueError(
+                    f"FinalSamples.{name} has shape {shape}, expected [N] = ({rows},)."
+                )
+        if jnp.result_type(self.mask) != jnp.bool_:
+            raise ValueError(
+                f"FinalSamples.mask must be a bool array, got dtype {jnp.result_type(self.mask)}."
+            )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(self.cond):
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != rows:
+                raise ValueError(
+                    f"FinalSamples.cond{jax.tree_util.keystr(path)} has shape "
+                    f"{jnp.shape(leaf)}, expected a leading axis of size N = {rows}."
+                )
+
+    @property
+    def num_rows(self) -> int:
+        """`N`, the number of rows (samples)."""
+        return int(self.latents.shape[0])
+
+
 def _shape_error(field: str, expected: str, actual: tuple[int, ...]) -> ValueError:
     return ValueError(f"Transitions.{field} has shape {tuple(actual)}, expected {expected}.")
 
@@ -222,6 +284,7 @@ __all__ = [
     "Aux",
     "StepRatios",
     "Condition",
+    "FinalSamples",
     "Latent",
     "Latents",
     "Mean",

@@ -214,7 +214,7 @@ def shard_parameters(
     *,
     min_elements: int = 4096,
 ) -> PyTree[Any]:
-    """Place parameters, the held slot and optimizer state on the mesh, replicated or FSDP.
+    """Place parameters (policy, reference, EMA) and optimizer state on the mesh, replicated or FSDP.
 
     With `"fsdp"` every array of at least `min_elements` elements is split along one axis
     over the data axis (`fsdp_spec`), so each device holds about `1 / devices` of it; the

@@ -1,7 +1,7 @@
 """What every flow objective shares: variables, the guided velocity, ODE sampling, previews."""
 
 import abc
-from typing import Any, final
+from typing import Any, Generic, TypeVar, final
 
 import equinox as eqx
 import jax
@@ -10,7 +10,6 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from . import lora
 from ._custom_types import Mean, Model, Step, Transitions
 from ._guided_flow import GuidedFlow
 from ._misc import leading_rows
@@ -19,23 +18,31 @@ from ._reward import FlowReward, score
 from ._solver import AbstractSolver
 
 
+class AbstractVariables(eqx.Module):
+    """What an objective trains and reads: the live policy, and whatever else it needs.
+
+    Each objective's `init` returns its own concrete variables, whose fields say what they
+    hold (`FlowGRPOVariables`: the policy and its KL reference; `NFTVariables`: the policy,
+    the old policy and the reference). The trainer's optimizer writes `policy` alone; every
+    other field is the objective's, kept or moved by the objective itself.
+    """
+
+    policy: eqx.AbstractVar[Model]
+
+
 @final
-class Variables(eqx.Module):
-    """The objective's variables: the live policy and the held slot.
+class PolicyVariables(AbstractVariables):
+    """The variables of an objective that needs nothing but the live policy.
 
     **Arguments:**
 
     - `policy`: the live velocity model, trained by the optimizer.
-    - `held`: for a policy without adapters: with `beta > 0`, the frozen reference (a copy
-        of the initial denoiser) that the KL term compares with; with `beta == 0`, free for
-        the trainer's EMA of the policy. For a policy with LoRA adapters (`lora.add`), the
-        KL reference is the policy with its adapters switched off, so the slot is always
-        free: it holds the adapters alone (`lora.adapters(policy)`, the EMA of the adapters
-        when the trainer keeps one), or `None` when nothing uses it.
     """
 
     policy: Model
-    held: Model | None
+
+
+VariablesT = TypeVar("VariablesT", bound=AbstractVariables)
 
 
 @final
@@ -54,11 +61,11 @@ class Evaluation(eqx.Module):
     scores: npt.NDArray[np.float64] | None = None
 
 
-class AbstractFlowObjective(eqx.Module):
+class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
     """An objective over a rectified-flow velocity model, in the trainer's interface.
 
     Concrete objectives hold a `GuidedFlow` (the model, process, inputs, guidance and
-    autoencoder) and supply `loss` and `held_variables`; the variables, live-policy ODE
+    autoencoder) and supply `init` (their own variables) and `loss`; live-policy ODE
     sampling (`evaluate`) and previews are shared here.
     """
 
@@ -68,17 +75,23 @@ class AbstractFlowObjective(eqx.Module):
     pretrained: eqx.AbstractVar[Model | None]
 
     @abc.abstractmethod
-    def held_variables(self) -> Variables:
-        """Which variable slots the trainer must leave untouched, as a `Variables` of bools.
+    def init(self, key: PRNGKeyArray, variables: VariablesT | None = None) -> VariablesT:
+        """The initial variables: the live policy and whatever else the objective reads.
+
+        **Arguments:**
+
+        - `key`: a PRNG key. Equinox models are built with their parameters, so nothing is
+            drawn from it; it is part of the interface for lazily built models.
+        - `variables`: existing variables to start from (e.g. restored from a checkpoint),
+            returned as they are; `None` builds them from `initial_policy()`.
 
         **Returns:**
 
-        `Variables(policy=..., held=...)` of Python bools: `True` for a slot neither the
-        optimizer nor the EMA writes.
+        The objective's variables.
         """
 
     @abc.abstractmethod
-    def loss(self, variables: Variables, batch: Any, step: Step) -> tuple[Mean, Any]:
+    def loss(self, variables: VariablesT, batch: Any, step: Step) -> tuple[Mean, Any]:
         """The objective as an exactly reducible `Mean`, with auxiliary `Mean` statistics.
 
         The trainer differentiates `loss(...)[0].value` with respect to the policy's
@@ -86,45 +99,20 @@ class AbstractFlowObjective(eqx.Module):
 
         **Arguments:**
 
-        - `variables`: the live policy and the held slot.
+        - `variables`: from `init`, with the policy being trained.
         - `batch`: whatever this objective trains on (`Transitions` for Flow-GRPO).
         - `step`: the step index and a PRNG key for whatever the loss samples.
 
         **Returns:**
 
         `(Mean(total, count), aux)`: the value as a sum and a count, so that shards reduce
-        exactly, and a PyTree of auxiliary `Mean`s (and scalars) that become metrics.
+        exactly, and a PyTree whose `Mean`s, scalars and one-axis arrays become metrics
+        (arrays of more axes are per-row outputs, not metrics).
         """
 
     def initial_policy(self) -> Model:
         """The policy `init` starts from: `pretrained` when given, else the flow's model."""
         return self.flow.model if self.pretrained is None else self.pretrained
-
-    def init(self, key: PRNGKeyArray, variables: Variables | None = None) -> Variables:
-        """The initial variables: the live policy and the held slot.
-
-        The policy is `variables.policy` when given (e.g. restored from a checkpoint), else
-        `initial_policy()`. The held slot starts as a copy of that initial policy: the frozen
-        reference when `beta > 0`, the EMA's starting point otherwise. For a policy with LoRA
-        adapters it starts as the adapters alone (`lora.adapters(policy)`): the KL reference
-        is the policy with its adapters switched off, and the EMA averages the adapters.
-
-        **Arguments:**
-
-        - `key`: a PRNG key. Equinox models are built with their parameters, so nothing is
-            drawn from it; it is part of the interface for lazily built models.
-        - `variables`: existing variables to start from, or `None`.
-
-        **Returns:**
-
-        The `Variables`.
-        """
-        del key
-        if variables is not None:
-            return variables
-        policy = self.initial_policy()
-        held = lora.adapters(policy) if lora.has_adapters(policy) else policy
-        return Variables(policy=policy, held=held)
 
     def _rows_and_latent_shape(
         self, batch: Transitions | PyTree[Any]
@@ -140,7 +128,7 @@ class AbstractFlowObjective(eqx.Module):
 
     def evaluate(
         self,
-        variables: Variables,
+        variables: AbstractVariables,
         batch: Transitions | PyTree[Any],
         step: Step,
         *,
@@ -149,7 +137,7 @@ class AbstractFlowObjective(eqx.Module):
         """Generate one live-policy sample per source row, including prompt-only batches.
 
         Deterministic ODE sampling with `sampler` on the `steps`-point grid from noise drawn
-        with `step.key`. Evaluation always uses the live policy, never the held slot.
+        with `step.key`. Evaluation always uses the live policy.
 
         **Arguments:**
 
@@ -180,7 +168,7 @@ class AbstractFlowObjective(eqx.Module):
 
     def preview(
         self,
-        variables: Variables,
+        variables: AbstractVariables,
         batch: Transitions | PyTree[Any],
         step: Step,
         *,
@@ -236,7 +224,7 @@ class AbstractFlowObjective(eqx.Module):
 
 @eqx.filter_jit
 def _sample_jit(
-    objective: AbstractFlowObjective,
+    objective: AbstractFlowObjective[Any],
     policy: Model,
     rows: PyTree[Any],
     noise: Float[Array, " N *latent"],

@@ -9,12 +9,12 @@ from typing import Any, Literal, TypeAlias, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Bool, Float, PyTree
 
 from ._custom_types import Model
 from ._inputs import CFG, AbstractAutoEncoder, IdentityAutoEncoder, InputSpec
 from ._process import AbstractProcess
-from ._sde import compute_dtype
+from ._sde import AbstractSDE, compute_dtype
 from ._solver import AbstractSolver
 
 
@@ -197,6 +197,45 @@ class GuidedFlow(eqx.Module):
             model, jnp.concatenate([x, x], axis=0), jnp.concatenate([t, t], axis=0), both
         )
         return self.guidance.combine(velocities[:rows], velocities[rows:])
+
+    def transition(
+        self,
+        sde: AbstractSDE,
+        model: Model,
+        x: Float[Array, " B *latent"],
+        t: Float[Array, " B"],
+        t_next: Float[Array, " B"],
+        cond: PyTree[Any],
+        allowed: Bool[Array, " B"] | None = None,
+    ) -> tuple[Float[Array, " B *latent"], Float[Array, " B"]]:
+        """The batch's Gaussian transitions `(mean, std)` under `sde` and the guided velocity.
+
+        The one place where a policy becomes a transition: the rollout samples with it and
+        `FlowGRPOObjective` rescores with it, so an unchanged policy rescores exactly what
+        it sampled.
+
+        **Arguments:**
+
+        - `sde`: the SDE (`FlowSDE`, `CoefficientsPreservingSDE`).
+        - `model`: the policy or the reference.
+        - `x`: `[B, *latent]` states at `t`.
+        - `t`, `t_next`: `[B]` start and end times.
+        - `cond`: the batch's rows (leading axis `B`).
+        - `allowed`: `[B]`, `False` where the transition must be deterministic whatever the
+            SDE says (`AbstractSDE.transition`); `None` allows noise everywhere.
+
+        **Returns:**
+
+        `(mean, std)`: `[B, *latent]` means and `[B]` stds (0 on deterministic transitions).
+
+        **Raises:**
+
+        - `ValueError`: as `velocity`.
+        """
+        v = self.velocity(model, x, t, cond)
+        if allowed is None:
+            return jax.vmap(sde.transition)(x, v, t, t_next)
+        return jax.vmap(sde.transition)(x, v, t, t_next, allowed)
 
     def sample_latents(
         self,

@@ -1,117 +1,49 @@
 """`DiffusionNFTObjective`: online RL on the forward process from final samples and rewards."""
 
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from . import lora
-from ._custom_types import Mean, Model, Step, Transitions
-from ._flow_base import AbstractFlowObjective, Variables
+from ._custom_types import FinalSamples, Mean, Model, Step, Transitions
+from ._flow_base import AbstractVariables
 from ._guided_flow import GuidedFlow, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
 from ._misc import check_int
 from ._objective import _stop_gradient
 from ._process import AbstractProcess
+from ._rl import AbstractRLObjective
 from ._rollout import RolloutInfo
 from ._solver import AbstractSolver, Euler
 
 
 @final
-class NFTBatch(eqx.Module):
-    """What DiffusionNFT trains on: final clean latents, their rows and their advantages.
-
-    No trajectory and no likelihood: any sampler may have drawn the latents. `nft_batch`
-    builds one from a `FlowRollout.collect`.
+class NFTVariables(AbstractVariables):
+    """DiffusionNFT's variables: the live policy, the old (sampling) policy and the reference.
 
     **Arguments:**
 
-    - `latents`: `[N, *latent]` final clean latents `x_0` (at t = 0).
-    - `advantages`: `[N]` group-normalised advantages.
-    - `cond`: the rows that conditioned them (leaves with a leading axis `N`).
-    - `mask`: `[N]` bools, whether each row counts; `None` (the default) counts every row.
-
-    **Raises:**
-
-    - `ValueError`: naming the field whose leading axis is not `N`, or a `mask` that is not
-        bool.
+    - `policy`: the live velocity model, trained by the optimizer.
+    - `old_policy`: the policy the rollout samples with and the implicit policies mix
+        with; for a policy with LoRA adapters, the old adapters alone (the old policy is the
+        live one carrying them). Moved towards the live policy once per epoch by
+        `DiffusionNFTObjective.end_epoch` when `old_decay` is set.
+    - `reference`: the frozen copy of the initial policy that the KL term compares with,
+        when `kl_beta > 0` and the policy has no LoRA adapters; `None` otherwise (for a
+        policy with adapters the reference is the policy with its adapters switched off).
     """
 
-    latents: Float[Array, " N *latent"]
-    advantages: Float[Array, " N"]
-    cond: PyTree[Any]
-    mask: Bool[Array, " N"]
-
-    def __init__(
-        self,
-        latents: Float[Array, " N *latent"],
-        advantages: Float[Array, " N"],
-        cond: PyTree[Any],
-        mask: Bool[Array, " N"] | None = None,
-    ):
-        self.latents = latents
-        self.advantages = advantages
-        self.cond = cond
-        self.mask = jnp.ones(jnp.shape(latents)[:1], bool) if mask is None else mask
-
-    def __check_init__(self) -> None:
-        if jnp.ndim(self.latents) < 1:
-            raise ValueError(
-                f"NFTBatch.latents has shape {jnp.shape(self.latents)}, expected [N, *latent]."
-            )
-        rows = jnp.shape(self.latents)[0]
-        for name in ("advantages", "mask"):
-            shape = tuple(jnp.shape(getattr(self, name)))
-            if shape != (rows,):
-                raise ValueError(f"NFTBatch.{name} has shape {shape}, expected [N] = ({rows},).")
-        if jnp.result_type(self.mask) != jnp.bool_:
-            raise ValueError(
-                f"NFTBatch.mask must be a bool array, got dtype {jnp.result_type(self.mask)}."
-            )
-        for path, leaf in jax.tree_util.tree_leaves_with_path(self.cond):
-            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != rows:
-                raise ValueError(
-                    f"NFTBatch.cond{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, "
-                    f"expected a leading axis of size N = {rows}."
-                )
-
-    @property
-    def num_rows(self) -> int:
-        """`N`, the number of rows (samples)."""
-        return int(self.latents.shape[0])
-
-
-def nft_batch(batch: Transitions, info: RolloutInfo) -> NFTBatch:
-    """The `NFTBatch` of a `FlowRollout.collect`: its final latents, rows and advantages.
-
-    Every row counts, zero-advantage rows included: their optimality probability is 1/2,
-    which pulls the policy towards the old one (see `DiffusionNFTObjective`).
-
-    **Arguments:**
-
-    - `batch`: the `Transitions` that `collect` returned (its `cond` and `advantages`).
-    - `info`: the `RolloutInfo` that `collect` returned (its `final` latents).
-
-    **Returns:**
-
-    The `NFTBatch`, placed as the rollout placed its rows.
-
-    **Raises:**
-
-    - `ValueError`: if `batch` holds per-transition (`[N, K]`) advantages.
-    """
-    if batch.advantages.ndim != 1:
-        raise ValueError(
-            "DiffusionNFT needs one advantage per row, got Transitions.advantages of shape "
-            f"{tuple(batch.advantages.shape)}."
-        )
-    return NFTBatch(latents=info.final, advantages=batch.advantages, cond=batch.cond)
+    policy: Model
+    old_policy: Model
+    reference: Model | None
 
 
 @final
-class DiffusionNFTObjective(AbstractFlowObjective):
+class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     """DiffusionNFT: negative-aware flow matching on final samples, weighted by reward.
 
     Each row's advantage `A` becomes an optimality probability
@@ -121,12 +53,14 @@ class DiffusionNFTObjective(AbstractFlowObjective):
     `v_old` (no gradient) and the live policy's `v_theta`, the implicit positive and negative
     policies are `v+ = (1 - beta) v_old + beta v_theta` and
     `v- = (1 + beta) v_old - beta v_theta`, and each counted row contributes
-    `r mean||v+ - v||^2 + (1 - r) mean||v- - v||^2` (means over latent coordinates). The
-    loss is the mean over counted rows; no count gives 0 and zero gradients.
+    `r mean||v+ - v||^2 + (1 - r) mean||v- - v||^2` (means over latent coordinates), plus
+    `kl_beta mean||v_theta - v_ref||^2` to the reference when `kl_beta > 0`. The loss is the
+    mean over counted rows; no count gives 0 and zero gradients.
 
-    The old policy is the held slot: the trainer's EMA of the live policy
-    (`Trainer(ema_decay=...)`, the paper's soft update of the sampling policy), or, without
-    an EMA, the initial policy. For a policy with LoRA adapters the slot holds the adapters
+    The old policy (`NFTVariables.old_policy`) samples the rollout and anchors the implicit
+    policies. It starts as the initial policy and, with `old_decay`, follows the live one
+    once per epoch (`end_epoch`, the paper's soft update of the sampling policy); without,
+    it stays the initial policy. For a policy with LoRA adapters it holds the adapters
     alone and the old policy is the live one carrying them. The velocity is the guided one
     (`GuidedFlow.velocity`), the one the sampler integrates, so the policy trained is the
     policy that samples; with `guidance=None` it is the model's conditional velocity.
@@ -138,11 +72,17 @@ class DiffusionNFTObjective(AbstractFlowObjective):
         `evaluate`).
     - `beta`: the mixing strength of the implicit policies, in (0, 1].
     - `adv_max`: the advantage at which the optimality probability saturates (0 or 1).
+    - `kl_beta`: the weight of the velocity KL to the reference (>= 0; 0, the default,
+        keeps no reference). With a LoRA policy the reference is the policy with its adapters
+        switched off; otherwise a frozen copy of the initial policy.
+    - `old_decay`: `None` (default) keeps the old policy at the initial policy; a number
+        in [0, 1) moves it once per epoch to `old_decay * old + (1 - old_decay) * live`.
 
     **Raises:**
 
     - `ValueError`: naming the argument, for `beta` outside (0, 1], `adv_max <= 0`,
-        `steps < 2`, or guidance without a null condition.
+        `kl_beta < 0`, `old_decay` outside [0, 1), `steps < 2`, or guidance without a null
+        condition.
     """
 
     flow: GuidedFlow
@@ -151,6 +91,8 @@ class DiffusionNFTObjective(AbstractFlowObjective):
     pretrained: Model | None
     beta: float
     adv_max: float
+    kl_beta: float
+    old_decay: float | None
 
     def __init__(
         self,
@@ -160,6 +102,8 @@ class DiffusionNFTObjective(AbstractFlowObjective):
         *,
         beta: float = 1.0,
         adv_max: float = 5.0,
+        kl_beta: float = 0.0,
+        old_decay: float | None = None,
         guidance: CFG | None = CFG(3.0),
         sampler: AbstractSolver = Euler(),
         steps: int = 41,
@@ -173,6 +117,8 @@ class DiffusionNFTObjective(AbstractFlowObjective):
         self.pretrained = pretrained
         self.beta = beta
         self.adv_max = adv_max
+        self.kl_beta = kl_beta
+        self.old_decay = old_decay
 
     def __check_init__(self) -> None:
         if not (
@@ -187,42 +133,146 @@ class DiffusionNFTObjective(AbstractFlowObjective):
             and self.adv_max > 0
         ):
             raise ValueError(f"`adv_max` must be a number > 0, got {self.adv_max!r}.")
+        if not (
+            isinstance(self.kl_beta, (int, float))
+            and not isinstance(self.kl_beta, bool)
+            and 0 <= self.kl_beta < float("inf")
+        ):
+            raise ValueError(f"`kl_beta` must be a finite number >= 0, got {self.kl_beta!r}.")
+        if self.old_decay is not None and not (
+            isinstance(self.old_decay, (int, float))
+            and not isinstance(self.old_decay, bool)
+            and 0 <= self.old_decay < 1
+        ):
+            raise ValueError(
+                f"`old_decay` must be None or a number in [0, 1), got {self.old_decay!r}."
+            )
         if not isinstance(self.sampler, AbstractSolver):
             raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
         check_int("steps", self.steps, 2)
 
-    def held_variables(self) -> Variables:
-        """Nothing is held: the held slot is the old policy, written by the trainer's EMA.
+    # ----------------------------------------------------------------------------------
+    # The RL loop's interface
 
-        **Returns:**
+    def init(self, key: PRNGKeyArray, variables: NFTVariables | None = None) -> NFTVariables:
+        del key
+        if variables is not None:
+            return variables
+        policy = self.initial_policy()
+        adapted = lora.has_adapters(policy)
+        return NFTVariables(
+            policy=policy,
+            old_policy=lora.adapters(policy) if adapted else policy,
+            reference=policy if self.kl_beta > 0 and not adapted else None,
+        )
 
-        `Variables(policy=False, held=False)`.
-        """
-        return Variables(policy=False, held=False)
+    def sampling_policy(self, variables: NFTVariables) -> Model:
+        return self.old_policy(variables)
 
-    def old_policy(self, variables: Variables) -> Model:
-        """The old policy: the held slot (with LoRA, the live policy carrying its adapters).
+    def training_batch(
+        self, collected: Transitions | FinalSamples, info: RolloutInfo
+    ) -> FinalSamples:
+        """The final samples of a rollout, with their rows and advantages.
+
+        Every row counts, zero-advantage rows included: their optimality probability is 1/2,
+        which pulls the policy towards the old one.
 
         **Arguments:**
 
-        - `variables`: the live policy and the held slot.
+        - `collected`: `FinalSamples` (an ODE rollout), or `Transitions` (an SDE rollout:
+            its rows and advantages, with the final latents of `info`).
+        - `info`: the rollout's `RolloutInfo` (its `final` latents).
+
+        **Returns:**
+
+        The `FinalSamples`, placed as the rollout placed its rows.
+
+        **Raises:**
+
+        - `ValueError`: if `collected` holds per-transition (`[N, K]`) advantages.
+        """
+        if isinstance(collected, FinalSamples):
+            return collected
+        if collected.advantages.ndim != 1:
+            raise ValueError(
+                "DiffusionNFT needs one advantage per row, got Transitions.advantages of "
+                f"shape {tuple(collected.advantages.shape)}."
+            )
+        return FinalSamples(
+            latents=info.final, advantages=collected.advantages, cond=collected.cond
+        )
+
+    def prepare_batch(
+        self,
+        batch: FinalSamples,
+        run_update: Callable[[FinalSamples], Any],
+        first_pass: Sequence[Int[Array, " M"]],
+    ) -> FinalSamples:
+        del run_update, first_pass
+        return batch
+
+    def end_epoch(self, variables: NFTVariables, epoch: int) -> NFTVariables:
+        """With `old_decay`, the old policy moved towards the live one; else unchanged.
+
+        **Arguments:**
+
+        - `variables`: after the epoch's updates.
+        - `epoch`: the epoch that ended.
+
+        **Returns:**
+
+        `variables` with `old_policy = old_decay * old + (1 - old_decay) * live` (the
+        adapters alone for a LoRA policy).
+        """
+        del epoch
+        if self.old_decay is None:
+            return variables
+        return _soft_update(variables, self.old_decay)
+
+    def batch_metrics(self, batch: FinalSamples) -> dict[str, float]:
+        del batch
+        return {}
+
+    def old_policy(self, variables: NFTVariables) -> Model:
+        """The old policy: `variables.old_policy`, or for a LoRA policy the live policy
+        carrying the old adapters.
+
+        **Arguments:**
+
+        - `variables`: from `init`.
 
         **Returns:**
 
         The old policy, a model like `variables.policy`.
+        """
+        if lora.has_adapters(variables.policy):
+            return lora.with_adapters(variables.policy, variables.old_policy)
+        return variables.old_policy
+
+    def reference(self, variables: NFTVariables) -> Model:
+        """The KL reference: the LoRA policy with its adapters off, else `variables.reference`.
+
+        **Arguments:**
+
+        - `variables`: from `init`.
+
+        **Returns:**
+
+        The reference model.
 
         **Raises:**
 
-        - `ValueError`: if the held slot is `None` (a LoRA policy trained without an EMA).
+        - `ValueError`: naming `variables` if a policy without adapters comes without its
+            reference.
         """
-        if variables.held is None:
-            raise ValueError(
-                "DiffusionNFT's old policy is the held slot, which is None: train a LoRA "
-                "policy with an EMA (Trainer(ema_decay=...))."
-            )
         if lora.has_adapters(variables.policy):
-            return lora.with_adapters(variables.policy, variables.held)
-        return variables.held
+            return lora.without_adapters(variables.policy)
+        if variables.reference is None:
+            raise ValueError(
+                "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference "
+                "of a policy without LoRA adapters: build the variables with `init`."
+            )
+        return variables.reference
 
     def optimality(self, advantages: Float[Array, " N"]) -> Float[Array, " N"]:
         """The optimality probabilities `r = 1/2 + 1/2 clip(A / adv_max, -1, 1)`.
@@ -239,7 +289,7 @@ class DiffusionNFTObjective(AbstractFlowObjective):
         return 0.5 + 0.5 * scaled
 
     def loss(
-        self, variables: Variables, batch: NFTBatch, step: Step
+        self, variables: NFTVariables, batch: FinalSamples, step: Step
     ) -> tuple[Mean, dict[str, Mean]]:
         """The DiffusionNFT loss over the batch's counted rows (one `Mean`, summed per row).
 
@@ -248,9 +298,9 @@ class DiffusionNFTObjective(AbstractFlowObjective):
 
         **Arguments:**
 
-        - `variables`: gradients flow into `variables.policy` only; the held slot gives
-            `v_old`.
-        - `batch`: an `NFTBatch`.
+        - `variables`: gradients flow into `variables.policy` only; the old policy gives
+            `v_old`, the reference `v_ref`.
+        - `batch`: the `FinalSamples`.
         - `step`: its key draws the noise and the times: `noise_key, time_key =
             jax.random.split(step.key)`, `eps ~ N(0, I)` shaped like the latents and
             `t ~ U[1e-4, 1 - 1e-4]` per row.
@@ -259,12 +309,12 @@ class DiffusionNFTObjective(AbstractFlowObjective):
 
         `(Mean(sum of per-row losses, counted rows), aux)` with `aux` the `Mean`s over
         counted rows of `positive_mse` (`mean||v+ - v||^2`), `negative_mse`, `old_mse`
-        (`mean||v_old - v||^2`), `drift` (`mean||v_theta - v_old||^2`) and `optimality`
-        (`r`).
+        (`mean||v_old - v||^2`), `drift` (`mean||v_theta - v_old||^2`), `optimality`
+        (`r`), and with `kl_beta > 0` `kl` (`mean||v_theta - v_ref||^2`).
 
         **Raises:**
 
-        - `ValueError`: as `old_policy`, or `GuidedFlow.velocity`.
+        - `ValueError`: as `reference`, or `GuidedFlow.velocity`.
         """
         old = _stop_gradient(self.old_policy(variables))
         rows = batch.num_rows
@@ -297,6 +347,12 @@ class DiffusionNFTObjective(AbstractFlowObjective):
         positive_mse = row_mse(positive, target)
         negative_mse = row_mse(negative, target)
         per_row = r * positive_mse + (1.0 - r) * negative_mse
+        kl = None
+        if self.kl_beta > 0:
+            reference = _stop_gradient(self.reference(variables))
+            v_ref = self.flow.velocity(reference, x_t, t, cond).astype(jnp.float32)
+            kl = row_mse(v_theta, jax.lax.stop_gradient(v_ref))
+            per_row = per_row + self.kl_beta * kl
         count = jnp.sum(keep, dtype=jnp.float32)
 
         def mean_of(value: Float[Array, " N"]) -> Mean:
@@ -309,4 +365,21 @@ class DiffusionNFTObjective(AbstractFlowObjective):
             "drift": mean_of(jax.lax.stop_gradient(row_mse(v_theta, v_old))),
             "optimality": mean_of(r),
         }
+        if kl is not None:
+            aux["kl"] = mean_of(jax.lax.stop_gradient(kl))
         return mean_of(per_row), aux
+
+
+@eqx.filter_jit
+def _soft_update(variables: NFTVariables, decay: float) -> NFTVariables:
+    policy = variables.policy
+    live = lora.adapters(policy) if lora.has_adapters(policy) else policy
+
+    def blend(old: Any, current: Any) -> Any:
+        if eqx.is_inexact_array(old):
+            return decay * old + (1.0 - decay) * current
+        return old
+
+    old_policy = jax.tree.map(blend, variables.old_policy, live)
+    moved: NFTVariables = eqx.tree_at(lambda v: v.old_policy, variables, old_policy)
+    return moved

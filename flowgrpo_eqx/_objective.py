@@ -1,20 +1,31 @@
 """`FlowGRPOObjective`: the clipped Flow-GRPO policy objective over recorded transitions."""
 
-from collections.abc import Callable
-from typing import Any, final
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PyTree
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from . import lora
-from ._custom_types import Aux, Mean, Model, Step, StepRatios, Transitions, check_transitions
-from ._flow_base import AbstractFlowObjective, Variables
+from ._custom_types import (
+    Aux,
+    FinalSamples,
+    Mean,
+    Model,
+    Step,
+    StepRatios,
+    Transitions,
+    check_transitions,
+)
+from ._flow_base import AbstractVariables
 from ._guided_flow import GuidedFlow, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
 from ._misc import check_int, tile_rows
 from ._process import AbstractProcess
+from ._rl import AbstractRLObjective
+from ._rollout import RolloutInfo
 from ._sde import AbstractSDE, FlowSDE
 from ._solver import AbstractSolver, Euler
 
@@ -25,9 +36,31 @@ _SAFE_T = 1.0
 _SAFE_T_NEXT = 0.5
 
 
+OldLogProbs: TypeAlias = Literal["rollout", "update"]
+"""Where Flow-GRPO takes the old log densities of its ratio from: as the rollout recorded
+them, or recomputed by the trainer's own update program before the first update."""
+
+
 def _stop_gradient(tree: PyTree[Any]) -> PyTree[Any]:
     dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
     return eqx.combine(jax.lax.stop_gradient(dynamic), static)
+
+
+@final
+class FlowGRPOVariables(AbstractVariables):
+    """Flow-GRPO's variables: the live policy and the frozen KL reference.
+
+    **Arguments:**
+
+    - `policy`: the live velocity model, trained by the optimizer.
+    - `reference`: the frozen copy of the initial denoiser that the KL term compares with,
+        when `beta > 0` and the policy has no LoRA adapters; `None` otherwise (without a KL
+        term there is nothing to compare with, and for a policy with adapters the reference
+        is the policy with its adapters switched off, which costs no copy).
+    """
+
+    policy: Model
+    reference: Model | None
 
 
 @final
@@ -127,16 +160,16 @@ def _step_statistics(
 
 
 @final
-class FlowGRPOObjective(AbstractFlowObjective):
+class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     """Train a rectified-flow policy on clipped, coordinate-normalised gradients.
 
     The policy is the SDE's Gaussian transition built from the model's guided velocity.
     Its ratio uses the mean-coordinate log likelihood of the released implementation (not the
     product of all coordinate likelihood ratios). With `beta > 0` a conditional transition KL,
     coordinate-averaged and with a variance that includes elapsed time, regularises it towards
-    the reference: a frozen copy of the initial denoiser held in the variables' held slot, or,
+    the reference: a frozen copy of the initial denoiser (`FlowGRPOVariables.reference`), or,
     for a policy with LoRA adapters (`lora.add`), the same policy with its adapters switched
-    off (`lora.without_adapters`), which costs no copy and leaves the held slot free.
+    off (`lora.without_adapters`), which costs no copy.
 
     For each recorded transition, with `A = clip(advantage, -adv_clip_max, adv_clip_max)` and
     `r = exp(log p_theta - old_log_prob)`:
@@ -152,8 +185,8 @@ class FlowGRPOObjective(AbstractFlowObjective):
     - `inputs`: an `InputSpec`: which row fields condition the model, and the null condition.
     - `sde`: the SDE (`FlowSDE`, `CoefficientsPreservingSDE`) used both by the rollout and
         for rescoring.
-    - `beta`: the KL weight; `beta > 0` freezes the initial denoiser in the held slot (for a
-        policy without adapters).
+    - `beta`: the KL weight; `beta > 0` freezes a copy of the initial denoiser as the
+        reference (for a policy without adapters).
     - `clip_range`: the ratio clip `epsilon` (1e-4 by default, as Flow-GRPO).
     - `adv_clip_max`: advantages are clipped to `[-adv_clip_max, adv_clip_max]`.
     - `autoencoder`: decodes latents to samples in [-1, 1]; identity (with clipping) if `None`.
@@ -173,12 +206,20 @@ class FlowGRPOObjective(AbstractFlowObjective):
         ratio per step before and after normalisation); `None` (default) for plain Flow-GRPO.
     - `precision`: `"float32"` (default) or `"bfloat16"`, the dtype the model computes in
         (`GuidedFlow`); the SDE, densities, ratio and KL stay float32.
+    - `old_log_probs`: `"rollout"` (the default) keeps the old log densities the rollout
+        recorded; `"update"` has `prepare_batch` recompute them with the trainer's own
+        update program before the first update of each rollout, and `loss` then reports each
+        transition's log density (`Aux.log_probs`). The rollout and the update are different
+        compiled programs; in float32 they agree to about 1e-7, but in bfloat16 they round
+        differently and the first update's ratio is off 1 by about 4e-4 on the demo. With
+        `"update"` the ratio of every transition of the first update is exactly 1, at the
+        cost of one more run of the update program per minibatch of the first pass.
 
     **Raises:**
 
     - `ValueError`: naming the argument, for `clip_range <= 0`, `adv_clip_max <= 0`,
         `beta < 0`, `steps < 2`, `transition_chunk < 1`, a `guard` that is not a
-        `GRPOGuard`, or guidance without a null condition.
+        `GRPOGuard`, an unknown `old_log_probs`, or guidance without a null condition.
     """
 
     flow: GuidedFlow
@@ -192,6 +233,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
     transition_chunk: int | None
     remat: bool | None
     guard: GRPOGuard | None
+    old_log_probs: OldLogProbs = eqx.field(static=True)
 
     def __init__(
         self,
@@ -212,6 +254,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
         remat: bool | None = None,
         guard: GRPOGuard | None = None,
         precision: Precision = "float32",
+        old_log_probs: OldLogProbs = "rollout",
     ):
         self.flow = flow_from(model, process, inputs, guidance, autoencoder, precision)
         self.sde = sde
@@ -224,6 +267,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
         self.transition_chunk = transition_chunk
         self.remat = remat
         self.guard = guard
+        self.old_log_probs = old_log_probs
 
     def __check_init__(self) -> None:
         if not isinstance(self.sde, AbstractSDE):
@@ -240,25 +284,82 @@ class FlowGRPOObjective(AbstractFlowObjective):
         check_int("transition_chunk", self.transition_chunk, 1, optional=True)
         if self.guard is not None and not isinstance(self.guard, GRPOGuard):
             raise ValueError(f"`guard` must be a GRPOGuard or None, got {self.guard!r}.")
+        if self.old_log_probs not in ("rollout", "update"):
+            raise ValueError(
+                f"`old_log_probs` must be 'rollout' or 'update', got {self.old_log_probs!r}."
+            )
 
     # ----------------------------------------------------------------------------------
-    # Variables
+    # The RL loop's interface
 
-    def held_variables(self) -> Variables:
-        """Which variable slots the trainer must leave untouched, as a `Variables` of bools.
+    def init(
+        self, key: PRNGKeyArray, variables: FlowGRPOVariables | None = None
+    ) -> FlowGRPOVariables:
+        del key
+        if variables is not None:
+            return variables
+        policy = self.initial_policy()
+        needs_copy = self.beta > 0 and not lora.has_adapters(policy)
+        return FlowGRPOVariables(policy=policy, reference=policy if needs_copy else None)
 
-        `held` is `True` when `beta > 0` and the initial policy has no LoRA adapters: the
-        slot is the frozen reference, neither trained nor written by an EMA. Otherwise it is
-        `False` and the slot is free for the EMA: with `beta == 0`, or for a policy with
-        adapters, whose reference is the policy with its adapters switched off. The policy is
-        never held.
+    def sampling_policy(self, variables: FlowGRPOVariables) -> Model:
+        return variables.policy
+
+    def training_batch(
+        self, collected: Transitions | FinalSamples, info: RolloutInfo
+    ) -> Transitions:
+        del info
+        if not isinstance(collected, Transitions):
+            raise ValueError(
+                "Flow-GRPO trains on recorded transitions: give the FlowRollout an SDE "
+                f"`sampler`, not an ODE solver (it collected {type(collected).__name__})."
+            )
+        return collected
+
+    def prepare_batch(
+        self,
+        batch: Transitions,
+        run_update: Callable[[Transitions], Any],
+        first_pass: Sequence[Int[Array, " M"]],
+    ) -> Transitions:
+        """With `old_log_probs="update"`, the batch with its old log densities rescored.
+
+        Each minibatch of the first pass is scored by `run_update` (the trainer's update
+        program at the state that sampled the batch), so that the first pass of updates
+        starts from a ratio of exactly 1 whatever the precision; with `"rollout"`, the batch
+        as it is.
+
+        **Arguments:**
+
+        - `batch`: the rollout's `Transitions`.
+        - `run_update`: the update program's auxiliary output (`Aux`) for a minibatch.
+        - `first_pass`: the rows of each minibatch of the first pass.
 
         **Returns:**
 
-        `Variables(policy=False, held=...)` as above.
+        `batch`, with new `old_log_probs` (unchanged where a transition is not kept) when
+        `old_log_probs="update"`.
         """
-        reference_held = self.beta > 0 and not lora.has_adapters(self.initial_policy())
-        return Variables(policy=False, held=reference_held)
+        if self.old_log_probs == "rollout":
+            return batch
+        old_log_probs = batch.old_log_probs
+        for index in first_pass:
+            minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
+            aux = run_update(minibatch)
+            kept = self.kept(minibatch)
+            old_log_probs = old_log_probs.at[index].set(
+                jnp.where(kept, aux.log_probs, minibatch.old_log_probs)
+            )
+        rescored: Transitions = eqx.tree_at(lambda b: b.old_log_probs, batch, old_log_probs)
+        return rescored
+
+    def end_epoch(self, variables: FlowGRPOVariables, epoch: int) -> FlowGRPOVariables:
+        del epoch
+        return variables
+
+    def batch_metrics(self, batch: Transitions) -> dict[str, float]:
+        """The fraction of recorded transitions the mask keeps, as `kept_fraction`."""
+        return {"kept_fraction": float(jnp.mean(batch.transition_mask))}
 
     # ----------------------------------------------------------------------------------
     # The guided velocity and the per-transition Gaussian
@@ -291,10 +392,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
 
         - `ValueError`: as `GuidedFlow.velocity`.
         """
-        v = self.flow.velocity(model, x, t, cond)
-        if allowed is None:
-            return jax.vmap(self.sde.transition)(x, v, t, t_next)
-        return jax.vmap(self.sde.transition)(x, v, t, t_next, allowed)
+        return self.flow.transition(self.sde, model, x, t, t_next, cond, allowed)
 
     # ----------------------------------------------------------------------------------
     # Scanning over transitions
@@ -363,7 +461,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
         """
         return batch.transition_mask & self.sde.is_stochastic(batch.timesteps, batch.next_timesteps)
 
-    def log_probs(self, variables: Variables, batch: Transitions) -> Float[Array, " N K"]:
+    def log_probs(self, variables: AbstractVariables, batch: Transitions) -> Float[Array, " N K"]:
         """Rescore joint transition log densities with the rollout's guidance.
 
         Uses the live policy and the same `FlowSDE` as the rollout, so rescoring an unchanged
@@ -398,12 +496,14 @@ class FlowGRPOObjective(AbstractFlowObjective):
         result: Float[Array, " N K"] = self._map_transitions(score, inputs, batch.cond)
         return result
 
-    def loss(self, variables: Variables, batch: Transitions, step: Step) -> tuple[Mean, Aux]:
+    def loss(
+        self, variables: FlowGRPOVariables, batch: Transitions, step: Step
+    ) -> tuple[Mean, Aux]:
         """Score the clipped policy gradient over the recorded transitions.
 
         A `lax.scan` over the transitions (in chunks of `transition_chunk`) that carries
         nothing between them; each transition contributes its surrogate, its KL to the frozen
-        reference (the held slot; for a policy with LoRA adapters, the policy with its
+        reference (`variables.reference`; for a policy with LoRA adapters, the policy with its
         adapters switched off), whether it counted, and whether its ratio was clipped. Masked
         transitions are replaced by a safe dummy before any arithmetic, so NaN or inf in them
         reach neither the loss nor its gradient.
@@ -413,17 +513,18 @@ class FlowGRPOObjective(AbstractFlowObjective):
         - `variables`: from `init`; gradients flow into `variables.policy` only.
         - `batch`: the recorded transitions.
         - `step`: the training step: its index and key are unused by this objective's
-            arithmetic; `step.report_log_probs` adds each transition's log density to the
-            `Aux` (`Aux.log_probs`).
+            arithmetic.
 
         **Returns:**
 
         `(Mean(total, count), Aux)`: `total` is the sum over kept transitions of
         `surrogate + beta KL` and `count` the kept count `D`, so that shards reduce exactly.
+        With `old_log_probs="update"`, `Aux.log_probs` holds each transition's log density.
 
         **Raises:**
 
-        - `ValueError`: naming the field, for a malformed batch.
+        - `ValueError`: naming the field, for a malformed batch, or naming `variables` when
+            `beta > 0` and a policy without adapters comes without its reference.
         """
         check_transitions(batch)
         policy = variables.policy
@@ -431,8 +532,14 @@ class FlowGRPOObjective(AbstractFlowObjective):
         if self.beta > 0:
             if lora.has_adapters(policy):
                 reference = _stop_gradient(lora.without_adapters(policy))
+            elif variables.reference is None:
+                raise ValueError(
+                    "`variables.reference` is None, but `beta` > 0 needs the frozen reference "
+                    "of a policy without LoRA adapters: build the variables with `init`."
+                )
             else:
-                reference = _stop_gradient(variables.held)
+                reference = _stop_gradient(variables.reference)
+        report_log_probs = self.old_log_probs == "update"
         n, k = batch.timesteps.shape
         kept = self.kept(batch)
         advantages = batch.advantages
@@ -466,7 +573,7 @@ class FlowGRPOObjective(AbstractFlowObjective):
             zero = jnp.zeros_like(log_prob)
             on = chunk["kept"]
             per = {"log_ratio": log_prob - chunk["old"], "kl": kl, "std": std}
-            if step.report_log_probs:
+            if report_log_probs:
                 per["log_prob"] = log_prob
             return {name: jnp.where(on, value, zero) for name, value in per.items()}
 
@@ -529,8 +636,6 @@ class FlowGRPOObjective(AbstractFlowObjective):
             ratio=mean_of("ratio"),
             counted=count,
             step_ratios=step_ratios,
-            log_probs=(
-                jax.lax.stop_gradient(scored["log_prob"]) if step.report_log_probs else None
-            ),
+            log_probs=(jax.lax.stop_gradient(scored["log_prob"]) if report_log_probs else None),
         )
         return mean_of("objective"), aux

@@ -1,4 +1,4 @@
-"""`FlowRollout`: collect complete prompt groups and the first `train_steps` transitions."""
+"""`FlowRollout`: sample complete prompt groups, score them, and record what training needs."""
 
 import time
 from typing import Any, final
@@ -12,12 +12,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._advantages import AdvantageStd, RewardCombination, group_advantages, per_reward_advantages
-from ._custom_types import Model, Transitions
+from ._custom_types import FinalSamples, Model, Transitions
 from ._distributed import host_samples, row_sharding, score_on_root, shard_batch
-from ._flow_base import Variables
+from ._guided_flow import GuidedFlow
 from ._misc import check_int, is_int, leading_rows, repeat_rows
-from ._objective import FlowGRPOObjective
 from ._reward import FlowReward, WeightedReward
+from ._sde import AbstractSDE
+from ._solver import AbstractSolver
 from ._window import AbstractWindowSchedule
 
 
@@ -27,15 +28,16 @@ class Generated(eqx.Module):
 
     **Arguments:**
 
-    - `latents`, `next_latents`: `[N, K, *latent]` for the first `K` transitions.
-    - `log_probs`: `[N, K]` their mean-coordinate log densities.
+    - `latents`, `next_latents`: `[N, K, *latent]` for the `K` recorded transitions (`None`
+        with an ODE sampler).
+    - `log_probs`: `[N, K]` their mean-coordinate log densities (`None` with an ODE sampler).
     - `final`: `[N, *latent]` the final latents at t = 0.
     - `samples`: `[N, *sample]` the decoded samples in [-1, 1].
     """
 
-    latents: Float[Array, " N K *latent"]
-    next_latents: Float[Array, " N K *latent"]
-    log_probs: Float[Array, " N K"]
+    latents: Float[Array, " N K *latent"] | None
+    next_latents: Float[Array, " N K *latent"] | None
+    log_probs: Float[Array, " N K"] | None
     final: Float[Array, " N *latent"]
     samples: Float[Array, " N *sample"]
 
@@ -52,7 +54,7 @@ class RolloutInfo(eqx.Module):
     - `mean_group_std`: the mean over groups of the population reward std.
     - `samples`: `[N, *sample]` the decoded samples (device array).
     - `final`: `[N, *latent]` the final latents at t = 0 that `samples` decode (device
-        array): what DiffusionNFT trains on (`nft_batch`).
+        array): what DiffusionNFT trains on.
     - `seconds`: wall time of `generation` (device work) and `reward` (host transfer,
         reward, float64 statistics, transport between processes).
     - `reward_calls_here`: how many times this process called the reward (1 on process 0,
@@ -74,25 +76,35 @@ class RolloutInfo(eqx.Module):
 
 @final
 class FlowRollout(eqx.Module):
-    """Collect complete prompt groups and the first `train_steps` transitions.
+    """Sample complete prompt groups with a sampler, score them, and record what trains.
 
     Each source row is repeated `groups` times and forms one group (equal conditioning in
-    other rows never merges groups). One jit-compiled `lax.scan` samples the objective's
-    `FlowSDE` from N(0, I) noise on the `steps`-point grid with the objective's guidance,
-    recording the first `train_steps` transitions and their log densities with the same code
-    that `objective.log_probs` uses. The final latents are decoded to samples in [-1, 1], the
-    reward runs once on the host, and advantages use the population group std with
-    epsilon 1e-4 in float64 (cast to float32 after normalisation), as Flow-GRPO's
-    `PerPromptStatTracker`. Deterministic transitions and every transition of a
-    zero-advantage row are masked (not dropped: shapes stay static).
+    other rows never merges groups). One jit-compiled `lax.scan` integrates the guided flow
+    from N(0, I) noise on the `steps`-point grid of the flow's process:
+
+    - with an SDE `sampler` (`FlowSDE`, `CoefficientsPreservingSDE`), it samples the SDE and
+        records the first `train_steps` transitions and their log densities with the same
+        code (`GuidedFlow.transition`) that `FlowGRPOObjective.log_probs` rescores with, and
+        `collect` gives `Transitions`;
+    - with an ODE `sampler` (`Euler`, `Heun`), it records nothing but the final latents, and
+        `collect` gives `FinalSamples` (what DiffusionNFT trains on).
+
+    The final latents are decoded to samples in [-1, 1], the reward runs once on the host,
+    and advantages use the population group std with epsilon 1e-4 in float64 (cast to
+    float32 after normalisation), as Flow-GRPO's `PerPromptStatTracker`. Deterministic
+    transitions and every transition of a zero-advantage row are masked (not dropped:
+    shapes stay static).
 
     **Arguments:**
 
-    - `objective`: the `FlowGRPOObjective` (its model inputs, SDE, guidance, autoencoder).
+    - `flow`: the `GuidedFlow` to sample (its model inputs, process, guidance, autoencoder);
+        usually the objective's, `objective.flow`.
+    - `sampler`: an `AbstractSDE` (transitions are recorded) or an `AbstractSolver` (only
+        the final samples).
     - `reward`: a `FlowReward`.
     - `groups`: samples per source row.
     - `steps`: time points of the rollout grid; `steps=11` draws ten transitions.
-    - `train_steps`: how many leading transitions to record; `None` records all.
+    - `train_steps`: how many leading transitions to record (SDE only); `None` records all.
     - `advantage_std`: `"group"` (default) or `"global"` (the release's `global_std`).
     - `reward_combination`: `"sum"` (default) normalises the reward's scores within each
         group; `"normalize_each"` needs a `WeightedReward` and normalises each of its terms
@@ -102,11 +114,12 @@ class FlowRollout(eqx.Module):
         leaves the stochastic ones to the SDE's `window`; or an `AbstractWindowSchedule`
         (`FixedWindow`, `RandomWindow`, `SlidingWindow`) that places, for each `collect`,
         `count` consecutive stochastic transitions (the others are ODE steps) and records
-        exactly those. The position is a traced value: moving it never recompiles. Needs
-        `train_steps=None` and an SDE with `window=None`.
+        exactly those. The position is a traced value: moving it never recompiles. Needs an
+        SDE `sampler` with `window=None` and `train_steps=None`.
     - `shared_noise`: if `True`, every sample of a group starts from the same N(0, I) draw
-        (groups differ), so the group baseline compares SDE branches only (the release's
-        `same_latent`). `False` (default) draws every sample's start independently.
+        (groups differ), so the group baseline compares sampler branches only (the
+        release's `same_latent`). `False` (default) draws every sample's start
+        independently.
     - `mesh`: a data mesh (`flowgrpo_eqx.data_mesh()`) to shard rows over, or `None` for the
         default device. With many processes, every process calls `collect` with the same
         global rows; generation is collective, the reward runs on process 0 only, and the
@@ -114,13 +127,15 @@ class FlowRollout(eqx.Module):
 
     **Raises:**
 
-    - `ValueError`: naming the argument, for `groups < 1`, `steps < 2`, a `train_steps`
-        outside `1..steps - 1`, a recorded range with no stochastic transition, or a
-        `window_schedule` longer than the trajectory or beside `train_steps` or the SDE's
-        `window`.
+    - `ValueError`: naming the argument, for a `sampler` that is neither an SDE nor an ODE
+        solver, `groups < 1`, `steps < 2`, a `train_steps` outside `1..steps - 1` or with an
+        ODE sampler, a recorded range with no stochastic transition, or a
+        `window_schedule` longer than the trajectory or beside `train_steps`, the SDE's
+        `window` or an ODE sampler.
     """
 
-    objective: FlowGRPOObjective
+    flow: GuidedFlow
+    sampler: AbstractSDE | AbstractSolver
     reward: FlowReward
     groups: int = 4
     steps: int = 11
@@ -132,8 +147,13 @@ class FlowRollout(eqx.Module):
     mesh: Mesh | None = eqx.field(default=None, static=True)
 
     def __check_init__(self) -> None:
-        if not isinstance(self.objective, FlowGRPOObjective):
-            raise ValueError(f"`objective` must be a FlowGRPOObjective, got {self.objective!r}.")
+        if not isinstance(self.flow, GuidedFlow):
+            raise ValueError(f"`flow` must be a GuidedFlow, got {self.flow!r}.")
+        if not isinstance(self.sampler, (AbstractSDE, AbstractSolver)):
+            raise ValueError(
+                "`sampler` must be an AbstractSDE (transitions recorded) or an AbstractSolver "
+                f"(final samples only), got {self.sampler!r}."
+            )
         if not callable(self.reward):
             raise ValueError(
                 f"`reward` must be callable as reward(samples, rows), got {self.reward!r}."
@@ -166,6 +186,15 @@ class FlowRollout(eqx.Module):
             raise ValueError(
                 f"`advantage_std` must be 'group' or 'global', got {self.advantage_std!r}."
             )
+        if not isinstance(self.sampler, AbstractSDE):
+            for name in ("train_steps", "window_schedule"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"`{name}` must be None with an ODE `sampler` (it records no "
+                        f"transitions), got {getattr(self, name)!r}."
+                    )
+            return
+        sde = self.sampler
         if self.window_schedule is not None:
             if not isinstance(self.window_schedule, AbstractWindowSchedule):
                 raise ValueError(
@@ -177,27 +206,31 @@ class FlowRollout(eqx.Module):
                     "`train_steps` must be None with a `window_schedule` (its `count` "
                     f"transitions are recorded), got {self.train_steps!r}."
                 )
-            if self.objective.sde.window is not None:
+            if sde.window is not None:
                 raise ValueError(
-                    "The objective's sde `window` must be None with a `window_schedule` (the "
-                    f"schedule places the noise), got {self.objective.sde.window!r}."
+                    "The `sampler`'s `window` must be None with a `window_schedule` (the "
+                    f"schedule places the noise), got {sde.window!r}."
                 )
             self.window_schedule.check_fits(transitions)
             return
         grid = self.timesteps()
         recorded = self.recorded_transitions
-        if not bool(
-            jnp.any(self.objective.sde.is_stochastic(grid[:recorded], grid[1 : recorded + 1]))
-        ):
+        if not bool(jnp.any(sde.is_stochastic(grid[:recorded], grid[1 : recorded + 1]))):
             raise ValueError(
                 f"`train_steps`={self.train_steps} records no stochastic transition under "
-                f"the objective's sde (window={self.objective.sde.window}, "
-                f"noise_level={self.objective.sde.noise_level})."
+                f"the `sampler` (window={sde.window}, noise_level={sde.noise_level})."
             )
 
     @property
+    def records_transitions(self) -> bool:
+        """Whether `collect` records transitions (an SDE `sampler`) or not (an ODE one)."""
+        return isinstance(self.sampler, AbstractSDE)
+
+    @property
     def recorded_transitions(self) -> int:
-        """`K`, the number of recorded transitions per sample."""
+        """`K`, the number of recorded transitions per sample (0 with an ODE `sampler`)."""
+        if not self.records_transitions:
+            return 0
         if self.window_schedule is not None:
             return self.window_schedule.count
         return self.steps - 1 if self.train_steps is None else self.train_steps
@@ -223,14 +256,14 @@ class FlowRollout(eqx.Module):
 
         **Returns:**
 
-        `[steps]` times from 1 to 0, `objective.flow.process.timesteps(steps)`.
+        `[steps]` times from 1 to 0, `flow.process.timesteps(steps)`.
         """
-        return self.objective.flow.process.timesteps(self.steps)
+        return self.flow.process.timesteps(self.steps)
 
     def generate(
         self, policy: Model, rows: PyTree[Any], key: PRNGKeyArray, first: int = 0
     ) -> Generated:
-        """Sample the SDE for already repeated rows (jit-compiled; shapes static).
+        """Sample already repeated rows with the `sampler` (jit-compiled; shapes static).
 
         **Arguments:**
 
@@ -248,13 +281,13 @@ class FlowRollout(eqx.Module):
 
         **Raises:**
 
-        - `ValueError`: if the objective's `InputSpec` has no `latent_shape`, or if
+        - `ValueError`: if the flow's `InputSpec` has no `latent_shape`, or if
             `shared_noise` and the rows are not whole groups.
         """
-        if self.objective.flow.inputs.latent_shape is None:
+        if self.flow.inputs.latent_shape is None:
             raise ValueError(
                 "FlowRollout needs the latent shape: pass InputSpec(latent_shape=...) to the "
-                "objective."
+                "objective (or the GuidedFlow)."
             )
         sharding = None if self.mesh is None else row_sharding(self.mesh)
         starts_per_group = self.groups if self.shared_noise else 1
@@ -264,7 +297,8 @@ class FlowRollout(eqx.Module):
                 f"{leading_rows(rows)} rows."
             )
         return _generate(
-            self.objective,
+            self.flow,
+            self.sampler,
             self.steps,
             self.recorded_transitions,
             self.window_schedule is not None,
@@ -277,21 +311,23 @@ class FlowRollout(eqx.Module):
         )
 
     def collect(
-        self, variables: Variables, rows: PyTree[Any], key: PRNGKeyArray, epoch: int = 1
-    ) -> tuple[Transitions, RolloutInfo]:
+        self, policy: Model, rows: PyTree[Any], key: PRNGKeyArray, epoch: int = 1
+    ) -> tuple[Transitions | FinalSamples, RolloutInfo]:
         """Generate groups for the source `rows`, score them, and build the training batch.
 
         **Arguments:**
 
-        - `variables`: the objective's variables; the live policy generates. Never modified.
+        - `policy`: the model that samples (for an RL objective,
+            `objective.sampling_policy(variables)`). Never modified.
         - `rows`: the source rows, `[P, ...]` leaves (the structure `InputSpec` reads).
         - `key`: a PRNG key.
         - `epoch`: the epoch, from 1; places a `window_schedule`'s window (1 by default).
 
         **Returns:**
 
-        `(batch, info)`: a `Transitions` batch of `N = P * groups` rows and `K` recorded
-        transitions, and the host-side `RolloutInfo`.
+        `(batch, info)`: with an SDE `sampler`, a `Transitions` batch of `N = P * groups` rows
+        and `K` recorded transitions; with an ODE one, the `FinalSamples` of those rows; and
+        the host-side `RolloutInfo`.
 
         **Raises:**
 
@@ -301,7 +337,7 @@ class FlowRollout(eqx.Module):
         device_rows = self._place(host_rows)
         started = time.perf_counter()
         first = self.window_start(epoch, key)
-        generated = self.generate(variables.policy, device_rows, key, first)
+        generated = self.generate(policy, device_rows, key, first)
         jax.block_until_ready(generated)  # type: ignore[no-untyped-call]
         generated_at = time.perf_counter()
         samples = host_samples(generated.samples)
@@ -323,7 +359,15 @@ class FlowRollout(eqx.Module):
         zero_std_fraction = float(np.mean(np.all(grouped == grouped[:, :1], axis=1)))
         mean_group_std = float(np.mean(grouped.std(axis=1)))
         scored_at = time.perf_counter()
-        batch = self.build_batch(generated, device_rows, advantages, first)
+        batch: Transitions | FinalSamples
+        if self.records_transitions:
+            batch = self.build_batch(generated, device_rows, advantages, first)
+        else:
+            batch = FinalSamples(
+                latents=generated.final,
+                advantages=self._place(np.asarray(advantages, np.float32)),
+                cond=device_rows,
+            )
         info = RolloutInfo(
             rewards=rewards,
             reward_mean=np.float32(rewards.mean()),
@@ -367,13 +411,24 @@ class FlowRollout(eqx.Module):
         **Returns:**
 
         The `Transitions` batch, placed like `rows` (row-sharded over `mesh` when given).
+
+        **Raises:**
+
+        - `ValueError`: if `generated` recorded no transitions (an ODE `sampler`).
         """
+        if (
+            generated.latents is None
+            or generated.next_latents is None
+            or generated.log_probs is None
+            or not isinstance(self.sampler, AbstractSDE)
+        ):
+            raise ValueError("`generated` holds no transitions: the `sampler` is an ODE solver.")
         num = generated.log_probs.shape[0]
         grid = np.asarray(self.timesteps())
         recorded = self.recorded_transitions
         timesteps = np.broadcast_to(grid[first : first + recorded], (num, recorded))
         next_timesteps = np.broadcast_to(grid[first + 1 : first + recorded + 1], (num, recorded))
-        stochastic = np.asarray(self.objective.sde.is_stochastic(timesteps, next_timesteps))
+        stochastic = np.asarray(self.sampler.is_stochastic(timesteps, next_timesteps))
         host_advantages = np.asarray(advantages, np.float32)
         mask = stochastic & (host_advantages != 0)[:, None]
         placed = self._place(
@@ -398,7 +453,8 @@ class FlowRollout(eqx.Module):
 
 @eqx.filter_jit
 def _generate(
-    objective: FlowGRPOObjective,
+    flow: GuidedFlow,
+    sampler: AbstractSDE | AbstractSolver,
     steps: int,
     recorded: int,
     scheduled: bool,
@@ -414,12 +470,12 @@ def _generate(
     Consecutive runs of `starts_per_group` rows share one starting draw (1: all independent).
     When `scheduled`, only transitions `first .. first + recorded - 1` draw noise and the
     whole trajectory is recorded, then those `recorded` transitions sliced out at the traced
-    `first`.
+    `first`. With an ODE `sampler` nothing is recorded.
     """
-    latent_shape = objective.flow.inputs.latent_shape
+    latent_shape = flow.inputs.latent_shape
     assert latent_shape is not None
     num = leading_rows(rows)
-    grid = objective.flow.process.timesteps(steps)
+    grid = flow.process.timesteps(steps)
     noise_key, step_key = jax.random.split(key)
     if starts_per_group == 1:
         start = jax.random.normal(noise_key, (num, *latent_shape), jnp.float32)
@@ -428,6 +484,12 @@ def _generate(
         start = jnp.repeat(draws, starts_per_group, axis=0)
     if sharding is not None:
         start = jax.lax.with_sharding_constraint(start, sharding)  # type: ignore[no-untyped-call]
+    if isinstance(sampler, AbstractSolver):
+        final = flow.sample_latents(policy, rows, start, sampler, steps)
+        return _constrained(
+            Generated(None, None, None, final=final, samples=flow.decode(final)), sharding
+        )
+    sde = sampler
     step_keys = jax.random.split(step_key, steps - 1)
     # Every step's per-row noise, drawn here from the per-step, per-row keys that the loop
     # would split: the same values, but one batched draw. On CPU each draw is a small rolled
@@ -448,9 +510,9 @@ def _generate(
         times = jnp.full((num,), t, x.dtype)
         next_times = jnp.full((num,), t_next, x.dtype)
         allowed_rows = None if allowed is None else jnp.full((num,), allowed)
-        mean, std = objective.transition(policy, x, times, next_times, rows, allowed_rows)
-        x_next = jax.vmap(objective.sde.sample)(mean, std, z)
-        log_prob = jax.vmap(objective.sde.log_prob)(x_next, mean, std)
+        mean, std = flow.transition(sde, policy, x, times, next_times, rows, allowed_rows)
+        x_next = jax.vmap(sde.sample)(mean, std, z)
+        log_prob = jax.vmap(sde.log_prob)(x_next, mean, std)
         return x_next, log_prob
 
     def recording(
@@ -491,8 +553,12 @@ def _generate(
         next_latents=jnp.swapaxes(next_latents, 0, 1),
         log_probs=jnp.swapaxes(log_probs, 0, 1),
         final=x,
-        samples=objective.flow.decode(x),
+        samples=flow.decode(x),
     )
+    return _constrained(generated, sharding)
+
+
+def _constrained(generated: Generated, sharding: NamedSharding | None) -> Generated:
     if sharding is None:
         return generated
     constrained: Generated = jax.tree.map(

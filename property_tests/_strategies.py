@@ -139,11 +139,11 @@ class Config:
             **options,
         )
 
-    def variables(self, obj: fg.FlowGRPOObjective) -> fg.Variables:
+    def variables(self, obj: fg.FlowGRPOObjective) -> fg.FlowGRPOVariables:
         """Initial variables; with `beta > 0` the reference is moved so that KL > 0."""
         variables = obj.init(jax.random.key(0))
         if self.beta > 0:
-            variables = fg.Variables(variables.policy, perturbed(variables.held))
+            variables = fg.FlowGRPOVariables(variables.policy, perturbed(variables.reference))
         return variables
 
     def replace(self, **changes: Any) -> "Config":
@@ -216,7 +216,7 @@ def make_rollout(
     *,
     mask_p: float = 0.7,
     per_transition_advantages: bool = False,
-    variables: fg.Variables | None = None,
+    variables: fg.FlowGRPOVariables | None = None,
 ) -> Rollout:
     """A batch whose next latents are sampled from the configuration's own transitions.
 

@@ -181,12 +181,12 @@ TRAINER = Trainer(TRAIN_OBJECTIVE, default_optimizer(3e-2, 0.0), ema_decay=0.5)
 
 
 @eqx.filter_jit
-def rescored(variables: fg.Variables, batch: fg.Transitions) -> jax.Array:
+def rescored(variables: fg.FlowGRPOVariables, batch: fg.Transitions) -> jax.Array:
     out: jax.Array = TRAIN_OBJECTIVE.log_probs(variables, batch)
     return out
 
 
-def on_policy_batch(variables: fg.Variables, seed: int) -> fg.Transitions:
+def on_policy_batch(variables: fg.FlowGRPOVariables, seed: int) -> fg.Transitions:
     """Random transitions whose `old_log_probs` are the policy's own (ratio 1)."""
     rng = np.random.default_rng(seed)
     grid = np.linspace(1.0, 0.0, TRAIN_K + 2)
@@ -229,5 +229,5 @@ def test_trainer_updates_move_adapters_only(updates: int, seed: int) -> None:
         not np.array_equal(a, b) for a, b in zip(adapters_before, adapters_after, strict=True)
     )
     assert changed == (updates > 0)
-    # The held slot is the EMA of the adapters: adapter arrays only.
-    assert len(jax.tree.leaves(state.variables.held)) == len(adapters_after)
+    # The EMA is of the adapters: adapter arrays only.
+    assert len(jax.tree.leaves(state.ema)) == len(adapters_after)

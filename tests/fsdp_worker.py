@@ -14,7 +14,7 @@ import numpy as np
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx.models import MLPVelocity
-from flowgrpo_eqx.train import Trainer, update_program_log_probs
+from flowgrpo_eqx.train import Trainer, minibatch_indices
 
 
 ROWS, TRANSITIONS, LATENT, COND = 8, 3, 8, 3
@@ -92,24 +92,24 @@ def main():
     )
     # bfloat16 with the old log densities taken from the update's program, on the FSDP mesh:
     # the first update's ratio is exactly 1 there too.
-    bfloat16 = Trainer(
-        fg.FlowGRPOObjective(
-            model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.1,
-            clip_range=0.2, precision="bfloat16",
-        ),
-        old_log_probs="update",
+    bfloat16_objective = fg.FlowGRPOObjective(
+        model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.1,
+        clip_range=0.2, precision="bfloat16", old_log_probs="update",
     )  # fmt: skip
+    bfloat16 = Trainer(bfloat16_objective)
     bfloat16_state = fg.shard_parameters(host_state, four, "fsdp", min_elements=MIN_ELEMENTS)
     four_rows = fg.shard_batch(host_batch, four)
-    rescored = update_program_log_probs(
-        bfloat16, bfloat16_state, four_rows, ROWS, jax.random.key(3)
+    rescored = bfloat16_objective.prepare_batch(
+        four_rows,
+        lambda minibatch: bfloat16.run_update(bfloat16_state, minibatch),
+        minibatch_indices(ROWS, ROWS, jax.random.key(3)),
     )
     _, first = bfloat16.update(bfloat16_state, rescored)
     large = [
         leaf
         for part in (
             sharded_state.variables.policy,
-            sharded_state.variables.held,
+            sharded_state.variables.reference,
             sharded_state.opt_state,
         )
         for leaf in jax.tree.leaves(eqx.filter(part, eqx.is_inexact_array))

@@ -84,7 +84,7 @@ def float32_noise_reward(samples: np.ndarray, rows: Any) -> np.ndarray:
 
 def user_setup(
     model: Any, reward: Any = quadratic_reward, beta: float = 0.0
-) -> tuple[fg.FlowGRPOObjective, fg.FlowRollout, fg.Variables, np.ndarray]:
+) -> tuple[fg.FlowGRPOObjective, fg.FlowRollout, fg.FlowGRPOVariables, np.ndarray]:
     objective = fg.FlowGRPOObjective(
         model,
         fg.RectifiedFlow(),
@@ -94,7 +94,7 @@ def user_setup(
         guidance=fg.CFG(2.0),
         steps=4,
     )
-    rollout = fg.FlowRollout(objective, reward, groups=4, steps=4)
+    rollout = fg.FlowRollout(objective.flow, objective.sde, reward, groups=4, steps=4)
     rows = np.random.default_rng(0).normal(size=(PROMPTS, COND_DIM)).astype(np.float32)
     return objective, rollout, objective.init(jax.random.key(0)), rows
 
@@ -128,8 +128,10 @@ def test_user_mlp_passes_every_line_with_reference_kl() -> None:
     assert report.line("KL at init").value == 0.0
     assert report.line("kept transitions").value == PROMPTS * 4 * 3
     assert report.line("zero-gradient arrays").detail.endswith("of 6 trainable arrays")
-    # beta > 0: the six held arrays are snapshotted and must not move.
-    assert report.line("held arrays changed").detail.endswith("of 6 frozen or held arrays")
+    # beta > 0: the reference's six arrays are snapshotted and must not move.
+    assert report.line("frozen arrays changed").detail.endswith(
+        "of 6 frozen arrays (policy and reference)"
+    )
     table = str(report)
     assert table == report.table()
     assert table.splitlines()[0].split() == ["check", "value", "threshold", "verdict", "detail"]
@@ -189,8 +191,10 @@ def test_trainable_filter_freezes_arrays_that_then_stay_put() -> None:
     )
     assert report.passed, str(report)
     assert report.line("zero-gradient arrays").detail.endswith("of 4 trainable arrays")
-    # beta = 0 without EMA: the frozen layer's two arrays and the six held ones.
-    assert report.line("held arrays changed").detail.endswith("of 8 frozen or held arrays")
+    # beta = 0: the frozen layer's two arrays, and no reference.
+    assert report.line("frozen arrays changed").detail.endswith(
+        "of 2 frozen arrays (policy and reference)"
+    )
 
 
 def test_bfloat16_model_gap_is_measured_and_thresholds_can_be_loosened() -> None:

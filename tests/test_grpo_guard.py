@@ -68,7 +68,7 @@ def setup(seed, per_transition=False, steps=8):
     objective = make_objective(chunk=4)
     variables = objective.init(jax.random.key(1))
     policy = perturbed(variables.policy, jax.random.key(2))
-    variables = fg.Variables(policy=policy, held=variables.held)
+    variables = fg.FlowGRPOVariables(policy=policy, reference=variables.reference)
     batch = make_batch(seed=seed, advantages_per_transition=per_transition, steps=steps)
     rescored = np.asarray(objective.log_probs(variables, batch))
     noise = np.random.default_rng(seed).normal(size=rescored.shape) * 0.3

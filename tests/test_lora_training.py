@@ -22,8 +22,8 @@ from flowgrpo_eqx.train import (
     Checkpointer,
     Trainer,
     default_optimizer,
-    flow_grpo_epoch,
     load_model,
+    rl_epoch,
     save_model,
 )
 from tests import numpy_reference as ref
@@ -76,13 +76,13 @@ def test_first_update_of_a_lora_run_has_ratio_one_and_kl_zero():
     policy = lora.add(base, 2, key=jax.random.key(3))
     objective = mlp_objective(policy, beta=0.1)
     trainer = Trainer(objective, default_optimizer(1e-2, 0.0), ema_decay=0.9)
-    # Both a reference (beta > 0) and an EMA: the slot is free because the reference is the
-    # policy with its adapters off.
-    assert objective.held_variables() == fg.Variables(policy=False, held=False)
-    assert trainer.ema_active
+    # Both a reference (beta > 0) and an EMA: the reference is the policy with its adapters
+    # off, so no copy is kept, and the EMA holds the adapters alone.
     state = trainer.init(jax.random.key(0))
-    rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
-    batch, _ = rollout.collect(state.variables, ROWS, jax.random.key(1))
+    assert state.variables.reference is None
+    assert len(jax.tree.leaves(state.ema)) == 2 * len(policy.adapters)
+    rollout = fg.FlowRollout(objective.flow, objective.sde, brightness, groups=4, steps=5)
+    batch, _ = rollout.collect(state.variables.policy, ROWS, jax.random.key(1))
     state, metrics = trainer.update(state, batch)
     assert float(metrics["counted"]) > 0
     assert float(metrics["ratio"]) == 1.0
@@ -93,12 +93,11 @@ def test_first_update_of_a_lora_run_has_ratio_one_and_kl_zero():
 
 def test_without_adapters_nothing_changes():
     objective = mlp_objective(mlp_base(), beta=0.1)
-    assert objective.held_variables() == fg.Variables(policy=False, held=True)
     trainer = Trainer(objective, default_optimizer(1e-2, 0.0), ema_decay=0.9)
-    assert not trainer.ema_active
     state = trainer.init(jax.random.key(0))
-    # The held slot is a full copy of the base, and every float array trains.
-    assert_bit_identical(state.variables.held, mlp_base())
+    # The reference is a full copy of the base, the EMA another, and every float array trains.
+    assert_bit_identical(state.variables.reference, mlp_base())
+    assert_bit_identical(state.ema, mlp_base())
     assert sum(x.size for x in arrays(state.opt_state)) == 2 * sum(
         x.size for x in arrays(mlp_base())
     ) + sum(x.size for x in arrays(state.opt_state) if x.ndim == 0)
@@ -109,17 +108,16 @@ def test_trainer_trains_adapters_only_and_base_stays_bit_identical():
     policy = lora.add(base, 2, key=jax.random.key(3))
     objective = mlp_objective(policy, beta=0.1)
     trainer = Trainer(objective, default_optimizer(3e-2, 0.0))
-    assert not trainer.ema_active
     state = trainer.init(jax.random.key(0))
-    # No EMA: nothing reads the held slot, so it holds nothing.
-    assert state.variables.held is None
+    # No EMA, and the reference is the policy with its adapters off: nothing else is kept.
+    assert state.variables.reference is None and state.ema is None
     # The optimizer state holds adapter-shaped arrays only (AdamW: two per adapter array).
     adapter_shapes = sorted(x.shape for x in arrays(policy.adapters))
     state_shapes = sorted(x.shape for x in arrays(state.opt_state) if x.ndim > 0)
     assert state_shapes == sorted(adapter_shapes * 2)
-    rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
+    rollout = fg.FlowRollout(objective.flow, objective.sde, brightness, groups=4, steps=5)
     for epoch in range(2):
-        state, metrics, _ = flow_grpo_epoch(
+        state, metrics, _ = rl_epoch(
             trainer,
             state,
             rollout,
@@ -214,8 +212,8 @@ def test_kl_to_adapters_off_and_ema_of_adapters_match_numpy_float64():
     )
     trainer = Trainer(objective, optax.sgd(0.05), ema_decay=decay)
     state = trainer.init(jax.random.key(0))
-    # The held slot holds the adapters alone (the EMA's start), not a copy of the base.
-    held_before = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.variables.held)]
+    # The EMA holds the adapters alone, not a copy of the base.
+    held_before = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.ema)]
     assert len(held_before) == 2 * len(policy.adapters)
     batch = random_batch(3)
     state, metrics = trainer.update(state, batch)
@@ -253,7 +251,7 @@ def test_kl_to_adapters_off_and_ema_of_adapters_match_numpy_float64():
     np.testing.assert_allclose(float(metrics["loss"]), np.mean(objectives), rtol=2e-5, atol=1e-6)
 
     after = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.variables.policy.adapters)]
-    held_after = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.variables.held)]
+    held_after = [np.asarray(x, np.float64) for x in jax.tree.leaves(state.ema)]
     assert any(not np.array_equal(a, b) for a, b in zip(after, held_before, strict=True))
     for old, new, got in zip(held_before, after, held_after, strict=True):
         np.testing.assert_allclose(got, decay * old + (1 - decay) * new, rtol=1e-6, atol=1e-7)
@@ -265,7 +263,7 @@ def test_variables_with_adapters_for_an_objective_without_them_name_variables():
     trainer = Trainer(mlp_objective(base, beta=0.1))
     adapted = lora.add(base, 2, key=jax.random.key(0))
     with pytest.raises(ValueError, match="`variables"):
-        trainer.init(jax.random.key(0), fg.Variables(policy=adapted, held=None))
+        trainer.init(jax.random.key(0), fg.FlowGRPOVariables(policy=adapted, reference=None))
 
 
 def default_sized_dit():

@@ -366,14 +366,16 @@ def test_flow_grpo_loss_is_unchanged_by_x64(beta, guard):
 
     objective = eqx.tree_at(
         lambda o: o.guard,
-        objective_tests.make_objective(beta=beta),
+        objective_tests.make_objective(beta=beta, old_log_probs="update"),
         guard,
         is_leaf=lambda x: x is None,
     )
     policy = objective_tests.LinearVelocity(jax.random.key(1))
-    variables = fg.Variables(policy=policy, held=objective_tests.LinearVelocity(jax.random.key(2)))
+    variables = fg.FlowGRPOVariables(
+        policy=policy, reference=objective_tests.LinearVelocity(jax.random.key(2))
+    )
     batch = objective_tests.make_batch(0, poison=True)
-    step = fg.Step(index=0, key=jax.random.key(3), report_log_probs=True)
+    step = fg.Step(index=0, key=jax.random.key(3))
     want = _value_and_grad(objective, variables, batch, step)
     with jax.enable_x64(True):
         got = _value_and_grad(objective, variables, batch, step)
@@ -382,10 +384,11 @@ def test_flow_grpo_loss_is_unchanged_by_x64(beta, guard):
 
 def test_nft_loss_is_unchanged_by_x64():
 
-    objective = nft_tests.make_objective(guidance=fg.CFG(2.0))
-    variables = fg.Variables(
+    objective = nft_tests.make_objective(guidance=fg.CFG(2.0), kl_beta=0.1)
+    variables = fg.NFTVariables(
         policy=objective_tests.LinearVelocity(jax.random.key(1)),
-        held=objective_tests.LinearVelocity(jax.random.key(2)),
+        old_policy=objective_tests.LinearVelocity(jax.random.key(2)),
+        reference=objective_tests.LinearVelocity(jax.random.key(4)),
     )
     batch = nft_tests.make_batch(0, poison=True)
     want = _value_and_grad(objective, variables, batch, nft_tests.STEP)
@@ -395,10 +398,10 @@ def test_nft_loss_is_unchanged_by_x64():
 
 
 # --------------------------------------------------------------------------------------
-# nft_batch and the guard's settings.
+# DiffusionNFT's training batch and the guard's settings.
 
 
-def test_nft_batch_takes_the_final_latents_the_rows_and_their_advantages():
+def test_the_nft_training_batch_takes_the_final_latents_the_rows_and_their_advantages():
 
     batch = objective_tests.make_batch(1, n=3, k=2, steps=4)
     final = jnp.arange(3 * objective_tests.DIM, dtype=jnp.float32).reshape(3, -1)
@@ -413,7 +416,7 @@ def test_nft_batch_takes_the_final_latents_the_rows_and_their_advantages():
         reward_calls_here=1,
         window_start=0,
     )
-    nft = fg.nft_batch(batch, info)
+    nft = nft_tests.make_objective().training_batch(batch, info)
     np.testing.assert_array_equal(nft.latents, final)
     np.testing.assert_array_equal(nft.advantages, batch.advantages)
     np.testing.assert_array_equal(nft.cond, batch.cond)
@@ -425,7 +428,7 @@ def test_nft_batch_takes_the_final_latents_the_rows_and_their_advantages():
         "DiffusionNFT needs one advantage per row, got Transitions.advantages of shape (3, 2)."
     )
     with pytest.raises(ValueError, match=exact_message(message)):
-        fg.nft_batch(per_transition, info)
+        nft_tests.make_objective().training_batch(per_transition, info)
 
 
 def test_a_guard_that_does_nothing_is_refused_by_name():
@@ -486,27 +489,27 @@ def test_nft_messages_are_exact():
     with raises_named("`sampler` must be an AbstractSolver, got 'euler'."):
         _nft(guidance=None, sampler="euler")
     message = (
-        "DiffusionNFT's old policy is the held slot, which is None: train a LoRA policy with an "
-        "EMA (Trainer(ema_decay=...))."
+        "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference of a policy "
+        "without LoRA adapters: build the variables with `init`."
     )
     policy = _nft(guidance=None).initial_policy()
     with pytest.raises(ValueError, match=exact_message(message)):
-        _nft(guidance=None).old_policy(fg.Variables(policy=policy, held=None))
+        _nft(guidance=None).reference(fg.NFTVariables(policy, policy, None))
 
 
-def test_nft_batch_accepts_scalar_latents_and_one_dimensional_rows():
-    batch = fg.NFTBatch(latents=jnp.ones(3), advantages=jnp.ones(3), cond=jnp.arange(3.0))
+def test_final_samples_accept_scalar_latents_and_one_dimensional_rows():
+    batch = fg.FinalSamples(latents=jnp.ones(3), advantages=jnp.ones(3), cond=jnp.arange(3.0))
     assert batch.num_rows == 3
-    with raises_named("NFTBatch.latents has shape (), expected [N, *latent]."):
-        fg.NFTBatch(latents=jnp.ones(()), advantages=jnp.ones(3), cond=jnp.ones(3))
-    with raises_named("NFTBatch.mask must be a bool array, got dtype int32."):
-        fg.NFTBatch(
+    with raises_named("FinalSamples.latents has shape (), expected [N, *latent]."):
+        fg.FinalSamples(latents=jnp.ones(()), advantages=jnp.ones(3), cond=jnp.ones(3))
+    with raises_named("FinalSamples.mask must be a bool array, got dtype int32."):
+        fg.FinalSamples(
             latents=jnp.ones(3), advantages=jnp.ones(3), cond=jnp.ones(3),
             mask=jnp.ones(3, jnp.int32),
         )  # fmt: skip
 
 
-def test_nft_old_policy_of_a_lora_policy_is_the_policy_with_the_held_adapters():
+def test_nft_old_policy_of_a_lora_policy_is_the_policy_with_the_old_adapters():
 
     def adapted(seed):
         model = lora.add(eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0)), 2, key=jax.random.key(1))
@@ -516,7 +519,7 @@ def test_nft_old_policy_of_a_lora_policy_is_the_policy_with_the_held_adapters():
         return lora.with_adapters(model, noisy)
 
     policy, old = adapted(2), adapted(3)
-    got = _nft(guidance=None).old_policy(fg.Variables(policy=policy, held=lora.adapters(old)))
+    got = _nft(guidance=None).old_policy(fg.NFTVariables(policy, lora.adapters(old), None))
     _assert_same_trees(lora.adapters(got), lora.adapters(old))
     _assert_same_trees(lora.without_adapters(got), lora.without_adapters(policy))
 
@@ -710,8 +713,8 @@ def test_the_kl_reference_of_a_lora_policy_is_its_base():
     )
     batch = objective_tests.make_batch(0)
     step = fg.Step(index=0, key=jax.random.key(0))
-    _, with_lora = objective.loss(fg.Variables(policy=adapted, held=None), batch, step)
-    merged = fg.Variables(policy=lora.merge(adapted), held=lora.without_adapters(adapted))
+    _, with_lora = objective.loss(fg.FlowGRPOVariables(adapted, None), batch, step)
+    merged = fg.FlowGRPOVariables(lora.merge(adapted), lora.without_adapters(adapted))
     _, with_held = objective.loss(merged, batch, step)
     assert float(with_lora.kl.value) > 0
     np.testing.assert_allclose(float(with_lora.kl.value), float(with_held.kl.value), rtol=1e-5)
@@ -732,7 +735,7 @@ def _single_kept_transition(seed):
 def test_a_ratio_exactly_at_the_clip_range_is_not_clipped(seed):
 
     batch = _single_kept_transition(seed)
-    variables = fg.Variables(policy=objective_tests.LinearVelocity(jax.random.key(1)), held=None)
+    variables = fg.FlowGRPOVariables(objective_tests.LinearVelocity(jax.random.key(1)), None)
     step = fg.Step(index=0, key=jax.random.key(0))
     _, aux = objective_tests.make_objective(clip_range=0.2).loss(variables, batch, step)
     ratio = np.float32(aux.ratio.total)
@@ -748,15 +751,15 @@ def test_a_ratio_exactly_at_the_clip_range_is_not_clipped(seed):
     assert float(aux.clipfrac_lt_one.total) == float(ratio < 1)
 
 
-def test_the_loss_reports_log_densities_when_the_step_asks():
+def test_the_loss_reports_log_densities_in_the_update_mode():
 
     objective = objective_tests.make_objective()
-    variables = fg.Variables(policy=objective_tests.LinearVelocity(jax.random.key(1)), held=None)
+    variables = fg.FlowGRPOVariables(objective_tests.LinearVelocity(jax.random.key(1)), None)
     batch = objective_tests.make_batch(0)
     _, aux = objective.loss(variables, batch, fg.Step(index=0, key=jax.random.key(0)))
     assert aux.log_probs is None
-    asked = fg.Step(index=0, key=jax.random.key(0), report_log_probs=True)
-    _, aux = objective.loss(variables, batch, asked)
+    objective = objective_tests.make_objective(old_log_probs="update")
+    _, aux = objective.loss(variables, batch, fg.Step(index=0, key=jax.random.key(0)))
     kept = np.asarray(objective.kept(batch))
     want = np.where(kept, np.asarray(objective.log_probs(variables, batch)), 0.0)
     np.testing.assert_allclose(np.asarray(aux.log_probs), want, rtol=1e-6, atol=1e-6)
@@ -794,9 +797,9 @@ def test_a_lora_policy_holds_no_reference():
         lora.add(base, 2, key=jax.random.key(1)), fg.RectifiedFlow(), fg.InputSpec(),
         guidance=None, beta=0.5,
     )  # fmt: skip
-    assert objective.held_variables() == fg.Variables(policy=False, held=False)
+    assert objective.init(jax.random.key(0)).reference is None
     frozen = fg.FlowGRPOObjective(base, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.5)
-    assert frozen.held_variables() == fg.Variables(policy=False, held=True)
+    assert frozen.init(jax.random.key(0)).reference is base
 
 
 # --------------------------------------------------------------------------------------
@@ -821,7 +824,7 @@ def _traced_log_probs(chunk, remat, n, k):
         remat,
         is_leaf=lambda x: x is None,
     )
-    variables = fg.Variables(policy=objective_tests.LinearVelocity(jax.random.key(1)), held=None)
+    variables = fg.FlowGRPOVariables(objective_tests.LinearVelocity(jax.random.key(1)), None)
     batch = objective_tests.make_batch(0, n=n, k=k, steps=k + 2)
     return list(_jaxpr_equations(eqx.filter_make_jaxpr(objective.log_probs)(variables, batch)[0]))
 

@@ -1,6 +1,8 @@
 """DiffusionNFTObjective against an independent float64 NumPy statement (mathematics.md §8),
 its exact identities, and `--algorithm nft` through the command line."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,14 +12,14 @@ import pytest
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx.shapes_demo import JobConfig
-from flowgrpo_eqx.train import MetricsLog, Trainer
+from flowgrpo_eqx.train import MetricsLog, Trainer, rl_epoch
 from tests import numpy_reference as ref
 from tests.cli_helpers import run_cli
 from tests.errors import NAMED_ARGUMENT_ERRORS
 from tests.test_objective import COND, DIM, NULL, LinearVelocity, numpy_guided
 
 
-def make_objective(beta=0.7, adv_max=2.0, guidance=None):
+def make_objective(beta=0.7, adv_max=2.0, guidance=None, **settings):
     return fg.DiffusionNFTObjective(
         LinearVelocity(jax.random.key(0)),
         fg.RectifiedFlow(),
@@ -25,7 +27,12 @@ def make_objective(beta=0.7, adv_max=2.0, guidance=None):
         beta=beta,
         adv_max=adv_max,
         guidance=guidance,
+        **settings,
     )
+
+
+def nft_variables(policy, old, reference=None):
+    return fg.NFTVariables(policy=policy, old_policy=old, reference=reference)
 
 
 def make_batch(seed, n=6, poison=False):
@@ -41,7 +48,7 @@ def make_batch(seed, n=6, poison=False):
         latents[~mask] = np.nan
         advantages[~mask] = np.inf
         cond[~mask] = np.nan
-    return fg.NFTBatch(
+    return fg.FinalSamples(
         latents=jnp.asarray(latents),
         advantages=jnp.asarray(advantages),
         cond=jnp.asarray(cond),
@@ -65,7 +72,7 @@ def test_loss_matches_numpy_statement(beta, guidance):
     objective = make_objective(beta=beta, guidance=guidance)
     policy, old = LinearVelocity(jax.random.key(1)), LinearVelocity(jax.random.key(2))
     batch = make_batch(0)
-    total, aux = objective.loss(fg.Variables(policy=policy, held=old), batch, STEP)
+    total, aux = objective.loss(nft_variables(policy, old), batch, STEP)
     noise, t = draws(STEP, batch)
     data = np.asarray(batch.latents, np.float64)
     cond = np.asarray(batch.cond, np.float64)
@@ -90,11 +97,11 @@ def test_unchanged_policy_is_flow_matching_with_an_advantage_weighted_gradient()
     beta = 0.6
     objective = make_objective(beta=beta, guidance=fg.CFG(2.0))
     policy = LinearVelocity(jax.random.key(1))
-    variables = fg.Variables(policy=policy, held=policy)
+    variables = nft_variables(policy, policy)
     batch = make_batch(1)
 
     def nft(model):
-        return objective.loss(fg.Variables(policy=model, held=policy), batch, STEP)
+        return objective.loss(nft_variables(model, policy), batch, STEP)
 
     total, aux = objective.loss(variables, batch, STEP)
     np.testing.assert_allclose(float(total.value), float(aux["old_mse"].value), rtol=1e-6)
@@ -123,7 +130,7 @@ def test_a_gradient_step_moves_the_velocity_towards_the_target_for_positive_adva
 ):
     objective = make_objective()
     policy = LinearVelocity(jax.random.key(1))
-    batch = fg.NFTBatch(
+    batch = fg.FinalSamples(
         latents=jnp.ones((1, DIM)), advantages=jnp.asarray([advantage]), cond=jnp.ones((1, COND))
     )
     noise, t = (jnp.asarray(a, jnp.float32) for a in draws(STEP, batch))
@@ -134,7 +141,7 @@ def test_a_gradient_step_moves_the_velocity_towards_the_target_for_positive_adva
         return float(jnp.mean((v - (noise - batch.latents)) ** 2))
 
     grad = eqx.filter_grad(
-        lambda m: objective.loss(fg.Variables(policy=m, held=policy), batch, STEP)[0].value
+        lambda m: objective.loss(nft_variables(m, policy), batch, STEP)[0].value
     )(policy)
     moved = eqx.apply_updates(policy, jax.tree.map(lambda g: -1e-2 * g, grad))
     assert (error(moved) < error(policy)) == closer
@@ -146,7 +153,7 @@ def test_masked_rows_reach_neither_value_nor_gradient():
 
     def value_and_grad(batch):
         def value(model):
-            return objective.loss(fg.Variables(policy=model, held=old), batch, STEP)[0].value
+            return objective.loss(nft_variables(model, old), batch, STEP)[0].value
 
         return eqx.filter_value_and_grad(value)(policy)
 
@@ -171,50 +178,102 @@ def test_masked_rows_reach_neither_value_nor_gradient():
         ({"adv_max": 0.0}, "adv_max"),
         ({"adv_max": -1.0}, "adv_max"),
         ({"steps": 1}, "steps"),
+        ({"kl_beta": -1e-4}, "kl_beta"),
+        ({"kl_beta": float("inf")}, "kl_beta"),
+        ({"kl_beta": True}, "kl_beta"),
+        ({"old_decay": 1.0}, "old_decay"),
+        ({"old_decay": -0.1}, "old_decay"),
+        ({"old_decay": True}, "old_decay"),
     ],
 )
 def test_bad_settings_are_named(settings, named):
-    with pytest.raises(ValueError, match=f"`{named}`"):
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match=f"`?{named}`?"):
         fg.DiffusionNFTObjective(
             LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), guidance=None,
             **settings,
         )  # fmt: skip
 
 
-def test_malformed_batches_and_a_missing_old_policy_are_named():
+def test_malformed_batches_and_a_missing_reference_are_named():
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="advantages"):
-        fg.NFTBatch(latents=jnp.ones((3, DIM)), advantages=jnp.ones(2), cond=jnp.ones((3, 1)))
-    with pytest.raises(ValueError, match=r"NFTBatch.cond\['c'\]"):
-        fg.NFTBatch(latents=jnp.ones((3, DIM)), advantages=jnp.ones(3), cond={"c": jnp.ones(2)})
+        fg.FinalSamples(latents=jnp.ones((3, DIM)), advantages=jnp.ones(2), cond=jnp.ones((3, 1)))
+    with pytest.raises(ValueError, match=r"FinalSamples.cond\['c'\]"):
+        fg.FinalSamples(latents=jnp.ones((3, DIM)), advantages=jnp.ones(3), cond={"c": jnp.ones(2)})
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="mask"):
-        fg.NFTBatch(
+        fg.FinalSamples(
             latents=jnp.ones((3, DIM)), advantages=jnp.ones(3), cond=jnp.ones((3, 1)),
             mask=jnp.ones(3),
         )  # fmt: skip
-    objective = make_objective()
-    with pytest.raises(ValueError, match="held slot"):
-        objective.old_policy(fg.Variables(policy=LinearVelocity(jax.random.key(0)), held=None))
+    objective = make_objective(kl_beta=1e-2)
+    policy = LinearVelocity(jax.random.key(0))
+    with pytest.raises(ValueError, match="`variables.reference` is None"):
+        objective.loss(nft_variables(policy, policy), make_batch(3), STEP)
 
 
-def test_the_trainer_keeps_the_old_policy_as_an_ema_of_the_live_one():
-    objective = make_objective()
-    assert objective.held_variables() == fg.Variables(policy=False, held=False)
-    trainer = Trainer(objective, optax.sgd(0.1), ema_decay=0.25)
+def test_the_old_policy_follows_the_live_one_once_per_epoch():
+    objective = make_objective(old_decay=0.25)
+    trainer = Trainer(objective, optax.sgd(0.1))
     state = trainer.init(jax.random.key(0))
-    before = np.array(state.variables.held.weight)
+    assert state.variables.reference is None and state.ema is None
+    before = np.array(state.variables.old_policy.weight)
     state, metrics = trainer.update(state, make_batch(3))
-    want = 0.25 * before + 0.75 * state.variables.policy.weight
-    np.testing.assert_allclose(state.variables.held.weight, want, rtol=1e-6)
+    np.testing.assert_array_equal(state.variables.old_policy.weight, before)
+    moved = objective.end_epoch(state.variables, 1)
+    want = 0.25 * before + 0.75 * np.asarray(state.variables.policy.weight)
+    np.testing.assert_allclose(moved.old_policy.weight, want, rtol=1e-6)
+    np.testing.assert_array_equal(moved.policy.weight, state.variables.policy.weight)
+    assert make_objective().end_epoch(state.variables, 1) is state.variables
     assert {"loss", "positive_mse", "negative_mse", "old_mse", "drift", "optimality"} <= set(
         metrics
     )
 
 
+def test_an_old_policy_and_a_kl_reference_at_once():
+    """`kl_beta > 0` keeps a frozen reference beside the old policy; the loss adds
+    `kl_beta mean||v_theta - v_ref||^2` per counted row (float64 NumPy statement)."""
+    kl_beta = 0.3
+    objective = make_objective(kl_beta=kl_beta, old_decay=0.5, guidance=fg.CFG(2.0))
+    variables = objective.init(jax.random.key(0))
+    assert variables.reference is not None and variables.old_policy is not None
+    policy, old, reference = (LinearVelocity(jax.random.key(i)) for i in (1, 2, 3))
+    batch = make_batch(4)
+    with_kl, aux = objective.loss(nft_variables(policy, old, reference), batch, STEP)
+    without, _ = make_objective(guidance=fg.CFG(2.0)).loss(nft_variables(policy, old), batch, STEP)
+    noise, t = draws(STEP, batch)
+    data = np.asarray(batch.latents, np.float64)
+    cond = np.asarray(batch.cond, np.float64)
+    x_t = (1 - t)[:, None] * data + t[:, None] * noise
+    mask = np.asarray(batch.mask)
+    kl = [
+        np.mean(
+            (numpy_guided(policy, x_t[i], t[i], cond[i], 2.0)
+             - numpy_guided(reference, x_t[i], t[i], cond[i], 2.0)) ** 2
+        )
+        for i in range(batch.num_rows)
+    ]  # fmt: skip
+    want_kl = float(np.sum(np.where(mask, kl, 0.0)))
+    np.testing.assert_allclose(float(aux["kl"].total), want_kl, rtol=2e-5)
+    np.testing.assert_allclose(
+        float(with_kl.total), float(without.total) + kl_beta * want_kl, rtol=2e-5
+    )
+    grads = eqx.filter_grad(lambda v: objective.loss(v, batch, STEP)[0].value)(
+        nft_variables(policy, old, reference)
+    )
+    for frozen in (grads.old_policy, grads.reference):
+        assert all(not np.any(leaf) for leaf in jax.tree.leaves(frozen))
+    assert any(np.any(leaf) for leaf in jax.tree.leaves(grads.policy))
+    trainer = Trainer(objective, optax.sgd(0.1))
+    state = trainer.init(jax.random.key(0))
+    reference_before = np.array(state.variables.reference.weight)
+    state, _ = trainer.update(state, batch)
+    state = dataclasses.replace(state, variables=objective.end_epoch(state.variables, 1))
+    np.testing.assert_array_equal(state.variables.reference.weight, reference_before)
+    assert not np.array_equal(state.variables.old_policy.weight, reference_before)
+
+
 def test_an_unknown_algorithm_is_named():
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="algorithm"):
         JobConfig(algorithm="bogus")
-    with pytest.raises(ValueError, match="`ema_decay`"):
-        JobConfig(algorithm="nft", ema_decay=0.9)
     with pytest.raises(ValueError, match="`nft_beta`"):
         JobConfig(algorithm="nft", nft_beta=0.0)
     result = run_cli("train", "--preset", "tiny", "--algorithm", "bogus", "--print-config")
@@ -231,3 +290,37 @@ def test_the_tiny_preset_trains_with_nft_through_the_command_line(tmp_path):
     assert [r["epoch"] for r in records] == [1, 2, 3, 4]
     assert all(np.isfinite(r["loss"]) and "positive_mse" in r for r in records)
     assert (out / "summary.json").exists() and (out / "policy.eqx").exists()
+
+
+def test_one_epoch_function_trains_nft_from_an_ode_rollout_that_records_no_transitions():
+    objective = make_objective(old_decay=0.5)
+    rollout = fg.FlowRollout(
+        objective.flow,
+        fg.Heun(),
+        lambda samples, rows: samples.reshape(len(samples), -1).mean(axis=1).astype(np.float64),
+        groups=3,
+        steps=4,
+    )
+    assert not rollout.records_transitions
+    trainer = Trainer(objective, optax.sgd(0.1))
+    state = trainer.init(jax.random.key(0))
+    old_before = np.array(state.variables.old_policy.weight)
+    rows = np.eye(2, COND, dtype=np.float32)
+    seen = []
+    state, summary, info = rl_epoch(
+        trainer,
+        state,
+        rollout,
+        rows,
+        jax.random.key(1),
+        minibatch_rows=3,
+        after_updates=lambda state, batch, info: seen.append(batch),
+    )
+    assert isinstance(seen[0], fg.FinalSamples) and seen[0].num_rows == 6
+    np.testing.assert_array_equal(seen[0].latents, info.final)
+    assert int(state.step) == 2 and np.isfinite(summary["loss"])
+    assert {"positive_mse", "reward_mean", "window_start"} <= set(summary)
+    live = np.asarray(state.variables.policy.weight)
+    np.testing.assert_allclose(
+        state.variables.old_policy.weight, 0.5 * old_before + 0.5 * live, rtol=1e-6
+    )

@@ -171,6 +171,7 @@ def make_objective(
     weighting="paper",
     chunk=None,
     key=0,
+    old_log_probs="rollout",
 ):
     model = LinearVelocity(jax.random.key(key))
     return fg.FlowGRPOObjective(
@@ -183,6 +184,7 @@ def make_objective(
         adv_clip_max=5.0,
         guidance=fg.CFG(2.5) if guidance else None,
         transition_chunk=chunk,
+        old_log_probs=old_log_probs,
     )
 
 
@@ -212,7 +214,7 @@ def test_loss_and_aux_match_numpy(kind, beta, weighting, guidance, per_transitio
     )
     variables = objective.init(jax.random.key(1))
     policy = perturbed(variables.policy, jax.random.key(2))
-    variables = fg.Variables(policy=policy, held=variables.held)
+    variables = fg.FlowGRPOVariables(policy=policy, reference=variables.reference)
     batch = make_batch(
         seed=hash((kind, beta, guidance, per_transition)) % 1000,
         advantages_per_transition=per_transition,
@@ -224,7 +226,7 @@ def test_loss_and_aux_match_numpy(kind, beta, weighting, guidance, per_transitio
         lambda b: b.old_log_probs, batch, jnp.asarray((rescored + noise).astype(np.float32))
     )
     total, aux = objective.loss(variables, batch, STEP)
-    sums, count = numpy_loss(objective, policy, variables.held, batch)
+    sums, count = numpy_loss(objective, policy, variables.reference, batch)
     assert 0 < count < batch.timesteps.size
     assert float(total.count) == count == float(aux.counted)
     np.testing.assert_allclose(float(total.total), sums["objective"], rtol=1e-4, atol=1e-5)
@@ -250,7 +252,7 @@ def test_default_clip_range_and_clipped_statistics():
     variables = objective.init(jax.random.key(0))
     batch = make_batch(seed=4)
     total, aux = objective.loss(variables, batch, STEP)
-    sums, count = numpy_loss(objective, variables.policy, variables.held, batch)
+    sums, count = numpy_loss(objective, variables.policy, variables.reference, batch)
     np.testing.assert_allclose(float(total.total), sums["objective"], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(float(aux.clipfrac.total), sums["clipfrac"])
 
@@ -264,7 +266,7 @@ def test_mean_value_is_global_sum_over_global_count():
 
 def policy_grad(objective, variables, batch):
     def value(policy):
-        total, _ = objective.loss(fg.Variables(policy, variables.held), batch, STEP)
+        total, _ = objective.loss(fg.FlowGRPOVariables(policy, variables.reference), batch, STEP)
         return total.value
 
     return eqx.filter_value_and_grad(value)(variables.policy)
@@ -295,7 +297,9 @@ def test_zero_transitions_axis():
 def test_masked_poison_changes_nothing():
     objective = make_objective(beta=0.2, window=WINDOW)
     variables = objective.init(jax.random.key(0))
-    variables = fg.Variables(perturbed(variables.policy, jax.random.key(3)), variables.held)
+    variables = fg.FlowGRPOVariables(
+        perturbed(variables.policy, jax.random.key(3)), variables.reference
+    )
     clean = make_batch(seed=7)
     poisoned = make_batch(seed=7, poison=True)
     loss_clean, grad_clean = policy_grad(objective, variables, clean)
@@ -307,19 +311,21 @@ def test_masked_poison_changes_nothing():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_reference_gets_no_gradient_and_held_flags():
+def test_reference_gets_no_gradient_and_exists_only_with_a_kl_term():
     objective = make_objective(beta=0.5)
-    assert objective.held_variables() == fg.Variables(policy=False, held=True)
-    assert make_objective(beta=0.0).held_variables() == fg.Variables(policy=False, held=False)
+    assert make_objective(beta=0.0).init(jax.random.key(0)).reference is None
     variables = objective.init(jax.random.key(0))
-    variables = fg.Variables(perturbed(variables.policy, jax.random.key(3)), variables.held)
+    assert variables.reference is variables.policy
+    variables = fg.FlowGRPOVariables(
+        perturbed(variables.policy, jax.random.key(3)), variables.reference
+    )
     batch = make_batch(seed=8)
 
     def value(v):
         return objective.loss(v, batch, STEP)[0].value
 
     grads = eqx.filter_grad(value)(variables)
-    assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads.held))
+    assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads.reference))
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads.policy))
 
 
@@ -330,8 +336,8 @@ def test_init_uses_pretrained_then_given_variables():
         model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, pretrained=pretrained, beta=0.1
     )
     variables = objective.init(jax.random.key(0))
-    assert variables.policy is pretrained and variables.held is pretrained
-    other = fg.Variables(model, pretrained)
+    assert variables.policy is pretrained and variables.reference is pretrained
+    other = fg.FlowGRPOVariables(model, pretrained)
     assert objective.init(jax.random.key(0), other) is other
 
 
@@ -340,7 +346,9 @@ def test_chunking_does_not_change_results(chunk):
     reference_objective = make_objective(beta=0.2, chunk=None, window=WINDOW)
     objective = make_objective(beta=0.2, chunk=chunk, window=WINDOW)
     variables = objective.init(jax.random.key(0))
-    variables = fg.Variables(perturbed(variables.policy, jax.random.key(3)), variables.held)
+    variables = fg.FlowGRPOVariables(
+        perturbed(variables.policy, jax.random.key(3)), variables.reference
+    )
     batch = make_batch(seed=9)
     want_loss, want_grad = policy_grad(reference_objective, variables, batch)
     loss, grad = policy_grad(objective, variables, batch)

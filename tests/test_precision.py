@@ -9,7 +9,7 @@ import pytest
 import flowgrpo_eqx as fg
 import flowgrpo_eqx.testing as fgt
 from flowgrpo_eqx.models import MLPVelocity
-from flowgrpo_eqx.train import Trainer, flow_grpo_epoch, minibatches, update_program_log_probs
+from flowgrpo_eqx.train import Trainer, minibatch_indices, minibatches, rl_epoch
 from tests.errors import NAMED_ARGUMENT_ERRORS
 from tests.test_objective import STEP, make_batch
 
@@ -35,7 +35,7 @@ class BfloatProbe(eqx.Module):
         return self.weight @ x + self.cond_weight @ cond + t
 
 
-def objective(precision):
+def objective(precision, old_log_probs="rollout"):
     return fg.FlowGRPOObjective(
         BfloatProbe(jax.random.key(0)),
         fg.RectifiedFlow(shift=3.0),
@@ -44,6 +44,7 @@ def objective(precision):
         guidance=None,
         clip_range=0.2,
         precision=precision,
+        old_log_probs=old_log_probs,
     )
 
 
@@ -99,12 +100,16 @@ def test_unknown_precision_is_named():
 def test_old_log_probs_from_the_update_program_make_the_first_ratio_exactly_one():
     # make_batch's old log densities are random: only a recomputation makes the ratio 1.
     batch = make_batch(seed=4, n=6)
-    flow = objective("bfloat16")
+    flow = objective("bfloat16", old_log_probs="update")
     variables = flow.init(jax.random.key(1))
-    trainer = Trainer(flow, old_log_probs="update")
+    trainer = Trainer(flow)
     state = trainer.init(jax.random.key(0), variables)
     key = jax.random.key(5)
-    rescored = update_program_log_probs(trainer, state, batch, 3, key)
+    rescored = flow.prepare_batch(
+        batch,
+        lambda minibatch: trainer.run_update(state, minibatch),
+        minibatch_indices(batch.num_rows, 3, key),
+    )
     kept = np.asarray(flow.kept(batch))
     old, new = np.asarray(batch.old_log_probs), np.asarray(rescored.old_log_probs)
     np.testing.assert_array_equal(new[~kept], old[~kept])
@@ -118,14 +123,16 @@ def test_old_log_probs_from_the_update_program_make_the_first_ratio_exactly_one(
     assert float(metrics["clipfrac"]) == 0.0
 
 
-def test_update_log_probs_needs_the_update_mode():
-    flow = objective("float32")
+def test_the_rollout_mode_keeps_the_recorded_log_probs():
+    flow = objective("bfloat16")
     trainer = Trainer(flow)
     state = trainer.init(jax.random.key(0))
-    with pytest.raises(ValueError, match="old_log_probs"):
-        trainer.update_log_probs(state, make_batch(seed=1))
+    batch = make_batch(seed=1)
+    assert trainer.run_update(state, batch).log_probs is None
+    kept = flow.prepare_batch(batch, lambda minibatch: pytest.fail("not run"), [])
+    assert kept is batch
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="old_log_probs"):
-        Trainer(flow, old_log_probs="recorded")
+        objective("float32", old_log_probs="recorded")
 
 
 def bfloat16_epoch(old_log_probs):
@@ -139,16 +146,17 @@ def bfloat16_epoch(old_log_probs):
         guidance=fg.CFG(2.0),
         steps=4,
         precision="bfloat16",
+        old_log_probs=old_log_probs,
     )
 
     def brightness(samples, rows):
         return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
 
-    rollout = fg.FlowRollout(flow, brightness, groups=4, steps=5)
-    trainer = Trainer(flow, old_log_probs=old_log_probs)
+    rollout = fg.FlowRollout(flow.flow, flow.sde, brightness, groups=4, steps=5)
+    trainer = Trainer(flow)
     state = trainer.init(jax.random.key(1))
     rows = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
-    _, metrics, _ = flow_grpo_epoch(trainer, state, rollout, rows, jax.random.key(2))
+    _, metrics, _ = rl_epoch(trainer, state, rollout, rows, jax.random.key(2))
     return metrics
 
 

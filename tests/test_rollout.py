@@ -56,7 +56,8 @@ def make_rollout(
         steps=4,
     )
     return fg.FlowRollout(
-        objective,
+        objective.flow,
+        objective.sde,
         reward,
         groups=groups,
         steps=steps,
@@ -75,8 +76,8 @@ ROWS = {
 def test_batch_shapes_grid_and_chaining(train_steps):
     reward = CountingReward()
     rollout = make_rollout(reward, train_steps=train_steps)
-    variables = rollout.objective.init(jax.random.key(0))
-    batch, info = rollout.collect(variables, ROWS, jax.random.key(1))
+    variables = objective_of(rollout).init(jax.random.key(0))
+    batch, info = rollout.collect(variables.policy, ROWS, jax.random.key(1))
     n, k = 9, 5 if train_steps is None else train_steps
     assert batch.latents.shape == batch.next_latents.shape == (n, k, *LATENT)
     for name in ("timesteps", "next_timesteps", "old_log_probs", "transition_mask"):
@@ -98,11 +99,24 @@ def test_batch_shapes_grid_and_chaining(train_steps):
     assert info.reward_mean.dtype == np.float32
 
 
+def objective_of(rollout):
+    """The Flow-GRPO objective that rescores what `rollout` samples (its flow and SDE)."""
+    flow = rollout.flow
+    return fg.FlowGRPOObjective(
+        flow.model,
+        flow.process,
+        flow.inputs,
+        sde=rollout.sampler,
+        guidance=flow.guidance,
+        steps=4,
+    )
+
+
 def test_groups_are_contiguous_and_not_merged():
     reward = CountingReward()
     rollout = make_rollout(reward)
-    variables = rollout.objective.init(jax.random.key(0))
-    batch, info = rollout.collect(variables, ROWS, jax.random.key(2))
+    variables = objective_of(rollout).init(jax.random.key(0))
+    batch, info = rollout.collect(variables.policy, ROWS, jax.random.key(2))
     rewards = info.rewards
     # Rows 0 and 1 have equal conditioning but are separate groups of 3.
     want = ref.group_advantages(rewards, 3)
@@ -118,8 +132,8 @@ def test_float64_rewards_below_float32_resolution():
         return 1.0 + 1e-8 * np.arange(samples.shape[0], dtype=np.float64)
 
     rollout = make_rollout(CountingReward(tiny_steps), groups=3)
-    variables = rollout.objective.init(jax.random.key(0))
-    batch, info = rollout.collect(variables, ROWS, jax.random.key(3))
+    variables = objective_of(rollout).init(jax.random.key(0))
+    batch, info = rollout.collect(variables.policy, ROWS, jax.random.key(3))
     expected = ref.group_advantages(1.0 + 1e-8 * np.arange(9), 3)
     np.testing.assert_array_equal(info.rewards, 1.0 + 1e-8 * np.arange(9))
     np.testing.assert_allclose(np.asarray(batch.advantages), expected.astype(np.float32), rtol=1e-6)
@@ -137,8 +151,8 @@ def test_constant_group_fully_masked_and_window_masks_deterministic():
     grid = fg.RectifiedFlow(2.0).timesteps(6)
     window = fg.window_for_indices(grid, 1, 2)
     rollout = make_rollout(CountingReward(constant_first_group), window=window)
-    variables = rollout.objective.init(jax.random.key(0))
-    batch, info = rollout.collect(variables, ROWS, jax.random.key(4))
+    variables = objective_of(rollout).init(jax.random.key(0))
+    batch, info = rollout.collect(variables.policy, ROWS, jax.random.key(4))
     mask = np.asarray(batch.transition_mask)
     assert not mask[:3].any()
     np.testing.assert_array_equal(np.asarray(batch.advantages)[:3], 0.0)
@@ -150,11 +164,11 @@ def test_constant_group_fully_masked_and_window_masks_deterministic():
 @pytest.mark.parametrize("guidance", [True, False])
 def test_rescoring_reproduces_old_log_probs(guidance):
     rollout = make_rollout(CountingReward(), guidance=guidance)
-    variables = rollout.objective.init(jax.random.key(0))
-    batch, _ = rollout.collect(variables, ROWS, jax.random.key(5))
-    rescored = rollout.objective.log_probs(variables, batch)
+    variables = objective_of(rollout).init(jax.random.key(0))
+    batch, _ = rollout.collect(variables.policy, ROWS, jax.random.key(5))
+    rescored = objective_of(rollout).log_probs(variables, batch)
     np.testing.assert_allclose(np.asarray(rescored), np.asarray(batch.old_log_probs), atol=1e-5)
-    _, aux = rollout.objective.loss(variables, batch, fg.Step(0, jax.random.key(0)))
+    _, aux = objective_of(rollout).loss(variables, batch, fg.Step(0, jax.random.key(0)))
     assert abs(float(aux.ratio.value) - 1.0) < 1e-5
     assert float(aux.clipfrac.value) == 0.0
 
@@ -174,9 +188,9 @@ def test_recorded_range_without_noise_rejected():
 
 @pytest.mark.parametrize("kwargs, name", [({"groups": 0}, "groups"), ({"steps": 1}, "steps")])
 def test_bad_rollout_settings_named(kwargs, name):
-    objective = make_rollout(CountingReward()).objective
+    objective = objective_of(make_rollout(CountingReward()))
     with pytest.raises(ValueError, match=name):
-        fg.FlowRollout(objective, CountingReward(), **kwargs)
+        fg.FlowRollout(objective.flow, objective.sde, CountingReward(), **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -191,10 +205,10 @@ def test_bad_rollout_settings_named(kwargs, name):
 def test_bad_reward_clear_error_variables_untouched(bad, message):
     reward = CountingReward(bad)
     rollout = make_rollout(reward)
-    variables = rollout.objective.init(jax.random.key(0))
+    variables = objective_of(rollout).init(jax.random.key(0))
     before = jax.tree.map(np.array, eqx.filter(variables, eqx.is_array))
     with pytest.raises(fg.RewardError, match=message) as error:
-        rollout.collect(variables, ROWS, jax.random.key(6))
+        rollout.collect(variables.policy, ROWS, jax.random.key(6))
     assert "counting" in str(error.value)
     after = jax.tree.map(np.array, eqx.filter(variables, eqx.is_array))
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
@@ -204,7 +218,7 @@ def test_bad_reward_clear_error_variables_untouched(bad, message):
 def test_collect_compiles_once():
     # groups=5 gives shapes no other test compiles, so the first call must compile.
     rollout = make_rollout(CountingReward(), groups=5)
-    variables = rollout.objective.init(jax.random.key(0))
+    variables = objective_of(rollout).init(jax.random.key(0))
     compiles = []
 
     def listener(event, duration, **kwargs):
@@ -216,7 +230,7 @@ def test_collect_compiles_once():
         counts = []
         for i in range(3):
             before = len(compiles)
-            rollout.collect(variables, ROWS, jax.random.key(10 + i))
+            rollout.collect(variables.policy, ROWS, jax.random.key(10 + i))
             counts.append(len(compiles) - before)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
@@ -227,7 +241,7 @@ def test_collect_compiles_once():
 def test_preview_png_and_evaluate_scores(tmp_path):
     reward = CountingReward()
     rollout = make_rollout(reward)
-    objective = rollout.objective
+    objective = objective_of(rollout)
     variables = objective.init(jax.random.key(0))
     rows = {"cond": jnp.asarray(ROWS["cond"]), "prompt_id": jnp.asarray(ROWS["prompt_id"])}
     evaluation = objective.evaluate(variables, rows, fg.Step(0, jax.random.key(1)), reward=reward)
@@ -251,8 +265,8 @@ def test_preview_png_and_evaluate_scores(tmp_path):
 
 def test_shared_noise_one_start_per_group():
     rollout = make_rollout(CountingReward(), groups=3, shared_noise=True)
-    variables = rollout.objective.init(jax.random.key(0))
-    batch, _ = rollout.collect(variables, ROWS, jax.random.key(1))
+    variables = objective_of(rollout).init(jax.random.key(0))
+    batch, _ = rollout.collect(variables.policy, ROWS, jax.random.key(1))
     starts = np.asarray(batch.latents[:, 0]).reshape(3, 3, -1)  # [source row, member, ...]
     for group in starts:
         np.testing.assert_array_equal(group, np.broadcast_to(group[0], group.shape))
@@ -270,16 +284,16 @@ def test_independent_noise_is_the_documented_draw():
     from before the option existed."""
     rollout = make_rollout(CountingReward(), groups=3)
     assert rollout.shared_noise is False
-    variables = rollout.objective.init(jax.random.key(0))
+    variables = objective_of(rollout).init(jax.random.key(0))
     key = jax.random.key(1)
-    batch, _ = rollout.collect(variables, ROWS, key)
+    batch, _ = rollout.collect(variables.policy, ROWS, key)
     expected = jax.random.normal(jax.random.split(key)[0], (9, *LATENT), jnp.float32)
     np.testing.assert_array_equal(np.asarray(batch.latents[:, 0]), np.asarray(expected))
 
 
 def test_shared_noise_needs_whole_groups_and_a_bool():
     rollout = make_rollout(CountingReward(), groups=3, shared_noise=True)
-    variables = rollout.objective.init(jax.random.key(0))
+    variables = objective_of(rollout).init(jax.random.key(0))
     rows = {name: np.repeat(value, 3, axis=0)[:4] for name, value in ROWS.items()}
     with pytest.raises(ValueError, match="shared_noise"):
         rollout.generate(variables.policy, rows, jax.random.key(1))
@@ -297,10 +311,10 @@ def test_rewards_normalised_one_by_one_before_the_weighted_sum():
     terms = [(brightness, 2.0), (huge_contrast, 0.5)]
     rollout = make_rollout(fg.WeightedReward(terms), groups=3)
     each = eqx.tree_at(lambda r: r.reward_combination, rollout, "normalize_each")
-    variables = rollout.objective.init(jax.random.key(0))
+    variables = objective_of(rollout).init(jax.random.key(0))
     key = jax.random.key(1)
-    summed, summed_info = rollout.collect(variables, ROWS, key)
-    batch, info = each.collect(variables, ROWS, key)
+    summed, summed_info = rollout.collect(variables.policy, ROWS, key)
+    batch, info = each.collect(variables.policy, ROWS, key)
     # Same samples and the same reported (weighted-sum) rewards; only the advantages differ.
     np.testing.assert_array_equal(info.rewards, summed_info.rewards)
     samples = np.asarray(info.samples)
@@ -317,21 +331,26 @@ def test_rewards_normalised_one_by_one_before_the_weighted_sum():
 
 def test_per_reward_normalisation_needs_a_weighted_reward():
     with pytest.raises(ValueError, match="reward_combination"):
+        rollout = make_rollout(CountingReward())
         fg.FlowRollout(
-            make_rollout(CountingReward()).objective,
+            rollout.flow,
+            rollout.sampler,
             CountingReward(),
             reward_combination="normalize_each",
         )
 
 
-def test_info_keeps_the_final_latents_that_nft_batch_trains_on():
+def nft_of(rollout):
+    flow = rollout.flow
+    return fg.DiffusionNFTObjective(flow.model, flow.process, flow.inputs, guidance=flow.guidance)
+
+
+def test_info_keeps_the_final_latents_that_nft_trains_on():
     rollout = make_rollout(CountingReward(), train_steps=None)
-    batch, info = rollout.collect(
-        rollout.objective.init(jax.random.key(0)), ROWS, jax.random.key(1)
-    )
+    batch, info = rollout.collect(rollout.flow.model, ROWS, jax.random.key(1))
     np.testing.assert_array_equal(info.final, batch.next_latents[:, -1])
-    np.testing.assert_array_equal(rollout.objective.flow.decode(info.final), info.samples)
-    nft = fg.nft_batch(batch, info)
+    np.testing.assert_array_equal(rollout.flow.decode(info.final), info.samples)
+    nft = nft_of(rollout).training_batch(batch, info)
     np.testing.assert_array_equal(nft.latents, info.final)
     np.testing.assert_array_equal(nft.advantages, batch.advantages)
     np.testing.assert_array_equal(nft.cond["cond"], batch.cond["cond"])
@@ -342,4 +361,26 @@ def test_info_keeps_the_final_latents_that_nft_batch_trains_on():
         jnp.broadcast_to(batch.advantages[:, None], batch.timesteps.shape),
     )
     with pytest.raises(ValueError, match="one advantage per row"):
-        fg.nft_batch(per_transition, info)
+        nft_of(rollout).training_batch(per_transition, info)
+
+
+def test_an_ode_sampler_records_only_the_final_samples():
+    rollout = make_rollout(CountingReward(), train_steps=None)
+    ode = fg.FlowRollout(rollout.flow, fg.Euler(), CountingReward(), groups=2, steps=rollout.steps)
+    assert not ode.records_transitions and ode.recorded_transitions == 0
+    key = jax.random.key(3)
+    final, info = ode.collect(rollout.flow.model, ROWS, key)
+    assert isinstance(final, fg.FinalSamples)
+    np.testing.assert_array_equal(final.latents, info.final)
+    np.testing.assert_array_equal(rollout.flow.decode(info.final), info.samples)
+    rows = jax.tree.map(lambda leaf: jnp.asarray(np.repeat(leaf, 2, axis=0)), ROWS)
+    start = jax.random.normal(jax.random.split(key)[0], (6, *LATENT), jnp.float32)
+    expected = rollout.flow.sample_latents(rollout.flow.model, rows, start, fg.Euler(), ode.steps)
+    np.testing.assert_allclose(final.latents, expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(final.cond["cond"], rows["cond"])
+    assert final.advantages.shape == (6,)
+    with pytest.raises(ValueError, match="Flow-GRPO trains on recorded transitions"):
+        objective_of(rollout).training_batch(final, info)
+    for name, value in (("train_steps", 1), ("window_schedule", fg.FixedWindow(1))):
+        with pytest.raises(ValueError, match=f"`{name}` must be None with an ODE"):
+            fg.FlowRollout(rollout.flow, fg.Heun(), CountingReward(), **{name: value})

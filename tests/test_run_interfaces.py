@@ -279,7 +279,7 @@ def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tm
 )
 def test_old_log_probs_default_to_the_update_program_in_bfloat16(settings, expected, tmp_path):
     job = ShapesJob(make_config("tiny", **settings), tmp_path, True)
-    assert job.trainer(job.objective(job.model)).old_log_probs == expected
+    assert job.objective(job.model).old_log_probs == expected
 
 
 @pytest.mark.parametrize(

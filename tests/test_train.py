@@ -1,4 +1,4 @@
-"""The trainer: held slot and EMA, filters, flow matching, checkpoints, and crash recovery."""
+"""The trainer: reference and EMA, filters, flow matching, checkpoints, and crash recovery."""
 
 import json
 import os
@@ -24,8 +24,8 @@ from flowgrpo_eqx.train import (
     Trainer,
     _checkpoint,
     default_optimizer,
-    flow_grpo_epoch,
     load_model,
+    rl_epoch,
     save_model,
 )
 from tests.errors import NAMED_ARGUMENT_ERRORS
@@ -50,7 +50,7 @@ def make_setup(beta, ema_decay=None, trainable=eqx.is_inexact_array, lr=1e-2):
         guidance=fg.CFG(2.0),
         steps=4,
     )
-    rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
+    rollout = fg.FlowRollout(objective.flow, objective.sde, brightness, groups=4, steps=5)
     trainer = Trainer(
         objective, default_optimizer(lr, 0.0), trainable=trainable, ema_decay=ema_decay
     )
@@ -62,7 +62,7 @@ ROWS = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
 
 def run_epochs(trainer, rollout, state, epochs=2, minibatch_rows=4):
     for epoch in range(epochs):
-        state, metrics, _ = flow_grpo_epoch(
+        state, metrics, _ = rl_epoch(
             trainer,
             state,
             rollout,
@@ -80,12 +80,13 @@ def arrays(tree):
 
 def test_reference_bit_identical_and_never_ema_written():
     objective, rollout, trainer = make_setup(beta=0.1, ema_decay=0.5)
-    assert not trainer.ema_active
     state = trainer.init(jax.random.key(0))
-    reference = arrays(state.variables.held)
+    reference = arrays(state.variables.reference)
     policy_before = arrays(state.variables.policy)
+    np.testing.assert_array_equal(arrays(state.ema)[0], policy_before[0])
     state, metrics = run_epochs(trainer, rollout, state)
-    for a, b in zip(reference, arrays(state.variables.held), strict=True):
+    assert not np.array_equal(arrays(state.ema)[0], policy_before[0])
+    for a, b in zip(reference, arrays(state.variables.reference), strict=True):
         np.testing.assert_array_equal(a, b)
         assert a.dtype == b.dtype
     assert any(
@@ -95,32 +96,26 @@ def test_reference_bit_identical_and_never_ema_written():
     assert metrics["kl"] > 0
 
 
-def test_ema_updated_as_configured_when_slot_free():
+def test_ema_updated_as_configured():
     objective, rollout, trainer = make_setup(beta=0.0, ema_decay=0.75)
-    assert trainer.ema_active
     state = trainer.init(jax.random.key(0))
-    batch, _ = rollout.collect(state.variables, ROWS, jax.random.key(1))
-    held_before = arrays(state.variables.held)
+    assert state.variables.reference is None
+    batch, _ = rollout.collect(state.variables.policy, ROWS, jax.random.key(1))
+    ema_before = arrays(state.ema)
     state, _ = trainer.update(state, batch)
     policy_after = arrays(state.variables.policy)
-    for before, policy, held in zip(
-        held_before, policy_after, arrays(state.variables.held), strict=True
-    ):
+    for before, policy, ema in zip(ema_before, policy_after, arrays(state.ema), strict=True):
         want = 0.75 * before.astype(np.float64) + 0.25 * policy.astype(np.float64)
-        np.testing.assert_allclose(held, want, rtol=1e-6, atol=1e-7)
-    assert any(
-        not np.array_equal(a, b)
-        for a, b in zip(held_before, arrays(state.variables.held), strict=True)
-    )
+        np.testing.assert_allclose(ema, want, rtol=1e-6, atol=1e-7)
+    assert any(not np.array_equal(a, b) for a, b in zip(ema_before, arrays(state.ema), strict=True))
 
 
-def test_no_ema_leaves_slot_unchanged():
+def test_no_ema_and_no_kl_keep_nothing_but_the_policy():
     objective, rollout, trainer = make_setup(beta=0.0, ema_decay=None)
     state = trainer.init(jax.random.key(0))
-    held = arrays(state.variables.held)
+    assert state.ema is None and state.variables.reference is None
     state, _ = run_epochs(trainer, rollout, state, epochs=1)
-    for a, b in zip(held, arrays(state.variables.held), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert state.ema is None and state.variables.reference is None
 
 
 def test_filter_freezes_parameters():
@@ -148,14 +143,13 @@ def test_minibatch_rows_must_divide():
 def test_update_matches_manual_optax_step():
     objective, rollout, trainer = make_setup(beta=0.0)
     state = trainer.init(jax.random.key(0))
-    batch, _ = rollout.collect(state.variables, ROWS, jax.random.key(3))
+    batch, _ = rollout.collect(state.variables.policy, ROWS, jax.random.key(3))
     policy = state.variables.policy
-    held = state.variables.held
     optimizer = default_optimizer(1e-2, 0.0)
     params = eqx.filter(policy, eqx.is_inexact_array)
 
     def value(p):
-        variables = fg.Variables(eqx.combine(p, policy), held)
+        variables = fg.FlowGRPOVariables(eqx.combine(p, policy), None)
         step = fg.Step(0, jax.random.split(state.key)[1])
         return objective.loss(variables, batch, step)[0].value
 
@@ -465,7 +459,7 @@ def test_equinox_faq_filter_spec_trains_exactly_the_selected_submodule():
         guidance=fg.CFG(2.0),
         steps=4,
     )
-    rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
+    rollout = fg.FlowRollout(objective.flow, objective.sde, brightness, groups=4, steps=5)
     trainer = Trainer(objective, default_optimizer(1e-2, 0.0), trainable=spec)
     state = trainer.init(jax.random.key(1))
     state, _ = run_epochs(trainer, rollout, state, epochs=1)

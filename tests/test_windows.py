@@ -25,7 +25,25 @@ def scheduled_rollout(schedule):
         steps=4,
     )
     return fg.FlowRollout(
-        objective, CountingReward(), groups=2, steps=STEPS, window_schedule=schedule
+        objective.flow,
+        objective.sde,
+        CountingReward(),
+        groups=2,
+        steps=STEPS,
+        window_schedule=schedule,
+    )
+
+
+def objective_of(rollout):
+    """The Flow-GRPO objective that rescores what `rollout` samples (its flow and SDE)."""
+    flow = rollout.flow
+    return fg.FlowGRPOObjective(
+        flow.model,
+        flow.process,
+        flow.inputs,
+        sde=rollout.sampler,
+        guidance=flow.guidance,
+        steps=4,
     )
 
 
@@ -96,28 +114,35 @@ def test_schedule_excludes_train_steps_and_an_sde_window():
     rollout = scheduled_rollout(fg.RandomWindow(COUNT))
     with pytest.raises(ValueError, match="train_steps"):
         fg.FlowRollout(
-            rollout.objective,
+            rollout.flow,
+            rollout.sampler,
             CountingReward(),
             steps=STEPS,
             train_steps=2,
             window_schedule=fg.RandomWindow(COUNT),
         )
     windowed = fg.FlowGRPOObjective(
-        rollout.objective.flow.model,
+        rollout.flow.model,
         fg.RectifiedFlow(shift=2.0),
-        rollout.objective.flow.inputs,
+        rollout.flow.inputs,
         sde=fg.FlowSDE(0.7, window=(1.0, 0.5)),
     )
     with pytest.raises(ValueError, match="window"):
-        fg.FlowRollout(windowed, CountingReward(), steps=STEPS, window_schedule=fg.FixedWindow(1))
+        fg.FlowRollout(
+            windowed.flow,
+            windowed.sde,
+            CountingReward(),
+            steps=STEPS,
+            window_schedule=fg.FixedWindow(1),
+        )
 
 
 @pytest.mark.parametrize("first", [0, 2, 4])
 def test_only_the_windows_transitions_are_stochastic_and_recorded(first):
     rollout = scheduled_rollout(fg.FixedWindow(COUNT, start=first))
-    variables = rollout.objective.init(jax.random.key(0))
+    variables = objective_of(rollout).init(jax.random.key(0))
     key = jax.random.key(5)
-    batch, info = rollout.collect(variables, ROWS, key, epoch=1)
+    batch, info = rollout.collect(variables.policy, ROWS, key, epoch=1)
     assert info.window_start == first
     grid = ref.grid(STEPS, 2.0)
     np.testing.assert_allclose(
@@ -137,7 +162,7 @@ def test_only_the_windows_transitions_are_stochastic_and_recorded(first):
     x = np.asarray(batch.latents, np.float64)[0, 0]
     ode_step = numpy_ode(net, x, grid[first : first + 2], rows[0])
     assert np.max(np.abs(np.asarray(batch.next_latents)[0, 0] - ode_step)) > 1e-2
-    rescored = rollout.objective.log_probs(variables, batch)
+    rescored = objective_of(rollout).log_probs(variables, batch)
     np.testing.assert_allclose(np.asarray(rescored), np.asarray(batch.old_log_probs), atol=1e-5)
     # After it: the ODE to t = 0.
     generated = rollout.generate(
@@ -151,18 +176,20 @@ def test_only_the_windows_transitions_are_stochastic_and_recorded(first):
 
 def test_moving_the_window_never_recompiles():
     rollout = scheduled_rollout(fg.SlidingWindow(COUNT, shift_every=1))
-    variables = rollout.objective.init(jax.random.key(0))
+    variables = objective_of(rollout).init(jax.random.key(0))
     compiles = []
 
     def listener(event, duration, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 
-    rollout.collect(variables, ROWS, jax.random.key(1), epoch=1)  # warm-up
+    rollout.collect(variables.policy, ROWS, jax.random.key(1), epoch=1)  # warm-up
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         starts = [
-            rollout.collect(variables, ROWS, jax.random.key(1 + epoch), epoch=epoch)[1].window_start
+            rollout.collect(variables.policy, ROWS, jax.random.key(1 + epoch), epoch=epoch)[
+                1
+            ].window_start
             for epoch in (2, 3, 4, 5)
         ]
     finally:

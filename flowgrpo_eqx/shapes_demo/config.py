@@ -17,7 +17,7 @@ from .._advantages import RewardCombination
 from .._distributed import PARAM_SHARDINGS, ParamSharding
 from .._guided_flow import PRECISIONS, Precision
 from .._misc import is_int
-from ..train._trainer import OLD_LOG_PROBS, OldLogProbs
+from .._objective import OldLogProbs
 
 
 RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]
@@ -43,6 +43,7 @@ LOG_NAMES: tuple[LogName, ...] = ("tensorboard", "wandb")
 ALGORITHMS: tuple[AlgorithmName, ...] = ("flow_grpo", "nft")
 WINDOW_SCHEDULES: tuple[WindowScheduleName, ...] = ("fixed", "random", "sliding")
 REWARD_COMBINATIONS: tuple[RewardCombination, ...] = ("sum", "normalize_each")
+OLD_LOG_PROBS: tuple[OldLogProbs, ...] = typing.get_args(OldLogProbs)
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -85,8 +86,8 @@ class JobConfig:
     )
     nft_old_decay: float = _setting(
         0.5,
-        "nft: EMA decay per update of the old (sampling) policy in the held slot (0: the "
-        "live policy)",
+        "nft: decay per epoch of the old (sampling) policy towards the live one (0: the live "
+        "policy)",
     )
     prompts_per_epoch: int = _setting(16, "training prompts per rollout")
     groups: int = _setting(16, "samples per prompt (the GRPO group)")
@@ -115,7 +116,7 @@ class JobConfig:
     max_grad_norm: float = _setting(1.0, "global-norm gradient clip")
     beta: float = _setting(
         0.0,
-        "KL weight to the base model (0: none; without LoRA the held slot is then free for EMA)",
+        "KL weight to the base model (0: none; without LoRA, > 0 keeps a frozen copy of it)",
     )
     clip_range: float = _setting(0.2, "PPO ratio clip")
     grpo_guard: bool = _setting(
@@ -149,8 +150,8 @@ class JobConfig:
     reward_retries: int = _setting(2, "retries of a failed reward request (with backoff)")
     ema_decay: float | None = _setting(
         None,
-        "EMA of the policy (of the adapters with LoRA) in the held slot (needs beta 0 "
-        "without LoRA; none: off)",
+        "decay of an EMA of the policy (of the adapters with LoRA) kept in the train state "
+        "(none: off)",
     )
     transition_chunk: int | None = _setting(
         None, "transitions per scanned chunk of the loss (none: all at once)"
@@ -295,11 +296,6 @@ class JobConfig:
         ):
             raise ValueError(
                 f"Setting `nft_old_decay` must be in [0, 1), got {self.nft_old_decay!r}."
-            )
-        if self.algorithm == "nft" and self.ema_decay is not None:
-            raise ValueError(
-                "Setting `ema_decay` must be none with algorithm 'nft': the held slot is its "
-                f"old policy, averaged with nft_old_decay; got ema_decay={self.ema_decay!r}."
             )
         if self.algorithm == "nft" and self.beta > 0:
             raise ValueError(

@@ -33,7 +33,7 @@ from .._distributed import (
     process_counts,
     shard_parameters,
 )
-from .._flow_base import AbstractFlowObjective, Variables
+from .._flow_base import AbstractVariables
 from .._http_reward import HttpReward
 from .._inputs import CFG, InputSpec
 from .._misc import leading_rows, select_rows
@@ -47,6 +47,7 @@ from .._reward import (
     WeightedReward,
     load_reward,
 )
+from .._rl import AbstractRLObjective
 from .._rollout import FlowRollout, RolloutInfo
 from .._sde import FlowSDE, window_for_indices
 from .._window import AbstractWindowSchedule, RandomWindow, SlidingWindow
@@ -59,10 +60,9 @@ from ..train import (
     Trainer,
     TrainState,
     default_optimizer,
-    flow_grpo_epoch,
     load_model,
     minibatch_count,
-    nft_epoch,
+    rl_epoch,
     save_model,
     supervised_steps,
 )
@@ -286,13 +286,20 @@ class ShapesJob:
         grid = RectifiedFlow().timesteps(config.rollout_steps)
         return window_for_indices(grid, 0, config.sde_steps)
 
+    def sde(self) -> FlowSDE:
+        """The rollout's SDE: `noise_level`, stochastic on `sde_window()`."""
+        return FlowSDE(self.config.noise_level, window=self.sde_window())
+
     def objective(self, base: Any) -> FlowGRPOObjective:
         config = self.config
+        old_log_probs = config.old_log_probs
+        if old_log_probs is None:
+            old_log_probs = "update" if config.precision == "bfloat16" else "rollout"
         return FlowGRPOObjective(
             self.model,
             RectifiedFlow(),
             self.inputs,
-            sde=FlowSDE(config.noise_level, window=self.sde_window()),
+            sde=self.sde(),
             beta=config.beta,
             clip_range=config.clip_range,
             adv_clip_max=config.adv_clip_max,
@@ -302,10 +309,12 @@ class ShapesJob:
             transition_chunk=config.transition_chunk,
             guard=GRPOGuard() if config.grpo_guard else None,
             precision=config.precision,
+            old_log_probs=old_log_probs,
         )
 
     def nft_objective(self, base: Any) -> DiffusionNFTObjective:
-        """DiffusionNFT's objective for `--algorithm nft`: `adv_clip_max` is its `A_max`."""
+        """DiffusionNFT's objective for `--algorithm nft`: `adv_clip_max` is its `A_max`, and
+        its old policy follows the live one once per epoch with `nft_old_decay`."""
         config = self.config
         return DiffusionNFTObjective(
             self.model,
@@ -313,23 +322,28 @@ class ShapesJob:
             self.inputs,
             beta=config.nft_beta,
             adv_max=config.adv_clip_max,
+            old_decay=config.nft_old_decay,
             guidance=self.guidance,
             steps=config.eval_steps,
             pretrained=base,
             precision=config.precision,
         )
 
-    def train_objective(self, base: Any) -> AbstractFlowObjective:
+    def train_objective(self, base: Any) -> AbstractRLObjective[Any, Any]:
         """The objective the trainer trains: `objective(base)`, or with `--algorithm nft`
-        `nft_objective(base)` (the rollout still samples with `objective(base)`'s SDE)."""
+        `nft_objective(base)` (the rollout samples with the same SDE either way)."""
         if self.config.algorithm == "nft":
             return self.nft_objective(base)
         return self.objective(base)
 
-    def rollout(self, objective: FlowGRPOObjective, mesh: Mesh | None = None) -> FlowRollout:
+    def rollout(
+        self, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None = None
+    ) -> FlowRollout:
+        """The rollout of `objective`'s guided flow with the job's SDE (`sde()`)."""
         config = self.config
         return FlowRollout(
-            objective,
+            objective.flow,
+            self.sde(),
             self.reward,
             groups=config.groups,
             steps=config.rollout_steps,
@@ -361,10 +375,8 @@ class ShapesJob:
         size = rows if config.minibatch_rows is None else config.minibatch_rows
         return config.epochs * config.inner_epochs * minibatch_count(rows, size)
 
-    def trainer(self, objective: AbstractFlowObjective) -> Trainer:
-        """The trainer of `objective`; with `--algorithm nft` its EMA (`nft_old_decay`) keeps
-        DiffusionNFT's old policy in the held slot (and there is no ratio, so no
-        `old_log_probs` to recompute)."""
+    def trainer(self, objective: AbstractRLObjective[Any, Any]) -> Trainer:
+        """The trainer of `objective`, with the job's optimizer and `ema_decay`."""
         config = self.config
         updates = self.updates()
         optimizer = default_optimizer(
@@ -373,13 +385,7 @@ class ShapesJob:
             config.max_grad_norm,
             decay_steps=updates if config.lr_schedule == "cosine" else None,
         )
-        ema_decay = config.nft_old_decay if config.algorithm == "nft" else config.ema_decay
-        old_log_probs = config.old_log_probs
-        if old_log_probs is None:
-            old_log_probs = "update" if config.precision == "bfloat16" else "rollout"
-        if config.algorithm == "nft":
-            old_log_probs = "rollout"
-        return Trainer(objective, optimizer, ema_decay=ema_decay, old_log_probs=old_log_probs)
+        return Trainer(objective, optimizer, ema_decay=config.ema_decay)
 
     def epoch_rows(self, epoch: int) -> dict[str, npt.NDArray[Any]]:
         """The training prompts of one epoch, drawn without replacement from the train split."""
@@ -393,7 +399,7 @@ class ShapesJob:
 
     # -- measurement ------------------------------------------------------------------
 
-    def measure(self, objective: FlowGRPOObjective, variables: Variables) -> dict[str, Any]:
+    def measure(self, objective: FlowGRPOObjective, variables: AbstractVariables) -> dict[str, Any]:
         """Held-out strict accuracy, reward and diversity, with fixed noise (ODE sampling)."""
         per_prompt = self.config.eval_samples_per_prompt
         rows = self.task.rows("heldout")
@@ -417,7 +423,11 @@ class ShapesJob:
         }
 
     def preview(
-        self, objective: FlowGRPOObjective, variables: Variables, path: pathlib.Path, title: str
+        self,
+        objective: FlowGRPOObjective,
+        variables: AbstractVariables,
+        path: pathlib.Path,
+        title: str,
     ) -> None:
         """Samples for the first held-out prompts with fixed noise, captioned with their
         partial scores, written by process 0 (every process takes part in gathering sharded
@@ -438,7 +448,7 @@ class ShapesJob:
 
 @eqx.filter_jit
 def _kept_ratios(
-    objective: FlowGRPOObjective, variables: Variables, batch: Transitions
+    objective: FlowGRPOObjective, variables: AbstractVariables, batch: Transitions
 ) -> tuple[Array, Array]:
     ratios = jnp.exp(objective.log_probs(variables, batch) - batch.old_log_probs)
     return ratios, objective.kept(batch)
@@ -522,10 +532,9 @@ def run_train(
     policy = job.policy(base)
     objective = job.objective(policy)
     checkpoint_metadata = job.checkpoint_metadata(base)
-    rollout = job.rollout(objective, mesh)
-    trainer = job.trainer(
-        objective if config.algorithm == "flow_grpo" else job.nft_objective(policy)
-    )
+    trained = job.train_objective(policy)
+    rollout = job.rollout(trained, mesh)
+    trainer = job.trainer(trained)
     checkpoints = Checkpointer(out / "checkpoints", keep=config.keep_checkpoints)
     # Only process 0 keeps the run's files; the others write to no log at all.
     metrics = MetricsLog(out / "metrics.jsonl" if root else None)
@@ -613,29 +622,18 @@ def _train_epochs(
     run_key = jax.random.key(config.seed + 3)
     progress = Progress(config.epochs, "flow-grpo", disable=quiet, initial=first_epoch)
     for epoch in range(first_epoch + 1, config.epochs + 1):
-        if config.algorithm == "nft":
-            state, summary, info = nft_epoch(
-                trainer,
-                state,
-                rollout,
-                job.epoch_rows(epoch),
-                jax.random.fold_in(run_key, epoch),
-                epoch=epoch,
-                inner_epochs=config.inner_epochs,
-                minibatch_rows=config.minibatch_rows,
-            )
-        else:
-            state, summary, info = flow_grpo_epoch(
-                trainer,
-                state,
-                rollout,
-                job.epoch_rows(epoch),
-                jax.random.fold_in(run_key, epoch),
-                epoch=epoch,
-                inner_epochs=config.inner_epochs,
-                minibatch_rows=config.minibatch_rows,
-                after_updates=_log_distributions(writers, objective, epoch) if config.log else None,
-            )
+        logs_ratios = config.log and config.algorithm == "flow_grpo"
+        state, summary, info = rl_epoch(
+            trainer,
+            state,
+            rollout,
+            job.epoch_rows(epoch),
+            jax.random.fold_in(run_key, epoch),
+            epoch=epoch,
+            inner_epochs=config.inner_epochs,
+            minibatch_rows=config.minibatch_rows,
+            after_updates=_log_distributions(writers, objective, epoch) if logs_ratios else None,
+        )
         placement.write(
             {
                 "epoch": epoch,

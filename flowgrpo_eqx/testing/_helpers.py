@@ -11,8 +11,7 @@ import numpy.typing as npt
 from jaxtyping import Array, PyTree
 
 from .._custom_types import Aux, Mean, Step, Transitions
-from .._flow_base import Variables
-from .._objective import FlowGRPOObjective
+from .._objective import FlowGRPOObjective, FlowGRPOVariables
 
 
 TRANSITION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Transitions))
@@ -25,7 +24,7 @@ def _step() -> Step:
 
 @eqx.filter_jit
 def loss_value_and_grad(
-    objective: FlowGRPOObjective, variables: Variables, batch: Transitions
+    objective: FlowGRPOObjective, variables: FlowGRPOVariables, batch: Transitions
 ) -> tuple[Array, Mean, Aux, PyTree[Any]]:
     """The loss and its gradient with respect to the policy, jit-compiled.
 
@@ -42,7 +41,9 @@ def loss_value_and_grad(
     """
 
     def value(policy: Any) -> tuple[Array, tuple[Mean, Aux]]:
-        total, aux = objective.loss(Variables(policy, variables.held), batch, _step())
+        total, aux = objective.loss(
+            eqx.tree_at(lambda v: v.policy, variables, policy), batch, _step()
+        )
         return total.value, (total, aux)
 
     (val, (total, aux)), grad = eqx.filter_value_and_grad(value, has_aux=True)(variables.policy)
@@ -51,14 +52,16 @@ def loss_value_and_grad(
 
 @eqx.filter_jit
 def loss_only(
-    objective: FlowGRPOObjective, variables: Variables, batch: Transitions
+    objective: FlowGRPOObjective, variables: FlowGRPOVariables, batch: Transitions
 ) -> tuple[Mean, Aux]:
     """`objective.loss(variables, batch, step)`, jit-compiled."""
     return objective.loss(variables, batch, _step())
 
 
 @eqx.filter_jit
-def log_probs(objective: FlowGRPOObjective, variables: Variables, batch: Transitions) -> Array:
+def log_probs(
+    objective: FlowGRPOObjective, variables: FlowGRPOVariables, batch: Transitions
+) -> Array:
     """`objective.log_probs(variables, batch)`, jit-compiled."""
     return objective.log_probs(variables, batch)
 

@@ -17,8 +17,7 @@ from jaxtyping import ArrayLike
 
 from .._advantages import group_advantages
 from .._custom_types import Transitions
-from .._flow_base import Variables
-from .._objective import FlowGRPOObjective
+from .._objective import FlowGRPOObjective, FlowGRPOVariables
 from .._process import AbstractProcess
 from .._sde import AbstractSDE
 from ._helpers import (
@@ -42,7 +41,7 @@ def _stochastic(objective: FlowGRPOObjective, batch: Transitions) -> npt.NDArray
 
 
 def assert_denominator_is_kept_count(
-    objective: FlowGRPOObjective, variables: Variables, batch: Transitions
+    objective: FlowGRPOObjective, variables: FlowGRPOVariables, batch: Transitions
 ) -> None:
     """The loss is a mean over the kept set, `mask AND stochastic`, and nothing else.
 
@@ -93,7 +92,7 @@ def _poisoned(objective: FlowGRPOObjective, batch: Transitions, poison: float) -
 
 def assert_masked_entries_inert(
     objective: FlowGRPOObjective,
-    variables: Variables,
+    variables: FlowGRPOVariables,
     batch: Transitions,
     *,
     poison: float = math.nan,
@@ -127,7 +126,7 @@ def assert_masked_entries_inert(
 
 def assert_unchanged_policy_ratio_one(
     objective: FlowGRPOObjective,
-    variables: Variables,
+    variables: FlowGRPOVariables,
     batch: Transitions,
     *,
     atol: float = 1e-6,
@@ -153,7 +152,7 @@ def assert_unchanged_policy_ratio_one(
 
 def assert_row_permutation_invariant(
     objective: FlowGRPOObjective,
-    variables: Variables,
+    variables: FlowGRPOVariables,
     batch: Transitions,
     permutation: ArrayLike,
     *,
@@ -181,7 +180,7 @@ def assert_row_permutation_invariant(
 
 def assert_duplication_doubles_total(
     objective: FlowGRPOObjective,
-    variables: Variables,
+    variables: FlowGRPOVariables,
     batch: Transitions,
     *,
     rtol: float = 1e-5,
@@ -210,7 +209,7 @@ def assert_duplication_doubles_total(
 def assert_transition_chunk_agrees(
     objective: FlowGRPOObjective,
     chunked: FlowGRPOObjective,
-    variables: Variables,
+    variables: FlowGRPOVariables,
     batch: Transitions,
     *,
     rtol: float = 1e-5,

@@ -19,8 +19,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from jaxtyping import Array, PyTree
 
 from .._custom_types import Model, Transitions
-from .._flow_base import Variables
-from .._objective import FlowGRPOObjective
+from .._objective import FlowGRPOObjective, FlowGRPOVariables
 from .._process import AbstractProcess, RectifiedFlow
 
 
@@ -210,7 +209,7 @@ def default_rows(objective: FlowGRPOObjective, rng: np.random.Generator, rows: i
 
 def rollout_like_transitions(
     objective: FlowGRPOObjective,
-    variables: Variables,
+    variables: FlowGRPOVariables,
     seed: int,
     rows: int,
     transitions: int,
@@ -280,7 +279,7 @@ def rollout_like_transitions(
 
 def transitions(
     objective: FlowGRPOObjective,
-    variables: Variables,
+    variables: FlowGRPOVariables,
     *,
     shapes: Sequence[tuple[int, int]] = SHAPES,
     steps: int = 5,

@@ -12,15 +12,13 @@ from ._flow_matching import (
 )
 from ._loops import (
     MetricsLog as MetricsLog,
-    flow_grpo_epoch as flow_grpo_epoch,
     minibatch_count as minibatch_count,
+    minibatch_indices as minibatch_indices,
     minibatches as minibatches,
-    nft_epoch as nft_epoch,
+    rl_epoch as rl_epoch,
     supervised_steps as supervised_steps,
-    update_program_log_probs as update_program_log_probs,
 )
 from ._trainer import (
-    OldLogProbs as OldLogProbs,
     Trainer as Trainer,
     TrainState as TrainState,
     default_optimizer as default_optimizer,

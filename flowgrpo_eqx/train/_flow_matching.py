@@ -5,10 +5,10 @@ from typing import Any, Literal, TypeAlias, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._custom_types import Mean, Model, Step
-from .._flow_base import AbstractFlowObjective, Variables
+from .._flow_base import AbstractFlowObjective, PolicyVariables
 from .._guided_flow import GuidedFlow, flow_from
 from .._inputs import CFG, AbstractAutoEncoder, InputSpec
 from .._misc import check_int
@@ -48,7 +48,7 @@ class SupervisedBatch(eqx.Module):
 
 
 @final
-class FlowMatchingObjective(AbstractFlowObjective):
+class FlowMatchingObjective(AbstractFlowObjective[PolicyVariables]):
     """Rectified-flow (flow-matching) regression: `E || v(x_t, t, c) - (eps - x_0) ||^2`.
 
     Times are drawn uniformly or from a logit-normal (SD3's choice), and the condition is
@@ -110,14 +110,11 @@ class FlowMatchingObjective(AbstractFlowObjective):
         if self.cond_dropout > 0 and not self.flow.inputs.has_null:
             raise ValueError("`cond_dropout` > 0 needs a null condition: pass InputSpec(null=...).")
 
-    def held_variables(self) -> Variables:
-        """Nothing is held: the held slot is free for the trainer's EMA.
-
-        **Returns:**
-
-        `Variables(policy=False, held=False)`.
-        """
-        return Variables(policy=False, held=False)
+    def init(self, key: PRNGKeyArray, variables: PolicyVariables | None = None) -> PolicyVariables:
+        del key
+        if variables is not None:
+            return variables
+        return PolicyVariables(policy=self.initial_policy())
 
     def sample_times(self, key: Array, count: int) -> Float[Array, " B"]:
         """Training times in (0, 1), drawn as `time_sampling` says.
@@ -137,7 +134,7 @@ class FlowMatchingObjective(AbstractFlowObjective):
         return jax.nn.sigmoid(jax.random.normal(key, (count,)))
 
     def loss(
-        self, variables: Variables, batch: SupervisedBatch, step: Step
+        self, variables: PolicyVariables, batch: SupervisedBatch, step: Step
     ) -> tuple[Mean, dict[str, Mean]]:
         """The mean squared velocity error over the batch (one `Mean`, summed per row).
 

@@ -1,21 +1,17 @@
-"""Training loops: Flow-GRPO and DiffusionNFT epochs over rollouts, and pretraining steps."""
+"""Training loops: one epoch of any RL objective over a rollout, and pretraining steps."""
 
+import dataclasses
 import json
 import os
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any, final
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._custom_types import Transitions
-from .._flow_base import Variables
-from .._nft import DiffusionNFTObjective, nft_batch
-from .._objective import FlowGRPOObjective
+from .._rl import AbstractRLObjective
 from .._rollout import FlowRollout, RolloutInfo
 from ._trainer import Trainer, TrainState
 
@@ -44,77 +40,48 @@ def minibatch_count(rows: int, minibatch_rows: int) -> int:
     return rows // minibatch_rows
 
 
-def minibatches(
-    batch: Transitions, minibatch_rows: int, key: PRNGKeyArray
-) -> Iterator[Transitions]:
+def minibatches(batch: Any, minibatch_rows: int, key: PRNGKeyArray) -> Iterator[Any]:
     """The batch's rows, shuffled by `key`, in minibatches of `minibatch_rows` rows.
 
     **Arguments:**
 
-    - `batch`: the rollout's `Transitions`.
+    - `batch`: a training batch whose leaves all have a leading row axis (`Transitions`,
+        `FinalSamples`), with a `num_rows` property.
     - `minibatch_rows`: rows per minibatch; must divide `batch.num_rows`.
     - `key`: the PRNG key of the shuffle.
 
     **Returns:**
 
-    An iterator over `Transitions` minibatches that together hold every row once.
+    An iterator over minibatches of the batch's type that together hold every row once.
 
     **Raises:**
 
     - `ValueError`: as `minibatch_count`.
     """
-    for index in _minibatch_rows(batch.num_rows, minibatch_rows, key):
+    for index in minibatch_indices(batch.num_rows, minibatch_rows, key):
         yield jax.tree.map(lambda leaf, index=index: leaf[index], batch)
 
 
-def _minibatch_rows(rows: int, minibatch_rows: int, key: PRNGKeyArray) -> Iterator[Array]:
-    minibatch_count(rows, minibatch_rows)
-    order = jax.random.permutation(key, rows)
-    for start in range(0, rows, minibatch_rows):
-        yield order[start : start + minibatch_rows]
-
-
-def update_program_log_probs(
-    trainer: Trainer, state: TrainState, batch: Transitions, minibatch_rows: int, key: PRNGKeyArray
-) -> Transitions:
-    """`batch` with its old log densities recomputed by the trainer's own update program.
-
-    The rows are cut into the minibatches `minibatches(batch, minibatch_rows, key)` gives, and
-    each is scored by `trainer.update_log_probs` at `state`, so that the first pass of updates
-    over those minibatches starts from a ratio of exactly 1.
+def minibatch_indices(rows: int, minibatch_rows: int, key: PRNGKeyArray) -> list[Array]:
+    """The rows of each minibatch of one pass: a permutation by `key`, cut in order.
 
     **Arguments:**
 
-    - `trainer`: a trainer of a `FlowGRPOObjective` with `old_log_probs="update"`.
-    - `state`: the state that sampled the batch (not consumed).
-    - `batch`: the rollout's `Transitions`.
-    - `minibatch_rows`: rows per update; must divide `batch.num_rows`.
-    - `key`: the key of the first pass's shuffle.
+    - `rows`: the batch's rows `N`.
+    - `minibatch_rows`: rows per minibatch; must divide `rows`.
+    - `key`: the PRNG key of the shuffle.
 
     **Returns:**
 
-    `batch` with new `old_log_probs` (unchanged where a transition is not kept).
+    `N / minibatch_rows` index arrays of `minibatch_rows` rows each.
 
     **Raises:**
 
-    - `ValueError`: naming `trainer` if its objective is not a `FlowGRPOObjective`; as
-        `minibatch_count` and `Trainer.update_log_probs`.
+    - `ValueError`: as `minibatch_count`.
     """
-    objective = trainer.objective
-    if not isinstance(objective, FlowGRPOObjective):
-        raise ValueError(
-            f"`trainer`'s objective must be a FlowGRPOObjective, got {type(objective).__name__}."
-        )
-    old_log_probs = batch.old_log_probs
-    for index in _minibatch_rows(batch.num_rows, minibatch_rows, key):
-        minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
-        scores = trainer.update_log_probs(state, minibatch)
-        kept = objective.kept(minibatch)
-        old_log_probs = old_log_probs.at[index].set(
-            jnp.where(kept, scores, minibatch.old_log_probs)
-        )
-    rescored: Transitions = eqx.tree_at(lambda b: b.old_log_probs, batch, old_log_probs)
-    return rescored
+    minibatch_count(rows, minibatch_rows)
+    order = jax.random.permutation(key, rows)
+    return [order[start : start + minibatch_rows] for start in range(0, rows, minibatch_rows)]
 
 
 def _mean_metrics(history: list[dict[str, Array]]) -> dict[str, float]:
@@ -124,7 +91,7 @@ def _mean_metrics(history: list[dict[str, Array]]) -> dict[str, float]:
     return {name: float(np.mean([h[name] for h in stacked])) for name in stacked[0]}
 
 
-def flow_grpo_epoch(
+def rl_epoch(
     trainer: Trainer,
     state: TrainState,
     rollout: FlowRollout,
@@ -134,13 +101,20 @@ def flow_grpo_epoch(
     epoch: int = 1,
     inner_epochs: int = 1,
     minibatch_rows: int | None = None,
-    after_updates: Callable[[TrainState, Transitions, RolloutInfo], None] | None = None,
+    after_updates: Callable[[TrainState, Any, RolloutInfo], None] | None = None,
 ) -> tuple[TrainState, dict[str, float], RolloutInfo]:
-    """One Flow-GRPO epoch: collect a rollout, then `inner_epochs` passes of updates over it.
+    """One epoch of an RL objective: collect, prepare, `inner_epochs` passes of updates.
+
+    The trainer's objective (an `AbstractRLObjective`) names the policy that samples
+    (`sampling_policy`); the rollout collects with it; the objective turns the rollout into
+    its training batch (`training_batch`) and prepares it with the trainer's update program
+    (`prepare_batch`); the rows are shuffled and cut into minibatches, one optimizer update
+    each, `inner_epochs` times; then the objective ends the epoch (`end_epoch`).
 
     **Arguments:**
 
-    - `trainer`: the trainer of a `FlowGRPOObjective`.
+    - `trainer`: the trainer of an `AbstractRLObjective` (`FlowGRPOObjective`,
+        `DiffusionNFTObjective`).
     - `state`: the current state (donated).
     - `rollout`: the `FlowRollout`.
     - `rows`: this epoch's source rows.
@@ -149,29 +123,45 @@ def flow_grpo_epoch(
     - `inner_epochs`: passes over the rollout.
     - `minibatch_rows`: rows per update (must divide the rollout's rows); all at once if
         `None`.
-    - `after_updates`: called with the new state, the rollout's batch and its info once the
-        epoch's updates are done (e.g. to log the policy ratio's distribution).
-
-    With `Trainer(old_log_probs="update")`, the batch's old log densities are first
-    recomputed by the update program (`update_program_log_probs`).
+    - `after_updates`: called with the new state, the training batch and the rollout's info
+        once the epoch's updates are done (e.g. to log the policy ratio's distribution).
 
     **Returns:**
 
-    The new state, the epoch's mean metrics (losses, clip fractions, reward statistics),
-    and the rollout's `RolloutInfo`.
+    The new state, the epoch's mean metrics (the loss's, the reward's statistics, the
+    window's position and the objective's `batch_metrics`), and the rollout's `RolloutInfo`.
+
+    **Raises:**
+
+    - `ValueError`: naming `trainer` if its objective is not an `AbstractRLObjective`; as
+        `minibatch_count`.
     """
+    objective = trainer.objective
+    if not isinstance(objective, AbstractRLObjective):
+        raise ValueError(
+            f"`trainer` must train an AbstractRLObjective, got {type(objective).__name__}."
+        )
     rollout_key, shuffle_key = jax.random.split(key)
-    batch, info = rollout.collect(state.variables, rows, rollout_key, epoch)
+    collected, info = rollout.collect(
+        objective.sampling_policy(state.variables), rows, rollout_key, epoch
+    )
+    batch = objective.training_batch(collected, info)
     size = batch.num_rows if minibatch_rows is None else minibatch_rows
-    if trainer.old_log_probs == "update":
-        batch = update_program_log_probs(
-            trainer, state, batch, size, jax.random.fold_in(shuffle_key, 0)
+    passes = [
+        minibatch_indices(batch.num_rows, size, jax.random.fold_in(shuffle_key, inner))
+        for inner in range(inner_epochs)
+    ]
+    if passes:
+        batch = objective.prepare_batch(
+            batch, lambda minibatch: trainer.run_update(state, minibatch), passes[0]
         )
     history = []
-    for inner in range(inner_epochs):
-        for minibatch in minibatches(batch, size, jax.random.fold_in(shuffle_key, inner)):
+    for indices in passes:
+        for index in indices:
+            minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
             state, metrics = trainer.update(state, minibatch)
             history.append(metrics)
+    state = dataclasses.replace(state, variables=objective.end_epoch(state.variables, epoch))
     if after_updates is not None:
         after_updates(state, batch, info)
     summary = _mean_metrics(history)
@@ -179,68 +169,8 @@ def flow_grpo_epoch(
         reward_mean=float(info.reward_mean),
         reward_zero_std_fraction=info.zero_std_fraction,
         reward_group_std=info.mean_group_std,
-        kept_fraction=float(jnp.mean(batch.transition_mask)),
         window_start=float(info.window_start),
-    )
-    return state, summary, info
-
-
-def nft_epoch(
-    trainer: Trainer,
-    state: TrainState,
-    rollout: FlowRollout,
-    rows: PyTree[Any],
-    key: PRNGKeyArray,
-    *,
-    epoch: int = 1,
-    inner_epochs: int = 1,
-    minibatch_rows: int | None = None,
-) -> tuple[TrainState, dict[str, float], RolloutInfo]:
-    """One DiffusionNFT epoch: the old policy samples, then `inner_epochs` passes of updates.
-
-    The rollout samples with the objective's old policy (`DiffusionNFTObjective.old_policy`,
-    the held slot), whose final latents, rows and advantages form the `NFTBatch`
-    (`nft_batch`); the rollout's own objective supplies only the sampler (its SDE and
-    guidance), and the trajectory it records is not used.
-
-    **Arguments:**
-
-    - `trainer`: the trainer of a `DiffusionNFTObjective` (with `ema_decay`, its old policy
-        follows the live one; without, it stays the initial policy).
-    - `state`, `rollout`, `rows`, `key`, `epoch`, `inner_epochs`, `minibatch_rows`: as for
-        `flow_grpo_epoch`.
-
-    **Returns:**
-
-    The new state, the epoch's mean metrics (losses and reward statistics), and the
-    rollout's `RolloutInfo`.
-
-    **Raises:**
-
-    - `ValueError`: naming `trainer` if its objective is not a `DiffusionNFTObjective`.
-    """
-    objective = trainer.objective
-    if not isinstance(objective, DiffusionNFTObjective):
-        raise ValueError(
-            f"`trainer` must train a DiffusionNFTObjective, got {type(objective).__name__}."
-        )
-    rollout_key, shuffle_key = jax.random.split(key)
-    sampling = Variables(policy=objective.old_policy(state.variables), held=None)
-    transitions, info = rollout.collect(sampling, rows, rollout_key, epoch)
-    batch = nft_batch(transitions, info)
-    size = batch.num_rows if minibatch_rows is None else minibatch_rows
-    minibatch_count(batch.num_rows, size)
-    history = []
-    for inner in range(inner_epochs):
-        for index in _minibatch_rows(batch.num_rows, size, jax.random.fold_in(shuffle_key, inner)):
-            minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
-            state, metrics = trainer.update(state, minibatch)
-            history.append(metrics)
-    summary = _mean_metrics(history)
-    summary.update(
-        reward_mean=float(info.reward_mean),
-        reward_zero_std_fraction=info.zero_std_fraction,
-        reward_group_std=info.mean_group_std,
+        **objective.batch_metrics(batch),
     )
     return state, summary, info
 

@@ -1,13 +1,12 @@
-"""A generic trainer for objectives with `init`, `held_variables` and `loss`.
+"""A generic trainer for objectives with `init` and `loss`.
 
 The optimizer step is one jit-compiled function of an immutable `TrainState`; everything
 random is derived from keys held in that state, so a run resumed from a checkpoint repeats
 an uninterrupted one exactly.
 """
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias, final
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -16,16 +15,9 @@ import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .. import lora
-from .._custom_types import Aux, Mean, Model, Step, Transitions
-from .._flow_base import AbstractFlowObjective, Variables
+from .._custom_types import Mean, Model, Step
+from .._flow_base import AbstractFlowObjective, AbstractVariables
 from .._misc import own_copy
-
-
-OldLogProbs: TypeAlias = Literal["rollout", "update"]
-"""Where a Flow-GRPO epoch takes the old log densities of its ratio from: as the rollout
-recorded them, or recomputed by the update's own compiled program before the first update."""
-
-OLD_LOG_PROBS: tuple[OldLogProbs, ...] = ("rollout", "update")
 
 
 @final
@@ -34,17 +26,20 @@ class TrainState(eqx.Module):
 
     **Arguments:**
 
-    - `variables`: the objective's variables (live policy and held slot).
+    - `variables`: the objective's variables (the live policy and whatever else it reads).
     - `opt_state`: the optax state of the trainable parameters.
     - `step`: the number of optimizer updates so far.
     - `key`: the PRNG key the next update derives its randomness from (raw uint32 key data,
         so it serialises with the rest).
+    - `ema`: with `Trainer(ema_decay=...)`, the exponential moving average of the policy
+        (of its adapters alone, for a policy with LoRA adapters); else `None`.
     """
 
-    variables: Variables
+    variables: AbstractVariables
     opt_state: PyTree[Any]
     step: Int[Array, ""]
     key: PRNGKeyArray
+    ema: Model | None = None
 
 
 def default_optimizer(
@@ -95,13 +90,16 @@ def mean_values(tree: PyTree[Any]) -> dict[str, Float[Array, ""]]:
     """Flatten an auxiliary PyTree of `Mean`s (and arrays) to `{name: scalar}`.
 
     A one-axis array (a statistic per step, as `StepRatios`) gives one scalar per entry,
-    named `name/0`, `name/1`, ...
+    named `name/0`, `name/1`, ...; arrays of more axes (per-row outputs such as
+    `Aux.log_probs`) are not metrics and are left out.
     """
     out: dict[str, Float[Array, ""]] = {}
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, Mean))
     for path, leaf in leaves:
         name = jax.tree_util.keystr(path, simple=True, separator="/")
         value = leaf.value if isinstance(leaf, Mean) else jnp.asarray(leaf, jnp.float32)
+        if value.ndim > 1:
+            continue
         if value.ndim == 1:
             out.update({f"{name}/{index}": value[index] for index in range(value.shape[0])})
         else:
@@ -111,11 +109,12 @@ def mean_values(tree: PyTree[Any]) -> dict[str, Float[Array, ""]]:
 
 @final
 class Trainer(eqx.Module):
-    """Optimise an objective's live policy with optax, keeping the held slot as it says.
+    """Optimise an objective's live policy with optax; the rest of its variables is its own.
 
     **Arguments:**
 
-    - `objective`: any `AbstractFlowObjective` (`FlowGRPOObjective`, `FlowMatchingObjective`).
+    - `objective`: any `AbstractFlowObjective` (`FlowGRPOObjective`,
+        `DiffusionNFTObjective`, `FlowMatchingObjective`).
     - `optimizer`: an optax transformation; `default_optimizer()` (AdamW, clip 1.0) if `None`.
     - `trainable`: an Equinox filter choosing the trained parameters of the policy: a
         callable on leaves or a PyTree of bools shaped like the policy. Everything else stays
@@ -124,54 +123,40 @@ class Trainer(eqx.Module):
         holds adapter-shaped arrays only), and every float array of any other policy
         (`eqx.is_inexact_array`). A filter that also trains a LoRA policy's base weights
         moves its KL reference (the policy with its adapters off) with them.
-    - `ema_decay`: the decay of the EMA kept in the held slot when the objective leaves it
-        free (`held_variables().held` is `False`); `None` disables the EMA. When the slot is
-        held (`beta > 0` without adapters: the frozen reference), the EMA never writes it.
-        For a policy with LoRA adapters the slot is free whatever `beta` (the reference is
-        the policy with its adapters off) and the EMA averages the adapters alone; without
-        an EMA the slot then holds `None`.
-    - `old_log_probs`: `"rollout"` (the default) keeps the old log densities the rollout
-        recorded; `"update"` has `flow_grpo_epoch` recompute them with this trainer's own
-        update program (`update_log_probs`) before the first update of each rollout. The
-        rollout and the update are different compiled programs; in float32 they agree to
-        about 1e-7, but in bfloat16 they round differently and the first update's ratio is
-        off 1 by about 4e-4 on the demo. With `"update"` the ratio of every transition of the
-        first update is exactly 1, at the cost of one more run of the update program per
-        minibatch of the first pass (a `FlowGRPOObjective`'s only).
+    - `ema_decay`: the decay of an exponential moving average of the policy kept in
+        `TrainState.ema` (of the adapters alone, for a policy with LoRA adapters), updated
+        after every optimizer step; `None` (the default) keeps none.
 
     **Raises:**
 
-    - `ValueError`: for an `ema_decay` outside [0, 1), or an unknown `old_log_probs`.
+    - `ValueError`: for an `ema_decay` outside [0, 1).
     """
 
-    objective: AbstractFlowObjective
+    objective: AbstractFlowObjective[Any]
     optimizer: optax.GradientTransformation = eqx.field(static=True)
     trainable: Callable[[Any], bool] | PyTree[bool] | None = eqx.field(static=True)
     ema_decay: float | None
-    old_log_probs: OldLogProbs = eqx.field(static=True)
 
     def __init__(
         self,
-        objective: AbstractFlowObjective,
+        objective: AbstractFlowObjective[Any],
         optimizer: optax.GradientTransformation | None = None,
         *,
         trainable: Callable[[Any], bool] | PyTree[bool] | None = None,
         ema_decay: float | None = None,
-        old_log_probs: OldLogProbs = "rollout",
     ):
         self.objective = objective
         self.optimizer = default_optimizer() if optimizer is None else optimizer
         self.trainable = trainable
         self.ema_decay = ema_decay
-        self.old_log_probs = old_log_probs
 
     def __check_init__(self) -> None:
-        if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
+        if self.ema_decay is not None and not (
+            isinstance(self.ema_decay, (int, float))
+            and not isinstance(self.ema_decay, bool)
+            and 0.0 <= self.ema_decay < 1.0
+        ):
             raise ValueError(f"`ema_decay` must be in [0, 1) or None, got {self.ema_decay!r}.")
-        if self.old_log_probs not in OLD_LOG_PROBS:
-            raise ValueError(
-                f"`old_log_probs` must be one of {OLD_LOG_PROBS}, got {self.old_log_probs!r}."
-            )
 
     def trainable_filter(self, policy: Model) -> Callable[[Any], bool] | PyTree[bool]:
         """The filter in use for `policy`: `trainable`, or its default when `None`.
@@ -211,7 +196,7 @@ class Trainer(eqx.Module):
         trainable, selected_static = eqx.partition(selected, eqx.is_inexact_array)
         return trainable, eqx.combine(unselected, selected_static)
 
-    def init(self, key: PRNGKeyArray, variables: Variables | None = None) -> TrainState:
+    def init(self, key: PRNGKeyArray, variables: AbstractVariables | None = None) -> TrainState:
         """The initial state: the objective's variables and a fresh optimizer state.
 
         **Arguments:**
@@ -219,15 +204,11 @@ class Trainer(eqx.Module):
         - `key`: seeds all of training's randomness.
         - `variables`: start from these instead of `objective.init`.
 
-        For a policy with LoRA adapters, the held slot holds the EMA's starting point (the
-        adapters alone) when there is an EMA, else `None`: nothing reads it, since the KL
-        reference is the policy with its adapters off.
-
         **Raises:**
 
         - `ValueError`: naming `variables` when its policy has LoRA adapters and the
-            objective's initial policy has none, or the other way round (the held slot's
-            role would be decided for the wrong kind of policy).
+            objective's initial policy has none, or the other way round (the objective's
+            variables would be built for the wrong kind of policy).
 
         **Returns:**
 
@@ -243,13 +224,11 @@ class Trainer(eqx.Module):
                 "`variables.policy` and the objective's initial policy must both have LoRA "
                 "adapters or both have none; build the objective with the adapted model."
             )
-        held = variables.held
-        if lora.has_adapters(variables.policy):
-            if not self.ema_active:
-                held = None
-            elif held is None:
-                held = lora.adapters(variables.policy)
-        variables = Variables(policy=own_copy(variables.policy), held=own_copy(held))
+        variables = own_copy(variables)
+        ema = None
+        if self.ema_decay is not None:
+            policy = variables.policy
+            ema = own_copy(lora.adapters(policy) if lora.has_adapters(policy) else policy)
         trainable, _ = self.split_policy(variables.policy)
         opt_state = self.optimizer.init(trainable)
         return TrainState(
@@ -257,14 +236,8 @@ class Trainer(eqx.Module):
             opt_state=opt_state,
             step=jnp.asarray(0, jnp.int32),
             key=train_key,
+            ema=ema,
         )
-
-    @property
-    def ema_active(self) -> bool:
-        """Whether updates write an EMA into the held slot (of the adapters alone, for a
-        policy with LoRA adapters)."""
-        held = bool(self.objective.held_variables().held)
-        return self.ema_decay is not None and not held
 
     def update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array]]:
         """One optimizer update on `batch` (jit-compiled; the old state's buffers are donated,
@@ -283,45 +256,27 @@ class Trainer(eqx.Module):
         new_state, metrics, _ = _update_donating((self, batch), state)
         return new_state, metrics
 
-    def update_log_probs(self, state: TrainState, batch: Transitions) -> Float[Array, " N K"]:
-        """The log densities the update program computes for `batch` at `state`'s policy.
+    def run_update(self, state: TrainState, batch: Any) -> Any:
+        """The auxiliary output of the update program for `batch` at `state`.
 
         Runs the very program `update` runs (same compiled executable, on a copy of `state`,
-        which is left as it was) and keeps only the policy's log density of each kept
-        transition, so a minibatch whose `old_log_probs` are these has a ratio of exactly 1
-        in its update from `state`, whatever the precision.
+        which is left as it was) and returns what the objective's `loss` gave besides its
+        value: what an objective reads to prepare its batch
+        (`AbstractRLObjective.prepare_batch`), computed exactly as the update computes it.
 
         **Arguments:**
 
-        - `state`: the state whose policy scores (not consumed).
-        - `batch`: a minibatch of `Transitions`, shaped as the updates' minibatches.
+        - `state`: the state to evaluate at (not consumed).
+        - `batch`: a minibatch shaped as the updates' minibatches.
 
         **Returns:**
 
-        `[N, K]` log densities (0 where a transition is not kept).
-
-        **Raises:**
-
-        - `ValueError`: naming `old_log_probs` unless it is `"update"` (the update program
-            then does not give them), or naming `objective` when its loss gives none.
+        The `loss`'s auxiliary PyTree.
         """
-        if self.old_log_probs != "update":
-            raise ValueError(
-                f"`update_log_probs` needs Trainer(old_log_probs='update'), got "
-                f"{self.old_log_probs!r}."
-            )
-        _, _, log_probs = _update_donating((self, batch), own_copy(state))
-        if log_probs is None:
-            raise ValueError(
-                f"`objective` {type(self.objective).__name__} gives no per-transition log "
-                "densities (only a FlowGRPOObjective does)."
-            )
-        result: Float[Array, " N K"] = log_probs
-        return result
+        _, _, aux = _update_donating((self, batch), own_copy(state))
+        return aux
 
-    def _update(
-        self, state: TrainState, batch: Any
-    ) -> tuple[TrainState, dict[str, Array], Float[Array, " N K"] | None]:
+    def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array], Any]:
         key, step_key = jax.random.split(state.key)
         variables = state.variables
         trainable, frozen = self.split_policy(variables.policy)
@@ -329,32 +284,23 @@ class Trainer(eqx.Module):
         def objective_value(params: PyTree[Any]) -> tuple[Array, tuple[Mean, Any]]:
             policy = eqx.combine(params, frozen)
             total, aux = self.objective.loss(
-                Variables(policy=policy, held=variables.held),
+                eqx.tree_at(lambda v: v.policy, variables, policy),
                 batch,
-                Step(
-                    index=state.step,
-                    key=step_key,
-                    report_log_probs=self.old_log_probs == "update",
-                ),
+                Step(index=state.step, key=step_key),
             )
             return total.value, (total, aux)
 
         (value, (total, aux)), grads = eqx.filter_value_and_grad(objective_value, has_aux=True)(
             trainable
         )
-        log_probs = None
-        if isinstance(aux, Aux) and aux.log_probs is not None:
-            log_probs = aux.log_probs
-            aux = dataclasses.replace(aux, log_probs=None)
         # optax mixes Python floats with its int32 step count (bias correction, schedules),
         # which strict dtype promotion rejects; only the optimizer's arithmetic is exempt.
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = self.optimizer.update(grads, state.opt_state, trainable)
         trainable = eqx.apply_updates(trainable, updates)
         policy = eqx.combine(trainable, frozen)
-        held = variables.held
-        if self.ema_active:
-            assert self.ema_decay is not None
+        ema = state.ema
+        if self.ema_decay is not None:
             decay = self.ema_decay
 
             def blend(average: Any, current: Any) -> Any:
@@ -363,22 +309,23 @@ class Trainer(eqx.Module):
                 return average
 
             current = lora.adapters(policy) if lora.has_adapters(policy) else policy
-            held = jax.tree.map(blend, held, current)
+            ema = jax.tree.map(blend, ema, current)
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": value, "grad_norm": grad_norm, "count": total.count}
         metrics.update(mean_values(aux))
         new_state = TrainState(
-            variables=Variables(policy=policy, held=held),
+            variables=eqx.tree_at(lambda v: v.policy, variables, policy),
             opt_state=opt_state,
             step=state.step + 1,
             key=key,
+            ema=ema,
         )
-        return new_state, metrics, log_probs
+        return new_state, metrics, aux
 
 
 @eqx.filter_jit(donate="all-except-first")
 def _update_donating(
     trainer_and_batch: tuple[Trainer, Any], state: TrainState
-) -> tuple[TrainState, dict[str, Array], Float[Array, " N K"] | None]:
+) -> tuple[TrainState, dict[str, Array], Any]:
     trainer, batch = trainer_and_batch
     return trainer._update(state, batch)
