@@ -130,7 +130,9 @@ class GuidedFlow(eqx.Module):
         t: Float[Array, " B"],
         conditioning: PyTree[Any],
     ) -> Float[Array, " B *latent"]:
-        """The model vmapped over a batch, without guidance, checked for its output's shape.
+        """The model's velocity on a batch, without guidance, checked for its output's shape.
+
+        The model, which takes one unbatched example, is `vmap`ped over the batch axis.
 
         **Arguments:**
 

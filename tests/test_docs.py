@@ -209,3 +209,20 @@ def test_every_api_page_is_in_the_nav():
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in (DOCS / "api").rglob("*.md"):
         assert str(page.relative_to(DOCS)) in nav, page
+
+
+def test_api_overview_lists_every_api_page():
+    """The overview's table links every page of the reference's navigation, once each."""
+    nav = re.findall(r"^\s*- [^:\n]+: (api/[\w/]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    overview = (DOCS / "api" / "index.md").read_text()
+    linked = re.findall(r"^\| \[[^\]]+\]\(([\w/]+\.md)\) \|", overview, flags=re.M)
+    assert sorted(f"api/{page}" for page in linked) == sorted(p for p in nav if p != "api/index.md")
+
+
+def test_every_mention_of_a_readme_is_a_link():
+    """A page that refers a reader to a README links to it (or to the page that shows it)."""
+    for page in pages():
+        text = re.sub(r"<!--.*?-->", "", page.read_text(), flags=re.S)
+        text = re.sub(r'^--8<-- ".*"$', "", text, flags=re.M)  # an included file (the hook)
+        unlinked = re.sub(r"\[[^\]]*\]\([^)]*\)", "", text)
+        assert "README" not in unlinked, f"{_page_id(page)}: link the README it mentions"

@@ -62,3 +62,49 @@ def test_readme_config_file_example_is_a_valid_config(tmp_path):
     config = make_config(**read_config_file(path))
     assert config.learning_rate == 3e-4 and config.train_steps is None
     assert config.log == ("tensorboard",)
+
+
+def test_readme_dew_table_has_a_row_for_every_argument():
+    """Each argument of `dew.objectives.rl.flow` (and its batch fields) opens a table row."""
+    text = README.read_text()
+    section = text[text.index("## Coming from `dew.objectives.rl.flow`") :]
+    first_cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| ")]
+    for argument in (
+        # FlowGRPOObjective(...)
+        "model",
+        "process",
+        "inputs",
+        "sde",
+        "beta",
+        "clip_range",
+        "adv_clip_max",
+        "autoencoder",
+        "guidance",
+        "sampler",
+        "steps",
+        "pretrained",
+        # its methods
+        "key",
+        "variables",
+        "params",
+        "batch",
+        "step",
+        "scored",
+        # FlowRollout(...)
+        "objective",
+        "reward",
+        "groups",
+        "train_steps",
+        # the batch
+        "latents",
+        "next_latents",
+        "timesteps",
+        "next_timesteps",
+        "old_log_probs",
+        "transition_mask",
+        "advantages",
+        # distribution
+        "shard_batch",
+        "collective_host",
+    ):
+        assert any(re.search(rf"\b{argument}\b", cell) for cell in first_cells), argument

@@ -58,13 +58,14 @@ def sinusoidal_time_features(
 
 
 def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
-    """SiLU, `x * sigmoid(x)`, written as `x * (1 + tanh(x / 2)) / 2`.
+    """SiLU (swish), `x * sigmoid(x)`, the activation of `MLPVelocity`'s hidden layers.
 
-    The same function; XLA's CPU `tanh` is a cheap rational approximation while its
-    `logistic` is not: timed beside a large matmul on a 2-core CPU, a wide MLP's
-    value-and-grad went from about 0.82 to 0.86 of the matmul's FLOP/s. Agrees with
-    `jax.nn.silu` to float32 resolution relative to `max(1, |x|)`; for `x` below about -17 it
-    returns 0 where the exact value is smaller than `2e-6` in magnitude.
+    Written as `x * (1 + tanh(x / 2)) / 2`, the same function: XLA's CPU `tanh` is a cheap
+    rational approximation while its `logistic` is not; timed beside a large matmul on a
+    2-core CPU, a wide MLP's value-and-grad went from about 0.82 to 0.86 of the matmul's
+    FLOP/s. Agrees with `jax.nn.silu` to float32 resolution relative to `max(1, |x|)`; for
+    `x` below about -17 it returns 0 where the exact value is smaller than `2e-6` in
+    magnitude.
 
     **Arguments:**
 

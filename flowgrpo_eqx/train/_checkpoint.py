@@ -615,10 +615,11 @@ class Checkpointer:
 
 
 def save_model(path: str | os.PathLike[str], model: PyTree[Any]) -> None:
-    """Export a model's leaves with `eqx.tree_serialise_leaves`, atomically.
+    """Save one model (any PyTree of arrays) to a file, atomically, for `load_model`.
 
-    The leaves go to a temporary file beside `path`, which is synced and then renamed over
-    `path`, so `path` holds either the old model or the whole new one.
+    The leaves are written with `eqx.tree_serialise_leaves` to a temporary file beside
+    `path`, which is synced and then renamed over `path`, so `path` holds either the old
+    model or the whole new one.
 
     **Arguments:**
 

@@ -244,7 +244,10 @@ class JsonlWriter:
         )
 
     def close(self) -> None:
-        """Nothing is held open between calls."""
+        """Close the writer; it does nothing, and calling it again is harmless.
+
+        Nothing is held open between calls: each one opens the log, appends and flushes.
+        """
 
 
 @final
