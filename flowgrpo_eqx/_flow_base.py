@@ -177,10 +177,10 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
         captions: list[str] | None = None,
         title: str | None = None,
     ) -> Evaluation:
-        """Draw on all ranks; materialise before root-only caption decoding.
+        """Draw, score and picture one live-policy sample per row.
 
-        Every process draws its samples (generation is collective); the arrays are made
-        ready here, and only process 0 decodes captions and writes the picture grid.
+        Every process draws its samples (generation is collective); they are materialised
+        before process 0 alone decodes captions and writes the picture grid.
 
         **Arguments:**
 

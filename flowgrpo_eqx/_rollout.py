@@ -263,7 +263,10 @@ class FlowRollout(eqx.Module):
     def generate(
         self, policy: Model, rows: PyTree[Any], key: PRNGKeyArray, first: int = 0
     ) -> Generated:
-        """Sample already repeated rows with the `sampler` (jit-compiled; shapes static).
+        """Sample rows already repeated into groups: the recorded transitions (with an SDE
+        `sampler`), their log densities, the final latents and the decoded samples.
+
+        Jit-compiled, with static shapes.
 
         **Arguments:**
 

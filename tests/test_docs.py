@@ -119,7 +119,7 @@ def test_no_run_blocks_say_why():
 
 def test_block_extraction_finds_the_getting_started_example():
     index = [b for b in fenced_blocks(DOCS / "index.md") if b.language == "python"]
-    assert any("class MyVelocity" in b.code and "flow_grpo_epoch" in b.code for b in index)
+    assert any("class MyVelocity" in b.code and "rl_epoch" in b.code for b in index)
     assert not any(b.no_run for b in index)
 
 

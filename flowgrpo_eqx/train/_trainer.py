@@ -240,8 +240,10 @@ class Trainer(eqx.Module):
         )
 
     def update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array]]:
-        """One optimizer update on `batch` (jit-compiled; the old state's buffers are donated,
-        so `state` must not be used again).
+        """One optimizer update on `batch`, returning the new state; `state` must not be used
+        again.
+
+        Jit-compiled; the old state's buffers are donated to the new one.
 
         **Arguments:**
 
