@@ -373,24 +373,15 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         cond: PyTree[Any],
         allowed: Bool[Array, " B"] | None = None,
     ) -> tuple[Float[Array, " B *latent"], Float[Array, " B"]]:
-        """The batch's Gaussian transitions `(mean, std)` under `sde` and the guided velocity.
+        """`GuidedFlow.transition` under this objective's `sde`: `(mean, std)` per row.
 
         **Arguments:**
 
-        - `model`: the policy or the reference.
-        - `x`: `[B, *latent]` states at `t`.
-        - `t`, `t_next`: `[B]` start and end times.
-        - `cond`: the batch's rows (leading axis `B`).
-        - `allowed`: `[B]`, `False` where the transition must be deterministic whatever the
-            SDE says (`AbstractSDE.transition`); `None` allows noise everywhere.
+        - `model`, `x`, `t`, `t_next`, `cond`, `allowed`: as `GuidedFlow.transition`.
 
         **Returns:**
 
         `(mean, std)`: `[B, *latent]` means and `[B]` stds (0 on deterministic transitions).
-
-        **Raises:**
-
-        - `ValueError`: as `GuidedFlow.velocity`.
         """
         return self.flow.transition(self.sde, model, x, t, t_next, cond, allowed)
 
