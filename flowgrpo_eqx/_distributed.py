@@ -214,7 +214,8 @@ def shard_parameters(
     *,
     min_elements: int = 4096,
 ) -> PyTree[Any]:
-    """Place parameters (policy, reference, EMA) and optimizer state on the mesh, replicated or FSDP.
+    """Place parameters (policy, reference, EMA) and optimizer state on the mesh: replicated
+    or FSDP.
 
     With `"fsdp"` every array of at least `min_elements` elements is split along one axis
     over the data axis (`fsdp_spec`), so each device holds about `1 / devices` of it; the
@@ -333,11 +334,19 @@ def owned_rows(tree: PyTree[Any]) -> int:
 
 
 def host_samples(samples: jax.Array) -> npt.NDArray[Any]:
-    """The decoded samples on the host for the reward.
+    """A row-sharded array whole on the host of every process (e.g. the decoded samples for
+    the reward).
 
-    In one process this is a plain transfer. With many processes the samples (only the
-    samples, never the trajectory) are all-gathered, the one gather JAX's runtime offers;
-    processes other than 0 drop them at once.
+    In one process this is a plain transfer. With many processes the rows are all-gathered,
+    the one gather JAX's runtime offers; it is collective, so every process must call it.
+
+    **Arguments:**
+
+    - `samples`: a global array, its leading axis split over the processes or not.
+
+    **Returns:**
+
+    The whole array as NumPy.
     """
     if samples.is_fully_addressable:
         return np.asarray(samples)
@@ -396,7 +405,16 @@ def score_on_root(
 
 
 def process_counts(value: int) -> list[int]:
-    """`value` from every process, in rank order (a tiny all-gather)."""
+    """`value` from every process, in rank order (a tiny all-gather; collective).
+
+    **Arguments:**
+
+    - `value`: this process's count.
+
+    **Returns:**
+
+    Every process's value, process 0's first.
+    """
     if jax.process_count() == 1:
         return [value]
     gathered = multihost_utils.process_allgather(np.asarray([value], np.int64))

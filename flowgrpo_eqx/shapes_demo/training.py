@@ -1,0 +1,353 @@
+"""The main job's training run: a run folder, the base model's measure, the RL epochs with
+their checkpoints and metrics, and the final measure and files."""
+
+import dataclasses
+import json
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jaxtyping import Array
+
+from .. import (
+    AbstractVariables,
+    FlowGRPOObjective,
+    FlowRollout,
+    RolloutInfo,
+    Transitions,
+    data_mesh,
+    device_fraction,
+    host_samples,
+    local_copy,
+    lora,
+    owned_rows,
+    process_counts,
+    shard_parameters,
+)
+from ..train import (
+    Checkpointer,
+    MetricsLog,
+    MetricsWriter,
+    Trainer,
+    TrainState,
+    make_writers,
+    rl_epoch,
+)
+from ..train._preemption import GracefulStop
+from ._progress import Progress
+from .config import JobConfig, config_to_toml
+from .parts import ShapesJob
+from .report import plot_curve
+
+
+def _silent(message: str) -> None:
+    del message
+
+
+@eqx.filter_jit
+def _kept_ratios(
+    objective: FlowGRPOObjective, variables: AbstractVariables, batch: Transitions
+) -> tuple[Array, Array]:
+    ratios = jnp.exp(objective.log_probs(variables, batch) - batch.old_log_probs)
+    return ratios, objective.kept(batch)
+
+
+def _log_distributions(
+    writers: MetricsWriter | None, objective: FlowGRPOObjective, epoch: int
+) -> Callable[[TrainState, Transitions, RolloutInfo], None]:
+    """After an epoch's updates: histograms of the advantages and of the policy ratio of the
+    kept transitions (run on every process, since gathering rows is collective)."""
+
+    def record(state: TrainState, batch: Transitions, info: RolloutInfo) -> None:
+        del info
+        ratios, kept = _kept_ratios(objective, state.variables, batch)
+        advantages = host_samples(batch.advantages)
+        ratio_values = host_samples(ratios)[host_samples(kept)]
+        if writers is not None:
+            writers.histogram(epoch, "advantages", advantages)
+            if ratio_values.size:
+                writers.histogram(epoch, "policy_ratio", ratio_values)
+
+    return record
+
+
+def run_train(
+    config: JobConfig,
+    out: str | pathlib.Path,
+    *,
+    resume: bool = False,
+    quiet: bool = False,
+    devices: int | None = None,
+    reward_token: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the main job and write the run folder; returns the summary.
+
+    With several devices (or processes), rows are sharded over a data mesh and parameters
+    replicated; process 0 alone scores rewards and writes files.
+
+    On SIGTERM or SIGINT the run finishes the epoch in progress, writes a checkpoint, says so
+    and returns `{"stopped_at_epoch": E, "preempted": True}` (the command line then exits with
+    `PREEMPTED_EXIT_STATUS`); a second signal stops at once. With several processes every
+    process stops after the same epoch. `resume=True` then continues to the result an
+    uninterrupted run would have had.
+
+    **Arguments:**
+
+    - `config`: the settings.
+    - `out`: the run folder.
+    - `resume`: continue from the newest intact checkpoint in `out/checkpoints` (damaged
+        ones are reported by path and skipped).
+    - `quiet`: no progress bars.
+    - `devices`: shard rows over this many devices (default: every device of every
+        process; 1 turns sharding off).
+    - `reward_token`: the token for `config.reward_url`'s server (default: the
+        `FLOWGRPO_REWARD_TOKEN` environment variable).
+    - `log`: where messages go (process 0 only).
+
+    **Returns:**
+
+    The summary (also written to `summary.json`), or the stop record after a signal.
+
+    **Raises:**
+
+    - `CheckpointError`: when resuming and checkpoints exist but none is intact.
+    - `RewardError`: when the reward fails (the run folder keeps its last checkpoint).
+    """
+    started = time.perf_counter()
+    out = pathlib.Path(out)
+    root = jax.process_index() == 0
+    if not root:
+        log = _silent
+        quiet = True
+    out.mkdir(parents=True, exist_ok=True)
+    if root:
+        (out / "config.toml").write_text(config_to_toml(config))
+    job = ShapesJob(config, out, quiet, reward_token=reward_token)
+    base, base_source = job.base_model(log)
+    device_count = jax.device_count() if devices is None else devices
+    mesh = data_mesh(device_count) if device_count > 1 else None
+    policy = job.policy(base)
+    trained = job.train_objective(policy)
+    # Only process 0 keeps the run's files; the others write to no log at all.
+    writers = (
+        make_writers(config.log, out, config=dataclasses.asdict(config))
+        if root and config.log
+        else None
+    )
+    run = _Run(
+        job=job,
+        objective=job.objective(policy),
+        rollout=job.rollout(trained, mesh),
+        trainer=job.trainer(trained),
+        checkpoints=Checkpointer(out / "checkpoints", keep=config.keep_checkpoints),
+        metrics=MetricsLog(out / "metrics.jsonl" if root else None),
+        placement=MetricsLog(out / "distributed.jsonl" if root else None),
+        writers=writers,
+        mesh=mesh,
+        log=log,
+        checkpoint_metadata=job.checkpoint_metadata(base),
+    )
+    try:
+        with GracefulStop(log) as stop:
+            state, first_epoch, base_measure = run.start(resume)
+            log(
+                f"Base model ({base_source}): held-out accuracy "
+                f"{base_measure['accuracy']:.3f}, reward {base_measure['reward']:.3f}, "
+                f"diversity {base_measure['diversity']:.3f}"
+            )
+            run_key = jax.random.key(config.seed + 3)
+            progress = Progress(config.epochs, "flow-grpo", disable=quiet, initial=first_epoch)
+            for epoch in range(first_epoch + 1, config.epochs + 1):
+                state, record = run.epoch(state, epoch, jax.random.fold_in(run_key, epoch))
+                progress.update(
+                    1,
+                    reward=record["reward_mean"],
+                    loss=record.get("loss", 0.0),
+                    acc=record.get("heldout_accuracy"),
+                )
+                stopping = stop.agreed(epoch)
+                if epoch % config.checkpoint_every == 0 or epoch == config.epochs or stopping:
+                    run.save(state, epoch, base_measure)
+                if stopping and epoch < config.epochs:
+                    progress.close()
+                    cause = stop.received.name if stop.received is not None else "a peer's signal"
+                    log(
+                        f"Stopped after epoch {epoch} ({cause}); checkpoint in "
+                        f"{run.checkpoints.directory}; continue with --resume."
+                    )
+                    return {"stopped_at_epoch": epoch, "preempted": True}
+            progress.close()
+            return run.finish(state, base_measure, base_source, started, resume)
+    finally:
+        if writers is not None:
+            writers.close()
+
+
+@dataclasses.dataclass
+class _Run:
+    """The pieces of one training run and what it writes: the metrics logs, the writers, the
+    checkpoints, the previews and the final files (process 0 alone writes files)."""
+
+    job: ShapesJob
+    objective: FlowGRPOObjective
+    rollout: FlowRollout
+    trainer: Trainer
+    checkpoints: Checkpointer
+    metrics: MetricsLog
+    placement: MetricsLog
+    writers: MetricsWriter | None
+    mesh: Mesh | None
+    log: Callable[[str], None]
+    checkpoint_metadata: dict[str, Any]
+
+    def start(self, resume: bool) -> tuple[TrainState, int, dict[str, Any]]:
+        """The first state, the last epoch done and the base model's measure: from the newest
+        intact checkpoint when resuming, else fresh (the base measured and previewed)."""
+        job, config, out = self.job, self.job.config, self.job.out
+        state = self.trainer.init(jax.random.key(config.seed + 2))
+        if self.mesh is not None:
+            state = shard_parameters(
+                state, self.mesh, config.param_sharding, min_elements=config.fsdp_min_elements
+            )
+        # Restored arrays take the shardings of this run's state, whatever mesh wrote them.
+        found = None
+        if resume:
+            found = self.checkpoints.restore_latest(lora.without_bases(state), report=self.log)
+            if found is None:
+                self.log(
+                    f"No checkpoint in {self.checkpoints.directory}: starting from the beginning."
+                )
+        if found is not None:
+            stored, meta, path = found
+            first_epoch = int(meta["epoch"])
+            self.metrics.keep_only(lambda r: r.get("epoch", 0) <= first_epoch)
+            self.placement.keep_only(lambda r: r.get("epoch", 0) <= first_epoch)
+            return job.from_checkpoint(stored, state, meta, path), first_epoch, meta["base"]
+        self.metrics.clear()
+        self.placement.clear()
+        base_measure = job.measure(self.objective, state.variables)
+        job.preview(
+            self.objective,
+            state.variables,
+            out / "samples_before.png",
+            f"base model: held-out accuracy {base_measure['accuracy']:.2f}",
+        )
+        self.metrics.write(
+            {
+                "epoch": 0,
+                "heldout_accuracy": base_measure["accuracy"],
+                "heldout_reward": base_measure["reward"],
+            }
+        )
+        if self.writers is not None:
+            self.writers.scalars(0, {"heldout_accuracy": float(base_measure["accuracy"])})
+            self.writers.image(0, "heldout_samples", out / "samples_before.png")
+        return state, 0, base_measure
+
+    def epoch(self, state: TrainState, epoch: int, key: Any) -> tuple[TrainState, dict[str, Any]]:
+        """One RL epoch, its placement record, its held-out measure when due, and its metrics."""
+        job, config, out = self.job, self.job.config, self.job.out
+        logs_ratios = config.log and config.algorithm == "flow_grpo"
+        state, summary, info = rl_epoch(
+            self.trainer,
+            state,
+            self.rollout,
+            job.epoch_rows(epoch),
+            key,
+            epoch=epoch,
+            inner_epochs=config.inner_epochs,
+            minibatch_rows=config.minibatch_rows,
+            after_updates=(
+                _log_distributions(self.writers, self.objective, epoch) if logs_ratios else None
+            ),
+        )
+        self.placement.write(
+            {
+                "epoch": epoch,
+                "processes": jax.process_count(),
+                "devices": 1 if self.mesh is None else int(self.mesh.devices.size),
+                "reward_calls_per_process": process_counts(info.reward_calls_here),
+                "rows_per_process": process_counts(owned_rows(info.samples)),
+                "rows_total": int(info.samples.shape[0]),
+                "param_sharding": config.param_sharding,
+                "state_fraction_per_device": device_fraction(state),
+            }
+        )
+        record: dict[str, Any] = {"epoch": epoch, **summary}
+        if epoch % config.eval_every == 0 or epoch == config.epochs:
+            measured = job.measure(self.objective, state.variables)
+            record.update(heldout_accuracy=measured["accuracy"], heldout_reward=measured["reward"])
+            if config.log:
+                picture = out / "previews" / f"epoch_{epoch:05d}.png"
+                job.preview(self.objective, state.variables, picture, f"epoch {epoch}")
+                if self.writers is not None:
+                    self.writers.image(epoch, "heldout_samples", picture)
+        self.metrics.write(record)
+        if self.writers is not None:
+            self.writers.scalars(epoch, {k: float(v) for k, v in record.items() if k != "epoch"})
+        return state, record
+
+    def save(self, state: TrainState, epoch: int, base_measure: dict[str, Any]) -> None:
+        """A checkpoint of `state` after `epoch` (collective: every process writes the shards
+        it holds)."""
+        self.checkpoints.save(
+            epoch,
+            lora.without_bases(state),
+            {"epoch": epoch, "base": base_measure, **self.checkpoint_metadata},
+        )
+
+    def finish(
+        self,
+        state: TrainState,
+        base_measure: dict[str, Any],
+        base_source: str,
+        started: float,
+        resumed: bool,
+    ) -> dict[str, Any]:
+        """The final measure, preview, policy, reward curve and `summary.json`."""
+        job, config, out = self.job, self.job.config, self.job.out
+        final = job.measure(self.objective, state.variables)
+        final_variables = local_copy(state.variables)
+        if jax.process_index() != 0:
+            return {"process_index": jax.process_index()}
+        job.preview(
+            self.objective,
+            final_variables,
+            out / "samples_after.png",
+            f"after Flow-GRPO: held-out accuracy {final['accuracy']:.2f}",
+        )
+        if self.writers is not None:
+            self.writers.image(config.epochs, "heldout_samples", out / "samples_after.png")
+        job.save_policy(final_variables.policy)
+        records = self.metrics.read()
+        plot_curve(records, out / "reward_curve.png")
+        train_rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
+        summary = {
+            "base_accuracy": base_measure["accuracy"],
+            "final_accuracy": final["accuracy"],
+            "base_reward": base_measure["reward"],
+            "final_reward": final["reward"],
+            "base_diversity": base_measure["diversity"],
+            "final_diversity": final["diversity"],
+            "train_reward_first_epoch": train_rewards[0] if train_rewards else None,
+            "train_reward_last_epoch": train_rewards[-1] if train_rewards else None,
+            "epochs": config.epochs,
+            "base_source": base_source,
+            "processes": jax.process_count(),
+            "devices": 1 if self.mesh is None else int(self.mesh.devices.size),
+            "wall_seconds": time.perf_counter() - started,
+            "resumed": resumed,
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.log(
+            f"Final: held-out accuracy {final['accuracy']:.3f} (base "
+            f"{base_measure['accuracy']:.3f}), diversity {final['diversity']:.3f} (base "
+            f"{base_measure['diversity']:.3f})."
+        )
+        return summary
