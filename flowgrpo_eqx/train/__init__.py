@@ -1,7 +1,10 @@
 """Training: a generic trainer, training loops, flow-matching pretraining and checkpoints."""
 
 from ._checkpoint import (
+    LAYOUT_VERSION as LAYOUT_VERSION,
     Checkpointer as Checkpointer,
+    CheckpointError as CheckpointError,
+    CheckpointVersionError as CheckpointVersionError,
     load_model as load_model,
     save_model as save_model,
 )

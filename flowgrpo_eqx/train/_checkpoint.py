@@ -8,9 +8,10 @@ A checkpoint is a folder `ckpt_<step>` holding
   Whole arrays (replicated, on one device, or NumPy) are written once, by process 0, packed
   into one flat buffer per dtype: Orbax's cost is per array, and a train state has hundreds
   of small ones.
-- `meta.json`: the caller's metadata plus `step`, the path, shape, dtype and place (its own
-  Orbax array, or a packed buffer and offset) of every stored array (`state_arrays`), and the
-  byte length and SHA-256 of every file under `state/` (`state_files`).
+- `meta.json`: the caller's metadata plus `step`, `layout_version` (`LAYOUT_VERSION`), the
+  path, shape, dtype and place (its own Orbax array, or a packed buffer and offset) of every
+  stored array (`state_arrays`), and the byte length and SHA-256 of every file under `state/`
+  (`state_files`).
 
 Saving is atomic: everything is written into a `.tmp-<step>` folder which is renamed into
 place only when complete, so a save interrupted at any point (even by SIGKILL) leaves at most
@@ -23,11 +24,13 @@ a checkpoint written on 4 devices restores onto 2 or onto 1 (or onto another sha
 identical values, each process reading only what its devices hold.
 
 Reading checks everything it can before trusting a checkpoint: that `meta.json` is a JSON
-object, that every recorded file is present with its recorded length and checksum, and that
-the stored arrays have the template's paths, shapes and dtypes, no more and no fewer. Any
-failure is a `CheckpointError` naming the checkpoint and the problem;
-`Checkpointer.restore_latest` skips such checkpoints, says so, and continues from the newest
-usable one.
+object recording this version's layout, that every recorded file is present with its recorded
+length and checksum, and that the stored arrays have the template's paths, shapes and dtypes,
+no more and no fewer. Any failure is a `CheckpointError` naming the checkpoint and the
+problem; `Checkpointer.restore_latest` skips such checkpoints, says so, and continues from the
+newest usable one. A checkpoint of another layout (written by another version of
+flowgrpo_eqx) is not damaged and is never skipped: it is a `CheckpointVersionError` naming
+both versions, which stops the run.
 
 Orbax (rather than a format of our own, or one `eqx.tree_serialise_leaves` file per process)
 because it is the JAX ecosystem's maintained answer to exactly this: per-process shard writes
@@ -64,6 +67,15 @@ _STATE = "state"
 _META = "meta.json"
 _ARRAYS_KEY = "state_arrays"
 _FILES_KEY = "state_files"
+_LAYOUT_KEY = "layout_version"
+LAYOUT_VERSION = 2
+"""The layout of what a checkpoint stores, recorded in every `meta.json` as `layout_version`.
+
+It is raised whenever checkpoints written before can no longer be restored: 2 is the train
+state with per-objective typed variables and the EMA in a field of its own; 1 (checkpoints
+recording no layout version) was `Variables(policy, held)`. A checkpoint of another layout
+is refused with a `CheckpointVersionError`.
+"""
 # Everything a damaged or mismatched model file makes equinox/numpy raise: `TreePathError` and
 # the shape/dtype checks are `RuntimeError`s, a short read is `EOFError` or `ValueError`.
 _LOAD_ERRORS = (RuntimeError, ValueError, TypeError, EOFError, OSError)
@@ -92,6 +104,37 @@ class CheckpointError(ValueError):
         self.path = pathlib.Path(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+class CheckpointVersionError(CheckpointError):
+    """A checkpoint written by another version of flowgrpo_eqx, with another layout of what it
+    stores, which this version cannot resume.
+
+    Unlike a damaged checkpoint, it is never skipped for an older one: every checkpoint of the
+    run was most likely written by the same version, and the user has to choose (resume with
+    the version that wrote it, or start afresh in another folder).
+
+    **Arguments:**
+
+    - `path`: the checkpoint's folder.
+    - `found`: the layout version its `meta.json` records (1 when it records none).
+    - `expected`: the layout version this version of flowgrpo_eqx reads and writes.
+
+    The message names both versions; `found` and `expected` are kept as attributes too.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], found: Any, expected: int):
+        self.found = found
+        self.expected = expected
+        older = type(found) is int and found < expected
+        super().__init__(
+            path,
+            f"the checkpoint has layout version {found!r} but this version of flowgrpo_eqx "
+            f"reads layout version {expected}: it was written by "
+            f"{'an older' if older else 'another'} version of flowgrpo_eqx and cannot be "
+            "resumed by this one (resume it with the version that wrote it, or start a new "
+            "run in another folder)",
+        )
 
 
 def _fsync_folder(path: pathlib.Path) -> None:
@@ -239,6 +282,9 @@ def _read_metadata(folder: pathlib.Path) -> dict[str, Any]:
         raise CheckpointError(
             folder, f"{_META} holds a JSON {type(metadata).__name__}, not an object"
         )
+    found = metadata.get(_LAYOUT_KEY, 1)
+    if type(found) is not int or found != LAYOUT_VERSION:
+        raise CheckpointVersionError(folder, found, LAYOUT_VERSION)
     for key in (_ARRAYS_KEY, _FILES_KEY):
         if not isinstance(metadata.get(key), (list, dict)):
             raise CheckpointError(
@@ -466,8 +512,8 @@ class Checkpointer:
         - `step`: the checkpoint's number (e.g. the epoch); larger is newer.
         - `tree`: any PyTree of arrays (e.g. a `TrainState`), sharded or not; its other
             leaves (functions, ...) are not stored, and come from the template on restore.
-        - `metadata`: JSON-serialisable facts to keep beside it (not `state_arrays` or
-            `state_files`, which record what was stored).
+        - `metadata`: JSON-serialisable facts to keep beside it (not `step`,
+            `layout_version`, `state_arrays` or `state_files`, which record what was stored).
 
         **Returns:**
 
@@ -480,7 +526,7 @@ class Checkpointer:
             checkpoint's folder, if writing fails. Its temporary folder is removed and the
             previous checkpoints are untouched.
         """
-        for reserved in ("step", _ARRAYS_KEY, _FILES_KEY):
+        for reserved in ("step", _LAYOUT_KEY, _ARRAYS_KEY, _FILES_KEY):
             if reserved in metadata:
                 raise ValueError(f"`metadata` must not use the key {reserved!r}.")
         root = jax.process_index() == 0
@@ -499,6 +545,7 @@ class Checkpointer:
             if root:
                 record = {
                     "step": step,
+                    _LAYOUT_KEY: LAYOUT_VERSION,
                     **metadata,
                     _ARRAYS_KEY: [
                         [path, *_describe_array(leaf), where]
@@ -542,7 +589,9 @@ class Checkpointer:
         - `CheckpointError`: naming `path` and the problem: no such folder; `meta.json`
             missing, unreadable or not a JSON object; a file under `state/` missing, or of
             another length or checksum than recorded; or arrays of other paths, shapes or
-            dtypes than `like`'s.
+            dtypes than `like`'s. A `CheckpointVersionError` (a `CheckpointError`) naming
+            both versions if it was written with another `LAYOUT_VERSION` (none recorded:
+            version 1).
         """
         _read_checkpoint(pathlib.Path(path), like)
 
@@ -577,7 +626,8 @@ class Checkpointer:
     def restore_latest(
         self, like: T, *, report: Callable[[str], None] = print
     ) -> tuple[T, dict[str, Any], pathlib.Path] | None:
-        """Restore the newest usable checkpoint, reporting and skipping damaged ones.
+        """Restore the newest usable checkpoint, reporting and skipping damaged ones (but
+        stopping at one written by another version of flowgrpo_eqx).
 
         **Arguments:**
 
@@ -594,6 +644,10 @@ class Checkpointer:
 
         - `CheckpointError`: naming the folder and each checkpoint's problem, if there are
             checkpoints but none is usable.
+        - `CheckpointVersionError`: naming the checkpoint and both layout versions, as soon
+            as one (the newest that is not damaged) was written by another version of
+            flowgrpo_eqx: it is not skipped, since resuming from an older checkpoint of this
+            version instead would silently lose the newer ones.
         """
         paths = self.paths()
         if not paths:
@@ -602,6 +656,8 @@ class Checkpointer:
         for folder in reversed(paths):
             try:
                 tree, metadata = _read_checkpoint(folder, like)
+            except CheckpointVersionError:
+                raise
             except CheckpointError as error:
                 report(f"Skipping unusable checkpoint {error}")
                 problems.append(f"{folder.name}: {error.problem}")
