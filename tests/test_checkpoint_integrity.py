@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 
 from flowgrpo_eqx.shapes_demo.launch import free_port
-from flowgrpo_eqx.train import _checkpoint
-from flowgrpo_eqx.train._checkpoint import (
+from flowgrpo_eqx.train import (
     Checkpointer,
     CheckpointError,
     CheckpointVersionError,
+    _checkpoint,
     load_model,
     save_model,
 )
@@ -404,13 +404,13 @@ def test_pruning_keeps_the_checkpoint_just_written_over_newer_damaged_ones(saved
 
 
 def disk_full_in_serialise(monkeypatch):
-    original = _checkpoint.eqx.tree_serialise_leaves
+    original = eqx.tree_serialise_leaves
 
     def fill_disk(handle, tree):
         handle.write(b"the first bytes fit")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_checkpoint.eqx, "tree_serialise_leaves", fill_disk)
+    monkeypatch.setattr(eqx, "tree_serialise_leaves", fill_disk)
     return original
 
 
@@ -418,7 +418,7 @@ def disk_full_in_fsync(monkeypatch):
     def fill_disk(descriptor):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_checkpoint.os, "fsync", fill_disk)
+    monkeypatch.setattr(os, "fsync", fill_disk)
 
 
 def disk_full_in_orbax_write(monkeypatch):
