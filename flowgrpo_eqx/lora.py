@@ -19,7 +19,6 @@ import hashlib
 import json
 import math
 import os
-import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar, final
 
@@ -28,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+from ._files import atomic_file
 
 
 _Model = TypeVar("_Model", bound=Callable[..., Any])
@@ -560,15 +561,9 @@ def save_adapters(path: str | os.PathLike[str], model: LoraModel[Any]) -> None:
             for layer_path, adapter in zip(model.layer_paths, model.adapters, strict=True)
         ],
     }
-    target = pathlib.Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(target.name + f".tmp-{os.getpid()}")
-    with open(temporary, "wb") as handle:
+    with atomic_file(path) as handle:
         handle.write(json.dumps(header).encode() + b"\n")
         eqx.tree_serialise_leaves(handle, model.adapters)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, target)
 
 
 def load_adapters(path: str | os.PathLike[str], base_model: _Model) -> LoraModel[_Model]:

@@ -14,7 +14,6 @@ from ._flow_matching import (
     TimeSampling as TimeSampling,
 )
 from ._loops import (
-    MetricsLog as MetricsLog,
     flow_grpo_epoch as flow_grpo_epoch,
     minibatch_count as minibatch_count,
     minibatches as minibatches,
@@ -22,6 +21,7 @@ from ._loops import (
     supervised_steps as supervised_steps,
     update_program_log_probs as update_program_log_probs,
 )
+from ._metrics_log import MetricsLog as MetricsLog
 from ._trainer import (
     OldLogProbs as OldLogProbs,
     Trainer as Trainer,

@@ -56,6 +56,7 @@ import numpy.typing as npt
 from jaxtyping import PyTree
 
 from .._distributed import local_copy
+from .._files import atomic_file
 from .._misc import data_to_keys, keys_to_data
 from ._checkpoint_integrity import (
     ARRAYS_KEY,
@@ -336,10 +337,8 @@ class Checkpointer:
                     ],
                     FILES_KEY: file_records(temporary / STATE),
                 }
-                with open(temporary / META, "w") as handle:
-                    handle.write(json.dumps(record))
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                with atomic_file(temporary / META) as handle:
+                    handle.write(json.dumps(record).encode())
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(temporary, final)

@@ -12,6 +12,7 @@ from typing import Any, BinaryIO, TypeVar
 import equinox as eqx
 from jaxtyping import PyTree
 
+from .._files import atomic_file
 from ._checkpoint_integrity import CheckpointError, one_line, write_error
 
 
@@ -59,19 +60,11 @@ def save_model(path: str | os.PathLike[str], model: PyTree[Any]) -> None:
         if writing fails. The temporary file is removed and an existing `path` is untouched.
     """
     target = pathlib.Path(path)
-    temporary = target.with_name(target.name + f".tmp-{os.getpid()}")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(temporary, "wb") as handle:
+        with atomic_file(target) as handle:
             eqx.tree_serialise_leaves(handle, model)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    except Exception as error:
-        temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise write_error(error, target, "a model") from error
-        raise
+    except OSError as error:
+        raise write_error(error, target, "a model") from error
 
 
 def load_model(path: str | os.PathLike[str], like: T) -> T:
