@@ -57,7 +57,7 @@ from jaxtyping import PyTree
 
 from .._distributed import local_copy
 from .._files import atomic_file
-from .._misc import data_to_keys, keys_to_data
+from .._misc import check_int, data_to_keys, keys_to_data
 from ._checkpoint_integrity import (
     ARRAYS_KEY,
     FILES_KEY,
@@ -246,12 +246,11 @@ class Checkpointer:
 
     **Raises:**
 
-    - `ValueError`: if `keep < 1`.
+    - `ValueError`: naming `keep` if it is not an int >= 1.
     """
 
     def __init__(self, directory: str | os.PathLike[str], keep: int = 3):
-        if keep < 1:
-            raise ValueError(f"`keep` must be >= 1, got {keep}.")
+        check_int("keep", keep, 1)
         self.directory = pathlib.Path(directory)
         self.keep = keep
 
