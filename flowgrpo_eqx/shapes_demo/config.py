@@ -13,12 +13,15 @@ import types
 import typing
 from typing import Any, Literal, TypeAlias
 
-from .._advantages import RewardCombination
-from .._distributed import PARAM_SHARDINGS, ParamSharding
-from .._guided_flow import PRECISIONS, Precision
+from .. import ParamSharding, Precision, RewardCombination
 from .._misc import is_int
-from ..train._trainer import OLD_LOG_PROBS, OldLogProbs
+from ..train import OldLogProbs
 
+
+# The allowed values of the library's settings, read from their public `Literal` types.
+PARAM_SHARDINGS: tuple[ParamSharding, ...] = typing.get_args(ParamSharding)
+PRECISIONS: tuple[Precision, ...] = typing.get_args(Precision)
+OLD_LOG_PROBS: tuple[OldLogProbs, ...] = typing.get_args(OldLogProbs)
 
 RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]
 """The built-in rewards: the task checker's partial or strict score, or DDPO's JPEG size."""

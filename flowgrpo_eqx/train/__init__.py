@@ -22,6 +22,10 @@ from ._loops import (
     update_program_log_probs as update_program_log_probs,
 )
 from ._metrics_log import MetricsLog as MetricsLog
+from ._preemption import (
+    PREEMPTED_EXIT_STATUS as PREEMPTED_EXIT_STATUS,
+    GracefulStop as GracefulStop,
+)
 from ._trainer import (
     OldLogProbs as OldLogProbs,
     Trainer as Trainer,
