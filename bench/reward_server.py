@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx._http_reward import decode_request, encode_request, load_npy, npy_bytes
+from flowgrpo_eqx._reward_wire import decode_request, encode_request, load_npy, npy_bytes
 
 from ._timing import log, median, summary
 

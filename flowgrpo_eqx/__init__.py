@@ -48,6 +48,7 @@ from ._inputs import (
     IdentityAutoEncoder as IdentityAutoEncoder,
     InputSpec as InputSpec,
 )
+from ._misc import check_int as check_int, check_number as check_number, is_int as is_int
 from ._nft import DiffusionNFTObjective as DiffusionNFTObjective, NFTVariables as NFTVariables
 from ._objective import (
     FlowGRPOObjective as FlowGRPOObjective,

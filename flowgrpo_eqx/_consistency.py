@@ -9,7 +9,6 @@ variables and rows, against a documented threshold.
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, final
 
 import equinox as eqx
@@ -307,7 +306,30 @@ def _relative_change(changed: float, scale: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------
-# The check.
+# The check, one step per group of lines.
+
+
+class _Lines:
+    """The report's lines, added as the steps measure them."""
+
+    def __init__(self) -> None:
+        self.lines: list[CheckLine] = []
+
+    def add(
+        self, name: str, value: float | int | str, threshold: str, passed: Any, detail: str = ""
+    ) -> None:
+        self.lines.append(CheckLine(name, value, threshold, bool(passed), detail))
+
+    def at_most(self, name: str, value: float, limit: float, detail: str = "") -> None:
+        """A line that passes when `value <= limit` (NaN fails)."""
+        self.add(name, value, f"<= {limit:g}", value <= limit, detail)
+
+    def none_of(self, name: str, found: list[str], detail: str) -> None:
+        """A line that passes when `found` is empty; `detail` follows the names found."""
+        self.add(name, len(found), "== 0", not found, detail)
+
+    def report(self) -> ConsistencyReport:
+        return ConsistencyReport(tuple(self.lines))
 
 
 def check_consistency(
@@ -372,226 +394,75 @@ def check_consistency(
         raise ValueError(f"`objective` must be a FlowGRPOObjective, got {objective!r}.")
     if not isinstance(rollout, FlowRollout):
         raise ValueError(f"`rollout` must be a FlowRollout, got {rollout!r}.")
+    if not rollout.records_transitions:
+        raise ValueError(
+            "`rollout` must sample with an SDE (the check rescores recorded transitions), got "
+            f"the ODE sampler {rollout.sampler!r}."
+        )
     limits = ConsistencyThresholds() if thresholds is None else thresholds
     trainer = Trainer(objective) if trainer is None else trainer
     collect_key, init_key, step_key = jax.random.split(key, 3)
     if variables is None:
         variables = objective.init(init_key)
-    lines: list[CheckLine] = []
-
-    def add(name: str, value: float | int | str, threshold: str, passed: Any, detail: str) -> None:
-        lines.append(CheckLine(name, value, threshold, bool(passed), detail))
-
-    def report() -> ConsistencyReport:
-        return ConsistencyReport(tuple(lines))
-
-    # -- the reward, called directly on the policy's decoded samples -----------------------
-    host_rows = repeat_rows(rows, rollout.groups)
-    generated = rollout.generate(
-        variables.policy, jax.tree.map(jnp.asarray, host_rows), collect_key
-    )
-    samples = np.asarray(generated.samples)
-    num = int(samples.shape[0])
-    _check_reward(rollout.reward, samples, host_rows, num, add)
-
-    # -- two collects with one key ----------------------------------------------------------
+    lines = _Lines()
+    _check_reward(rollout, variables, rows, collect_key, lines)
     try:
-        collected, info = rollout.collect(variables.policy, rows, collect_key)
-        again, again_info = rollout.collect(variables.policy, rows, collect_key)
-        batch = objective.training_batch(collected, info)
+        batch = _check_rollout_reproducible(rollout, variables, rows, collect_key, limits, lines)
     except RewardError as error:
-        add("rollout collect", "raised", "no error", False, str(error))
-        return report()
-    difference = max(
-        _largest_difference(batch, again), _largest_difference(info.rewards, again_info.rewards)
-    )
-    add(
-        "rollout reproducible",
-        difference,
-        f"<= {limits.rollout_difference:g}",
-        difference <= limits.rollout_difference,
-        "largest difference between two collects with the same key (batch and rewards)",
-    )
-
-    kept = np.asarray(objective.kept(batch))
-    kept_count = int(kept.sum())
-    add(
-        "kept transitions",
-        kept_count,
-        ">= 1",
-        kept_count >= 1,
-        f"of {kept.size} recorded; masked in (non-zero advantage) and stochastic",
-    )
-
-    # -- rescoring ------------------------------------------------------------------------
-    rescored = np.asarray(_rescore(objective, variables, batch), np.float64)
-    recorded = np.asarray(batch.old_log_probs, np.float64)
-    log_ratio = (rescored - recorded)[kept]
-    gap = np.abs(log_ratio)
-    gap_max = float(np.max(gap)) if kept_count else math.nan
-    gap_mean = float(np.mean(gap)) if kept_count else math.nan
-    where = ""
-    if kept_count and not gap_max <= limits.log_prob_gap:
-        row, column = np.argwhere(kept)[int(np.nanargmax(np.where(np.isnan(gap), np.inf, gap)))]
-        where = f"; worst at row {row}, transition {column}"
-    add(
-        "log-prob gap max",
-        gap_max,
-        f"<= {limits.log_prob_gap:g}",
-        gap_max <= limits.log_prob_gap,
-        f"|rescored - recorded| over kept transitions{where}",
-    )
-    add(
-        "log-prob gap mean",
-        gap_mean,
-        f"<= {limits.log_prob_gap:g}",
-        gap_mean <= limits.log_prob_gap,
-        "mean |rescored - recorded| over kept transitions",
-    )
-
-    # -- one Trainer.update, with snapshots of what it must not change ---------------------
+        lines.add("rollout collect", "raised", "no error", False, str(error))
+        return lines.report()
+    kept = _check_kept_transitions(objective, batch, lines)
+    log_ratio = _check_log_prob_gap(objective, variables, batch, kept, limits, lines)
     state = trainer.init(init_key, variables)
     start = state.variables
     assert isinstance(start, FlowGRPOVariables)
-    _, frozen = trainer.split_policy(start.policy)
-    must_stay = _arrays_by_path(frozen, "policy")
-    must_stay.update(_arrays_by_path(start.reference, "reference"))
-    loss, aux, gradient = _loss_and_gradient(
+    must_stay = _frozen_arrays(trainer, start)
+    _, _, gradient = _loss_and_gradient(
         objective, trainer, start, batch, Step(index=0, key=step_key)
     )
-    del loss, aux
     gradient_arrays = _arrays_by_path(gradient, "policy")
     new_state, metrics = trainer.update(state, batch)
-
-    ratio_mean = float(metrics["ratio"])
-    ratio_min = float(np.exp(np.min(log_ratio))) if kept_count else math.nan
-    ratio_max = float(np.exp(np.max(log_ratio))) if kept_count else math.nan
-    ratio_rule = f"|r - 1| <= {limits.ratio:g}"
-    add(
-        "ratio mean",
-        ratio_mean,
-        ratio_rule,
-        abs(ratio_mean - 1.0) <= limits.ratio,
-        "the first update's mean policy ratio over kept transitions",
-    )
-    add("ratio min", ratio_min, ratio_rule, abs(ratio_min - 1.0) <= limits.ratio, "")
-    add("ratio max", ratio_max, ratio_rule, abs(ratio_max - 1.0) <= limits.ratio, "")
-    clip_fraction = float(metrics["clipfrac"])
-    add(
-        "clip fraction",
-        clip_fraction,
-        f"<= {limits.clip_fraction:g}",
-        clip_fraction <= limits.clip_fraction,
-        f"the first update's fraction of ratios outside 1 +- {objective.clip_range:g}",
-    )
-    if objective.beta > 0:
-        kl = float(metrics["kl"])
-        add(
-            "KL at init",
-            kl,
-            f"<= {limits.kl:g}",
-            kl <= limits.kl,
-            "the first update's KL to the reference (the same weights at initialisation)",
-        )
-
-    # -- masked entries poisoned with NaN and inf --------------------------------------------
-    pair = _poisoned_pair(objective, batch)
-    if pair is None:
-        for name in ("masked NaN/inf: loss", "masked NaN/inf: gradient"):
-            add(name, "untested", f"<= {limits.masked_change:g}", False, "no entry to mask")
-    else:
-        clean, poisoned, count = pair
-        step = Step(index=0, key=step_key)
-        clean_loss, _, clean_gradient = _loss_and_gradient(
-            objective, trainer, variables, clean, step
-        )
-        bad_loss, _, bad_gradient = _loss_and_gradient(
-            objective, trainer, variables, poisoned, step
-        )
-        loss_change = _relative_change(
-            _largest_difference(bad_loss, clean_loss), abs(float(clean_loss))
-        )
-        clean_scale = max(
-            [float(np.max(np.abs(g))) for g in jax.tree.leaves(clean_gradient) if np.size(g)]
-            + [0.0]
-        )
-        gradient_change = _relative_change(
-            _largest_difference(bad_gradient, clean_gradient), clean_scale
-        )
-        detail = f"{count} masked entries hold NaN/inf; relative change"
-        add(
-            "masked NaN/inf: loss",
-            loss_change,
-            f"<= {limits.masked_change:g}",
-            loss_change <= limits.masked_change,
-            detail,
-        )
-        add(
-            "masked NaN/inf: gradient",
-            gradient_change,
-            f"<= {limits.masked_change:g}",
-            gradient_change <= limits.masked_change,
-            detail + " (to the largest gradient entry)",
-        )
-
-    # -- gradient reach and what the update must not touch -----------------------------------
-    dead = [
-        path
-        for path, g in gradient_arrays.items()
-        if g.size and (not np.all(np.isfinite(g)) or not np.any(g != 0))
-    ]
-    add(
-        "zero-gradient arrays",
-        len(dead),
-        "== 0",
-        not dead,
-        (f"no gradient (or non-finite): {_named(dead)}" if dead else "")
-        + f"{'; ' if dead else ''}of {len(gradient_arrays)} trainable arrays",
-    )
+    _check_first_update(objective, metrics, log_ratio, limits, lines)
+    _check_masked_entries(objective, trainer, variables, batch, step_key, limits, lines)
+    _check_gradient_reach(gradient_arrays, lines)
     end = new_state.variables
     assert isinstance(end, FlowGRPOVariables)
-    after = _arrays_by_path(trainer.split_policy(end.policy)[1], "policy")
-    after.update(_arrays_by_path(end.reference, "reference"))
-    changed = [
-        path
-        for path, before in must_stay.items()
-        if path not in after or not np.array_equal(before, after[path], equal_nan=True)
-    ]
-    add(
-        "frozen arrays changed",
-        len(changed),
-        "== 0",
-        not changed,
-        (f"changed by one update: {_named(changed)}; " if changed else "")
-        + f"of {len(must_stay)} frozen arrays (policy and reference)",
-    )
-    return report()
+    _check_frozen_arrays(must_stay, _frozen_arrays(trainer, end), lines)
+    return lines.report()
 
 
 def _check_reward(
-    reward: Any,
-    samples: npt.NDArray[Any],
-    host_rows: PyTree[Any],
-    num: int,
-    add: Callable[[str, float | int | str, str, Any, str], None],
+    rollout: FlowRollout,
+    variables: FlowGRPOVariables,
+    rows: PyTree[Any],
+    key: PRNGKeyArray,
+    lines: _Lines,
 ) -> None:
+    """`reward shape`, `reward dtype`, `reward finite`, `reward repeatable` (or `reward
+    call` when it raises): the reward called directly on the policy's decoded samples."""
+    host_rows = repeat_rows(rows, rollout.groups)
+    generated = rollout.generate(variables.policy, jax.tree.map(jnp.asarray, host_rows), key)
+    samples = np.asarray(generated.samples)
+    num = int(samples.shape[0])
+    reward = rollout.reward
     name = reward_name(reward)
     try:
         raw = reward(samples, host_rows)
         again = reward(samples, host_rows)
     except Exception as error:  # noqa: BLE001 - reported as a failed line
-        add("reward call", "raised", "no error", False, f"{name}: {type(error).__name__}: {error}")
+        detail = f"{name}: {type(error).__name__}: {error}"
+        lines.add("reward call", "raised", "no error", False, detail)
         return
     values = np.asarray(raw)
     repeated = np.asarray(again)
-    add(
+    lines.add(
         "reward shape",
         str(values.shape),
         f"[N] = ({num},)",
         values.shape == (num,),
         f"{name} on {num} decoded samples",
     )
-    add(
+    lines.add(
         "reward dtype",
         str(values.dtype),
         "float64",
@@ -600,14 +471,209 @@ def _check_reward(
     )
     numeric = np.issubdtype(values.dtype, np.number)
     finite = bool(numeric and np.all(np.isfinite(values.astype(np.float64))))
-    add("reward finite", "yes" if finite else "no", "all finite", finite, "")
+    lines.add("reward finite", "yes" if finite else "no", "all finite", finite)
     same = values.shape == repeated.shape and bool(
         np.array_equal(values, repeated, equal_nan=numeric)
     )
-    add(
+    lines.add(
         "reward repeatable",
         "yes" if same else "no",
         "same scores twice",
         same,
         "the same samples scored twice",
+    )
+
+
+def _check_rollout_reproducible(
+    rollout: FlowRollout,
+    variables: FlowGRPOVariables,
+    rows: PyTree[Any],
+    key: PRNGKeyArray,
+    limits: ConsistencyThresholds,
+    lines: _Lines,
+) -> Transitions:
+    """`rollout reproducible`: two collects with one key; returns the first batch.
+
+    **Raises:**
+
+    - `RewardError`: from the collect, which the caller reports.
+    """
+    collected, info = rollout.collect(variables.policy, rows, key)
+    again, again_info = rollout.collect(variables.policy, rows, key)
+    difference = max(
+        _largest_difference(collected, again),
+        _largest_difference(info.rewards, again_info.rewards),
+    )
+    lines.at_most(
+        "rollout reproducible",
+        difference,
+        limits.rollout_difference,
+        "largest difference between two collects with the same key (batch and rewards)",
+    )
+    if not isinstance(collected, Transitions):
+        raise ValueError(f"`rollout` recorded no transitions, got {type(collected).__name__}.")
+    return collected
+
+
+def _check_kept_transitions(
+    objective: FlowGRPOObjective, batch: Transitions, lines: _Lines
+) -> npt.NDArray[np.bool_]:
+    """`kept transitions`: at least one transition counts; returns the kept mask `[N, K]`."""
+    kept = np.asarray(objective.kept(batch))
+    count = int(kept.sum())
+    lines.add(
+        "kept transitions",
+        count,
+        ">= 1",
+        count >= 1,
+        f"of {kept.size} recorded; masked in (non-zero advantage) and stochastic",
+    )
+    return kept
+
+
+def _check_log_prob_gap(
+    objective: FlowGRPOObjective,
+    variables: FlowGRPOVariables,
+    batch: Transitions,
+    kept: npt.NDArray[np.bool_],
+    limits: ConsistencyThresholds,
+    lines: _Lines,
+) -> npt.NDArray[np.float64]:
+    """`log-prob gap max`, `log-prob gap mean`: rescoring reproduces the rollout's log
+    densities; returns the kept transitions' `rescored - recorded`."""
+    rescored = np.asarray(_rescore(objective, variables, batch), np.float64)
+    recorded = np.asarray(batch.old_log_probs, np.float64)
+    log_ratio = (rescored - recorded)[kept]
+    gap = np.abs(log_ratio)
+    gap_max = float(np.max(gap)) if gap.size else math.nan
+    gap_mean = float(np.mean(gap)) if gap.size else math.nan
+    where = ""
+    if gap.size and not gap_max <= limits.log_prob_gap:
+        row, column = np.argwhere(kept)[int(np.nanargmax(np.where(np.isnan(gap), np.inf, gap)))]
+        where = f"; worst at row {row}, transition {column}"
+    lines.at_most(
+        "log-prob gap max",
+        gap_max,
+        limits.log_prob_gap,
+        f"|rescored - recorded| over kept transitions{where}",
+    )
+    lines.at_most(
+        "log-prob gap mean",
+        gap_mean,
+        limits.log_prob_gap,
+        "mean |rescored - recorded| over kept transitions",
+    )
+    return log_ratio
+
+
+def _check_first_update(
+    objective: FlowGRPOObjective,
+    metrics: dict[str, Any],
+    log_ratio: npt.NDArray[np.float64],
+    limits: ConsistencyThresholds,
+    lines: _Lines,
+) -> None:
+    """`ratio mean`, `ratio min`, `ratio max`, `clip fraction` and (when `beta > 0`) `KL at
+    init`: the first update is on-policy."""
+    ratio_mean = float(metrics["ratio"])
+    ratio_min = float(np.exp(np.min(log_ratio))) if log_ratio.size else math.nan
+    ratio_max = float(np.exp(np.max(log_ratio))) if log_ratio.size else math.nan
+    ratio_rule = f"|r - 1| <= {limits.ratio:g}"
+    lines.add(
+        "ratio mean",
+        ratio_mean,
+        ratio_rule,
+        abs(ratio_mean - 1.0) <= limits.ratio,
+        "the first update's mean policy ratio over kept transitions",
+    )
+    lines.add("ratio min", ratio_min, ratio_rule, abs(ratio_min - 1.0) <= limits.ratio)
+    lines.add("ratio max", ratio_max, ratio_rule, abs(ratio_max - 1.0) <= limits.ratio)
+    lines.at_most(
+        "clip fraction",
+        float(metrics["clipfrac"]),
+        limits.clip_fraction,
+        f"the first update's fraction of ratios outside 1 +- {objective.clip_range:g}",
+    )
+    if objective.beta > 0:
+        lines.at_most(
+            "KL at init",
+            float(metrics["kl"]),
+            limits.kl,
+            "the first update's KL to the reference (the same weights at initialisation)",
+        )
+
+
+def _check_masked_entries(
+    objective: FlowGRPOObjective,
+    trainer: "Trainer",
+    variables: FlowGRPOVariables,
+    batch: Transitions,
+    key: PRNGKeyArray,
+    limits: ConsistencyThresholds,
+    lines: _Lines,
+) -> None:
+    """`masked NaN/inf: loss`, `masked NaN/inf: gradient`: NaN and inf in masked entries
+    change neither."""
+    names = ("masked NaN/inf: loss", "masked NaN/inf: gradient")
+    pair = _poisoned_pair(objective, batch)
+    if pair is None:
+        for name in names:
+            lines.add(name, "untested", f"<= {limits.masked_change:g}", False, "no entry to mask")
+        return
+    clean, poisoned, count = pair
+    step = Step(index=0, key=key)
+    clean_loss, _, clean_gradient = _loss_and_gradient(objective, trainer, variables, clean, step)
+    bad_loss, _, bad_gradient = _loss_and_gradient(objective, trainer, variables, poisoned, step)
+    loss_change = _relative_change(
+        _largest_difference(bad_loss, clean_loss), abs(float(clean_loss))
+    )
+    clean_scale = max(
+        [float(np.max(np.abs(g))) for g in jax.tree.leaves(clean_gradient) if np.size(g)] + [0.0]
+    )
+    gradient_change = _relative_change(
+        _largest_difference(bad_gradient, clean_gradient), clean_scale
+    )
+    detail = f"{count} masked entries hold NaN/inf; relative change"
+    lines.at_most(names[0], loss_change, limits.masked_change, detail)
+    lines.at_most(
+        names[1], gradient_change, limits.masked_change, detail + " (to the largest gradient entry)"
+    )
+
+
+def _check_gradient_reach(gradient_arrays: dict[str, npt.NDArray[Any]], lines: _Lines) -> None:
+    """`zero-gradient arrays`: every trainable array gets a finite, non-zero gradient."""
+    dead = [
+        path
+        for path, g in gradient_arrays.items()
+        if g.size and (not np.all(np.isfinite(g)) or not np.any(g != 0))
+    ]
+    lines.none_of(
+        "zero-gradient arrays",
+        dead,
+        (f"no gradient (or non-finite): {_named(dead)}; " if dead else "")
+        + f"of {len(gradient_arrays)} trainable arrays",
+    )
+
+
+def _frozen_arrays(trainer: "Trainer", variables: FlowGRPOVariables) -> dict[str, npt.NDArray[Any]]:
+    """What one update must not change: the frozen part of the policy, and the reference."""
+    arrays = _arrays_by_path(trainer.split_policy(variables.policy)[1], "policy")
+    arrays.update(_arrays_by_path(variables.reference, "reference"))
+    return arrays
+
+
+def _check_frozen_arrays(
+    before: dict[str, npt.NDArray[Any]], after: dict[str, npt.NDArray[Any]], lines: _Lines
+) -> None:
+    """`frozen arrays changed`: one update left the frozen arrays exactly as they were."""
+    changed = [
+        path
+        for path, array in before.items()
+        if path not in after or not np.array_equal(array, after[path], equal_nan=True)
+    ]
+    lines.none_of(
+        "frozen arrays changed",
+        changed,
+        (f"changed by one update: {_named(changed)}; " if changed else "")
+        + f"of {len(before)} frozen arrays (policy and reference)",
     )

@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._misc import data_to_keys, keys_to_data, leading_rows
+from ._misc import check_int, data_to_keys, keys_to_data, leading_rows
 from ._reward import FlowReward, RewardError, reward_name, score
 
 
@@ -242,8 +242,7 @@ def shard_parameters(
         raise ValueError(
             f"`param_sharding` must be one of {PARAM_SHARDINGS}, got {param_sharding!r}."
         )
-    if not (isinstance(min_elements, int) and min_elements >= 1):
-        raise ValueError(f"`min_elements` must be an int >= 1, got {min_elements!r}.")
+    check_int("min_elements", min_elements, 1)
     size = int(mesh.devices.size)
 
     def place(leaf: Any) -> Any:

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
+from ._misc import check_number
+
 
 @final
 class InputSpec(eqx.Module):
@@ -143,14 +145,13 @@ class CFG(eqx.Module):
 
     **Raises:**
 
-    - `ValueError`: if `scale` is negative or not finite.
+    - `ValueError`: naming `scale` if it is not a finite number >= 0 (a bool is not).
     """
 
     scale: float = 3.0
 
     def __check_init__(self) -> None:
-        if not (isinstance(self.scale, (int, float)) and 0 <= self.scale < float("inf")):
-            raise ValueError(f"`scale` must be a finite number >= 0, got {self.scale!r}.")
+        check_number("scale", self.scale, minimum=0)
 
     def combine(
         self, conditional: Float[Array, " *shape"], unconditional: Float[Array, " *shape"]

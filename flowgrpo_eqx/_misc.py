@@ -1,16 +1,27 @@
 """Small helpers the whole library shares: argument checks, row bookkeeping, copies, keys."""
 
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 
 def is_int(value: Any) -> bool:
-    """Whether `value` is a Python or NumPy integer (and not a bool)."""
+    """Whether `value` is a Python or NumPy integer (and not a bool).
+
+    **Arguments:**
+
+    - `value`: anything.
+
+    **Returns:**
+
+    `True` for an `int` or NumPy integer that is not a bool.
+    """
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -33,6 +44,142 @@ def check_int(name: str, value: Any, minimum: int, *, optional: bool = False) ->
     if not (is_int(value) and value >= minimum):
         allowed = f"None or an int >= {minimum}" if optional else f"an int >= {minimum}"
         raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    minimum: int | float | None = None,
+    maximum: int | float | None = None,
+    include_minimum: bool = True,
+    include_maximum: bool = True,
+    optional: bool = False,
+) -> None:
+    """Raise a `ValueError` naming `name` unless `value` is a finite real number in range.
+
+    Python and NumPy ints and floats are numbers; bools, NaN and infinities are not.
+
+    **Arguments:**
+
+    - `name`: the argument's name, for the message.
+    - `value`: the value to check.
+    - `minimum`, `maximum`: the bounds, or `None` for none.
+    - `include_minimum`, `include_maximum`: whether the bound itself is allowed.
+    - `optional`: whether `None` is allowed too.
+
+    **Raises:**
+
+    - `ValueError`: `"`name` must be [None or ]a finite number <range>, got <value>."`, the
+        range written `> 0`, `>= 0`, `< 1`, `<= 1` or `in [0, 1)`.
+    """
+    if optional and value is None:
+        return
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+    if number and math.isfinite(value):
+        above = minimum is None or value > minimum or (include_minimum and value == minimum)
+        below = maximum is None or value < maximum or (include_maximum and value == maximum)
+        if above and below:
+            return
+    if minimum is not None and maximum is not None:
+        left, right = "[" if include_minimum else "(", "]" if include_maximum else ")"
+        bounds = f" in {left}{minimum}, {maximum}{right}"
+    elif minimum is not None:
+        bounds = f" {'>=' if include_minimum else '>'} {minimum}"
+    elif maximum is not None:
+        bounds = f" {'<=' if include_maximum else '<'} {maximum}"
+    else:
+        bounds = ""
+    allowed = f"{'None or ' if optional else ''}a finite number{bounds}"
+    raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
+
+
+def check_leading_rows(
+    owner: str, field: str, tree: PyTree[Any], rows: int, *, rows_name: str = "N"
+) -> None:
+    """Raise a `ValueError` naming the leaf of `tree` whose leading axis is not `rows` long.
+
+    **Arguments:**
+
+    - `owner`: the class holding the field, e.g. `"FinalSamples"`.
+    - `field`: the field holding `tree`, e.g. `"cond"`.
+    - `tree`: a PyTree of arrays, each `[rows, ...]`.
+    - `rows`: the expected leading size.
+    - `rows_name`: the letter the docstrings give that size, e.g. `"N"` or `"B"`.
+
+    **Raises:**
+
+    - `ValueError`: `"<owner>.<field><path> has shape <shape>, expected a leading axis of
+        size <rows_name> = <rows>."`, for the first leaf that is a scalar or has another
+        leading size.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != rows:
+            raise ValueError(
+                f"{owner}.{field}{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, "
+                f"expected a leading axis of size {rows_name} = {rows}."
+            )
+
+
+_RANDOM_CHUNK = 1 << 16
+
+
+def chunked_random_arrays(
+    key: PRNGKeyArray,
+    specs: Sequence[tuple[tuple[int, ...], float]],
+    sample: Callable[[PRNGKeyArray, tuple[int]], Float[Array, " chunk"]],
+    dtypes: Sequence[Any] | None = None,
+) -> list[Array]:
+    """Independent random arrays, one per `(shape, scale)` in `specs`, drawn as fixed-size
+    chunks and sliced.
+
+    Chunk `i` is `sample(fold_in(key, i), (65536,))`; the chunks, one after another, are cut
+    into the arrays in order, each reshaped, multiplied by its scale and cast to its dtype.
+    Eagerly, every distinct random shape costs an XLA compilation (a second or so on a small
+    CPU), so this keeps eager construction to one compiled RNG program for every model and
+    configuration, with the slicing in NumPy. Under a trace (`jit`, `vmap`, `eval_shape`) the
+    chunks are one `vmap`ped draw, to the same values, so tracing stays quick at any size.
+
+    **Arguments:**
+
+    - `key`: the PRNG key.
+    - `specs`: `(shape, scale)` of each array.
+    - `sample`: draws one chunk, e.g. `jax.random.normal`.
+    - `dtypes`: each array's dtype; float32 for every one when `None`.
+
+    **Returns:**
+
+    The arrays, in the order of `specs`.
+    """
+    sizes = [math.prod(shape) for shape, _ in specs]
+    num_chunks = max(1, -(-sum(sizes) // _RANDOM_CHUNK))
+
+    def chunk(i: int | Int[Array, ""]) -> Float[Array, " chunk"]:
+        return sample(jax.random.fold_in(key, i), (_RANDOM_CHUNK,))
+
+    first = chunk(0)
+    traced = isinstance(first, jax.core.Tracer)
+    if traced:
+        # One batched draw (the same bits as the loop below): tracing a billion-parameter
+        # model chunk by chunk would take tens of seconds.
+        flat: Any = jax.vmap(chunk)(jnp.arange(num_chunks)).reshape(-1)
+    else:
+        chunks = [first] + [chunk(i) for i in range(1, num_chunks)]
+        flat = np.concatenate([np.asarray(c) for c in chunks])
+    arrays: list[Array] = []
+    offset = 0
+    for (shape, scale), size, dtype in zip(
+        specs, sizes, dtypes or [np.float32] * len(specs), strict=True
+    ):
+        piece = flat[offset : offset + size].reshape(shape)
+        if traced:
+            arrays.append((piece * scale).astype(dtype))
+        else:
+            arrays.append(jax.device_put((piece * np.float32(scale)).astype(dtype)))
+        offset += size
+    return arrays
 
 
 def leading_rows(tree: PyTree[Any]) -> int:

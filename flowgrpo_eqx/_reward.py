@@ -8,7 +8,7 @@ import importlib
 import inspect
 import io
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, final, runtime_checkable
+from typing import Any, ClassVar, Protocol, final, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -210,9 +210,49 @@ def _checked_quality(quality: int) -> int:
     return quality
 
 
+class _JpegSizeReward:
+    """A reward of each image's JPEG size (kB): larger files score higher with `sign = 1`,
+    smaller ones with `sign = -1`.
+
+    **Arguments:**
+
+    - `quality`: the JPEG quality, 1 to 95.
+
+    **Raises:**
+
+    - `ValueError`: for a quality outside 1..95.
+    """
+
+    name: ClassVar[str]
+    sign: ClassVar[float]
+
+    def __init__(self, quality: int = 95):
+        self.quality = _checked_quality(quality)
+
+    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
+        """Each image's JPEG size in kB, times `sign`.
+
+        **Arguments:**
+
+        - `samples`: `[N, H, W]` or `[N, H, W, C]` images in [-1, 1], `C` in (1, 3, 4).
+        - `rows`: unused.
+
+        **Returns:**
+
+        `[N]` float64 scores.
+
+        **Raises:**
+
+        - `ValueError`: if `samples` is not a batch of images.
+        """
+        del rows
+        return self.sign * jpeg_sizes_kb(samples, self.quality)
+
+
 @final
-class JpegCompressibility:
-    """DDPO's compressibility reward: minus the JPEG size (kB) at quality 95.
+class JpegCompressibility(_JpegSizeReward):
+    """DDPO's compressibility reward: minus the JPEG size (kB) at quality 95, higher for
+    smaller files.
 
     **Arguments:**
 
@@ -224,33 +264,13 @@ class JpegCompressibility:
     """
 
     name = "jpeg_compressibility"
-
-    def __init__(self, quality: int = 95):
-        self.quality = _checked_quality(quality)
-
-    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
-        """Minus each image's JPEG size in kB.
-
-        **Arguments:**
-
-        - `samples`: `[N, H, W]` or `[N, H, W, C]` images in [-1, 1], `C` in (1, 3, 4).
-        - `rows`: unused.
-
-        **Returns:**
-
-        `[N]` float64 scores, higher for smaller files.
-
-        **Raises:**
-
-        - `ValueError`: if `samples` is not a batch of images.
-        """
-        del rows
-        return -jpeg_sizes_kb(samples, self.quality)
+    sign = -1.0
 
 
 @final
-class JpegIncompressibility:
-    """DDPO's incompressibility reward: the JPEG size (kB) at quality 95.
+class JpegIncompressibility(_JpegSizeReward):
+    """DDPO's incompressibility reward: the JPEG size (kB) at quality 95, higher for larger
+    files.
 
     **Arguments:**
 
@@ -262,28 +282,7 @@ class JpegIncompressibility:
     """
 
     name = "jpeg_incompressibility"
-
-    def __init__(self, quality: int = 95):
-        self.quality = _checked_quality(quality)
-
-    def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
-        """Each image's JPEG size in kB.
-
-        **Arguments:**
-
-        - `samples`: `[N, H, W]` or `[N, H, W, C]` images in [-1, 1], `C` in (1, 3, 4).
-        - `rows`: unused.
-
-        **Returns:**
-
-        `[N]` float64 scores, higher for larger files.
-
-        **Raises:**
-
-        - `ValueError`: if `samples` is not a batch of images.
-        """
-        del rows
-        return jpeg_sizes_kb(samples, self.quality)
+    sign = 1.0
 
 
 @final

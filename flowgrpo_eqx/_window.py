@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from ._misc import check_int, is_int
+from ._misc import check_int
 
 
 AtEnd: TypeAlias = Literal["clip", "restart"]
@@ -201,8 +201,7 @@ class SlidingWindow(AbstractWindowSchedule):
             is not an int >= 1.
         """
         self.check_fits(transitions)
-        if not (is_int(epoch) and epoch >= 1):
-            raise ValueError(f"`epoch` must be an int >= 1, got {epoch!r}.")
+        check_int("epoch", epoch, 1)
         last = transitions - self.count
         moves = (epoch - 1) // self.shift_every
         if self.at_end == "clip":

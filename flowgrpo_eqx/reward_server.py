@@ -20,14 +20,14 @@ import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ._http_reward import (
+from ._reward import FlowReward, RewardError, load_reward, reward_name, score
+from ._reward_wire import (
     NPY_CONTENT_TYPE,
     TOKEN_ENV,
     WireError,
     decode_request,
     npy_bytes,
 )
-from ._reward import FlowReward, RewardError, load_reward, reward_name, score
 
 
 try:

@@ -112,14 +112,14 @@ def save_loop(folder, pause):
     if pause:
         checkpoints.save(1, state(1), {"epoch": 1})
         print("saved 1", flush=True)
-        original = _checkpoint._file_records
+        original = _checkpoint.file_records
 
         def hold(state_folder):
             print("paused", flush=True)
             time.sleep(600)
             return original(state_folder)
 
-        _checkpoint._file_records = hold
+        _checkpoint.file_records = hold
         checkpoints.save(2, state(2), {"epoch": 2})
         return
     for step in range(1, 10_000):

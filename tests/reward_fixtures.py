@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from flowgrpo_eqx._http_reward import decode_request
+from flowgrpo_eqx._reward_wire import decode_request
 
 
 SLOW_SECONDS = 3.0

@@ -24,8 +24,14 @@ import numpy as np
 import pytest
 
 from flowgrpo_eqx.shapes_demo.launch import free_port
-from flowgrpo_eqx.train import _checkpoint
-from flowgrpo_eqx.train._checkpoint import Checkpointer, CheckpointError, load_model, save_model
+from flowgrpo_eqx.train import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointVersionError,
+    _checkpoint,
+    load_model,
+    save_model,
+)
 from flowgrpo_eqx.train._preemption import PREEMPTED_EXIT_STATUS, GracefulStop
 
 
@@ -206,6 +212,7 @@ def test_intact_checkpoints_verify_and_record_their_files_and_arrays(saved):
             arrays.append([jax.tree_util.keystr(p), list(x.shape), str(x.dtype), place])
         assert meta == {
             "step": step,
+            "layout_version": 2,
             "epoch": step,
             "note": f"epoch {step}",
             "state_arrays": arrays,
@@ -244,12 +251,79 @@ def test_a_checkpoint_of_the_old_single_file_format_is_refused_by_name(saved):
     eqx.tree_serialise_leaves(old / "state.eqx", raw_keys(states[3]))
     (old / "meta.json").write_text(json.dumps({"step": 4, "epoch": 4}))
     lines = []
-    _, metadata, path = checkpoints.restore_latest(make_state(0), report=lines.append)
-    assert path == folder(checkpoints, 3) and metadata["epoch"] == 3
-    assert lines[0] == (
-        f"Skipping unusable checkpoint {old}: meta.json records no 'state_arrays' "
-        "(not a checkpoint written by Checkpointer)"
+    with pytest.raises(CheckpointVersionError, match="layout version 1 but .* layout version 2"):
+        checkpoints.restore_latest(make_state(0), report=lines.append)
+    assert lines == []
+
+
+def without_layout_version(path):
+    """A checkpoint as flowgrpo_eqx wrote it before layouts had versions (layout 1)."""
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["layout_version"]
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_checkpoints_record_the_layout_version(saved):
+    checkpoints, _ = saved
+    meta = json.loads((folder(checkpoints, 3) / "meta.json").read_text())
+    assert meta["layout_version"] == _checkpoint.LAYOUT_VERSION == 2
+    with pytest.raises(ValueError, match="layout_version"):
+        checkpoints.save(4, make_state(4), {"layout_version": 2})
+
+
+def test_a_checkpoint_without_a_layout_version_is_refused_naming_both_versions(saved):
+    checkpoints, _ = saved
+    old = folder(checkpoints, 3)
+    without_layout_version(old)
+    expected = (
+        f"{old}: the checkpoint has layout version 1 but this version of flowgrpo_eqx reads "
+        "layout version 2: it was written by an older version of flowgrpo_eqx and cannot be "
+        "resumed by this one (resume it with the version that wrote it, or start a new run "
+        "in another folder)"
     )
+    lines = []
+    for read in (
+        lambda: checkpoints.verify(old, make_state(0)),
+        lambda: checkpoints.restore(make_state(0)),
+        lambda: checkpoints.restore(make_state(0), old),
+        lambda: checkpoints.restore_latest(make_state(0), report=lines.append),
+    ):
+        with pytest.raises(CheckpointVersionError) as caught:
+            read()
+        assert str(caught.value) == expected
+        assert isinstance(caught.value, CheckpointError)
+        assert (caught.value.found, caught.value.expected) == (1, 2)
+        assert caught.value.path == old
+        # Not skipped as damaged: the run stops there, although checkpoint 2 is intact.
+        assert lines == []
+
+
+def test_a_damaged_checkpoint_is_skipped_but_an_older_layout_below_it_stops_the_run(saved):
+    checkpoints, _ = saved
+    garble_meta(folder(checkpoints, 3))
+    without_layout_version(folder(checkpoints, 2))
+    lines = []
+    with pytest.raises(CheckpointVersionError, match="layout version 1") as caught:
+        checkpoints.restore_latest(make_state(0), report=lines.append)
+    assert caught.value.path == folder(checkpoints, 2)
+    assert [line.split(":")[0] for line in lines] == [
+        f"Skipping unusable checkpoint {folder(checkpoints, 3)}"
+    ]
+
+
+@pytest.mark.parametrize("found", [3, "2", None, True])
+def test_a_checkpoint_of_another_layout_version_is_refused(saved, found):
+    checkpoints, _ = saved
+    path = folder(checkpoints, 3)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["layout_version"] = found
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointVersionError) as caught:
+        checkpoints.restore_latest(make_state(0), report=lambda line: None)
+    assert (
+        f"layout version {found!r} but this version of flowgrpo_eqx reads layout version 2: "
+        "it was written by another version of flowgrpo_eqx"
+    ) in str(caught.value)
 
 
 def test_all_damaged_raises_naming_the_folder_and_every_problem(saved):
@@ -330,13 +404,13 @@ def test_pruning_keeps_the_checkpoint_just_written_over_newer_damaged_ones(saved
 
 
 def disk_full_in_serialise(monkeypatch):
-    original = _checkpoint.eqx.tree_serialise_leaves
+    original = eqx.tree_serialise_leaves
 
     def fill_disk(handle, tree):
         handle.write(b"the first bytes fit")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_checkpoint.eqx, "tree_serialise_leaves", fill_disk)
+    monkeypatch.setattr(eqx, "tree_serialise_leaves", fill_disk)
     return original
 
 
@@ -344,7 +418,7 @@ def disk_full_in_fsync(monkeypatch):
     def fill_disk(descriptor):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_checkpoint.os, "fsync", fill_disk)
+    monkeypatch.setattr(os, "fsync", fill_disk)
 
 
 def disk_full_in_orbax_write(monkeypatch):

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx import _http_reward
-from flowgrpo_eqx._http_reward import MAGIC, decode_request, encode_request
+from flowgrpo_eqx import _http_reward, _reward_wire
 from flowgrpo_eqx._reward import score, to_uint8_images
+from flowgrpo_eqx._reward_wire import MAGIC, decode_request, encode_request
 from flowgrpo_eqx.reward_server import load_reward
 
 from . import reward_fixtures
@@ -85,7 +85,7 @@ def get_json(url):
 
 def post(url, body, token=None):
     """POST raw bytes; returns (status, body bytes) for success and HTTP errors alike."""
-    headers = {"Content-Type": _http_reward.CONTENT_TYPE}
+    headers = {"Content-Type": _reward_wire.CONTENT_TYPE}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")

@@ -71,3 +71,13 @@ def test_every_objective_returns_variables_of_its_own():
         assert issubclass(cls, fg.AbstractVariables)
         assert [field.name for field in dataclasses.fields(cls)] == names
     assert "ema" in {field.name for field in dataclasses.fields(train.TrainState)}
+
+
+def test_the_demo_imports_only_public_names_of_the_library():
+    for path in sorted((PACKAGE / "shapes_demo").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                parts = (node.module or "").split(".")
+                private = [part for part in parts if part.startswith("_")]
+                assert not private, f"{path.name} imports {node.module}"
+                assert not [a.name for a in node.names if a.name.startswith("_")], path.name

@@ -10,8 +10,8 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._misc import check_int
 from ._mlp import (
-    _check_int,
     _init_linears,
     _uniform_arrays,
     _zero_linear,
@@ -234,7 +234,7 @@ class DiT(eqx.Module):
             ("vocab_size", vocab_size),
             ("prompt_length", prompt_length),
         ):
-            _check_int(name, value, 1)
+            check_int(name, value, 1)
         if image_size % patch != 0:
             raise ValueError(f"`patch` ({patch}) must divide `image_size` ({image_size}).")
         if width % heads != 0:

@@ -2,18 +2,15 @@
 
 import math
 from collections.abc import Sequence
-from typing import Any, final
+from typing import final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
-
-def _check_int(name: str, value: int, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
+from .._misc import check_int, chunked_random_arrays
 
 
 def sinusoidal_time_features(
@@ -45,7 +42,7 @@ def sinusoidal_time_features(
     - `ValueError`: naming `num_features` when it is not a positive even int, or `t` when it
         is not a scalar.
     """
-    _check_int("num_features", num_features, 2)
+    check_int("num_features", num_features, 2)
     if num_features % 2 != 0:
         raise ValueError(f"`num_features` must be even, got {num_features}.")
     if jnp.ndim(t) != 0:
@@ -78,47 +75,17 @@ def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     return x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
 
 
-_CHUNK = 1 << 16
+def _uniform_chunk(key: PRNGKeyArray, shape: tuple[int]) -> Float[Array, " chunk"]:
+    return jax.random.uniform(key, shape, minval=-1.0, maxval=1.0)
 
 
 def _uniform_arrays(
     key: PRNGKeyArray, specs: Sequence[tuple[tuple[int, ...], float]]
 ) -> list[Float[Array, "..."]]:
-    """Independent `U[-scale, scale)` float32 arrays, one per `(shape, scale)` in `specs`.
-
-    Drawn as fixed-size chunks (`fold_in(key, i)`, `[_CHUNK]` each) and sliced. Eagerly, each
-    distinct random shape costs an XLA compile (a second or so on a small CPU), so this keeps
-    eager construction to one compiled RNG program for every model and configuration, with the
-    slicing in NumPy. Under a trace (`jit`, `vmap`, `eval_shape`) the chunks are one `vmap`ped
-    draw, to the same values, so tracing stays quick at any size.
-    """
-    sizes = [math.prod(shape) for shape, _ in specs]
-    num_chunks = max(1, -(-sum(sizes) // _CHUNK))
-
-    def chunk(i: int | Int[Array, ""]) -> Float[Array, " chunk"]:
-        return jax.random.uniform(jax.random.fold_in(key, i), (_CHUNK,), minval=-1.0, maxval=1.0)
-
-    first = chunk(0)
-    flat_np: np.ndarray[Any, np.dtype[np.float32]] | None = None
-    flat: Float[Array, " total"] | None = None
-    if isinstance(first, jax.core.Tracer):
-        # One batched draw (the same bits as the loop below): tracing a billion-parameter
-        # model chunk by chunk would take tens of seconds.
-        flat = jax.vmap(chunk)(jnp.arange(num_chunks)).reshape(-1)
-    else:
-        chunks = [first] + [chunk(i) for i in range(1, num_chunks)]
-        flat_np = np.concatenate([np.asarray(c) for c in chunks])
-    arrays: list[Float[Array, "..."]] = []
-    offset = 0
-    for (shape, scale), size in zip(specs, sizes, strict=True):
-        if flat_np is not None:
-            piece = flat_np[offset : offset + size].reshape(shape) * np.float32(scale)
-            arrays.append(jax.device_put(piece))
-        else:
-            assert flat is not None
-            arrays.append(flat[offset : offset + size].reshape(shape) * scale)
-        offset += size
-    return arrays
+    """Independent `U[-scale, scale)` float32 arrays, one per `(shape, scale)` in `specs`,
+    drawn as fixed-size chunks (`chunked_random_arrays`), so that eager construction compiles
+    one RNG program for every model and configuration."""
+    return chunked_random_arrays(key, specs, _uniform_chunk)
 
 
 def _linear_from(
@@ -194,11 +161,11 @@ class MLPVelocity(eqx.Module):
         *,
         key: PRNGKeyArray,
     ) -> None:
-        _check_int("latent_dim", latent_dim, 1)
-        _check_int("cond_dim", cond_dim, 0)
-        _check_int("hidden", hidden, 1)
-        _check_int("depth", depth, 1)
-        _check_int("time_features", time_features, 2)
+        check_int("latent_dim", latent_dim, 1)
+        check_int("cond_dim", cond_dim, 0)
+        check_int("hidden", hidden, 1)
+        check_int("depth", depth, 1)
+        check_int("time_features", time_features, 2)
         if time_features % 2 != 0:
             raise ValueError(f"`time_features` must be even, got {time_features}.")
         self.latent_dim = latent_dim

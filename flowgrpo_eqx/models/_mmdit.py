@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._misc import check_int
 from ._dit import _dense, _layer_norm, _modulate, _sincos_2d, patchify, unpatchify
 from ._mlp import (
-    _check_int,
     _init_linears,
     _uniform_arrays,
     _zero_linear,
@@ -263,7 +263,7 @@ class MMDiT(eqx.Module):
         *,
         key: PRNGKeyArray,
     ) -> None:
-        _check_int("depth", depth, 1)
+        check_int("depth", depth, 1)
         width = 64 * depth if width is None else width
         heads = depth if heads is None else heads
         for name, value in (
@@ -277,9 +277,9 @@ class MMDiT(eqx.Module):
             ("context_dim", context_dim),
             ("pooled_dim", pooled_dim),
         ):
-            _check_int(name, value, 1)
+            check_int(name, value, 1)
         if vocab_size is not None:
-            _check_int("vocab_size", vocab_size, 1)
+            check_int("vocab_size", vocab_size, 1)
         if image_size % patch != 0:
             raise ValueError(f"`patch` ({patch}) must divide `image_size` ({image_size}).")
         if width % heads != 0:

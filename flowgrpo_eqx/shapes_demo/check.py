@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from .._consistency import ConsistencyReport, check_consistency
+from .. import ConsistencyReport, check_consistency
 from .config import JobConfig
 
 

@@ -223,9 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.get("print_config"):
         print(config_to_toml(config), end="")
         return 0
-    from .._distributed import initialize
-    from .._reward import RewardError
-    from ..train._checkpoint import CheckpointError
+    from .. import RewardError, initialize
+    from ..train import CheckpointError
 
     try:
         initialize(arguments["coordinator"], arguments["num_processes"], arguments["process_id"])
@@ -249,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve_reward(arguments: dict[str, Any]) -> int:
     """`flowgrpo-eqx serve-reward`: serve a built-in or imported reward until SIGINT/SIGTERM."""
-    from .._reward import load_reward
+    from .. import load_reward
     from .job import BUILTIN_REWARDS
 
     try:
@@ -307,7 +306,7 @@ def _rank() -> int:
 
 def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
     """Run one subcommand in this process (jax.distributed already started)."""
-    from ..train._preemption import PREEMPTED_EXIT_STATUS
+    from ..train import PREEMPTED_EXIT_STATUS
     from .job import run_eval, run_pretrain, run_seeds, run_train
 
     if command == "train" and arguments["seeds"] is not None:

@@ -13,12 +13,13 @@ import types
 import typing
 from typing import Any, Literal, TypeAlias
 
-from .._advantages import RewardCombination
-from .._distributed import PARAM_SHARDINGS, ParamSharding
-from .._guided_flow import PRECISIONS, Precision
-from .._misc import is_int
-from .._objective import OldLogProbs
+from .. import OldLogProbs, ParamSharding, Precision, RewardCombination, is_int
 
+
+# The allowed values of the library's settings, read from their public `Literal` types.
+PARAM_SHARDINGS: tuple[ParamSharding, ...] = typing.get_args(ParamSharding)
+PRECISIONS: tuple[Precision, ...] = typing.get_args(Precision)
+OLD_LOG_PROBS: tuple[OldLogProbs, ...] = typing.get_args(OldLogProbs)
 
 RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]
 """The built-in rewards: the task checker's partial or strict score, or DDPO's JPEG size."""
@@ -43,7 +44,6 @@ LOG_NAMES: tuple[LogName, ...] = ("tensorboard", "wandb")
 ALGORITHMS: tuple[AlgorithmName, ...] = ("flow_grpo", "nft")
 WINDOW_SCHEDULES: tuple[WindowScheduleName, ...] = ("fixed", "random", "sliding")
 REWARD_COMBINATIONS: tuple[RewardCombination, ...] = ("sum", "normalize_each")
-OLD_LOG_PROBS: tuple[OldLogProbs, ...] = typing.get_args(OldLogProbs)
 
 
 def _setting(default: Any, help: str) -> Any:

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import IO, Any
 
-from ..train._preemption import PREEMPTED_EXIT_STATUS
+from ..train import PREEMPTED_EXIT_STATUS
 
 
 def free_port() -> int:

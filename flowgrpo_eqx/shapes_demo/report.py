@@ -24,14 +24,7 @@ def plot_curve(records: list[dict[str, Any]], path: pathlib.Path) -> None:
         axis.plot(*zip(*train, strict=True), label="train reward (partial score)", marker=".")
     if held:
         axis.plot(*zip(*held, strict=True), label="held-out strict accuracy", marker="o")
-    axis.set_xlabel("epoch")
-    axis.set_ylim(0, 1.02)
-    axis.grid(alpha=0.3)
-    axis.legend(loc="lower right")
-    axis.set_title("Flow-GRPO on the shapes task")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    _finish(plt, figure, axis, "Flow-GRPO on the shapes task", path)
 
 
 def plot_seed_curves(curves: dict[int, list[tuple[int, float]]], path: pathlib.Path) -> None:
@@ -51,12 +44,18 @@ def plot_seed_curves(curves: dict[int, list[tuple[int, float]]], path: pathlib.P
     for seed, points in sorted(curves.items()):
         if points:
             axis.plot(*zip(*points, strict=True), marker="o", label=f"seed {seed}")
-    axis.set_xlabel("epoch")
     axis.set_ylabel("held-out strict accuracy")
+    _finish(plt, figure, axis, "Flow-GRPO on the shapes task, one curve per training seed", path)
+
+
+def _finish(plt: Any, figure: Any, axis: Any, title: str, path: pathlib.Path) -> None:
+    """The axes every plot of a run shares (epochs against a score in [0, 1]), its title, and
+    the PNG written to `path`."""
+    axis.set_xlabel("epoch")
     axis.set_ylim(0, 1.02)
     axis.grid(alpha=0.3)
     axis.legend(loc="lower right")
-    axis.set_title("Flow-GRPO on the shapes task, one curve per training seed")
+    axis.set_title(title)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

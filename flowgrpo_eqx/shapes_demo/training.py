@@ -31,6 +31,7 @@ from .. import (
 )
 from ..train import (
     Checkpointer,
+    GracefulStop,
     MetricsLog,
     MetricsWriter,
     Trainer,
@@ -38,7 +39,6 @@ from ..train import (
     make_writers,
     rl_epoch,
 )
-from ..train._preemption import GracefulStop
 from ._progress import Progress
 from .config import JobConfig, config_to_toml
 from .parts import ShapesJob

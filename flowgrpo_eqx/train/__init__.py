@@ -1,7 +1,10 @@
 """Training: a generic trainer, training loops, flow-matching pretraining and checkpoints."""
 
 from ._checkpoint import (
+    LAYOUT_VERSION as LAYOUT_VERSION,
     Checkpointer as Checkpointer,
+    CheckpointError as CheckpointError,
+    CheckpointVersionError as CheckpointVersionError,
     load_model as load_model,
     save_model as save_model,
 )
@@ -11,12 +14,16 @@ from ._flow_matching import (
     TimeSampling as TimeSampling,
 )
 from ._loops import (
-    MetricsLog as MetricsLog,
     minibatch_count as minibatch_count,
     minibatch_indices as minibatch_indices,
     minibatches as minibatches,
     rl_epoch as rl_epoch,
     supervised_steps as supervised_steps,
+)
+from ._metrics_log import MetricsLog as MetricsLog
+from ._preemption import (
+    PREEMPTED_EXIT_STATUS as PREEMPTED_EXIT_STATUS,
+    GracefulStop as GracefulStop,
 )
 from ._trainer import (
     Trainer as Trainer,

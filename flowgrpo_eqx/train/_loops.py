@@ -1,11 +1,8 @@
 """Training loops: one epoch of any RL objective over a rollout, and pretraining steps."""
 
 import dataclasses
-import json
-import os
-import pathlib
 from collections.abc import Callable, Iterator
-from typing import Any, final
+from typing import Any
 
 import jax
 import numpy as np
@@ -13,6 +10,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._rl import AbstractRLObjective
 from .._rollout import FlowRollout, RolloutInfo
+from ._metrics_log import MetricsLog as MetricsLog
 from ._trainer import Trainer, TrainState
 
 
@@ -205,65 +203,3 @@ def supervised_steps(
         if on_step is not None:
             on_step(index, {k: float(v) for k, v in jax.device_get(metrics).items()})
     return state, _mean_metrics(history)
-
-
-@final
-class MetricsLog:
-    """`metrics.jsonl`: one JSON object per line, appended and flushed as training goes.
-
-    **Arguments:**
-
-    - `path`: the file, or `None` for a log that keeps nothing (e.g. on processes other than
-        process 0, which writes the run's files).
-    """
-
-    def __init__(self, path: str | os.PathLike[str] | None):
-        self.path = None if path is None else pathlib.Path(path)
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Append one record.
-
-        **Arguments:**
-
-        - `record`: a JSON-serialisable dict, written with sorted keys on one line.
-        """
-        if self.path is None:
-            return
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record, sort_keys=True) + "\n")
-            handle.flush()
-
-    def read(self) -> list[dict[str, Any]]:
-        """Every record written so far, oldest first.
-
-        **Returns:**
-
-        The records as dicts; empty for a log that keeps nothing or has no file yet.
-        """
-        if self.path is None or not self.path.exists():
-            return []
-        with open(self.path) as handle:
-            return [json.loads(line) for line in handle if line.strip()]
-
-    def clear(self) -> None:
-        """Start an empty log."""
-        if self.path is not None and self.path.exists():
-            self.path.unlink()
-
-    def keep_only(self, keep: Callable[[dict[str, Any]], bool]) -> None:
-        """Rewrite the log with only the records `keep` accepts (used when resuming).
-
-        **Arguments:**
-
-        - `keep`: `True` for a record to keep, e.g. one of an epoch before the checkpoint.
-        """
-        if self.path is None:
-            return
-        records = [r for r in self.read() if keep(r)]
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        with open(temporary, "w") as handle:
-            for record in records:
-                handle.write(json.dumps(record, sort_keys=True) + "\n")
-        os.replace(temporary, self.path)

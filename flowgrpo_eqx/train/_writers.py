@@ -9,7 +9,6 @@ needs them is made, so that `import flowgrpo_eqx.train` never loads them.
 """
 
 import itertools
-import json
 import os
 import pathlib
 import re
@@ -20,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeAlias, fina
 import numpy as np
 import numpy.typing as npt
 from PIL import Image
+
+from ._metrics_log import MetricsLog
 
 
 if TYPE_CHECKING:
@@ -177,12 +178,10 @@ class JsonlWriter:
     def __init__(self, path: str | os.PathLike[str], *, step_key: str = "step"):
         self.path = pathlib.Path(path)
         self.step_key = step_key
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = MetricsLog(self.path)
 
     def _append(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record, sort_keys=True) + "\n")
-            handle.flush()
+        self._log.write(record)
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Append `{step_key: step, **values}`.
