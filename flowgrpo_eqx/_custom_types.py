@@ -7,9 +7,10 @@ Shapes use jaxtyping's notation: `N` rows (samples), `K` selected transitions, `
 from typing import Any, TypeAlias
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
+
+from ._misc import check_leading_rows
 
 
 Scalar: TypeAlias = Float[Array, ""]
@@ -217,12 +218,7 @@ class FinalSamples(eqx.Module):
             raise ValueError(
                 f"FinalSamples.mask must be a bool array, got dtype {jnp.result_type(self.mask)}."
             )
-        for path, leaf in jax.tree_util.tree_leaves_with_path(self.cond):
-            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != rows:
-                raise ValueError(
-                    f"FinalSamples.cond{jax.tree_util.keystr(path)} has shape "
-                    f"{jnp.shape(leaf)}, expected a leading axis of size N = {rows}."
-                )
+        check_leading_rows("FinalSamples", "cond", self.cond, rows)
 
     @property
     def num_rows(self) -> int:
@@ -270,13 +266,7 @@ def check_transitions(batch: Transitions) -> None:
     advantage_shape = tuple(jnp.shape(batch.advantages))
     if advantage_shape not in ((n,), want_nk):
         raise _shape_error("advantages", f"[N] = {(n,)} or [N, K] = {want_nk}", advantage_shape)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(batch.cond):
-        shape = tuple(jnp.shape(leaf))
-        if len(shape) == 0 or shape[0] != n:
-            raise ValueError(
-                f"Transitions.cond{jax.tree_util.keystr(path)} has shape {shape}, expected a "
-                f"leading row axis of size N = {n}."
-            )
+    check_leading_rows("Transitions", "cond", batch.cond, n)
 
 
 __all__ = [

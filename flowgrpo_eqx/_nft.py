@@ -13,7 +13,7 @@ from ._custom_types import FinalSamples, Mean, Model, Step, Transitions
 from ._flow_base import AbstractVariables
 from ._guided_flow import GuidedFlow, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
-from ._misc import check_int
+from ._misc import check_int, check_number
 from ._objective import _stop_gradient
 from ._process import AbstractProcess
 from ._rl import AbstractRLObjective
@@ -121,32 +121,12 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         self.old_decay = old_decay
 
     def __check_init__(self) -> None:
-        if not (
-            isinstance(self.beta, (int, float))
-            and not isinstance(self.beta, bool)
-            and 0 < self.beta <= 1
-        ):
-            raise ValueError(f"`beta` must be a number in (0, 1], got {self.beta!r}.")
-        if not (
-            isinstance(self.adv_max, (int, float))
-            and not isinstance(self.adv_max, bool)
-            and self.adv_max > 0
-        ):
-            raise ValueError(f"`adv_max` must be a number > 0, got {self.adv_max!r}.")
-        if not (
-            isinstance(self.kl_beta, (int, float))
-            and not isinstance(self.kl_beta, bool)
-            and 0 <= self.kl_beta < float("inf")
-        ):
-            raise ValueError(f"`kl_beta` must be a finite number >= 0, got {self.kl_beta!r}.")
-        if self.old_decay is not None and not (
-            isinstance(self.old_decay, (int, float))
-            and not isinstance(self.old_decay, bool)
-            and 0 <= self.old_decay < 1
-        ):
-            raise ValueError(
-                f"`old_decay` must be None or a number in [0, 1), got {self.old_decay!r}."
-            )
+        check_number("beta", self.beta, minimum=0, maximum=1, include_minimum=False)
+        check_number("adv_max", self.adv_max, minimum=0, include_minimum=False)
+        check_number("kl_beta", self.kl_beta, minimum=0)
+        check_number(
+            "old_decay", self.old_decay, minimum=0, maximum=1, include_maximum=False, optional=True
+        )
         if not isinstance(self.sampler, AbstractSolver):
             raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
         check_int("steps", self.steps, 2)

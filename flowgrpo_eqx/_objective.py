@@ -22,7 +22,7 @@ from ._custom_types import (
 from ._flow_base import AbstractVariables
 from ._guided_flow import GuidedFlow, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
-from ._misc import check_int, tile_rows
+from ._misc import check_int, check_number, tile_rows
 from ._process import AbstractProcess
 from ._rl import AbstractRLObjective
 from ._rollout import RolloutInfo
@@ -272,12 +272,9 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     def __check_init__(self) -> None:
         if not isinstance(self.sde, AbstractSDE):
             raise ValueError(f"`sde` must be an AbstractSDE, got {self.sde!r}.")
-        if not (isinstance(self.beta, (int, float)) and self.beta >= 0):
-            raise ValueError(f"`beta` must be a number >= 0, got {self.beta!r}.")
-        if not (isinstance(self.clip_range, (int, float)) and self.clip_range > 0):
-            raise ValueError(f"`clip_range` must be a number > 0, got {self.clip_range!r}.")
-        if not (isinstance(self.adv_clip_max, (int, float)) and self.adv_clip_max > 0):
-            raise ValueError(f"`adv_clip_max` must be a number > 0, got {self.adv_clip_max!r}.")
+        check_number("beta", self.beta, minimum=0)
+        check_number("clip_range", self.clip_range, minimum=0, include_minimum=False)
+        check_number("adv_clip_max", self.adv_clip_max, minimum=0, include_minimum=False)
         if not isinstance(self.sampler, AbstractSolver):
             raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
         check_int("steps", self.steps, 2)

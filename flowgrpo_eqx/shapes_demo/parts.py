@@ -279,13 +279,10 @@ class ShapesJob:
             beta=config.beta,
             clip_range=config.clip_range,
             adv_clip_max=config.adv_clip_max,
-            guidance=self.guidance,
-            steps=config.eval_steps,
-            pretrained=base,
             transition_chunk=config.transition_chunk,
             guard=GRPOGuard() if config.grpo_guard else None,
-            precision=config.precision,
             old_log_probs=old_log_probs,
+            **self._shared_settings(base),
         )
 
     def nft_objective(self, base: Any) -> DiffusionNFTObjective:
@@ -299,11 +296,19 @@ class ShapesJob:
             beta=config.nft_beta,
             adv_max=config.adv_clip_max,
             old_decay=config.nft_old_decay,
-            guidance=self.guidance,
-            steps=config.eval_steps,
-            pretrained=base,
-            precision=config.precision,
+            **self._shared_settings(base),
         )
+
+    def _shared_settings(self, base: Any) -> dict[str, Any]:
+        """What both objectives take alike: guidance, the evaluation grid, the starting
+        weights and the precision."""
+        config = self.config
+        return {
+            "guidance": self.guidance,
+            "steps": config.eval_steps,
+            "pretrained": base,
+            "precision": config.precision,
+        }
 
     def train_objective(self, base: Any) -> AbstractRLObjective[Any, Any]:
         """The objective the trainer trains: `objective(base)`, or with `--algorithm nft`

@@ -16,7 +16,7 @@ import numpy.typing as npt
 from jaxtyping import ArrayLike
 
 from .._advantages import group_advantages
-from .._custom_types import Transitions
+from .._custom_types import Aux, Transitions
 from .._objective import FlowGRPOObjective, FlowGRPOVariables
 from .._process import AbstractProcess
 from .._sde import AbstractSDE
@@ -150,6 +150,20 @@ def assert_unchanged_policy_ratio_one(
     assert float(aux.approx_kl.value) <= atol**2, float(aux.approx_kl.value)
 
 
+def _assert_means_close(
+    got: Aux, want: Aux, field: str, scale: float, rtol: float, atol: float
+) -> None:
+    """`got`'s statistics (each `Mean`'s `field`) are `scale` times `want`'s."""
+    for name in ("kl", "clipfrac", "ratio", "approx_kl", "policy_loss"):
+        np.testing.assert_allclose(
+            float(getattr(getattr(got, name), field)),
+            scale * float(getattr(getattr(want, name), field)),
+            rtol=rtol,
+            atol=atol,
+            err_msg=name,
+        )
+
+
 def assert_row_permutation_invariant(
     objective: FlowGRPOObjective,
     variables: FlowGRPOVariables,
@@ -167,14 +181,7 @@ def assert_row_permutation_invariant(
     p_value, p_total, p_aux, p_grad = loss_value_and_grad(objective, variables, permuted)
     assert float(p_total.count) == float(total.count)
     np.testing.assert_allclose(float(p_value), float(value), rtol=rtol, atol=atol)
-    for name in ("kl", "clipfrac", "ratio", "approx_kl", "policy_loss"):
-        np.testing.assert_allclose(
-            float(getattr(p_aux, name).value),
-            float(getattr(aux, name).value),
-            rtol=rtol,
-            atol=atol,
-            err_msg=name,
-        )
+    _assert_means_close(p_aux, aux, "value", 1.0, rtol, atol)
     assert_trees_close(p_grad, grad)
 
 
@@ -195,14 +202,7 @@ def assert_duplication_doubles_total(
     assert float(d_aux.counted) == 2 * float(aux.counted)
     np.testing.assert_allclose(float(d_total.total), 2 * float(total.total), rtol=rtol, atol=atol)
     np.testing.assert_allclose(float(d_value), float(value), rtol=rtol, atol=atol)
-    for name in ("kl", "clipfrac", "ratio", "approx_kl", "policy_loss"):
-        np.testing.assert_allclose(
-            float(getattr(d_aux, name).total),
-            2 * float(getattr(aux, name).total),
-            rtol=rtol,
-            atol=atol,
-            err_msg=name,
-        )
+    _assert_means_close(d_aux, aux, "total", 2.0, rtol, atol)
     assert_trees_close(d_grad, grad)
 
 
@@ -221,14 +221,7 @@ def assert_transition_chunk_agrees(
     c_value, c_total, c_aux, c_grad = loss_value_and_grad(chunked, variables, batch)
     assert float(c_total.count) == float(total.count)
     np.testing.assert_allclose(float(c_value), float(value), rtol=rtol, atol=atol)
-    for name in ("kl", "clipfrac", "ratio", "approx_kl", "policy_loss"):
-        np.testing.assert_allclose(
-            float(getattr(c_aux, name).value),
-            float(getattr(aux, name).value),
-            rtol=rtol,
-            atol=atol,
-            err_msg=name,
-        )
+    _assert_means_close(c_aux, aux, "value", 1.0, rtol, atol)
     assert_trees_close(c_grad, grad)
     np.testing.assert_allclose(
         np.asarray(log_probs(chunked, variables, batch)),

@@ -11,7 +11,7 @@ from .._custom_types import Mean, Model, Step
 from .._flow_base import AbstractFlowObjective, PolicyVariables
 from .._guided_flow import GuidedFlow, flow_from
 from .._inputs import CFG, AbstractAutoEncoder, InputSpec
-from .._misc import check_int
+from .._misc import check_int, check_leading_rows, check_number
 from .._process import AbstractProcess
 from .._solver import AbstractSolver, Euler
 
@@ -38,13 +38,7 @@ class SupervisedBatch(eqx.Module):
     cond: PyTree[Any]
 
     def __check_init__(self) -> None:
-        rows = self.data.shape[0]
-        for path, leaf in jax.tree_util.tree_leaves_with_path(self.cond):
-            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != rows:
-                raise ValueError(
-                    f"SupervisedBatch.cond{jax.tree_util.keystr(path)} has shape "
-                    f"{jnp.shape(leaf)}, expected a leading axis of size B = {rows}."
-                )
+        check_leading_rows("SupervisedBatch", "cond", self.cond, self.data.shape[0], rows_name="B")
 
 
 @final
@@ -100,8 +94,7 @@ class FlowMatchingObjective(AbstractFlowObjective[PolicyVariables]):
         self.time_sampling = time_sampling
 
     def __check_init__(self) -> None:
-        if not 0.0 <= self.cond_dropout < 1.0:
-            raise ValueError(f"`cond_dropout` must be in [0, 1), got {self.cond_dropout!r}.")
+        check_number("cond_dropout", self.cond_dropout, minimum=0, maximum=1, include_maximum=False)
         if self.time_sampling not in ("logit_normal", "uniform"):
             raise ValueError(
                 f"`time_sampling` must be 'logit_normal' or 'uniform', got {self.time_sampling!r}."

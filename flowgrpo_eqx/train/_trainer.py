@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 from .. import lora
 from .._custom_types import Mean, Model, Step
 from .._flow_base import AbstractFlowObjective, AbstractVariables
-from .._misc import own_copy
+from .._misc import check_int, check_number, own_copy
 
 
 @final
@@ -64,17 +64,13 @@ def default_optimizer(
 
     **Raises:**
 
-    - `ValueError`: for a non-positive learning rate, clip or `decay_steps`, or negative
-        weight decay.
+    - `ValueError`: naming the argument, for a learning rate, clip or `decay_steps` that is
+        not a finite positive number (an int for `decay_steps`), or a negative weight decay.
     """
-    if not learning_rate > 0:
-        raise ValueError(f"`learning_rate` must be > 0, got {learning_rate!r}.")
-    if not weight_decay >= 0:
-        raise ValueError(f"`weight_decay` must be >= 0, got {weight_decay!r}.")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ValueError(f"`max_grad_norm` must be > 0 or None, got {max_grad_norm!r}.")
-    if decay_steps is not None and (isinstance(decay_steps, bool) or not decay_steps >= 1):
-        raise ValueError(f"`decay_steps` must be None or an int >= 1, got {decay_steps!r}.")
+    check_number("learning_rate", learning_rate, minimum=0, include_minimum=False)
+    check_number("weight_decay", weight_decay, minimum=0)
+    check_number("max_grad_norm", max_grad_norm, minimum=0, include_minimum=False, optional=True)
+    check_int("decay_steps", decay_steps, 1, optional=True)
     step_size: float | optax.Schedule = (
         learning_rate
         if decay_steps is None
@@ -151,12 +147,9 @@ class Trainer(eqx.Module):
         self.ema_decay = ema_decay
 
     def __check_init__(self) -> None:
-        if self.ema_decay is not None and not (
-            isinstance(self.ema_decay, (int, float))
-            and not isinstance(self.ema_decay, bool)
-            and 0.0 <= self.ema_decay < 1.0
-        ):
-            raise ValueError(f"`ema_decay` must be in [0, 1) or None, got {self.ema_decay!r}.")
+        check_number(
+            "ema_decay", self.ema_decay, minimum=0, maximum=1, include_maximum=False, optional=True
+        )
 
     def trainable_filter(self, policy: Model) -> Callable[[Any], bool] | PyTree[bool]:
         """The filter in use for `policy`: `trainable`, or its default when `None`.
