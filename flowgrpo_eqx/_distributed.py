@@ -10,7 +10,7 @@ keeps only the rows it owns.
 import math
 import os
 import struct
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, get_args
 
 import jax
 import jax.numpy as jnp
@@ -178,7 +178,7 @@ ParamSharding: TypeAlias = Literal["replicated", "fsdp"]
 """How parameters and optimizer state lie on a data mesh: a full copy on every device, or
 fully sharded data parallel (each large array split along one axis over the devices)."""
 
-PARAM_SHARDINGS: tuple[ParamSharding, ...] = ("replicated", "fsdp")
+PARAM_SHARDINGS: tuple[ParamSharding, ...] = get_args(ParamSharding)
 
 
 def fsdp_spec(shape: tuple[int, ...], devices: int, min_elements: int) -> PartitionSpec:

@@ -4,7 +4,7 @@ The process, the conditioning inputs, classifier-free guidance and the autoencod
 guided velocity on a batch, probability-flow ODE sampling and decoding.
 """
 
-from typing import Any, Literal, TypeAlias, final
+from typing import Any, Literal, TypeAlias, final, get_args
 
 import equinox as eqx
 import jax
@@ -24,7 +24,7 @@ inputs and its activations are bfloat16 while the weights the optimizer keeps (t
 weights) stay as they are (float32); the velocity leaves the model as float32, so the SDE,
 log densities, ratios, KL and advantages are float32 (or wider) either way."""
 
-PRECISIONS: tuple[Precision, ...] = ("float32", "bfloat16")
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 
 def _to_bfloat16(tree: PyTree[Any]) -> PyTree[Any]:
