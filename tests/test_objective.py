@@ -4,6 +4,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
+import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -505,12 +506,11 @@ def _value_and_grad(objective, variables, batch, step):
 
 
 def _assert_same_trees(got, want):
-    got_leaves = jax.tree.leaves(eqx.filter(got, eqx.is_array))
-    want_leaves = jax.tree.leaves(eqx.filter(want, eqx.is_array))
-    assert len(got_leaves) == len(want_leaves)
-    for g, w in zip(got_leaves, want_leaves, strict=True):
-        assert g.dtype == w.dtype, (g.dtype, w.dtype)
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    """The arrays of `got` and `want`: the same structure, dtypes and shapes, bitwise equal.
+    (`assert_trees_all_equal` compares bfloat16 as float32, so the dtypes are checked apart.)"""
+    got, want = eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array)
+    chex.assert_trees_all_equal_dtypes(got, want)
+    chex.assert_trees_all_equal(got, want, strict=True)
 
 
 @pytest.mark.parametrize("beta, guard", [(0.0, None), (0.3, fg.GRPOGuard())])
