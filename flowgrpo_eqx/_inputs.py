@@ -209,27 +209,7 @@ class IdentityAutoEncoder(AbstractAutoEncoder):
     """Latents are the samples themselves; decoding clips them to [-1, 1]."""
 
     def encode(self, sample: Float[Array, " *sample"]) -> Float[Array, " *sample"]:
-        """The sample itself.
-
-        **Arguments:**
-
-        - `sample`: one sample in [-1, 1].
-
-        **Returns:**
-
-        `sample`, unchanged.
-        """
         return sample
 
     def decode(self, latent: Float[Array, " *latent"]) -> Float[Array, " *latent"]:
-        """The latent clipped to [-1, 1].
-
-        **Arguments:**
-
-        - `latent`: one latent.
-
-        **Returns:**
-
-        `clip(latent, -1, 1)`.
-        """
         return jnp.clip(latent, -1.0, 1.0)

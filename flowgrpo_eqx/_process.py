@@ -70,6 +70,9 @@ class AbstractProcess(eqx.Module):
 class RectifiedFlow(AbstractProcess):
     """Rectified flow: `x_t = (1 - t) x_0 + t eps`, velocity `eps - x_0`.
 
+    `interpolate` returns `x_t` in the data's dtype, whatever the time's; `timesteps` returns a
+    float32 grid whose first time is exactly 1 and last exactly 0.
+
     **Arguments:**
 
     - `shift`: the time-shift `s` of the grid, `t = s u / (1 + (s - 1) u)` for a uniform
@@ -77,7 +80,7 @@ class RectifiedFlow(AbstractProcess):
 
     **Raises:**
 
-    - `ValueError`: if `shift <= 0`.
+    - `ValueError`: if `shift <= 0`, or, from `timesteps`, if `steps` is not an int >= 2.
     """
 
     shift: float = 1.0
@@ -92,52 +95,15 @@ class RectifiedFlow(AbstractProcess):
         noise: Float[Array, " *latent"],
         t: Float[ArrayLike, ""],
     ) -> Float[Array, " *latent"]:
-        """`x_t = (1 - t) data + t noise`.
-
-        **Arguments:**
-
-        - `data`: one clean latent `x_0`.
-        - `noise`: one standard normal draw `eps` shaped like `data`.
-        - `t`: the time, a scalar in [0, 1].
-
-        **Returns:**
-
-        `x_t` in `data`'s dtype.
-        """
         time = jnp.asarray(t, data.dtype)
         return (1 - time) * data + time * noise
 
     def velocity_target(
         self, data: Float[Array, " *latent"], noise: Float[Array, " *latent"]
     ) -> Float[Array, " *latent"]:
-        """`eps - x_0`, the constant velocity of the straight path from `data` to `noise`.
-
-        **Arguments:**
-
-        - `data`: one clean latent `x_0`.
-        - `noise`: the noise `eps` it was interpolated with.
-
-        **Returns:**
-
-        `noise - data`.
-        """
         return noise - data
 
     def timesteps(self, steps: int) -> Float[Array, " steps"]:
-        """The `steps`-point grid from 1 to 0 inclusive (`steps - 1` transitions).
-
-        **Arguments:**
-
-        - `steps`: the number of time points, at least 2.
-
-        **Returns:**
-
-        A float32 array of `steps` decreasing times, the first exactly 1 and the last exactly 0.
-
-        **Raises:**
-
-        - `ValueError`: if `steps < 2`.
-        """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
             raise ValueError(f"`steps` must be an int of at least 2, got {steps!r}.")
         uniform = jnp.linspace(1.0, 0.0, steps, dtype=jnp.float32)

@@ -296,7 +296,8 @@ class FlowSDE(AbstractSDE):
     noise level `a`: `sigma = a sqrt(t / (1 - t*))` with `t* = t_next` when `t == 1` and
     `t* = t` otherwise (so the first transition's std is exactly `a`),
     `mean = x (1 + sigma^2 dt / (2t)) + v (1 + sigma^2 (1 - t) / (2t)) dt`,
-    `std = sigma sqrt(-dt)`.
+    `std = sigma sqrt(-dt)`. It can draw noise on every transition: `can_be_stochastic` is
+    true everywhere.
 
     **Arguments:**
 
@@ -327,16 +328,6 @@ class FlowSDE(AbstractSDE):
         t_next: Float[Array, ""],
         level: Float[Array, ""],
     ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
-        """The Flow-GRPO Gaussian above at noise level `level`.
-
-        **Arguments:**
-
-        - `x`, `v`, `t`, `t_next`, `level`: as `AbstractSDE.gaussian`.
-
-        **Returns:**
-
-        `(mean, std)` with `std = sigma sqrt(-dt)`; at `level == 0` the Euler step, std 0.
-        """
         dt = t_next - t
         t_star = jnp.where(t == 1, t_next, t)
         sigma = level * jnp.sqrt(t / (1 - t_star))
@@ -345,16 +336,6 @@ class FlowSDE(AbstractSDE):
         return mean, sigma * jnp.sqrt(-dt)
 
     def can_be_stochastic(self, t_next: Float[Array, " *batch"]) -> Bool[Array, " *batch"]:
-        """Everywhere: the Flow-GRPO SDE can draw noise on every transition.
-
-        **Arguments:**
-
-        - `t_next`: transition end times.
-
-        **Returns:**
-
-        `True` shaped like `t_next`.
-        """
         return jnp.ones(t_next.shape, bool)
 
 
@@ -364,7 +345,8 @@ class CoefficientsPreservingSDE(AbstractSDE):
 
     For a transition `t -> t_next` with velocity `v` and noise level `a`:
     `std = t_next sin(a pi / 2)`, `x0 = x - t v`, `x1 = x + (1 - t) v`,
-    `mean = x0 (1 - t_next) + x1 sqrt(t_next^2 - std^2)`. Deterministic at `t_next = 0`.
+    `mean = x0 (1 - t_next) + x1 sqrt(t_next^2 - std^2)`. The last step, to the data at
+    `t_next = 0`, is deterministic: `can_be_stochastic` is `t_next > 0`.
     Unlike the released CPS code, which drops the `1 / (2 std^2)` factor so its "ratio" is
     not a likelihood ratio, `log_prob` here is the true Gaussian log density.
 
@@ -397,17 +379,6 @@ class CoefficientsPreservingSDE(AbstractSDE):
         t_next: Float[Array, ""],
         level: Float[Array, ""],
     ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
-        """The coefficients-preserving Gaussian above at noise level `level`.
-
-        **Arguments:**
-
-        - `x`, `v`, `t`, `t_next`, `level`: as `AbstractSDE.gaussian`.
-
-        **Returns:**
-
-        `(mean, std)` with `std = t_next sin(level pi / 2)`; at `level == 0` the Euler step,
-        std 0.
-        """
         std = t_next * jnp.sin(level * math.pi / 2)
         data_estimate = x - t * v
         noise_estimate = x + (1 - t) * v
@@ -416,14 +387,4 @@ class CoefficientsPreservingSDE(AbstractSDE):
         return data_estimate * (1 - t_next) + noise_estimate * noise_scale, std
 
     def can_be_stochastic(self, t_next: Float[Array, " *batch"]) -> Bool[Array, " *batch"]:
-        """Where `t_next > 0`: the last step, to the data, is deterministic.
-
-        **Arguments:**
-
-        - `t_next`: transition end times.
-
-        **Returns:**
-
-        `t_next > 0`.
-        """
         return t_next > 0

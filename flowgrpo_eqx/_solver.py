@@ -38,7 +38,7 @@ class AbstractSolver(eqx.Module):
 
 @final
 class Euler(AbstractSolver):
-    """Explicit Euler, one velocity evaluation per step: `x + v(x, t) dt`."""
+    """Explicit Euler, one velocity evaluation per step: `step` is `x + v(x, t) (t_next - t)`."""
 
     def step(
         self,
@@ -47,24 +47,14 @@ class Euler(AbstractSolver):
         t: Float[Array, ""],
         t_next: Float[Array, ""],
     ) -> Float[Array, " N *latent"]:
-        """`x + v(x, t) (t_next - t)`.
-
-        **Arguments:**
-
-        - `velocity`: the (guided) velocity field on a batch, `velocity(x, t)`.
-        - `x`: the states at time `t`.
-        - `t`, `t_next`: the interval's ends.
-
-        **Returns:**
-
-        The states at `t_next`.
-        """
         return x + velocity(x, t) * (t_next - t)
 
 
 @final
 class Heun(AbstractSolver):
-    """Heun's second-order method, two velocity evaluations per step.
+    """Heun's second-order method, two velocity evaluations per step: `step` is the trapezoid
+    `x + (v(x, t) + v(x + v(x, t) dt, t_next)) dt / 2` with `dt = t_next - t`, of the
+    velocities at `(x, t)` and at the Euler prediction at `t_next`.
 
     At `t_next = 0` it still evaluates the velocity there; rectified-flow velocities are
     defined at the data end, so no special case is needed.
@@ -77,18 +67,6 @@ class Heun(AbstractSolver):
         t: Float[Array, ""],
         t_next: Float[Array, ""],
     ) -> Float[Array, " N *latent"]:
-        """The trapezoid of the velocities at `(x, t)` and at the Euler prediction at `t_next`.
-
-        **Arguments:**
-
-        - `velocity`: the (guided) velocity field on a batch, `velocity(x, t)`.
-        - `x`: the states at time `t`.
-        - `t`, `t_next`: the interval's ends.
-
-        **Returns:**
-
-        `x + (v(x, t) + v(x + v(x, t) dt, t_next)) dt / 2` with `dt = t_next - t`.
-        """
         dt = t_next - t
         v_start = velocity(x, t)
         predicted = x + v_start * dt

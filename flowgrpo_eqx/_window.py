@@ -68,7 +68,8 @@ class AbstractWindowSchedule(eqx.Module):
 
 @final
 class FixedWindow(AbstractWindowSchedule):
-    """The same window every epoch: transitions `start .. start + count - 1`.
+    """The same window every epoch: transitions `start .. start + count - 1`, so `first` is
+    `start`.
 
     **Arguments:**
 
@@ -77,7 +78,9 @@ class FixedWindow(AbstractWindowSchedule):
 
     **Raises:**
 
-    - `ValueError`: naming the argument, for a `count` < 1 or a negative `start`.
+    - `ValueError`: naming the argument, for a `count` < 1 or a negative `start`; from
+        `first`, naming `count` if it is longer than the trajectory, or `start` if the window
+        runs past the last transition.
     """
 
     count: int
@@ -87,20 +90,6 @@ class FixedWindow(AbstractWindowSchedule):
         check_int("start", self.start, 0)
 
     def first(self, epoch: int, transitions: int, key: PRNGKeyArray) -> int:
-        """`start` (see `AbstractWindowSchedule.first`).
-
-        **Arguments:**
-
-        - `epoch`, `transitions`, `key`: as `AbstractWindowSchedule.first`.
-
-        **Returns:**
-
-        `start`.
-
-        **Raises:**
-
-        - `ValueError`: naming `start`, if the window runs past the last transition.
-        """
         self.check_fits(transitions)
         if self.start + self.count > transitions:
             raise ValueError(
@@ -123,26 +112,13 @@ class RandomWindow(AbstractWindowSchedule):
 
     **Raises:**
 
-    - `ValueError`: naming `count` if it is not an int >= 1.
+    - `ValueError`: naming `count` if it is not an int >= 1, or, from `first`, if it is
+        longer than the trajectory.
     """
 
     count: int
 
     def first(self, epoch: int, transitions: int, key: PRNGKeyArray) -> int:
-        """A uniform draw from `key` (see `AbstractWindowSchedule.first`).
-
-        **Arguments:**
-
-        - `epoch`, `transitions`, `key`: as `AbstractWindowSchedule.first`.
-
-        **Returns:**
-
-        An int in `0 .. transitions - count`.
-
-        **Raises:**
-
-        - `ValueError`: naming `count`, if it is longer than the trajectory.
-        """
         self.check_fits(transitions)
         draw = jax.random.randint(
             jax.random.fold_in(key, 0x57A7), (), 0, transitions - self.count + 1
@@ -170,7 +146,8 @@ class SlidingWindow(AbstractWindowSchedule):
     **Raises:**
 
     - `ValueError`: naming the argument, for a `count`, `shift_every` or `stride` < 1, or an
-        unknown `at_end`.
+        unknown `at_end`; from `first`, naming `count` if it is longer than the trajectory,
+        or `epoch` if it is not an int >= 1.
     """
 
     count: int
@@ -185,21 +162,6 @@ class SlidingWindow(AbstractWindowSchedule):
             raise ValueError(f"`at_end` must be 'clip' or 'restart', got {self.at_end!r}.")
 
     def first(self, epoch: int, transitions: int, key: PRNGKeyArray) -> int:
-        """The window's position in epoch `epoch` (see the class).
-
-        **Arguments:**
-
-        - `epoch`, `transitions`, `key`: as `AbstractWindowSchedule.first`.
-
-        **Returns:**
-
-        An int in `0 .. transitions - count`.
-
-        **Raises:**
-
-        - `ValueError`: naming `count`, if it is longer than the trajectory, or `epoch` if it
-            is not an int >= 1.
-        """
         self.check_fits(transitions)
         check_int("epoch", epoch, 1)
         last = transitions - self.count

@@ -3,7 +3,7 @@ import pytest
 
 import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
-from tests.errors import NAMED_ARGUMENT_ERRORS
+from tests.errors import NAMED_ARGUMENT_ERRORS, exact_message
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4, 7])
@@ -85,3 +85,70 @@ def test_per_reward_normalisation_matches_numpy_statement():
 def test_per_reward_bad_arguments_named(components, weights, name):
     with pytest.raises(ValueError, match=name):
         fg.per_reward_advantages(components, weights, 4)
+
+
+# --------------------------------------------------------------------------------------
+# group_advantages: statistics in float64 whatever the rewards' dtype, eps = 0 allowed,
+# inexact constant groups exactly 0, and messages that name the argument and the rows.
+
+
+def test_float32_rewards_get_float64_statistics():
+    # Near 1e8 a float32 sum rounds by tens: float32 statistics would move every advantage.
+    rewards = np.array([1e8, 1e8 + 8, 1e8 + 16, 1e8 + 40], np.float32)
+    got = fg.group_advantages(rewards, groups=4)
+    exact = rewards.astype(np.float64)
+    want = (exact - exact.mean()) / (exact.std() + 1e-4)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_eps_zero_is_allowed():
+    got = fg.group_advantages(np.array([1.0, 3.0, 5.0, 9.0]), groups=2, eps=0.0)
+    np.testing.assert_array_equal(got, [-1.0, 1.0, -1.0, 1.0])
+
+
+@pytest.mark.parametrize("std", ["group", "global"])
+def test_inexact_constant_group_is_exactly_zero(std):
+    # 0.1 three times has a float64 mean of 0.1 + 1.4e-17: the zero must not be arithmetic.
+    rewards = np.array([0.1, 0.1, 0.1, 1.0, 2.0, 4.0])
+    got = fg.group_advantages(rewards, groups=3, std=std)
+    assert np.all(got[:3] == 0.0), got[:3]
+    assert np.all(got[3:] != 0.0)
+
+
+def test_group_size_message_names_the_argument():
+    with pytest.raises(ValueError, match="`groups` must be an int >= 1, got 0"):
+        fg.group_advantages(np.zeros(4), groups=0)
+
+
+def test_non_finite_message_names_the_rows():
+    rewards = np.array([0.0, np.nan, 1.0, np.inf])
+    with pytest.raises(ValueError, match=r"non-finite values at rows \[1, 3\]"):
+        fg.group_advantages(rewards, groups=2)
+
+
+# --------------------------------------------------------------------------------------
+# per_reward_advantages: float64 terms whatever the inputs' dtype, and its messages.
+
+
+def test_per_reward_terms_are_float64_for_float32_components():
+    # Near 1e8 a float32 mean rounds by tens: each term must be computed from float64 values.
+    components = np.array([[1e8, 1e8 + 8, 1e8 + 16, 1e8 + 40], [0.0, 1.0, 3.0, 2.0]], np.float32)
+    got = fg.per_reward_advantages(components, np.array([1.0, 0.5], np.float32), groups=4)
+    exact = components.astype(np.float64)
+    terms = (exact - exact.mean(axis=1, keepdims=True)) / (exact.std(axis=1, keepdims=True) + 1e-4)
+    np.testing.assert_allclose(got, terms[0] + 0.5 * terms[1], rtol=1e-6)
+
+
+def test_per_reward_messages_give_the_expected_shapes():
+    with pytest.raises(
+        ValueError, match=exact_message("`weights` must have shape [R] = (2,), got (3,).")
+    ):
+        fg.per_reward_advantages(np.zeros((2, 4)), [1.0, 2.0, 3.0], groups=2)
+    with pytest.raises(
+        ValueError, match=exact_message("`components` must have shape [R, N], got (4,).")
+    ):
+        fg.per_reward_advantages(np.zeros(4), [1.0], groups=2)
+    with pytest.raises(
+        ValueError, match=exact_message("`weights` must be finite, got [1.0, nan].")
+    ):
+        fg.per_reward_advantages(np.zeros((2, 4)), [1.0, np.nan], groups=2)

@@ -12,6 +12,7 @@ import flowgrpo_eqx as fg
 import flowgrpo_eqx.testing as fgt
 from flowgrpo_eqx.train import Trainer
 from tests import numpy_reference as ref
+from tests.errors import exact_message
 from tests.test_objective import (
     STEP,
     kind_of,
@@ -167,3 +168,14 @@ def test_trainer_logs_the_ratio_per_step():
     for name in ("raw_mean", "raw_std", "normalised_mean", "normalised_std"):
         assert {f"step_ratios/{name}/{j}" for j in range(k)} <= set(metrics)
     assert all(jnp.ndim(value) == 0 for value in metrics.values())
+
+
+# --------------------------------------------------------------------------------------
+# The guard's settings.
+
+
+def test_a_guard_that_does_nothing_is_refused_by_name():
+    message = "`ratio_norm` and `reweight` are both False: the guard does nothing."
+    with pytest.raises(ValueError, match=exact_message(message)):
+        fg.GRPOGuard(ratio_norm=False, reweight=False)
+    assert fg.GRPOGuard(ratio_norm=False).reweight and fg.GRPOGuard(reweight=False).ratio_norm

@@ -11,12 +11,23 @@ import optax
 import pytest
 
 import flowgrpo_eqx as fg
+from flowgrpo_eqx import lora
 from flowgrpo_eqx.shapes_demo import JobConfig
 from flowgrpo_eqx.train import MetricsLog, Trainer, rl_epoch
 from tests import numpy_reference as ref
 from tests.cli_helpers import run_cli
-from tests.errors import NAMED_ARGUMENT_ERRORS
-from tests.test_objective import COND, DIM, NULL, LinearVelocity, numpy_guided
+from tests.errors import NAMED_ARGUMENT_ERRORS, exact_message, raises_named
+from tests.test_guided_flow import _Doubling
+from tests.test_objective import (
+    COND,
+    DIM,
+    NULL,
+    LinearVelocity,
+    _assert_same_trees,
+    _value_and_grad,
+    make_batch as make_transitions,
+    numpy_guided,
+)
 
 
 def make_objective(beta=0.7, adv_max=2.0, guidance=None, **settings):
@@ -324,3 +335,141 @@ def test_one_epoch_function_trains_nft_from_an_ode_rollout_that_records_no_trans
     np.testing.assert_allclose(
         state.variables.old_policy.weight, 0.5 * old_before + 0.5 * live, rtol=1e-6
     )
+
+
+# --------------------------------------------------------------------------------------
+# DiffusionNFT chooses its dtypes itself: enabling x64 changes neither the value nor the
+# gradients of float32 inputs.
+
+
+def test_nft_loss_is_unchanged_by_x64():
+
+    objective = make_objective(guidance=fg.CFG(2.0), kl_beta=0.1)
+    variables = fg.NFTVariables(
+        policy=LinearVelocity(jax.random.key(1)),
+        old_policy=LinearVelocity(jax.random.key(2)),
+        reference=LinearVelocity(jax.random.key(4)),
+    )
+    batch = make_batch(0, poison=True)
+    want = _value_and_grad(objective, variables, batch, STEP)
+    with jax.enable_x64(True):
+        got = _value_and_grad(objective, variables, batch, STEP)
+    _assert_same_trees(got, want)
+
+
+# --------------------------------------------------------------------------------------
+# DiffusionNFT's training batch.
+
+
+def test_the_nft_training_batch_takes_the_final_latents_the_rows_and_their_advantages():
+
+    batch = make_transitions(1, n=3, k=2, steps=4)
+    final = jnp.arange(3 * DIM, dtype=jnp.float32).reshape(3, -1)
+    info = fg.RolloutInfo(
+        rewards=np.zeros(3),
+        reward_mean=np.float32(0.0),
+        zero_std_fraction=0.0,
+        mean_group_std=0.0,
+        samples=final,
+        final=final,
+        seconds={},
+        reward_calls_here=1,
+        window_start=0,
+    )
+    nft = make_objective().training_batch(batch, info)
+    np.testing.assert_array_equal(nft.latents, final)
+    np.testing.assert_array_equal(nft.advantages, batch.advantages)
+    np.testing.assert_array_equal(nft.cond, batch.cond)
+    np.testing.assert_array_equal(nft.mask, [True, True, True])
+    per_transition = make_transitions(1, n=3, k=2, steps=4, advantages_per_transition=True)
+    message = (
+        "DiffusionNFT needs one advantage per row, got Transitions.advantages of shape (3, 2)."
+    )
+    with pytest.raises(ValueError, match=exact_message(message)):
+        make_objective().training_batch(per_transition, info)
+
+
+# --------------------------------------------------------------------------------------
+# DiffusionNFT: documented defaults, the boundaries of its checks, and the LoRA old policy.
+
+
+def _nft(**settings):
+
+    return fg.DiffusionNFTObjective(
+        LinearVelocity(jax.random.key(0)),
+        fg.RectifiedFlow(),
+        fg.InputSpec(),
+        **settings,
+    )
+
+
+def test_nft_defaults_are_the_documented_ones():
+    objective = _nft(guidance=None)
+    assert (objective.beta, objective.adv_max, objective.steps) == (1.0, 5.0, 41)
+    assert objective.pretrained is None and isinstance(objective.sampler, fg.Euler)
+    assert objective.flow.precision == "float32"
+    assert isinstance(objective.flow.autoencoder, fg.IdentityAutoEncoder)
+
+    guided = fg.DiffusionNFTObjective(
+        LinearVelocity(jax.random.key(0)),
+        fg.RectifiedFlow(),
+        fg.InputSpec(null=jnp.asarray(NULL)),
+    )
+    assert guided.flow.guidance == fg.CFG(3.0)
+
+
+def test_nft_passes_its_arguments_on():
+
+    pretrained = LinearVelocity(jax.random.key(7))
+    objective = _nft(
+        guidance=None,
+        autoencoder=_Doubling(),
+        precision="bfloat16",
+        pretrained=pretrained,
+        sampler=fg.Heun(),
+        adv_max=0.5,
+        steps=2,
+    )
+    assert isinstance(objective.flow.autoencoder, _Doubling)
+    assert objective.flow.precision == "bfloat16" and objective.pretrained is pretrained
+    assert isinstance(objective.sampler, fg.Heun)
+    assert (objective.adv_max, objective.steps) == (0.5, 2)
+
+
+def test_nft_messages_are_exact():
+    with raises_named("`sampler` must be an AbstractSolver, got 'euler'."):
+        _nft(guidance=None, sampler="euler")
+    message = (
+        "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference of a policy "
+        "without LoRA adapters: build the variables with `init`."
+    )
+    policy = _nft(guidance=None).initial_policy()
+    with pytest.raises(ValueError, match=exact_message(message)):
+        _nft(guidance=None).reference(fg.NFTVariables(policy, policy, None))
+
+
+def test_final_samples_accept_scalar_latents_and_one_dimensional_rows():
+    batch = fg.FinalSamples(latents=jnp.ones(3), advantages=jnp.ones(3), cond=jnp.arange(3.0))
+    assert batch.num_rows == 3
+    with raises_named("FinalSamples.latents has shape (), expected [N, *latent]."):
+        fg.FinalSamples(latents=jnp.ones(()), advantages=jnp.ones(3), cond=jnp.ones(3))
+    with raises_named("FinalSamples.mask must be a bool array, got dtype int32."):
+        fg.FinalSamples(
+            latents=jnp.ones(3), advantages=jnp.ones(3), cond=jnp.ones(3),
+            mask=jnp.ones(3, jnp.int32),
+        )  # fmt: skip
+
+
+def test_nft_old_policy_of_a_lora_policy_is_the_policy_with_the_old_adapters():
+
+    def adapted(seed):
+        model = lora.add(eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0)), 2, key=jax.random.key(1))
+        noisy = jax.tree.map(
+            lambda a: a + jax.random.normal(jax.random.key(seed), a.shape), lora.adapters(model)
+        )
+        return lora.with_adapters(model, noisy)
+
+    policy, old = adapted(2), adapted(3)
+    got = _nft(guidance=None).old_policy(fg.NFTVariables(policy, lora.adapters(old), None))
+    _assert_same_trees(lora.adapters(got), lora.adapters(old))
+    _assert_same_trees(lora.without_adapters(got), lora.without_adapters(policy))

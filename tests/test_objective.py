@@ -2,7 +2,9 @@
 
 import dataclasses
 import math
+from collections.abc import Iterator
 
+import chex
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,10 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
+from flowgrpo_eqx import lora
 from tests import numpy_reference as ref
+from tests.errors import exact_message, raises_named
+from tests.test_guided_flow import _Doubling
 
 
 SDES = {"flow": fg.FlowSDE, "cps": fg.CoefficientsPreservingSDE}
@@ -484,3 +489,288 @@ def test_heun_solver_is_second_order():
             x = fg.Heun().step(velocity, x, a, b)
         errors.append(abs(float(x[0, 0]) - math.exp(-1)))
     assert errors[0] / errors[1] > 3.5 and errors[1] / errors[2] > 3.5
+
+
+# --------------------------------------------------------------------------------------
+# The objectives choose their dtypes themselves: enabling x64 (where a missing `dtype=`
+# would mean float64) changes neither the values nor the gradients of float32 inputs.
+
+
+@eqx.filter_jit
+def _value_and_grad(objective, variables, batch, step):
+    def value(policy):
+        total, aux = objective.loss(eqx.tree_at(lambda v: v.policy, variables, policy), batch, step)
+        return total.value, (total, aux)
+
+    return eqx.filter_value_and_grad(value, has_aux=True)(variables.policy)
+
+
+def _assert_same_trees(got, want):
+    """The arrays of `got` and `want`: the same structure, dtypes and shapes, bitwise equal.
+    (`assert_trees_all_equal` compares bfloat16 as float32, so the dtypes are checked apart.)"""
+    got, want = eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array)
+    chex.assert_trees_all_equal_dtypes(got, want)
+    chex.assert_trees_all_equal(got, want, strict=True)
+
+
+@pytest.mark.parametrize("beta, guard", [(0.0, None), (0.3, fg.GRPOGuard())])
+def test_flow_grpo_loss_is_unchanged_by_x64(beta, guard):
+
+    objective = eqx.tree_at(
+        lambda o: o.guard,
+        make_objective(beta=beta, old_log_probs="update"),
+        guard,
+        is_leaf=lambda x: x is None,
+    )
+    policy = LinearVelocity(jax.random.key(1))
+    variables = fg.FlowGRPOVariables(policy=policy, reference=LinearVelocity(jax.random.key(2)))
+    batch = make_batch(0, poison=True)
+    step = fg.Step(index=0, key=jax.random.key(3))
+    want = _value_and_grad(objective, variables, batch, step)
+    with jax.enable_x64(True):
+        got = _value_and_grad(objective, variables, batch, step)
+    _assert_same_trees(got, want)
+
+
+# --------------------------------------------------------------------------------------
+# The frozen reference keeps a model's non-array fields.
+
+
+class _ScaledVelocity(eqx.Module):
+    weight: jax.Array
+    scale: float
+
+    def __call__(self, x, t, cond):
+        return self.scale * (self.weight * x) * t
+
+
+def test_the_kl_reference_keeps_non_array_fields():
+
+    def objective(scale):
+        model = _ScaledVelocity(jnp.full(DIM, 0.5), scale)
+        return fg.FlowGRPOObjective(
+            model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.5, clip_range=0.2
+        )
+
+    batch = make_batch(0)
+    step = fg.Step(index=0, key=jax.random.key(0))
+    values = []
+    for scale in (2.0, jnp.asarray(2.0)):
+        variables = objective(scale).init(jax.random.key(0))
+        policy = eqx.tree_at(lambda m: m.weight, variables.policy, jnp.full(DIM, 0.75))
+        total, aux = objective(scale).loss(
+            eqx.tree_at(lambda v: v.policy, variables, policy), batch, step
+        )
+        values.append((float(total.value), float(aux.kl.value)))
+    assert values[0] == values[1] and values[0][1] > 0
+
+
+# --------------------------------------------------------------------------------------
+# FlowGRPOObjective: the boundaries of its checks, exact messages, arguments passed on, and
+# the KL reference of a LoRA policy.
+
+
+def _flow_grpo(**settings):
+
+    return fg.FlowGRPOObjective(
+        LinearVelocity(jax.random.key(0)),
+        fg.RectifiedFlow(),
+        fg.InputSpec(),
+        **settings,
+    )
+
+
+def test_flow_grpo_accepts_its_smallest_settings_and_passes_arguments_on():
+    objective = _flow_grpo(
+        guidance=None,
+        adv_clip_max=0.5,
+        steps=2,
+        autoencoder=_Doubling(),
+        precision="bfloat16",
+        remat=False,
+        guard=fg.GRPOGuard(),
+    )
+    assert (objective.adv_clip_max, objective.steps, objective.remat) == (0.5, 2, False)
+    assert isinstance(objective.flow.autoencoder, _Doubling)
+    assert objective.flow.precision == "bfloat16" and objective.guard == fg.GRPOGuard()
+
+
+def test_flow_grpo_messages_are_exact():
+    with pytest.raises(ValueError, match=exact_message("`steps` must be an int >= 2, got 1.")):
+        _flow_grpo(guidance=None, steps=1)
+    chunk = "`transition_chunk` must be None or an int >= 1, got 0."
+    with pytest.raises(ValueError, match=exact_message(chunk)):
+        _flow_grpo(guidance=None, transition_chunk=0)
+    with raises_named("`sde` must be an AbstractSDE, got 'flow'."):
+        _flow_grpo(guidance=None, sde="flow")
+    with raises_named("`sampler` must be an AbstractSolver, got 'euler'."):
+        _flow_grpo(guidance=None, sampler="euler")
+    with raises_named("`guard` must be a GRPOGuard or None, got 'ratio_norm'."):
+        _flow_grpo(guidance=None, guard="ratio_norm")
+
+
+class _LinearModel(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, t, cond):
+        return self.linear(x) * t
+
+
+def test_the_kl_reference_of_a_lora_policy_is_its_base():
+
+    dim = DIM
+    base = _LinearModel(eqx.nn.Linear(dim, dim, key=jax.random.key(0)))
+    adapted = lora.add(base, 2, key=jax.random.key(1))
+    adapted = lora.with_adapters(
+        adapted,
+        jax.tree.map(lambda a: a + 0.3, lora.adapters(adapted)),
+    )
+    objective = fg.FlowGRPOObjective(
+        base, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.5, clip_range=0.2
+    )
+    batch = make_batch(0)
+    step = fg.Step(index=0, key=jax.random.key(0))
+    _, with_lora = objective.loss(fg.FlowGRPOVariables(adapted, None), batch, step)
+    merged = fg.FlowGRPOVariables(lora.merge(adapted), lora.without_adapters(adapted))
+    _, with_held = objective.loss(merged, batch, step)
+    assert float(with_lora.kl.value) > 0
+    np.testing.assert_allclose(float(with_lora.kl.value), float(with_held.kl.value), rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# FlowGRPOObjective.loss: the clip fractions count ratios strictly outside the clip range,
+# and the per-transition log densities are reported when the step asks.
+
+
+def _single_kept_transition(seed):
+
+    batch = make_batch(seed, n=1, k=2, steps=4)
+    return eqx.tree_at(lambda b: b.transition_mask, batch, jnp.asarray([[True, False]]))
+
+
+@pytest.mark.parametrize("seed", [1, 5])  # ratios 0.78 and 1.32
+def test_a_ratio_exactly_at_the_clip_range_is_not_clipped(seed):
+
+    batch = _single_kept_transition(seed)
+    variables = fg.FlowGRPOVariables(LinearVelocity(jax.random.key(1)), None)
+    step = fg.Step(index=0, key=jax.random.key(0))
+    _, aux = make_objective(clip_range=0.2).loss(variables, batch, step)
+    ratio = np.float32(aux.ratio.total)
+    assert float(aux.counted) == 1.0 and ratio != 1.0
+    boundary = float(abs(ratio - np.float32(1.0)))  # exact in float32 for ratios in [0.5, 2]
+    _, aux = make_objective(clip_range=boundary).loss(variables, batch, step)
+    assert np.float32(aux.ratio.total) == ratio
+    assert float(aux.clipfrac.total) == 0.0
+    assert float(aux.clipfrac_gt_one.total) == 0.0 and float(aux.clipfrac_lt_one.total) == 0.0
+    _, aux = make_objective(clip_range=boundary * 0.99).loss(variables, batch, step)
+    assert float(aux.clipfrac.total) == 1.0
+    assert float(aux.clipfrac_gt_one.total) == float(ratio > 1)
+    assert float(aux.clipfrac_lt_one.total) == float(ratio < 1)
+
+
+def test_the_loss_reports_log_densities_in_the_update_mode():
+
+    objective = make_objective()
+    variables = fg.FlowGRPOVariables(LinearVelocity(jax.random.key(1)), None)
+    batch = make_batch(0)
+    _, aux = objective.loss(variables, batch, fg.Step(index=0, key=jax.random.key(0)))
+    assert aux.log_probs is None
+    objective = make_objective(old_log_probs="update")
+    _, aux = objective.loss(variables, batch, fg.Step(index=0, key=jax.random.key(0)))
+    kept = np.asarray(objective.kept(batch))
+    want = np.where(kept, np.asarray(objective.log_probs(variables, batch)), 0.0)
+    np.testing.assert_allclose(np.asarray(aux.log_probs), want, rtol=1e-6, atol=1e-6)
+    assert np.any(np.asarray(aux.log_probs) != 0.0)
+
+
+def test_transition_allowed_makes_the_forbidden_rows_deterministic():
+
+    objective = make_objective(guidance=False)
+    model = LinearVelocity(jax.random.key(1))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, DIM)), jnp.float32)
+    cond = jnp.asarray(rng.normal(size=(3, COND)), jnp.float32)
+    t = jnp.asarray([0.75, 0.5, 0.625], jnp.float32)
+    t_next = jnp.asarray([0.5, 0.25, 0.375], jnp.float32)
+    allowed = jnp.asarray([True, False, True])
+    mean, std = objective.transition(model, x, t, t_next, cond, allowed)
+    free_mean, free_std = objective.transition(model, x, t, t_next, cond)
+    v = jax.vmap(model)(x, t, cond)
+    for row in range(3):
+        want_mean, want_std = objective.sde.transition(
+            x[row], v[row], t[row], t_next[row], allowed[row]
+        )
+        np.testing.assert_allclose(np.asarray(mean[row]), np.asarray(want_mean), rtol=1e-6)
+        assert float(std[row]) == float(want_std)
+    assert float(std[1]) == 0.0 and float(free_std[1]) > 0.0
+    np.testing.assert_array_equal(np.asarray(std[::2]), np.asarray(free_std[::2]))
+    np.testing.assert_array_equal(np.asarray(mean[::2]), np.asarray(free_mean[::2]))
+
+
+def test_a_lora_policy_holds_no_reference():
+
+    base = _LinearModel(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
+    objective = fg.FlowGRPOObjective(
+        lora.add(base, 2, key=jax.random.key(1)), fg.RectifiedFlow(), fg.InputSpec(),
+        guidance=None, beta=0.5,
+    )  # fmt: skip
+    assert objective.init(jax.random.key(0)).reference is None
+    frozen = fg.FlowGRPOObjective(base, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.5)
+    assert frozen.init(jax.random.key(0)).reference is base
+
+
+# --------------------------------------------------------------------------------------
+# FlowGRPOObjective's scan over transitions: chunks padded only when `K` is not a multiple,
+# and rematerialised by default exactly when there is more than one chunk.
+
+
+def _jaxpr_equations(jaxpr) -> Iterator[object]:
+    for equation in jaxpr.eqns:
+        yield equation
+        for param in equation.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _jaxpr_equations(inner)
+
+
+def _traced_log_probs(chunk, remat, n, k):
+    objective = eqx.tree_at(
+        lambda o: o.remat,
+        make_objective(chunk=chunk),
+        remat,
+        is_leaf=lambda x: x is None,
+    )
+    variables = fg.FlowGRPOVariables(LinearVelocity(jax.random.key(1)), None)
+    batch = make_batch(0, n=n, k=k, steps=k + 2)
+    return list(_jaxpr_equations(eqx.filter_make_jaxpr(objective.log_probs)(variables, batch)[0]))
+
+
+@pytest.mark.parametrize(
+    "chunk, k, num_chunks, per_chunk",
+    [(None, 1, 1, 1), (None, 5, 1, 5), (3, 1, 1, 1), (3, 4, 2, 3), (2, 4, 2, 2), (8, 5, 1, 5)],
+)
+def test_the_scan_evaluates_chunks_of_the_documented_size(chunk, k, num_chunks, per_chunk):
+    n = 2
+    (scan,) = [e for e in _traced_log_probs(chunk, None, n, k) if e.primitive.name == "scan"]
+    first_xs = scan.params["num_consts"] + scan.params["num_carry"]
+    assert scan.params["length"] == num_chunks
+    for xs in scan.invars[first_xs:]:
+        assert xs.aval.shape[:2] == (num_chunks, per_chunk * n)
+
+
+@pytest.mark.parametrize(
+    "chunk, remat, k, expected",
+    [
+        (None, None, 4, False),
+        (4, None, 4, False),
+        (2, None, 4, True),
+        (1, None, 3, True),
+        (None, True, 4, True),
+        (2, False, 4, False),
+    ],
+)
+def test_remat_defaults_to_more_than_one_chunk(chunk, remat, k, expected):
+    remat_primitive = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
+    equations = _traced_log_probs(chunk, remat, 2, k)
+    assert any(e.primitive is remat_primitive for e in equations) == expected

@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,3 +46,26 @@ def test_non_int_steps_named():
 def test_bad_shift_named():
     with pytest.raises(ValueError, match="shift"):
         fg.RectifiedFlow(shift=0.0)
+
+
+# --------------------------------------------------------------------------------------
+# RectifiedFlow.interpolate keeps the data's dtype whatever the time's.
+
+
+def test_interpolate_keeps_a_bfloat16_state_bfloat16():
+    data = jnp.asarray([1.0, -2.0], jnp.bfloat16)
+    noise = jnp.asarray([0.5, 0.5], jnp.bfloat16)
+    got = fg.RectifiedFlow().interpolate(data, noise, jnp.asarray(0.25, jnp.float32))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), [0.875, -1.375])
+
+
+# --------------------------------------------------------------------------------------
+# RectifiedFlow.timesteps is float32 by its own choice, not by JAX's default dtype.
+
+
+def test_grid_is_float32_with_x64_enabled():
+    with jax.enable_x64(True):
+        grid = fg.RectifiedFlow(3.0).timesteps(5)
+        assert grid.dtype == jnp.float32
+        assert float(grid[0]) == 1.0 and float(grid[-1]) == 0.0

@@ -29,6 +29,7 @@ from flowgrpo_eqx.train import (
     save_model,
 )
 from tests.errors import NAMED_ARGUMENT_ERRORS
+from tests.test_guided_flow import _times_model
 
 
 LATENT = 4
@@ -239,6 +240,13 @@ def test_bad_trainer_and_flow_matching_settings():
         FlowMatchingObjective(
             objective.flow.model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None
         )
+
+
+def test_flow_matching_trains_in_float32():
+    objective = fg.train.FlowMatchingObjective(
+        _times_model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, cond_dropout=0.0
+    )
+    assert objective.flow.precision == "float32"
 
 
 def test_checkpointer_keeps_latest_and_restores(tmp_path):
