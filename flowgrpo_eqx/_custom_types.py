@@ -18,6 +18,8 @@ RealScalarLike: TypeAlias = float | int | Float[ArrayLike, ""] | Int[ArrayLike, 
 Latent: TypeAlias = Float[Array, " *latent"]
 Latents: TypeAlias = Float[Array, " N *latent"]
 Times: TypeAlias = Float[Array, " N"]
+ScalarLike: TypeAlias = Float[ArrayLike, ""]
+"""A float scalar: an array of shape `()` or a Python float."""
 Condition: TypeAlias = PyTree[Any]
 """One example's conditioning (unbatched), or a batch of them with a leading `N` axis."""
 Model: TypeAlias = Any
@@ -283,6 +285,7 @@ __all__ = [
     "PyTree",
     "RealScalarLike",
     "Scalar",
+    "ScalarLike",
     "Step",
     "Times",
     "Transitions",

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree
 
-from ._custom_types import Model
+from ._custom_types import Latents, Model, Scalar, Times
 from ._inputs import CFG, AbstractAutoEncoder, IdentityAutoEncoder, InputSpec
 from ._process import AbstractProcess
 from ._sde import AbstractSDE, compute_dtype
@@ -137,13 +137,13 @@ class GuidedFlow(eqx.Module):
         **Arguments:**
 
         - `model`: the model.
-        - `x`: `[B, *latent]` states.
-        - `t`: `[B]` times.
+        - `x`: `[N, *latent]` states.
+        - `t`: `[N]` times.
         - `conditioning`: the model's conditioning (already selected and encoded).
 
         **Returns:**
 
-        `[B, *latent]` velocities in float32 at least.
+        `[N, *latent]` velocities in float32 at least.
 
         **Raises:**
 
@@ -163,24 +163,20 @@ class GuidedFlow(eqx.Module):
         return velocities.astype(compute_dtype(x.dtype))
 
     def velocity(
-        self,
-        model: Model,
-        x: Float[Array, " B *latent"],
-        t: Float[Array, " B"],
-        cond: PyTree[Any],
+        self, model: Model, x: Float[Array, " B *latent"], t: Float[Array, " B"], cond: PyTree[Any]
     ) -> Float[Array, " B *latent"]:
         """The guided velocity of `model` on a batch, both guidance branches in one call.
 
         **Arguments:**
 
         - `model`: the policy or the reference.
-        - `x`: `[B, *latent]` states.
-        - `t`: `[B]` times.
-        - `cond`: the batch's rows (leading axis `B`), reduced by `inputs`.
+        - `x`: `[N, *latent]` states.
+        - `t`: `[N]` times.
+        - `cond`: the batch's rows (leading axis `N`), reduced by `inputs`.
 
         **Returns:**
 
-        `[B, *latent]` velocities in float32 at least.
+        `[N, *latent]` velocities in float32 at least.
 
         **Raises:**
 
@@ -204,12 +200,12 @@ class GuidedFlow(eqx.Module):
         self,
         sde: AbstractSDE,
         model: Model,
-        x: Float[Array, " B *latent"],
-        t: Float[Array, " B"],
-        t_next: Float[Array, " B"],
+        x: Latents,
+        t: Times,
+        t_next: Times,
         cond: PyTree[Any],
-        allowed: Bool[Array, " B"] | None = None,
-    ) -> tuple[Float[Array, " B *latent"], Float[Array, " B"]]:
+        allowed: Bool[Array, " N"] | None = None,
+    ) -> tuple[Latents, Times]:
         """The batch's Gaussian transitions `(mean, std)` under `sde` and the guided velocity.
 
         The one place where a policy becomes a transition: the rollout samples with it and
@@ -220,15 +216,15 @@ class GuidedFlow(eqx.Module):
 
         - `sde`: the SDE (`FlowSDE`, `CoefficientsPreservingSDE`).
         - `model`: the policy or the reference.
-        - `x`: `[B, *latent]` states at `t`.
-        - `t`, `t_next`: `[B]` start and end times.
-        - `cond`: the batch's rows (leading axis `B`).
-        - `allowed`: `[B]`, `False` where the transition must be deterministic whatever the
+        - `x`: `[N, *latent]` states at `t`.
+        - `t`, `t_next`: `[N]` start and end times.
+        - `cond`: the batch's rows (leading axis `N`).
+        - `allowed`: `[N]`, `False` where the transition must be deterministic whatever the
             SDE says (`AbstractSDE.transition`); `None` allows noise everywhere.
 
         **Returns:**
 
-        `(mean, std)`: `[B, *latent]` means and `[B]` stds (0 on deterministic transitions).
+        `(mean, std)`: `[N, *latent]` means and `[N]` stds (0 on deterministic transitions).
 
         **Raises:**
 
@@ -240,13 +236,8 @@ class GuidedFlow(eqx.Module):
         return jax.vmap(sde.transition)(x, v, t, t_next, allowed)
 
     def sample_latents(
-        self,
-        model: Model,
-        cond: PyTree[Any],
-        noise: Float[Array, " N *latent"],
-        sampler: AbstractSolver,
-        steps: int,
-    ) -> Float[Array, " N *latent"]:
+        self, model: Model, cond: PyTree[Any], noise: Latents, sampler: AbstractSolver, steps: int
+    ) -> Latents:
         """Integrate the guided probability-flow ODE from `noise` at t = 1 to t = 0.
 
         **Arguments:**
@@ -264,12 +255,10 @@ class GuidedFlow(eqx.Module):
         grid = self.process.timesteps(steps)
         rows = noise.shape[0]
 
-        def velocity(
-            x: Float[Array, " N *latent"], t: Float[Array, ""]
-        ) -> Float[Array, " N *latent"]:
+        def velocity(x: Latents, t: Scalar) -> Latents:
             return self.velocity(model, x, jnp.full((rows,), t, x.dtype), cond)
 
-        def body(x: Float[Array, " N *latent"], times: Array) -> tuple[Array, None]:
+        def body(x: Latents, times: Array) -> tuple[Array, None]:
             return sampler.step(velocity, x, times[0], times[1]), None
 
         start = noise.astype(compute_dtype(noise.dtype))
@@ -277,7 +266,7 @@ class GuidedFlow(eqx.Module):
         final, _ = jax.lax.scan(body, start, intervals)
         return final
 
-    def decode(self, latents: Float[Array, " N *latent"]) -> Float[Array, " N *sample"]:
+    def decode(self, latents: Latents) -> Float[Array, " N *sample"]:
         """Decode latents to samples in [-1, 1] with the autoencoder (clipped).
 
         **Arguments:**

@@ -1,12 +1,11 @@
 """`DiffusionNFTObjective`: online RL on the forward process from final samples and rewards."""
 
-from collections.abc import Callable, Sequence
 from typing import Any, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from . import lora
 from ._custom_types import FinalSamples, Mean, Model, Step, Transitions
@@ -16,7 +15,7 @@ from ._inputs import CFG, AbstractAutoEncoder, InputSpec
 from ._misc import check_int, check_number
 from ._objective import _stop_gradient
 from ._process import AbstractProcess
-from ._rl import AbstractRLObjective
+from ._rl import AbstractRLObjective, FirstPass, RunUpdate
 from ._rollout import RolloutInfo
 from ._solver import AbstractSolver, Euler
 
@@ -183,10 +182,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         )
 
     def prepare_batch(
-        self,
-        batch: FinalSamples,
-        run_update: Callable[[FinalSamples], Any],
-        first_pass: Sequence[Int[Array, " M"]],
+        self, batch: FinalSamples, run_update: RunUpdate, first_pass: FirstPass
     ) -> FinalSamples:
         del run_update, first_pass
         return batch

@@ -1,12 +1,12 @@
 """`FlowGRPOObjective`: the clipped Flow-GRPO policy objective over recorded transitions."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
 from . import lora
 from ._custom_types import (
@@ -24,7 +24,7 @@ from ._guided_flow import GuidedFlow, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
 from ._misc import check_int, check_number, tile_rows
 from ._process import AbstractProcess
-from ._rl import AbstractRLObjective
+from ._rl import AbstractRLObjective, FirstPass, RunUpdate
 from ._rollout import RolloutInfo
 from ._sde import AbstractSDE, FlowSDE
 from ._solver import AbstractSolver, Euler
@@ -314,10 +314,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         return collected
 
     def prepare_batch(
-        self,
-        batch: Transitions,
-        run_update: Callable[[Transitions], Any],
-        first_pass: Sequence[Int[Array, " M"]],
+        self, batch: Transitions, run_update: RunUpdate, first_pass: FirstPass
     ) -> Transitions:
         """With `old_log_probs="update"`, the batch with its old log densities rescored.
 
@@ -357,30 +354,6 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     def batch_metrics(self, batch: Transitions) -> dict[str, float]:
         """The fraction of recorded transitions the mask keeps, as `kept_fraction`."""
         return {"kept_fraction": float(jnp.mean(batch.transition_mask))}
-
-    # ----------------------------------------------------------------------------------
-    # The guided velocity and the per-transition Gaussian
-
-    def transition(
-        self,
-        model: Model,
-        x: Float[Array, " B *latent"],
-        t: Float[Array, " B"],
-        t_next: Float[Array, " B"],
-        cond: PyTree[Any],
-        allowed: Bool[Array, " B"] | None = None,
-    ) -> tuple[Float[Array, " B *latent"], Float[Array, " B"]]:
-        """`GuidedFlow.transition` under this objective's `sde`: `(mean, std)` per row.
-
-        **Arguments:**
-
-        - `model`, `x`, `t`, `t_next`, `cond`, `allowed`: as `GuidedFlow.transition`.
-
-        **Returns:**
-
-        `(mean, std)`: `[B, *latent]` means and `[B]` stds (0 on deterministic transitions).
-        """
-        return self.flow.transition(self.sde, model, x, t, t_next, cond, allowed)
 
     # ----------------------------------------------------------------------------------
     # Scanning over transitions
@@ -472,7 +445,9 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         policy = variables.policy
 
         def score(inputs: dict[str, Array], cond: PyTree[Any]) -> Float[Array, " B"]:
-            mean, std = self.transition(policy, inputs["x"], inputs["t"], inputs["t_next"], cond)
+            mean, std = self.flow.transition(
+                self.sde, policy, inputs["x"], inputs["t"], inputs["t_next"], cond
+            )
             return jax.vmap(self.sde.log_prob)(inputs["x_next"], mean, std)
 
         inputs = {
@@ -549,11 +524,13 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         }
 
         def per_transition(chunk: dict[str, Array], cond: PyTree[Any]) -> dict[str, Array]:
-            mean, std = self.transition(policy, chunk["x"], chunk["t"], chunk["t_next"], cond)
+            mean, std = self.flow.transition(
+                self.sde, policy, chunk["x"], chunk["t"], chunk["t_next"], cond
+            )
             log_prob = jax.vmap(self.sde.log_prob)(chunk["x_next"], mean, std)
             if reference is not None:
-                mean_ref, _ = self.transition(
-                    reference, chunk["x"], chunk["t"], chunk["t_next"], cond
+                mean_ref, _ = self.flow.transition(
+                    self.sde, reference, chunk["x"], chunk["t"], chunk["t_next"], cond
                 )
                 kl = jax.vmap(self.sde.kl)(mean, mean_ref, std, chunk["t_next"] - chunk["t"])
             else:

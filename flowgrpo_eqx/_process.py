@@ -5,7 +5,9 @@ from typing import final
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float
+from jaxtyping import Array, Float
+
+from ._custom_types import Latent, ScalarLike
 
 
 class AbstractProcess(eqx.Module):
@@ -17,12 +19,7 @@ class AbstractProcess(eqx.Module):
     """
 
     @abc.abstractmethod
-    def interpolate(
-        self,
-        data: Float[Array, " *latent"],
-        noise: Float[Array, " *latent"],
-        t: Float[ArrayLike, ""],
-    ) -> Float[Array, " *latent"]:
+    def interpolate(self, data: Latent, noise: Latent, t: ScalarLike) -> Latent:
         """The noisy state `x_t` between `data` (t = 0) and `noise` (t = 1).
 
         **Arguments:**
@@ -37,9 +34,7 @@ class AbstractProcess(eqx.Module):
         """
 
     @abc.abstractmethod
-    def velocity_target(
-        self, data: Float[Array, " *latent"], noise: Float[Array, " *latent"]
-    ) -> Float[Array, " *latent"]:
+    def velocity_target(self, data: Latent, noise: Latent) -> Latent:
         """The regression target for the velocity `dx_t / dt`.
 
         **Arguments:**
@@ -89,18 +84,11 @@ class RectifiedFlow(AbstractProcess):
         if not self.shift > 0:
             raise ValueError(f"`shift` must be positive, got {self.shift}.")
 
-    def interpolate(
-        self,
-        data: Float[Array, " *latent"],
-        noise: Float[Array, " *latent"],
-        t: Float[ArrayLike, ""],
-    ) -> Float[Array, " *latent"]:
+    def interpolate(self, data: Latent, noise: Latent, t: ScalarLike) -> Latent:
         time = jnp.asarray(t, data.dtype)
         return (1 - time) * data + time * noise
 
-    def velocity_target(
-        self, data: Float[Array, " *latent"], noise: Float[Array, " *latent"]
-    ) -> Float[Array, " *latent"]:
+    def velocity_target(self, data: Latent, noise: Latent) -> Latent:
         return noise - data
 
     def timesteps(self, steps: int) -> Float[Array, " steps"]:

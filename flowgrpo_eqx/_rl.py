@@ -2,7 +2,7 @@
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
 from jaxtyping import Array, Int
 
@@ -12,6 +12,11 @@ from ._rollout import RolloutInfo
 
 
 BatchT = TypeVar("BatchT")
+RunUpdate: TypeAlias = Callable[[Any], Any]
+"""The trainer's update program run on a minibatch without changing the state: the loss's
+auxiliary output."""
+FirstPass: TypeAlias = Sequence[Int[Array, " M"]]
+"""The rows of each minibatch of the first pass of updates, in order."""
 
 
 class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT, BatchT]):
@@ -61,12 +66,7 @@ class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT,
         """
 
     @abc.abstractmethod
-    def prepare_batch(
-        self,
-        batch: BatchT,
-        run_update: Callable[[BatchT], Any],
-        first_pass: Sequence[Int[Array, " M"]],
-    ) -> BatchT:
+    def prepare_batch(self, batch: BatchT, run_update: RunUpdate, first_pass: FirstPass) -> BatchT:
         """The batch as the epoch's updates will see it, before the first update.
 
         **Arguments:**

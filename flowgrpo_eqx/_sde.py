@@ -12,6 +12,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
+from ._custom_types import Latent, Scalar, ScalarLike
+
 
 KLWeighting: TypeAlias = Literal["paper", "released"]
 """`"paper"`: the conditional Gaussian KL; `"released"`: `|dt|` times it, as the released code."""
@@ -102,13 +104,8 @@ class AbstractSDE(eqx.Module):
 
     @abc.abstractmethod
     def gaussian(
-        self,
-        x: Float[Array, " *latent"],
-        v: Float[Array, " *latent"],
-        t: Float[Array, ""],
-        t_next: Float[Array, ""],
-        level: Float[Array, ""],
-    ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
+        self, x: Latent, v: Latent, t: Scalar, t_next: Scalar, level: Scalar
+    ) -> tuple[Latent, Scalar]:
         """The transition's `(mean, std)` at noise level `level` (0 on deterministic steps).
 
         At `level == 0` this must be the deterministic Euler step with std 0. `transition`
@@ -167,12 +164,12 @@ class AbstractSDE(eqx.Module):
 
     def transition(
         self,
-        x: Float[Array, " *latent"],
-        v: Float[Array, " *latent"],
-        t: Float[ArrayLike, ""],
-        t_next: Float[ArrayLike, ""],
+        x: Latent,
+        v: Latent,
+        t: ScalarLike,
+        t_next: ScalarLike,
         allowed: Bool[ArrayLike, ""] = True,
-    ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
+    ) -> tuple[Latent, Scalar]:
         """The Gaussian transition `p(x_next | x)` of one unbatched latent.
 
         **Arguments:**
@@ -195,12 +192,7 @@ class AbstractSDE(eqx.Module):
         level = jnp.where(stochastic, self.noise_level, 0.0).astype(dtype)
         return self.gaussian(x.astype(dtype), v.astype(dtype), start, end, level)
 
-    def sample(
-        self,
-        mean: Float[Array, " *latent"],
-        std: Float[ArrayLike, ""],
-        noise: Float[Array, " *latent"],
-    ) -> Float[Array, " *latent"]:
+    def sample(self, mean: Latent, std: ScalarLike, noise: Latent) -> Latent:
         """Draw `mean + std z` from a standard normal draw `z` shaped like `mean`.
 
         The draw is an argument so that a rollout can make all its draws in one batched call.
@@ -216,12 +208,7 @@ class AbstractSDE(eqx.Module):
         """
         return mean + jnp.asarray(std, mean.dtype) * noise.astype(mean.dtype)
 
-    def log_prob(
-        self,
-        x_next: Float[Array, " *latent"],
-        mean: Float[Array, " *latent"],
-        std: Float[ArrayLike, ""],
-    ) -> Float[Array, ""]:
+    def log_prob(self, x_next: Latent, mean: Latent, std: ScalarLike) -> Scalar:
         """The mean-coordinate Gaussian log density of `x_next`, as the released code uses.
 
         `mean over coordinates of [-(x_next - mean)^2 / (2 std^2) - log std - log(2 pi) / 2]`:
@@ -249,12 +236,8 @@ class AbstractSDE(eqx.Module):
         return jnp.where(positive, jnp.mean(per_coordinate), 0.0)
 
     def kl(
-        self,
-        mean: Float[Array, " *latent"],
-        mean_ref: Float[Array, " *latent"],
-        std: Float[ArrayLike, ""],
-        dt: Float[ArrayLike, ""] | None = None,
-    ) -> Float[Array, ""]:
+        self, mean: Latent, mean_ref: Latent, std: ScalarLike, dt: ScalarLike | None = None
+    ) -> Scalar:
         """The coordinate-averaged KL between two Gaussian transitions of equal std.
 
         With `kl_weighting="paper"`: `mean_coords[(mean - mean_ref)^2] / (2 std^2)`, where
@@ -321,13 +304,8 @@ class FlowSDE(AbstractSDE):
     kl_weighting: KLWeighting = "paper"
 
     def gaussian(
-        self,
-        x: Float[Array, " *latent"],
-        v: Float[Array, " *latent"],
-        t: Float[Array, ""],
-        t_next: Float[Array, ""],
-        level: Float[Array, ""],
-    ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
+        self, x: Latent, v: Latent, t: Scalar, t_next: Scalar, level: Scalar
+    ) -> tuple[Latent, Scalar]:
         dt = t_next - t
         t_star = jnp.where(t == 1, t_next, t)
         sigma = level * jnp.sqrt(t / (1 - t_star))
@@ -372,13 +350,8 @@ class CoefficientsPreservingSDE(AbstractSDE):
             )
 
     def gaussian(
-        self,
-        x: Float[Array, " *latent"],
-        v: Float[Array, " *latent"],
-        t: Float[Array, ""],
-        t_next: Float[Array, ""],
-        level: Float[Array, ""],
-    ) -> tuple[Float[Array, " *latent"], Float[Array, ""]]:
+        self, x: Latent, v: Latent, t: Scalar, t_next: Scalar, level: Scalar
+    ) -> tuple[Latent, Scalar]:
         std = t_next * jnp.sin(level * math.pi / 2)
         data_estimate = x - t * v
         noise_estimate = x + (1 - t) * v

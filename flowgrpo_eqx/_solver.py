@@ -5,23 +5,18 @@ from collections.abc import Callable
 from typing import final
 
 import equinox as eqx
-from jaxtyping import Array, Float
+
+from ._custom_types import Latents, Scalar
 
 
-VelocityFn = Callable[[Float[Array, " N *latent"], Float[Array, ""]], Float[Array, " N *latent"]]
+VelocityFn = Callable[[Latents, Scalar], Latents]
 
 
 class AbstractSolver(eqx.Module):
     """One step of the probability-flow ODE `dx/dt = v(x, t)` from `t` to `t_next`."""
 
     @abc.abstractmethod
-    def step(
-        self,
-        velocity: VelocityFn,
-        x: Float[Array, " N *latent"],
-        t: Float[Array, ""],
-        t_next: Float[Array, ""],
-    ) -> Float[Array, " N *latent"]:
+    def step(self, velocity: VelocityFn, x: Latents, t: Scalar, t_next: Scalar) -> Latents:
         """Advance the batch `x` from time `t` to `t_next`.
 
         **Arguments:**
@@ -40,13 +35,7 @@ class AbstractSolver(eqx.Module):
 class Euler(AbstractSolver):
     """Explicit Euler, one velocity evaluation per step: `step` is `x + v(x, t) (t_next - t)`."""
 
-    def step(
-        self,
-        velocity: VelocityFn,
-        x: Float[Array, " N *latent"],
-        t: Float[Array, ""],
-        t_next: Float[Array, ""],
-    ) -> Float[Array, " N *latent"]:
+    def step(self, velocity: VelocityFn, x: Latents, t: Scalar, t_next: Scalar) -> Latents:
         return x + velocity(x, t) * (t_next - t)
 
 
@@ -60,13 +49,7 @@ class Heun(AbstractSolver):
     defined at the data end, so no special case is needed.
     """
 
-    def step(
-        self,
-        velocity: VelocityFn,
-        x: Float[Array, " N *latent"],
-        t: Float[Array, ""],
-        t_next: Float[Array, ""],
-    ) -> Float[Array, " N *latent"]:
+    def step(self, velocity: VelocityFn, x: Latents, t: Scalar, t_next: Scalar) -> Latents:
         dt = t_next - t
         v_start = velocity(x, t)
         predicted = x + v_start * dt

@@ -693,8 +693,8 @@ def test_transition_allowed_makes_the_forbidden_rows_deterministic():
     t = jnp.asarray([0.75, 0.5, 0.625], jnp.float32)
     t_next = jnp.asarray([0.5, 0.25, 0.375], jnp.float32)
     allowed = jnp.asarray([True, False, True])
-    mean, std = objective.transition(model, x, t, t_next, cond, allowed)
-    free_mean, free_std = objective.transition(model, x, t, t_next, cond)
+    mean, std = objective.flow.transition(objective.sde, model, x, t, t_next, cond, allowed)
+    free_mean, free_std = objective.flow.transition(objective.sde, model, x, t, t_next, cond)
     v = jax.vmap(model)(x, t, cond)
     for row in range(3):
         want_mean, want_std = objective.sde.transition(

@@ -52,7 +52,8 @@ def test_model_computes_in_bfloat16_and_everything_around_it_in_float32():
     bf16 = objective("bfloat16")
     variables = bf16.init(jax.random.key(1))
     batch = make_batch(seed=2)
-    mean, std = bf16.transition(
+    mean, std = bf16.flow.transition(
+        bf16.sde,
         variables.policy,
         batch.latents[:, 0],
         batch.timesteps[:, 0],

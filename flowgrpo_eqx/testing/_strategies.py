@@ -180,7 +180,7 @@ def _transition(
     cond: PyTree[Any],
     noise: Array,
 ) -> tuple[Array, Array]:
-    mean, std = objective.transition(policy, x, t, t_next, cond)
+    mean, std = objective.flow.transition(objective.sde, policy, x, t, t_next, cond)
     x_next = jax.vmap(objective.sde.sample)(mean, std, noise)
     return x_next, jax.vmap(objective.sde.log_prob)(x_next, mean, std)
 
