@@ -82,6 +82,10 @@ class MetricsWriter(Protocol):
         - `name`: the picture's name, e.g. `"preview"`.
         - `image`: a `uint8` array `[H, W, 3]`, or the path of a PNG; `image_pixels` turns
             either into the array.
+
+        **Raises:**
+
+        - `ValueError`: naming `image`, for an array that is not `uint8` `[H, W, 3]`.
         """
         ...
 
@@ -94,6 +98,10 @@ class MetricsWriter(Protocol):
         - `name`: the histogram's name, e.g. `"advantages"`.
         - `values`: numbers of any shape; they may include NaN or inf (`finite_values`
             leaves those out).
+
+        **Raises:**
+
+        - `ValueError`: naming `values`, if it is empty.
         """
         ...
 
@@ -289,50 +297,24 @@ class TensorBoardWriter:
         return self._writer
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        """Write each value as a TensorBoard scalar and flush.
-
-        **Arguments:**
-
-        - `step`, `values`: as `MetricsWriter.scalars`.
-
-        **Raises:**
-
-        - `RuntimeError`: if the writer is closed.
-        """
+        """Write each value as a TensorBoard scalar and flush; arguments and errors as
+        `MetricsWriter.scalars`, and a `RuntimeError` once closed."""
         writer = self._open()
         for key, value in _plain_scalars(values).items():
             writer.add_scalar(key, value, global_step=step)
         writer.flush()
 
     def image(self, step: int, name: str, image: ImageLike) -> None:
-        """Write a TensorBoard image and flush.
-
-        **Arguments:**
-
-        - `step`, `name`, `image`: as `MetricsWriter.image`.
-
-        **Raises:**
-
-        - `ValueError`: naming `image`, for an array that is not `uint8` `[H, W, 3]`.
-        - `RuntimeError`: if the writer is closed.
-        """
+        """Write a TensorBoard image and flush; arguments and errors as `MetricsWriter.image`, and a
+        `RuntimeError` once closed."""
         writer = self._open()
         writer.add_image(name, image_pixels(name, image), global_step=step, dataformats="HWC")
         writer.flush()
 
     def histogram(self, step: int, name: str, values: npt.ArrayLike) -> None:
-        """Write a TensorBoard histogram of the finite values and flush (nothing when
-        none is finite).
-
-        **Arguments:**
-
-        - `step`, `name`, `values`: as `MetricsWriter.histogram`.
-
-        **Raises:**
-
-        - `ValueError`: naming `values`, if it is empty.
-        - `RuntimeError`: if the writer is closed.
-        """
+        """Write a TensorBoard histogram of the finite values and flush (nothing when none is
+        finite); arguments and errors as `MetricsWriter.histogram`, and a `RuntimeError` once
+        closed."""
         writer = self._open()
         finite = finite_values(name, values)
         if finite.size == 0:
@@ -437,46 +419,20 @@ class WandbWriter:
         return self._run
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        """Log the values to the run at `step`.
-
-        **Arguments:**
-
-        - `step`, `values`: as `MetricsWriter.scalars`.
-
-        **Raises:**
-
-        - `RuntimeError`: if the writer is closed.
-        """
+        """Log the values to the run at `step`; arguments and errors as `MetricsWriter.scalars`, and
+        a `RuntimeError` once closed."""
         self._open().log(_plain_scalars(values), step=step)
 
     def image(self, step: int, name: str, image: ImageLike) -> None:
-        """Log a `wandb.Image` at `step`.
-
-        **Arguments:**
-
-        - `step`, `name`, `image`: as `MetricsWriter.image`.
-
-        **Raises:**
-
-        - `ValueError`: naming `image`, for an array that is not `uint8` `[H, W, 3]`.
-        - `RuntimeError`: if the writer is closed.
-        """
+        """Log a `wandb.Image` at `step`; arguments and errors as `MetricsWriter.image`, and a
+        `RuntimeError` once closed."""
         run = self._open()
         run.log({name: self._wandb.Image(image_pixels(name, image))}, step=step)
 
     def histogram(self, step: int, name: str, values: npt.ArrayLike) -> None:
-        """Log a 64-bin `wandb.Histogram` of the finite values at `step` (nothing when
-        none is finite).
-
-        **Arguments:**
-
-        - `step`, `name`, `values`: as `MetricsWriter.histogram`.
-
-        **Raises:**
-
-        - `ValueError`: naming `values`, if it is empty.
-        - `RuntimeError`: if the writer is closed.
-        """
+        """Log a 64-bin `wandb.Histogram` of the finite values at `step` (nothing when none is
+        finite); arguments and errors as `MetricsWriter.histogram`, and a `RuntimeError` once
+        closed."""
         run = self._open()
         finite = finite_values(name, values)
         if finite.size == 0:
