@@ -481,3 +481,30 @@ def test_equinox_faq_filter_spec_trains_exactly_the_selected_submodule():
     assert eqx.tree_equal(after.head, model.head)
     trainable, _ = trainer.split_policy(model)
     assert jax.tree.leaves(trainable.head) == []
+
+
+def test_a_diverging_epoch_is_named_with_its_metrics():
+    objective, rollout, _ = make_setup(beta=0.0)
+    trainer = Trainer(objective, default_optimizer(1e30, 0.0, max_grad_norm=None))
+    state = trainer.init(jax.random.key(0))
+    with pytest.raises(fg.train.TrainingDiverged, match="Training diverged in epoch") as caught:
+        for epoch in range(1, 4):
+            state, _, _ = rl_epoch(
+                trainer, state, rollout, ROWS, jax.random.key(epoch), epoch=epoch,
+                inner_epochs=2, minibatch_rows=4,
+            )  # fmt: skip
+    error = caught.value
+    assert error.epoch >= 1 and error.what in ("loss", "grad_norm", "the policy's parameters")
+    assert {"loss", "grad_norm"} <= set(error.metrics)
+    assert not all(np.isfinite(v) for v in error.metrics.values()) or "parameters" in error.what
+
+
+def test_check_finite_names_the_parameters():
+    from flowgrpo_eqx.train._diverged import check_finite
+
+    policy = {"w": jnp.asarray([1.0, np.inf])}
+    with pytest.raises(fg.train.TrainingDiverged, match="the policy's parameters"):
+        check_finite(3, {"loss": 0.5, "grad_norm": 1.0}, policy)
+    with pytest.raises(fg.train.TrainingDiverged, match="epoch 3: loss is not finite"):
+        check_finite(3, {"loss": float("nan"), "grad_norm": 1.0}, {"w": jnp.ones(2)})
+    check_finite(3, {"loss": 0.5, "grad_norm": 1.0}, {"w": jnp.ones(2), "n": jnp.arange(2)})

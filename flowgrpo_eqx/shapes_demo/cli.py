@@ -224,13 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(config_to_toml(config), end="")
         return 0
     from .. import RewardError, initialize
-    from ..train import CheckpointError
+    from ..train import CheckpointError, TrainingDiverged
 
     try:
         initialize(arguments["coordinator"], arguments["num_processes"], arguments["process_id"])
         return _run(command, config, arguments)
     except Exception as error:  # noqa: BLE001 - a peer's death surfaces as a runtime error
-        named = isinstance(error, (RewardError, CheckpointError, OSError, ValueError))
+        named = isinstance(
+            error, (RewardError, CheckpointError, TrainingDiverged, OSError, ValueError)
+        )
         if named and not (_processes() > 1 and _is_runtime_status(error)):
             print(f"flowgrpo-eqx: error on process {_rank()}: {error}", file=sys.stderr, flush=True)
             return _exit_failed(1)

@@ -8,6 +8,7 @@ from ._checkpoint import (
     load_model as load_model,
     save_model as save_model,
 )
+from ._diverged import TrainingDiverged as TrainingDiverged
 from ._flow_matching import (
     FlowMatchingObjective as FlowMatchingObjective,
     SupervisedBatch as SupervisedBatch,

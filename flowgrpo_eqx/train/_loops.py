@@ -10,6 +10,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._rl import AbstractRLObjective
 from .._rollout import FlowRollout, RolloutInfo
+from ._diverged import check_finite
 from ._metrics_log import MetricsLog as MetricsLog
 from ._trainer import Trainer, TrainState
 
@@ -133,6 +134,8 @@ def rl_epoch(
 
     - `ValueError`: naming `trainer` if its objective is not an `AbstractRLObjective`; as
         `minibatch_count`.
+    - `TrainingDiverged`: with the epoch and its metrics, if the loss, the gradient norm or
+        the policy's parameters are not finite after the epoch's updates.
     """
     objective = trainer.objective
     if not isinstance(objective, AbstractRLObjective):
@@ -159,10 +162,11 @@ def rl_epoch(
             minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
             state, metrics = trainer.update(state, minibatch)
             history.append(metrics)
+    summary = _mean_metrics(history)
+    check_finite(epoch, summary, state.variables.policy)
     state = dataclasses.replace(state, variables=objective.end_epoch(state.variables, epoch))
     if after_updates is not None:
         after_updates(state, batch, info)
-    summary = _mean_metrics(history)
     summary.update(
         reward_mean=float(info.reward_mean),
         reward_zero_std_fraction=info.zero_std_fraction,
