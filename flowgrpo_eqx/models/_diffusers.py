@@ -39,6 +39,18 @@ def _identity(array: _NpArray) -> _NpArray:
     return array
 
 
+def _weight(get: Callable[[MMDiT], eqx.nn.Linear]) -> Callable[[MMDiT], Any]:
+    return lambda m: get(m).weight
+
+
+def _bias(get: Callable[[MMDiT], eqx.nn.Linear]) -> Callable[[MMDiT], Any]:
+    return lambda m: get(m).bias
+
+
+def _in_block(i: int, get: Callable[[Any], Any]) -> Callable[[MMDiT], Any]:
+    return lambda m: get(m.blocks[i])
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     """One diffusers key: the `MMDiT` leaf it fills, its diffusers shape and the conversions."""
@@ -72,9 +84,6 @@ def _modules(model: MMDiT) -> list[_Module]:
     for i, block in enumerate(model.blocks):
         prefix = f"transformer_blocks.{i}"
 
-        def at(i: int, get: Callable[[Any], eqx.nn.Linear]) -> Callable[[MMDiT], eqx.nn.Linear]:
-            return lambda m: get(m.blocks[i])
-
         pairs: list[tuple[str, Callable[[Any], Any]]] = [
             ("norm1.linear", lambda b: b.image.modulation),
             ("norm1_context.linear", lambda b: b.context.modulation),
@@ -104,7 +113,7 @@ def _modules(model: MMDiT) -> list[_Module]:
                 ("ff_context.net.0.proj", lambda b: b.context.fc1),
                 ("ff_context.net.2", lambda b: b.context.fc2),
             ]
-        modules += [_Module(f"{prefix}.{name}", at(i, get)) for name, get in pairs]
+        modules += [_Module(f"{prefix}.{name}", _in_block(i, get)) for name, get in pairs]
     modules += [
         _Module("norm_out.linear", lambda m: m.final_modulation),
         _Module("proj_out", lambda m: m.final_proj),
@@ -124,7 +133,7 @@ def _layout(model: MMDiT) -> list[_Entry]:
             entries.append(
                 _Entry(
                     f"{module.name}.weight",
-                    lambda m, get=get: get(m).weight,
+                    _weight(get),
                     conv_shape,
                     to_ours=lambda a: a.transpose(0, 2, 3, 1).reshape(a.shape[0], -1),
                     to_theirs=lambda a: a.reshape(width, patch, patch, channels).transpose(
@@ -136,13 +145,11 @@ def _layout(model: MMDiT) -> list[_Entry]:
             entries.append(
                 _Entry(
                     f"{module.name}.weight",
-                    lambda m, get=get: get(m).weight,
+                    _weight(get),
                     (out_features, in_features),
                 )
             )
-        entries.append(
-            _Entry(f"{module.name}.bias", lambda m, get=get: get(m).bias, (out_features,))
-        )
+        entries.append(_Entry(f"{module.name}.bias", _bias(get), (out_features,)))
         if module.name == "pos_embed.proj" and model.pos_embed_max_size is not None:
             entries.append(_pos_entry(model))
     if model.qk_norm is not None:
@@ -162,7 +169,7 @@ def _layout(model: MMDiT) -> list[_Entry]:
             entries += [
                 _Entry(
                     f"transformer_blocks.{i}.{name}.weight",
-                    lambda m, i=i, get=get: get(m.blocks[i]),
+                    _in_block(i, get),
                     (head_dim,),
                 )
                 for name, get in names
@@ -441,6 +448,9 @@ def save_diffusers_lora(path: str | os.PathLike[str], model: "LoraModel[MMDiT]")
 
 def _linear_paths(model: MMDiT) -> dict[int, str]:
     """`keystr` of every `eqx.nn.Linear` of `model` (as `LoraModel.layer_paths`), by `id`."""
-    is_linear = lambda node: isinstance(node, eqx.nn.Linear)  # noqa: E731
+
+    def is_linear(node: Any) -> bool:
+        return isinstance(node, eqx.nn.Linear)
+
     nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_linear)[0]
     return {id(node): jax.tree_util.keystr(path) for path, node in nodes if is_linear(node)}

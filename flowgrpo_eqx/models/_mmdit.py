@@ -79,12 +79,15 @@ def _rms_norm(h: Float[Array, "*S H"], weight: Float[Array, " H"]) -> Float[Arra
     """RMSNorm over the last axis, as diffusers' `RMSNorm(eps=1e-6)`: statistics in float32."""
     h32 = h.astype(jnp.float32)
     normed = h32 * jax.lax.rsqrt(jnp.mean(jnp.square(h32), axis=-1, keepdims=True) + _RMS_EPS)
-    out: Float[Array, "*S H"] = normed.astype(weight.dtype) * weight
+    out: Float[Array, "*S H"] = normed.astype(weight.dtype) * weight.reshape(
+        (1,) * (h.ndim - 1) + weight.shape
+    )
     return out
 
 
 def _ones(n: int) -> Float[Array, " n"]:
-    return jax.device_put(np.ones((n,), dtype=np.float32))
+    ones: Float[Array, " n"] = jax.device_put(np.ones((n,), dtype=np.float32))
+    return ones
 
 
 @final
@@ -137,7 +140,10 @@ class _Attention(eqx.Module):
 
 
 def _attend(qkv: Float[Array, "3 S heads head_dim"]) -> Float[Array, "S D"]:
-    attended = jax.nn.dot_product_attention(qkv[0], qkv[1], qkv[2])
+    # jax's attention mixes a half-precision query with its float32 logits internally, which
+    # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
+    with jax.numpy_dtype_promotion("standard"):
+        attended = jax.nn.dot_product_attention(qkv[0], qkv[1], qkv[2])
     return attended.reshape(attended.shape[0], -1)
 
 
