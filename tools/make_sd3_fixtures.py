@@ -8,7 +8,7 @@ by hand, in a separate environment with torch and diffusers:
 
 It has three commands.
 
-`make` (torch venv) writes `tests/data/` (about 150 kB in all):
+`make` (torch venv) writes `tests/data/` (about 330 kB in all):
 
 - `sd3_tiny/` and `sd35_tiny/`: tiny random `SD3Transformer2DModel`s in the diffusers format
   (`config.json`, `diffusion_pytorch_model.safetensors`), SD3's layout and SD3.5's (RMS
