@@ -255,3 +255,18 @@ def test_diffusers_grid_is_the_schedulers_sigmas() -> None:
     assert fg.RectifiedFlow(shift=3.0).grid == "uniform"
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="`?grid`?"):
         fg.RectifiedFlow(grid="karras")  # type: ignore[arg-type]
+
+
+def test_without_a_position_table_size(tmp_path: pathlib.Path) -> None:
+    # diffusers keeps the position buffer out of the checkpoint then, and computes it for the
+    # image's grid with `base_size = sample_size // patch`; so do we.
+    model = MMDiT(image_size=8, depth=2, width=16, heads=2, sample_size=4, key=jax.random.key(0))
+    model.save_diffusers(tmp_path)
+    assert "pos_embed.pos_embed" not in load_file(tmp_path / WEIGHTS)
+    assert json.loads((tmp_path / "config.json").read_text())["pos_embed_max_size"] is None
+    again = MMDiT.from_diffusers(tmp_path, image_size=8, context_length=model.context_length)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Positions step by `base / side` = 2 / 4 along each axis.
+    table = model.position_table()
+    np.testing.assert_allclose(table[1, :2], [np.sin(0.5), np.sin(0.5 / 10_000**0.25)], rtol=1e-6)
