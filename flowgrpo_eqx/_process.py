@@ -1,10 +1,11 @@
 """The rectified-flow process: interpolation, velocity target and the sampling time grid."""
 
 import abc
-from typing import final
+from typing import Literal, final
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from ._custom_types import Latent, ScalarLike
@@ -72,17 +73,27 @@ class RectifiedFlow(AbstractProcess):
 
     - `shift`: the time-shift `s` of the grid, `t = s u / (1 + (s - 1) u)` for a uniform
         `u`. `1.0` (the default) keeps the uniform grid; SD3 uses `3.0`.
+    - `grid`: which `u` are shifted. `"uniform"` (the default): `steps` points evenly from 1
+        to 0. `"diffusers"`: the grid of diffusers' SD3 and SD3.5 pipelines, the sigmas of
+        `FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(steps - 1)`: `steps - 1`
+        points evenly from 1 to `s_min`, the shift of `1/1000`, each shifted (so `s_min` is
+        shifted twice), then a final 0. With `shift=3.0` and 11 points: 1, 0.96013, ...,
+        0.27805, 0.00893, 0.
 
     **Raises:**
 
-    - `ValueError`: if `shift <= 0`, or, from `timesteps`, if `steps` is not an int >= 2.
+    - `ValueError`: if `shift <= 0`, or `grid` is not `"uniform"` or `"diffusers"`; or,
+        from `timesteps`, if `steps` is not an int >= 2.
     """
 
     shift: float = 1.0
+    grid: Literal["uniform", "diffusers"] = "uniform"
 
     def __check_init__(self) -> None:
         if not self.shift > 0:
             raise ValueError(f"`shift` must be positive, got {self.shift}.")
+        if self.grid not in ("uniform", "diffusers"):
+            raise ValueError(f"`grid` must be 'uniform' or 'diffusers', got {self.grid!r}.")
 
     def interpolate(self, data: Latent, noise: Latent, t: ScalarLike) -> Latent:
         time = jnp.asarray(t, data.dtype)
@@ -94,6 +105,13 @@ class RectifiedFlow(AbstractProcess):
     def timesteps(self, steps: int) -> Float[Array, " steps"]:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
             raise ValueError(f"`steps` must be an int of at least 2, got {steps!r}.")
+        if self.grid == "diffusers":
+            # As diffusers' scheduler computes it, in float64 NumPy, then float32.
+            s = float(self.shift)
+            s_min = s * 1e-3 / (1 + (s - 1) * 1e-3)
+            u = np.linspace(1.0, s_min, steps - 1)
+            sigmas = np.append(s * u / (1 + (s - 1) * u), 0.0)
+            return jnp.asarray(sigmas, dtype=jnp.float32)
         uniform = jnp.linspace(1.0, 0.0, steps, dtype=jnp.float32)
         # s u / (s u + 1 - u) equals s u / (1 + (s - 1) u) but is exact at u = 1 and u = 0
         # in float32, so the grid starts at exactly 1 (the SDE's first-step guard needs it).

@@ -1,24 +1,24 @@
-"""An SD3-style multimodal diffusion transformer (MMDiT) velocity network."""
+"""The multimodal diffusion transformer (MMDiT) of Stable Diffusion 3 and 3.5."""
 
 import math
-from typing import Any, TypedDict, final
+import os
+from collections.abc import Sequence
+from typing import Any, Literal, TypedDict, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
-from ._dit import _dense, _layer_norm, _modulate, _sincos_2d, patchify, unpatchify
-from ._mlp import (
-    _init_linears,
-    _uniform_arrays,
-    _zero_linear,
-    sinusoidal_time_features,
-)
+from ._dit import _dense, _layer_norm, _modulate, patchify, unpatchify
+from ._mlp import _init_linears, _uniform_arrays, _zero_linear
 
 
 _TIME_FEATURES = 256
+_RMS_EPS = 1e-6
 
 
 class MMDiTCondition(TypedDict):
@@ -29,7 +29,7 @@ class MMDiTCondition(TypedDict):
 
     - `context`: the per-token embeddings, `[context_length, context_dim]` (in SD3 the CLIP-L
         and CLIP-G penultimate states, zero-padded to 4096 and concatenated with T5-XXL's along
-        the sequence: 77 + 77 tokens).
+        the sequence: 77 + 77 tokens in the reference code, 77 + 256 in diffusers' pipelines).
     - `pooled`: the pooled embedding, `[pooled_dim]` (in SD3 CLIP-L's and CLIP-G's pooled
         outputs concatenated: 768 + 1280 = 2048).
     """
@@ -38,95 +38,233 @@ class MMDiTCondition(TypedDict):
     pooled: Float[Array, " pooled_dim"]
 
 
+def _sd3_time_features(t: Float[Array, ""]) -> Float[Array, " 256"]:
+    """SD3's time features of `t` in [0, 1], in float32, as diffusers computes them.
+
+    diffusers' `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` of the timestep
+    `1000 t`: `[cos(1000 t f_k), sin(1000 t f_k)]` with `f_k = exp(-log(10^4) k / 128)`, each
+    operation in diffusers' order, so the features agree to the last bit or so.
+    """
+    half = _TIME_FEATURES // 2
+    exponent = -math.log(10_000.0) * jnp.arange(half, dtype=jnp.float32) / half
+    args = (1000.0 * t.astype(jnp.float32)) * jnp.exp(exponent)
+    return jnp.concatenate([jnp.cos(args), jnp.sin(args)])
+
+
+def _pos_table(table: int, base: int, width: int) -> npt.NDArray[np.float32]:
+    """diffusers' `get_2d_sincos_pos_embed(width, table, base_size=base)`, `[table**2, width]`.
+
+    Position `i` along an axis is `i / (table / base)` (float32); the first half of the
+    features encodes the column, the second the row, each `[sin, cos]` of the position times
+    `10^4 ** (-k / (width / 4))`, in float64, then float32. Row-major over `(row, column)`.
+    """
+    scale = np.float32(table / base)
+    pos = (np.arange(table, dtype=np.float32) / scale).astype(np.float64)
+    quarter = width // 4
+    omega = 1.0 / 10_000.0 ** (np.arange(quarter, dtype=np.float64) / (width / 4.0))
+    rows, cols = np.meshgrid(pos, pos, indexing="ij")
+
+    def sincos(p: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        out = np.outer(p.reshape(-1), omega)
+        return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+    return np.concatenate([sincos(cols), sincos(rows)], axis=1).astype(np.float32)
+
+
+def _pos_crop(table: int, grid: int) -> tuple[int, int]:
+    """The first row (and column) and the size of the centred `grid x grid` crop."""
+    return (table - grid) // 2, grid
+
+
+def _rms_norm(h: Float[Array, "*S H"], weight: Float[Array, " H"]) -> Float[Array, "*S H"]:
+    """RMSNorm over the last axis, as diffusers' `RMSNorm(eps=1e-6)`: statistics in float32."""
+    h32 = h.astype(jnp.float32)
+    normed = h32 * jax.lax.rsqrt(jnp.mean(jnp.square(h32), axis=-1, keepdims=True) + _RMS_EPS)
+    out: Float[Array, "*S H"] = normed.astype(weight.dtype) * weight.reshape(
+        (1,) * (h.ndim - 1) + weight.shape
+    )
+    return out
+
+
+def _ones(n: int) -> Float[Array, " n"]:
+    ones: Float[Array, " n"] = jax.device_put(np.ones((n,), dtype=np.float32))
+    return ones
+
+
+@final
+class _Attention(eqx.Module):
+    """One token stream's attention weights: its queries, keys, values and output projection.
+
+    diffusers' `Attention`: `to_q`, `to_k`, `to_v` (or `add_q_proj`, ... for the text
+    stream), the optional RMS norms of each head's queries and keys, and `to_out.0` (or
+    `to_add_out`), absent for the last block's pre-only text stream.
+
+    **Arguments:**
+
+    - `width`: the token width.
+    - `heads`: the number of attention heads; divides `width`.
+    - `qk_norm`: whether queries and keys are RMS-normalised per head.
+    - `has_out`: whether the stream has an output projection.
+    - `key`: a JAX PRNG key for the initialisation.
+    """
+
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    norm_q: Float[Array, " head_dim"] | None
+    norm_k: Float[Array, " head_dim"] | None
+    out: eqx.nn.Linear | None
+    heads: int = eqx.field(static=True)
+
+    def __init__(
+        self, width: int, heads: int, qk_norm: bool, has_out: bool, *, key: PRNGKeyArray
+    ) -> None:
+        self.heads = heads
+        linears = _init_linears([(width, width)] * (4 if has_out else 3), key=key)
+        self.q, self.k, self.v = linears[:3]
+        self.out = linears[3] if has_out else None
+        head_dim = width // heads
+        self.norm_q = _ones(head_dim) if qk_norm else None
+        self.norm_k = _ones(head_dim) if qk_norm else None
+
+    def qkv(self, h: Float[Array, "S D"]) -> Float[Array, "3 S heads head_dim"]:
+        """The queries, keys and values of the (already modulated) tokens, split into heads."""
+        seq, width = h.shape
+
+        def heads(linear: eqx.nn.Linear) -> Float[Array, "S heads head_dim"]:
+            return _dense(linear, h).reshape(seq, self.heads, width // self.heads)
+
+        q, k, v = heads(self.q), heads(self.k), heads(self.v)
+        if self.norm_q is not None and self.norm_k is not None:
+            q, k = _rms_norm(q, self.norm_q), _rms_norm(k, self.norm_k)
+        return jnp.stack([q, k, v])
+
+
+def _attend(qkv: Float[Array, "3 S heads head_dim"]) -> Float[Array, "S D"]:
+    # jax's attention mixes a half-precision query with its float32 logits internally, which
+    # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
+    with jax.numpy_dtype_promotion("standard"):
+        attended = jax.nn.dot_product_attention(qkv[0], qkv[1], qkv[2])
+    return attended.reshape(attended.shape[0], -1)
+
+
 @final
 class _Stream(eqx.Module):
     """One stream's weights (text or image) in one MMDiT block.
 
-    `pre_only` keeps only what the joint attention needs from this stream (its adaLN shift and
-    scale and its QKV): SD3's last block does this for the text stream, whose output is unused.
+    `modulation` is diffusers' adaLN linear, its output rows in diffusers' chunk order: for
+    a full stream (`AdaLayerNormZero`) shift, scale and gate of the attention, then of the
+    feed-forward; for the image stream of a dual-attention block (SD3.5's
+    `SD35AdaLayerNormZeroX`) three more, shift, scale and gate of the second attention; for
+    the last block's pre-only text stream (`AdaLayerNormContinuous`) scale, then shift. A
+    pre-only stream keeps only what the joint attention needs from it (its modulation and
+    its queries, keys and values): its output is unused.
 
     **Arguments:**
 
     - `width`: the token width.
     - `heads`: the number of attention heads; divides `width`.
-    - `mlp_ratio`: the MLP hidden width over `width`.
-    - `pre_only`: whether to keep only the adaLN shift and scale and the QKV.
+    - `mlp_ratio`: the feed-forward hidden width over `width`.
+    - `qk_norm`: whether queries and keys are RMS-normalised per head.
+    - `pre_only`: whether to keep only the modulation and the queries, keys and values.
+    - `dual`: whether the block has a second, image-only attention (image stream only).
     - `key`: a JAX PRNG key for the initialisation.
     """
 
     modulation: eqx.nn.Linear
-    qkv: eqx.nn.Linear
-    proj: eqx.nn.Linear | None
+    attn: _Attention
     fc1: eqx.nn.Linear | None
     fc2: eqx.nn.Linear | None
-    heads: int = eqx.field(static=True)
     pre_only: bool = eqx.field(static=True)
-
-    def __init__(
-        self, width: int, heads: int, mlp_ratio: int, pre_only: bool, *, key: PRNGKeyArray
-    ) -> None:
-        self.heads = heads
-        self.pre_only = pre_only
-        self.modulation = _zero_linear(width, (2 if pre_only else 6) * width, key=key)
-        dims = [(width, 3 * width)]
-        if not pre_only:
-            dims += [(width, width), (width, mlp_ratio * width), (mlp_ratio * width, width)]
-        linears = _init_linears(dims, key=key)
-        self.qkv = linears[0]
-        if pre_only:
-            self.proj = self.fc1 = self.fc2 = None
-        else:
-            self.proj, self.fc1, self.fc2 = linears[1:]
-
-    def qkv_heads(
-        self, h: Float[Array, "S D"], mod: Float[Array, "M D"]
-    ) -> Float[Array, "3 S heads head_dim"]:
-        """The queries, keys and values of the adaLN-modulated tokens, split into heads."""
-        seq, width = h.shape
-        qkv = _dense(self.qkv, _modulate(_layer_norm(h), mod[0], mod[1]))
-        return qkv.reshape(seq, 3, self.heads, width // self.heads).transpose(1, 0, 2, 3)
-
-    def residual(
-        self, h: Float[Array, "S D"], attended: Float[Array, "S D"], mod: Float[Array, "M D"]
-    ) -> Float[Array, "S D"]:
-        """The gated attention and MLP residuals added to the tokens (unchanged if pre-only)."""
-        if self.proj is None or self.fc1 is None or self.fc2 is None:
-            return h
-        _, _, gate_a, shift_m, scale_m, gate_m = mod
-        h = h + gate_a[None, :] * _dense(self.proj, attended)
-        hidden = jax.nn.gelu(_dense(self.fc1, _modulate(_layer_norm(h), shift_m, scale_m)))
-        out: Float[Array, "S D"] = h + gate_m[None, :] * _dense(self.fc2, hidden)
-        return out
-
-
-@final
-class _MMDiTBlock(eqx.Module):
-    """One MMDiT block: per-stream adaLN-Zero and weights, one joint attention over both.
-
-    **Arguments:**
-
-    - `width`: the token width.
-    - `heads`: the number of attention heads; divides `width`.
-    - `mlp_ratio`: the MLP hidden width over `width`.
-    - `context_pre_only`: whether the text stream is pre-only (SD3's last block).
-    - `key`: a JAX PRNG key for the initialisation.
-    """
-
-    context: _Stream
-    image: _Stream
 
     def __init__(
         self,
         width: int,
         heads: int,
         mlp_ratio: int,
-        context_pre_only: bool,
+        qk_norm: bool,
+        pre_only: bool,
+        dual: bool = False,
         *,
         key: PRNGKeyArray,
     ) -> None:
-        k_context, k_image = jax.random.split(key)
-        self.context = _Stream(width, heads, mlp_ratio, context_pre_only, key=k_context)
-        self.image = _Stream(width, heads, mlp_ratio, False, key=k_image)
+        k_attn, k_mlp = jax.random.split(key)
+        self.pre_only = pre_only
+        chunks = 2 if pre_only else 9 if dual else 6
+        self.modulation = _zero_linear(width, chunks * width, key=key)
+        self.attn = _Attention(width, heads, qk_norm, not pre_only, key=k_attn)
+        if pre_only:
+            self.fc1 = self.fc2 = None
+        else:
+            self.fc1, self.fc2 = _init_linears(
+                [(width, mlp_ratio * width), (mlp_ratio * width, width)], key=k_mlp
+            )
+
+    def attention_input(
+        self, h: Float[Array, "S D"], mod: Float[Array, "M D"]
+    ) -> Float[Array, "S D"]:
+        """The tokens normalised and modulated for the (joint) attention."""
+        if self.pre_only:
+            return _modulate(_layer_norm(h), mod[1], mod[0])
+        return _modulate(_layer_norm(h), mod[0], mod[1])
+
+    def residual(
+        self, h: Float[Array, "S D"], attended: Float[Array, "S D"], mod: Float[Array, "M D"]
+    ) -> Float[Array, "S D"]:
+        """The gated attention residual added to the tokens (unchanged if pre-only)."""
+        if self.attn.out is None:
+            return h
+        out: Float[Array, "S D"] = h + mod[2][None, :] * _dense(self.attn.out, attended)
+        return out
+
+    def feed_forward(self, h: Float[Array, "S D"], mod: Float[Array, "M D"]) -> Float[Array, "S D"]:
+        """The gated tanh-GELU feed-forward residual added to the tokens."""
+        if self.fc1 is None or self.fc2 is None:
+            return h
+        hidden = jax.nn.gelu(
+            _dense(self.fc1, _modulate(_layer_norm(h), mod[3], mod[4])), approximate=True
+        )
+        out: Float[Array, "S D"] = h + mod[5][None, :] * _dense(self.fc2, hidden)
+        return out
+
+
+@final
+class _MMDiTBlock(eqx.Module):
+    """One MMDiT block (diffusers' `JointTransformerBlock`).
+
+    Per-stream adaLN-Zero and weights, one joint attention over both streams and, in SD3.5's
+    dual-attention blocks, a second attention over the image tokens alone (`attn2`).
+
+    **Arguments:**
+
+    - `width`: the token width.
+    - `heads`: the number of attention heads; divides `width`.
+    - `mlp_ratio`: the feed-forward hidden width over `width`.
+    - `qk_norm`: whether queries and keys are RMS-normalised per head.
+    - `context_pre_only`: whether the text stream is pre-only (the last block).
+    - `dual`: whether the block has the image-only second attention.
+    - `key`: a JAX PRNG key for the initialisation.
+    """
+
+    context: _Stream
+    image: _Stream
+    attn2: _Attention | None
+
+    def __init__(
+        self,
+        width: int,
+        heads: int,
+        mlp_ratio: int,
+        qk_norm: bool,
+        context_pre_only: bool,
+        dual: bool = False,
+        *,
+        key: PRNGKeyArray,
+    ) -> None:
+        k_context, k_image, k_attn2 = jax.random.split(key, 3)
+        self.context = _Stream(width, heads, mlp_ratio, qk_norm, context_pre_only, key=k_context)
+        self.image = _Stream(width, heads, mlp_ratio, qk_norm, False, dual, key=k_image)
+        self.attn2 = _Attention(width, heads, qk_norm, True, key=k_attn2) if dual else None
 
     def __call__(
         self,
@@ -149,58 +287,71 @@ class _MMDiTBlock(eqx.Module):
         """
         width = c.shape[0]
         silu_c = jax.nn.silu(c)
-        mod_context = self.context.modulation(silu_c).reshape(-1, width)
-        mod_image = self.image.modulation(silu_c).reshape(-1, width)
+        mod_context = _dense(self.context.modulation, silu_c[None])[0].reshape(-1, width)
+        mod_image = _dense(self.image.modulation, silu_c[None])[0].reshape(-1, width)
+        # diffusers' order, image tokens first: the same attention, the same rounding.
         qkv = jnp.concatenate(
-            [self.context.qkv_heads(context, mod_context), self.image.qkv_heads(image, mod_image)],
+            [
+                self.image.attn.qkv(self.image.attention_input(image, mod_image)),
+                self.context.attn.qkv(self.context.attention_input(context, mod_context)),
+            ],
             axis=1,
         )
-        attended = jax.nn.dot_product_attention(qkv[0], qkv[1], qkv[2])
-        attended = attended.reshape(attended.shape[0], width)
-        length = context.shape[0]
-        return (
-            self.context.residual(context, attended[:length], mod_context),
-            self.image.residual(image, attended[length:], mod_image),
+        attended = _attend(qkv)
+        length = image.shape[0]
+        new_image = self.image.residual(image, attended[:length], mod_image)
+        if self.attn2 is not None and self.attn2.out is not None:
+            image_in2 = _modulate(_layer_norm(image), mod_image[6], mod_image[7])
+            second = _dense(self.attn2.out, _attend(self.attn2.qkv(image_in2)))
+            new_image = new_image + mod_image[8][None, :] * second
+        new_image = self.image.feed_forward(new_image, mod_image)
+        new_context = self.context.feed_forward(
+            self.context.residual(context, attended[length:], mod_context), mod_context
         )
+        return new_context, new_image
 
 
 @final
 class MMDiT(eqx.Module):
-    """An SD3-style multimodal diffusion transformer velocity network `v(x, t, cond)`.
+    """The multimodal diffusion transformer of SD3 and SD3.5 as a velocity network `v(x, t, cond)`.
 
-    The MMDiT of Stable Diffusion 3 (Esser et al. 2024, arXiv:2403.03206) on one unbatched
-    channels-last latent. Two token streams, each with its own weights:
+    The MMDiT of Stable Diffusion 3 (Esser et al. 2024, arXiv:2403.03206) and 3.5 on one
+    unbatched channels-last latent, computing what diffusers' `SD3Transformer2DModel`
+    computes (`from_diffusers` loads its weights, `save_diffusers` writes them back). Two
+    token streams, each with its own weights:
 
-    - image: the latent cut into `patch x patch` patches, each linearly embedded, plus fixed
-        2D sin-cos positional features;
+    - image: the latent cut into `patch x patch` patches, each linearly embedded (diffusers'
+        strided convolution), plus fixed 2D sin-cos position features, cropped from the
+        centre of a `pos_embed_max_size`-square table as diffusers does;
     - text: the context token embeddings, linearly mapped to the token width.
 
-    Every block modulates each stream with its own adaLN-Zero (shift, scale, gate for the
-    attention and for the MLP) from one conditioning vector `c = time_mlp(t) + pooled_mlp(
-    pooled)`, projects each stream to queries, keys and values with its own weights, runs one
-    joint attention (`jax.nn.dot_product_attention`) over the concatenated `[text; image]`
-    sequence, and splits the result back for each stream's own output projection and GELU MLP.
-    The final layer is adaLN on the image tokens and a linear map to `patch * patch *
-    channels` per token, then unpatchify. The adaLN modulations and the final projection are
-    zero-initialised, so every block is the identity at init and the initial velocity is
-    exactly 0.
+    The conditioning vector is `c = time_mlp(features(1000 t)) + pooled_mlp(pooled)`, with
+    diffusers' 256 sinusoidal time features (cosines first) of the timestep `1000 t`. Every
+    block modulates each stream with its own adaLN-Zero (shift, scale, gate for the
+    attention and for the tanh-GELU feed-forward, in diffusers' chunk order), projects each
+    stream to queries, keys and values with its own weights (RMS-normalised per head when
+    `qk_norm="rms_norm"`), runs one joint attention over both sequences, and splits the
+    result back for each stream's own output projection and feed-forward. SD3.5's
+    dual-attention blocks (`dual_attention_layers`) add a second, image-only attention with
+    its own modulation. The last block's text stream is pre-only: it supplies keys and
+    values but has no output projection or feed-forward. The final layer is a continuous
+    adaLN (scale, then shift) on the image tokens and a linear map to `patch * patch *
+    channels` per token, then unpatchify.
 
-    As in SD3, the last block's text stream is pre-only: it supplies keys and values (and
-    queries, whose outputs are unused) but has no output projection or MLP. What differs from
-    SD3: the linear layers keep Equinox's default uniform init (SD3 uses Xavier uniform); the
-    positional features are the `DiT`'s 2D sin-cos features for this grid, not cropped from
-    SD3's 192 x 192 table; and there is no QK-norm,
-    no MMDiT-X self-attention branch (SD3.5) and no skip-layer or ControlNet hooks.
+    A fresh model's adaLN modulations and final projection are zero, so every block is the
+    identity at init and the initial velocity is exactly 0; the other linear layers keep
+    Equinox's default uniform init and the query and key norms start at one.
 
     `cond` is an `MMDiTCondition` dict `{"context": [context_length, context_dim], "pooled":
     [pooled_dim]}`, as a text encoder gives it. If `vocab_size` is given, `cond` is instead a
     `[context_length]` array of token ids in `[0, vocab_size)` (ids outside are clipped) and
     the model embeds them itself: context = a token table plus a learned per-position table,
     and pooled = the mean over tokens of a second token table. This stands in for a text
-    encoder in small tests and demos.
+    encoder in small tests and demos (such a model has no diffusers counterpart).
 
-    `MMDiT.sd3_medium_config()` gives the SD3-Medium sizes (about 2.03 billion parameters).
-    Computes in the dtype of its parameters and returns the dtype of `x`.
+    `MMDiT.sd3_medium_config()` gives SD3-Medium (2,034,619,456 parameters with the cropped
+    position table), `MMDiT.sd35_medium_config()` SD3.5-Medium. Computes in the dtype of its
+    parameters and returns the dtype of `x`.
 
     **Arguments:**
 
@@ -208,20 +359,33 @@ class MMDiT(eqx.Module):
     - `channels`: the number of latent channels.
     - `patch`: the patch size; divides `image_size`.
     - `depth`: the number of blocks.
-    - `width`: the token width; `None` means SD3's `64 * depth`.
+    - `width`: the token width, a multiple of 4; `None` means SD3's `64 * depth`.
     - `heads`: the number of attention heads, dividing `width`; `None` means SD3's `depth`.
-    - `mlp_ratio`: the MLP hidden width over `width`.
+    - `mlp_ratio`: the feed-forward hidden width over `width` (4 in diffusers).
     - `context_length`: the number of text tokens.
     - `context_dim`: the width of the text token embeddings.
     - `pooled_dim`: the width of the pooled text embedding.
     - `vocab_size`: `None` for float text embeddings as `cond`, or the number of token ids
         for token-id `cond`.
+    - `qk_norm`: `None`, or `"rms_norm"` to RMS-normalise each head's queries and keys
+        (SD3.5).
+    - `dual_attention_layers`: the indices of the blocks with SD3.5's second, image-only
+        attention.
+    - `pos_embed_max_size`: the side of the position table the image's is cropped from
+        (diffusers' `pos_embed_max_size`), at least `image_size // patch`; `None` for a
+        table of exactly the image's grid.
+    - `sample_size`: the latent size the position table is laid out for (diffusers'
+        `sample_size`: a position step is `(sample_size / patch) / table side`); `None`
+        means `image_size`.
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
 
     - `ValueError`: naming the argument, when a size is not a positive int, or `patch` does
-        not divide `image_size`, or `heads` does not divide `width`.
+        not divide `image_size` or `sample_size`, or `heads` does not divide `width`, or
+        `width` is not a multiple of 4, or `qk_norm` is not `None` or `"rms_norm"`, or a
+        dual attention layer is not a block index, or `pos_embed_max_size` is less than
+        `image_size // patch`.
     """
 
     patch_embed: eqx.nn.Linear
@@ -246,6 +410,10 @@ class MMDiT(eqx.Module):
     context_dim: int = eqx.field(static=True)
     pooled_dim: int = eqx.field(static=True)
     vocab_size: int | None = eqx.field(static=True)
+    qk_norm: Literal["rms_norm"] | None = eqx.field(static=True)
+    dual_attention_layers: tuple[int, ...] = eqx.field(static=True)
+    pos_embed_max_size: int | None = eqx.field(static=True)
+    sample_size: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -260,12 +428,17 @@ class MMDiT(eqx.Module):
         context_dim: int = 32,
         pooled_dim: int = 32,
         vocab_size: int | None = None,
+        qk_norm: Literal["rms_norm"] | None = None,
+        dual_attention_layers: Sequence[int] = (),
+        pos_embed_max_size: int | None = None,
+        sample_size: int | None = None,
         *,
         key: PRNGKeyArray,
     ) -> None:
         check_int("depth", depth, 1)
         width = 64 * depth if width is None else width
         heads = depth if heads is None else heads
+        sample_size = image_size if sample_size is None else sample_size
         for name, value in (
             ("image_size", image_size),
             ("channels", channels),
@@ -276,14 +449,29 @@ class MMDiT(eqx.Module):
             ("context_length", context_length),
             ("context_dim", context_dim),
             ("pooled_dim", pooled_dim),
+            ("sample_size", sample_size),
         ):
             check_int(name, value, 1)
         if vocab_size is not None:
             check_int("vocab_size", vocab_size, 1)
         if image_size % patch != 0:
             raise ValueError(f"`patch` ({patch}) must divide `image_size` ({image_size}).")
+        if sample_size % patch != 0:
+            raise ValueError(f"`patch` ({patch}) must divide `sample_size` ({sample_size}).")
         if width % heads != 0:
             raise ValueError(f"`heads` ({heads}) must divide `width` ({width}).")
+        if width % 4 != 0:
+            raise ValueError(f"`width` must be a multiple of 4, got {width}.")
+        if qk_norm not in (None, "rms_norm"):
+            raise ValueError(f"`qk_norm` must be None or 'rms_norm', got {qk_norm!r}.")
+        dual = tuple(dual_attention_layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth for i in dual):
+            raise ValueError(
+                f"`dual_attention_layers` must be block indices in [0, {depth}), got {dual!r}."
+            )
+        grid = image_size // patch
+        if pos_embed_max_size is not None:
+            check_int("pos_embed_max_size", pos_embed_max_size, grid)
         self.image_size = image_size
         self.channels = channels
         self.patch = patch
@@ -295,8 +483,11 @@ class MMDiT(eqx.Module):
         self.context_dim = context_dim
         self.pooled_dim = pooled_dim
         self.vocab_size = vocab_size
+        self.qk_norm = qk_norm
+        self.dual_attention_layers = tuple(sorted(set(dual)))
+        self.pos_embed_max_size = pos_embed_max_size
+        self.sample_size = sample_size
 
-        grid = image_size // patch
         patch_dim = patch * patch * channels
         k_lin, k_emb, k_final, *k_blocks = (jax.random.fold_in(key, i) for i in range(3 + depth))
         (
@@ -319,7 +510,7 @@ class MMDiT(eqx.Module):
         )
         self.time_mlp = (time_0, time_1)
         self.pooled_mlp = (pooled_0, pooled_1)
-        self.pos_embed = jax.device_put(_sincos_2d(grid, width))
+        self.pos_embed = jax.device_put(self.position_table())
         if vocab_size is None:
             self.token_embed = self.token_pos_embed = self.pooled_token_embed = None
         else:
@@ -334,20 +525,53 @@ class MMDiT(eqx.Module):
                 ],
             )
         self.blocks = tuple(
-            _MMDiTBlock(width, heads, mlp_ratio, i == depth - 1, key=k)
+            _MMDiTBlock(
+                width,
+                heads,
+                mlp_ratio,
+                qk_norm is not None,
+                i == depth - 1,
+                i in self.dual_attention_layers,
+                key=k,
+            )
             for i, k in enumerate(k_blocks)
         )
         self.final_modulation = _zero_linear(width, 2 * width, key=k_final)
         self.final_proj = _zero_linear(width, patch_dim, key=k_final)
 
+    def position_table(self, full: bool = False) -> npt.NDArray[np.float32]:
+        """The fixed position features, as diffusers' `PatchEmbed` computes them.
+
+        **Arguments:**
+
+        - `full`: `False` for this image's `[(image_size // patch)**2, width]` features (the
+            centred crop of the table), `True` for the whole `[side**2, width]` table
+            (`side` is `pos_embed_max_size`, or the image's grid without one).
+
+        **Returns:**
+
+        A float32 NumPy array.
+        """
+        grid = self.image_size // self.patch
+        side = grid if self.pos_embed_max_size is None else self.pos_embed_max_size
+        table = _pos_table(side, self.sample_size // self.patch, self.width)
+        if full:
+            return table
+        top, size = _pos_crop(side, grid)
+        square = table.reshape(side, side, self.width)[top : top + size, top : top + size]
+        return np.ascontiguousarray(square.reshape(size * size, self.width))
+
     @classmethod
     def sd3_medium_config(cls) -> dict[str, Any]:
-        """The constructor arguments of SD3-Medium's MMDiT (about 2.03 billion parameters).
+        """The constructor arguments of SD3-Medium's MMDiT (2,034,619,456 parameters).
 
-        Depth 24, so width `64 * 24 = 1536` and 24 heads; patch 2 on the 128 x 128 x 16
-        latents of 1024 x 1024 images; 154 text tokens (77 CLIP + 77 T5) of width 4096;
-        pooled width 2048; MLP ratio 4. Use as `MMDiT(**MMDiT.sd3_medium_config(), key=key)`,
-        or under `eqx.filter_eval_shape` to inspect it without allocating it.
+        diffusers' `stabilityai/stable-diffusion-3-medium-diffusers` transformer: depth 24,
+        so width `64 * 24 = 1536` and 24 heads; patch 2 on the 128 x 128 x 16 latents of
+        1024 x 1024 images, position table 192 (diffusers counts 2,028,328,000 parameters,
+        without the position table; ours holds its `64 * 64 x 1536` crop); 154 text tokens
+        (77 CLIP + 77 T5) of width 4096; pooled width 2048; MLP ratio 4. Use as
+        `MMDiT(**MMDiT.sd3_medium_config(), key=key)`, or under `eqx.filter_eval_shape` to
+        inspect it without allocating it.
 
         **Returns:**
 
@@ -365,7 +589,109 @@ class MMDiT(eqx.Module):
             context_dim=4096,
             pooled_dim=2048,
             vocab_size=None,
+            qk_norm=None,
+            dual_attention_layers=(),
+            pos_embed_max_size=192,
+            sample_size=128,
         )
+
+    @classmethod
+    def sd35_medium_config(cls) -> dict[str, Any]:
+        """The constructor arguments of SD3.5-Medium's MMDiT.
+
+        diffusers' `stabilityai/stable-diffusion-3.5-medium` transformer `config.json`:
+        `num_layers 24, attention_head_dim 64, num_attention_heads 24, joint_attention_dim
+        4096, caption_projection_dim 1536, pooled_projection_dim 2048, pos_embed_max_size
+        384, dual_attention_layers 0-12, qk_norm rms_norm`, on 128 x 128 x 16 latents. diffusers
+        counts 2,243,171,520 parameters (its position buffer not counted); ours adds the
+        `64 * 64 x 1536` crop of the table. 333 text tokens (77 CLIP + 256 T5, diffusers'
+        pipeline default).
+
+        **Returns:**
+
+        A dict of keyword arguments for `MMDiT`.
+        """
+        return dict(
+            image_size=128,
+            channels=16,
+            patch=2,
+            depth=24,
+            width=1536,
+            heads=24,
+            mlp_ratio=4,
+            context_length=333,
+            context_dim=4096,
+            pooled_dim=2048,
+            vocab_size=None,
+            qk_norm="rms_norm",
+            dual_attention_layers=tuple(range(13)),
+            pos_embed_max_size=384,
+            sample_size=128,
+        )
+
+    @classmethod
+    def from_diffusers(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        image_size: int | None = None,
+        context_length: int = 333,
+        dtype: Any = None,
+    ) -> "MMDiT":
+        """Read a diffusers `SD3Transformer2DModel` folder (SD3 or SD3.5) into an `MMDiT`.
+
+        The folder holds `config.json` and `diffusion_pytorch_model.safetensors` (or the
+        shards a `diffusion_pytorch_model.safetensors.index.json` lists), as
+        `SD3Transformer2DModel.save_pretrained` writes them: a pipeline's `transformer/`
+        subfolder. Read with `safetensors` into NumPy; torch is not needed. The model computes
+        what diffusers' does, on our conventions: one unbatched channels-last latent, `t` in
+        [0, 1] (diffusers' timestep is `1000 t`), an `MMDiTCondition`, the velocity out.
+
+        **Arguments:**
+
+        - `path`: the folder.
+        - `image_size`: the latent size to run at (the position features are cropped for
+            it); `None` means the config's `sample_size`.
+        - `context_length`: the number of text tokens of `cond["context"]`; diffusers'
+            SD3 pipelines give 77 CLIP + 256 T5 = 333.
+        - `dtype`: the parameters' dtype, e.g. `jnp.bfloat16`; `None` keeps the
+            checkpoint's (float32 for a float32 checkpoint).
+
+        **Returns:**
+
+        The `MMDiT`.
+
+        **Raises:**
+
+        - `ValueError`: when the config is not an SD3 transformer's that `MMDiT` can hold, or
+            a key of the checkpoint maps to no leaf (all such keys listed), or a leaf has no
+            key (all listed), or a tensor's shape is wrong.
+        """
+        from ._diffusers import load_sd3
+
+        return load_sd3(path, image_size=image_size, context_length=context_length, dtype=dtype)
+
+    def save_diffusers(self, path: str | os.PathLike[str], *, dtype: Any = None) -> None:
+        """Write the model as a diffusers `SD3Transformer2DModel` folder.
+
+        `config.json` and `diffusion_pytorch_model.safetensors`, which
+        `SD3Transformer2DModel.from_pretrained(path)` reads (the position buffer written in
+        full, with this model's features at its centre). For a LoRA policy, save
+        `lora.merge(policy)`; `save_diffusers_lora` writes the adapters alone.
+
+        **Arguments:**
+
+        - `path`: the folder, created if missing; existing files of those names are replaced.
+        - `dtype`: the dtype to write, e.g. `jnp.bfloat16`; `None` keeps the parameters'.
+
+        **Raises:**
+
+        - `ValueError`: when the model has no diffusers counterpart (token-id conditioning,
+            an MLP ratio other than 4).
+        """
+        from ._diffusers import save_sd3
+
+        save_sd3(self, path, dtype=dtype)
 
     def _patchify(self, x: Float[Array, "H W C"]) -> Float[Array, "N P"]:
         return patchify(x, self.patch)
@@ -437,9 +763,10 @@ class MMDiT(eqx.Module):
         context_in, pooled = self._text(cond)
         dtype = self.pos_embed.dtype
 
-        time_in = sinusoidal_time_features(t.astype(dtype), _TIME_FEATURES)
-        c = self.time_mlp[1](jax.nn.silu(self.time_mlp[0](time_in)))
-        c = c + self.pooled_mlp[1](jax.nn.silu(self.pooled_mlp[0](pooled)))
+        time_in = _sd3_time_features(t).astype(dtype)
+        c = _dense(self.time_mlp[1], jax.nn.silu(_dense(self.time_mlp[0], time_in[None])))
+        c = c + _dense(self.pooled_mlp[1], jax.nn.silu(_dense(self.pooled_mlp[0], pooled[None])))
+        c = c[0]
 
         # The positional features are fixed, as SD3's buffer.
         pos = jax.lax.stop_gradient(self.pos_embed)
@@ -448,6 +775,6 @@ class MMDiT(eqx.Module):
         for block in self.blocks:
             context, image = block(context, image, c)
 
-        shift, scale = jnp.split(self.final_modulation(jax.nn.silu(c)), 2)
+        scale, shift = jnp.split(_dense(self.final_modulation, jax.nn.silu(c)[None])[0], 2)
         out = _dense(self.final_proj, _modulate(_layer_norm(image), shift, scale))
         return self._unpatchify(out).astype(x.dtype)

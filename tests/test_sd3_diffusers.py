@@ -1,0 +1,272 @@
+"""`MMDiT` against diffusers' `SD3Transformer2DModel`, and the diffusers time grid, without torch.
+
+The fixtures under `tests/data/` were made by diffusers itself (`tools/make_sd3_fixtures.py
+make`, run by hand with torch and diffusers): tiny random SD3 and SD3.5 transformers in the
+diffusers format with inputs and diffusers' outputs, the key layout of the full-size
+SD3.5-Medium (built on torch's 'meta' device), and the scheduler's sigmas.
+"""
+
+import functools
+import json
+import pathlib
+import shutil
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+import flowgrpo_eqx as fg
+from flowgrpo_eqx import lora
+from flowgrpo_eqx.models import MMDiT, save_diffusers_lora
+from flowgrpo_eqx.models._diffusers import _layout
+from tests.errors import NAMED_ARGUMENT_ERRORS
+
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+TINY = ["sd3_tiny", "sd35_tiny"]
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+@functools.cache
+def _model(name: str, dtype: Any = None) -> MMDiT:
+    return MMDiT.from_diffusers(DATA / name, context_length=5, dtype=dtype)
+
+
+def _io(name: str) -> dict[str, np.ndarray]:
+    return dict(np.load(DATA / name / "io.npz"))
+
+
+@eqx.filter_jit
+def _vcall(model: Any, x: Any, t: Any, cond: Any) -> jax.Array:
+    out: jax.Array = jax.vmap(model)(x, t, cond)
+    return out
+
+
+def _velocity(model: Any, io: dict[str, np.ndarray]) -> np.ndarray:
+    cond = {"context": io["context"], "pooled": io["pooled"]}
+    return np.asarray(_vcall(model, io["x"], io["t"], cond), np.float32)
+
+
+def _relative(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_from_diffusers_matches_diffusers(name: str) -> None:
+    model = _model(name)
+    io = _io(name)
+    assert model.pos_embed.dtype == jnp.float32
+    assert _relative(_velocity(model, io), io["v"]) < 1e-4
+    if name == "sd35_tiny":
+        assert model.qk_norm == "rms_norm" and model.dual_attention_layers == (0,)
+        assert model.blocks[0].attn2 is not None and model.blocks[1].attn2 is None
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_position_table_is_diffusers_buffer(name: str) -> None:
+    buffer = load_file(DATA / name / WEIGHTS)["pos_embed.pos_embed"][0]
+    np.testing.assert_allclose(_model(name).position_table(full=True), buffer, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_save_diffusers_round_trip(name: str, tmp_path: pathlib.Path) -> None:
+    model = _model(name)
+    model.save_diffusers(tmp_path)
+    original, saved = load_file(DATA / name / WEIGHTS), load_file(tmp_path / WEIGHTS)
+    assert set(saved) == set(original)
+    for key, value in original.items():
+        np.testing.assert_array_equal(saved[key], value, err_msg=key)
+    config = json.loads((DATA / name / "config.json").read_text())
+    written = json.loads((tmp_path / "config.json").read_text())
+    for key, value in written.items():
+        if key != "_diffusers_version":
+            want = list(value) if isinstance(value, tuple) else value
+            assert config[key] == want, key
+    again = MMDiT.from_diffusers(tmp_path, context_length=5)
+    io = _io(name)
+    assert _relative(_velocity(again, io), _velocity(model, io)) < 1e-5
+
+
+def _copy(name: str, tmp_path: pathlib.Path) -> pathlib.Path:
+    folder = tmp_path / name
+    shutil.copytree(DATA / name, folder)
+    return folder
+
+
+def test_unused_keys_are_listed(tmp_path: pathlib.Path) -> None:
+    folder = _copy("sd35_tiny", tmp_path)
+    tensors = load_file(folder / WEIGHTS)
+    tensors["transformer_blocks.9.attn.to_q.weight"] = np.zeros((16, 16), np.float32)
+    tensors["extra.bias"] = np.zeros((3,), np.float32)
+    save_file(tensors, folder / WEIGHTS)
+    with pytest.raises(ValueError, match="2 keys map to no leaf") as error:
+        MMDiT.from_diffusers(folder, context_length=5)
+    assert "transformer_blocks.9.attn.to_q.weight" in str(error.value)
+    assert "extra.bias" in str(error.value)
+
+
+def test_missing_keys_list_the_unfilled_leaves(tmp_path: pathlib.Path) -> None:
+    folder = _copy("sd35_tiny", tmp_path)
+    tensors = load_file(folder / WEIGHTS)
+    del tensors["transformer_blocks.0.attn2.norm_k.weight"], tensors["proj_out.bias"]
+    save_file(tensors, folder / WEIGHTS)
+    with pytest.raises(ValueError, match="2 leaves have no key") as error:
+        MMDiT.from_diffusers(folder, context_length=5)
+    message = str(error.value)
+    assert ".blocks[0].attn2.norm_k (key transformer_blocks.0.attn2.norm_k.weight)" in message
+    assert ".final_proj.bias (key proj_out.bias)" in message
+
+
+def test_wrong_shape_and_config_are_named(tmp_path: pathlib.Path) -> None:
+    folder = _copy("sd3_tiny", tmp_path)
+    tensors = load_file(folder / WEIGHTS)
+    tensors["proj_out.bias"] = np.zeros((3,), np.float32)
+    save_file(tensors, folder / WEIGHTS)
+    with pytest.raises(ValueError, match=r"proj_out.bias has shape \(3,\)"):
+        MMDiT.from_diffusers(folder, context_length=5)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "out_channels": 8}))
+    with pytest.raises(ValueError, match="`out_channels`"):
+        MMDiT.from_diffusers(folder, context_length=5)
+    (folder / "config.json").write_text(json.dumps({**config, "_class_name": "FluxTransformer"}))
+    with pytest.raises(ValueError, match="FluxTransformer"):
+        MMDiT.from_diffusers(folder, context_length=5)
+    with pytest.raises(ValueError, match="neither"):
+        (folder / WEIGHTS).unlink()
+        (folder / "config.json").write_text(json.dumps(config))
+        MMDiT.from_diffusers(folder, context_length=5)
+
+
+def test_sharded_checkpoint(tmp_path: pathlib.Path) -> None:
+    folder = _copy("sd3_tiny", tmp_path)
+    tensors = load_file(folder / WEIGHTS)
+    (folder / WEIGHTS).unlink()
+    keys = sorted(tensors)
+    shards = {"part-1.safetensors": keys[::2], "part-2.safetensors": keys[1::2]}
+    weight_map = {}
+    for shard, names in shards.items():
+        save_file({k: tensors[k] for k in names}, folder / shard)
+        weight_map.update(dict.fromkeys(names, shard))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / f"{WEIGHTS}.index.json").write_text(json.dumps(index))
+    sharded = MMDiT.from_diffusers(folder, context_length=5)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(_model("sd3_tiny")), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16(tmp_path: pathlib.Path) -> None:
+    name = "sd35_tiny"
+    half = _model(name, jnp.bfloat16)
+    dtypes = {leaf.dtype for leaf in jax.tree.leaves(eqx.filter(half, eqx.is_inexact_array))}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    io = _io(name)
+    assert _relative(_velocity(half, io), io["v"]) < 0.1
+    # A bfloat16 checkpoint (safetensors' NumPy reader has no bfloat16) loads in bfloat16.
+    half.save_diffusers(tmp_path)
+    with safe_open(str(tmp_path / WEIGHTS), framework="numpy") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    again = MMDiT.from_diffusers(tmp_path, context_length=5)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(half), strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _count(model: MMDiT) -> int:
+    leaves = jax.tree.leaves(model)
+    assert all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves)
+    return sum(int(np.prod(leaf.shape)) for leaf in leaves)
+
+
+def test_sd35_medium_from_its_config_alone() -> None:
+    record = json.loads((DATA / "sd35_medium_keys.json").read_text())
+    config = MMDiT.sd35_medium_config()
+    model = eqx.filter_eval_shape(lambda key: MMDiT(**config, key=key), jax.random.key(0))
+    grid_table = 64 * 64 * 1536
+    assert record["parameters"] == 2_243_171_520
+    assert _count(model) - grid_table == record["parameters"]
+    # Every key of the published layout maps to a leaf, with diffusers' shape.
+    layout = {entry.key: entry for entry in _layout(model)}
+    assert set(layout) == set(record["keys"])
+    for key, shape in record["keys"].items():
+        entry = layout[key]
+        assert entry.shape == tuple(shape), key
+        leaf = entry.where(model)
+        assert entry.to_ours(np.empty(shape, np.float32)).shape == leaf.shape, key
+    # ... and every leaf has a key: the layout reaches each array of the model once.
+    reached = {id(entry.where(model)) for entry in layout.values()}
+    assert reached == {id(leaf) for leaf in jax.tree.leaves(model)}
+    sd3 = eqx.filter_eval_shape(
+        lambda key: MMDiT(**MMDiT.sd3_medium_config(), key=key), jax.random.key(0)
+    )
+    assert _count(sd3) - grid_table == record["sd3_medium_parameters"] == 2_028_328_000
+
+
+def test_lora_adapters_export(tmp_path: pathlib.Path) -> None:
+    model = _model("sd35_tiny")
+    policy = lora.add(model, 2, key=jax.random.key(1), alpha=3.0)
+    rng = np.random.default_rng(1)
+    policy = eqx.tree_at(
+        lambda p: [a.b for a in p.adapters],
+        policy,
+        [jnp.asarray(rng.standard_normal(a.b.shape), jnp.float32) for a in policy.adapters],
+    )
+    save_diffusers_lora(tmp_path / "lora", policy)
+    lora.merge(policy).save_diffusers(tmp_path / "merged")
+    adapters = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
+    base = load_file(DATA / "sd35_tiny" / WEIGHTS)
+    merged = load_file(tmp_path / "merged" / WEIGHTS)
+    modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in adapters}
+    assert len(adapters) == 2 * len(modules) == 2 * len(policy.layer_paths)
+    assert "pos_embed.proj" in modules and "transformer_blocks.0.attn2.to_q" in modules
+    for module in modules:
+        a = adapters[f"transformer.{module}.lora_A.weight"]
+        b = adapters[f"transformer.{module}.lora_B.weight"]
+        weight = base[f"{module}.weight"]
+        if weight.ndim == 4:  # The patch convolution: a [r, C, p, p], b [out, r, 1, 1].
+            update = np.einsum("or,rcpq->ocpq", b[:, :, 0, 0], a)
+        else:
+            update = b @ a
+        # The adapters' scale `alpha / rank` is folded into `lora_B`.
+        np.testing.assert_allclose(weight + update, merged[f"{module}.weight"], atol=1e-5)
+    with pytest.raises(ValueError, match="LoraModel"):
+        save_diffusers_lora(tmp_path / "x", model)  # type: ignore[arg-type]
+
+
+def test_models_without_a_diffusers_counterpart_are_refused(tmp_path: pathlib.Path) -> None:
+    tokens = MMDiT(image_size=8, depth=1, width=16, heads=2, vocab_size=5, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="token-id"):
+        tokens.save_diffusers(tmp_path)
+
+
+def test_diffusers_grid_is_the_schedulers_sigmas() -> None:
+    record = json.loads((DATA / "flow_match_sigmas.json").read_text())
+    flow = fg.RectifiedFlow(shift=record["shift"], grid="diffusers")
+    for steps, sigmas in record["sigmas"].items():
+        grid = np.asarray(flow.timesteps(int(steps) + 1))
+        assert grid.dtype == np.float32 and grid[0] == 1.0 and grid[-1] == 0.0
+        np.testing.assert_allclose(grid, sigmas, rtol=0, atol=1e-6)
+    want = [1, 0.96013, 0.91335, 0.85769, 0.79037, 0.70728, 0.60215, 0.46488, 0.27805, 0.00893, 0]
+    np.testing.assert_allclose(np.asarray(flow.timesteps(11)), want, atol=5e-6)
+    assert fg.RectifiedFlow(shift=3.0).grid == "uniform"
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="`?grid`?"):
+        fg.RectifiedFlow(grid="karras")  # type: ignore[arg-type]
+
+
+def test_without_a_position_table_size(tmp_path: pathlib.Path) -> None:
+    # diffusers keeps the position buffer out of the checkpoint then, and computes it for the
+    # image's grid with `base_size = sample_size // patch`; so do we.
+    model = MMDiT(image_size=8, depth=2, width=16, heads=2, sample_size=4, key=jax.random.key(0))
+    model.save_diffusers(tmp_path)
+    assert "pos_embed.pos_embed" not in load_file(tmp_path / WEIGHTS)
+    assert json.loads((tmp_path / "config.json").read_text())["pos_embed_max_size"] is None
+    again = MMDiT.from_diffusers(tmp_path, image_size=8, context_length=model.context_length)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Positions step by `base / side` = 2 / 4 along each axis.
+    table = model.position_table()
+    np.testing.assert_allclose(table[1, :2], [np.sin(0.5), np.sin(0.5 / 10_000**0.25)], rtol=1e-6)
