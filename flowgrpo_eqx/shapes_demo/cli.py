@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the newest intact checkpoint (damaged ones are reported and skipped)",
     )
     train.add_argument(
+        "--replace",
+        action="store_true",
+        help="move a run already in --out aside (to OUT.replaced-<k>) and start afresh",
+    )
+    train.add_argument(
         "--config",
         default=None,
         help="a TOML file of settings (a run folder's config.toml reproduces that run); "
@@ -313,12 +318,15 @@ def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
 
     if command == "train" and arguments["seeds"] is not None:
         seeds = [int(seed) for seed in arguments["seeds"].split(",") if seed.strip()]
-        run_seeds(config, arguments["out"], seeds, quiet=arguments["quiet"])
+        run_seeds(
+            config, arguments["out"], seeds, quiet=arguments["quiet"], replace=arguments["replace"]
+        )
     elif command == "train":
         result = run_train(
             config,
             arguments["out"],
             resume=arguments["resume"],
+            replace=arguments["replace"],
             quiet=arguments["quiet"],
             devices=arguments["devices"],
             reward_token=arguments["reward_token"],

@@ -21,6 +21,7 @@ def run_seeds(
     seeds: list[int],
     *,
     quiet: bool = False,
+    replace: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run one configuration once per training seed and summarise the runs.
@@ -37,6 +38,7 @@ def run_seeds(
     - `out`: the parent folder.
     - `seeds`: the training seeds, at least one, no repeats.
     - `quiet`: no progress bars.
+    - `replace`: move runs already in the seed folders aside (`run_train(replace=True)`).
     - `log`: where messages go.
 
     **Returns:**
@@ -61,7 +63,9 @@ def run_seeds(
             for base_file in (out / f"seed_{seeds[0]}").glob("base_*.eqx"):
                 shutil.copy(base_file, folder / base_file.name)
         log(f"Training seed {seed} into {folder}.")
-        runs[seed] = run_train(dataclasses.replace(config, seed=seed), folder, quiet=quiet, log=log)
+        runs[seed] = run_train(
+            dataclasses.replace(config, seed=seed), folder, quiet=quiet, replace=replace, log=log
+        )
         records = MetricsLog(folder / "metrics.jsonl").read()
         curves[seed] = [
             (r["epoch"], r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r

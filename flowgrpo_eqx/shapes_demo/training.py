@@ -43,6 +43,7 @@ from ._progress import Progress
 from .config import JobConfig, config_to_toml
 from .parts import ShapesJob
 from .report import plot_curve
+from .run_folder import RunFolderError, check_run_folder, identity, replace_run
 
 
 def _silent(message: str) -> None:
@@ -81,6 +82,7 @@ def run_train(
     out: str | pathlib.Path,
     *,
     resume: bool = False,
+    replace: bool = False,
     quiet: bool = False,
     devices: int | None = None,
     reward_token: str | None = None,
@@ -102,7 +104,10 @@ def run_train(
     - `config`: the settings.
     - `out`: the run folder.
     - `resume`: continue from the newest intact checkpoint in `out/checkpoints` (damaged
-        ones are reported by path and skipped).
+        ones are reported by path and skipped), whose recorded settings must be this run's
+        but for those `run_folder.FREE_ON_RESUME` names.
+    - `replace`: move a run already in `out` aside (`run_folder.replace_run`) and start
+        afresh; without it, a folder that holds a run is refused unless `resume`.
     - `quiet`: no progress bars.
     - `devices`: shard rows over this many devices (default: every device of every
         process; 1 turns sharding off).
@@ -116,6 +121,9 @@ def run_train(
 
     **Raises:**
 
+    - `RunFolderError`: before any work, if `out` holds another run and neither `resume`
+        nor `replace` is set, or if `resume` would change a setting of the run (each named
+        with both values) or run fewer epochs than it has done.
     - `CheckpointError`: when resuming and checkpoints exist but none is intact.
     - `RewardError`: when the reward fails (the run folder keeps its last checkpoint).
     """
@@ -125,6 +133,14 @@ def run_train(
     if not root:
         log = _silent
         quiet = True
+    if resume and replace:
+        raise RunFolderError("`resume` and `replace` exclude each other.")
+    if replace:
+        moved = replace_run(out) if root else None
+        if moved is not None:
+            log(f"Moved the run that was in {out} to {moved}.")
+    else:
+        check_run_folder(out, config, resume=resume)
     out.mkdir(parents=True, exist_ok=True)
     if root:
         (out / "config.toml").write_text(config_to_toml(config))
@@ -151,7 +167,7 @@ def run_train(
         writers=writers,
         mesh=mesh,
         log=log,
-        checkpoint_metadata=job.checkpoint_metadata(base),
+        checkpoint_metadata={"settings": identity(config), **job.checkpoint_metadata(base)},
     )
     try:
         with GracefulStop(log) as stop:

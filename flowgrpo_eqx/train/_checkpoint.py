@@ -283,6 +283,32 @@ class Checkpointer:
         paths = self.paths()
         return paths[-1] if paths else None
 
+    def latest_metadata(self) -> tuple[dict[str, Any], pathlib.Path] | None:
+        """What the newest checkpoint recorded, read from its `meta.json` alone (no arrays):
+        to compare a run's settings with a checkpoint's before any work.
+
+        Checkpoints whose `meta.json` cannot be read are passed over, as `restore_latest`
+        passes them over.
+
+        **Returns:**
+
+        `(metadata, path)`: the metadata `save` was given (with `step`), or `None` when no
+        checkpoint's `meta.json` reads.
+
+        **Raises:**
+
+        - `CheckpointVersionError`: naming the checkpoint and both layout versions, for the
+            newest readable checkpoint of another version of flowgrpo_eqx.
+        """
+        for folder in reversed(self.paths()):
+            try:
+                return read_metadata(folder), folder
+            except CheckpointVersionError:
+                raise
+            except CheckpointError:
+                continue
+        return None
+
     def save(self, step: int, tree: PyTree[Any], metadata: dict[str, Any]) -> pathlib.Path:
         """Write `tree` and `metadata` as checkpoint `step`, atomically, then prune.
 

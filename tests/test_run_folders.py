@@ -1,0 +1,123 @@
+"""A run folder holds one run: reusing it, resuming with other settings, or diverging is
+refused by name, before any work, and nothing of the old run is touched."""
+
+import json
+import shutil
+
+import pytest
+
+from flowgrpo_eqx.shapes_demo import make_config
+from flowgrpo_eqx.shapes_demo.run_folder import FREE_ON_RESUME, identity
+from tests.cli_helpers import run_cli, with_base
+
+
+TINY = ("train", "--preset", "tiny", "--quiet")
+
+
+def snapshot(folder):
+    """Every file under `folder` with its bytes."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_base, tmp_path_factory):
+    """A tiny run of two epochs, checkpointed after each, and its files' bytes."""
+    out = with_base(tiny_base, tmp_path_factory.mktemp("finished") / "run")
+    result = run_cli(*TINY, "--epochs", "2", "--checkpoint-every", "1", "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, snapshot(out)
+
+
+def refused(finished_run, tmp_path, *flags):
+    """A copy of the finished run, `train` run on it with `flags`, and the copy's files."""
+    out, _ = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    before = snapshot(copy)
+    result = run_cli(*TINY, "--epochs", "2", "--out", copy, *flags)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert snapshot(copy) == before, "a refused run changed the folder"
+    return result.stderr
+
+
+def test_every_checkpoint_records_the_run_settings(finished_run):
+    out, _ = finished_run
+    metas = sorted((out / "checkpoints").glob("*/meta.json"))
+    assert len(metas) == 2
+    want = identity(make_config("tiny", epochs=2, checkpoint_every=1))
+    for meta in metas:
+        assert json.loads(meta.read_text())["settings"] == want
+    assert not FREE_ON_RESUME & set(want)
+    assert {"learning_rate", "groups", "reward", "seed", "algorithm"} <= set(want)
+
+
+def test_training_into_a_folder_that_holds_a_run_is_refused(finished_run, tmp_path):
+    message = refused(finished_run, tmp_path)
+    assert "holds another run" in message and "--resume" in message and "--replace" in message
+
+
+@pytest.mark.parametrize(
+    "flag, value, recorded",
+    [
+        ("--learning-rate", "0.003", "0.0001"),
+        ("--groups", "2", "4"),
+        ("--reward", "strict", "'jpeg_incompressibility'"),
+        ("--seed", "5", "0"),
+        ("--algorithm", "nft", "'flow_grpo'"),
+    ],
+)
+def test_resuming_with_a_changed_setting_names_both_values(
+    finished_run, tmp_path, flag, value, recorded
+):
+    name = flag[2:].replace("-", "_")
+    config = make_config("tiny")
+    assert repr(getattr(config, name)) == recorded
+    message = refused(finished_run, tmp_path, "--resume", flag, value)
+    assert f"{name}: {recorded} in the checkpoint" in message
+    assert "now" in message and value in message
+
+
+def test_a_refused_resume_does_no_work_first(finished_run, tmp_path):
+    """A wider model has another base: the refusal comes before it would be pretrained."""
+    message = refused(finished_run, tmp_path, "--resume", "--width", "32")
+    assert "width: 16 in the checkpoint, 32 now" in message
+
+
+def test_fewer_epochs_than_done_is_refused(finished_run, tmp_path):
+    out, _ = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    before = snapshot(copy)
+    result = run_cli(*TINY, "--epochs", "1", "--resume", "--out", copy)
+    assert result.returncode == 1
+    assert "`epochs`=1 is below the 2 epochs" in result.stderr
+    assert snapshot(copy) == before
+
+
+def test_replace_moves_the_old_run_aside_and_trains_afresh(finished_run, tmp_path):
+    out, files = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    result = run_cli(*TINY, "--epochs", "1", "--replace", "--out", copy)
+    assert result.returncode == 0, result.stderr[-3000:]
+    moved = tmp_path / "run.replaced-1"
+    assert snapshot(moved) == files
+    assert (copy / "policy.eqx").exists()
+    assert len(list((copy / "checkpoints").iterdir())) == 1
+
+
+def test_a_diverging_run_stops_by_name_and_writes_no_policy(tiny_base, tmp_path):
+    out = with_base(tiny_base, tmp_path / "run")
+    result = run_cli(
+        *TINY, "--epochs", "2", "--learning-rate", "1e30", "--max-grad-norm", "1e30",
+        "--out", out,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "Training diverged in epoch 1" in result.stderr and "Traceback" not in result.stderr
+    assert not (out / "policy.eqx").exists() and not (out / "summary.json").exists()
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
