@@ -242,8 +242,8 @@ class _Run:
         if found is not None:
             stored, meta, path = found
             first_epoch = int(meta["epoch"])
-            self.metrics.keep_only(lambda r: r.get("epoch", 0) <= first_epoch)
-            self.placement.keep_only(lambda r: r.get("epoch", 0) <= first_epoch)
+            self.metrics.keep_only(lambda r: r.get("epoch", 0) <= first_epoch, report=self.log)
+            self.placement.keep_only(lambda r: r.get("epoch", 0) <= first_epoch, report=self.log)
             return job.from_checkpoint(stored, state, meta, path), first_epoch, meta["base"]
         self.metrics.clear()
         self.placement.clear()

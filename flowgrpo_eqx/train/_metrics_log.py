@@ -43,26 +43,65 @@ class MetricsLog:
         **Returns:**
 
         The records as dicts; empty for a log that keeps nothing or has no file yet.
+
+        **Raises:**
+
+        - `ValueError`: naming the file and the line, for a line that is not a JSON object
+            (`keep_only` cuts back a torn last line instead).
         """
+        records, torn = self._records()
+        if torn is not None:
+            raise ValueError(f"{self.path}: line {torn} is not a JSON object (a torn write?).")
+        return records
+
+    def _records(self) -> tuple[list[dict[str, Any]], int | None]:
+        """The records, and the number of a torn last line (or `None`)."""
         if self.path is None or not self.path.exists():
-            return []
-        with open(self.path) as handle:
-            return [json.loads(line) for line in handle if line.strip()]
+            return [], None
+        lines = self.path.read_text().splitlines()
+        records: list[dict[str, Any]] = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                if number == len(lines):
+                    return records, number
+                raise ValueError(f"{self.path}: line {number} is not a JSON object.")
+            records.append(record)
+        return records, None
 
     def clear(self) -> None:
         """Start an empty log."""
         if self.path is not None and self.path.exists():
             self.path.unlink()
 
-    def keep_only(self, keep: Callable[[dict[str, Any]], bool]) -> None:
+    def keep_only(
+        self, keep: Callable[[dict[str, Any]], bool], *, report: Callable[[str], None] = print
+    ) -> None:
         """Rewrite the log with only the records `keep` accepts (used when resuming).
+
+        A torn last line (a crash or a full disk mid-write) is cut back, and `report` says so
+        in one line.
 
         **Arguments:**
 
         - `keep`: `True` for a record to keep, e.g. one of an epoch before the checkpoint.
+        - `report`: where the line about a torn last line goes.
+
+        **Raises:**
+
+        - `ValueError`: naming the file and the line, for a line before the last that is not
+            a JSON object.
         """
         if self.path is None:
             return
-        records = [r for r in self.read() if keep(r)]
+        records, torn = self._records()
+        if torn is not None:
+            report(f"Cut back the torn last line {torn} of {self.path}.")
+        records = [r for r in records if keep(r)]
         with atomic_file(self.path) as handle:
             handle.write("".join(jsonl_line(record) for record in records).encode())
