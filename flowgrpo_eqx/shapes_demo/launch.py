@@ -9,6 +9,7 @@ then stop together after the same epoch; the launcher exits with `PREEMPTED_EXIT
 """
 
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -58,6 +59,64 @@ def _forward_signals(
 def _restore_signals(previous: dict[int, Any]) -> None:
     for signum, handler in previous.items():
         signal.signal(signum, handler)
+
+
+def stopped_responding(pid: int) -> bool:
+    """Whether process `pid` is stopped (by SIGSTOP or a debugger), so it cannot answer its
+    peers: read from `/proc/<pid>/stat` (Linux); `False` where that cannot be read.
+
+    **Arguments:**
+
+    - `pid`: a process id.
+
+    **Returns:**
+
+    `True` for a process in state `T` (stopped) or `t` (stopped while traced).
+    """
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The state follows the command name, which is in parentheses and may hold spaces.
+    return stat[stat.rindex(")") + 2 :][:1] in ("T", "t")
+
+
+def failure_lines(
+    codes: Sequence[int | None], tails: Sequence[Sequence[str]], hung: Sequence[int]
+) -> list[str]:
+    """The launcher's one line per failed process, once every process has ended or been
+    stopped.
+
+    A process that stopped responding is named as such; the others then fail waiting for
+    it, so their last lines (often a runtime's abort and stack frames) are not quoted.
+
+    **Arguments:**
+
+    - `codes`: each process's exit status (`None` for one the launcher stopped).
+    - `tails`: each process's last lines of output.
+    - `hung`: the processes found stopped, unable to respond.
+
+    **Returns:**
+
+    The lines, in process order.
+    """
+    if hung:
+        waited = [
+            rank
+            for rank, code in enumerate(codes)
+            if rank not in hung and code not in (0, PREEMPTED_EXIT_STATUS)
+        ]
+        lines = [f"[launch] process {rank} stopped responding." for rank in hung]
+        if waited:
+            ranks = ", ".join(str(rank) for rank in waited)
+            lines.append(f"[launch] process(es) {ranks} failed waiting for it.")
+        return lines
+    lines = []
+    for rank, code in enumerate(codes):
+        if code is not None and code not in (0, PREEMPTED_EXIT_STATUS):
+            last = next((line for line in reversed(tails[rank]) if line.strip()), "(no output)")
+            lines.append(f"[launch] rank {rank} failed (exit status {code}): {last}")
+    return lines
 
 
 def launch_local(
@@ -125,6 +184,7 @@ def launch_local(
         pumps.append(pump)
     failed: tuple[int, int] | None = None
     stopped: set[int] = set()
+    hung: list[int] = []
     deadline: float | None = None
     while True:
         codes = [child.poll() for child in children]
@@ -143,6 +203,7 @@ def launch_local(
         if all(code is not None for code in codes):
             break
         if deadline is not None and time.monotonic() > deadline:
+            hung = [r for r, child in enumerate(children) if stopped_responding(child.pid)]
             for rank, child in enumerate(children):
                 if child.poll() is None:
                     with lock:
@@ -170,11 +231,8 @@ def launch_local(
         return PREEMPTED_EXIT_STATUS
     # Ranks that died within one poll of each other cannot be ordered, so each failed rank is
     # named with its status and last line; the exit status is the first one seen.
-    for rank, child in enumerate(children):
-        if rank not in stopped and child.returncode not in (0, PREEMPTED_EXIT_STATUS):
-            last = next((line for line in reversed(tails[rank]) if line.strip()), "(no output)")
-            print(
-                f"[launch] rank {rank} failed (exit status {child.returncode}): {last}", flush=True
-            )
+    codes = [None if rank in stopped else child.returncode for rank, child in enumerate(children)]
+    for line in failure_lines(codes, tails, hung):
+        print(line, flush=True)
     code = failed[1]
     return code if code > 0 else 128 - code
