@@ -611,23 +611,13 @@ class MMDiT(eqx.Module):
 
         A dict of keyword arguments for `MMDiT`.
         """
-        return dict(
-            image_size=128,
-            channels=16,
-            patch=2,
-            depth=24,
-            width=1536,
-            heads=24,
-            mlp_ratio=4,
-            context_length=333,
-            context_dim=4096,
-            pooled_dim=2048,
-            vocab_size=None,
-            qk_norm="rms_norm",
-            dual_attention_layers=tuple(range(13)),
-            pos_embed_max_size=384,
-            sample_size=128,
-        )
+        return {
+            **cls.sd3_medium_config(),
+            "context_length": 333,
+            "qk_norm": "rms_norm",
+            "dual_attention_layers": tuple(range(13)),
+            "pos_embed_max_size": 384,
+        }
 
     @classmethod
     def from_diffusers(

@@ -164,6 +164,17 @@ def _assert_means_close(
         )
 
 
+def _assert_same_loss(got: Any, want: Any, rtol: float, atol: float) -> None:
+    """Two `loss_value_and_grad` results agree: the count exactly, the value, the statistics
+    and the gradient to tolerance."""
+    value, total, aux, grad = want
+    got_value, got_total, got_aux, got_grad = got
+    assert float(got_total.count) == float(total.count)
+    np.testing.assert_allclose(float(got_value), float(value), rtol=rtol, atol=atol)
+    _assert_means_close(got_aux, aux, "value", 1.0, rtol, atol)
+    assert_trees_close(got_grad, grad)
+
+
 def assert_row_permutation_invariant(
     objective: FlowGRPOObjective,
     variables: FlowGRPOVariables,
@@ -177,12 +188,12 @@ def assert_row_permutation_invariant(
     loss, its statistics nor its gradient, beyond summation order."""
     order = np.asarray(permutation, np.int32)
     permuted = map_rows(batch, lambda leaf: leaf[order])
-    value, total, aux, grad = loss_value_and_grad(objective, variables, batch)
-    p_value, p_total, p_aux, p_grad = loss_value_and_grad(objective, variables, permuted)
-    assert float(p_total.count) == float(total.count)
-    np.testing.assert_allclose(float(p_value), float(value), rtol=rtol, atol=atol)
-    _assert_means_close(p_aux, aux, "value", 1.0, rtol, atol)
-    assert_trees_close(p_grad, grad)
+    _assert_same_loss(
+        loss_value_and_grad(objective, variables, permuted),
+        loss_value_and_grad(objective, variables, batch),
+        rtol,
+        atol,
+    )
 
 
 def assert_duplication_doubles_total(
@@ -217,12 +228,12 @@ def assert_transition_chunk_agrees(
 ) -> None:
     """Two objectives that differ only in `transition_chunk` (or `remat`) agree on the log
     densities, the loss, its statistics and its gradient."""
-    value, total, aux, grad = loss_value_and_grad(objective, variables, batch)
-    c_value, c_total, c_aux, c_grad = loss_value_and_grad(chunked, variables, batch)
-    assert float(c_total.count) == float(total.count)
-    np.testing.assert_allclose(float(c_value), float(value), rtol=rtol, atol=atol)
-    _assert_means_close(c_aux, aux, "value", 1.0, rtol, atol)
-    assert_trees_close(c_grad, grad)
+    _assert_same_loss(
+        loss_value_and_grad(chunked, variables, batch),
+        loss_value_and_grad(objective, variables, batch),
+        rtol,
+        atol,
+    )
     np.testing.assert_allclose(
         np.asarray(log_probs(chunked, variables, batch)),
         np.asarray(log_probs(objective, variables, batch)),
