@@ -250,22 +250,36 @@ class _Connections:
         self.limit = limit
         self.idle_since: dict[Any, float] = {}  # idle connection -> loop time it went idle
         self.busy: set[Any] = set()
+        self.connecting: set[Any] = set()
 
     def __call__(self) -> Any:
         """A new connection's protocol (asyncio's protocol factory)."""
         loop = asyncio.get_running_loop()
-        self._forget_closed()
-        while len(self.idle_since) + len(self.busy) >= self.limit and self.idle_since:
-            oldest = min(self.idle_since, key=self.idle_since.__getitem__)
-            self._close(oldest)
         assert self.factory is not None
         connection = self.factory()
+        self.connecting.add(connection)  # no transport yet: asyncio connects it next
         self._idle(connection, loop)
+        self._trim(loop, retries=4)
         return connection
 
+    def _trim(self, loop: asyncio.AbstractEventLoop, retries: int) -> None:
+        """Close the longest-idle connections beyond `limit`; connections still being
+        connected (accepted in one batch) are counted once connected, a few loop turns on."""
+        self._forget_closed()
+        while len(self.idle_since) + len(self.busy) > self.limit:
+            connected = [c for c in self.idle_since if c not in self.connecting]
+            if not connected:
+                if retries > 0:
+                    loop.call_soon(self._trim, loop, retries - 1)
+                return
+            self._close(min(connected, key=self.idle_since.__getitem__))
+
     def _forget_closed(self) -> None:
-        for connection in [c for c in self.idle_since if c.transport is None]:
-            del self.idle_since[connection]
+        for connection in list(self.idle_since):
+            if connection.transport is not None:
+                self.connecting.discard(connection)
+            elif connection not in self.connecting:
+                del self.idle_since[connection]
         self.busy = {c for c in self.busy if c.transport is not None}
 
     def _idle(self, connection: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -279,6 +293,7 @@ class _Connections:
 
     def _close(self, connection: Any) -> None:
         self.idle_since.pop(connection, None)
+        self.connecting.discard(connection)
         if connection.transport is not None:
             connection.transport.close()
 
@@ -289,6 +304,7 @@ class _Connections:
         """Marks the request's connection busy while its handler runs."""
         connection = request.protocol
         self.idle_since.pop(connection, None)
+        self.connecting.discard(connection)
         self.busy.add(connection)
         try:
             return await handler(request)
