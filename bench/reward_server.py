@@ -16,7 +16,8 @@ With a reward this cheap the ratio is the request's fixed cost in units of almos
 `load` (skip with `--load-requests 0`) is the load test of the hardened server, with its
 default limits: `--clients` threads each send `--load-requests` requests of the same batch
 (`HttpReward`, no retries) while a further thread asks `/health` and `--idle-connections`
-connections sit open sending nothing. It reports requests per second, the latency p50/p99
+connections sit open sending nothing. It reports requests per second (all replies, and
+those scored), the latency p50/p99
 of `/score` and of `/health`, the replies by status (503 when more than
 `max_concurrent_requests` are held), and the server's memory: its peak RSS (`VmHWM`) before
 and after one large request of `--large-mib` MiB of float32 samples, the growth per body
@@ -145,6 +146,7 @@ def load(url: str, pid: int, samples: Any, rows: Any, args: argparse.Namespace) 
         "requests": len(latencies),
         "idle_connections_held": args.idle_connections,
         "requests_per_second": round(len(latencies) / seconds, 1),
+        "scored_per_second": round(statuses.get("200", 0) / seconds, 1),
         "score_latency_ms": percentiles_ms(latencies),
         "health_latency_ms": percentiles_ms(health),
         "health_requests": len(health),
