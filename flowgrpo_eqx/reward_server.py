@@ -5,8 +5,9 @@
 Endpoints: `GET /health` answers `{"status": "ok", "reward": name}`; `POST /score` takes the
 wire format that `HttpReward` sends and answers the `[N]` float64 scores as `.npy`,
 or a JSON `{"error": kind, "message": text}` with status 400 (`malformed_body`,
-`pickled_array`), 401 (`unauthorized`), 413 (`too_large`) or 500 (`reward_failed`). Bodies
-are read with `allow_pickle=False`: nothing a client sends is ever unpickled.
+`pickled_array`), 401 (`unauthorized`), 408 (`read_timeout`), 411 (`length_required`), 413
+(`too_large`), 500 (`reward_failed`) or 503 (`busy`). Nothing a client sends is ever
+unpickled, and every length in a body is checked before anything is allocated.
 """
 
 import argparse
