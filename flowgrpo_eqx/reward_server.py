@@ -20,7 +20,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
@@ -78,8 +78,9 @@ def _authorized(header: str | None, token: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
 
 
+@final
 class _Truncated(Exception):
-    pass
+    """The body ended before its Content-Length."""
 
 
 async def _read_body(request: web.Request, length: int) -> npt.NDArray[np.uint8]:
@@ -236,6 +237,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+@final
 class _Connections:
     """Closes connections that sit idle, and the longest-idle one when there are too many.
 

@@ -110,7 +110,9 @@ def test_npy_headers_must_match_their_bytes(shape: list[int], descr: str, length
         samples, _ = decode_request(_container_with_samples(blob))
     except WireError as error:
         assert error.kind == "malformed_body"
-        assert claimed != length
+        # ...or numpy itself cannot describe it (empty, but its other axes overflow).
+        nominal = int(np.prod([axis for axis in shape if axis], dtype=object))
+        assert claimed != length or nominal * np.dtype(descr).itemsize >= 2**63
     else:
         assert claimed == length and samples.shape == tuple(shape)
 
