@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._misc import check_int, check_number
-from ._reward import RewardError
+from ._reward import RewardError, check_finite_samples
 from ._reward_wire import (
     CONTENT_TYPE,
     NPY_CONTENT_TYPE,
@@ -132,8 +132,10 @@ class HttpReward:
         **Raises:**
 
         - `RewardError`: naming the URL and what happened: samples or rows that cannot be
-            sent, a 4xx reply (at once), or the last failure after `retries + 1` attempts.
+            sent (samples holding NaN or inf, naming their rows), a 4xx reply (at once), or
+            the last failure after `retries + 1` attempts.
         """
+        check_finite_samples(self.name, samples)
         count = int(np.shape(samples)[0])
         try:
             body = encode_request(samples, rows, images_as_uint8=self.images_as_uint8)

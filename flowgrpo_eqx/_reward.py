@@ -62,6 +62,35 @@ def reward_name(reward: Any) -> str:
     return str(name) if name else type(reward).__name__
 
 
+def check_finite_samples(name: str, samples: Any) -> None:
+    """Refuse a batch holding NaN or inf, naming the reward and the rows that hold them.
+
+    Rewards that turn samples into images or files would otherwise score NaN as some
+    finite number (JPEG sizes of whatever NaN casts to), and the policy would be trained
+    toward it.
+
+    **Arguments:**
+
+    - `name`: the reward's name, for the message.
+    - `samples`: `[N, *sample]` samples (integer samples are always finite).
+
+    **Raises:**
+
+    - `RewardError`: naming the reward, `samples` and the rows that hold NaN or inf.
+    """
+    array = np.asarray(samples)
+    if array.ndim == 0 or not np.issubdtype(array.dtype, np.inexact):
+        return
+    bad = np.flatnonzero(~np.isfinite(array.reshape(array.shape[0], -1)).all(axis=1))
+    if bad.size:
+        shown = bad[:10].tolist()
+        more = f" and {bad.size - 10} more" if bad.size > 10 else ""
+        raise RewardError(
+            f"Reward {name!r} was given non-finite `samples` (NaN or inf) at rows "
+            f"{shown}{more}; it scores only finite samples."
+        )
+
+
 def score(reward: FlowReward, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
     """Call `reward` once and check what it returns.
 
@@ -244,8 +273,10 @@ class _JpegSizeReward:
         **Raises:**
 
         - `ValueError`: if `samples` is not a batch of images.
+        - `RewardError`: naming the rows, if samples hold NaN or inf.
         """
         del rows
+        check_finite_samples(self.name, samples)
         return self.sign * jpeg_sizes_kb(samples, self.quality)
 
 
@@ -323,8 +354,10 @@ class WeightedReward:
 
         **Raises:**
 
-        - `RewardError`: naming the term's reward, if it fails.
+        - `RewardError`: naming the rows, if samples hold NaN or inf; naming the term's
+            reward, if it fails.
         """
+        check_finite_samples(self.name, samples)
         return {reward_name(r): score(r, samples, rows) for r, _ in self.terms}
 
     def __call__(self, samples: npt.NDArray[Any], rows: Any) -> npt.NDArray[np.float64]:
@@ -341,8 +374,10 @@ class WeightedReward:
 
         **Raises:**
 
-        - `RewardError`: naming the term's reward, if one fails.
+        - `RewardError`: naming the rows, if samples hold NaN or inf; naming the term's
+            reward, if one fails.
         """
+        check_finite_samples(self.name, samples)
         total = np.zeros(int(np.shape(samples)[0]), dtype=np.float64)
         for reward, weight in self.terms:
             total += weight * score(reward, samples, rows)

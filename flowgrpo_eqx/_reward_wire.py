@@ -15,6 +15,7 @@ float64 array `[N]` (`NPY_CONTENT_TYPE`); an error reply is JSON
 
 import io
 import json
+import math
 import struct
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -30,6 +31,10 @@ CONTENT_TYPE = "application/x-flowgrpo-reward"
 NPY_CONTENT_TYPE = "application/x-npy"
 TOKEN_ENV = "FLOWGRPO_REWARD_TOKEN"
 _HEADER_LIMIT = 1 << 20
+_NPY_HEADER_LIMIT = 1 << 16
+_ALIGN = 64
+# uint8 level -> float32 `x / 127.5 - 1`, computed in float64 and rounded once.
+_UINT8_TO_FLOAT32 = (np.arange(256) / 127.5 - 1.0).astype(np.float32)
 
 WireErrorKind = Literal["malformed_body", "pickled_array"]
 
@@ -49,38 +54,68 @@ def npy_bytes(array: npt.NDArray[Any]) -> bytes:
     return buffer.getvalue()
 
 
-def load_npy(blob: bytes, what: str) -> npt.NDArray[Any]:
+def load_npy(blob: Any, what: str) -> npt.NDArray[Any]:
     """Read one `.npy` blob that must be exactly one array and never a pickle.
+
+    The header is checked against the bytes that follow it before anything is allocated, so
+    a header that claims more (or fewer) elements than the blob holds is refused without
+    ever reserving memory for them.
+
+    **Arguments:**
+
+    - `blob`: the `.npy` bytes (any buffer).
+    - `what`: the blob's name, for the messages.
+
+    **Returns:**
+
+    The array: a view of `blob` when `blob` is writable and the data is aligned, else a copy.
 
     **Raises:**
 
     - `WireError`: `"pickled_array"` for an object dtype, `"malformed_body"` for anything
         else that is not a whole `.npy` array; `what` names the blob.
     """
-    buffer = io.BytesIO(blob)
+    data = np.frombuffer(blob, dtype=np.uint8)
+    return _array_at(data, 0, data.size, what)
+
+
+def _array_at(body: npt.NDArray[np.uint8], start: int, size: int, what: str) -> npt.NDArray[Any]:
+    """The `.npy` array in `body[start : start + size]`, its header checked first."""
+    blob = body[start : start + size]
+    head = io.BytesIO(blob[:_NPY_HEADER_LIMIT].tobytes())
     try:
-        version = np.lib.format.read_magic(buffer)
+        version = np.lib.format.read_magic(head)
         if version == (1, 0):
-            _, _, dtype = np.lib.format.read_array_header_1_0(buffer)
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(head)
         elif version == (2, 0):
-            _, _, dtype = np.lib.format.read_array_header_2_0(buffer)
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
         else:
-            dtype = None
-    except ValueError as error:
+            raise ValueError(f".npy version {version} is not accepted (1.0 and 2.0 are)")
+    except (ValueError, TypeError, OverflowError) as error:
         raise WireError("malformed_body", f"{what} is not a .npy array: {error}") from error
-    if dtype is not None and dtype.hasobject:
+    if dtype.hasobject:
         raise WireError(
             "pickled_array",
             f"{what} has dtype {dtype}, which holds Python objects; only plain arrays are "
             "accepted, never pickles.",
         )
-    buffer.seek(0)
+    follows = size - head.tell()
+    if any(axis < 0 for axis in shape) or dtype.itemsize == 0 or dtype.subdtype is not None:
+        raise WireError("malformed_body", f"{what} has shape {shape} of dtype {dtype}.")
+    claimed = math.prod(shape) * dtype.itemsize
+    if claimed != follows:
+        raise WireError(
+            "malformed_body",
+            f"{what}'s .npy header claims shape {shape} of {dtype} ({claimed} bytes), but "
+            f"{follows} bytes follow it.",
+        )
     try:
-        array = np.load(buffer, allow_pickle=False)
-    except (ValueError, EOFError, OSError) as error:
+        flat = blob[head.tell() :].view(dtype)
+        array = flat.reshape(shape, order="F" if fortran else "C")
+    except (ValueError, TypeError) as error:
         raise WireError("malformed_body", f"{what} is not a .npy array: {error}") from error
-    if not isinstance(array, np.ndarray) or buffer.tell() != len(blob):
-        raise WireError("malformed_body", f"{what} has bytes after its array.")
+    if not (array.flags.writeable and array.flags.aligned):
+        array = array.copy(order="K")
     return array
 
 
@@ -138,6 +173,9 @@ def encode_request(samples: Any, rows: Any, *, images_as_uint8: bool = False) ->
             "arrays": [[name, len(blob)] for name, blob in blobs],
         }
     ).encode()
+    # Trailing spaces (still JSON) start the samples' .npy on a 64-byte boundary, where
+    # np.save also aligns the data: the server can then score them in place, without a copy.
+    header += b" " * (-(len(MAGIC) + 4 + len(header)) % _ALIGN)
     return b"".join([MAGIC, struct.pack("<I", len(header)), header, *(b for _, b in blobs)])
 
 
@@ -151,11 +189,20 @@ def _npy_or_explain(array: npt.NDArray[Any], name: str) -> bytes:
         ) from error
 
 
-def decode_request(body: bytes) -> tuple[npt.NDArray[Any], Any]:
+def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:
     """The samples and rows of a request body (`encode_request`'s inverse).
 
-    uint8 samples come back as float32 `x / 127.5 - 1`, computed in float64 and rounded once
-    (float32 arithmetic would round twice and miss the nearest float32 for some levels).
+    Every length is checked before anything is allocated: the header's array lengths must add
+    up to the body, and each `.npy` header must describe exactly the bytes that follow it.
+    The arrays are views of `body` when it is writable (the server reads bodies into a
+    writable buffer) and their data is aligned, copies otherwise, so decoding costs at most
+    one more body of memory. uint8 samples come back as float32 `x / 127.5 - 1`, computed in
+    float64 and rounded once (float32 arithmetic would round twice and miss the nearest
+    float32 for some levels).
+
+    **Arguments:**
+
+    - `body`: the request body (`bytes`, or any buffer such as a uint8 array).
 
     **Returns:**
 
@@ -165,27 +212,28 @@ def decode_request(body: bytes) -> tuple[npt.NDArray[Any], Any]:
     **Raises:**
 
     - `WireError`: naming what is wrong: `"pickled_array"` for an object-dtype array,
-        `"malformed_body"` otherwise (bad magic, header or lengths, rows whose leading axis
-        is not the samples').
+        `"malformed_body"` otherwise (bad magic, header or lengths, a `.npy` header that does
+        not match its bytes, rows whose leading axis is not the samples').
     """
-    if not body.startswith(MAGIC):
+    data = np.frombuffer(body, dtype=np.uint8)
+    if data[: len(MAGIC)].tobytes() != MAGIC:
         raise WireError(
             "malformed_body",
             f"the body does not start with {MAGIC!r}; send it with flowgrpo_eqx.HttpReward.",
         )
     offset = len(MAGIC)
-    if len(body) < offset + 4:
+    if data.size < offset + 4:
         raise WireError("malformed_body", "the body ends before its header length.")
-    (header_length,) = struct.unpack_from("<I", body, offset)
+    (header_length,) = struct.unpack("<I", data[offset : offset + 4].tobytes())
     offset += 4
-    if header_length > min(_HEADER_LIMIT, len(body) - offset):
+    if header_length > min(_HEADER_LIMIT, data.size - offset):
         raise WireError("malformed_body", f"the header length {header_length} is out of range.")
     try:
-        header = json.loads(body[offset : offset + header_length])
+        header = json.loads(data[offset : offset + header_length].tobytes())
         encoding = header["samples"]
         rows_kind = header["rows"]
         entries = [(str(name), int(size)) for name, size in header["arrays"]]
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, OverflowError) as error:
         raise WireError("malformed_body", f"the header is not valid: {error!r}") from error
     offset += header_length
     if encoding not in ("float", "uint8") or rows_kind not in ("none", "array", "dict"):
@@ -195,11 +243,11 @@ def decode_request(body: bytes) -> tuple[npt.NDArray[Any], Any]:
     names = [name for name, _ in entries]
     if not names or names[0] != "samples" or len(set(names)) != len(names):
         raise WireError("malformed_body", f"the arrays must be 'samples' then rows: {names}.")
-    if any(size < 0 for _, size in entries) or sum(s for _, s in entries) != len(body) - offset:
+    if any(size < 0 for _, size in entries) or sum(s for _, s in entries) != data.size - offset:
         raise WireError("malformed_body", "the array lengths do not add up to the body length.")
     arrays = {}
     for name, size in entries:
-        arrays[name] = load_npy(body[offset : offset + size], name)
+        arrays[name] = _array_at(data, offset, size, name)
         offset += size
     samples = arrays.pop("samples")
     if samples.ndim == 0:
@@ -207,7 +255,7 @@ def decode_request(body: bytes) -> tuple[npt.NDArray[Any], Any]:
     if encoding == "uint8":
         if samples.dtype != np.uint8:
             raise WireError("malformed_body", f"uint8 samples arrived as {samples.dtype}.")
-        samples = (samples / 127.5 - 1.0).astype(np.float32)
+        samples = _UINT8_TO_FLOAT32[samples]
     for name, leaf in arrays.items():
         if leaf.ndim == 0 or leaf.shape[0] != samples.shape[0]:
             raise WireError(

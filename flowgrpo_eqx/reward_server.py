@@ -5,8 +5,9 @@
 Endpoints: `GET /health` answers `{"status": "ok", "reward": name}`; `POST /score` takes the
 wire format that `HttpReward` sends and answers the `[N]` float64 scores as `.npy`,
 or a JSON `{"error": kind, "message": text}` with status 400 (`malformed_body`,
-`pickled_array`), 401 (`unauthorized`), 413 (`too_large`) or 500 (`reward_failed`). Bodies
-are read with `allow_pickle=False`: nothing a client sends is ever unpickled.
+`pickled_array`), 401 (`unauthorized`), 408 (`read_timeout`), 411 (`length_required`), 413
+(`too_large`), 500 (`reward_failed`) or 503 (`busy`). Nothing a client sends is ever
+unpickled, and every length in a body is checked before anything is allocated.
 """
 
 import argparse
@@ -17,9 +18,14 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, final
 
+import numpy as np
+import numpy.typing as npt
+
+from ._misc import check_int, check_number
 from ._reward import FlowReward, RewardError, load_reward, reward_name, score
 from ._reward_wire import (
     NPY_CONTENT_TYPE,
@@ -38,12 +44,33 @@ except ModuleNotFoundError as _missing:
     ) from _missing
 
 
-DEFAULT_MAX_REQUEST_BYTES = 1 << 30
-"""The largest request body a server accepts by default (1 GiB); larger ones get 413."""
+DEFAULT_MAX_REQUEST_BYTES = 256 << 20
+"""The largest request body a server accepts by default (256 MiB, e.g. 1024 float32
+256x256x3 images, or 4096 as uint8); a larger Content-Length gets 413 before any of it is read."""
+
+DEFAULT_READ_TIMEOUT = 30.0
+"""Seconds a connection gets to send a request's head, and then its body (408 beyond)."""
+
+DEFAULT_MAX_CONCURRENT_REQUESTS = 4
+"""`/score` requests held at once (read, decoded, queued or scored); more get 503."""
+
+DEFAULT_MAX_CONNECTIONS = 256
+"""Open connections kept by `serve`; beyond it the longest-idle connection is closed."""
+
+# Bodies up to this size are decoded on the event loop (a hop to a thread costs more);
+# larger ones on a thread, so that `/health` never waits behind a decode.
+_DECODE_ON_LOOP_BYTES = 1 << 20
 
 
 def _error(web_status: int, kind: str, message: str) -> web.Response:
     return web.json_response({"error": kind, "message": message}, status=web_status)
+
+
+def _refusal(web_status: int, kind: str, message: str) -> web.Response:
+    """An error reply that closes the connection: the request's body is never read."""
+    response = _error(web_status, kind, message)
+    response.force_close()
+    return response
 
 
 def _authorized(header: str | None, token: str) -> bool:
@@ -51,11 +78,36 @@ def _authorized(header: str | None, token: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
 
 
+@final
+class _Truncated(Exception):
+    """The body ended before its Content-Length."""
+
+
+async def _read_body(request: web.Request, length: int) -> npt.NDArray[np.uint8]:
+    """The `length` body bytes, into one writable buffer (the decoded arrays are views of it).
+
+    `np.empty` reserves address space only: memory is committed as the bytes arrive, so a
+    client that announces a large body and sends nothing costs nothing.
+    """
+    buffer = np.empty(length, dtype=np.uint8)
+    view = buffer.data
+    filled = 0
+    while filled < length:
+        chunk = await request.content.readany()
+        if not chunk or filled + len(chunk) > length:
+            raise _Truncated
+        view[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+    return buffer
+
+
 def make_app(
     reward: FlowReward,
     *,
     token: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    read_timeout: float = DEFAULT_READ_TIMEOUT,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
 ) -> web.Application:
     """The aiohttp application serving `reward`.
 
@@ -65,11 +117,21 @@ def make_app(
     same checks as a reward called in process, so a reward that raises, or returns a wrong shape or
     non-finite scores, gives a 500 naming it; the server keeps serving after any request.
 
+    A `/score` request is refused before its body is read, and its connection closed, when
+    the token is wrong (401), it has no Content-Length (411), the Content-Length exceeds
+    `max_request_bytes` (413) or `max_concurrent_requests` are already held (503). A body
+    that takes longer than `read_timeout` gets 408 and its connection is closed. The body is
+    read into one buffer and the arrays are views of it, so a request holds about one body
+    of memory (two at most, for arrays that arrive unaligned) until it is scored, plus the
+    float32 samples when they arrive as uint8.
+
     **Arguments:**
 
     - `reward`: the reward.
     - `token`: if set, `/score` requires `Authorization: Bearer <token>`.
     - `max_request_bytes`: the largest request body accepted (413 beyond).
+    - `read_timeout`: seconds a request's body may take to arrive (408 beyond).
+    - `max_concurrent_requests`: `/score` requests held at once (503 beyond).
 
     **Returns:**
 
@@ -77,32 +139,71 @@ def make_app(
 
     **Raises:**
 
-    - `ValueError`: for a non-positive `max_request_bytes` or an empty `token`.
+    - `ValueError`: naming the argument, for a non-positive `max_request_bytes`,
+        `read_timeout` or `max_concurrent_requests`, or an empty `token`.
     """
-    if max_request_bytes <= 0:
-        raise ValueError(f"`max_request_bytes` must be positive, got {max_request_bytes}.")
+    check_int("max_request_bytes", max_request_bytes, 1)
+    check_number("read_timeout", read_timeout, minimum=0, include_minimum=False)
+    check_int("max_concurrent_requests", max_concurrent_requests, 1)
     if token is not None and not token:
         raise ValueError("`token` must be None or a non-empty string.")
     name = reward_name(reward)
     scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+    held = 0
 
     async def health(request: web.Request) -> web.Response:
         del request
         return web.json_response({"status": "ok", "reward": name})
 
-    async def score_batch(request: web.Request) -> web.Response:
+    async def score_batch(request: web.Request) -> web.StreamResponse:
+        nonlocal held
         if token is not None and not _authorized(request.headers.get("Authorization"), token):
-            return _error(401, "unauthorized", "missing or wrong bearer token.")
+            return _refusal(401, "unauthorized", "missing or wrong bearer token.")
+        length = request.content_length
+        if length is None:
+            return _refusal(411, "length_required", "send the body with a Content-Length.")
+        if length > max_request_bytes:
+            return _refusal(
+                413,
+                "too_large",
+                f"the body's Content-Length {length} exceeds the server's "
+                f"max_request_bytes {max_request_bytes}.",
+            )
+        if held >= max_concurrent_requests:
+            response = _refusal(
+                503, "busy", f"{max_concurrent_requests} requests are already being served."
+            )
+            response.headers["Retry-After"] = "1"
+            return response
+        held += 1
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, "too_large", f"the body exceeds {max_request_bytes} bytes.")
+            return await _score(request, length)
+        finally:
+            held -= 1
+
+    async def _score(request: web.Request, length: int) -> web.StreamResponse:
         try:
-            # On the loop: decoding is a copy of the body, cheaper than a hop to a thread.
-            samples, rows = decode_request(body)
+            body = await asyncio.wait_for(_read_body(request, length), read_timeout)
+        except TimeoutError:
+            response = _refusal(
+                408, "read_timeout", f"the body did not arrive within {read_timeout:g} s."
+            )
+            # Answer, then drop the connection at once: its client is too slow to wait for.
+            await response.prepare(request)
+            await response.write_eof()
+            request.protocol.force_close()
+            return response
+        except _Truncated:
+            return _refusal(400, "malformed_body", "the body ended before its Content-Length.")
+        loop = asyncio.get_running_loop()
+        try:
+            if length <= _DECODE_ON_LOOP_BYTES:
+                samples, rows = decode_request(body)
+            else:
+                samples, rows = await loop.run_in_executor(None, decode_request, body)
         except WireError as error:
             return _error(400, error.kind, str(error))
-        loop = asyncio.get_running_loop()
+        del body  # the arrays keep what they view
         try:
             scores = await loop.run_in_executor(scorer, score, reward, samples, rows)
         except RewardError as error:
@@ -113,6 +214,8 @@ def make_app(
         del app
         scorer.shutdown(wait=False, cancel_futures=True)
 
+    # The Content-Length check above refuses large bodies before reading them; aiohttp's own
+    # limit stays as a second guard.
     app = web.Application(client_max_size=max_request_bytes)
     app.router.add_get("/health", health)
     app.router.add_post("/score", score_batch)
@@ -134,6 +237,86 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+@final
+class _Connections:
+    """Closes connections that sit idle, and the longest-idle one when there are too many.
+
+    A connection is idle from when it opens, or its last handler returns, until a request's
+    head has arrived and its handler starts; idle for `read_timeout`, it is closed. aiohttp
+    alone waits for a request head forever, so half-open connections could pile up until
+    the process ran out of file descriptors and `/health` stopped answering.
+    """
+
+    def __init__(self, read_timeout: float, limit: int):
+        self.factory: Callable[[], Any] | None = None  # aiohttp's, once its runner is set up
+        self.read_timeout = read_timeout
+        self.limit = limit
+        self.idle_since: dict[Any, float] = {}  # idle connection -> loop time it went idle
+        self.busy: set[Any] = set()
+        self.connecting: set[Any] = set()
+
+    def __call__(self) -> Any:
+        """A new connection's protocol (asyncio's protocol factory)."""
+        loop = asyncio.get_running_loop()
+        assert self.factory is not None
+        connection = self.factory()
+        self.connecting.add(connection)  # no transport yet: asyncio connects it next
+        self._idle(connection, loop)
+        self._trim(loop, retries=4)
+        return connection
+
+    def _trim(self, loop: asyncio.AbstractEventLoop, retries: int) -> None:
+        """Close the longest-idle connections beyond `limit`; connections still being
+        connected (accepted in one batch) are counted once connected, a few loop turns on."""
+        self._forget_closed()
+        while len(self.idle_since) + len(self.busy) > self.limit:
+            connected = [c for c in self.idle_since if c not in self.connecting]
+            if not connected:
+                if retries > 0:
+                    loop.call_soon(self._trim, loop, retries - 1)
+                return
+            self._close(min(connected, key=self.idle_since.__getitem__))
+
+    def _forget_closed(self) -> None:
+        for connection in list(self.idle_since):
+            if connection.transport is not None:
+                self.connecting.discard(connection)
+            elif connection not in self.connecting:
+                del self.idle_since[connection]
+        self.busy = {c for c in self.busy if c.transport is not None}
+
+    def _idle(self, connection: Any, loop: asyncio.AbstractEventLoop) -> None:
+        since = loop.time()
+        self.idle_since[connection] = since
+        loop.call_later(self.read_timeout, self._expire, connection, since)
+
+    def _expire(self, connection: Any, since: float) -> None:
+        if self.idle_since.get(connection) == since:
+            self._close(connection)
+
+    def _close(self, connection: Any) -> None:
+        self.idle_since.pop(connection, None)
+        self.connecting.discard(connection)
+        if connection.transport is not None:
+            connection.transport.close()
+
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Marks the request's connection busy while its handler runs."""
+        connection = request.protocol
+        self.idle_since.pop(connection, None)
+        self.connecting.discard(connection)
+        self.busy.add(connection)
+        try:
+            return await handler(request)
+        finally:
+            self.busy.discard(connection)
+            if connection.transport is not None:
+                self._idle(connection, asyncio.get_running_loop())
+
+
 def serve(
     reward: FlowReward,
     *,
@@ -141,12 +324,22 @@ def serve(
     port: int = 8000,
     token: str | None = None,
     ready: Callable[[int], None] | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    read_timeout: float = DEFAULT_READ_TIMEOUT,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    allow_unauthenticated: bool = False,
 ) -> None:
     """Serve `reward` until SIGINT or SIGTERM.
 
     Prints `serving <name> on http://host:port` once listening. A request whose client has
     gone (e.g. timed out) is dropped before its reward starts. Call from the main thread:
     the signals are handled there.
+
+    Besides `make_app`'s limits, a connection must send each request's head within
+    `read_timeout` of opening (or of its previous reply) or it is closed, and when
+    `max_connections` are open the longest-idle one is closed for a new one, so slow or
+    half-open connections cannot exhaust the file descriptors and `/health` keeps answering.
 
     **Arguments:**
 
@@ -155,32 +348,72 @@ def serve(
     - `port`: the port; 0 picks a free one.
     - `token`: if set, `/score` requires `Authorization: Bearer <token>`.
     - `ready`: called with the bound port once the server accepts requests.
+    - `max_request_bytes`: the largest request body accepted (413 beyond).
+    - `read_timeout`: seconds for a request's head, and then its body, to arrive.
+    - `max_concurrent_requests`: `/score` requests held at once (503 beyond).
+    - `max_connections`: open connections kept; the longest-idle one is closed beyond.
+    - `allow_unauthenticated`: allow a `host` other than loopback without a `token`.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for a `host` off loopback without a `token` (unless
+        `allow_unauthenticated`), or a setting out of range (as in `make_app`; a
+        `max_connections` below 1).
     """
-    asyncio.run(_serve(reward, host=host, port=port, token=token, ready=ready))
+    if token is None and not _is_loopback(host) and not allow_unauthenticated:
+        raise ValueError(
+            f"`host` {host!r} is not loopback and no `token` is set: anyone who can reach it "
+            "could score with your reward. Set a token (FLOWGRPO_REWARD_TOKEN), or pass "
+            "allow_unauthenticated=True (--allow-unauthenticated) to mean it."
+        )
+    check_int("max_connections", max_connections, 1)
+    app = make_app(
+        reward,
+        token=token,
+        max_request_bytes=max_request_bytes,
+        read_timeout=read_timeout,
+        max_concurrent_requests=max_concurrent_requests,
+    )
+    asyncio.run(
+        _serve(app, reward_name(reward), host, port, token, ready, read_timeout, max_connections)
+    )
 
 
 async def _serve(
-    reward: FlowReward,
-    *,
+    app: web.Application,
+    name: str,
     host: str,
     port: int,
     token: str | None,
     ready: Callable[[int], None] | None,
+    read_timeout: float,
+    max_connections: int,
 ) -> None:
-    runner = web.AppRunner(make_app(reward, token=token), handler_cancellation=True)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        keepalive_timeout=read_timeout,
+        # A refused body is drained (so the client reads its reply) for at most this long.
+        lingering_time=min(10.0, read_timeout),
+    )
+    connections = _Connections(read_timeout, max_connections)
+    app.middlewares.append(connections.middleware)
     await runner.setup()
+    assert runner.server is not None
+    connections.factory = runner.server
+    loop = asyncio.get_running_loop()
+    server = None
     try:
         listener = _listening_socket(host, port)
-        await web.SockSite(runner, listener).start()
+        server = await loop.create_server(connections, sock=listener)
         bound = int(listener.getsockname()[1])
         shown = f"[{host}]" if ":" in host else host
         if token is None and not _is_loopback(host):
             print(f"warning: serving on {host} without a token.", file=sys.stderr, flush=True)
-        print(f"serving {reward_name(reward)} on http://{shown}:{bound}", flush=True)
+        print(f"serving {name} on http://{shown}:{bound}", flush=True)
         if ready is not None:
             ready(bound)
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for stop_signal in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(stop_signal, stop.set)
         try:
@@ -189,14 +422,18 @@ async def _serve(
             for stop_signal in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(stop_signal)
     finally:
+        if server is not None:
+            server.close()
         await runner.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m flowgrpo_eqx.reward_server REWARD [--host H] [--port P] [--token T]`.
+    """`python -m flowgrpo_eqx.reward_server REWARD [--host H] [--port P] [--token T] ...`.
 
     Loads `REWARD` with `load_reward` and serves it with `serve` until SIGINT or SIGTERM.
-    The token defaults to the `FLOWGRPO_REWARD_TOKEN` environment variable.
+    The token defaults to the `FLOWGRPO_REWARD_TOKEN` environment variable; `serve`'s limits
+    are flags (`--max-request-bytes`, `--read-timeout`, `--max-concurrent-requests`,
+    `--max-connections`, `--allow-unauthenticated`).
 
     **Arguments:**
 
@@ -208,8 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     **Raises:**
 
-    - `SystemExit`: with status 2 and a usage message, for bad arguments or a reward that
-        cannot be loaded.
+    - `SystemExit`: with status 2 and a usage message, for bad arguments, a reward that
+        cannot be loaded, or a host off loopback without a token (see `serve`).
     """
     parser = argparse.ArgumentParser(
         prog="python -m flowgrpo_eqx.reward_server", description="Serve a reward over HTTP."
@@ -220,14 +457,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--token", default=None, help=f"required bearer token (default: ${TOKEN_ENV}, if set)"
     )
+    add_limit_arguments(parser)
     args = parser.parse_args(argv)
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     try:
         reward = load_reward(args.reward)
+        serve(reward, host=args.host, port=args.port, token=token, **limit_settings(vars(args)))
     except ValueError as error:
         parser.error(str(error))
-    serve(reward, host=args.host, port=args.port, token=token)
     return 0
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `serve`'s limits as flags to `parser` (read back with `limit_settings`).
+
+    **Arguments:**
+
+    - `parser`: the command's parser.
+    """
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help=f"largest body accepted, 413 beyond (default {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT,
+        help=f"seconds for a request's head, then its body (default {DEFAULT_READ_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+        help=f"/score requests held at once, 503 beyond "
+        f"(default {DEFAULT_MAX_CONCURRENT_REQUESTS})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections kept; the longest-idle is closed beyond "
+        f"(default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="allow a --host off loopback without a token",
+    )
+
+
+def limit_settings(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """`serve`'s limit keyword arguments from flags added by `add_limit_arguments`.
+
+    **Arguments:**
+
+    - `arguments`: the parsed arguments, as a mapping (`vars(namespace)`).
+
+    **Returns:**
+
+    The keyword arguments, by `serve`'s names.
+    """
+    names = (
+        "max_request_bytes",
+        "read_timeout",
+        "max_concurrent_requests",
+        "max_connections",
+        "allow_unauthenticated",
+    )
+    return {name: arguments[name] for name in names}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Property tests of the reward server's wire format: exact round trips, and no input that
 makes the decoder fail other than with a named `WireError`."""
 
+import io
+import json
+import struct
+
 import numpy as np
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
@@ -86,3 +90,33 @@ def test_uint8_levels_decode_to_the_nearest_float32() -> None:
     error = np.abs(got.astype(np.float64) - exact)
     for neighbour in (np.nextafter(got, np.float32(-2)), np.nextafter(got, np.float32(2))):
         assert np.all(error <= np.abs(neighbour.astype(np.float64) - exact))
+
+
+@given(
+    st.lists(st.integers(0, 2**40), min_size=1, max_size=4),
+    st.sampled_from(["<f4", "<f8", "|u1", "<i8"]),
+    st.integers(0, 256),
+)
+def test_npy_headers_must_match_their_bytes(shape: list[int], descr: str, length: int) -> None:
+    # A header may claim any shape; only one that describes exactly the bytes that follow
+    # is read, and none makes the decoder allocate what it claims.
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": descr, "fortran_order": False, "shape": tuple(shape)}
+    )
+    blob = header.getvalue() + bytes(length)
+    claimed = int(np.prod(shape, dtype=object)) * np.dtype(descr).itemsize
+    try:
+        samples, _ = decode_request(_container_with_samples(blob))
+    except WireError as error:
+        assert error.kind == "malformed_body"
+        # ...or numpy itself cannot describe it (empty, but its other axes overflow).
+        nominal = int(np.prod([axis for axis in shape if axis], dtype=object))
+        assert claimed != length or nominal * np.dtype(descr).itemsize >= 2**63
+    else:
+        assert claimed == length and samples.shape == tuple(shape)
+
+
+def _container_with_samples(blob: bytes) -> bytes:
+    header = json.dumps({"samples": "float", "rows": "none", "arrays": [["samples", len(blob)]]})
+    return MAGIC + struct.pack("<I", len(header)) + header.encode() + blob

@@ -79,3 +79,31 @@ def test_score_rejects_non_numbers_and_names_reward():
 def test_any_callable_is_a_flow_reward():
     assert isinstance(fg.JpegCompressibility(), fg.FlowReward)
     assert isinstance(lambda s, r: s, fg.FlowReward)
+
+
+def _with_non_finite(samples):
+    samples = np.array(samples, dtype=np.float32)
+    samples[1, 0, 0, 0] = np.nan
+    samples[3, 2, 1, 0] = np.inf
+    return samples
+
+
+@pytest.mark.parametrize(
+    "reward",
+    [
+        fg.JpegCompressibility(),
+        fg.JpegIncompressibility(),
+        fg.WeightedReward([(lambda s, r: np.zeros(len(s)), 1.0)]),
+        fg.HttpReward("http://127.0.0.1:9", retries=0),  # refused before any request
+    ],
+    ids=["jpeg_compressibility", "jpeg_incompressibility", "weighted", "http"],
+)
+def test_shipped_rewards_refuse_non_finite_samples_naming_the_rows(reward):
+    samples = _with_non_finite(smooth_and_noisy())
+    with pytest.raises(fg.RewardError, match=r"non-finite `samples` .* at rows \[1, 3\]"):
+        reward(samples, {"id": np.arange(8)})
+    with pytest.raises(fg.RewardError, match=r"rows \[1, 3\]"):
+        score(reward, samples, {"id": np.arange(8)})
+    if isinstance(reward, fg.JpegIncompressibility):
+        finite = smooth_and_noisy()
+        assert np.all(np.isfinite(reward(finite, None)))

@@ -10,11 +10,13 @@ import json
 import os
 import pathlib
 import pickle
+import select
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx import _http_reward, _reward_wire
+from flowgrpo_eqx import _http_reward, _reward_wire, reward_server
 from flowgrpo_eqx._reward import score, to_uint8_images
 from flowgrpo_eqx._reward_wire import MAGIC, decode_request, encode_request
 from flowgrpo_eqx.reward_server import load_reward
@@ -122,6 +124,17 @@ jpeg_url = server_fixture(
     ["flowgrpo_eqx.reward_server", "flowgrpo_eqx.JpegIncompressibility", "--port", "0"]
 )
 scripted_url = server_fixture(["tests.reward_fixtures"])
+# Short limits, so that the fault tests stay fast.
+READ_TIMEOUT = 1.0
+CLOSE_MARGIN = 3.0  # generous: the machine running the tests may be busy
+HARDENED_LIMIT = 1 << 16
+hardened_url = server_fixture(
+    reward_args(
+        "brightness",
+        *("--read-timeout", str(READ_TIMEOUT), "--max-request-bytes", str(HARDENED_LIMIT)),
+        *("--max-concurrent-requests", "1", "--max-connections", "32"),
+    )
+)
 
 
 def batch(count=6, shape=(8, 8, 3), seed=0, dtype=np.float32):
@@ -435,3 +448,264 @@ def test_load_reward_rule():
             load_reward(bad)
     with pytest.raises(ValueError, match="not callable"):
         load_reward("tests.reward_fixtures:SLOW_SECONDS")
+
+
+# --------------------------------------------------------------------------------------------
+# Faults: slow clients, oversized and lying bodies, too many requests or connections. Every
+# loop below is bounded and every connection goes to 127.0.0.1.
+
+
+def connect(url):
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def head(method="POST", path="/score", **headers):
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+    lines += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def until_closed(sock, limit=10.0):
+    """Everything `sock` receives until the server closes it; fails after `limit` seconds."""
+    sock.settimeout(limit)
+    received = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"still open after {limit} s; received {received[:200]!r}") from None
+    return received
+
+
+def one_reply(sock, limit=10.0):
+    """One whole reply (head and Content-Length body), whether or not the server closes."""
+    sock.settimeout(limit)
+    received = b""
+    while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < int(
+        received.lower().partition(b"content-length: ")[2].split(b"\r\n")[0] or 0
+    ):
+        chunk = sock.recv(1 << 16)
+        assert chunk, f"closed before a whole reply: {received!r}"
+        received += chunk
+    return received
+
+
+def status_and_error(reply):
+    status = int(reply.split(b" ", 2)[1])
+    body = reply.partition(b"\r\n\r\n")[2]
+    return status, (json.loads(body) if body.startswith(b"{") else None)
+
+
+def test_slow_clients_are_closed_within_the_timeout_while_health_answers(hardened_url):
+    silent = [connect(hardened_url) for _ in range(8)]  # connect and send nothing
+    partial = [connect(hardened_url) for _ in range(4)]  # half a head, then nothing
+    trickling = [connect(hardened_url) for _ in range(4)]  # a head, one byte at a time
+    kept_alive = connect(hardened_url)  # one good request, then idle on keep-alive
+    for sock in partial + trickling:
+        sock.sendall(b"POST /score HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    kept_alive.sendall(head("GET", "/health"))
+    start = time.monotonic()
+    open_sockets = {*silent, *partial, *trickling, kept_alive}
+    closed_after = {}
+    received = dict.fromkeys(open_sockets, b"")
+    health_checks = 0
+    while open_sockets and time.monotonic() - start < READ_TIMEOUT + 2 * CLOSE_MARGIN:
+        for sock in open_sockets & set(trickling):
+            try:
+                sock.send(b"a")
+            except OSError:
+                pass
+        readable, _, _ = select.select(list(open_sockets), [], [], 0.1)
+        for sock in readable:
+            try:
+                chunk = sock.recv(1 << 16)
+            except ConnectionResetError:
+                chunk = b""
+            received[sock] += chunk
+            if not chunk:
+                closed_after[sock] = time.monotonic() - start
+                open_sockets.discard(sock)
+        # /health keeps answering on a new connection the whole time.
+        assert get_json(hardened_url + "/health")["status"] == "ok"
+        health_checks += 1
+    assert not open_sockets, f"{len(open_sockets)} slow connections were never closed"
+    assert max(closed_after.values()) <= READ_TIMEOUT + CLOSE_MARGIN
+    assert health_checks >= 5
+    assert received[kept_alive].startswith(b"HTTP/1.1 200")
+    assert all(received[sock] == b"" for sock in silent + partial + trickling)
+    for sock in silent + partial + trickling + [kept_alive]:
+        sock.close()
+
+
+def test_a_trickling_body_gets_408_within_the_timeout(hardened_url):
+    with connect(hardened_url) as sock:
+        sock.sendall(head(Content_Length=1000, Content_Type=_reward_wire.CONTENT_TYPE))
+        start = time.monotonic()
+        sock.sendall(MAGIC)
+        sent = len(MAGIC)
+        reply = b""
+        while time.monotonic() - start < READ_TIMEOUT + CLOSE_MARGIN and sent < 1000:
+            if select.select([sock], [], [], 0.1)[0]:
+                reply = until_closed(sock)
+                break
+            sock.sendall(b"x")
+            sent += 1
+            assert get_json(hardened_url + "/health")["status"] == "ok"
+        closed_after = time.monotonic() - start
+    status, error = status_and_error(reply)
+    assert status == 408 and error["error"] == "read_timeout"
+    assert closed_after <= READ_TIMEOUT + CLOSE_MARGIN
+
+
+@pytest.mark.parametrize("declared", [2_000_000_000, HARDENED_LIMIT + 1])
+def test_a_body_over_the_limit_is_refused_by_its_content_length_before_reading(
+    brightness_url, hardened_url, declared
+):
+    # The default server (256 MiB) refuses a 2 GB Content-Length; the test server's limit
+    # is smaller. Only the head is sent: the 413 comes without any of the body.
+    url = brightness_url if declared == 2_000_000_000 else hardened_url
+    with connect(url) as sock:
+        sock.sendall(head(Content_Length=declared, Content_Type=_reward_wire.CONTENT_TYPE))
+        status, error = status_and_error(one_reply(sock))
+    assert status == 413 and error["error"] == "too_large"
+    assert str(declared) in error["message"]
+    assert get_json(url + "/health")["status"] == "ok"
+
+
+def test_http_reward_over_the_limit_gets_413_not_retried(hardened_url, backoffs):
+    samples = np.zeros((4, 32, 32, 4), np.float32)  # 64 KiB of samples: over the limit
+    with pytest.raises(fg.RewardError, match="413 Request Entity Too Large: too_large"):
+        fg.HttpReward(hardened_url, **FAST)(samples, None)
+    assert backoffs == []
+
+
+def test_a_body_without_content_length_gets_411(hardened_url):
+    with connect(hardened_url) as sock:
+        sock.sendall(head(Transfer_Encoding="chunked") + b"5\r\nhello\r\n0\r\n\r\n")
+        status, error = status_and_error(until_closed(sock))
+    assert status == 411 and error["error"] == "length_required"
+
+
+def npy_claiming(shape, data, descr="<f8"):
+    """A `.npy` blob whose header claims `shape` of `descr`, followed by `data`."""
+    buffer = io.BytesIO()
+    header = {"descr": descr, "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.getvalue() + data
+
+
+@pytest.mark.parametrize(
+    ("arrays", "claim"),
+    [
+        ([("samples", npy_claiming((10**6, 10**6), bytes(48)))], "shape (1000000, 1000000)"),
+        ([("samples", npy_claiming((2,), bytes(48)))], "shape (2,)"),
+        ([("samples", npy_claiming((2**62, 8), bytes(16)))], "but 16 bytes follow"),
+        (
+            [("samples", npy(np.zeros((2, 3)))), ("rows/a", npy_claiming((10**12,), b""))],
+            "'rows/a'",
+        ),
+    ],
+    ids=["10^12-elements", "fewer", "overflowing", "rows"],
+)
+def test_lying_npy_headers_give_400_and_nothing_is_allocated(hardened_url, arrays, claim):
+    body = container(arrays, rows="dict" if len(arrays) > 1 else "none")
+    with pytest.raises(_reward_wire.WireError, match="claims shape") as raised:
+        decode_request(body)
+    assert claim.strip("'") in str(raised.value)
+    status, reply = post(hardened_url + "/score", body)
+    assert status == 400 and json.loads(reply)["error"] == "malformed_body"
+    assert "claims shape" in json.loads(reply)["message"]
+    assert get_json(hardened_url + "/health")["status"] == "ok"
+
+
+def test_a_full_server_answers_503_and_health_still_answers(hardened_url):
+    samples, rows = batch(count=2)
+    good = encode_request(samples, rows)
+    with connect(hardened_url) as holder:
+        # Holds the only slot: a head and part of its body, then nothing until the timeout.
+        holder.sendall(head(Content_Length=len(good), Content_Type=_reward_wire.CONTENT_TYPE))
+        holder.sendall(good[:100])
+        statuses = []
+        for _ in range(10):  # the holder's head reaches its handler within a few tries
+            status, reply = post(hardened_url + "/score", good)
+            statuses.append(status)
+            if status == 503:
+                assert json.loads(reply)["error"] == "busy"
+                break
+            time.sleep(0.05)
+        assert statuses[-1] == 503, statuses
+        assert get_json(hardened_url + "/health")["status"] == "ok"
+        status, _ = status_and_error(until_closed(holder))
+        assert status == 408
+    got = fg.HttpReward(hardened_url)(samples, rows)
+    assert same_bits(got, reward_fixtures.brightness(samples, rows))
+
+
+def test_beyond_max_connections_the_longest_idle_are_closed(hardened_url):
+    sockets = [connect(hardened_url) for _ in range(40)]  # the test server keeps 32
+    assert get_json(hardened_url + "/health")["status"] == "ok"
+    closed = set()
+    for _ in range(10):  # the closes arrive within a few tenths of a second
+        closed |= set(select.select(sockets, [], [], 0.05)[0])
+    assert len(closed) >= 8
+    assert sockets[0] in closed  # the longest idle goes first
+    for sock in sockets:
+        sock.close()
+
+
+def test_off_loopback_without_a_token_is_refused(tmp_path, monkeypatch):
+    def no_binding(host, port):
+        raise AssertionError(f"bound {host}:{port}")
+
+    monkeypatch.setattr(reward_server, "_listening_socket", no_binding)
+    for host in ("0.0.0.0", "::", "192.168.0.10", "example.com"):
+        with pytest.raises(ValueError, match="`host`.*no `token`.*--allow-unauthenticated"):
+            reward_server.serve(reward_fixtures.brightness, host=host, port=0)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("FLOWGRPO_REWARD_TOKEN", None)
+    for command in (
+        ["flowgrpo_eqx.reward_server", "tests.reward_fixtures:brightness"],
+        ["flowgrpo_eqx.shapes_demo.cli", "serve-reward", "tests.reward_fixtures:brightness"],
+    ):
+        finished = subprocess.run(
+            [sys.executable, "-m", *command, "--host", "0.0.0.0", "--port", "0"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=START_SECONDS,
+        )
+        assert finished.returncode == 2, finished.stderr
+        assert "no `token`" in finished.stderr and "serving" not in finished.stdout
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"max_request_bytes": 0}, "max_request_bytes"),
+        ({"read_timeout": 0.0}, "read_timeout"),
+        ({"read_timeout": float("inf")}, "read_timeout"),
+        ({"max_concurrent_requests": 0}, "max_concurrent_requests"),
+        ({"max_connections": 0}, "max_connections"),
+        ({"token": ""}, "token"),
+    ],
+)
+def test_server_settings_checked(kwargs, argument, monkeypatch):
+    monkeypatch.setattr(reward_server, "_listening_socket", None)  # never reached
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        reward_server.serve(reward_fixtures.brightness, port=0, **kwargs)
+
+
+def test_decoded_arrays_view_a_writable_body_without_copies():
+    samples, rows = batch(count=5)
+    body = np.frombuffer(encode_request(samples, rows), np.uint8).copy()
+    got_samples, got_rows = decode_request(body)
+    assert np.shares_memory(got_samples, body) and got_samples.flags.aligned
+    assert np.array_equal(got_samples, samples)
+    assert np.shares_memory(got_rows["prompt"], body)
+    # A read-only body (bytes) gives writable copies, as np.load did.
+    from_bytes, _ = decode_request(body.tobytes())
+    assert from_bytes.flags.writeable and not np.shares_memory(from_bytes, body)

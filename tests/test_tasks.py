@@ -413,6 +413,19 @@ def test_reward_accepts_jax_arrays() -> None:
     np.testing.assert_array_equal(out, 1.0)
 
 
+@pytest.mark.parametrize("kind", ["partial", "strict"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_reward_refuses_non_finite_samples_naming_the_rows(kind: str, bad: float) -> None:
+    from flowgrpo_eqx import RewardError
+
+    images = np.concatenate([blank(), blank(), blank()])
+    images[2, 5, 5, 1] = bad  # the checker alone would read NaN as background
+    tokens = np.array([(RED, CIRCLE, BLUE, SQUARE)] * 3, dtype=np.int32)
+    reward = ShapesReward(TASK, kind)  # type: ignore[arg-type]
+    with pytest.raises(RewardError, match=r"shapes_.* non-finite `samples` .* at rows \[2\]"):
+        reward(images, {"tokens": tokens})
+
+
 # --------------------------------------------------------------------------------------------
 # Bad inputs.
 

@@ -23,6 +23,8 @@ import numpy as np
 import numpy.typing as npt
 from numpy.typing import NDArray
 
+from .._reward import check_finite_samples
+
 
 SPLITS: Final[tuple[str, ...]] = ("train", "heldout", "all")
 """The split names: the training split, the held-out split, or all 144 prompts."""
@@ -529,8 +531,12 @@ class ShapesReward:
 
         - `ValueError`: naming `samples` on a wrong shape or dtype, `rows` if it lacks
             `"tokens"`, or `tokens` as in `ShapesTask.check`.
+        - `RewardError`: naming the rows, if samples hold NaN or inf (the checker alone
+            would read NaN as background).
         """
-        images = _check_images(samples, "samples")
+        array = np.asarray(samples)
+        check_finite_samples(self.name, array)
+        images = _check_images(array, "samples")
         if "tokens" not in rows:
             raise ValueError(f"`rows` must contain 'tokens', got keys {sorted(rows)}.")
         result = self.task.check(images, np.asarray(rows["tokens"]))
