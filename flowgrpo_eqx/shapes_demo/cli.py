@@ -28,6 +28,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..reward_limits import add_limit_arguments, limit_settings
 from .config import JobConfig, config_to_toml, make_config, read_config_file, split_optional
 
 
@@ -141,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a token clients must send (default: $FLOWGRPO_REWARD_TOKEN, or none)",
     )
-    _add_serve_limits(serve)
+    add_limit_arguments(serve)
 
     pretrain = commands.add_parser("pretrain", help="flow-matching pretraining of the base model")
     pretrain.add_argument("--out", default="runs/pretrain", help="where base_<hash>.eqx goes")
@@ -261,7 +262,7 @@ def _serve_reward(arguments: dict[str, Any]) -> int:
 
     try:
         reward = load_reward(arguments["reward"], BUILTIN_REWARDS)
-        from ..reward_server import limit_settings, serve
+        from ..reward_server import serve
     except (ValueError, ModuleNotFoundError) as error:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)
         return 2
@@ -278,15 +279,6 @@ def _serve_reward(arguments: dict[str, Any]) -> int:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)
         return 2
     return 0
-
-
-def _add_serve_limits(parser: argparse.ArgumentParser) -> None:
-    """The reward server's limit flags on `serve-reward`, if aiohttp is installed."""
-    try:
-        from ..reward_server import add_limit_arguments
-    except ModuleNotFoundError:
-        return
-    add_limit_arguments(parser)
 
 
 # The status codes with which the XLA runtime prefixes its errors. JAX raises a failed collective
