@@ -333,6 +333,7 @@ class ShapesJob:
             reward_combination=config.reward_combination,
             window_schedule=self.window_schedule(),
             mesh=mesh,
+            record_means=config.grpo_guard,
         )
 
     def window_schedule(self) -> AbstractWindowSchedule | None:
