@@ -78,6 +78,9 @@ class RampedDecay(eqx.Module):
         return min((step - self.flat) * self.rate, self.maximum)
 
 
+_RELEASED_DECAY = RampedDecay()
+
+
 @final
 class NFTVariables(AbstractVariables):
     """DiffusionNFT's variables: the live policy, the old (sampling) policy and the reference.
@@ -176,7 +179,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         beta: float = 1.0,
         adv_max: float = 5.0,
         kl_beta: float = 1e-4,
-        old_decay: float | RampedDecay | None = RampedDecay(),
+        old_decay: float | RampedDecay | None = _RELEASED_DECAY,
         loss: NFTLoss = "released",
         times: NFTTimes = "grid",
         time_fraction: float = 0.99,
