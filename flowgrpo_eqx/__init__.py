@@ -49,11 +49,22 @@ from ._inputs import (
     InputSpec as InputSpec,
 )
 from ._misc import check_int as check_int, check_number as check_number, is_int as is_int
-from ._nft import DiffusionNFTObjective as DiffusionNFTObjective, NFTVariables as NFTVariables
+from ._nft import (
+    DiffusionNFTObjective as DiffusionNFTObjective,
+    NFTLoss as NFTLoss,
+    NFTTimes as NFTTimes,
+    NFTVariables as NFTVariables,
+    RampedDecay as RampedDecay,
+)
 from ._objective import (
+    AbstractGRPOGuard as AbstractGRPOGuard,
+    EmpiricalGuard as EmpiricalGuard,
     FlowGRPOObjective as FlowGRPOObjective,
     FlowGRPOVariables as FlowGRPOVariables,
     GRPOGuard as GRPOGuard,
+    GuardDrift as GuardDrift,
+    GuardParts as GuardParts,
+    GuardScale as GuardScale,
     OldLogProbs as OldLogProbs,
     ratio_norm as ratio_norm,
     step_weights as step_weights,

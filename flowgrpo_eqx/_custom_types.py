@@ -134,6 +134,10 @@ class Transitions(eqx.Module):
     - `transition_mask`: `[N, K]` bool, whether each transition may count.
     - `advantages`: `[N]` (broadcast over K) or `[N, K]`.
     - `cond`: the conditioning, a PyTree whose leaves have a leading `N` axis.
+    - `old_means`: `[N, K, *latent]`, the mean of each transition's Gaussian under the policy
+        that sampled it (`FlowRollout(record_means=True)`), or `None` (the default). The
+        released GRPO-Guard (`GRPOGuard`) adds back the drift `|mu_theta - mu_old|^2 / (2 S^2)`
+        and needs them.
 
     **Raises:**
 
@@ -148,6 +152,7 @@ class Transitions(eqx.Module):
     transition_mask: Bool[Array, " N K"]
     advantages: Float[Array, " N"] | Float[Array, " N K"]
     cond: PyTree[Any]
+    old_means: Float[Array, " N K *latent"] | None = None
 
     def __check_init__(self) -> None:
         check_transitions(self)
@@ -180,6 +185,9 @@ class FinalSamples(eqx.Module):
     - `advantages`: `[N]` group-normalised advantages.
     - `cond`: the rows that conditioned them (leaves with a leading axis `N`).
     - `mask`: `[N]` bools, whether each row counts; `None` (the default) counts every row.
+    - `timesteps`: `[N, K]` the start times of the `K` steps of the sampler's grid that drew
+        each row (what `FlowRollout.collect` records with an ODE sampler: the grid without
+        its final 0), or `None`. DiffusionNFT's released form trains on these times.
 
     **Raises:**
 
@@ -191,6 +199,7 @@ class FinalSamples(eqx.Module):
     advantages: Float[Array, " N"]
     cond: PyTree[Any]
     mask: Bool[Array, " N"]
+    timesteps: Float[Array, " N K"] | None
 
     def __init__(
         self,
@@ -198,11 +207,13 @@ class FinalSamples(eqx.Module):
         advantages: Float[Array, " N"],
         cond: PyTree[Any],
         mask: Bool[Array, " N"] | None = None,
+        timesteps: Float[Array, " N K"] | None = None,
     ):
         self.latents = latents
         self.advantages = advantages
         self.cond = cond
         self.mask = jnp.ones(jnp.shape(latents)[:1], bool) if mask is None else mask
+        self.timesteps = timesteps
 
     def __check_init__(self) -> None:
         if jnp.ndim(self.latents) < 1:
@@ -221,6 +232,13 @@ class FinalSamples(eqx.Module):
                 f"FinalSamples.mask must be a bool array, got dtype {jnp.result_type(self.mask)}."
             )
         check_leading_rows("FinalSamples", "cond", self.cond, rows)
+        if self.timesteps is not None and (
+            jnp.ndim(self.timesteps) != 2 or jnp.shape(self.timesteps)[0] != rows
+        ):
+            raise ValueError(
+                f"FinalSamples.timesteps has shape {tuple(jnp.shape(self.timesteps))}, "
+                f"expected [N, K] with N = {rows}."
+            )
 
     @property
     def num_rows(self) -> int:
@@ -249,6 +267,10 @@ def check_transitions(batch: Transitions) -> None:
             "next_latents",
             f"[N, K, *latent] = {tuple(latents.shape)}",
             jnp.shape(batch.next_latents),
+        )
+    if batch.old_means is not None and tuple(jnp.shape(batch.old_means)) != tuple(latents.shape):
+        raise _shape_error(
+            "old_means", f"[N, K, *latent] = {tuple(latents.shape)}", jnp.shape(batch.old_means)
         )
     for name in ("timesteps", "next_timesteps", "old_log_probs", "transition_mask"):
         value = getattr(batch, name)

@@ -1,6 +1,6 @@
 """`DiffusionNFTObjective`: online RL on the forward process from final samples and rewards."""
 
-from typing import Any, final
+from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
 import jax
@@ -18,6 +18,67 @@ from ._process import AbstractProcess
 from ._rl import AbstractRLObjective, FirstPass, RunUpdate
 from ._rollout import RolloutInfo
 from ._solver import AbstractSolver, Euler
+
+
+NFTLoss: TypeAlias = Literal["released", "velocity"]
+"""DiffusionNFT's per-row loss: the released code's adaptive x0-space form, scaled by
+`adv_max / beta`; or the velocity-space form of the paper's statement."""
+
+NFTTimes: TypeAlias = Literal["grid", "uniform"]
+"""Where DiffusionNFT's training times come from: a random subset of the sampler's grid per
+row (the released code), or one uniform time per row."""
+
+
+@final
+class RampedDecay(eqx.Module):
+    """The released old-policy decay: `eta = 0` for the first `flat` optimizer steps, then
+    `min((step - flat) * rate, maximum)`, with `step = epoch * updates_per_epoch` the optimizer
+    steps done when the epoch ends. The old policy becomes `eta * old + (1 - eta) * live`.
+
+    The defaults are the release's `decay_type=1`; its `decay_type=2` (OCR) is
+    `RampedDecay(rate=0.0075, maximum=0.999, flat=75)`.
+
+    **Arguments:**
+
+    - `rate`: the increase of `eta` per optimizer step (>= 0).
+    - `maximum`: the cap of `eta`, in [0, 1).
+    - `flat`: optimizer steps with `eta = 0` (>= 0).
+    - `updates_per_epoch`: optimizer steps per epoch (minibatches times inner epochs, >= 1).
+
+    **Raises:**
+
+    - `ValueError`: naming the argument outside its range.
+    """
+
+    rate: float = 0.001
+    maximum: float = 0.5
+    flat: int = 0
+    updates_per_epoch: int = 1
+
+    def __check_init__(self) -> None:
+        check_number("rate", self.rate, minimum=0)
+        check_number("maximum", self.maximum, minimum=0, maximum=1, include_maximum=False)
+        check_int("flat", self.flat, 0)
+        check_int("updates_per_epoch", self.updates_per_epoch, 1)
+
+    def __call__(self, epoch: int) -> float:
+        """`eta` at the end of `epoch` (from 1).
+
+        **Arguments:**
+
+        - `epoch`: the epoch that ended.
+
+        **Returns:**
+
+        The decay `eta` in [0, maximum].
+        """
+        step = epoch * self.updates_per_epoch
+        if step < self.flat:
+            return 0.0
+        return min((step - self.flat) * self.rate, self.maximum)
+
+
+_RELEASED_DECAY = RampedDecay()
 
 
 @final
@@ -43,45 +104,58 @@ class NFTVariables(AbstractVariables):
 
 @final
 class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
-    """DiffusionNFT: negative-aware flow matching on final samples, weighted by reward.
+    """DiffusionNFT: negative-aware flow matching on final samples, weighted by reward; by
+    default as the authors' released code computes it (`docs/mathematics.md` §8).
 
     Each row's advantage `A` becomes an optimality probability
-    `r = 1/2 + 1/2 clip(A / adv_max, -1, 1)` in [0, 1]. Its clean latent `x_0` is noised
-    along the forward process at a uniform time `t`, `x_t = (1 - t) x_0 + t eps`, with the
-    target velocity `v = eps - x_0` (t = 1 is noise). With the old policy's guided velocity
+    `r = 1/2 + 1/2 clip(A / adv_max, -1, 1)` in [0, 1]. Its clean latent `x_0` is noised at
+    time `t`, `x_t = (1 - t) x_0 + t eps` (t = 1 is noise). With the old policy's velocity
     `v_old` (no gradient) and the live policy's `v_theta`, the implicit positive and negative
-    policies are `v+ = (1 - beta) v_old + beta v_theta` and
-    `v- = (1 + beta) v_old - beta v_theta`, and each counted row contributes
-    `r mean||v+ - v||^2 + (1 - r) mean||v- - v||^2` (means over latent coordinates), plus
-    `kl_beta mean||v_theta - v_ref||^2` to the reference when `kl_beta > 0`. The loss is the
-    mean over counted rows; no count gives 0 and zero gradients.
+    policies are `v+ = (1 - beta) v_old + beta v_theta` and `v- = (1 + beta) v_old - beta
+    v_theta`. With `loss="released"` (default), the x0-space errors `e+- = (x_t - t v+-) -
+    x_0` and their adaptive weights `w+- = max(mean|e+-|, 1e-5)` (no gradient) give
+    `(adv_max / beta) [r mean(e+^2) / w+ + (1 - r) mean(e-^2) / w-]`; with `"velocity"`
+    (the paper's statement, kept as a scale-free baseline that needs no weights) it is
+    `r mean(v+ - v)^2 + (1 - r) mean(v- - v)^2` with `v = eps - x_0`. Both add
+    `kl_beta mean(v_theta - v_ref)^2` to the reference.
 
-    The old policy (`NFTVariables.old_policy`) samples the rollout and anchors the implicit
-    policies. It starts as the initial policy and, with `old_decay`, follows the live one
-    once per epoch (`end_epoch`, the paper's soft update of the sampling policy); without,
-    it stays the initial policy. For a policy with LoRA adapters it holds the adapters
-    alone and the old policy is the live one carrying them. The velocity is the guided one
-    (`GuidedFlow.velocity`), the one the sampler integrates, so the policy trained is the
-    policy that samples; with `guidance=None` it is the model's conditional velocity.
+    With `times="grid"` (default) each row trains on a random `int(time_fraction * K)` of the
+    `K` start times of the sampler's grid that drew it (`FinalSamples.timesteps`), each with
+    its own noise, all in one update (the release accumulates their gradients into one
+    optimizer step); `"uniform"` (the paper's `t ~ U`, kept for batches without a grid) draws
+    one `t ~ U[1e-4, 1 - 1e-4]` per row. A row's loss is the mean over its times; the loss is
+    the mean over counted rows; no count gives 0 and zero gradients.
+
+    The old policy (`NFTVariables.old_policy`) samples the rollout (the release samples with
+    a deterministic second-order solver: give the `FlowRollout` `Heun()`) and anchors the
+    implicit policies. It starts as the initial policy and follows the live one once per
+    epoch (`end_epoch`) by `old_decay`. For a policy with LoRA adapters it holds the adapters
+    alone. The velocity is the guided one (`GuidedFlow.velocity`); the release is
+    guidance-free, the default `guidance=None`.
 
     **Arguments:**
 
     - `model`, `process`, `inputs`, `guidance`, `sampler`, `steps`, `autoencoder`,
         `pretrained`, `precision`: as for `FlowGRPOObjective` (`sampler` and `steps` serve
-        `evaluate`).
+        `evaluate`); `guidance` defaults to `None`.
     - `beta`: the mixing strength of the implicit policies, in (0, 1].
-    - `adv_max`: the advantage at which the optimality probability saturates (0 or 1).
-    - `kl_beta`: the weight of the velocity KL to the reference (>= 0; 0, the default,
-        keeps no reference). With a LoRA policy the reference is the policy with its adapters
-        switched off; otherwise a frozen copy of the initial policy.
-    - `old_decay`: `None` (default) keeps the old policy at the initial policy; a number
-        in [0, 1) moves it once per epoch to `old_decay * old + (1 - old_decay) * live`.
+    - `adv_max`: the advantage clip at which the optimality probability saturates (the
+        release's `adv_clip_max`).
+    - `kl_beta`: the weight of the velocity KL to the reference (>= 0; default 1e-4, the
+        release's). With a LoRA policy the reference is the policy with its adapters switched
+        off; otherwise a frozen copy of the initial policy (none is kept at 0).
+    - `old_decay`: `RampedDecay()` (default, the release's ramp); a number in [0, 1) for a
+        constant decay; or `None` to keep the old policy at the initial one.
+    - `loss`: `"released"` (default) or `"velocity"`.
+    - `times`: `"grid"` (default) or `"uniform"`.
+    - `time_fraction`: the fraction of the grid's times each row trains on, in (0, 1]
+        (default 0.99, the release's `timestep_fraction`; at least one time).
 
     **Raises:**
 
     - `ValueError`: naming the argument, for `beta` outside (0, 1], `adv_max <= 0`,
-        `kl_beta < 0`, `old_decay` outside [0, 1), `steps < 2`, or guidance without a null
-        condition.
+        `kl_beta < 0`, a numeric `old_decay` outside [0, 1), a `time_fraction` outside (0, 1],
+        an unknown `loss` or `times`, `steps < 2`, or guidance without a null condition.
     """
 
     flow: GuidedFlow
@@ -91,7 +165,10 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     beta: float
     adv_max: float
     kl_beta: float
-    old_decay: float | None
+    old_decay: float | RampedDecay | None
+    loss_form: NFTLoss = eqx.field(static=True)
+    times: NFTTimes = eqx.field(static=True)
+    time_fraction: float
 
     def __init__(
         self,
@@ -101,9 +178,12 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         *,
         beta: float = 1.0,
         adv_max: float = 5.0,
-        kl_beta: float = 0.0,
-        old_decay: float | None = None,
-        guidance: CFG | None = CFG(3.0),
+        kl_beta: float = 1e-4,
+        old_decay: float | RampedDecay | None = _RELEASED_DECAY,
+        loss: NFTLoss = "released",
+        times: NFTTimes = "grid",
+        time_fraction: float = 0.99,
+        guidance: CFG | None = None,
         sampler: AbstractSolver = Euler(),
         steps: int = 41,
         autoencoder: AbstractAutoEncoder | None = None,
@@ -118,13 +198,29 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         self.adv_max = adv_max
         self.kl_beta = kl_beta
         self.old_decay = old_decay
+        self.loss_form = loss
+        self.times = times
+        self.time_fraction = time_fraction
 
     def __check_init__(self) -> None:
         check_number("beta", self.beta, minimum=0, maximum=1, include_minimum=False)
         check_number("adv_max", self.adv_max, minimum=0, include_minimum=False)
         check_number("kl_beta", self.kl_beta, minimum=0)
+        if not isinstance(self.old_decay, RampedDecay):
+            check_number(
+                "old_decay",
+                self.old_decay,
+                minimum=0,
+                maximum=1,
+                include_maximum=False,
+                optional=True,
+            )
+        if self.loss_form not in ("released", "velocity"):
+            raise ValueError(f"`loss` must be 'released' or 'velocity', got {self.loss_form!r}.")
+        if self.times not in ("grid", "uniform"):
+            raise ValueError(f"`times` must be 'grid' or 'uniform', got {self.times!r}.")
         check_number(
-            "old_decay", self.old_decay, minimum=0, maximum=1, include_maximum=False, optional=True
+            "time_fraction", self.time_fraction, minimum=0, maximum=1, include_minimum=False
         )
         if not isinstance(self.sampler, AbstractSolver):
             raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
@@ -178,7 +274,10 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
                 f"shape {tuple(collected.advantages.shape)}."
             )
         return FinalSamples(
-            latents=info.final, advantages=collected.advantages, cond=collected.cond
+            latents=info.final,
+            advantages=collected.advantages,
+            cond=collected.cond,
+            timesteps=collected.timesteps,
         )
 
     def prepare_batch(
@@ -193,16 +292,17 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         **Arguments:**
 
         - `variables`: after the epoch's updates.
-        - `epoch`: the epoch that ended.
+        - `epoch`: the epoch that ended, from 1 (a `RampedDecay` reads it).
 
         **Returns:**
 
-        `variables` with `old_policy = old_decay * old + (1 - old_decay) * live` (the
-        adapters alone for a LoRA policy).
+        `variables` with `old_policy = eta * old + (1 - eta) * live` (the adapters alone
+        for a LoRA policy), `eta = old_decay(epoch)` for a `RampedDecay`, else `old_decay`.
         """
-        del epoch
         if self.old_decay is None:
             return variables
+        if isinstance(self.old_decay, RampedDecay):
+            return _soft_update(variables, self.old_decay(epoch))
         return _soft_update(variables, self.old_decay)
 
     def batch_metrics(self, batch: FinalSamples) -> dict[str, float]:
@@ -278,19 +378,24 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
             `v_old`, the reference `v_ref`.
         - `batch`: the `FinalSamples`.
         - `step`: its key draws the noise and the times: `noise_key, time_key =
-            jax.random.split(step.key)`, `eps ~ N(0, I)` shaped like the latents and
-            `t ~ U[1e-4, 1 - 1e-4]` per row.
+            jax.random.split(step.key)`; with `times="grid"` each row's subset is the first
+            `int(time_fraction * K)` of `argsort(uniform(time_key, [N, K]))` of its grid,
+            with `"uniform"` `t ~ U[1e-4, 1 - 1e-4]` of shape `[N, 1]`; `eps ~ N(0, I)` for
+            each (row, time), rows repeated time-fastest.
 
         **Returns:**
 
         `(Mean(sum of per-row losses, counted rows), aux)` with `aux` the `Mean`s over
-        counted rows of `positive_mse` (`mean||v+ - v||^2`), `negative_mse`, `old_mse`
-        (`mean||v_old - v||^2`), `drift` (`mean||v_theta - v_old||^2`), `optimality`
-        (`r`), and with `kl_beta > 0` `kl` (`mean||v_theta - v_ref||^2`).
+        counted rows (each row's mean over its times) of `positive_mse` and `negative_mse`
+        (the weighted x0-space errors `mean(e+-^2) / w+-` with `loss="released"`, else
+        `mean(v+- - v)^2`), `old_mse` (`mean(v_old - v)^2`), `drift`
+        (`mean(v_theta - v_old)^2`), `optimality` (`r`), and with `kl_beta > 0` `kl`
+        (`mean(v_theta - v_ref)^2`).
 
         **Raises:**
 
-        - `ValueError`: as `reference`, or `GuidedFlow.velocity`.
+        - `ValueError`: as `reference`, or `GuidedFlow.velocity`; naming `batch.timesteps`
+            when `times="grid"` and the batch has none.
         """
         old = _stop_gradient(self.old_policy(variables))
         rows = batch.num_rows
@@ -306,43 +411,91 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         advantages = clean(batch.advantages)
         cond = jax.tree.map(clean, batch.cond)
         noise_key, time_key = jax.random.split(step.key)
-        noise = jax.random.normal(noise_key, data.shape, data.dtype)
-        t = jax.random.uniform(time_key, (rows,), data.dtype, minval=1e-4, maxval=1.0 - 1e-4)
+        if self.times == "grid":
+            if batch.timesteps is None:
+                raise ValueError(
+                    "`times`='grid' trains on the sampler's grid, but `batch.timesteps` is "
+                    "None: collect with a FlowRollout (an ODE sampler records it), or use "
+                    "`times`='uniform'."
+                )
+            grid = clean(batch.timesteps).astype(data.dtype)
+            size = grid.shape[1]
+            count_per_row = max(1, int(self.time_fraction * size))
+            order = jnp.argsort(jax.random.uniform(time_key, (rows, size)), axis=1)
+            t = jnp.take_along_axis(grid, order[:, :count_per_row], axis=1)
+        else:
+            count_per_row = 1
+            t = jax.random.uniform(time_key, (rows, 1), data.dtype, minval=1e-4, maxval=1.0 - 1e-4)
+        # Every (row, time) pair is one example of a flat batch of rows * count_per_row.
+        flat = rows * count_per_row
+        x_0 = jnp.repeat(data, count_per_row, axis=0)
+        noise = jax.random.normal(noise_key, x_0.shape, data.dtype)
+        t = t.reshape(flat)
+        flat_cond = jax.tree.map(lambda leaf: jnp.repeat(leaf, count_per_row, axis=0), cond)
         process = self.flow.process
-        x_t = jax.vmap(process.interpolate)(data, noise, t)
-        target = jax.vmap(process.velocity_target)(data, noise).astype(jnp.float32)
-        v_theta = self.flow.velocity(variables.policy, x_t, t, cond).astype(jnp.float32)
-        v_old = jax.lax.stop_gradient(self.flow.velocity(old, x_t, t, cond).astype(jnp.float32))
+        x_t = jax.vmap(process.interpolate)(x_0, noise, t)
+        target = jax.vmap(process.velocity_target)(x_0, noise).astype(jnp.float32)
+        v_theta = self.flow.velocity(variables.policy, x_t, t, flat_cond).astype(jnp.float32)
+        v_old = jax.lax.stop_gradient(
+            self.flow.velocity(old, x_t, t, flat_cond).astype(jnp.float32)
+        )
         positive = (1.0 - self.beta) * v_old + self.beta * v_theta
         negative = (1.0 + self.beta) * v_old - self.beta * v_theta
 
-        def row_mse(a: Array, b: Array) -> Float[Array, " N"]:
-            return jnp.mean(((a - b) ** 2).reshape(rows, -1), axis=1)
+        def example_mean(value: Array) -> Float[Array, " F"]:
+            return jnp.mean(value.reshape(flat, -1), axis=1)
 
-        r = self.optimality(advantages)
-        positive_mse = row_mse(positive, target)
-        negative_mse = row_mse(negative, target)
-        per_row = r * positive_mse + (1.0 - r) * negative_mse
+        def row_mean(value: Float[Array, " F"]) -> Float[Array, " N"]:
+            return jnp.mean(value.reshape(rows, count_per_row), axis=1)
+
+        def mse(a: Array, b: Array) -> Float[Array, " F"]:
+            return example_mean((a - b) ** 2)
+
+        r = jnp.repeat(self.optimality(advantages), count_per_row)
+        if self.loss_form == "released":
+            x_0_f32 = x_0.astype(jnp.float32)
+            t_column = t.astype(jnp.float32).reshape((flat,) + (1,) * (x_0.ndim - 1))
+            x_t_f32 = x_t.astype(jnp.float32)
+            positive_error = (x_t_f32 - t_column * positive) - x_0_f32
+            negative_error = (x_t_f32 - t_column * negative) - x_0_f32
+            positive_weight = jax.lax.stop_gradient(
+                jnp.maximum(example_mean(jnp.abs(positive_error)), 1e-5)
+            )
+            negative_weight = jax.lax.stop_gradient(
+                jnp.maximum(example_mean(jnp.abs(negative_error)), 1e-5)
+            )
+            positive_mse = example_mean(positive_error**2) / positive_weight
+            negative_mse = example_mean(negative_error**2) / negative_weight
+            scale = self.adv_max / self.beta
+        else:
+            positive_mse = mse(positive, target)
+            negative_mse = mse(negative, target)
+            scale = 1.0
+        per_example = scale * (r * positive_mse + (1.0 - r) * negative_mse)
         kl = None
         if self.kl_beta > 0:
             reference = _stop_gradient(self.reference(variables))
-            v_ref = self.flow.velocity(reference, x_t, t, cond).astype(jnp.float32)
-            kl = row_mse(v_theta, jax.lax.stop_gradient(v_ref))
-            per_row = per_row + self.kl_beta * kl
+            v_ref = self.flow.velocity(reference, x_t, t, flat_cond).astype(jnp.float32)
+            kl = mse(v_theta, jax.lax.stop_gradient(v_ref))
+            per_example = per_example + self.kl_beta * kl
+        per_row = row_mean(per_example)
         count = jnp.sum(keep, dtype=jnp.float32)
 
         def mean_of(value: Float[Array, " N"]) -> Mean:
             return Mean(jnp.sum(jnp.where(keep, value, jnp.zeros_like(value))), count)
 
+        def row_stat(value: Float[Array, " F"]) -> Mean:
+            return mean_of(row_mean(jax.lax.stop_gradient(value)))
+
         aux = {
-            "positive_mse": mean_of(positive_mse),
-            "negative_mse": mean_of(negative_mse),
-            "old_mse": mean_of(row_mse(v_old, target)),
-            "drift": mean_of(jax.lax.stop_gradient(row_mse(v_theta, v_old))),
-            "optimality": mean_of(r),
+            "positive_mse": row_stat(positive_mse),
+            "negative_mse": row_stat(negative_mse),
+            "old_mse": row_stat(mse(v_old, target)),
+            "drift": row_stat(mse(v_theta, v_old)),
+            "optimality": row_stat(r),
         }
         if kl is not None:
-            aux["kl"] = mean_of(jax.lax.stop_gradient(kl))
+            aux["kl"] = row_stat(kl)
         return mean_of(per_row), aux
 
 

@@ -1,5 +1,6 @@
 """`FlowGRPOObjective`: the clipped Flow-GRPO policy objective over recorded transitions."""
 
+import abc
 from collections.abc import Callable
 from typing import Any, Literal, TypeAlias, final
 
@@ -63,27 +64,170 @@ class FlowGRPOVariables(AbstractVariables):
     reference: Model | None
 
 
+GuardDrift: TypeAlias = Literal["sample", "batch"]
+"""Where GRPO-Guard's analytic drift `mean(mu_theta - mu_old)^2 / (2 S^2)` is averaged: per
+transition over its coordinates (`"sample"`, the authors' fix), or over the coordinates and
+every kept transition of the step (`"batch"`, the released code)."""
+
+GuardScale: TypeAlias = Literal["batch", "sample"]
+"""GRPO-Guard's scale `S`: the step's `mean(sqrt(dt)) * mean(sigma_t)` over its kept
+transitions (`"batch"`, the released code), or each transition's own std (`"sample"`)."""
+
+
 @final
-class GRPOGuard(eqx.Module):
-    """GRPO-Guard's regulated clipping (arXiv:2510.22319): RatioNorm and step reweighting.
+class GuardParts(eqx.Module):
+    """The per-transition quantities a GRPO-Guard form reads, all `[N, K]`.
+
+    **Arguments:**
+
+    - `log_ratio`: `log p_theta - old_log_prob`, 0 outside the kept set.
+    - `drift`: `mean over coordinates (mu_theta - mu_old)^2`, or zeros when the batch has no
+        old means (only `GRPOGuard` reads it, and it needs them).
+    - `std`: each transition's std `s`.
+    - `t`, `t_next`: each transition's start and end times (safe values outside the kept set).
+    - `kept`: the kept set.
+    """
+
+    log_ratio: Float[Array, " N K"]
+    drift: Float[Array, " N K"]
+    std: Float[Array, " N K"]
+    t: Float[Array, " N K"]
+    t_next: Float[Array, " N K"]
+    kept: Bool[Array, " N K"]
+
+
+class AbstractGRPOGuard(eqx.Module):
+    """A form of GRPO-Guard's regulated clipping (arXiv:2510.22319): how the log-ratio is
+    normalised before the clip, and how each transition's surrogate is weighted.
 
     Flow-GRPO's log-ratio at a step with transition std `s` is, to second order, a drift
-    `-|mu_theta - mu_old|^2 / (2 s^2)` plus noise of scale `1/s`: its mean sits below 0 and its
-    spread differs from step to step, so the clip catches too few positive-advantage updates.
+    `-mean(mu_theta - mu_old)^2 / (2 s^2)` plus noise of scale `1/s`: its mean sits below 0 and
+    its spread differs from step to step, so the clip catches too few positive-advantage
+    updates. `GRPOGuard` removes the drift analytically, as the released code does;
+    `EmpiricalGuard` removes the step's empirical mean. The formulas, and how they relate to
+    the paper and to the released code, are in `docs/mathematics.md` (§5a).
+    """
 
-    - RatioNorm scales each kept transition's log-ratio by its std `s` (a spread consistent
-      across steps) and subtracts that scaled log-ratio's mean over the kept transitions of
-      the same step `k` in the minibatch (the drift), so that the ratio is centred on 1 at
-      every step before it is clipped. The mean is a function of the policy like any other:
-      gradients flow through it.
-    - Step reweighting multiplies each kept transition's surrogate by `1 / dt` (`dt = t -
-      t_next`), divided by the mean of `1 / dt` over the kept transitions, so that the
-      gradient is balanced over noise levels while the loss keeps its overall scale.
+    @property
+    @abc.abstractmethod
+    def needs_old_means(self) -> bool:
+        """Whether `normalise` reads the drift `mean(mu_theta - mu_old)^2`, so that the batch
+        must carry `Transitions.old_means`."""
 
-    Both use statistics of the whole minibatch, so a guarded loss is not a sum of per-shard
-    parts; the trainer evaluates each minibatch as one program, over every device. The formulas
-    and how they relate to the paper and to other implementations are in
-    `docs/mathematics.md` (§5a).
+    @abc.abstractmethod
+    def normalise(self, parts: GuardParts) -> Float[Array, " N K"]:
+        """The guarded log-ratio that the ratio `exp` of is clipped.
+
+        **Arguments:**
+
+        - `parts`: the per-transition quantities of a minibatch (`GuardParts`).
+
+        **Returns:**
+
+        `[N, K]` guarded log-ratios, 0 outside the kept set.
+        """
+
+    @abc.abstractmethod
+    def weights(self, parts: GuardParts) -> Float[Array, " N K"] | None:
+        """Each kept transition's surrogate weight, or `None` for no reweighting.
+
+        **Arguments:**
+
+        - `parts`: the per-transition quantities of a minibatch (`GuardParts`).
+
+        **Returns:**
+
+        `[N, K]` weights (0 outside the kept set), or `None`.
+        """
+
+
+@final
+class GRPOGuard(AbstractGRPOGuard):
+    """GRPO-Guard as released: the analytic drift added back, the log-ratio scaled by `S`, and
+    the policy loss divided by `mean(sqrt(dt))^2`.
+
+    With `dt = t - t_next`, `sigma_t = s / sqrt(dt)` (the SDE's diffusion coefficient), and the
+    statistics `mean_k` taken over the kept transitions of the same step `k`:
+
+    - `S = mean_k(sqrt(dt)) * mean_k(sigma_t)` (`scale="batch"`) or `S = s` (`"sample"`);
+    - `b = mean_coords(mu_theta - mu_old)^2 / (2 S^2)` per transition (`drift="sample"`), or
+      its mean over the step's kept transitions (`"batch"`);
+    - the guarded log-ratio is `(log_ratio + b) * S`; gradients flow through `b`;
+    - with `reweight`, each kept surrogate is divided by `mean_k(sqrt(dt))^2`.
+
+    The three published forms (`docs/mathematics.md` §5a): the authors' fix, the default,
+    `GRPOGuard()`; the released code (the batch-global drift of flow_grpo issue #244),
+    `GRPOGuard(drift="batch")`; per-sample `S` without reweighting (as a widely used
+    third-party trainer), `GRPOGuard(scale="sample", reweight=False)`. All need the rollout's
+    means: `FlowRollout(record_means=True)`.
+
+    **Arguments:**
+
+    - `drift`: `"sample"` (default) or `"batch"`.
+    - `scale`: `"batch"` (default) or `"sample"`.
+    - `reweight`: whether to divide each surrogate by `mean_k(sqrt(dt))^2` (default `True`).
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for a `drift` or `scale` outside its `Literal`.
+    """
+
+    drift: GuardDrift = eqx.field(default="sample", static=True)
+    scale: GuardScale = eqx.field(default="batch", static=True)
+    reweight: bool = eqx.field(default=True, static=True)
+
+    def __check_init__(self) -> None:
+        if self.drift not in ("sample", "batch"):
+            raise ValueError(f"`drift` must be 'sample' or 'batch', got {self.drift!r}.")
+        if self.scale not in ("batch", "sample"):
+            raise ValueError(f"`scale` must be 'batch' or 'sample', got {self.scale!r}.")
+        if not isinstance(self.reweight, bool):
+            raise ValueError(f"`reweight` must be a bool, got {self.reweight!r}.")
+
+    @property
+    def needs_old_means(self) -> bool:
+        return True
+
+    def normalise(self, parts: GuardParts) -> Float[Array, " N K"]:
+        kept = parts.kept
+        sqrt_dt = jnp.sqrt(jnp.where(kept, parts.t - parts.t_next, 1.0))
+        if self.scale == "batch":
+            sigma = parts.std / sqrt_dt
+            mean_sqrt_dt, _ = _step_statistics(sqrt_dt, kept)
+            mean_sigma, _ = _step_statistics(sigma, kept)
+            scale = jnp.broadcast_to((mean_sqrt_dt * mean_sigma)[None, :], kept.shape)
+        else:
+            scale = parts.std
+        scale = jnp.where(kept & (scale > 0), scale, 1.0)
+        drift = jnp.where(kept, parts.drift, 0.0)
+        if self.drift == "batch":
+            step_drift, _ = _step_statistics(drift, kept)
+            drift = jnp.broadcast_to(step_drift[None, :], kept.shape)
+        bias = drift / (2.0 * scale**2)
+        return jnp.where(kept, (parts.log_ratio + bias) * scale, 0.0)
+
+    def weights(self, parts: GuardParts) -> Float[Array, " N K"] | None:
+        if not self.reweight:
+            return None
+        kept = parts.kept
+        sqrt_dt = jnp.sqrt(jnp.where(kept, parts.t - parts.t_next, 1.0))
+        mean_sqrt_dt, _ = _step_statistics(sqrt_dt, kept)
+        safe = jnp.where(mean_sqrt_dt > 0, mean_sqrt_dt, 1.0)
+        return jnp.where(kept, 1.0 / safe[None, :] ** 2, 0.0)
+
+
+@final
+class EmpiricalGuard(AbstractGRPOGuard):
+    """GRPO-Guard with an empirical centring: this library's earlier form, kept because it
+    needs no recorded means (any `Transitions`, from any rollout) and centres every step's
+    guarded log-ratio exactly on 0.
+
+    - RatioNorm scales each kept transition's log-ratio by its std `s` and subtracts that
+      scaled log-ratio's mean over the kept transitions of the same step `k` in the minibatch
+      (an estimate of the drift); gradients flow through the mean.
+    - Step reweighting multiplies each kept surrogate by `1 / dt` (`dt = t - t_next`),
+      divided by the mean of `1 / dt` over the kept transitions (mean 1, so the loss keeps
+      its scale).
 
     **Arguments:**
 
@@ -95,18 +239,32 @@ class GRPOGuard(eqx.Module):
     - `ValueError`: if both are off (the guard would do nothing).
     """
 
-    ratio_norm: bool = True
-    reweight: bool = True
+    ratio_norm: bool = eqx.field(default=True, static=True)
+    reweight: bool = eqx.field(default=True, static=True)
 
     def __check_init__(self) -> None:
         if not (self.ratio_norm or self.reweight):
             raise ValueError("`ratio_norm` and `reweight` are both False: the guard does nothing.")
 
+    @property
+    def needs_old_means(self) -> bool:
+        return False
+
+    def normalise(self, parts: GuardParts) -> Float[Array, " N K"]:
+        if not self.ratio_norm:
+            return parts.log_ratio
+        return ratio_norm(parts.log_ratio, parts.std, parts.kept)
+
+    def weights(self, parts: GuardParts) -> Float[Array, " N K"] | None:
+        if not self.reweight:
+            return None
+        return step_weights(parts.t, parts.t_next, parts.kept)
+
 
 def ratio_norm(
     log_ratio: Float[Array, " N K"], std: Float[Array, " N K"], kept: Bool[Array, " N K"]
 ) -> Float[Array, " N K"]:
-    """GRPO-Guard's RatioNorm: the log-ratio scaled by the transition std, centred per step.
+    """`EmpiricalGuard`'s RatioNorm: the log-ratio scaled by the transition std, centred per step.
 
     For each step (column) `k`, `normalised[n, k] = s[n, k] l[n, k] - mean_kept_k(s l)`, where
     the mean is over the kept rows of column `k`; entries outside the kept set are 0.
@@ -129,7 +287,7 @@ def ratio_norm(
 def step_weights(
     t: Float[Array, " N K"], t_next: Float[Array, " N K"], kept: Bool[Array, " N K"]
 ) -> Float[Array, " N K"]:
-    """GRPO-Guard's step reweighting: `1 / dt` over its mean on the kept set.
+    """`EmpiricalGuard`'s step reweighting: `1 / dt` over its mean on the kept set.
 
     **Arguments:**
 
@@ -201,9 +359,11 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         last chunk is padded with copies whose results are discarded.
     - `remat`: whether each scan step is rematerialised (`jax.checkpoint`); `None` (default)
         means "when there is more than one chunk".
-    - `guard`: `GRPOGuard()` for GRPO-Guard's RatioNorm and step reweighting (the ratio and
-        the surrogate above are then the guarded ones, and `Aux.step_ratios` reports the
-        ratio per step before and after normalisation); `None` (default) for plain Flow-GRPO.
+    - `guard`: a GRPO-Guard form (`GRPOGuard()`, the authors' fixed release, whose batch
+        needs `Transitions.old_means`; `GRPOGuard(drift="batch")`, the release as published;
+        `EmpiricalGuard()`) for its normalised ratio and step weights (the ratio and the
+        surrogate above are then the guarded ones, and `Aux.step_ratios` reports the ratio
+        per step before and after normalisation); `None` (default) for plain Flow-GRPO.
     - `precision`: `"float32"` (default) or `"bfloat16"`, the dtype the model computes in
         (`GuidedFlow`); the SDE, densities, ratio and KL stay float32.
     - `old_log_probs`: `"rollout"` (the default) keeps the old log densities the rollout
@@ -218,8 +378,8 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     **Raises:**
 
     - `ValueError`: naming the argument, for `clip_range <= 0`, `adv_clip_max <= 0`,
-        `beta < 0`, `steps < 2`, `transition_chunk < 1`, a `guard` that is not a
-        `GRPOGuard`, an unknown `old_log_probs`, or guidance without a null condition.
+        `beta < 0`, `steps < 2`, `transition_chunk < 1`, a `guard` that is not an
+        `AbstractGRPOGuard`, an unknown `old_log_probs`, or guidance without a null condition.
     """
 
     flow: GuidedFlow
@@ -232,7 +392,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     pretrained: Model | None
     transition_chunk: int | None
     remat: bool | None
-    guard: GRPOGuard | None
+    guard: AbstractGRPOGuard | None
     old_log_probs: OldLogProbs = eqx.field(static=True)
 
     def __init__(
@@ -252,7 +412,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         pretrained: Model | None = None,
         transition_chunk: int | None = None,
         remat: bool | None = None,
-        guard: GRPOGuard | None = None,
+        guard: AbstractGRPOGuard | None = None,
         precision: Precision = "float32",
         old_log_probs: OldLogProbs = "rollout",
     ):
@@ -279,8 +439,11 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
             raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
         check_int("steps", self.steps, 2)
         check_int("transition_chunk", self.transition_chunk, 1, optional=True)
-        if self.guard is not None and not isinstance(self.guard, GRPOGuard):
-            raise ValueError(f"`guard` must be a GRPOGuard or None, got {self.guard!r}.")
+        if self.guard is not None and not isinstance(self.guard, AbstractGRPOGuard):
+            raise ValueError(
+                f"`guard` must be an AbstractGRPOGuard (GRPOGuard, EmpiricalGuard) or None, "
+                f"got {self.guard!r}."
+            )
         if self.old_log_probs not in ("rollout", "update"):
             raise ValueError(
                 f"`old_log_probs` must be 'rollout' or 'update', got {self.old_log_probs!r}."
@@ -503,6 +666,13 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
             else:
                 reference = _stop_gradient(variables.reference)
         report_log_probs = self.old_log_probs == "update"
+        guard = self.guard
+        needs_means = guard is not None and guard.needs_old_means
+        if needs_means and batch.old_means is None:
+            raise ValueError(
+                f"`guard`={guard!r} adds back the drift from the rollout's means, but "
+                "`batch.old_means` is None: build the FlowRollout with `record_means=True`."
+            )
         n, k = batch.timesteps.shape
         kept = self.kept(batch)
         advantages = batch.advantages
@@ -522,6 +692,8 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
             "advantage": keep(advantages.astype(jnp.float32), 0.0),
             "kept": kept,
         }
+        if needs_means and batch.old_means is not None:
+            inputs["old_mean"] = keep(batch.old_means, 0.0)
 
         def per_transition(chunk: dict[str, Array], cond: PyTree[Any]) -> dict[str, Array]:
             mean, std = self.flow.transition(
@@ -538,6 +710,9 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
             zero = jnp.zeros_like(log_prob)
             on = chunk["kept"]
             per = {"log_ratio": log_prob - chunk["old"], "kl": kl, "std": std}
+            if needs_means:
+                difference = (mean - chunk["old_mean"]).reshape(mean.shape[0], -1)
+                per["drift"] = jnp.mean(difference**2, axis=1)
             if report_log_probs:
                 per["log_prob"] = log_prob
             return {name: jnp.where(on, value, zero) for name, value in per.items()}
@@ -556,10 +731,17 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         raw_log_ratio = scored["log_ratio"]
         log_ratio = raw_log_ratio
         weight = None
-        if self.guard is not None and self.guard.ratio_norm:
-            log_ratio = ratio_norm(raw_log_ratio, scored["std"], kept)
-        if self.guard is not None and self.guard.reweight:
-            weight = step_weights(inputs["t"], inputs["t_next"], kept)
+        if guard is not None:
+            parts = GuardParts(
+                log_ratio=raw_log_ratio,
+                drift=scored["drift"] if needs_means else jnp.zeros_like(raw_log_ratio),
+                std=scored["std"],
+                t=inputs["t"],
+                t_next=inputs["t_next"],
+                kept=kept,
+            )
+            log_ratio = guard.normalise(parts)
+            weight = guard.weights(parts)
         ratio = jnp.exp(log_ratio)
         advantage = jnp.clip(inputs["advantage"], -self.adv_clip_max, self.adv_clip_max)
         clipped_ratio = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
@@ -585,7 +767,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
             return Mean(total=jnp.sum(stats[name]), count=count)
 
         step_ratios = None
-        if self.guard is not None:
+        if guard is not None:
             raw = jax.lax.stop_gradient(jnp.exp(raw_log_ratio))
             raw_mean, raw_std = _step_statistics(raw, kept)
             normalised_mean, normalised_std = _step_statistics(jax.lax.stop_gradient(ratio), kept)

@@ -31,6 +31,8 @@ class Generated(eqx.Module):
     - `latents`, `next_latents`: `[N, K, *latent]` for the `K` recorded transitions (`None`
         with an ODE sampler).
     - `log_probs`: `[N, K]` their mean-coordinate log densities (`None` with an ODE sampler).
+    - `means`: `[N, K, *latent]` the means of their Gaussians, when the rollout records them
+        (`FlowRollout(record_means=True)`); `None` otherwise.
     - `final`: `[N, *latent]` the final latents at t = 0.
     - `samples`: `[N, *sample]` the decoded samples in [-1, 1].
     """
@@ -40,6 +42,7 @@ class Generated(eqx.Module):
     log_probs: Float[Array, " N K"] | None
     final: Float[Array, " N *latent"]
     samples: Float[Array, " N *sample"]
+    means: Float[Array, " N K *latent"] | None = None
 
 
 @final
@@ -116,6 +119,10 @@ class FlowRollout(eqx.Module):
         `count` consecutive stochastic transitions (the others are ODE steps) and records
         exactly those. The position is a traced value: moving it never recompiles. Needs an
         SDE `sampler` with `window=None` and `train_steps=None`.
+    - `record_means`: if `True` (SDE only), each recorded transition's Gaussian mean is kept
+        as `Transitions.old_means`, which the released GRPO-Guard (`GRPOGuard`) needs for its
+        drift term; `False` (default) records none (one latent-sized array less per
+        transition).
     - `shared_noise`: if `True`, every sample of a group starts from the same N(0, I) draw
         (groups differ), so the group baseline compares sampler branches only (the
         release's `same_latent`). `False` (default) draws every sample's start
@@ -145,6 +152,7 @@ class FlowRollout(eqx.Module):
     window_schedule: AbstractWindowSchedule | None = None
     shared_noise: bool = eqx.field(default=False, static=True)
     mesh: Mesh | None = eqx.field(default=None, static=True)
+    record_means: bool = eqx.field(default=False, static=True)
 
     def __check_init__(self) -> None:
         if not isinstance(self.flow, GuidedFlow):
@@ -307,6 +315,7 @@ class FlowRollout(eqx.Module):
             self.window_schedule is not None,
             starts_per_group,
             sharding,
+            self.record_means and self.records_transitions,
             policy,
             rows,
             key,
@@ -366,10 +375,12 @@ class FlowRollout(eqx.Module):
         if self.records_transitions:
             batch = self.build_batch(generated, device_rows, advantages, first)
         else:
+            grid = np.asarray(self.timesteps())[:-1]
             batch = FinalSamples(
                 latents=generated.final,
                 advantages=self._place(np.asarray(advantages, np.float32)),
                 cond=device_rows,
+                timesteps=self._place(np.broadcast_to(grid, (len(advantages), grid.shape[0]))),
             )
         info = RolloutInfo(
             rewards=rewards,
@@ -451,6 +462,7 @@ class FlowRollout(eqx.Module):
             transition_mask=placed["mask"],
             advantages=placed["advantages"],
             cond=rows,
+            old_means=generated.means,
         )
 
 
@@ -463,6 +475,7 @@ def _generate(
     scheduled: bool,
     starts_per_group: int,
     sharding: NamedSharding | None,
+    record_means: bool,
     policy: Model,
     rows: PyTree[Any],
     key: PRNGKeyArray,
@@ -509,45 +522,48 @@ def _generate(
 
     def transition(
         x: Array, t: Array, t_next: Array, z: Array, allowed: Array | None = None
-    ) -> tuple[Array, Array]:
+    ) -> tuple[Array, Array, Array]:
         times = jnp.full((num,), t, x.dtype)
         next_times = jnp.full((num,), t_next, x.dtype)
         allowed_rows = None if allowed is None else jnp.full((num,), allowed)
         mean, std = flow.transition(sde, policy, x, times, next_times, rows, allowed_rows)
         x_next = jax.vmap(sde.sample)(mean, std, z)
         log_prob = jax.vmap(sde.log_prob)(x_next, mean, std)
-        return x_next, log_prob
+        return x_next, log_prob, mean
 
-    def recording(
-        x: Array, inputs: tuple[Array, Array, Array]
-    ) -> tuple[Array, tuple[Array, Array, Array]]:
+    def record(x: Array, x_next: Array, log_prob: Array, mean: Array) -> tuple[Array, ...]:
+        return (x, x_next, log_prob, mean) if record_means else (x, x_next, log_prob)
+
+    def recording(x: Array, inputs: tuple[Array, Array, Array]) -> tuple[Array, tuple[Array, ...]]:
         t, t_next, z = inputs
-        x_next, log_prob = transition(x, t, t_next, z)
-        return x_next, (x, x_next, log_prob)
+        x_next, log_prob, mean = transition(x, t, t_next, z)
+        return x_next, record(x, x_next, log_prob, mean)
 
     def silent(x: Array, inputs: tuple[Array, Array, Array]) -> tuple[Array, None]:
         t, t_next, z = inputs
-        x_next, _ = transition(x, t, t_next, z)
+        x_next, _, _ = transition(x, t, t_next, z)
         return x_next, None
 
     if scheduled:
 
         def windowed(
             x: Array, inputs: tuple[Array, Array, Array, Array]
-        ) -> tuple[Array, tuple[Array, Array, Array]]:
+        ) -> tuple[Array, tuple[Array, ...]]:
             t, t_next, z, index = inputs
             allowed = (index >= first) & (index < first + recorded)
-            x_next, log_prob = transition(x, t, t_next, z, allowed)
-            return x_next, (x, x_next, log_prob)
+            x_next, log_prob, mean = transition(x, t, t_next, z, allowed)
+            return x_next, record(x, x_next, log_prob, mean)
 
         indices = jnp.arange(steps - 1)
         x, every = jax.lax.scan(windowed, start, (grid[:-1], grid[1:], noise, indices))
-        latents, next_latents, log_probs = jax.tree.map(
+        recorded_arrays = jax.tree.map(
             lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, first, recorded, axis=0), every
         )
     else:
         head = (grid[:recorded], grid[1 : recorded + 1], noise[:recorded])
-        x, (latents, next_latents, log_probs) = jax.lax.scan(recording, start, head)
+        x, recorded_arrays = jax.lax.scan(recording, start, head)
+    latents, next_latents, log_probs = recorded_arrays[:3]
+    means = jnp.swapaxes(recorded_arrays[3], 0, 1) if record_means else None
     if not scheduled and recorded < steps - 1:
         tail = (grid[recorded:-1], grid[recorded + 1 :], noise[recorded:])
         x, _ = jax.lax.scan(silent, x, tail)
@@ -557,6 +573,7 @@ def _generate(
         log_probs=jnp.swapaxes(log_probs, 0, 1),
         final=x,
         samples=flow.decode(x),
+        means=means,
     )
     return _constrained(generated, sharding)
 

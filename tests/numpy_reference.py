@@ -176,3 +176,70 @@ def nft_loss(data, noise, t, v_theta, v_old, advantages, mask, beta, adv_max):
         )
         count += 1
     return total, count
+
+
+def guard_released(log_ratio, drift, std, t, t_next, kept, drift_mode, scale_mode, reweight):
+    """GRPO-Guard as released (§5a): `(guarded log-ratio, weights)`, both `[N, K]`.
+
+    Per step column `k` over its kept rows: `sqrt_dt = sqrt(t - t_next)`, `sigma_t = s / sqrt_dt`,
+    `S = mean(sqrt_dt) * mean(sigma_t)` (`scale_mode="batch"`) or `S = s` (`"sample"`);
+    `drift` is `mean over coordinates (mu_theta - mu_old)^2`, used per transition
+    (`drift_mode="sample"`) or as its mean over the column's kept rows (`"batch"`, issue
+    #244: the released `mean(dim=())` reduces over the batch and the coordinates);
+    the guarded log-ratio is `(log_ratio + drift / (2 S^2)) * S`; with `reweight` each kept
+    surrogate is divided by `mean(sqrt_dt)^2`, else weighted 1.
+    """
+    n, k = kept.shape
+    out = np.zeros((n, k))
+    weights = np.zeros((n, k))
+    for j in range(k):
+        rows = [i for i in range(n) if kept[i, j]]
+        if not rows:
+            continue
+        sqrt_dt = {i: math.sqrt(float(t[i, j]) - float(t_next[i, j])) for i in rows}
+        sigma = {i: float(std[i, j]) / sqrt_dt[i] for i in rows}
+        mean_sqrt_dt = sum(sqrt_dt.values()) / len(rows)
+        batch_scale = mean_sqrt_dt * sum(sigma.values()) / len(rows)
+        batch_drift = sum(float(drift[i, j]) for i in rows) / len(rows)
+        for i in rows:
+            scale = batch_scale if scale_mode == "batch" else float(std[i, j])
+            d = batch_drift if drift_mode == "batch" else float(drift[i, j])
+            out[i, j] = (float(log_ratio[i, j]) + d / (2 * scale**2)) * scale
+            weights[i, j] = 1.0 / mean_sqrt_dt**2 if reweight else 1.0
+    return out, weights
+
+
+def nft_released_row(
+    data, noise, t, v_theta, v_old, v_ref, advantage, beta, adv_max, kl_beta, weights=None
+):
+    """DiffusionNFT as released (§8), one row at one time, in float64: `(loss, (w+, w-))`.
+
+    `x_t = (1 - t) x_0 + t eps`; `v+ = beta v_theta + (1 - beta) v_old`,
+    `v- = (1 + beta) v_old - beta v_theta`; `e+- = (x_t - t v+-) - x_0`;
+    `w+- = max(mean|e+-|, 1e-5)` (no gradient: pass `weights` to hold them fixed);
+    `r = clip(clip(A, -adv_max, adv_max) / adv_max / 2 + 1/2, 0, 1)`;
+    loss `= adv_max * (r mean(e+^2) / w+ + (1 - r) mean(e-^2) / w-) / beta
+    + kl_beta mean (v_theta - v_ref)^2`.
+    """
+    x0 = np.asarray(data, np.float64)
+    x_t = (1 - t) * x0 + t * np.asarray(noise, np.float64)
+    theta = np.asarray(v_theta, np.float64)
+    old = np.asarray(v_old, np.float64)
+    positive = beta * theta + (1 - beta) * old
+    negative = (1 + beta) * old - beta * theta
+    e_pos = (x_t - t * positive) - x0
+    e_neg = (x_t - t * negative) - x0
+    if weights is None:
+        weights = (max(np.mean(np.abs(e_pos)), 1e-5), max(np.mean(np.abs(e_neg)), 1e-5))
+    a = min(max(float(advantage), -adv_max), adv_max)
+    r = min(max(a / adv_max / 2 + 0.5, 0.0), 1.0)
+    policy = (
+        r * np.mean(e_pos**2) / weights[0] / beta + (1 - r) * np.mean(e_neg**2) / weights[1] / beta
+    )
+    kl = np.mean((theta - np.asarray(v_ref, np.float64)) ** 2)
+    return adv_max * policy + kl_beta * kl, weights
+
+
+def nft_decay(step, flat, rate, maximum):
+    """The released old-policy decay `eta`: 0 before `flat`, then `min((step - flat) rate, max)`."""
+    return 0.0 if step < flat else min((step - flat) * rate, maximum)

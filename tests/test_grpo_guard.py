@@ -85,7 +85,7 @@ def setup(seed, per_transition=False, steps=8):
 )
 def test_guarded_loss_and_statistics_match_numpy(ratio_norm, reweight, per_transition):
     objective, variables, batch = setup(7, per_transition)
-    objective = guarded(objective, fg.GRPOGuard(ratio_norm=ratio_norm, reweight=reweight))
+    objective = guarded(objective, fg.EmpiricalGuard(ratio_norm=ratio_norm, reweight=reweight))
     total, aux = objective.loss(variables, batch, STEP)
 
     log_ratio, std, kept = numpy_parts(objective, variables.policy, batch)
@@ -135,7 +135,7 @@ def test_ratio_norm_centres_a_drifted_ratio_on_one():
     objective, variables, batch = setup(11, steps=7)
     rescored = objective.log_probs(variables, batch)
     batch = eqx.tree_at(lambda b: b.old_log_probs, batch, rescored + 0.5)
-    objective = guarded(objective, fg.GRPOGuard(reweight=False))
+    objective = guarded(objective, fg.EmpiricalGuard(reweight=False))
     _, aux = objective.loss(variables, batch, STEP)
     counted = np.asarray(aux.step_ratios.raw_mean) > 0
     np.testing.assert_allclose(np.asarray(aux.step_ratios.raw_mean)[counted], math.exp(-0.5), 1e-4)
@@ -145,7 +145,7 @@ def test_ratio_norm_centres_a_drifted_ratio_on_one():
 
 def test_guarded_gradient_is_finite_with_poisoned_masked_entries():
     objective, variables, _ = setup(3)
-    objective = guarded(objective, fg.GRPOGuard())
+    objective = guarded(objective, fg.EmpiricalGuard())
     batch = make_batch(seed=3, poison=True)
     value, _, _, grads = fgt.loss_value_and_grad(objective, variables, batch)
     assert np.isfinite(float(value)) and fgt.all_finite(grads)
@@ -156,12 +156,12 @@ def test_unguarded_loss_reports_no_step_ratios_and_bad_guards_are_named():
     _, aux = objective.loss(variables, batch, STEP)
     assert aux.step_ratios is None
     with pytest.raises(ValueError, match="`ratio_norm` and `reweight`"):
-        fg.GRPOGuard(ratio_norm=False, reweight=False)
+        fg.EmpiricalGuard(ratio_norm=False, reweight=False)
 
 
 def test_trainer_logs_the_ratio_per_step():
     objective, variables, batch = setup(9)
-    trainer = Trainer(guarded(objective, fg.GRPOGuard()))
+    trainer = Trainer(guarded(objective, fg.EmpiricalGuard()))
     state = trainer.init(jax.random.key(0), variables)
     _, metrics = trainer.update(state, batch)
     k = batch.timesteps.shape[1]
@@ -177,5 +177,8 @@ def test_trainer_logs_the_ratio_per_step():
 def test_a_guard_that_does_nothing_is_refused_by_name():
     message = "`ratio_norm` and `reweight` are both False: the guard does nothing."
     with pytest.raises(ValueError, match=exact_message(message)):
-        fg.GRPOGuard(ratio_norm=False, reweight=False)
-    assert fg.GRPOGuard(ratio_norm=False).reweight and fg.GRPOGuard(reweight=False).ratio_norm
+        fg.EmpiricalGuard(ratio_norm=False, reweight=False)
+    assert (
+        fg.EmpiricalGuard(ratio_norm=False).reweight
+        and fg.EmpiricalGuard(reweight=False).ratio_norm
+    )

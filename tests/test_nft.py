@@ -30,6 +30,12 @@ from tests.test_objective import (
 )
 
 
+# The velocity-space form with one uniform time per row, no KL and a fixed old policy: the
+# library's first form, kept as options (loss="velocity", times="uniform"); these tests state
+# it. The released form (the default) is tested in test_nft_released.py.
+VELOCITY_FORM = {"loss": "velocity", "times": "uniform", "kl_beta": 0.0, "old_decay": None}
+
+
 def make_objective(beta=0.7, adv_max=2.0, guidance=None, **settings):
     return fg.DiffusionNFTObjective(
         LinearVelocity(jax.random.key(0)),
@@ -38,7 +44,7 @@ def make_objective(beta=0.7, adv_max=2.0, guidance=None, **settings):
         beta=beta,
         adv_max=adv_max,
         guidance=guidance,
-        **settings,
+        **{**VELOCITY_FORM, **settings},
     )
 
 
@@ -409,13 +415,21 @@ def test_nft_defaults_are_the_documented_ones():
     assert objective.pretrained is None and isinstance(objective.sampler, fg.Euler)
     assert objective.flow.precision == "float32"
     assert isinstance(objective.flow.autoencoder, fg.IdentityAutoEncoder)
+    # The released defaults: the adaptive x0-space loss on the sampler's grid, KL 1e-4 to the
+    # reference, the ramped old-policy decay, no guidance.
+    assert (objective.loss_form, objective.times, objective.time_fraction) == (
+        "released",
+        "grid",
+        0.99,
+    )
+    assert objective.kl_beta == 1e-4 and objective.old_decay == fg.RampedDecay(0.001, 0.5, 0, 1)
 
     guided = fg.DiffusionNFTObjective(
         LinearVelocity(jax.random.key(0)),
         fg.RectifiedFlow(),
         fg.InputSpec(null=jnp.asarray(NULL)),
     )
-    assert guided.flow.guidance == fg.CFG(3.0)
+    assert guided.flow.guidance is None
 
 
 def test_nft_passes_its_arguments_on():

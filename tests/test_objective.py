@@ -513,7 +513,7 @@ def _assert_same_trees(got, want):
     chex.assert_trees_all_equal(got, want, strict=True)
 
 
-@pytest.mark.parametrize("beta, guard", [(0.0, None), (0.3, fg.GRPOGuard())])
+@pytest.mark.parametrize("beta, guard", [(0.0, None), (0.3, fg.EmpiricalGuard())])
 def test_flow_grpo_loss_is_unchanged_by_x64(beta, guard):
 
     objective = eqx.tree_at(
@@ -605,7 +605,10 @@ def test_flow_grpo_messages_are_exact():
         _flow_grpo(guidance=None, sde="flow")
     with raises_named("`sampler` must be an AbstractSolver, got 'euler'."):
         _flow_grpo(guidance=None, sampler="euler")
-    with raises_named("`guard` must be a GRPOGuard or None, got 'ratio_norm'."):
+    with raises_named(
+        "`guard` must be an AbstractGRPOGuard (GRPOGuard, EmpiricalGuard) or None, got "
+        "'ratio_norm'."
+    ):
         _flow_grpo(guidance=None, guard="ratio_norm")
 
 

@@ -126,8 +126,8 @@ class JobConfig:
     )
     nft_old_decay: float = _setting(
         0.5,
-        "nft: decay per epoch of the old (sampling) policy towards the live one (0: the live "
-        "policy)",
+        "nft: the cap of the released ramp min(0.001 step, cap) by which the old (sampling) "
+        "policy keeps its weights at each epoch's end (0: the live policy)",
         minimum=0,
         maximum=1,
         include_maximum=False,

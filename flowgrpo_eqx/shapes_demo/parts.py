@@ -22,10 +22,12 @@ from .. import (
     FlowRollout,
     FlowSDE,
     GRPOGuard,
+    Heun,
     HttpReward,
     InputSpec,
     JpegCompressibility,
     JpegIncompressibility,
+    RampedDecay,
     RandomWindow,
     RectifiedFlow,
     SlidingWindow,
@@ -286,17 +288,26 @@ class ShapesJob:
         )
 
     def nft_objective(self, base: Any) -> DiffusionNFTObjective:
-        """DiffusionNFT's objective for `--algorithm nft`: `adv_clip_max` is its `A_max`, and
-        its old policy follows the live one once per epoch with `nft_old_decay`."""
+        """DiffusionNFT's objective for `--algorithm nft`, as released: `adv_clip_max` is its
+        `A_max`, no guidance, and its old policy follows the live one once per epoch by the
+        released ramp `min(0.001 step, nft_old_decay)` over the optimizer steps done."""
         config = self.config
+        minibatches = (
+            1 if config.minibatch_rows is None else config.rollout_rows // config.minibatch_rows
+        )
+        settings = self._shared_settings(base)
+        settings["guidance"] = None
         return DiffusionNFTObjective(
             self.model,
             RectifiedFlow(),
             self.inputs,
             beta=config.nft_beta,
             adv_max=config.adv_clip_max,
-            old_decay=config.nft_old_decay,
-            **self._shared_settings(base),
+            old_decay=RampedDecay(
+                maximum=config.nft_old_decay,
+                updates_per_epoch=minibatches * config.inner_epochs,
+            ),
+            **settings,
         )
 
     def _shared_settings(self, base: Any) -> dict[str, Any]:
@@ -320,8 +331,22 @@ class ShapesJob:
     def rollout(
         self, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None = None
     ) -> FlowRollout:
-        """The rollout of `objective`'s guided flow with the job's SDE (`sde()`)."""
+        """The rollout of `objective`'s guided flow with the job's SDE (`sde()`); with
+        `--algorithm nft`, as released, the deterministic second-order `Heun` solver and
+        advantages over the global reward std."""
         config = self.config
+        if config.algorithm == "nft":
+            return FlowRollout(
+                objective.flow,
+                Heun(),
+                self.reward,
+                groups=config.groups,
+                steps=config.rollout_steps,
+                shared_noise=config.shared_noise,
+                reward_combination=config.reward_combination,
+                advantage_std="global",
+                mesh=mesh,
+            )
         return FlowRollout(
             objective.flow,
             self.sde(),
@@ -333,6 +358,7 @@ class ShapesJob:
             reward_combination=config.reward_combination,
             window_schedule=self.window_schedule(),
             mesh=mesh,
+            record_means=config.grpo_guard,
         )
 
     def window_schedule(self) -> AbstractWindowSchedule | None:

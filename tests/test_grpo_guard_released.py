@@ -1,0 +1,198 @@
+"""The released GRPO-Guard forms (docs/mathematics.md §5a) against the float64 NumPy statement
+`numpy_reference.guard_released`: the loss and its gradient for each variant."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flowgrpo_eqx as fg
+from tests import numpy_reference as ref
+from tests.errors import exact_message
+from tests.test_objective import (
+    STEP,
+    kind_of,
+    make_batch,
+    make_objective,
+    numpy_guided,
+    perturbed,
+)
+
+
+VARIANTS = {
+    "fixed": fg.GRPOGuard(),
+    "released": fg.GRPOGuard(drift="batch"),
+    "per_sample": fg.GRPOGuard(scale="sample", reweight=False),
+}
+
+
+class _Params:
+    """A LinearVelocity's parameters as float64 arrays, with its NumPy velocity."""
+
+    def __init__(self, weight, time, cond_weight):
+        self.weight, self.time, self.cond_weight = weight, time, cond_weight
+
+    def numpy(self, x, t, cond):
+        return self.weight @ x + self.time * t + self.cond_weight @ cond
+
+
+def _params(model):
+    return _Params(
+        *(np.asarray(a, np.float64) for a in (model.weight, model.time, model.cond_weight))
+    )
+
+
+def numpy_loss(objective, guard, params, batch):
+    """The guarded Flow-GRPO loss total in float64, from the released formulas."""
+    sde = objective.sde
+    scale = objective.flow.guidance.scale
+    t_all = np.asarray(batch.timesteps, np.float64)
+    t_next_all = np.asarray(batch.next_timesteps, np.float64)
+    latents = np.asarray(batch.latents, np.float64)
+    next_latents = np.asarray(batch.next_latents, np.float64)
+    old_means = np.asarray(batch.old_means, np.float64)
+    old = np.asarray(batch.old_log_probs, np.float64)
+    cond = np.asarray(batch.cond, np.float64)
+    mask = np.asarray(batch.transition_mask)
+    n, k = t_all.shape
+    log_ratio, drift, std = np.zeros((n, k)), np.zeros((n, k)), np.zeros((n, k))
+    kept = np.zeros((n, k), bool)
+    for i in range(n):
+        for j in range(k):
+            t, t_next = t_all[i, j], t_next_all[i, j]
+            if not (mask[i, j] and ref.stochastic(t, t_next, sde.noise_level, kind_of(sde))):
+                continue
+            kept[i, j] = True
+            v = numpy_guided(params, latents[i, j], t, cond[i], scale)
+            mean, std[i, j] = ref.transition(
+                latents[i, j], v, t, t_next, sde.noise_level, kind_of(sde)
+            )
+            log_ratio[i, j] = ref.log_prob(next_latents[i, j], mean, std[i, j]) - old[i, j]
+            drift[i, j] = np.mean((mean - old_means[i, j]) ** 2)
+    guarded, weights = ref.guard_released(
+        log_ratio, drift, std, t_all, t_next_all, kept, guard.drift, guard.scale, guard.reweight
+    )
+    advantages = np.asarray(batch.advantages, np.float64)
+    total = 0.0
+    for i, j in zip(*np.nonzero(kept), strict=True):
+        total += weights[i, j] * ref.surrogate(
+            advantages[i], np.exp(guarded[i, j]), objective.clip_range, objective.adv_clip_max
+        )
+    return total, int(kept.sum())
+
+
+def setup(seed):
+    objective = make_objective(chunk=4)
+    variables = objective.init(jax.random.key(1))
+    old_policy = variables.policy
+    policy = perturbed(old_policy, jax.random.key(2))
+    variables = fg.FlowGRPOVariables(policy=policy, reference=variables.reference)
+    batch = make_batch(seed=seed, steps=8)
+    old = _params(old_policy)
+    scale = objective.flow.guidance.scale
+    sde = objective.sde
+    t_all, t_next_all = np.asarray(batch.timesteps), np.asarray(batch.next_timesteps)
+    latents, cond = np.asarray(batch.latents, np.float64), np.asarray(batch.cond, np.float64)
+    old_means = np.zeros(latents.shape)
+    for i in range(latents.shape[0]):
+        for j in range(latents.shape[1]):
+            v = numpy_guided(old, latents[i, j], float(t_all[i, j]), cond[i], scale)
+            old_means[i, j], _ = ref.transition(
+                latents[i, j], v, float(t_all[i, j]), float(t_next_all[i, j]), sde.noise_level
+            )
+    rescored = np.asarray(objective.log_probs(variables, batch))
+    noise = np.random.default_rng(seed).normal(size=rescored.shape) * 0.05
+    batch = eqx.tree_at(
+        lambda b: (b.old_log_probs, b.old_means),
+        batch,
+        (jnp.asarray((rescored + noise).astype(np.float32)), jnp.asarray(old_means, jnp.float32)),
+        is_leaf=lambda x: x is None,
+    )
+    return objective, variables, batch
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_released_guard_loss_and_gradient_match_numpy(name):
+    guard = VARIANTS[name]
+    objective, variables, batch = setup(3)
+    objective = eqx.tree_at(lambda o: o.guard, objective, guard, is_leaf=lambda x: x is None)
+
+    def value(policy):
+        total, _ = objective.loss(fg.FlowGRPOVariables(policy, variables.reference), batch, STEP)
+        return total.total, total.count
+
+    (total, count), grads = eqx.filter_value_and_grad(value, has_aux=True)(variables.policy)
+    params = _params(variables.policy)
+    want, want_count = numpy_loss(objective, guard, params, batch)
+    assert float(count) == want_count > 0
+    np.testing.assert_allclose(float(total), want, rtol=2e-4, atol=1e-5)
+
+    # The gradient: central differences of the float64 statement in every parameter.
+    eps = 1e-6
+    for name_, got in (
+        ("weight", grads.weight),
+        ("time", grads.time),
+        ("cond_weight", grads.cond_weight),
+    ):
+        base = getattr(params, name_)
+        numeric = np.zeros(base.shape)
+        for index in np.ndindex(base.shape):
+            up, down = base.copy(), base.copy()
+            up[index] += eps
+            down[index] -= eps
+            plus = _Params(**{**vars(params), name_: up})
+            minus = _Params(**{**vars(params), name_: down})
+            numeric[index] = (
+                numpy_loss(objective, guard, plus, batch)[0]
+                - numpy_loss(objective, guard, minus, batch)[0]
+            ) / (2 * eps)
+        scale = max(np.abs(numeric).max(), 1e-3)
+        np.testing.assert_allclose(np.asarray(got, np.float64), numeric, atol=2e-3 * scale)
+
+
+def test_the_batch_and_sample_drift_differ_and_the_default_is_the_authors_fix():
+    assert fg.GRPOGuard() == fg.GRPOGuard(drift="sample", scale="batch", reweight=True)
+    objective, variables, batch = setup(5)
+    totals = {}
+    for name, guard in VARIANTS.items():
+        guarded = eqx.tree_at(lambda o: o.guard, objective, guard, is_leaf=lambda x: x is None)
+        totals[name] = float(guarded.loss(variables, batch, STEP)[0].total)
+    assert len({round(v, 6) for v in totals.values()}) == 3
+
+
+def test_a_released_guard_without_old_means_is_refused_by_name():
+    objective, variables, batch = setup(3)
+    batch = eqx.tree_at(lambda b: b.old_means, batch, None)
+    objective = eqx.tree_at(
+        lambda o: o.guard, objective, fg.GRPOGuard(), is_leaf=lambda x: x is None
+    )
+    message = (
+        "`guard`=GRPOGuard() adds back the drift from the rollout's means, but "
+        "`batch.old_means` is None: build the FlowRollout with `record_means=True`."
+    )
+    with pytest.raises(ValueError, match=exact_message(message)):
+        objective.loss(variables, batch, STEP)
+
+
+def test_the_rollout_records_the_means_that_score_its_log_probs():
+    objective = make_objective(guidance=True)
+    flow = objective.flow
+
+    def reward(samples, rows):
+        return np.asarray(samples, np.float64).sum(axis=1)
+
+    rollout = fg.FlowRollout(flow, objective.sde, reward, groups=2, steps=5, record_means=True)
+    rows = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3)).astype(np.float32))
+    batch, _ = rollout.collect(objective.init(jax.random.key(0)).policy, rows, jax.random.key(1))
+    assert batch.old_means is not None and batch.old_means.shape == batch.latents.shape
+    mean, std = flow.transition(
+        objective.sde,
+        objective.init(jax.random.key(0)).policy,
+        batch.latents[:, 0],
+        batch.timesteps[:, 0],
+        batch.next_timesteps[:, 0],
+        batch.cond,
+    )
+    np.testing.assert_allclose(np.asarray(batch.old_means[:, 0]), np.asarray(mean), atol=1e-5)
+    del std

@@ -1,0 +1,169 @@
+"""DiffusionNFT as released (docs/mathematics.md §8) against the float64 NumPy statement
+`numpy_reference.nft_released_row`: the loss and its gradient, the adaptive weights held
+without gradient, and the ramped old-policy decay."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flowgrpo_eqx as fg
+from tests import numpy_reference as ref
+from tests.test_objective import DIM, NULL, LinearVelocity, perturbed
+
+
+N, K = 5, 6
+
+
+def setup(beta, guidance=None):
+    objective = fg.DiffusionNFTObjective(
+        LinearVelocity(jax.random.key(0)),
+        fg.RectifiedFlow(),
+        fg.InputSpec(null=jnp.asarray(NULL), latent_shape=(DIM,)),
+        beta=beta,
+        adv_max=5.0,
+        old_decay=None,
+        guidance=guidance,
+    )
+    variables = objective.init(jax.random.key(0))
+    variables = fg.NFTVariables(
+        policy=perturbed(variables.policy, jax.random.key(1), 0.1),
+        old_policy=perturbed(variables.policy, jax.random.key(2), 0.05),
+        reference=variables.reference,
+    )
+    rng = np.random.default_rng(0)
+    grid = np.asarray(fg.RectifiedFlow().timesteps(K + 1))[:-1]
+    mask = np.array([True, True, False, True, True])
+    batch = fg.FinalSamples(
+        latents=jnp.asarray(rng.normal(size=(N, DIM)).astype(np.float32)),
+        advantages=jnp.asarray((rng.normal(size=N) * 4).astype(np.float32)),
+        cond=jnp.asarray(rng.normal(size=(N, 3)).astype(np.float32)),
+        mask=jnp.asarray(mask),
+        timesteps=jnp.asarray(np.broadcast_to(grid, (N, K)).astype(np.float32)),
+    )
+    return objective, variables, batch
+
+
+def draws(objective, batch, step):
+    """The times and noise `loss` draws from `step.key` (as its docstring states)."""
+    noise_key, time_key = jax.random.split(step.key)
+    m = max(1, int(objective.time_fraction * K))
+    order = np.asarray(jnp.argsort(jax.random.uniform(time_key, (N, K)), axis=1))[:, :m]
+    t = np.take_along_axis(np.asarray(batch.timesteps, np.float64), order, axis=1)
+    noise = np.asarray(jax.random.normal(noise_key, (N * m, DIM), jnp.float32), np.float64)
+    return t, noise.reshape(N, m, DIM)
+
+
+def params_of(model):
+    return [np.asarray(a, np.float64) for a in (model.weight, model.time, model.cond_weight)]
+
+
+def velocity(params, x, t, c):
+    w, b, u = params
+    return w @ x + b * t + u @ c
+
+
+def guided(params, x, t, c, scale):
+    if scale is None:
+        return velocity(params, x, t, c)
+    null = velocity(params, x, t, np.asarray(NULL, np.float64))
+    return null + scale * (velocity(params, x, t, c) - null)
+
+
+def numpy_total(objective, params, old, reference, batch, t, noise, scale, weights=None):
+    """Sum over counted rows of each row's mean over its times; the weights found (or held)."""
+    data = np.asarray(batch.latents, np.float64)
+    cond = np.asarray(batch.cond, np.float64)
+    advantages = np.asarray(batch.advantages, np.float64)
+    found = {}
+    total = 0.0
+    for i in np.nonzero(np.asarray(batch.mask))[0]:
+        row = 0.0
+        for j in range(t.shape[1]):
+            x_t = (1 - t[i, j]) * data[i] + t[i, j] * noise[i, j]
+            loss, found[i, j] = ref.nft_released_row(
+                data[i],
+                noise[i, j],
+                t[i, j],
+                guided(params, x_t, t[i, j], cond[i], scale),
+                guided(old, x_t, t[i, j], cond[i], scale),
+                guided(reference, x_t, t[i, j], cond[i], scale),
+                advantages[i],
+                objective.beta,
+                objective.adv_max,
+                objective.kl_beta,
+                None if weights is None else weights[i, j],
+            )
+            row += loss / t.shape[1]
+        total += row
+    return total, found
+
+
+@pytest.mark.parametrize("beta, guidance", [(1.0, None), (0.1, None), (0.5, fg.CFG(2.0))])
+def test_released_nft_loss_and_gradient_match_numpy(beta, guidance):
+    objective, variables, batch = setup(beta, guidance)
+    step = fg.Step(index=3, key=jax.random.key(4))
+
+    def value(policy):
+        variables_ = fg.NFTVariables(policy, variables.old_policy, variables.reference)
+        total, _ = objective.loss(variables_, batch, step)
+        return total.total, total.count
+
+    (total, count), grads = jax.value_and_grad(value, has_aux=True)(variables.policy)
+    t, noise = draws(objective, batch, step)
+    assert t.shape == (N, 5)  # int(0.99 * 6) of the grid's 6 start times
+    scale = None if guidance is None else guidance.scale
+    params = params_of(variables.policy)
+    old, reference = params_of(variables.old_policy), params_of(variables.reference)
+    want, weights = numpy_total(objective, params, old, reference, batch, t, noise, scale)
+    assert float(count) == 4
+    np.testing.assert_allclose(float(total), want, rtol=1e-4)
+
+    # The gradient, with the adaptive weights held at their values (stop-gradient): central
+    # differences of the float64 statement.
+    eps = 1e-6
+    for index_, got in enumerate((grads.weight, grads.time, grads.cond_weight)):
+        numeric = np.zeros(params[index_].shape)
+        for index in np.ndindex(params[index_].shape):
+            up = [p.copy() for p in params]
+            down = [p.copy() for p in params]
+            up[index_][index] += eps
+            down[index_][index] -= eps
+            plus, _ = numpy_total(objective, up, old, reference, batch, t, noise, scale, weights)
+            minus, _ = numpy_total(objective, down, old, reference, batch, t, noise, scale, weights)
+            numeric[index] = (plus - minus) / (2 * eps)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64), numeric, rtol=1e-3, atol=1e-3 * np.abs(numeric).max()
+        )
+
+
+def test_the_ramped_decay_is_the_released_one_once_per_epoch():
+    decay = fg.RampedDecay()
+    for epoch in (1, 7, 499, 500, 501, 2000):
+        assert decay(epoch) == pytest.approx(ref.nft_decay(epoch, 0, 0.001, 0.5))
+    ocr = fg.RampedDecay(rate=0.0075, maximum=0.999, flat=75, updates_per_epoch=2)
+    for epoch in (1, 37, 38, 60, 300):
+        assert ocr(epoch) == pytest.approx(ref.nft_decay(2 * epoch, 75, 0.0075, 0.999))
+
+    objective, variables, _ = setup(1.0)
+    objective = fg.DiffusionNFTObjective(
+        LinearVelocity(jax.random.key(0)),
+        fg.RectifiedFlow(),
+        fg.InputSpec(latent_shape=(DIM,)),
+        old_decay=fg.RampedDecay(rate=0.1),
+    )
+    moved = objective.end_epoch(variables, 3)
+    eta = 0.3
+    np.testing.assert_allclose(
+        np.asarray(moved.old_policy.weight),
+        eta * np.asarray(variables.old_policy.weight)
+        + (1 - eta) * np.asarray(variables.policy.weight),
+        rtol=1e-6,
+    )
+
+
+def test_grid_times_need_the_batch_grid():
+    objective, variables, batch = setup(1.0)
+    batch = fg.FinalSamples(batch.latents, batch.advantages, batch.cond)
+    with pytest.raises(ValueError, match="batch.timesteps"):
+        objective.loss(variables, batch, fg.Step(index=0, key=jax.random.key(0)))
