@@ -77,6 +77,7 @@ from ._reward import (
     JpegIncompressibility as JpegIncompressibility,
     RewardError as RewardError,
     WeightedReward as WeightedReward,
+    check_finite_samples as check_finite_samples,
     load_reward as load_reward,
 )
 from ._rl import AbstractRLObjective as AbstractRLObjective

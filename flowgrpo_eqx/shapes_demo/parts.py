@@ -272,7 +272,9 @@ class ShapesJob:
         config = self.config
         old_log_probs = config.old_log_probs
         if old_log_probs is None:
-            old_log_probs = "update" if config.precision == "bfloat16" else "rollout"
+            # The update program's densities matter only to a Flow-GRPO run in bfloat16.
+            bfloat16_grpo = config.precision == "bfloat16" and config.algorithm == "flow_grpo"
+            old_log_probs = "update" if bfloat16_grpo else "rollout"
         return FlowGRPOObjective(
             self.model,
             RectifiedFlow(),

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 from numpy.typing import NDArray
 
-from .._reward import check_finite_samples
+from .. import check_finite_samples
 
 
 SPLITS: Final[tuple[str, ...]] = ("train", "heldout", "all")
