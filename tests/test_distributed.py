@@ -1,8 +1,10 @@
 """Scale out: 4 simulated devices in one process, 2 processes on jax.distributed, failures.
 
-Every run is a `flowgrpo-eqx` subprocess on the tiny preset with the same seed and global
-batch; they share one pretrained base model (copied into each run folder) so that only the
-Flow-GRPO part differs.
+Every run is `flowgrpo-eqx` on the tiny preset with the same seed and global batch; they
+share the session's tiny base model (copied into each run folder) so that only the Flow-GRPO
+part differs. The one-device baseline runs in the test process (`cli.main`); the others are
+processes, since they need another XLA device count (fixed when JAX starts), several
+processes, or a kill.
 """
 
 import json
@@ -20,7 +22,7 @@ import pytest
 
 from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
 from flowgrpo_eqx.train import load_model
-from tests.cli_helpers import with_base
+from tests.cli_helpers import run_cli as run_in_process, with_base
 
 
 TIMEOUT = 600
@@ -59,10 +61,10 @@ def process_with_arguments(*needles):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
+def baseline(tmp_path_factory, tiny_base):
     """The one-process, one-device run every other run must reproduce."""
-    out = tmp_path_factory.mktemp("baseline")
-    result = run_cli("train", *COMMON, "--out", str(out), "--devices", "1")
+    out = with_base(tiny_base, tmp_path_factory.mktemp("baseline"))
+    result = run_in_process("train", *COMMON, "--out", str(out), "--devices", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -100,9 +102,10 @@ def assert_same_run(folder, baseline):
 
 
 # Parameters, the held slot and AdamW's moments replicated, or split over the devices with
-# FSDP (`--param-sharding fsdp`). The FSDP runs take 103 s and 175 s of a 2-core machine, more
-# than the suite's time allows: `python -m pytest -m slow tests/test_distributed.py` runs them.
-LAYOUTS = ["replicated", pytest.param("fsdp", marks=pytest.mark.slow)]
+# FSDP (`--param-sharding fsdp`). The FSDP processes compile programs no other test does: on
+# a cold compilation cache they take over a minute each of a 2-core machine, on a warm one
+# (the cache the processes share, see conftest.py) seconds.
+LAYOUTS = ["replicated", "fsdp"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
