@@ -44,13 +44,17 @@ def process_with_arguments(*needles):
     return found[0]
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory, tiny_base):
-    """The one-process, one-device run every other run must reproduce."""
+def run_baseline(tmp_path_factory, tiny_base):
+    """The one-process, one-device run every other run must reproduce (in this process)."""
     out = with_base(tiny_base, tmp_path_factory.mktemp("baseline"))
     result = run_cli("train", *COMMON, "--out", str(out), "--devices", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, tiny_base):
+    return run_baseline(tmp_path_factory, tiny_base)
 
 
 def records(folder):
@@ -85,11 +89,12 @@ def assert_same_run(folder, baseline):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-# Parameters, the held slot and AdamW's moments replicated, or split over the devices with
-# FSDP (`--param-sharding fsdp`). The FSDP processes compile programs no other test does: on
-# a cold compilation cache they take over a minute each of a 2-core machine, on a warm one
-# (the cache the processes share, see conftest.py) seconds.
-LAYOUTS = ["replicated", "fsdp"]
+# Parameters, the held slot and AdamW's moments replicated here; split over the devices with
+# FSDP (`--param-sharding fsdp`) by the same three tests in tests/test_distributed_fsdp.py,
+# a file of their own so that `pytest -n 2 --dist loadfile` runs them beside these (their
+# processes compile programs no other test does: over a minute each on a cold compilation
+# cache of a 2-core machine).
+LAYOUTS = ["replicated"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
