@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from flowgrpo_eqx.train import MetricsLog
+from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
+from flowgrpo_eqx.train import MetricsLog, save_model
 from flowgrpo_eqx.train._preemption import PREEMPTED_EXIT_STATUS
 from tests.cli_helpers import (
     RESULT_FIELDS,
@@ -141,9 +142,12 @@ def _resumable_copy(reference, folder, newest):
 
 @pytest.fixture(scope="module")
 def other_width_checkpoint(tmp_path_factory):
-    """A checkpoint of a model of another width: intact, but not this run's structure (its
-    own base model, of width 8, is pretrained here)."""
+    """A checkpoint of a model of another width: intact, but not this run's structure. Its
+    base model is the untrained width-8 model (a structure is all the test needs; no
+    pretraining)."""
     out = tmp_path_factory.mktemp("other_width")
+    job = ShapesJob(make_config("tiny", width=8), out, quiet=True)
+    save_model(job.base_paths()[0], job.model)
     result = run("train", *COMMON, "--width", "8", "--epochs", "1", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     return out / "checkpoints" / "ckpt_00000001"

@@ -227,9 +227,10 @@ def test_training_seeds_share_the_base_and_differ_only_in_the_run(in_process, tm
     assert second["train_reward_first_epoch"] != first["train_reward_first_epoch"]
 
 
-def test_several_seeds_in_one_command(tmp_path):
-    # Pretrains its own base model (in the first seed's folder), which the second seed copies.
+def test_several_seeds_in_one_command(tmp_path, tiny_base):
     out = tmp_path / "seeds"
+    # The first seed finds the session's base model in its folder; the second copies it.
+    with_base(tiny_base, out / "seed_0")
     result = cli("train", "--preset", "tiny", "--quiet", "--epochs", "2", "--seeds", "0,1",
                  "--out", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
