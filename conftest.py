@@ -3,10 +3,12 @@
 Rank promotion raises and dtype promotion is strict, so a test fails on any implicit
 broadcast of mismatched ranks or mixing of dtypes in the library's arithmetic.
 
-The `flowgrpo-eqx` processes that tests start compile the same programs run after run; they
+The `flowgrpo-eqx` runs that tests start compile the same programs run after run; they
 share a persistent compilation cache (JAX's own, keyed by the program, the JAX version and
 the devices), which leaves their results unchanged and saves most of each run's start. The
-test processes themselves do not use it: tests that count compilations must see real ones.
+processes use it throughout; the test processes only for the duration of an in-process demo
+run (`tests.cli_helpers.compilation_cache`), since tests that count compilations must see
+real ones.
 
 Under `bench/mutation.sh` (`FLOWGRPO_EQX_MUTATION=1`, docs/mutation.md) four things change.
 None can turn a surviving mutant into a killed one; the last can only do the opposite, so the

@@ -1,11 +1,18 @@
-"""What the command-line tests share: how to start `flowgrpo-eqx`, and how to compare runs."""
+"""What the command-line tests share: how to run `flowgrpo-eqx` (in this process, or as a
+process where a test needs one), the tiny preset's base model, and how to compare runs."""
 
+import contextlib
+import fcntl
+import io
 import json
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import traceback
+
+import jax
 
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -35,12 +42,80 @@ def environment(**extra):
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **extra}
 
 
-def run_cli(*args, **extra_env):
-    """Run `flowgrpo-eqx ARGS` to the end, capturing its output."""
+def run_process(*args, **extra_env):
+    """Run `flowgrpo-eqx ARGS` as a process to the end, capturing its output: for what needs
+    a process of its own (`launch`, another XLA device count)."""
     return subprocess.run(
         command(*args), capture_output=True, text=True, env=environment(**extra_env),
         timeout=TIMEOUT,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def compilation_cache():
+    """JAX's persistent compilation cache, the one the `flowgrpo-eqx` processes share, on for
+    the duration (the demo builds its jitted programs afresh for every run, so only this
+    cache carries them from one run to the next); off again afterwards, so that tests that
+    count compilations see real ones."""
+    from jax.experimental.compilation_cache import compilation_cache as cache
+
+    names = (
+        "jax_enable_compilation_cache",
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    previous = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cache.reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            jax.config.update(name, value)
+        cache.reset_cache()
+
+
+@contextlib.contextmanager
+def _environment_variables(extra):
+    saved = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def run_cli(*args, **extra_env):
+    """Run `flowgrpo-eqx ARGS` in this process (`cli.main`), capturing what it prints; returns
+    what `subprocess.run` would: the exit status (2 for a usage error, 1 with the traceback
+    on stderr for an uncaught exception), stdout and stderr."""
+    from flowgrpo_eqx.shapes_demo import cli
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with (
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+        _environment_variables(extra_env),
+        compilation_cache(),
+    ):
+        try:
+            status = cli.main([str(a) for a in args])
+        except SystemExit as stop:
+            status = stop.code if isinstance(stop.code, int) else 1
+        except Exception:  # noqa: BLE001 - what the interpreter would print and exit 1 for
+            traceback.print_exc()
+            status = 1
+    return subprocess.CompletedProcess(
+        ["flowgrpo-eqx", *map(str, args)], status, stdout.getvalue(), stderr.getvalue()
+    )
 
 
 def with_base(reference, folder):
@@ -48,6 +123,36 @@ def with_base(reference, folder):
     folder.mkdir(parents=True, exist_ok=True)
     for base in reference.glob("base_*.eqx"):
         shutil.copy(base, folder / base.name)
+    return folder
+
+
+def shared_folder(tmp_path_factory, name):
+    """A folder under the temporary root that every xdist worker of this session shares."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return root / name
+
+
+def tiny_base_folder(tmp_path_factory):
+    """A folder holding the tiny preset's pretrained base model, pretrained once per test
+    session (whichever xdist worker comes first; the others wait on a file lock and reuse it).
+    Every training seed shares it: the base's fingerprint leaves the seed out."""
+    from flowgrpo_eqx.shapes_demo import make_config, run_pretrain
+
+    folder = shared_folder(tmp_path_factory, "tiny_base")
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / "tiny_base.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not any(folder.glob("base_*.eqx")):
+                with contextlib.redirect_stdout(io.StringIO()), compilation_cache():
+                    run_pretrain(make_config("tiny"), folder / "pretraining", quiet=True)
+                (made,) = (folder / "pretraining").glob("base_*.eqx")
+                shutil.copy(made, folder / (made.name + ".partial"))
+                os.replace(folder / (made.name + ".partial"), folder / made.name)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     return folder
 
 

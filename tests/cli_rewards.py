@@ -1,4 +1,5 @@
-"""Rewards for command-line tests, loaded by `--custom-reward` or a reward server."""
+"""Rewards for tests: loaded by `--custom-reward` or a reward server, or imported (`brightness`,
+the cheap dense reward every test that needs one shares)."""
 
 import os
 
@@ -15,7 +16,8 @@ class FailingReward:
 
 
 def brightness(samples, rows):
-    """Mean pixel value per sample, a cheap dense reward."""
+    """Mean pixel value per sample in float64, a cheap dense reward (the scores' dtype a
+    reward must return)."""
     return np.asarray(samples, np.float64).reshape(len(samples), -1).mean(axis=1)
 
 

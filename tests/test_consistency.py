@@ -15,6 +15,7 @@ from flowgrpo_eqx.shapes_demo import cli
 from flowgrpo_eqx.shapes_demo.config import make_config
 from flowgrpo_eqx.shapes_demo.job import ShapesJob
 from flowgrpo_eqx.train import Trainer, default_optimizer
+from tests.cli_helpers import compilation_cache, with_base
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -236,16 +237,18 @@ def test_thresholds_are_checked_by_name() -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# The demo, through the API and the command line (the tiny preset's base pretrains once).
+# The demo, through the API and the command line (on the session's tiny base model).
 
 
 @pytest.fixture(scope="module")
-def tiny_out(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return tmp_path_factory.mktemp("check")
+def tiny_out(tmp_path_factory: pytest.TempPathFactory, tiny_base: Any) -> Any:
+    return with_base(tiny_base, tmp_path_factory.mktemp("check"))
 
 
 def test_cli_check_passes_on_the_tiny_demo(tiny_out: Any, capsys: pytest.CaptureFixture) -> None:
-    status = cli.main(["check", "--preset", "tiny", "--quiet", "--out", str(tiny_out)])
+    # As `flowgrpo-eqx check` would, with the compilation cache the demo's processes share.
+    with compilation_cache():
+        status = cli.main(["check", "--preset", "tiny", "--quiet", "--out", str(tiny_out)])
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert "log-prob gap max" in printed
@@ -274,7 +277,8 @@ def test_demo_passes_in_float32_with_ratio_one(tiny_out: Any) -> None:
 
 
 def test_cli_check_with_a_user_factory_exits_one(capsys: pytest.CaptureFixture) -> None:
-    status = cli.main(["check", "--factory", "tests.test_consistency:broken_factory"])
+    with compilation_cache():
+        status = cli.main(["check", "--factory", "tests.test_consistency:broken_factory"])
     printed = capsys.readouterr().out
     assert status == 1
     gap_line = next(line for line in printed.splitlines() if line.startswith("log-prob gap max"))

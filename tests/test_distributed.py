@@ -1,8 +1,10 @@
 """Scale out: 4 simulated devices in one process, 2 processes on jax.distributed, failures.
 
-Every run is a `flowgrpo-eqx` subprocess on the tiny preset with the same seed and global
-batch; they share one pretrained base model (copied into each run folder) so that only the
-Flow-GRPO part differs.
+Every run is `flowgrpo-eqx` on the tiny preset with the same seed and global batch; they
+share the session's tiny base model (copied into each run folder) so that only the Flow-GRPO
+part differs. The one-device baseline runs in the test process (`cli.main`); the others are
+processes, since they need another XLA device count (fixed when JAX starts), several
+processes, or a kill.
 """
 
 import json
@@ -10,7 +12,6 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import time
 
 import equinox as eqx
@@ -20,25 +21,10 @@ import pytest
 
 from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
 from flowgrpo_eqx.train import load_model
-from tests.cli_helpers import with_base
+from tests.cli_helpers import TIMEOUT, command, environment, run_cli, run_process, with_base
 
 
-TIMEOUT = 600
 COMMON = ["--preset", "tiny", "--quiet", "--seed", "5"]
-
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-def run_cli(*args, env=None, timeout=TIMEOUT):
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *args],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=timeout,
-    )
 
 
 def process_with_arguments(*needles):
@@ -58,13 +44,17 @@ def process_with_arguments(*needles):
     return found[0]
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """The one-process, one-device run every other run must reproduce."""
-    out = tmp_path_factory.mktemp("baseline")
+def run_baseline(tmp_path_factory, tiny_base):
+    """The one-process, one-device run every other run must reproduce (in this process)."""
+    out = with_base(tiny_base, tmp_path_factory.mktemp("baseline"))
     result = run_cli("train", *COMMON, "--out", str(out), "--devices", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, tiny_base):
+    return run_baseline(tmp_path_factory, tiny_base)
 
 
 def records(folder):
@@ -99,24 +89,21 @@ def assert_same_run(folder, baseline):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-# Parameters, the held slot and AdamW's moments replicated, or split over the devices with
-# FSDP (`--param-sharding fsdp`). The FSDP runs take 103 s and 175 s of a 2-core machine, more
-# than the suite's time allows: `python -m pytest -m slow tests/test_distributed.py` runs them.
-LAYOUTS = ["replicated", pytest.param("fsdp", marks=pytest.mark.slow)]
+# Parameters, the held slot and AdamW's moments replicated here; split over the devices with
+# FSDP (`--param-sharding fsdp`) by the same three tests in tests/test_distributed_fsdp.py,
+# a file of their own so that `pytest -n 2 --dist loadfile` runs them beside these (their
+# processes compile programs no other test does: over a minute each on a cold compilation
+# cache of a 2-core machine).
+LAYOUTS = ["replicated"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_four_simulated_devices_match_one_device(baseline, tmp_path, layout):
     out = with_base(baseline, tmp_path / "four")
-    result = run_cli(
-        "train",
-        *COMMON,
-        "--param-sharding",
-        layout,
-        "--out",
-        str(out),
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-    )
+    result = run_process(
+        "train", *COMMON, "--param-sharding", layout, "--out", str(out),
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     for placement in placements(out):
         assert placement["devices"] == 4 and placement["processes"] == 1
@@ -136,7 +123,7 @@ def test_two_processes_match_one_process(baseline, tmp_path, layout):
     # process writes its own shards of a checkpoint.
     out = with_base(baseline, tmp_path / "two")
     flags = [*COMMON, "--param-sharding", layout]
-    result = run_cli("launch", "--local", "2", "--", "train", *flags, "--out", str(out))
+    result = run_process("launch", "--local", "2", "--", "train", *flags, "--out", str(out))
     assert result.returncode == 0, result.stdout[-3000:]
     for placement in placements(out):
         assert placement["processes"] == 2 and placement["devices"] == 2
@@ -162,18 +149,12 @@ def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline
     # a mesh of another size.
     out = with_base(baseline, tmp_path / "killed")
     flags = ["train", *COMMON, "--param-sharding", layout, "--out", str(out)]
-    environment = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": str(REPO),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-    }
     crashing = subprocess.Popen(
-        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *flags],
+        command(*flags),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env=environment,
+        env=environment(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
     )
     checkpoint = out / "checkpoints" / "ckpt_00000002"
     while not checkpoint.exists() and crashing.poll() is None:
@@ -182,9 +163,7 @@ def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline
     _, crash_err = crashing.communicate(timeout=TIMEOUT)
     assert crashing.returncode == -signal.SIGKILL, crash_err[-3000:]
     assert not (out / "summary.json").exists()
-    resumed = run_cli(
-        *flags, "--resume", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    )
+    resumed = run_process(*flags, "--resume", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Continuing from checkpoint" in resumed.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -195,7 +174,7 @@ def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline
 
 def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "reward_fault")
-    result = run_cli(
+    result = run_process(
         "launch",
         "--local",
         "2",
@@ -220,12 +199,8 @@ def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
 
 def test_dead_process_stops_the_others_with_a_clear_error(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "death")
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flowgrpo_eqx.shapes_demo.cli",
+        command(
             "launch",
             "--local",
             "2",
@@ -236,11 +211,11 @@ def test_dead_process_stops_the_others_with_a_clear_error(baseline, tmp_path):
             *COMMON,
             "--out",
             str(out),
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=environment,
+        env=environment(),
     )
     # Kill process 1 once training is under way (epoch 1's checkpoint is written).
     while not (out / "checkpoints" / "ckpt_00000001").exists() and launcher.poll() is None:

@@ -15,8 +15,8 @@ from tests.cli_helpers import REPO
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
-# Slow (a fresh interpreter with 4 devices): `python -m pytest -m slow` runs it.
-@pytest.mark.slow
+# A fresh interpreter: the device count is fixed when JAX starts. Its programs come from the
+# persistent compilation cache the test processes share (conftest.py) after the first run.
 def test_four_devices_fsdp_match_one_device_and_stay_sharded():
     environment = {
         **os.environ,

@@ -1,15 +1,12 @@
 """The main job with `--lora-rank`: small files tied to their base, resume, and scale-out.
 
-Every run is a `flowgrpo-eqx` subprocess on the tiny preset with rank-2 adapters; the runs
-share the one-device run's pretrained base model (copied into each run folder).
+Every run is `flowgrpo-eqx` on the tiny preset with rank-2 adapters, in the test process
+(`cli.main`) except the four-device one (a process: the device count is fixed when JAX
+starts); the runs share the session's tiny base model (copied into each run folder).
 """
 
 import json
-import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -19,23 +16,12 @@ import pytest
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.shapes_demo import ShapesJob, make_config, run_eval, run_train
 from flowgrpo_eqx.train import Checkpointer, load_model, save_model
+from tests.cli_helpers import run_cli, run_process
 
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 SEED = 5
 RANK = 2
 COMMON = ["--preset", "tiny", "--quiet", "--seed", str(SEED), "--lora-rank", str(RANK)]
-
-
-def run_cli(*args, env=None):
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *args],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=600,
-    )
 
 
 def config():
@@ -43,9 +29,10 @@ def config():
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
+def baseline(tmp_path_factory, tiny_base):
     """The one-device LoRA run every other run is compared with."""
     out = tmp_path_factory.mktemp("lora_baseline")
+    shutil.copy(base_file(tiny_base), out / base_file(tiny_base).name)
     result = run_cli("train", *COMMON, "--out", str(out), "--devices", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
@@ -152,13 +139,10 @@ def test_interrupted_lora_run_resumes_to_identical_result(baseline, tmp_path):
 
 def test_lora_on_four_simulated_devices_matches_one_device(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "four")
-    result = run_cli(
-        "train",
-        *COMMON,
-        "--out",
-        str(out),
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-    )
+    result = run_process(
+        "train", *COMMON, "--out", str(out),
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     with open(out / "distributed.jsonl") as handle:
         assert all(json.loads(line)["devices"] == 4 for line in handle)

@@ -16,6 +16,7 @@ import flowgrpo_eqx as fg
 from flowgrpo_eqx.models import MMDiT
 from flowgrpo_eqx.models._mlp import _uniform_arrays
 from flowgrpo_eqx.train import Trainer, default_optimizer
+from tests.cli_rewards import brightness
 
 
 KEY = jax.random.key(0)
@@ -196,12 +197,6 @@ def test_sd3_medium_configuration_has_diffusers_parameter_count() -> None:
     assert v.shape == (128, 128, 16) and v.dtype == jnp.bfloat16
 
 
-def brightness(samples: np.ndarray, rows: Any) -> np.ndarray:
-    return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
-
-
-# Slow (about 40 s, two compilations): `python -m pytest -m slow` runs it.
-@pytest.mark.slow
 def test_small_mmdit_trains_in_the_flow_grpo_loop() -> None:
     model = _model(depth=1)
     null = {

@@ -3,6 +3,7 @@ import pytest
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx._reward import score
+from tests.cli_rewards import brightness
 
 
 def smooth_and_noisy(n=4, size=16, seed=0):
@@ -30,9 +31,6 @@ def test_jpeg_quality_checked():
 
 def test_weighted_reward_sums_checked_float64_scores():
     samples = smooth_and_noisy()
-
-    def brightness(s, rows):
-        return s.reshape(s.shape[0], -1).mean(1)
 
     def tiny(s, rows):
         return np.full(s.shape[0], 1e-12)

@@ -1,12 +1,14 @@
 """How people drive a run: a reward server, metrics in TensorBoard, config files, seeds.
 
-Every run here is a real `flowgrpo-eqx` process on the tiny preset; reward servers are real
-`flowgrpo-eqx serve-reward` processes on 127.0.0.1.
+Every run here is `flowgrpo-eqx` on the tiny preset, run in the test process (`cli.main`) on
+the session's tiny base model, except `launch`'s ranks; reward servers are real
+`flowgrpo-eqx serve-reward` processes on 127.0.0.1 (one is killed mid-run).
 """
 
 import json
 import signal
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -16,7 +18,7 @@ from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.shapes_demo.config import config_to_toml
 from flowgrpo_eqx.shapes_demo.job import ShapesJob
 from flowgrpo_eqx.train import MetricsLog
-from tests.cli_helpers import command, environment, result_of, run_cli, with_base
+from tests.cli_helpers import command, environment, result_of, run_cli, run_process, with_base
 
 
 COMMON = ["--preset", "tiny", "--quiet", "--seed", "6"]
@@ -49,8 +51,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def in_process(tmp_path_factory):
-    out = tmp_path_factory.mktemp("in_process")
+def in_process(tmp_path_factory, tiny_base):
+    out = with_base(tiny_base, tmp_path_factory.mktemp("in_process"))
     result = cli("train", *COMMON, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
@@ -72,21 +74,26 @@ def test_server_killed_mid_run_is_a_named_error_and_resume_finishes(in_process, 
     out = with_base(in_process, tmp_path / "outage")
     server = Server("jpeg_incompressibility")
     options = ["--reward-timeout", "2", "--reward-retries", "1"]
-    run = subprocess.Popen(
-        command("train", *COMMON, *options, "--out", str(out), "--reward-url", server.url),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=environment(),
-    )  # fmt: skip
     metrics = out / "metrics.jsonl"
-    while run.poll() is None and not any(
-        r.get("epoch", 0) >= 1 for r in (MetricsLog(metrics).read() if metrics.exists() else [])
-    ):
-        time.sleep(0.05)
-    server.process.kill()
+    run_over = threading.Event()
+
+    def kill_after_the_first_epoch():
+        # The run goes on in this process; the server dies once epoch 1 is logged.
+        while not run_over.is_set() and not any(
+            r.get("epoch", 0) >= 1 for r in (MetricsLog(metrics).read() if metrics.exists() else [])
+        ):
+            time.sleep(0.01)
+        server.process.kill()
+
+    killer = threading.Thread(target=kill_after_the_first_epoch)
+    killer.start()
+    try:
+        run = cli("train", *COMMON, *options, "--out", str(out), "--reward-url", server.url)
+    finally:
+        run_over.set()
+        killer.join()
     server.stop()
-    _, err = run.communicate(timeout=120)
+    err = run.stderr
     assert run.returncode == 1, err[-3000:]
     assert f"flowgrpo-eqx: error on process 0: Reward 'http:{server.url}'" in err
     assert server.url in err and "Traceback" not in err
@@ -103,21 +110,21 @@ def test_server_killed_mid_run_is_a_named_error_and_resume_finishes(in_process, 
     assert (out / "policy.eqx").read_bytes() == (in_process / "policy.eqx").read_bytes()
 
 
-# Slow (about 90 s of two processes): `python -m pytest -m slow` runs it.
-@pytest.mark.slow
 def test_two_processes_send_one_request_per_collect(in_process, tmp_path):
     calls = tmp_path / "calls.txt"
     server = Server("tests.cli_rewards:CountedJpegIncompressibility", REWARD_CALLS_FILE=str(calls))
     try:
         out = with_base(in_process, tmp_path / "two")
-        result = cli(
-            "launch", "--local", "2", "--", "train", *COMMON, "--out", str(out),
+        # A process (not `cli.main` here): under the test's beartype import hook, `launch`'s
+        # `_pump(stream: IO[str])` rejects the pipe's TextIOWrapper (a library annotation bug).
+        result = run_process(
+            "launch", "--local", "2", "--", "train", *COMMON, "--epochs", "2", "--out", str(out),
             "--reward-url", server.url,
         )  # fmt: skip
     finally:
         server.stop()
     assert result.returncode == 0, result.stdout[-3000:]
-    epochs = make_config("tiny").epochs
+    epochs = 2
     rows = make_config("tiny").rollout_rows
     # One request per collect (epoch), each scoring every row of the global batch.
     assert calls.read_text().split() == [str(rows)] * epochs
@@ -220,8 +227,10 @@ def test_training_seeds_share_the_base_and_differ_only_in_the_run(in_process, tm
     assert second["train_reward_first_epoch"] != first["train_reward_first_epoch"]
 
 
-def test_several_seeds_in_one_command(tmp_path):
+def test_several_seeds_in_one_command(tmp_path, tiny_base):
     out = tmp_path / "seeds"
+    # The first seed finds the session's base model in its folder; the second copies it.
+    with_base(tiny_base, out / "seed_0")
     result = cli("train", "--preset", "tiny", "--quiet", "--epochs", "2", "--seeds", "0,1",
                  "--out", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
