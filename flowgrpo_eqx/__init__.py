@@ -33,6 +33,7 @@ from ._distributed import (
     replicate as replicate,
     shard_batch as shard_batch,
     shard_parameters as shard_parameters,
+    sync_processes as sync_processes,
 )
 from ._flow_base import (
     AbstractFlowObjective as AbstractFlowObjective,

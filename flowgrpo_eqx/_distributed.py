@@ -7,6 +7,7 @@ runs once on process 0, its float64 scores reach every process as bytes, and eac
 keeps only the rows it owns.
 """
 
+import itertools
 import math
 import os
 import struct
@@ -418,3 +419,23 @@ def process_counts(value: int) -> list[int]:
         return [value]
     gathered = multihost_utils.process_allgather(np.asarray([value], np.int64))
     return [int(v) for v in np.asarray(gathered).reshape(-1)]
+
+
+_BARRIERS = itertools.count()
+
+
+def sync_processes(name: str) -> None:
+    """Wait until every process has reached this point (nothing to wait for with one).
+
+    Collective: every process calls it, in the same order.
+
+    **Arguments:**
+
+    - `name`: what the processes wait for, e.g. `"run folder checked"` (a counter makes each
+        barrier's name unique).
+    """
+    if jax.process_count() > 1:
+        # Orbax's barrier: the distributed runtime's own, with no computation on the devices.
+        from orbax.checkpoint import multihost
+
+        multihost.sync_global_processes(f"flowgrpo_eqx:{name}:{next(_BARRIERS)}")

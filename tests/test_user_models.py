@@ -62,11 +62,11 @@ def rollout_like_batch(objective, variables, rows, latent_shape, steps=5, seed=0
     key = jax.random.key(seed)
     x = jax.random.normal(key, (n, *latent_shape))
     latents, next_latents, log_probs = [], [], []
-    transition = eqx.filter_jit(objective.transition)
+    transition = eqx.filter_jit(objective.flow.transition)
     for i in range(steps - 1):
         t = jnp.full((n,), grid[i])
         t_next = jnp.full((n,), grid[i + 1])
-        mean, std = transition(variables.policy, x, t, t_next, rows)
+        mean, std = transition(objective.sde, variables.policy, x, t, t_next, rows)
         key, sub = jax.random.split(key)
         noise = jax.random.normal(sub, mean.shape)
         x_next = jax.vmap(objective.sde.sample)(mean, std, noise)

@@ -28,6 +28,7 @@ from .. import (
     owned_rows,
     process_counts,
     shard_parameters,
+    sync_processes,
 )
 from ..train import (
     Checkpointer,
@@ -141,6 +142,8 @@ def run_train(
             log(f"Moved the run that was in {out} to {moved}.")
     else:
         check_run_folder(out, config, resume=resume)
+    # Every process has read the folder before process 0 writes into it.
+    sync_processes("run folder checked")
     out.mkdir(parents=True, exist_ok=True)
     if root:
         (out / "config.toml").write_text(config_to_toml(config))

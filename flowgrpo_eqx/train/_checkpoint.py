@@ -42,7 +42,6 @@ checkpoints. What `meta.json` records and the checks made on reading are in
 `_checkpoint_integrity.py`.
 """
 
-import itertools
 import json
 import os
 import pathlib
@@ -55,7 +54,7 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import PyTree
 
-from .._distributed import local_copy
+from .._distributed import local_copy, sync_processes
 from .._files import atomic_file
 from .._misc import check_int, data_to_keys, keys_to_data
 from ._checkpoint_integrity import (
@@ -87,7 +86,6 @@ _PREFIX = "ckpt_"
 _TEMPORARY_PREFIX = ".tmp-"
 # Orbax's barriers need names never used before in the process; saves are collective, so
 # every process counts them alike.
-_BARRIER_COUNTER = itertools.count()
 
 
 def _fsync_folder(path: pathlib.Path) -> None:
@@ -119,14 +117,6 @@ def _storage_plan(leaves: list[tuple[str, Any]]) -> list[str]:
         plan.append(f"packed_{dtype}:{offset}")
         offsets[dtype] = offset + int(np.prod(shape, dtype=np.int64))
     return plan
-
-
-def _sync(name: str) -> None:
-    """Wait for every process (nothing to wait for with one)."""
-    if jax.process_count() > 1:
-        from orbax.checkpoint import multihost
-
-        multihost.sync_global_processes(f"flowgrpo_eqx:{name}:{next(_BARRIER_COUNTER)}")
 
 
 def _orbax_checkpointer() -> Any:
@@ -349,7 +339,7 @@ class Checkpointer:
                 if temporary.exists():
                     shutil.rmtree(temporary)
                 temporary.mkdir()
-            _sync(f"{temporary}:created")
+            sync_processes(f"{temporary}:created")
             _write_state(temporary / STATE, leaves, plan)
             if root:
                 record = {
@@ -378,7 +368,7 @@ class Checkpointer:
             for old in self.paths()[: -self.keep]:
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)
-        _sync(f"{final}:saved")
+        sync_processes(f"{final}:saved")
         return final
 
     def verify(self, path: str | os.PathLike[str], like: PyTree[Any]) -> None:
