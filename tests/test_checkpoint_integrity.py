@@ -629,3 +629,33 @@ def test_two_processes_stop_after_the_same_step_when_one_gets_sigterm():
     assert reports[0]["logged"] == [
         "process 1 received a stop signal: stopping after step 3, then checkpointing"
     ]
+
+
+def test_a_full_disk_inside_orbax_is_one_named_error_without_its_logged_traceback(
+    saved, monkeypatch, caplog
+):
+    """Orbax logs a failed write's traceback through absl before it raises; the save holds
+    those logs back and raises the one named error."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    checkpoints, _ = saved
+
+    class FullDisk:
+        def save(self, path, args):
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:
+                absl_logging.exception("tensorstore write failed")
+                logging.getLogger("orbax").exception("commit failed")
+                raise
+
+    monkeypatch.setattr(_checkpoint, "_orbax_checkpointer", FullDisk)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(OSError) as caught:
+        checkpoints.save(4, make_state(4), {"epoch": 4})
+    assert caught.value.errno == errno.ENOSPC
+    assert str(folder(checkpoints, 4)) in str(caught.value)
+    assert not [r for r in caplog.records if r.name in ("absl", "orbax")]
+    assert logging.getLogger("absl").level != logging.CRITICAL

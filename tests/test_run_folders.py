@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+import flowgrpo_eqx.train as fg_train
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.shapes_demo.run_folder import FREE_ON_RESUME, identity
 from tests.cli_helpers import run_cli, with_base
@@ -121,3 +122,28 @@ def test_a_diverging_run_stops_by_name_and_writes_no_policy(tiny_base, tmp_path)
     assert "Training diverged in epoch 1" in result.stderr and "Traceback" not in result.stderr
     assert not (out / "policy.eqx").exists() and not (out / "summary.json").exists()
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+
+
+def test_divergence_after_good_epochs_keeps_their_checkpoints(tiny_base, tmp_path, monkeypatch):
+    """Epochs 1 and 2 train and checkpoint; epoch 3's divergence (stood in for here: the
+    check finds the policy non-finite) stops the run with them intact and no policy."""
+    import flowgrpo_eqx.train._loops as loops
+
+    real = loops.check_finite
+
+    def diverge_in_epoch_three(epoch, metrics, policy):
+        if epoch == 3:
+            raise fg_train.TrainingDiverged(epoch, metrics, "the policy's parameters")
+        real(epoch, metrics, policy)
+
+    monkeypatch.setattr(loops, "check_finite", diverge_in_epoch_three)
+    out = with_base(tiny_base, tmp_path / "run")
+    result = run_cli(*TINY, "--epochs", "4", "--checkpoint-every", "1", "--out", out)
+    assert result.returncode == 1
+    assert "Training diverged in epoch 3: the policy's parameters" in result.stderr
+    kept = sorted(path.name for path in (out / "checkpoints").iterdir())
+    assert len(kept) == 2 and kept[-1].endswith("2")
+    assert not (out / "policy.eqx").exists()
+    resumed = run_cli(*TINY, "--epochs", "2", "--resume", "--out", out)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Continuing from checkpoint" in resumed.stdout + resumed.stderr

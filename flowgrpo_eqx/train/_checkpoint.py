@@ -42,11 +42,13 @@ checkpoints. What `meta.json` records and the checks made on reading are in
 `_checkpoint_integrity.py`.
 """
 
+import contextlib
 import json
+import logging
 import os
 import pathlib
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -140,7 +142,23 @@ def _write_state(folder: pathlib.Path, leaves: list[tuple[str, Any]], plan: list
             arrays[where] = leaf
     for name, parts in packed.items():
         arrays[name] = np.concatenate(parts)
-    _orbax_checkpointer().save(folder.absolute(), args=ocp.args.StandardSave(arrays))
+    with _orbax_quiet():
+        _orbax_checkpointer().save(folder.absolute(), args=ocp.args.StandardSave(arrays))
+
+
+@contextlib.contextmanager
+def _orbax_quiet() -> Iterator[None]:
+    """Orbax (through absl) logs a failed write's traceback, about 100 lines on a full disk,
+    before raising; the caller names the error in one line, so those logs are held back."""
+    loggers = [logging.getLogger(name) for name in ("absl", "orbax")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _restore_target(leaf: Any) -> Any:
