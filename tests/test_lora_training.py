@@ -27,15 +27,12 @@ from flowgrpo_eqx.train import (
     save_model,
 )
 from tests import numpy_reference as ref
+from tests.cli_rewards import brightness
 
 
 LATENT = 4
 COND = 2
 ROWS = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
-
-
-def brightness(samples, rows):
-    return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
 
 
 def mlp_objective(policy, beta):

@@ -10,6 +10,7 @@ import flowgrpo_eqx as fg
 import flowgrpo_eqx.testing as fgt
 from flowgrpo_eqx.models import MLPVelocity
 from flowgrpo_eqx.train import Trainer, minibatch_indices, minibatches, rl_epoch
+from tests.cli_rewards import brightness
 from tests.errors import NAMED_ARGUMENT_ERRORS
 from tests.test_objective import STEP, make_batch
 
@@ -149,9 +150,6 @@ def bfloat16_epoch(old_log_probs):
         precision="bfloat16",
         old_log_probs=old_log_probs,
     )
-
-    def brightness(samples, rows):
-        return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
 
     rollout = fg.FlowRollout(flow.flow, flow.sde, brightness, groups=4, steps=5)
     trainer = Trainer(flow)

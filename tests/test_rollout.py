@@ -9,6 +9,7 @@ from PIL import Image
 
 import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
+from tests.cli_rewards import brightness
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -302,9 +303,6 @@ def test_shared_noise_needs_whole_groups_and_a_bool():
 
 
 def test_rewards_normalised_one_by_one_before_the_weighted_sum():
-    def brightness(samples, rows):
-        return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
-
     def huge_contrast(samples, rows):
         return 1e6 * samples.reshape(samples.shape[0], -1).std(axis=1).astype(np.float64)
 

@@ -28,16 +28,13 @@ from flowgrpo_eqx.train import (
     rl_epoch,
     save_model,
 )
+from tests.cli_rewards import brightness
 from tests.errors import NAMED_ARGUMENT_ERRORS
 from tests.test_guided_flow import _times_model
 
 
 LATENT = 4
 COND = 2
-
-
-def brightness(samples, rows):
-    return samples.reshape(samples.shape[0], -1).mean(axis=1).astype(np.float64)
 
 
 def make_setup(beta, ema_decay=None, trainable=eqx.is_inexact_array, lr=1e-2):
