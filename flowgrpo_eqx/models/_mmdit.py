@@ -1033,20 +1033,24 @@ class MMDiT(eqx.Module):
             raise ValueError(f"`x` must have shape {want}, got {x.shape}.")
         if t.shape != ():
             raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
-        context_in, pooled = self._text(cond)
-        dtype = self.pos_embed.dtype
+        from .._distributed import gather_weights
+
+        # On a data mesh, the weights outside the blocks whole (the blocks gather their own).
+        outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
+        context_in, pooled = outer._text(cond)
+        dtype = outer.pos_embed.dtype
 
         time_in = _sd3_time_features(t).astype(dtype)
-        c = _dense(self.time_mlp[1], jax.nn.silu(_dense(self.time_mlp[0], time_in[None])))
-        c = c + _dense(self.pooled_mlp[1], jax.nn.silu(_dense(self.pooled_mlp[0], pooled[None])))
+        c = _dense(outer.time_mlp[1], jax.nn.silu(_dense(outer.time_mlp[0], time_in[None])))
+        c = c + _dense(outer.pooled_mlp[1], jax.nn.silu(_dense(outer.pooled_mlp[0], pooled[None])))
         c = c[0]
 
         # The positional features are fixed, as SD3's buffer.
-        pos = jax.lax.stop_gradient(self.pos_embed)
-        image = _dense(self.patch_embed, self._patchify(x.astype(dtype))) + pos
-        context = _dense(self.context_embed, context_in)
+        pos = jax.lax.stop_gradient(outer.pos_embed)
+        image = _dense(outer.patch_embed, outer._patchify(x.astype(dtype))) + pos
+        context = _dense(outer.context_embed, context_in)
         context, image = self._blocks(context, image, c)
 
-        scale, shift = jnp.split(_dense(self.final_modulation, jax.nn.silu(c)[None])[0], 2)
-        out = _dense(self.final_proj, _modulate(_layer_norm(image), shift, scale))
+        scale, shift = jnp.split(_dense(outer.final_modulation, jax.nn.silu(c)[None])[0], 2)
+        out = _dense(outer.final_proj, _modulate(_layer_norm(image), shift, scale))
         return self._unpatchify(out).astype(x.dtype)
