@@ -261,7 +261,10 @@ class Trainer(eqx.Module):
         """One optimizer update on `batch`, returning the new state; `state` must not be used
         again.
 
-        Jit-compiled; the old state's buffers are donated to the new one.
+        Jit-compiled; the old state's buffers are donated to the new one. When the state's
+        arrays lie on a mesh (`shard_parameters`), the step is traced under it
+        (`jax.set_mesh`), so that models gather each block's weights where they use them
+        (`gather_weights`) and the rows stay split.
 
         **Arguments:**
 
