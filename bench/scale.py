@@ -1,34 +1,43 @@
-"""`python -m bench.scale [--size sd3_medium|small] [--devices 8] [--modes a,b]`: the scale plan.
+"""`python -m bench.scale [--size sd35_medium|sd3_medium|small] [--resolution 512|1024]
+[--rows-per-device R] [--devices 8] [--modes a,b]`: the memory and compile plan of a step.
 
 Builds the Flow-GRPO training step (`FlowGRPOObjective` with a KL reference, `beta = 0.04`,
-classifier-free guidance, AdamW) of the `MMDiT` for `--devices` simulated CPU devices
+classifier-free guidance 4.5, AdamW) of the `MMDiT` for `--devices` simulated CPU devices
 (`--xla_force_host_platform_device_count`), abstractly: the model and the training state are
-`eqx.filter_eval_shape`d, the step is lowered and compiled for the mesh, nothing is executed
-and no parameter is materialised. One row per device, one recorded transition per row.
+`eqx.filter_eval_shape`d, the step is lowered and compiled for the mesh (under the mesh, as
+`Trainer.update` runs it), nothing is executed and no parameter is materialised. `R` rows per
+device, one recorded transition per row. The model is stacked (a scan over each group of
+blocks), rematerialised per block (`--remat`, default `nothing`) with chunked attention
+(`--attention`, default `chunked`: CPU has no cuDNN); `--microbatches M` accumulates over M.
 
 Modes (`--modes`, all by default):
 
-- `replicated_float32`: every device holds the policy, the reference and AdamW's moments;
-- `fsdp_float32`: the same state split with `shard_parameters`'s FSDP layout;
-- `fsdp_bfloat16`: as `fsdp_float32`, the model computing in bfloat16 (float32 master weights);
-- `lora_fsdp_bfloat16`: rank-64 LoRA adapters on every linear layer, FSDP, bfloat16; the
-  reference is the policy with its adapters off, so no copy is kept.
+- `lora_bfloat16`: rank-32 LoRA adapters (alpha 64) on every attention projection, as the
+  Flow-GRPO release; the reference is the policy with its adapters off; the base replicated;
+- `fsdp_bfloat16`: full fine-tuning, the policy, its reference and AdamW's moments split with
+  `shard_parameters`'s FSDP layout, the model computing in bfloat16 (float32 master weights);
+- `fsdp_float32`: the same in float32;
+- `replicated_float32`: every device holds the policy, the reference and AdamW's moments.
 
 Per mode and per device: the bytes of the variables and of the optimizer state (exact, from
-the arrays' shapes and shardings) and XLA's temporaries of the compiled step
-(`memory_analysis().temp_size_in_bytes`). Prints one JSON object.
+the arrays' shapes and shardings), XLA's temporaries of the compiled step
+(`memory_analysis().temp_size_in_bytes`), the compile time, and the all-gathers of the
+compiled program split into weights (a parameter's shape, whole or one layer of a stack) and
+activations (anything else). Prints one JSON object.
 """
 
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from typing import Any
 
 
-MODES = ("replicated_float32", "fsdp_float32", "fsdp_bfloat16", "lora_fsdp_bfloat16")
-LORA_RANK = 64
+MODES = ("lora_bfloat16", "fsdp_bfloat16", "fsdp_float32", "replicated_float32")
+LORA_RANK = 32
+LORA_ALPHA = 64
 BETA = 0.04
 MIN_ELEMENTS = 4096
 
@@ -41,10 +50,50 @@ def _force_devices(count: int) -> None:
         raise RuntimeError("bench.scale must set the device count before JAX is imported.")
 
 
+def attention_layers(model: Any) -> list[Any]:
+    """Every attention projection of an `MMDiT`: the layers the Flow-GRPO release adapts."""
+    layers = []
+    for block in model.blocks:
+        for attn in (block.image.attn, block.context.attn, block.attn2):
+            if attn is not None:
+                layers += [attn.q, attn.k, attn.v] + ([] if attn.out is None else [attn.out])
+    return layers
+
+
+def weight_shapes(tree: Any) -> set[tuple[int, ...]]:
+    """Every shape a gathered weight can take: whole, one layer of a stack, transposed."""
+    import jax
+
+    shapes: set[tuple[int, ...]] = set()
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(getattr(leaf, "shape", ()))
+        for form in (shape, shape[1:], (1, *shape[1:])):
+            shapes.update({form, tuple(reversed(form))})
+            if len(form) == 3:
+                shapes.add((form[0], form[2], form[1]))
+    return shapes
+
+
+def all_gathers(hlo_text: str, shapes: set[tuple[int, ...]]) -> tuple[int, list[Any]]:
+    """`(weight gathers, activation gathers' shapes)` of a compiled HLO text."""
+    found = re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", hlo_text)
+    results = [tuple(int(size) for size in dims.split(",") if size) for dims in found]
+    activations = [shape for shape in results if shape not in shapes]
+    return len(results) - len(activations), activations
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
-    parser.add_argument("--size", choices=("sd3_medium", "small"), default="sd3_medium")
+    parser.add_argument(
+        "--size", choices=("sd35_medium", "sd3_medium", "small"), default="sd35_medium"
+    )
+    parser.add_argument("--resolution", type=int, choices=(512, 1024), default=512)
+    parser.add_argument("--rows-per-device", type=int, default=9)
     parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--remat", choices=("nothing", "dots", "none"), default="nothing")
+    parser.add_argument("--attention", choices=("chunked", "xla"), default="chunked")
+    parser.add_argument("--attention-chunk", type=int, default=512)
+    parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES), help=f"any of {', '.join(MODES)}")
     arguments = parser.parse_args(argv)
     modes = arguments.modes.split(",")
@@ -64,22 +113,27 @@ def main(argv: list[str] | None = None) -> int:
     from flowgrpo_eqx.models import MMDiT
     from flowgrpo_eqx.train import Trainer
 
-    settings: dict[str, Any] = (
-        MMDiT.sd3_medium_config()
-        if arguments.size == "sd3_medium"
-        else dict(
-            image_size=16,
-            channels=4,
-            patch=2,
-            depth=2,
-            context_length=8,
-            context_dim=32,
-            pooled_dim=32,
+    settings: dict[str, Any]
+    if arguments.size == "sd35_medium":
+        settings = MMDiT.sd35_medium_config()
+    elif arguments.size == "sd3_medium":
+        settings = MMDiT.sd3_medium_config()
+    else:
+        settings = dict(
+            image_size=16, channels=4, patch=2, depth=3, context_length=8, context_dim=32,
+            pooled_dim=32, qk_norm="rms_norm", dual_attention_layers=(0,),
         )  # fmt: skip
+    if arguments.size != "small":
+        settings["image_size"] = arguments.resolution // 8  # the VAE's 8x downsampling
+    settings.update(
+        stacked=True,
+        remat=None if arguments.remat == "none" else arguments.remat,
+        attention=arguments.attention,
+        attention_chunk=arguments.attention_chunk,
     )
     devices = arguments.devices
     mesh = fg.data_mesh(devices)
-    rows = devices
+    rows = devices * arguments.rows_per_device
 
     def array_bytes(leaf: Any, spec: PartitionSpec) -> int:
         """Bytes of `leaf` on one device under `spec`."""
@@ -142,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         policy = model
         if mode.startswith("lora"):
             policy = eqx.filter_eval_shape(
-                lambda m, key: lora.add(m, LORA_RANK, key=key), model, jax.random.key(1)
+                lambda m, key: lora.add(
+                    m, LORA_RANK, key=key, alpha=LORA_ALPHA, where=attention_layers
+                ),
+                model,
+                jax.random.key(1),
             )
         objective = fg.FlowGRPOObjective(
             policy,
@@ -153,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             clip_range=1e-4,
             precision="bfloat16" if mode.endswith("bfloat16") else "float32",
         )
-        trainer = Trainer(objective)
+        trainer = Trainer(objective, microbatches=arguments.microbatches)
         state = eqx.filter_eval_shape(trainer.init, jax.random.key(2))
         fsdp = "fsdp" in mode
         variables, variable_bytes = place(state.variables, fsdp)
@@ -173,22 +231,33 @@ def main(argv: list[str] | None = None) -> int:
             trainer_, batch_, state_ = eqx.combine(parts, static)
             return trainer_._update(state_, batch_)
 
-        compiled = jax.jit(step, donate_argnums=2).lower(*dynamic).compile()
+        with jax.set_mesh(mesh):  # as `Trainer.update` runs it
+            compiled = jax.jit(step, donate_argnums=2).lower(*dynamic).compile()
+        seconds = time.perf_counter() - started
         analysis = compiled.memory_analysis()
+        weights, activations = all_gathers(compiled.as_text(), weight_shapes(state))
+        temporaries = int(analysis.temp_size_in_bytes)
         results[mode] = {
             "variables_bytes_per_device": variable_bytes,
             "optimizer_bytes_per_device": optimizer_bytes,
             "state_bytes_per_device": variable_bytes + optimizer_bytes,
-            "xla_temp_bytes_per_device": int(analysis.temp_size_in_bytes),
-            "compile_seconds": round(time.perf_counter() - started, 1),
+            "xla_temp_bytes_per_device": temporaries,
+            "state_plus_temp_gb_per_device": round(
+                (variable_bytes + optimizer_bytes + temporaries) / 1e9, 2
+            ),
+            "compile_seconds": round(seconds, 1),
+            "weight_all_gathers": weights,
+            "activation_all_gathers": len(activations),
         }
         print(f"[scale] {mode}: {results[mode]}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {
         "size": arguments.size,
         "settings": {k: v for k, v in settings.items() if not callable(v)},
         "parameters": int(parameters),
+        "resolution": arguments.resolution if arguments.size != "small" else None,
         "devices": devices,
         "rows_per_device": rows // devices,
+        "microbatches": arguments.microbatches,
         "lora_rank": LORA_RANK,
         "fsdp_min_elements": MIN_ELEMENTS,
         "modes": results,

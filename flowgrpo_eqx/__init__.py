@@ -25,6 +25,7 @@ from ._distributed import (
     ParamSharding as ParamSharding,
     data_mesh as data_mesh,
     device_fraction as device_fraction,
+    gather_weights as gather_weights,
     host_samples as host_samples,
     initialize as initialize,
     local_copy as local_copy,

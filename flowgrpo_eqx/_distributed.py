@@ -11,7 +11,7 @@ import itertools
 import math
 import os
 import struct
-from typing import Any, Literal, TypeAlias, get_args
+from typing import Any, Literal, TypeAlias, TypeVar, get_args
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,8 @@ from jaxtyping import PyTree
 from ._misc import check_int, data_to_keys, keys_to_data, leading_rows
 from ._reward import FlowReward, RewardError, reward_name, score
 
+
+_T = TypeVar("_T")
 
 DATA_AXIS = "data"
 _MESSAGE_BYTES = 4096
@@ -259,6 +261,50 @@ def shard_parameters(
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return data_to_keys(jax.tree.map(place, keys_to_data(tree)), tree)
+
+
+def gather_weights(tree: _T) -> _T:
+    """Inside a step on a data mesh, `tree`'s arrays constrained to be whole on every device.
+
+    The usual JAX FSDP pattern: a model calls it on one block's weights where it uses them
+    (`MMDiT` and `DiT` do, as their scan reaches each block), so XLA all-gathers that block's
+    weight shards just in time and reduce-scatters their gradients back to the shards, while
+    the rows (and so the activations) stay split over the data axis. Without the constraint,
+    GSPMD may instead gather the activations to meet the sharded weights.
+
+    A no-op outside a mesh context, or on a mesh without the `"data"` axis: the mesh is the
+    one `jax.set_mesh` set (`Trainer.update` sets it from the state's shardings).
+
+    **Arguments:**
+
+    - `tree`: a PyTree, typically one block of a model (its arrays are not batched).
+
+    **Returns:**
+
+    `tree` with every array leaf under a replicated sharding constraint.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or DATA_AXIS not in mesh.axis_names:
+        return tree
+    whole = PartitionSpec()  # type: ignore[no-untyped-call]
+
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, jax.Array) and not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jax.lax.with_sharding_constraint(leaf, whole)  # type: ignore[no-untyped-call]
+        return leaf
+
+    gathered: _T = jax.tree.map(one, tree)
+    return gathered
+
+
+def mesh_of(tree: PyTree[Any]) -> Mesh | None:
+    """The mesh of the first array of `tree` placed with a `NamedSharding`, or `None`."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.Array) and isinstance(sharding, NamedSharding):
+            mesh = sharding.mesh
+            return mesh if isinstance(mesh, Mesh) else None
+    return None
 
 
 def device_fraction(tree: PyTree[Any]) -> float:

@@ -27,6 +27,14 @@ log densities, ratios, KL and advantages are float32 (or wider) either way."""
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 
+def _on_data_mesh() -> bool:
+    """Whether the program is traced for a mesh with the data axis (`jax.set_mesh`)."""
+    from ._distributed import DATA_AXIS
+
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and DATA_AXIS in mesh.axis_names
+
+
 def _to_bfloat16(tree: PyTree[Any]) -> PyTree[Any]:
     """`tree` with every float32/float64 array cast to bfloat16 (other leaves as they are)."""
 
@@ -186,15 +194,29 @@ class GuidedFlow(eqx.Module):
         conditioning = self.inputs.condition(cond)
         if self.guidance is None:
             return self.call_model(model, x, t, conditioning)
-        rows = x.shape[0]
         null = self.null_like(conditioning)
-        both = jax.tree.map(
-            lambda c, u: jnp.concatenate([c, u.astype(c.dtype)], axis=0), conditioning, null
-        )
-        velocities = self.call_model(
-            model, jnp.concatenate([x, x], axis=0), jnp.concatenate([t, t], axis=0), both
-        )
-        return self.guidance.combine(velocities[:rows], velocities[rows:])
+        rows = x.shape[0]
+        if not _on_data_mesh():
+            both = jax.tree.map(
+                lambda c, u: jnp.concatenate([c, u.astype(c.dtype)], axis=0), conditioning, null
+            )
+            velocities = self.call_model(
+                model, jnp.concatenate([x, x], axis=0), jnp.concatenate([t, t], axis=0), both
+            )
+            return self.guidance.combine(velocities[:rows], velocities[rows:])
+
+        def pair(c: Array, u: Array) -> Array:
+            # On a data mesh, row r's two branches side by side (rows 2r and 2r + 1) rather
+            # than the two halves one after the other: each device keeps both branches of its
+            # own rows, so the partitioner never gathers the batch to build them. (Off a mesh
+            # the halves stay, so one-device programs and results are as they were.)
+            both = jnp.stack([c, u.astype(c.dtype)], axis=1)
+            return both.reshape(-1, *c.shape[1:])
+
+        both = jax.tree.map(pair, conditioning, null)
+        velocities = self.call_model(model, pair(x, x), pair(t, t), both)
+        velocities = velocities.reshape(rows, 2, *velocities.shape[1:])
+        return self.guidance.combine(velocities[:, 0], velocities[:, 1])
 
     def transition(
         self,

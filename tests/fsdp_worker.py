@@ -1,11 +1,15 @@
-"""`python -m tests.fsdp_worker` with 4 simulated devices: one device replicated vs 4 with FSDP.
+"""`python -m tests.fsdp_worker [mmdit]` with 4 simulated devices: one device replicated vs 4
+with FSDP.
 
 Run by `tests/test_fsdp.py` in a fresh interpreter (the device count is fixed at JAX's start);
 prints one JSON object with both runs' metrics, the largest parameter difference and how the
-FSDP state lies on the devices.
+FSDP state lies on the devices. With `mmdit`: a small stacked `MMDiT` with CFG and a KL
+reference, and the all-gathers of the compiled FSDP step, split into weights and activations.
 """
 
 import json
+import re
+import sys
 
 import equinox as eqx
 import jax
@@ -137,5 +141,124 @@ def main():
     )
 
 
+def weight_shapes(tree):
+    """Every shape a gathered weight can have: whole, one layer of a stack, transposed."""
+    shapes = set()
+    for leaf in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array)):
+        shape = tuple(leaf.shape)
+        for form in (shape, shape[1:], (1, *shape[1:])):
+            shapes.add(form)
+            shapes.add(tuple(reversed(form)))
+            if len(form) == 3:
+                shapes.add((form[0], form[2], form[1]))
+    return shapes
+
+
+def all_gathers(hlo_text, shapes):
+    """`(weights, activations)`: the all-gathers of a compiled HLO text, by result shape."""
+    found = re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather(?:-start)?\(", hlo_text)
+    results = [tuple(int(size) for size in dims.split(",") if size) for dims in found]
+    activations = [shape for shape in results if shape not in shapes]
+    return len(results) - len(activations), activations
+
+
+def main_mmdit():
+    from flowgrpo_eqx.models import MMDiT
+    from flowgrpo_eqx.train._trainer import _mesh_context
+
+    rows = 8
+    sizes = dict(image_size=8, channels=4, patch=2, width=32, heads=4, context_length=3)
+    sizes.update(context_dim=12, pooled_dim=16, depth=3, qk_norm="rms_norm")
+    model = MMDiT(**sizes, dual_attention_layers=(0,), remat="dots", key=jax.random.key(0))
+    rng = np.random.default_rng(0)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params = jax.tree.map(
+        lambda p: p + jax.device_put((0.05 * rng.standard_normal(p.shape)).astype(p.dtype)),
+        params,
+    )
+    model = eqx.combine(params, static)
+    null = {"context": np.zeros((3, 12), np.float32), "pooled": np.zeros((16,), np.float32)}
+    objective = fg.FlowGRPOObjective(
+        model, fg.RectifiedFlow(),
+        fg.InputSpec(select=("context", "pooled"), null=null, latent_shape=(8, 8, 4)),
+        guidance=fg.CFG(4.5), beta=0.04, clip_range=0.2, steps=3,
+    )  # fmt: skip
+    trainer = Trainer(objective)
+    latents = rng.standard_normal((rows, 1, 8, 8, 4)).astype(np.float32)
+    batch = fg.Transitions(
+        latents=latents,
+        next_latents=latents + 0.3 * rng.standard_normal(latents.shape).astype(np.float32),
+        timesteps=np.full((rows, 1), 0.75, np.float32),
+        next_timesteps=np.full((rows, 1), 0.5, np.float32),
+        old_log_probs=np.zeros((rows, 1), np.float32),
+        transition_mask=np.ones((rows, 1), bool),
+        advantages=rng.standard_normal(rows).astype(np.float32),
+        cond={
+            "context": rng.standard_normal((rows, 3, 12)).astype(np.float32),
+            "pooled": rng.standard_normal((rows, 16)).astype(np.float32),
+        },
+    )
+    initial = trainer.init(jax.random.key(1))
+    old = objective.log_probs(initial.variables, batch)
+    batch = eqx.tree_at(lambda b: b.old_log_probs, batch, old + 0.05)
+    host_state, host_batch = jax.device_get(initial), jax.device_get(batch)
+
+    one = fg.data_mesh(1)
+    replicated_state, replicated = train(
+        trainer,
+        fg.shard_parameters(host_state, one, "replicated"),
+        fg.shard_batch(host_batch, one),
+    )
+    four = fg.data_mesh(4)
+    sharded_start = fg.shard_parameters(host_state, four, "fsdp", min_elements=MIN_ELEMENTS)
+    four_rows = fg.shard_batch(host_batch, four)
+    # The compiled step, as `Trainer.update` compiles it (under the state's mesh).
+    dynamic, static_part = eqx.partition((trainer, four_rows, sharded_start), eqx.is_array)
+
+    def step(dynamic):
+        trainer_, batch_, state_ = eqx.combine(dynamic, static_part)
+        return trainer_._update(state_, batch_)
+
+    with _mesh_context(sharded_start):
+        hlo = jax.jit(step).lower(dynamic).compile().as_text()
+    weights, activations = all_gathers(hlo, weight_shapes(initial))
+    sharded_state, sharded = train(trainer, sharded_start, four_rows)
+    difference = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(
+            jax.tree.leaves(eqx.filter(replicated_state, eqx.is_inexact_array)),
+            jax.tree.leaves(eqx.filter(sharded_state, eqx.is_inexact_array)),
+            strict=True,
+        )
+    )
+    moved = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(
+            jax.tree.leaves(eqx.filter(host_state.variables.policy, eqx.is_inexact_array)),
+            jax.tree.leaves(eqx.filter(replicated_state.variables.policy, eqx.is_inexact_array)),
+            strict=True,
+        )
+    )
+    print(
+        json.dumps(
+            {
+                "replicated": replicated,
+                "fsdp": sharded,
+                "moved": moved,
+                "largest_difference": difference,
+                "weight_gathers": weights,
+                "activation_gathers": [list(shape) for shape in activations],
+                "reduce_scatters": len(re.findall(r" reduce-scatter\(", hlo)),
+                "device_fraction": fg.device_fraction(
+                    (sharded_state.variables, sharded_state.opt_state)
+                ),
+            }
+        )
+    )
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["mmdit"]:
+        main_mmdit()
+    else:
+        main()

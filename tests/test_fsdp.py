@@ -43,6 +43,31 @@ def test_four_devices_fsdp_match_one_device_and_stay_sharded():
     assert first["approx_kl"] == 0.0 and first["ratio"] == 1.0
 
 
+# Slow (a fresh interpreter with 4 devices, about a minute): `python -m pytest -m slow`.
+@pytest.mark.slow
+def test_four_devices_fsdp_mmdit_gathers_weights_not_activations():
+    environment = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.fsdp_worker", "mmdit"],
+        capture_output=True, text=True, env=environment, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["moved"] > 1e-5, "the updates changed nothing; the comparison is vacuous"
+    for one, four in zip(report["replicated"], report["fsdp"], strict=True):
+        for name in one:
+            np.testing.assert_allclose(four[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert report["largest_difference"] <= 1e-5
+    # The step gathers weights (each block's as the scan reaches it), never activations.
+    assert report["weight_gathers"] > 0
+    assert report["activation_gathers"] == []
+    assert report["device_fraction"] < 0.4
+
+
 @pytest.mark.parametrize(
     "shape, devices, minimum, want",
     [

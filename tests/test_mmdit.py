@@ -17,6 +17,7 @@ from flowgrpo_eqx.models import MMDiT
 from flowgrpo_eqx.models._mlp import _uniform_arrays
 from flowgrpo_eqx.train import Trainer, default_optimizer
 from tests.cli_rewards import brightness
+from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
 KEY = jax.random.key(0)
@@ -118,7 +119,7 @@ def test_every_block_is_the_identity_at_init() -> None:
     image = rng.standard_normal((16, model.width)).astype(np.float32)
     c = rng.standard_normal((model.width,)).astype(np.float32)
     apply = eqx.filter_jit(lambda blocks, *args: [block(*args) for block in blocks])
-    for out_context, out_image in apply(model.blocks, context, image, c):
+    for out_context, out_image in apply(model.unstacked_blocks(), context, image, c):
         np.testing.assert_array_equal(np.asarray(out_context), context)
         np.testing.assert_array_equal(np.asarray(out_image), image)
 
@@ -230,3 +231,98 @@ def test_small_mmdit_trains_in_the_flow_grpo_loop() -> None:
     trained = state.variables.policy
     assert not np.array_equal(np.asarray(trained.final_proj.weight), 0.0)
     assert sum(changed) > len(changed) // 2
+
+
+SD35_LIKE = dict(depth=5, qk_norm="rms_norm", dual_attention_layers=(0, 1, 2))
+
+
+def test_stacked_groups_follow_the_block_structure() -> None:
+    assert MMDiT.sd35_medium_config()["dual_attention_layers"] == tuple(range(13))
+    sd35 = eqx.filter_eval_shape(MMDiT, **MMDiT.sd35_medium_config(), key=KEY)
+    assert sd35.block_groups == ((0, 13), (13, 23), (23, 24))
+    assert [group.image.modulation.weight.shape[0] for group in sd35.blocks] == [13, 10, 1]
+    assert sd35.blocks[0].attn2 is not None and sd35.blocks[1].attn2 is None
+    assert sd35.blocks[2].context.attn.out is None
+    sd3 = eqx.filter_eval_shape(MMDiT, **MMDiT.sd3_medium_config(), key=KEY)
+    assert sd3.block_groups == ((0, 23), (23, 24))
+    # The same parameters either way.
+    count = lambda m: sum(leaf.size for leaf in jax.tree.leaves(m))  # noqa: E731
+    unstacked = eqx.filter_eval_shape(
+        MMDiT, **{**MMDiT.sd3_medium_config(), "stacked": False}, key=KEY
+    )
+    assert count(sd3) == count(unstacked)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(remat="dots"),
+        dict(remat="nothing", attention="chunked", attention_chunk=7),
+    ],
+)
+def test_stacked_remat_and_chunked_attention_compute_the_same_velocity_and_gradient(
+    settings: dict[str, Any],
+) -> None:
+    stacked = _perturb(_model(**SD35_LIKE), seed=11)
+    assert stacked.stacked and len(stacked.blocks) == 3
+    plain = stacked.with_settings(stacked=False)
+    assert not plain.stacked and len(plain.blocks) == 5
+    assert plain.with_settings(stacked=True).blocks[0].image.fc1.weight.shape[0] == 3
+    other = stacked.with_settings(**settings)
+    x, t, cond = _inputs(stacked, 2, 12)
+    want = np.asarray(_vcall(plain, x, t, cond))
+    np.testing.assert_allclose(np.asarray(_vcall(other, x, t, cond)), want, rtol=0, atol=1e-6)
+
+    @eqx.filter_jit
+    def grads(model: Any) -> Any:
+        def value(params: Any) -> jax.Array:
+            v = jax.vmap(eqx.combine(params, static))(x, t, cond)
+            return jnp.sum(jnp.sin(v))
+
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        return jax.grad(value)(params)
+
+    want_grads = grads(plain).with_settings(stacked=True)
+    for got, expected in zip(
+        jax.tree.leaves(grads(other)), jax.tree.leaves(want_grads), strict=True
+    ):
+        scale = float(np.max(np.abs(np.asarray(expected)))) + 1e-30
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5 * scale)
+
+
+def test_scan_keeps_the_program_size_flat_in_depth() -> None:
+    def program_size(depth: int) -> int:
+        model = eqx.filter_eval_shape(MMDiT, **{**SIZES, "depth": depth}, key=KEY)
+        abstract = lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct)  # noqa: E731
+        params, static = eqx.partition(model, abstract, is_leaf=abstract)
+        x = jax.ShapeDtypeStruct((8, 8, 4), jnp.float32)
+        cond = {
+            "context": jax.ShapeDtypeStruct((3, 12), jnp.float32),
+            "pooled": jax.ShapeDtypeStruct((10,), jnp.float32),
+        }
+        t = jax.ShapeDtypeStruct((), jnp.float32)
+        call = jax.jit(lambda p, *args: eqx.combine(p, static)(*args))
+        return len(call.lower(params, x, t, cond).as_text())
+
+    # Only the shapes' layer counts differ (3 vs 12 in the stacked arrays' types).
+    small, large = program_size(3), program_size(12)
+    assert abs(large - small) < 0.01 * small, (small, large)
+
+
+@pytest.mark.parametrize(
+    ("settings", "name"),
+    [
+        (dict(stacked=1), "stacked"),
+        (dict(remat="everything"), "remat"),
+        (dict(attention="flash"), "attention"),
+        (dict(attention_chunk=0), "attention_chunk"),
+    ],
+)
+def test_bad_settings_are_named(settings: dict[str, Any], name: str) -> None:
+    # The runtime type checker (when on) names the parameter first, as 'name'.
+    pattern = f"`{name}`|'{name}'"
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match=pattern):
+        MMDiT(**{**SIZES, "depth": 1, **settings}, key=KEY)
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match=pattern):
+        _model(depth=1).with_settings(**settings)

@@ -184,7 +184,7 @@ def _count(model: MMDiT) -> int:
 
 def test_sd35_medium_from_its_config_alone() -> None:
     record = json.loads((DATA / "sd35_medium_keys.json").read_text())
-    config = MMDiT.sd35_medium_config()
+    config = {**MMDiT.sd35_medium_config(), "stacked": False}
     model = eqx.filter_eval_shape(lambda key: MMDiT(**config, key=key), jax.random.key(0))
     grid_table = 64 * 64 * 1536
     assert record["parameters"] == 2_243_171_520
@@ -204,6 +204,27 @@ def test_sd35_medium_from_its_config_alone() -> None:
         lambda key: MMDiT(**MMDiT.sd3_medium_config(), key=key), jax.random.key(0)
     )
     assert _count(sd3) - grid_table == record["sd3_medium_parameters"] == 2_028_328_000
+    # Stacked (the default) holds the same arrays in three groups.
+    stacked = eqx.filter_eval_shape(
+        lambda key: MMDiT(**MMDiT.sd35_medium_config(), key=key), jax.random.key(0)
+    )
+    assert stacked.stacked and _count(stacked) == _count(model)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_stacked_and_unstacked_loads_compute_the_same(name: str, tmp_path: pathlib.Path) -> None:
+    stacked = _model(name)
+    plain = MMDiT.from_diffusers(DATA / name, context_length=5, stacked=False)
+    assert stacked.stacked and not plain.stacked and len(plain.blocks) == plain.depth
+    io = _io(name)
+    np.testing.assert_allclose(_velocity(stacked, io), _velocity(plain, io), rtol=0, atol=1e-6)
+    # Both write the same file.
+    stacked.save_diffusers(tmp_path / "stacked")
+    plain.save_diffusers(tmp_path / "plain")
+    one, other = load_file(tmp_path / "stacked" / WEIGHTS), load_file(tmp_path / "plain" / WEIGHTS)
+    assert one.keys() == other.keys()
+    for key in one:
+        np.testing.assert_array_equal(one[key], other[key], err_msg=key)
 
 
 def test_lora_adapters_export(tmp_path: pathlib.Path) -> None:
@@ -270,3 +291,26 @@ def test_without_a_position_table_size(tmp_path: pathlib.Path) -> None:
     # Positions step by `base / side` = 2 / 4 along each axis.
     table = model.position_table()
     np.testing.assert_allclose(table[1, :2], [np.sin(0.5), np.sin(0.5 / 10_000**0.25)], rtol=1e-6)
+
+
+def test_lora_export_of_stacked_blocks_is_one_adapter_per_block(tmp_path: pathlib.Path) -> None:
+    sizes = dict(image_size=4, channels=4, depth=4, width=16, heads=2, context_length=3)
+    sizes.update(context_dim=8, pooled_dim=8, dual_attention_layers=(0, 1))
+    stacked = MMDiT(**sizes, key=jax.random.key(0))
+    assert [jax.tree.leaves(group)[0].shape[0] for group in stacked.blocks] == [2, 1, 1]
+    policy = lora.add(stacked, 2, key=jax.random.key(1), where=lambda m: m.blocks[0].image.attn.q)
+    assert policy.adapters[0].a.shape == (2, 2, 16) and policy.adapters[0].b.shape == (2, 16, 2)
+    rng = np.random.default_rng(2)
+    b = jnp.asarray(rng.standard_normal((2, 16, 2)), jnp.float32)
+    policy = eqx.tree_at(lambda p: p.adapters[0].b, policy, b)
+    save_diffusers_lora(tmp_path, policy)
+    saved = load_file(tmp_path / "pytorch_lora_weights.safetensors")
+    assert sorted(saved) == [
+        f"transformer.transformer_blocks.{i}.attn.to_q.lora_{m}.weight"
+        for i in (0, 1)
+        for m in ("A", "B")
+    ]
+    for i in (0, 1):
+        block = f"transformer.transformer_blocks.{i}.attn.to_q"
+        np.testing.assert_array_equal(saved[f"{block}.lora_A.weight"], policy.adapters[0].a[i])
+        np.testing.assert_array_equal(saved[f"{block}.lora_B.weight"], np.asarray(b[i]))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
+from flowgrpo_eqx._misc import own_copy
 from flowgrpo_eqx.models import MLPVelocity
 from flowgrpo_eqx.train import (
     Checkpointer,
@@ -505,3 +506,45 @@ def test_check_finite_names_the_parameters():
     with pytest.raises(fg.train.TrainingDiverged, match="epoch 3: loss is not finite"):
         check_finite(3, {"loss": float("nan"), "grad_norm": 1.0}, {"w": jnp.ones(2)})
     check_finite(3, {"loss": 0.5, "grad_norm": 1.0}, {"w": jnp.ones(2), "n": jnp.arange(2)})
+
+
+def test_microbatches_accumulate_to_the_whole_batch_update():
+    objective, rollout, trainer = make_setup(beta=0.1)
+    state = trainer.init(jax.random.key(0))
+    batch, _ = rollout.collect(state.variables.policy, ROWS, jax.random.key(1))
+    # Perturb the recorded densities so that ratios move and some clip.
+    noise = np.random.default_rng(0).normal(size=batch.old_log_probs.shape).astype(np.float32)
+    batch = eqx.tree_at(lambda b: b.old_log_probs, batch, batch.old_log_probs + 0.3 * noise)
+
+    def floats(tree):
+        return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))]
+
+    start = floats(state)
+    results = {}
+    for parts in (1, 2, 4):
+        accumulating = Trainer(objective, default_optimizer(1e-2, 0.0), microbatches=parts)
+        new_state, metrics = accumulating.update(own_copy(state), batch)
+        aux = accumulating.run_update(new_state, batch)
+        results[parts] = (floats(new_state), metrics, floats(aux))
+    assert any(not np.array_equal(a, b) for a, b in zip(results[1][0], start, strict=True))
+    assert 0 < results[1][1]["clipfrac"] < 1
+    for parts in (2, 4):
+        for got, want in zip(results[parts][0], results[1][0], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert results[parts][1].keys() == results[1][1].keys()
+        for name, value in results[1][1].items():
+            np.testing.assert_allclose(results[parts][1][name], value, rtol=1e-5, err_msg=name)
+        for got, want in zip(results[parts][2], results[1][2], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="`microbatches`"):
+        Trainer(objective, microbatches=3).update(own_copy(state), batch)
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="microbatches"):
+        Trainer(objective, microbatches=0)
+    guarded = fg.FlowGRPOObjective(
+        objective.initial_policy(),
+        fg.RectifiedFlow(),
+        fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+        beta=0.0, clip_range=0.2, guidance=None, steps=4, guard=fg.GRPOGuard(),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="`microbatches`.*GRPO-Guard"):
+        Trainer(guarded, microbatches=2)

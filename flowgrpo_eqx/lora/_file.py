@@ -132,7 +132,7 @@ def load_adapters(path: str | os.PathLike[str], base_model: _Model) -> LoraModel
         for layer in header["layers"]:
             linear = linears.get(layer["path"])
             a_shape, b_shape = tuple(layer["a_shape"]), tuple(layer["b_shape"])
-            if linear is None or (b_shape[0], a_shape[1]) != linear.weight.shape:
+            if linear is None or (*b_shape[:-1], a_shape[-1]) != linear.weight.shape:
                 raise ValueError(
                     f"{os.fspath(path)!r} holds an adapter for {layer['path']}, which is not an "
                     "`eqx.nn.Linear` of that shape in `base_model`."

@@ -18,14 +18,17 @@ _Model = TypeVar("_Model", bound=Callable[..., Any])
 class LoraAdapter(eqx.Module):
     """The low-rank update `b @ a` of one `eqx.nn.Linear` weight `[out, in]`.
 
+    A layer of stacked blocks (weight `[layers, out, in]`) has one update per layer, with the
+    same leading axes: `a` `[layers, rank, in]`, `b` `[layers, out, rank]`.
+
     **Arguments:**
 
     - `a`: `[rank, in]`.
     - `b`: `[out, rank]`.
     """
 
-    a: Float[Array, "rank in"]
-    b: Float[Array, "out rank"]
+    a: Float[Array, "*layers rank in"]
+    b: Float[Array, "*layers out rank"]
 
 
 @final

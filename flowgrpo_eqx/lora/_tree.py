@@ -80,7 +80,9 @@ def add(
     `N(0, 1 / rank^2)` (PEFT's `init_lora_weights="gaussian"`, as the Flow-GRPO release
     uses) and `b: [out, rank]` of zeros, in the dtype of `W`. Since `b = 0`, the returned
     model computes exactly what `model` computes until `b` is trained. Layers built with
-    `"scalar"` features (`W: [out, 1]` or `[1, in]`) work as any other.
+    `"scalar"` features (`W: [out, 1]` or `[1, in]`) work as any other. A layer of stacked
+    blocks (`W: [layers, out, in]`, as `MMDiT(stacked=True)` holds them) gets one adapter
+    per layer: `a: [layers, rank, in]`, `b: [layers, out, rank]`.
 
     **Arguments:**
 
@@ -111,22 +113,22 @@ def add(
         raise ValueError("`model` already has adapters; add them to `lora.base(model)` instead.")
     paths = _selected_paths(model, where)
     linears = linears_by_path(model)
-    shapes: list[tuple[int, int]] = []
+    shapes: list[tuple[int, ...]] = []
     dtypes: list[Any] = []
     for path in paths:
         weight = linears[path].weight
-        if jnp.ndim(weight) != 2 or not jnp.issubdtype(weight.dtype, jnp.floating):
+        if jnp.ndim(weight) < 2 or not jnp.issubdtype(weight.dtype, jnp.floating):
             raise ValueError(
                 f"`where` selects the layer at {path}, whose weight is not a floating-point "
                 f"matrix (shape {jnp.shape(weight)}, dtype {weight.dtype})."
             )
-        shapes.append((rank, weight.shape[1]))
+        shapes.append((*weight.shape[:-2], rank, weight.shape[-1]))
         dtypes.append(weight.dtype)
     draws = chunked_random_arrays(
         key, [(shape, 1.0 / rank) for shape in shapes], jax.random.normal, dtypes
     )
     adapters = tuple(
-        LoraAdapter(a=draw, b=zeros((linears[path].weight.shape[0], rank), dtype))
+        LoraAdapter(a=draw, b=zeros((*linears[path].weight.shape[:-1], rank), dtype))
         for path, draw, dtype in zip(paths, draws, dtypes, strict=True)
     )
     return LoraModel(

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -300,12 +301,26 @@ def _config(model: MMDiT) -> dict[str, Any]:
 
 
 def _abstract(kwargs: dict[str, Any]) -> MMDiT:
-    model: MMDiT = eqx.filter_eval_shape(lambda key: MMDiT(**kwargs, key=key), jax.random.key(0))
+    """The model of `kwargs`, shape-evaluated, with one module per block (as diffusers)."""
+    model: MMDiT = eqx.filter_eval_shape(
+        lambda key: MMDiT(**kwargs, stacked=False, key=key), jax.random.key(0)
+    )
     return model
 
 
+def _on_host(model: MMDiT) -> MMDiT:
+    """`model` with its arrays as NumPy arrays, one module per block (views of the stacks)."""
+    host: MMDiT = jax.tree.map(lambda leaf: np.asarray(leaf) if eqx.is_array(leaf) else leaf, model)
+    return host.with_settings(stacked=False)
+
+
 def load_sd3(
-    path: str | os.PathLike[str], *, image_size: int | None, context_length: int, dtype: Any
+    path: str | os.PathLike[str],
+    *,
+    image_size: int | None,
+    context_length: int,
+    dtype: Any,
+    stacked: bool = True,
 ) -> MMDiT:
     """`MMDiT.from_diffusers`: see there."""
     folder = pathlib.Path(path)
@@ -340,11 +355,12 @@ def load_sd3(
                 f"`path` ({folder}): key {entry.key} has shape {tuple(array.shape)}, "
                 f"the config gives {entry.shape}."
             )
-        values.append(jnp.asarray(entry.to_ours(array), dtype=dtype))
+        # On the host until the blocks are stacked: the device sees each array once.
+        values.append(np.asarray(entry.to_ours(array)).astype(np.dtype(dtype)))
     if model.pos_embed_max_size is None:
         # No buffer in the checkpoint (diffusers keeps it out): computed as diffusers does.
         entries = entries + [_Entry("", lambda m: m.pos_embed, ())]
-        values.append(jnp.asarray(model.position_table(), dtype=dtype))
+        values.append(model.position_table().astype(np.dtype(dtype)))
     filled: MMDiT = eqx.tree_at(lambda m: [entry.where(m) for entry in entries], model, values)
     unfilled = [
         jax.tree_util.keystr(p)
@@ -353,7 +369,12 @@ def load_sd3(
     ]
     if unfilled:
         raise ValueError(f"`path` ({folder}) left these MMDiT leaves unfilled: {unfilled}.")
-    return filled
+    if stacked:
+        filled = filled.with_settings(stacked=True)
+    placed: MMDiT = jax.tree.map(
+        lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, filled
+    )
+    return placed
 
 
 def _leaf_paths(model: MMDiT) -> dict[int, str]:
@@ -377,6 +398,7 @@ def _check_exportable(model: MMDiT) -> None:
 def save_sd3(model: MMDiT, path: str | os.PathLike[str], *, dtype: Any) -> None:
     """`MMDiT.save_diffusers`: see there."""
     _check_exportable(model)
+    model = _on_host(model)
     folder = pathlib.Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -421,20 +443,19 @@ def save_diffusers_lora(path: str | os.PathLike[str], model: "LoraModel[MMDiT]")
 
     if not isinstance(model, lora.LoraModel):
         raise ValueError(f"`model` must be a LoraModel, got {type(model).__name__}.")
-    base = model.base
-    _check_exportable(base)
+    _check_exportable(model.base)
+    base, layers = _unstacked_adapters(model)
     names = {}
     linears = _linear_paths(base)
     for module in _modules(base):
         names[linears[id(module.where(base))]] = module
     scale = model.alpha / model.rank
     tensors: dict[str, _NpArray] = {}
-    for layer_path, adapter in zip(model.layer_paths, model.adapters, strict=True):
+    for layer_path, a, b in layers:
         if layer_path not in names:
             raise ValueError(f"`model` adapts {layer_path}, which has no diffusers counterpart.")
         module = names[layer_path]
-        a = np.asarray(adapter.a)
-        b = (np.asarray(adapter.b, np.float32) * scale).astype(np.asarray(adapter.b).dtype)
+        b = (b.astype(np.float32) * scale).astype(b.dtype)
         if module.conv:
             patch, channels = base.patch, base.channels
             a = a.reshape(a.shape[0], patch, patch, channels).transpose(0, 3, 1, 2)
@@ -454,3 +475,26 @@ def _linear_paths(model: MMDiT) -> dict[int, str]:
 
     nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_linear)[0]
     return {id(node): jax.tree_util.keystr(path) for path, node in nodes if is_linear(node)}
+
+
+def _unstacked_adapters(
+    model: "LoraModel[MMDiT]",
+) -> tuple[MMDiT, list[tuple[str, _NpArray, _NpArray]]]:
+    """The base with one module per block (on the host) and each block's `(path, a, b)`.
+
+    An adapter of a stacked group's layer (`.blocks[g]...`, `a` `[n, rank, in]`) becomes
+    one per block of the group (`.blocks[start + j]...`, `a[j]`).
+    """
+    base = model.base
+    layers: list[tuple[str, _NpArray, _NpArray]] = []
+    for layer_path, adapter in zip(model.layer_paths, model.adapters, strict=True):
+        a, b = np.asarray(adapter.a), np.asarray(adapter.b)
+        found = re.fullmatch(r"\.blocks\[(\d+)\](.*)", layer_path)
+        if not base.stacked or found is None:
+            layers.append((layer_path, a, b))
+            continue
+        start, stop = base.block_groups[int(found.group(1))]
+        layers += [
+            (f".blocks[{start + j}]{found.group(2)}", a[j], b[j]) for j in range(stop - start)
+        ]
+    return _on_host(base), layers

@@ -1,7 +1,8 @@
 """A small diffusion transformer (DiT) velocity network for images and token prompts."""
 
+import dataclasses
 import math
-from typing import final
+from typing import Literal, final
 
 import equinox as eqx
 import jax
@@ -175,6 +176,12 @@ class DiT(eqx.Module):
 
     Computes in the dtype of its parameters and returns the dtype of `x`.
 
+    **Memory.** `stacked=True` holds the blocks as one module whose arrays have a leading
+    layer axis and iterates with `jax.lax.scan`, so the compiled program does not grow with
+    `depth`; `remat` rematerialises each block for the backward pass (see `MMDiT`). Neither
+    changes the function. The defaults (one module per block, no remat) keep the demo's
+    programs, and so its results, exactly as they were.
+
     **Arguments:**
 
     - `image_size`: the height and width of the (square) image.
@@ -185,12 +192,16 @@ class DiT(eqx.Module):
     - `heads`: the number of attention heads; divides `width`.
     - `vocab_size`: the number of prompt token ids.
     - `prompt_length`: the number of prompt tokens.
+    - `stacked`: whether the blocks are held stacked and scanned over (`blocks` is then one
+        stacked block), or one module per block.
+    - `remat`: `"nothing"`, `"dots"` or `None`: what each block keeps for the backward pass.
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
 
     - `ValueError`: naming the argument, when a size is not a positive int, or `patch` does
-        not divide `image_size`, or `heads` does not divide `width`.
+        not divide `image_size`, or `heads` does not divide `width`, or `stacked` or
+        `remat` is not one of its values.
     """
 
     patch_embed: eqx.nn.Linear
@@ -210,6 +221,8 @@ class DiT(eqx.Module):
     heads: int = eqx.field(static=True)
     vocab_size: int = eqx.field(static=True)
     prompt_length: int = eqx.field(static=True)
+    stacked: bool = eqx.field(static=True)
+    remat: Literal["nothing", "dots"] | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -221,9 +234,15 @@ class DiT(eqx.Module):
         heads: int = 4,
         vocab_size: int = 8,
         prompt_length: int = 4,
+        stacked: bool = False,
+        remat: Literal["nothing", "dots"] | None = None,
         *,
         key: PRNGKeyArray,
     ) -> None:
+        if not isinstance(stacked, bool):
+            raise ValueError(f"`stacked` must be a bool, got {stacked!r}.")
+        if remat not in ("nothing", "dots", None):
+            raise ValueError(f"`remat` must be one of ('nothing', 'dots', None), got {remat!r}.")
         for name, value in (
             ("image_size", image_size),
             ("channels", channels),
@@ -247,6 +266,8 @@ class DiT(eqx.Module):
         self.heads = heads
         self.vocab_size = vocab_size
         self.prompt_length = prompt_length
+        self.stacked = stacked
+        self.remat = remat
 
         # (Eager `jax.random` calls compile once per shape; `_init_linears` and
         # `_uniform_arrays` draw fixed-size chunks instead, so construction is quick.)
@@ -276,9 +297,71 @@ class DiT(eqx.Module):
         self.token_embed, self.prompt_pos_embed = _uniform_arrays(
             k_emb, [((vocab_size, width), math.sqrt(3)), ((prompt_length, width), math.sqrt(3))]
         )
-        self.blocks = tuple(_DiTBlock(width, heads, key=k) for k in k_blocks)
+        blocks = tuple(_DiTBlock(width, heads, key=k) for k in k_blocks)
+        self.blocks = (jax.tree.map(lambda *a: jnp.stack(a), *blocks),) if stacked else blocks
         self.final_modulation = _zero_linear(width, 2 * width, key=key)
         self.final_proj = _zero_linear(width, patch_dim, key=key)
+
+    def with_settings(
+        self,
+        *,
+        stacked: bool | None = None,
+        remat: Literal["nothing", "dots", "keep"] | None = "keep",
+    ) -> "DiT":
+        """The same model (the same function of the same weights) with other settings.
+
+        **Arguments:**
+
+        - `stacked`: the block layout; `None` keeps it.
+        - `remat`: the rematerialisation policy; `"keep"` keeps it.
+
+        **Returns:**
+
+        A new `DiT`; restacking copies the blocks' arrays.
+
+        **Raises:**
+
+        - `ValueError`: naming `stacked` or `remat` when it is not one of its values.
+        """
+        stacked = self.stacked if stacked is None else stacked
+        remat = self.remat if remat == "keep" else remat
+        if not isinstance(stacked, bool):
+            raise ValueError(f"`stacked` must be a bool, got {stacked!r}.")
+        if remat not in ("nothing", "dots", None):
+            raise ValueError(f"`remat` must be one of ('nothing', 'dots', None), got {remat!r}.")
+        blocks = self.blocks
+        if stacked and not self.stacked:
+            blocks = (jax.tree.map(lambda *a: jnp.stack(a), *blocks),)
+        elif self.stacked and not stacked:
+            blocks = tuple(jax.tree.map(lambda a, i=i: a[i], blocks[0]) for i in range(self.depth))
+        new = object.__new__(DiT)
+        for field in dataclasses.fields(self):
+            object.__setattr__(new, field.name, getattr(self, field.name))
+        for name, value in (("blocks", blocks), ("stacked", stacked), ("remat", remat)):
+            object.__setattr__(new, name, value)
+        return new
+
+    def _blocks(self, h: Float[Array, "S D"], c: Float[Array, " D"]) -> Float[Array, "S D"]:
+        """Every block in turn (scanned when stacked, rematerialised per `remat`)."""
+        from .._distributed import gather_weights
+        from ._mmdit import remat_policy
+
+        def run(block: _DiTBlock, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
+            out: Float[Array, "S D"] = gather_weights(block)(h, c)
+            return out
+
+        if self.remat is not None:
+            run = jax.checkpoint(run, policy=remat_policy(self.remat))
+        if not self.stacked:
+            for block in self.blocks:
+                h = run(block, h)
+            return h
+
+        def body(carry: Float[Array, "S D"], block: _DiTBlock) -> tuple[Float[Array, "S D"], None]:
+            return run(block, carry), None
+
+        h, _ = jax.lax.scan(body, h, self.blocks[0])
+        return h
 
     def _patchify(self, x: Float[Array, "H W C"]) -> Float[Array, "N P"]:
         return patchify(x, self.patch)
@@ -327,8 +410,7 @@ class DiT(eqx.Module):
         # Sequence: in-context prompt tokens, then image patch tokens.
         image_tokens = _dense(self.patch_embed, self._patchify(x.astype(dtype)))
         h = jnp.concatenate([prompt, image_tokens + self.pos_embed])
-        for block in self.blocks:
-            h = block(h, c)
+        h = self._blocks(h, c)
         h = h[self.prompt_length :]
 
         shift, scale = jnp.split(self.final_modulation(jax.nn.silu(c)), 2)

@@ -1,9 +1,10 @@
 """The multimodal diffusion transformer (MMDiT) of Stable Diffusion 3 and 3.5."""
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, Literal, TypedDict, final
+from typing import Any, Literal, TypeAlias, TypedDict, final, get_args
 
 import equinox as eqx
 import jax
@@ -19,6 +20,40 @@ from ._mlp import _init_linears, _uniform_arrays, _zero_linear
 
 _TIME_FEATURES = 256
 _RMS_EPS = 1e-6
+
+Remat: TypeAlias = Literal["nothing", "dots"] | None
+"""Rematerialisation per block: `"nothing"` saves no activation inside a block for the
+backward pass (recomputes the block), `"dots"` saves the matmuls with weights (recomputes the
+rest, attention scores included), `None` saves whatever XLA keeps (no rematerialisation)."""
+
+Attention: TypeAlias = Literal["xla", "cudnn", "chunked"]
+"""How attention is computed: `"xla"`, `jax.nn.dot_product_attention`'s plain form (the
+scores materialised); `"cudnn"`, its cuDNN fused kernel (GPU only, float16/bfloat16); or
+`"chunked"`, a memory-efficient form in JAX that materialises the scores of
+`attention_chunk` queries at a time (forward and backward)."""
+
+REMATS: tuple[Remat, ...] = ("nothing", "dots", None)
+ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
+
+
+def check_settings(remat: Any, attention: Any, attention_chunk: Any) -> None:
+    """Raise a `ValueError` naming `remat`, `attention` or `attention_chunk` if invalid."""
+    if remat not in REMATS:
+        raise ValueError(f"`remat` must be one of {REMATS}, got {remat!r}.")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"`attention` must be one of {ATTENTIONS}, got {attention!r}.")
+    check_int("attention_chunk", attention_chunk, 1)
+
+
+def remat_policy(remat: Remat) -> Any:
+    """The `jax.checkpoint` policy of a `Remat` setting (`None` for no checkpoint)."""
+    if remat == "nothing":
+        return jax.checkpoint_policies.nothing_saveable
+    if remat == "dots":
+        # Under the library's vmap over rows a weight matmul has no batch dimension, and
+        # the attention's query-key products have one: this keeps the former only.
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return None
 
 
 class MMDiTCondition(TypedDict):
@@ -140,12 +175,50 @@ class _Attention(eqx.Module):
         return jnp.stack([q, k, v])
 
 
-def _attend(qkv: Float[Array, "3 S heads head_dim"]) -> Float[Array, "S D"]:
+def _attend(
+    qkv: Float[Array, "3 S heads head_dim"], attention: Attention = "xla", chunk: int = 512
+) -> Float[Array, "S D"]:
+    """Multi-head attention of the queries, keys and values, heads merged back, `[S, D]`.
+
+    `attention` chooses the implementation (`Attention`); all compute the same function.
+    """
+    q, k, v = qkv[0], qkv[1], qkv[2]
     # jax's attention mixes a half-precision query with its float32 logits internally, which
     # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
     with jax.numpy_dtype_promotion("standard"):
-        attended = jax.nn.dot_product_attention(qkv[0], qkv[1], qkv[2])
+        if attention == "chunked" and q.shape[0] > chunk:
+            attended = _chunked_attention(q, k, v, chunk)
+        else:
+            implementation: Literal["xla", "cudnn"] = "cudnn" if attention == "cudnn" else "xla"
+            attended = jax.nn.dot_product_attention(q, k, v, implementation=implementation)
     return attended.reshape(attended.shape[0], -1)
+
+
+def _chunked_attention(
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "S heads head_dim"],
+    v: Float[Array, "S heads head_dim"],
+    chunk: int,
+) -> Float[Array, "S heads head_dim"]:
+    """Attention over all keys for `chunk` queries at a time, each chunk rematerialised.
+
+    Each query's softmax is over every key, as in the plain form, so the result is the
+    same function; only `[heads, chunk, S]` scores exist at once, in the forward pass and
+    (each chunk recomputed) in the backward pass. The queries are zero-padded to a multiple
+    of `chunk` and the padding's outputs dropped.
+    """
+    seq = q.shape[0]
+    pieces = -(-seq // chunk)
+    padded = jnp.pad(q, ((0, pieces * chunk - seq), (0, 0), (0, 0)))
+
+    @jax.checkpoint
+    def one(queries: Float[Array, "chunk heads head_dim"]) -> Float[Array, "chunk heads hd"]:
+        out: Float[Array, "chunk heads hd"] = jax.nn.dot_product_attention(queries, k, v)
+        return out
+
+    out = jax.lax.map(one, padded.reshape(pieces, chunk, *q.shape[1:]))
+    attended: Float[Array, "S heads head_dim"] = out.reshape(pieces * chunk, *q.shape[1:])
+    return attended[:seq]
 
 
 @final
@@ -271,6 +344,8 @@ class _MMDiTBlock(eqx.Module):
         context: Float[Array, "L D"],
         image: Float[Array, "N D"],
         c: Float[Array, " D"],
+        attention: Attention = "xla",
+        attention_chunk: int = 512,
     ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
         """Apply the block to both token streams, modulated by the vector `c`.
 
@@ -279,6 +354,8 @@ class _MMDiTBlock(eqx.Module):
         - `context`: the text tokens, `[L, D]`.
         - `image`: the image tokens, `[N, D]`.
         - `c`: the conditioning vector (time and pooled text), `[D]`.
+        - `attention`: the attention implementation (`Attention`).
+        - `attention_chunk`: the query chunk of `"chunked"` attention.
 
         **Returns:**
 
@@ -297,18 +374,69 @@ class _MMDiTBlock(eqx.Module):
             ],
             axis=1,
         )
-        attended = _attend(qkv)
+        attended = _attend(qkv, attention, attention_chunk)
         length = image.shape[0]
         new_image = self.image.residual(image, attended[:length], mod_image)
         if self.attn2 is not None and self.attn2.out is not None:
             image_in2 = _modulate(_layer_norm(image), mod_image[6], mod_image[7])
-            second = _dense(self.attn2.out, _attend(self.attn2.qkv(image_in2)))
+            second = _dense(
+                self.attn2.out,
+                _attend(self.attn2.qkv(image_in2), attention, attention_chunk),
+            )
             new_image = new_image + mod_image[8][None, :] * second
         new_image = self.image.feed_forward(new_image, mod_image)
         new_context = self.context.feed_forward(
             self.context.residual(context, attended[length:], mod_context), mod_context
         )
         return new_context, new_image
+
+
+def block_groups(depth: int, dual: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The `[start, stop)` runs of consecutive blocks of one structure.
+
+    A block's structure is whether it has SD3.5's second attention and whether it is the
+    last (pre-only text stream): SD3.5-Medium's 24 blocks make three groups (13 dual, 10
+    plain, the last alone), SD3-Medium's two (23 plain, the last).
+    """
+    kinds = [(i in dual, i == depth - 1) for i in range(depth)]
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, depth + 1):
+        if i == depth or kinds[i] != kinds[start]:
+            groups.append((start, i))
+            start = i
+    return tuple(groups)
+
+
+def _stack_leaves(*leaves: Any) -> Any:
+    if all(isinstance(leaf, np.ndarray) for leaf in leaves):
+        return np.stack(leaves)
+    if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+        shape = (len(leaves), *leaves[0].shape)
+        return jax.ShapeDtypeStruct(shape, leaves[0].dtype)  # type: ignore[no-untyped-call]
+    return jnp.stack(leaves)
+
+
+def _index_leaf(leaf: Any, index: int) -> Any:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)  # type: ignore[no-untyped-call]
+    return leaf[index]
+
+
+def stack_blocks(blocks: Sequence[_MMDiTBlock]) -> _MMDiTBlock:
+    """Blocks of one structure as one block whose every array has a leading layer axis.
+
+    NumPy leaves stay NumPy (so a checkpoint can be stacked on the host), abstract ones
+    (`jax.ShapeDtypeStruct`) stay abstract.
+    """
+    stacked: _MMDiTBlock = jax.tree.map(_stack_leaves, *blocks)
+    return stacked
+
+
+def unstack_block(group: _MMDiTBlock) -> list[_MMDiTBlock]:
+    """The blocks of a stacked group, in order (the inverse of `stack_blocks`)."""
+    size = jax.tree.leaves(group)[0].shape[0]
+    return [jax.tree.map(lambda leaf, i=i: _index_leaf(leaf, i), group) for i in range(size)]
 
 
 @final
@@ -349,6 +477,18 @@ class MMDiT(eqx.Module):
     and pooled = the mean over tokens of a second token table. This stands in for a text
     encoder in small tests and demos (such a model has no diffusers counterpart).
 
+    **Memory.** The blocks are held stacked by default (`stacked=True`): each run of
+    consecutive blocks of one structure (`block_groups`: SD3.5's dual-attention blocks, the
+    plain ones, the last one) is one `_MMDiTBlock` whose arrays have a leading layer axis,
+    and the call iterates over it with `jax.lax.scan`, so the compiled program and its compile
+    time do not grow with depth. `remat` rematerialises each block in the backward pass, so
+    only one block's activations are live at a time; `attention="chunked"` (or `"cudnn"` on
+    GPU) avoids materialising every attention score. None of these settings changes what
+    the model computes; `with_settings` changes them on a built model. Inside a step on a
+    data mesh (`jax.set_mesh`; `Trainer.update` sets it from the state's shardings), each
+    block's weights are gathered whole as the scan reaches them (`gather_weights`), the FSDP
+    pattern: the rows stay split and only weights travel.
+
     `MMDiT.sd3_medium_config()` gives SD3-Medium (2,034,619,456 parameters with the cropped
     position table), `MMDiT.sd35_medium_config()` SD3.5-Medium. Computes in the dtype of its
     parameters and returns the dtype of `x`.
@@ -377,6 +517,12 @@ class MMDiT(eqx.Module):
     - `sample_size`: the latent size the position table is laid out for (diffusers'
         `sample_size`: a position step is `(sample_size / patch) / table side`); `None`
         means `image_size`.
+    - `stacked`: whether the blocks are held stacked per group and scanned over (see
+        above), or as one module per block (`blocks[i]` is block `i`).
+    - `remat`: `"nothing"`, `"dots"` or `None`: what each block keeps for the backward
+        pass (`Remat`).
+    - `attention`: `"xla"`, `"cudnn"` or `"chunked"` (`Attention`).
+    - `attention_chunk`: the queries per chunk of `"chunked"` attention.
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
@@ -385,7 +531,8 @@ class MMDiT(eqx.Module):
         not divide `image_size` or `sample_size`, or `heads` does not divide `width`, or
         `width` is not a multiple of 4, or `qk_norm` is not `None` or `"rms_norm"`, or a
         dual attention layer is not a block index, or `pos_embed_max_size` is less than
-        `image_size // patch`.
+        `image_size // patch`, or `stacked`, `remat`, `attention` or `attention_chunk` is
+        not one of its values.
     """
 
     patch_embed: eqx.nn.Linear
@@ -396,7 +543,7 @@ class MMDiT(eqx.Module):
     token_embed: Float[Array, "vocab_size context_dim"] | None
     token_pos_embed: Float[Array, "context_length context_dim"] | None
     pooled_token_embed: Float[Array, "vocab_size pooled_dim"] | None
-    blocks: tuple[_MMDiTBlock, ...]
+    blocks: tuple[_MMDiTBlock, ...]  # one per block, or one stacked per group
     final_modulation: eqx.nn.Linear
     final_proj: eqx.nn.Linear
     image_size: int = eqx.field(static=True)
@@ -414,6 +561,10 @@ class MMDiT(eqx.Module):
     dual_attention_layers: tuple[int, ...] = eqx.field(static=True)
     pos_embed_max_size: int | None = eqx.field(static=True)
     sample_size: int = eqx.field(static=True)
+    stacked: bool = eqx.field(static=True)
+    remat: Remat = eqx.field(static=True)
+    attention: Attention = eqx.field(static=True)
+    attention_chunk: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -432,10 +583,17 @@ class MMDiT(eqx.Module):
         dual_attention_layers: Sequence[int] = (),
         pos_embed_max_size: int | None = None,
         sample_size: int | None = None,
+        stacked: bool = True,
+        remat: Remat = None,
+        attention: Attention = "xla",
+        attention_chunk: int = 512,
         *,
         key: PRNGKeyArray,
     ) -> None:
         check_int("depth", depth, 1)
+        if not isinstance(stacked, bool):
+            raise ValueError(f"`stacked` must be a bool, got {stacked!r}.")
+        check_settings(remat, attention, attention_chunk)
         width = 64 * depth if width is None else width
         heads = depth if heads is None else heads
         sample_size = image_size if sample_size is None else sample_size
@@ -487,6 +645,10 @@ class MMDiT(eqx.Module):
         self.dual_attention_layers = tuple(sorted(set(dual)))
         self.pos_embed_max_size = pos_embed_max_size
         self.sample_size = sample_size
+        self.stacked = stacked
+        self.remat = remat
+        self.attention = attention
+        self.attention_chunk = attention_chunk
 
         patch_dim = patch * patch * channels
         k_lin, k_emb, k_final, *k_blocks = (jax.random.fold_in(key, i) for i in range(3 + depth))
@@ -524,7 +686,7 @@ class MMDiT(eqx.Module):
                     ((vocab_size, pooled_dim), unit),
                 ],
             )
-        self.blocks = tuple(
+        blocks = tuple(
             _MMDiTBlock(
                 width,
                 heads,
@@ -536,8 +698,79 @@ class MMDiT(eqx.Module):
             )
             for i, k in enumerate(k_blocks)
         )
+        self.blocks = (
+            tuple(stack_blocks(blocks[a:b]) for a, b in self.block_groups) if stacked else blocks
+        )
         self.final_modulation = _zero_linear(width, 2 * width, key=k_final)
         self.final_proj = _zero_linear(width, patch_dim, key=k_final)
+
+    @property
+    def block_groups(self) -> tuple[tuple[int, int], ...]:
+        """The `[start, stop)` block indices of each group of one structure (see `stacked`)."""
+        return block_groups(self.depth, self.dual_attention_layers)
+
+    def unstacked_blocks(self) -> tuple[_MMDiTBlock, ...]:
+        """Every block as its own module, in order, whatever the layout.
+
+        **Returns:**
+
+        A tuple of `depth` blocks (views of the stacked arrays' slices when `stacked`).
+        """
+        if not self.stacked:
+            return self.blocks
+        return tuple(block for group in self.blocks for block in unstack_block(group))
+
+    def with_settings(
+        self,
+        *,
+        stacked: bool | None = None,
+        remat: Remat | Literal["keep"] = "keep",
+        attention: Attention | None = None,
+        attention_chunk: int | None = None,
+    ) -> "MMDiT":
+        """The same model (the same function of the same weights) with other settings.
+
+        **Arguments:**
+
+        - `stacked`: the block layout; `None` keeps it.
+        - `remat`: the rematerialisation policy; `"keep"` keeps it.
+        - `attention`: the attention implementation; `None` keeps it.
+        - `attention_chunk`: the query chunk of chunked attention; `None` keeps it.
+
+        **Returns:**
+
+        A new `MMDiT`; restacking copies the blocks' arrays.
+
+        **Raises:**
+
+        - `ValueError`: naming the setting, when it is not one of its values.
+        """
+        stacked = self.stacked if stacked is None else stacked
+        if not isinstance(stacked, bool):
+            raise ValueError(f"`stacked` must be a bool, got {stacked!r}.")
+        remat = self.remat if remat == "keep" else remat
+        attention = self.attention if attention is None else attention
+        chunk = self.attention_chunk if attention_chunk is None else attention_chunk
+        check_settings(remat, attention, chunk)
+        blocks = self.blocks
+        if stacked != self.stacked:
+            every = self.unstacked_blocks()
+            blocks = (
+                tuple(stack_blocks(every[a:b]) for a, b in self.block_groups) if stacked else every
+            )
+        new = object.__new__(MMDiT)
+        for field in dataclasses.fields(self):
+            object.__setattr__(new, field.name, getattr(self, field.name))
+        changes = dict(
+            blocks=blocks,
+            stacked=stacked,
+            remat=remat,
+            attention=attention,
+            attention_chunk=chunk,
+        )
+        for name, value in changes.items():
+            object.__setattr__(new, name, value)
+        return new
 
     def position_table(self, full: bool = False) -> npt.NDArray[np.float32]:
         """The fixed position features, as diffusers' `PatchEmbed` computes them.
@@ -627,6 +860,7 @@ class MMDiT(eqx.Module):
         image_size: int | None = None,
         context_length: int = 333,
         dtype: Any = None,
+        stacked: bool = True,
     ) -> "MMDiT":
         """Read a diffusers `SD3Transformer2DModel` folder (SD3 or SD3.5) into an `MMDiT`.
 
@@ -646,6 +880,9 @@ class MMDiT(eqx.Module):
             SD3 pipelines give 77 CLIP + 256 T5 = 333.
         - `dtype`: the parameters' dtype, e.g. `jnp.bfloat16`; `None` keeps the
             checkpoint's (float32 for a float32 checkpoint).
+        - `stacked`: the block layout (see `MMDiT`): stacked per group of one structure
+            (the default) or one module per block. The arrays are stacked on the host, so
+            the device holds each once. Other settings: `with_settings`.
 
         **Returns:**
 
@@ -659,11 +896,18 @@ class MMDiT(eqx.Module):
         """
         from ._diffusers import load_sd3
 
-        return load_sd3(path, image_size=image_size, context_length=context_length, dtype=dtype)
+        return load_sd3(
+            path,
+            image_size=image_size,
+            context_length=context_length,
+            dtype=dtype,
+            stacked=stacked,
+        )
 
     def save_diffusers(self, path: str | os.PathLike[str], *, dtype: Any = None) -> None:
         """Write the model as a diffusers `SD3Transformer2DModel` folder.
 
+        Stacked blocks are written one per block, as diffusers holds them.
         `config.json` and `diffusion_pytorch_model.safetensors`, which
         `SD3Transformer2DModel.from_pretrained(path)` reads (the position buffer written in
         full, with this model's features at its centre). For a LoRA policy, save
@@ -682,6 +926,35 @@ class MMDiT(eqx.Module):
         from ._diffusers import save_sd3
 
         save_sd3(self, path, dtype=dtype)
+
+    def _blocks(
+        self, context: Float[Array, "L D"], image: Float[Array, "N D"], c: Float[Array, " D"]
+    ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+        """Every block in turn: scanned per stacked group, rematerialised per `remat`."""
+        from .._distributed import gather_weights
+
+        def run(
+            block: _MMDiTBlock, context: Float[Array, "L D"], image: Float[Array, "N D"]
+        ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+            # The FSDP pattern: this block's weights whole, the activations left as they lie.
+            return gather_weights(block)(context, image, c, self.attention, self.attention_chunk)
+
+        policy = remat_policy(self.remat)
+        if self.remat is not None:
+            run = jax.checkpoint(run, policy=policy)
+        if not self.stacked:
+            for block in self.blocks:
+                context, image = run(block, context, image)
+            return context, image
+
+        def body(
+            carry: tuple[Float[Array, "L D"], Float[Array, "N D"]], block: _MMDiTBlock
+        ) -> tuple[tuple[Float[Array, "L D"], Float[Array, "N D"]], None]:
+            return run(block, *carry), None
+
+        for group in self.blocks:
+            (context, image), _ = jax.lax.scan(body, (context, image), group)
+        return context, image
 
     def _patchify(self, x: Float[Array, "H W C"]) -> Float[Array, "N P"]:
         return patchify(x, self.patch)
@@ -750,21 +1023,24 @@ class MMDiT(eqx.Module):
             raise ValueError(f"`x` must have shape {want}, got {x.shape}.")
         if t.shape != ():
             raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
-        context_in, pooled = self._text(cond)
-        dtype = self.pos_embed.dtype
+        from .._distributed import gather_weights
+
+        # On a data mesh, the weights outside the blocks whole (the blocks gather their own).
+        outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
+        context_in, pooled = outer._text(cond)
+        dtype = outer.pos_embed.dtype
 
         time_in = _sd3_time_features(t).astype(dtype)
-        c = _dense(self.time_mlp[1], jax.nn.silu(_dense(self.time_mlp[0], time_in[None])))
-        c = c + _dense(self.pooled_mlp[1], jax.nn.silu(_dense(self.pooled_mlp[0], pooled[None])))
+        c = _dense(outer.time_mlp[1], jax.nn.silu(_dense(outer.time_mlp[0], time_in[None])))
+        c = c + _dense(outer.pooled_mlp[1], jax.nn.silu(_dense(outer.pooled_mlp[0], pooled[None])))
         c = c[0]
 
         # The positional features are fixed, as SD3's buffer.
-        pos = jax.lax.stop_gradient(self.pos_embed)
-        image = _dense(self.patch_embed, self._patchify(x.astype(dtype))) + pos
-        context = _dense(self.context_embed, context_in)
-        for block in self.blocks:
-            context, image = block(context, image, c)
+        pos = jax.lax.stop_gradient(outer.pos_embed)
+        image = _dense(outer.patch_embed, outer._patchify(x.astype(dtype))) + pos
+        context = _dense(outer.context_embed, context_in)
+        context, image = self._blocks(context, image, c)
 
-        scale, shift = jnp.split(_dense(self.final_modulation, jax.nn.silu(c)[None])[0], 2)
-        out = _dense(self.final_proj, _modulate(_layer_norm(image), shift, scale))
+        scale, shift = jnp.split(_dense(outer.final_modulation, jax.nn.silu(c)[None])[0], 2)
+        out = _dense(outer.final_proj, _modulate(_layer_norm(image), shift, scale))
         return self._unpatchify(out).astype(x.dtype)

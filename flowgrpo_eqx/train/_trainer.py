@@ -5,6 +5,7 @@ random is derived from keys held in that state, so a run resumed from a checkpoi
 an uninterrupted one exactly.
 """
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, final
 
@@ -16,8 +17,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .. import lora
 from .._custom_types import Mean, Model, Step
+from .._distributed import mesh_of
 from .._flow_base import AbstractFlowObjective, AbstractVariables
-from .._misc import check_int, check_number, own_copy
+from .._misc import check_int, check_number, leading_rows, own_copy
 
 
 @final
@@ -122,16 +124,30 @@ class Trainer(eqx.Module):
     - `ema_decay`: the decay of an exponential moving average of the policy kept in
         `TrainState.ema` (of the adapters alone, for a policy with LoRA adapters), updated
         after every optimizer step; `None` (the default) keeps none.
+    - `microbatches`: how many microbatches of rows one update accumulates gradients over
+        (one optimizer step), so that the rows a device holds are not bounded by activation
+        memory. The loss is a `Mean(total, count)`: the update sums the microbatches'
+        totals, counts and gradients of the totals, and divides once, so it is the whole
+        batch's mean and gradient (equal in exact arithmetic; to float rounding here).
+        Microbatch `m` holds rows `m, m + M, m + 2M, ...`, so with rows split over a data
+        mesh each device keeps its own rows in every microbatch (the rows per device must
+        then be a multiple of `microbatches`). The auxiliary output is combined the same way:
+        `Mean`s summed as totals and counts, per-row arrays put back in row order, other
+        arrays summed. Every microbatch sees the same `Step` (index and key). 1 (the
+        default) evaluates the batch at once.
 
     **Raises:**
 
-    - `ValueError`: for an `ema_decay` outside [0, 1).
+    - `ValueError`: for an `ema_decay` outside [0, 1), or `microbatches` not an int >= 1,
+        or `microbatches > 1` with an objective whose loss is not a sum of per-row parts
+        (GRPO-Guard's `guard`, which normalises the ratio with whole-minibatch statistics).
     """
 
     objective: AbstractFlowObjective[Any]
     optimizer: optax.GradientTransformation = eqx.field(static=True)
     trainable: Callable[[Any], bool] | PyTree[bool] | None = eqx.field(static=True)
     ema_decay: float | None
+    microbatches: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -140,16 +156,25 @@ class Trainer(eqx.Module):
         *,
         trainable: Callable[[Any], bool] | PyTree[bool] | None = None,
         ema_decay: float | None = None,
+        microbatches: int = 1,
     ):
         self.objective = objective
         self.optimizer = default_optimizer() if optimizer is None else optimizer
         self.trainable = trainable
         self.ema_decay = ema_decay
+        self.microbatches = microbatches
 
     def __check_init__(self) -> None:
         check_number(
             "ema_decay", self.ema_decay, minimum=0, maximum=1, include_maximum=False, optional=True
         )
+        check_int("microbatches", self.microbatches, 1)
+        if self.microbatches > 1 and getattr(self.objective, "guard", None) is not None:
+            raise ValueError(
+                f"`microbatches` ({self.microbatches}) must be 1 with GRPO-Guard (`guard`): "
+                "its RatioNorm and step reweighting use whole-minibatch statistics, so its "
+                "loss is not a sum of per-row parts."
+            )
 
     def trainable_filter(self, policy: Model) -> Callable[[Any], bool] | PyTree[bool]:
         """The filter in use for `policy`: `trainable`, or its default when `None`.
@@ -236,7 +261,10 @@ class Trainer(eqx.Module):
         """One optimizer update on `batch`, returning the new state; `state` must not be used
         again.
 
-        Jit-compiled; the old state's buffers are donated to the new one.
+        Jit-compiled; the old state's buffers are donated to the new one. When the state's
+        arrays lie on a mesh (`shard_parameters`), the step is traced under it
+        (`jax.set_mesh`), so that models gather each block's weights where they use them
+        (`gather_weights`) and the rows stay split.
 
         **Arguments:**
 
@@ -248,7 +276,8 @@ class Trainer(eqx.Module):
         The new state and `{name: scalar}` metrics: `loss`, `grad_norm`, and every
         auxiliary `Mean`'s value.
         """
-        new_state, metrics, _ = _update_donating((self, batch), state)
+        with _mesh_context(state):
+            new_state, metrics, _ = _update_donating((self, batch), state)
         return new_state, metrics
 
     def run_update(self, state: TrainState, batch: Any) -> Any:
@@ -268,7 +297,8 @@ class Trainer(eqx.Module):
 
         The `loss`'s auxiliary PyTree.
         """
-        _, _, aux = _update_donating((self, batch), own_copy(state))
+        with _mesh_context(state):
+            _, _, aux = _update_donating((self, batch), own_copy(state))
         return aux
 
     def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array], Any]:
@@ -285,9 +315,12 @@ class Trainer(eqx.Module):
             )
             return total.value, (total, aux)
 
-        (value, (total, aux)), grads = eqx.filter_value_and_grad(objective_value, has_aux=True)(
-            trainable
-        )
+        if self.microbatches == 1:
+            (value, (total, aux)), grads = eqx.filter_value_and_grad(objective_value, has_aux=True)(
+                trainable
+            )
+        else:
+            value, total, aux, grads = self._accumulate(state, trainable, frozen, batch, step_key)
         # optax mixes Python floats with its int32 step count (bias correction, schedules),
         # which strict dtype promotion rejects; only the optimizer's arithmetic is exempt.
         with jax.numpy_dtype_promotion("standard"):
@@ -316,6 +349,87 @@ class Trainer(eqx.Module):
             ema=ema,
         )
         return new_state, metrics, aux
+
+    def _accumulate(
+        self,
+        state: TrainState,
+        trainable: PyTree[Any],
+        frozen: PyTree[Any],
+        batch: Any,
+        step_key: PRNGKeyArray,
+    ) -> tuple[Array, Mean, Any, PyTree[Any]]:
+        """The loss, its `Mean`, the aux and the gradient of the mean, over microbatches."""
+        parts = self.microbatches
+        rows = leading_rows(batch)
+        if rows % parts != 0:
+            raise ValueError(f"`microbatches` ({parts}) must divide the batch's rows ({rows}).")
+        size = rows // parts
+
+        def split(leaf: Any) -> Any:
+            if not eqx.is_array(leaf) or leaf.ndim == 0 or leaf.shape[0] != rows:
+                raise ValueError(
+                    f"With `microbatches` ({parts}), every array of the batch must have the "
+                    f"leading row axis ({rows}); one has shape {jnp.shape(leaf)}."
+                )
+            # Microbatch m holds rows m, m + parts, ...: each device keeps its own rows.
+            return jnp.swapaxes(leaf.reshape(size, parts, *leaf.shape[1:]), 0, 1)
+
+        arrays, static = eqx.partition(batch, eqx.is_array)
+        pieces = jax.tree.map(split, arrays)
+        variables = state.variables
+
+        def total_of(params: PyTree[Any], piece: Any) -> tuple[Array, tuple[Mean, Any]]:
+            policy = eqx.combine(params, frozen)
+            total, aux = self.objective.loss(
+                eqx.tree_at(lambda v: v.policy, variables, policy),
+                eqx.combine(piece, static),
+                Step(index=state.step, key=step_key),
+            )
+            return total.total, (total, aux)
+
+        gradient = eqx.filter_value_and_grad(total_of, has_aux=True)
+
+        def one(
+            summed: tuple[PyTree[Any], Mean], piece: Any
+        ) -> tuple[tuple[PyTree[Any], Mean], Any]:
+            grads, total = summed
+            (_, (piece_total, aux)), piece_grads = gradient(trainable, piece)
+            grads = jax.tree.map(jnp.add, grads, piece_grads)
+            return (grads, total + piece_total), aux
+
+        zero_grads = jax.tree.map(jnp.zeros_like, trainable)
+        first = jax.tree.map(lambda leaf: leaf[0], pieces)
+        (_, (like, _)), _ = eqx.filter_eval_shape(gradient, trainable, first)
+        zero = Mean(jnp.zeros((), like.total.dtype), jnp.zeros((), like.count.dtype))
+        (grads, total), auxes = jax.lax.scan(one, (zero_grads, zero), pieces)
+
+        def combine(leaf: Any) -> Any:
+            if isinstance(leaf, Mean):
+                return Mean(jnp.sum(leaf.total, axis=0), jnp.sum(leaf.count, axis=0))
+            if not eqx.is_array(leaf):
+                return leaf
+            if leaf.ndim >= 2 and leaf.shape[1] == size:  # per row: back in row order
+                return jnp.swapaxes(leaf, 0, 1).reshape(rows, *leaf.shape[2:])
+            return jnp.sum(leaf, axis=0)
+
+        aux = jax.tree.map(combine, auxes, is_leaf=lambda node: isinstance(node, Mean))
+        count = total.count
+        safe = jnp.where(count > 0, count, jnp.ones_like(count))
+        grads = jax.tree.map(
+            lambda g: jnp.where(count > 0, g / safe.astype(g.dtype), jnp.zeros_like(g)), grads
+        )
+        return total.value, total, aux, grads
+
+
+def _mesh_context(state: TrainState) -> contextlib.AbstractContextManager[Any]:
+    """The mesh of the state's sharded arrays as JAX's current mesh (`jax.set_mesh`), so that
+    models can gather each block's weights inside the step (`gather_weights`); nothing for a
+    state on one device."""
+    mesh = mesh_of(state)
+    if mesh is None:
+        return contextlib.nullcontext()
+    context: contextlib.AbstractContextManager[Any] = jax.set_mesh(mesh)
+    return context
 
 
 @eqx.filter_jit(donate="all-except-first")

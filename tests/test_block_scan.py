@@ -1,0 +1,67 @@
+"""The DiT's stacked blocks and per-block remat compute what its unstacked blocks compute."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flowgrpo_eqx.models import DiT
+from tests.errors import NAMED_ARGUMENT_ERRORS
+
+
+SIZES = dict(image_size=8, channels=3, patch=2, width=16, depth=3, heads=2, vocab_size=5)
+
+
+def _perturbed() -> DiT:
+    """A DiT whose zero-initialised layers are moved by a fixed draw."""
+    model = DiT(**SIZES, key=jax.random.key(0))
+    rng = np.random.default_rng(1)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    moved = jax.tree.map(
+        lambda p: p + jax.device_put((0.1 * rng.standard_normal(p.shape)).astype(p.dtype)),
+        params,
+    )
+    return eqx.combine(moved, static)
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(stacked=True), dict(remat="nothing"), dict(stacked=True, remat="dots")]
+)
+def test_stacked_and_remat_dit_compute_the_same_velocity_and_gradient(
+    settings: dict[str, Any],
+) -> None:
+    plain = _perturbed()
+    other = plain.with_settings(**settings)
+    assert other.with_settings(stacked=False, remat=None).blocks[1].qkv.weight.shape == (48, 16)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 8, 8, 3)).astype(np.float32)
+    t = rng.uniform(size=2).astype(np.float32)
+    cond = np.asarray([[0, 1, 2, 3], [4, 4, 0, 1]], np.int32)
+
+    @eqx.filter_jit
+    def value_and_grads(model: Any) -> Any:
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+
+        def value(params: Any) -> jax.Array:
+            v = jax.vmap(eqx.combine(params, static))(x, t, cond)
+            return jnp.sum(jnp.sin(v))
+
+        return jax.value_and_grad(value)(params)
+
+    want_value, want_grads = value_and_grads(plain)
+    got_value, got_grads = value_and_grads(other)
+    np.testing.assert_allclose(float(got_value), float(want_value), rtol=1e-6)
+    want_grads = want_grads.with_settings(**settings)
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        scale = float(np.max(np.abs(np.asarray(want)))) + 1e-30
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * scale)
+
+
+def test_bad_dit_settings_are_named() -> None:
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="stacked"):
+        DiT(**SIZES, stacked="yes", key=jax.random.key(0))
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="remat"):
+        DiT(**SIZES, remat="all", key=jax.random.key(0))
