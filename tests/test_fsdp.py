@@ -44,7 +44,6 @@ def test_four_devices_fsdp_match_one_device_and_stay_sharded():
 
 
 # Slow (a fresh interpreter with 4 devices, about a minute): `python -m pytest -m slow`.
-@pytest.mark.slow
 def test_four_devices_fsdp_mmdit_gathers_weights_not_activations():
     environment = {
         **os.environ,
