@@ -337,30 +337,25 @@ class ShapesJob:
         `--algorithm nft`, as released, the deterministic second-order `Heun` solver and
         advantages over the global reward std."""
         config = self.config
+        shared: dict[str, Any] = {
+            "groups": config.groups,
+            "steps": config.rollout_steps,
+            "shared_noise": config.shared_noise,
+            "reward_combination": config.reward_combination,
+            "mesh": mesh,
+        }
         if config.algorithm == "nft":
             return FlowRollout(
-                objective.flow,
-                Heun(),
-                self.reward,
-                groups=config.groups,
-                steps=config.rollout_steps,
-                shared_noise=config.shared_noise,
-                reward_combination=config.reward_combination,
-                advantage_std="global",
-                mesh=mesh,
+                objective.flow, Heun(), self.reward, advantage_std="global", **shared
             )
         return FlowRollout(
             objective.flow,
             self.sde(),
             self.reward,
-            groups=config.groups,
-            steps=config.rollout_steps,
             train_steps=config.train_steps if config.window_schedule == "fixed" else None,
-            shared_noise=config.shared_noise,
-            reward_combination=config.reward_combination,
             window_schedule=self.window_schedule(),
-            mesh=mesh,
             record_means=config.grpo_guard,
+            **shared,
         )
 
     def window_schedule(self) -> AbstractWindowSchedule | None:
