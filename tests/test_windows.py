@@ -8,7 +8,7 @@ import pytest
 import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
 from tests.errors import NAMED_ARGUMENT_ERRORS
-from tests.test_rollout import COND, LATENT, ROWS, CountingReward, SmallNet
+from tests.test_rollout import COND, LATENT, ROWS, CountingReward, SmallNet, objective_of
 
 
 STEPS = 7  # six transitions
@@ -31,19 +31,6 @@ def scheduled_rollout(schedule):
         groups=2,
         steps=STEPS,
         window_schedule=schedule,
-    )
-
-
-def objective_of(rollout):
-    """The Flow-GRPO objective that rescores what `rollout` samples (its flow and SDE)."""
-    flow = rollout.flow
-    return fg.FlowGRPOObjective(
-        flow.model,
-        flow.process,
-        flow.inputs,
-        sde=rollout.sampler,
-        guidance=flow.guidance,
-        steps=4,
     )
 
 
