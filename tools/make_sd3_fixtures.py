@@ -50,35 +50,28 @@ from typing import Any
 DATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data"
 BATCH = 2
 CONTEXT_LENGTH = 5
+_SD3_TINY = dict(
+    sample_size=8,
+    patch_size=2,
+    in_channels=4,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    joint_attention_dim=12,
+    caption_projection_dim=16,
+    pooled_projection_dim=10,
+    out_channels=4,
+    pos_embed_max_size=6,
+)
 TINY = {
-    "sd3_tiny": dict(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=12,
-        caption_projection_dim=16,
-        pooled_projection_dim=10,
-        out_channels=4,
-        pos_embed_max_size=6,
-    ),
-    "sd35_tiny": dict(
-        sample_size=8,
-        patch_size=2,
-        in_channels=4,
-        num_layers=3,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=12,
-        caption_projection_dim=16,
-        pooled_projection_dim=10,
-        out_channels=4,
-        pos_embed_max_size=6,
-        dual_attention_layers=(0,),
-        qk_norm="rms_norm",
-    ),
+    "sd3_tiny": _SD3_TINY,
+    # SD3.5's layout: one more block, the first with dual attention, and RMS qk-norm.
+    "sd35_tiny": {
+        **_SD3_TINY,
+        "num_layers": 3,
+        "dual_attention_layers": (0,),
+        "qk_norm": "rms_norm",
+    },
 }
 SD35_MEDIUM = dict(
     sample_size=128,
