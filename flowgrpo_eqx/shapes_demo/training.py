@@ -171,6 +171,7 @@ def run_train(
         mesh=mesh,
         log=log,
         checkpoint_metadata={"settings": identity(config), **job.checkpoint_metadata(base)},
+        started=started,
     )
     try:
         with GracefulStop(log) as stop:
@@ -202,7 +203,7 @@ def run_train(
                     )
                     return {"stopped_at_epoch": epoch, "preempted": True}
             progress.close()
-            return run.finish(state, base_measure, base_source, started, resume)
+            return run.finish(state, base_measure, base_source, resume)
     finally:
         if writers is not None:
             writers.close()
@@ -224,6 +225,7 @@ class _Run:
     mesh: Mesh | None
     log: Callable[[str], None]
     checkpoint_metadata: dict[str, Any]
+    started: float
 
     def start(self, resume: bool) -> tuple[TrainState, int, dict[str, Any]]:
         """The first state, the last epoch done and the base model's measure: from the newest
@@ -300,13 +302,19 @@ class _Run:
         )
         record: dict[str, Any] = {"epoch": epoch, **summary}
         if epoch % config.eval_every == 0 or epoch == config.epochs:
+            measuring = time.perf_counter()
             measured = job.measure(self.objective, state.variables)
-            record.update(heldout_accuracy=measured["accuracy"], heldout_reward=measured["reward"])
+            record.update(
+                heldout_accuracy=measured["accuracy"],
+                heldout_reward=measured["reward"],
+                seconds_evaluation=time.perf_counter() - measuring,
+            )
             if config.log:
                 picture = out / "previews" / f"epoch_{epoch:05d}.png"
                 job.preview(self.objective, state.variables, picture, f"epoch {epoch}")
                 if self.writers is not None:
                     self.writers.image(epoch, "heldout_samples", picture)
+        record["seconds_elapsed"] = time.perf_counter() - self.started
         self.metrics.write(record)
         if self.writers is not None:
             self.writers.scalars(epoch, {k: float(v) for k, v in record.items() if k != "epoch"})
@@ -326,7 +334,6 @@ class _Run:
         state: TrainState,
         base_measure: dict[str, Any],
         base_source: str,
-        started: float,
         resumed: bool,
     ) -> dict[str, Any]:
         """The final measure, preview, policy, reward curve and `summary.json`."""
@@ -360,7 +367,7 @@ class _Run:
             "base_source": base_source,
             "processes": jax.process_count(),
             "devices": 1 if self.mesh is None else int(self.mesh.devices.size),
-            "wall_seconds": time.perf_counter() - started,
+            "wall_seconds": time.perf_counter() - self.started,
             "resumed": resumed,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2))

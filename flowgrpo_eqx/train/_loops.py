@@ -1,6 +1,7 @@
 """Training loops: one epoch of any RL objective over a rollout, and pretraining steps."""
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -128,7 +129,10 @@ def rl_epoch(
     **Returns:**
 
     The new state, the epoch's mean metrics (the loss's, the reward's statistics, the
-    window's position and the objective's `batch_metrics`), and the rollout's `RolloutInfo`.
+    window's position, the objective's `batch_metrics`, and the wall seconds of the phases:
+    `seconds_sampling` (the rollout's device work), `seconds_reward` (the transfer to the
+    host, the reward and the advantages) and `seconds_update` (preparing the batch and every
+    update)), and the rollout's `RolloutInfo`.
 
     **Raises:**
 
@@ -146,6 +150,7 @@ def rl_epoch(
     collected, info = rollout.collect(
         objective.sampling_policy(state.variables), rows, rollout_key, epoch
     )
+    collected_at = time.perf_counter()
     batch = objective.training_batch(collected, info)
     size = batch.num_rows if minibatch_rows is None else minibatch_rows
     passes = [
@@ -163,6 +168,8 @@ def rl_epoch(
             state, metrics = trainer.update(state, minibatch)
             history.append(metrics)
     summary = _mean_metrics(history)
+    jax.block_until_ready(state)  # type: ignore[no-untyped-call]
+    updated_at = time.perf_counter()
     check_finite(epoch, summary, state.variables.policy)
     state = dataclasses.replace(state, variables=objective.end_epoch(state.variables, epoch))
     if after_updates is not None:
@@ -172,6 +179,9 @@ def rl_epoch(
         reward_zero_std_fraction=info.zero_std_fraction,
         reward_group_std=info.mean_group_std,
         window_start=float(info.window_start),
+        seconds_sampling=info.seconds["generation"],
+        seconds_reward=info.seconds["reward"],
+        seconds_update=updated_at - collected_at,
         **objective.batch_metrics(batch),
     )
     return state, summary, info
