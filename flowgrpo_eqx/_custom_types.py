@@ -18,6 +18,10 @@ RealScalarLike: TypeAlias = float | int | Float[ArrayLike, ""] | Int[ArrayLike, 
 Latent: TypeAlias = Float[Array, " *latent"]
 Latents: TypeAlias = Float[Array, " N *latent"]
 Times: TypeAlias = Float[Array, " N"]
+PerTransition: TypeAlias = Float[Array, " N K"]
+"""One number per row and transition."""
+TransitionMask: TypeAlias = Bool[Array, " N K"]
+"""One flag per row and transition."""
 ScalarLike: TypeAlias = Float[ArrayLike, ""]
 """A float scalar: an array of shape `()` or a Python float."""
 Condition: TypeAlias = PyTree[Any]

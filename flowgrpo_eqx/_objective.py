@@ -7,7 +7,7 @@ from typing import Any, Literal, TypeAlias, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from . import lora
 from ._custom_types import (
@@ -15,8 +15,10 @@ from ._custom_types import (
     FinalSamples,
     Mean,
     Model,
+    PerTransition,
     Step,
     StepRatios,
+    TransitionMask,
     Transitions,
     check_transitions,
 )
@@ -88,12 +90,12 @@ class GuardParts(eqx.Module):
     - `kept`: the kept set.
     """
 
-    log_ratio: Float[Array, " N K"]
-    drift: Float[Array, " N K"]
-    std: Float[Array, " N K"]
-    t: Float[Array, " N K"]
-    t_next: Float[Array, " N K"]
-    kept: Bool[Array, " N K"]
+    log_ratio: PerTransition
+    drift: PerTransition
+    std: PerTransition
+    t: PerTransition
+    t_next: PerTransition
+    kept: TransitionMask
 
 
 class AbstractGRPOGuard(eqx.Module):
@@ -115,7 +117,7 @@ class AbstractGRPOGuard(eqx.Module):
         must carry `Transitions.old_means`."""
 
     @abc.abstractmethod
-    def normalise(self, parts: GuardParts) -> Float[Array, " N K"]:
+    def normalise(self, parts: GuardParts) -> PerTransition:
         """The guarded log-ratio that the ratio `exp` of is clipped.
 
         **Arguments:**
@@ -128,7 +130,7 @@ class AbstractGRPOGuard(eqx.Module):
         """
 
     @abc.abstractmethod
-    def weights(self, parts: GuardParts) -> Float[Array, " N K"] | None:
+    def weights(self, parts: GuardParts) -> PerTransition | None:
         """Each kept transition's surrogate weight, or `None` for no reweighting.
 
         **Arguments:**
@@ -188,7 +190,7 @@ class GRPOGuard(AbstractGRPOGuard):
     def needs_old_means(self) -> bool:
         return True
 
-    def normalise(self, parts: GuardParts) -> Float[Array, " N K"]:
+    def normalise(self, parts: GuardParts) -> PerTransition:
         kept = parts.kept
         sqrt_dt = jnp.sqrt(jnp.where(kept, parts.t - parts.t_next, 1.0))
         if self.scale == "batch":
@@ -206,7 +208,7 @@ class GRPOGuard(AbstractGRPOGuard):
         bias = drift / (2.0 * scale**2)
         return jnp.where(kept, (parts.log_ratio + bias) * scale, 0.0)
 
-    def weights(self, parts: GuardParts) -> Float[Array, " N K"] | None:
+    def weights(self, parts: GuardParts) -> PerTransition | None:
         if not self.reweight:
             return None
         kept = parts.kept
@@ -250,20 +252,18 @@ class EmpiricalGuard(AbstractGRPOGuard):
     def needs_old_means(self) -> bool:
         return False
 
-    def normalise(self, parts: GuardParts) -> Float[Array, " N K"]:
+    def normalise(self, parts: GuardParts) -> PerTransition:
         if not self.ratio_norm:
             return parts.log_ratio
         return ratio_norm(parts.log_ratio, parts.std, parts.kept)
 
-    def weights(self, parts: GuardParts) -> Float[Array, " N K"] | None:
+    def weights(self, parts: GuardParts) -> PerTransition | None:
         if not self.reweight:
             return None
         return step_weights(parts.t, parts.t_next, parts.kept)
 
 
-def ratio_norm(
-    log_ratio: Float[Array, " N K"], std: Float[Array, " N K"], kept: Bool[Array, " N K"]
-) -> Float[Array, " N K"]:
+def ratio_norm(log_ratio: PerTransition, std: PerTransition, kept: TransitionMask) -> PerTransition:
     """`EmpiricalGuard`'s RatioNorm: the log-ratio scaled by the transition std, centred per step.
 
     For each step (column) `k`, `normalised[n, k] = s[n, k] l[n, k] - mean_kept_k(s l)`, where
@@ -284,9 +284,7 @@ def ratio_norm(
     return jnp.where(kept, scaled - step_mean[None, :], 0.0)
 
 
-def step_weights(
-    t: Float[Array, " N K"], t_next: Float[Array, " N K"], kept: Bool[Array, " N K"]
-) -> Float[Array, " N K"]:
+def step_weights(t: PerTransition, t_next: PerTransition, kept: TransitionMask) -> PerTransition:
     """`EmpiricalGuard`'s step reweighting: `1 / dt` over its mean on the kept set.
 
     **Arguments:**
@@ -307,7 +305,7 @@ def step_weights(
 
 
 def _step_statistics(
-    values: Float[Array, " N K"], kept: Bool[Array, " N K"]
+    values: PerTransition, kept: TransitionMask
 ) -> tuple[Float[Array, " K"], Float[Array, " K"]]:
     """Mean and population std of `values` over the kept rows of each column (0 if none)."""
     count = jnp.sum(kept, axis=0, dtype=values.dtype)
@@ -531,7 +529,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         fn: Callable[..., PyTree[Float[Array, " B"]]],
         per_transition: PyTree[Array],
         cond: PyTree[Any],
-    ) -> PyTree[Float[Array, " N K"]]:
+    ) -> PyTree[PerTransition]:
         """Apply `fn(flat_inputs, flat_cond)` to all `[N, K, ...]` inputs, chunk by chunk.
 
         A `lax.scan` over chunks of transitions that carries nothing between them; within a
@@ -572,7 +570,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     # ----------------------------------------------------------------------------------
     # Public objective methods
 
-    def kept(self, batch: Transitions) -> Bool[Array, " N K"]:
+    def kept(self, batch: Transitions) -> TransitionMask:
         """The kept set: masked-in transitions that are stochastic under `sde`.
 
         **Arguments:**
@@ -585,7 +583,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         """
         return batch.transition_mask & self.sde.is_stochastic(batch.timesteps, batch.next_timesteps)
 
-    def log_probs(self, variables: AbstractVariables, batch: Transitions) -> Float[Array, " N K"]:
+    def log_probs(self, variables: AbstractVariables, batch: Transitions) -> PerTransition:
         """Rescore joint transition log densities with the rollout's guidance.
 
         Uses the live policy and the same `FlowSDE` as the rollout, so rescoring an unchanged
@@ -619,7 +617,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
             "t": batch.timesteps,
             "t_next": batch.next_timesteps,
         }
-        result: Float[Array, " N K"] = self._map_transitions(score, inputs, batch.cond)
+        result: PerTransition = self._map_transitions(score, inputs, batch.cond)
         return result
 
     def loss(
