@@ -83,6 +83,152 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+_Flag: typing.TypeAlias = tuple[str, dict[str, Any]]
+
+_COMMANDS: tuple[tuple[str, str, tuple[_Flag, ...], bool], ...] = (
+    (
+        "train",
+        "pretrain or load the base model, then Flow-GRPO",
+        (
+            ("--out", {"default": "runs/train", "help": "run folder (default runs/train)"}),
+            (
+                "--resume",
+                {
+                    "action": "store_true",
+                    "help": "continue from the newest intact checkpoint (damaged ones are "
+                    "reported and skipped)",
+                },
+            ),
+            (
+                "--replace",
+                {
+                    "action": "store_true",
+                    "help": "move a run already in --out aside (to OUT.replaced-<k>) and start "
+                    "afresh",
+                },
+            ),
+            (
+                "--config",
+                {
+                    "default": None,
+                    "help": "a TOML file of settings (a run folder's config.toml reproduces that "
+                    "run); precedence: preset < file < flags",
+                },
+            ),
+            (
+                "--print-config",
+                {
+                    "action": "store_true",
+                    "help": "print the resolved settings as TOML and exit",
+                },
+            ),
+            (
+                "--seeds",
+                {
+                    "default": None,
+                    "help": "comma-separated training seeds: one run per seed in OUT/seed_<s>, "
+                    "then OUT/seeds_summary.json (mean, std, worst, best) and "
+                    "OUT/seeds_accuracy.png",
+                },
+            ),
+            (
+                "--reward-token",
+                {
+                    "default": None,
+                    "help": "token for --reward-url's server (default: $FLOWGRPO_REWARD_TOKEN)",
+                },
+            ),
+        ),
+        True,
+    ),
+    (
+        "serve-reward",
+        "serve a reward over HTTP for --reward-url (needs aiohttp)",
+        (
+            (
+                "reward",
+                {
+                    "help": "a built-in reward name (partial, strict, jpeg_incompressibility, "
+                    "jpeg_compressibility) or package.module:callable",
+                },
+            ),
+            ("--host", {"default": "127.0.0.1", "help": "address to bind (default loopback)"}),
+            ("--port", {"type": int, "default": 8000, "help": "port (0: any free port)"}),
+            (
+                "--token",
+                {
+                    "default": None,
+                    "help": "a token clients must send (default: $FLOWGRPO_REWARD_TOKEN, or none)",
+                },
+            ),
+        ),
+        False,
+    ),
+    (
+        "pretrain",
+        "flow-matching pretraining of the base model",
+        (("--out", {"default": "runs/pretrain", "help": "where base_<hash>.eqx goes"}),),
+        True,
+    ),
+    (
+        "eval",
+        "measure a saved policy or checkpoint",
+        (
+            (
+                "--checkpoint",
+                {
+                    "required": True,
+                    "help": "policy.eqx, base_<hash>.eqx, or a checkpoints/ckpt_* folder",
+                },
+            ),
+            ("--out", {"default": "runs/eval", "help": "where samples_eval.png goes"}),
+        ),
+        True,
+    ),
+    (
+        "check",
+        "the porting check: one collect and one update, a verdict per line",
+        (
+            ("--out", {"default": "runs/check", "help": "where a pretrained base goes"}),
+            (
+                "--factory",
+                {
+                    "default": None,
+                    "help": "package.module:callable returning (objective, rollout, variables, "
+                    "rows)",
+                },
+            ),
+        ),
+        True,
+    ),
+    (
+        "launch",
+        "run a subcommand as N local processes (jax.distributed, gloo on CPU)",
+        (
+            ("--local", {"type": int, "required": True, "help": "number of local processes"}),
+            (
+                "--grace-seconds",
+                {
+                    "type": float,
+                    "default": 60.0,
+                    "help": "after a failure, how long the others may take to stop",
+                },
+            ),
+            (
+                "rest",
+                {
+                    "nargs": argparse.REMAINDER,
+                    "help": "-- then the subcommand and its arguments",
+                },
+            ),
+        ),
+        False,
+    ),
+)
+"""Each subcommand: its name, its help, its own flags, and whether it takes the job's
+settings and the scale-out flags (`_add_common`)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flowgrpo-eqx",
@@ -90,97 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
         "compositional shapes task.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-
-    train = commands.add_parser("train", help="pretrain or load the base model, then Flow-GRPO")
-    train.add_argument("--out", default="runs/train", help="run folder (default runs/train)")
-    train.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest intact checkpoint (damaged ones are reported and skipped)",
-    )
-    train.add_argument(
-        "--replace",
-        action="store_true",
-        help="move a run already in --out aside (to OUT.replaced-<k>) and start afresh",
-    )
-    train.add_argument(
-        "--config",
-        default=None,
-        help="a TOML file of settings (a run folder's config.toml reproduces that run); "
-        "precedence: preset < file < flags",
-    )
-    train.add_argument(
-        "--print-config",
-        action="store_true",
-        help="print the resolved settings as TOML and exit",
-    )
-    train.add_argument(
-        "--seeds",
-        default=None,
-        help="comma-separated training seeds: one run per seed in OUT/seed_<s>, then "
-        "OUT/seeds_summary.json (mean, std, worst, best) and OUT/seeds_accuracy.png",
-    )
-    train.add_argument(
-        "--reward-token",
-        default=None,
-        help="token for --reward-url's server (default: $FLOWGRPO_REWARD_TOKEN)",
-    )
-    _add_common(train)
-
-    serve = commands.add_parser(
-        "serve-reward", help="serve a reward over HTTP for --reward-url (needs aiohttp)"
-    )
-    serve.add_argument(
-        "reward",
-        help="a built-in reward name (partial, strict, jpeg_incompressibility, "
-        "jpeg_compressibility) or package.module:callable",
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    serve.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
-    serve.add_argument(
-        "--token",
-        default=None,
-        help="a token clients must send (default: $FLOWGRPO_REWARD_TOKEN, or none)",
-    )
-    add_limit_arguments(serve)
-
-    pretrain = commands.add_parser("pretrain", help="flow-matching pretraining of the base model")
-    pretrain.add_argument("--out", default="runs/pretrain", help="where base_<hash>.eqx goes")
-    _add_common(pretrain)
-
-    evaluate = commands.add_parser("eval", help="measure a saved policy or checkpoint")
-    evaluate.add_argument(
-        "--checkpoint",
-        required=True,
-        help="policy.eqx, base_<hash>.eqx, or a checkpoints/ckpt_* folder",
-    )
-    evaluate.add_argument("--out", default="runs/eval", help="where samples_eval.png goes")
-    _add_common(evaluate)
-
-    check = commands.add_parser(
-        "check", help="the porting check: one collect and one update, a verdict per line"
-    )
-    check.add_argument("--out", default="runs/check", help="where a pretrained base goes")
-    check.add_argument(
-        "--factory",
-        default=None,
-        help="package.module:callable returning (objective, rollout, variables, rows)",
-    )
-    _add_common(check)
-
-    launch = commands.add_parser(
-        "launch", help="run a subcommand as N local processes (jax.distributed, gloo on CPU)"
-    )
-    launch.add_argument("--local", type=int, required=True, help="number of local processes")
-    launch.add_argument(
-        "--grace-seconds",
-        type=float,
-        default=60.0,
-        help="after a failure, how long the others may take to stop",
-    )
-    launch.add_argument(
-        "rest", nargs=argparse.REMAINDER, help="-- then the subcommand and its arguments"
-    )
+    for name, help_text, flags, common in _COMMANDS:
+        command = commands.add_parser(name, help=help_text)
+        for flag, options in flags:
+            command.add_argument(flag, **options)
+        if name == "serve-reward":
+            add_limit_arguments(command)
+        if common:
+            _add_common(command)
     return parser
 
 
