@@ -4,7 +4,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias, TypedDict, final, get_args
+from typing import Any, Literal, NamedTuple, TypeAlias, TypedDict, final, get_args
 
 import equinox as eqx
 import jax
@@ -222,6 +222,17 @@ def _chunked_attention(
 
 
 @final
+class _BlockShape(NamedTuple):
+    """What every block of one MMDiT shares: the token width, the attention heads (a
+    divisor of `width`), the feed-forward hidden width over `width`, and whether queries and
+    keys are RMS-normalised per head."""
+
+    width: int
+    heads: int
+    mlp_ratio: int
+    qk_norm: bool
+
+
 class _Stream(eqx.Module):
     """One stream's weights (text or image) in one MMDiT block.
 
@@ -235,10 +246,7 @@ class _Stream(eqx.Module):
 
     **Arguments:**
 
-    - `width`: the token width.
-    - `heads`: the number of attention heads; divides `width`.
-    - `mlp_ratio`: the feed-forward hidden width over `width`.
-    - `qk_norm`: whether queries and keys are RMS-normalised per head.
+    - `shape`: the block's dimensions.
     - `pre_only`: whether to keep only the modulation and the queries, keys and values.
     - `dual`: whether the block has a second, image-only attention (image stream only).
     - `key`: a JAX PRNG key for the initialisation.
@@ -251,16 +259,9 @@ class _Stream(eqx.Module):
     pre_only: bool = eqx.field(static=True)
 
     def __init__(
-        self,
-        width: int,
-        heads: int,
-        mlp_ratio: int,
-        qk_norm: bool,
-        pre_only: bool,
-        dual: bool = False,
-        *,
-        key: PRNGKeyArray,
+        self, shape: _BlockShape, pre_only: bool, dual: bool = False, *, key: PRNGKeyArray
     ) -> None:
+        width, heads, mlp_ratio, qk_norm = shape
         k_attn, k_mlp = jax.random.split(key)
         self.pre_only = pre_only
         chunks = 2 if pre_only else 9 if dual else 6
@@ -310,10 +311,7 @@ class _MMDiTBlock(eqx.Module):
 
     **Arguments:**
 
-    - `width`: the token width.
-    - `heads`: the number of attention heads; divides `width`.
-    - `mlp_ratio`: the feed-forward hidden width over `width`.
-    - `qk_norm`: whether queries and keys are RMS-normalised per head.
+    - `shape`: the block's dimensions.
     - `context_pre_only`: whether the text stream is pre-only (the last block).
     - `dual`: whether the block has the image-only second attention.
     - `key`: a JAX PRNG key for the initialisation.
@@ -324,20 +322,14 @@ class _MMDiTBlock(eqx.Module):
     attn2: _Attention | None
 
     def __init__(
-        self,
-        width: int,
-        heads: int,
-        mlp_ratio: int,
-        qk_norm: bool,
-        context_pre_only: bool,
-        dual: bool = False,
-        *,
-        key: PRNGKeyArray,
+        self, shape: _BlockShape, context_pre_only: bool, dual: bool = False, *, key: PRNGKeyArray
     ) -> None:
         k_context, k_image, k_attn2 = jax.random.split(key, 3)
-        self.context = _Stream(width, heads, mlp_ratio, qk_norm, context_pre_only, key=k_context)
-        self.image = _Stream(width, heads, mlp_ratio, qk_norm, False, dual, key=k_image)
-        self.attn2 = _Attention(width, heads, qk_norm, True, key=k_attn2) if dual else None
+        self.context = _Stream(shape, context_pre_only, key=k_context)
+        self.image = _Stream(shape, False, dual, key=k_image)
+        self.attn2 = (
+            _Attention(shape.width, shape.heads, shape.qk_norm, True, key=k_attn2) if dual else None
+        )
 
     def __call__(
         self,
@@ -688,10 +680,7 @@ class MMDiT(eqx.Module):
             )
         blocks = tuple(
             _MMDiTBlock(
-                width,
-                heads,
-                mlp_ratio,
-                qk_norm is not None,
+                _BlockShape(width, heads, mlp_ratio, qk_norm is not None),
                 i == depth - 1,
                 i in self.dual_attention_layers,
                 key=k,
