@@ -13,6 +13,9 @@ import sys
 import traceback
 
 import jax
+import numpy as np
+
+from flowgrpo_eqx.train import MetricsLog
 
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -160,3 +163,22 @@ def result_of(folder):
     """The `RESULT_FIELDS` of a run folder's `summary.json`."""
     summary = json.loads((folder / "summary.json").read_text())
     return {name: summary[name] for name in RESULT_FIELDS}
+
+
+def metrics_of(folder):
+    """The records of a run folder's `metrics.jsonl` without its wall times (the `seconds_*`
+    fields), which two runs of the same settings never share."""
+    return [
+        {name: value for name, value in record.items() if not name.startswith("seconds_")}
+        for record in MetricsLog(folder / "metrics.jsonl").read()
+    ]
+
+
+def assert_close_metrics(folder, reference):
+    """`folder`'s metrics are `reference`'s, epoch by epoch, to float32 summation order."""
+    want, got = metrics_of(reference), metrics_of(folder)
+    assert [r["epoch"] for r in got] == [r["epoch"] for r in want]
+    for a, b in zip(want, got, strict=True):
+        assert set(a) == set(b)
+        for name in a:
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -21,7 +21,15 @@ import pytest
 
 from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
 from flowgrpo_eqx.train import load_model
-from tests.cli_helpers import TIMEOUT, command, environment, run_cli, run_process, with_base
+from tests.cli_helpers import (
+    TIMEOUT,
+    assert_close_metrics,
+    command,
+    environment,
+    run_cli,
+    run_process,
+    with_base,
+)
 
 
 COMMON = ["--preset", "tiny", "--quiet", "--seed", "5"]
@@ -57,23 +65,13 @@ def baseline(tmp_path_factory, tiny_base):
     return run_baseline(tmp_path_factory, tiny_base)
 
 
-def records(folder):
-    with open(folder / "metrics.jsonl") as handle:
-        return [json.loads(line) for line in handle]
-
-
 def placements(folder):
     with open(folder / "distributed.jsonl") as handle:
         return [json.loads(line) for line in handle]
 
 
 def assert_same_run(folder, baseline):
-    want, got = records(baseline), records(folder)
-    assert [r["epoch"] for r in got] == [r["epoch"] for r in want]
-    for a, b in zip(want, got, strict=True):
-        assert set(a) == set(b)
-        for name in a:
-            np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_close_metrics(folder, baseline)
     job = ShapesJob(make_config("tiny", seed=5), baseline, quiet=True)
     policy_want = load_model(baseline / "policy.eqx", job.model)
     policy_got = load_model(folder / "policy.eqx", job.model)

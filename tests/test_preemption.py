@@ -23,6 +23,7 @@ from tests.cli_helpers import (
     TIMEOUT,
     command,
     environment,
+    metrics_of,
     result_of,
     run_cli,
     run_process,
@@ -60,10 +61,7 @@ def started_past_first_epoch(out, *args):
 def assert_same_result(folder, reference):
     assert result_of(folder) == result_of(reference)
     assert (folder / "policy.eqx").read_bytes() == (reference / "policy.eqx").read_bytes()
-    assert (
-        MetricsLog(folder / "metrics.jsonl").read()
-        == MetricsLog(reference / "metrics.jsonl").read()
-    )
+    assert metrics_of(folder) == metrics_of(reference)
 
 
 @pytest.fixture(scope="module")

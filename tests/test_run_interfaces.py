@@ -18,7 +18,15 @@ from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.shapes_demo.config import config_to_toml
 from flowgrpo_eqx.shapes_demo.job import ShapesJob
 from flowgrpo_eqx.train import MetricsLog
-from tests.cli_helpers import command, environment, result_of, run_cli, run_process, with_base
+from tests.cli_helpers import (
+    command,
+    environment,
+    metrics_of,
+    result_of,
+    run_cli,
+    run_process,
+    with_base,
+)
 
 
 COMMON = ["--preset", "tiny", "--quiet", "--seed", "6"]
@@ -56,6 +64,20 @@ def in_process(tmp_path_factory, tiny_base):
     result = cli("train", *COMMON, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+def test_every_epoch_says_where_its_time_went(in_process):
+    epochs = [r for r in MetricsLog(in_process / "metrics.jsonl").read() if r["epoch"] >= 1]
+    assert epochs
+    for record in epochs:
+        assert record["seconds_sampling"] > 0 and record["seconds_update"] > 0
+        assert record["seconds_reward"] >= 0
+        # Only an epoch with a held-out measure spent time on one.
+        assert ("seconds_evaluation" in record) == ("heldout_accuracy" in record)
+    elapsed = [r["seconds_elapsed"] for r in epochs]
+    assert elapsed == sorted(elapsed)
+    phases = ("seconds_sampling", "seconds_reward", "seconds_update", "seconds_evaluation")
+    assert elapsed[-1] >= sum(r.get(phase, 0.0) for r in epochs for phase in phases)
 
 
 def test_training_through_a_reward_server_matches_in_process(in_process, tmp_path):
@@ -215,10 +237,7 @@ def test_training_seeds_share_the_base_and_differ_only_in_the_run(in_process, tm
         assert summary["base_source"] == str(folder / base)
     # The same --seed reproduces the run bit for bit ...
     assert (again / "policy.eqx").read_bytes() == (in_process / "policy.eqx").read_bytes()
-    assert (
-        MetricsLog(again / "metrics.jsonl").read()
-        == MetricsLog(in_process / "metrics.jsonl").read()
-    )
+    assert metrics_of(again) == metrics_of(in_process)
     # ... another --seed keeps the base model and its measurement, but not the rollouts.
     first = result_of(in_process)
     second = result_of(other)
