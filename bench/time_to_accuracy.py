@@ -1,0 +1,189 @@
+"""`python -m bench.time_to_accuracy --out DIR [--rows a,b] [--seeds 0,1,2]`: time to accuracy.
+
+Trains the shapes demo once per row and seed (`flowgrpo-eqx train --seed S --eval-every 10
+--out DIR/ROW/seed_S --quiet` with the row's flags, everything else the main job's defaults),
+then reads each run's `metrics.jsonl` and reports, per row, the epochs and the training
+seconds until held-out strict accuracy first reaches 0.85 and 0.90 (mean ± std over the seeds
+that reach it, and how many do), the final accuracy and the wall time. Training seconds are
+the epochs' own phases summed (`seconds_sampling + seconds_reward + seconds_update`, the first
+epoch's compilation included): the held-out evaluations, checkpoints and start-up are left
+out, so that evaluating every 10 epochs does not count against a row.
+
+Prints the Markdown table of `docs/recipes.md` and then one JSON object with every curve, and
+draws `--plot` (default `DIR/time_to_accuracy.png`): accuracy against training seconds per row,
+the mean over seeds as a line and the lowest to highest seed as a band. A run whose
+`summary.json` is in DIR is not run again, so an interrupted comparison continues where it
+stopped. Run it with nothing else on the machine: the seconds are the comparison.
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+
+
+THRESHOLDS = (0.85, 0.90)
+EVAL_EVERY = 10
+
+ROWS: dict[str, tuple[str, list[str]]] = {
+    "flow_grpo": ("Flow-GRPO, the main job's defaults", []),
+    "flow_grpo_independent_noise": (
+        "Flow-GRPO with independent initial noise (the former default)",
+        ["--shared-noise", "false"],
+    ),
+    "nft": ("DiffusionNFT as released", ["--algorithm", "nft"]),
+}
+
+
+def _train(folder: pathlib.Path, flags: list[str], seed: int) -> None:
+    if (folder / "summary.json").exists():
+        return
+    command = [
+        sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", "train", *flags,
+        "--seed", str(seed), "--eval-every", str(EVAL_EVERY), "--out", str(folder),
+        "--quiet", "--replace",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"training in {folder} failed:\n{result.stderr[-3000:]}")
+
+
+def curve(folder: pathlib.Path) -> dict[str, Any]:
+    """One run's held-out accuracy against epochs and training seconds, and its summary.
+
+    **Arguments:**
+
+    - `folder`: a finished run folder (`metrics.jsonl` and `summary.json`).
+
+    **Returns:**
+
+    `{"epochs": [...], "seconds": [...], "accuracy": [...], "summary": {...}}`, starting with
+    the base model's measure at epoch 0 and 0 seconds.
+    """
+    epochs, seconds, accuracy = [], [], []
+    spent = 0.0
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        spent += sum(
+            record.get(phase, 0.0)
+            for phase in ("seconds_sampling", "seconds_reward", "seconds_update")
+        )
+        if "heldout_accuracy" in record:
+            epochs.append(int(record["epoch"]))
+            seconds.append(spent)
+            accuracy.append(float(record["heldout_accuracy"]))
+    summary = json.loads((folder / "summary.json").read_text())
+    return {"epochs": epochs, "seconds": seconds, "accuracy": accuracy, "summary": summary}
+
+
+def first_reaching(run: dict[str, Any], threshold: float) -> tuple[int, float] | None:
+    """The first evaluation at or above `threshold`: `(epoch, training seconds)`, or `None`."""
+    for epoch, seconds, accuracy in zip(
+        run["epochs"], run["seconds"], run["accuracy"], strict=True
+    ):
+        if accuracy >= threshold:
+            return epoch, seconds
+    return None
+
+
+def _reached(values: list[float], seeds: int, digits: int) -> str:
+    if not values:
+        return f"not reached (0 of {seeds})"
+    figure = f"{statistics.fmean(values):.{digits}f}"
+    if len(values) > 1:
+        figure += f" ± {statistics.pstdev(values):.{digits}f}"
+    return figure if len(values) == seeds else f"{figure} ({len(values)} of {seeds})"
+
+
+def table(results: dict[str, list[dict[str, Any]]]) -> str:
+    """The Markdown table: per row, epochs and seconds to each threshold, and the end."""
+    head = "| recipe | flags |"
+    rule = "|---|---|"
+    for threshold in THRESHOLDS:
+        head += f" epochs to {threshold:.2f} | seconds to {threshold:.2f} |"
+        rule += "---|---|"
+    head += " final accuracy | training seconds (all epochs) | wall time |"
+    rule += "---|---|---|"
+    lines = [head, rule]
+    for row, runs in results.items():
+        name, flags = ROWS[row]
+        line = f"| {name} | `{' '.join(flags) or '(none)'}` |"
+        for threshold in THRESHOLDS:
+            hits = [hit for hit in (first_reaching(run, threshold) for run in runs) if hit]
+            line += f" {_reached([float(e) for e, _ in hits], len(runs), 0)} |"
+            line += f" {_reached([s for _, s in hits], len(runs), 0)} s |"
+        finals = [run["summary"]["final_accuracy"] for run in runs]
+        line += f" {_reached(finals, len(runs), 3)} (worst {min(finals):.3f}) |"
+        line += f" {_reached([run['seconds'][-1] for run in runs], len(runs), 0)} s |"
+        line += f" {_reached([run['summary']['wall_seconds'] for run in runs], len(runs), 0)} s |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[dict[str, Any]]], path: pathlib.Path) -> None:
+    """Accuracy against training seconds per row: the seeds' mean, and a band from the lowest
+    to the highest seed, on a common grid of seconds (each seed's curve interpolated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7.5, 4.5))
+    for row, runs in results.items():
+        end = min(run["seconds"][-1] for run in runs)
+        grid = np.linspace(0.0, end, 200)
+        curves = np.stack([np.interp(grid, run["seconds"], run["accuracy"]) for run in runs])
+        (line,) = axes.plot(grid, curves.mean(axis=0), label=f"{ROWS[row][0]} ({len(runs)} seeds)")
+        axes.fill_between(
+            grid, curves.min(axis=0), curves.max(axis=0), alpha=0.2, color=line.get_color()
+        )
+    for threshold in THRESHOLDS:
+        axes.axhline(threshold, color="grey", linewidth=0.8, linestyle=":")
+    axes.set_xlabel("training seconds (2-core CPU; evaluation excluded)")
+    axes.set_ylabel("held-out strict accuracy")
+    axes.set_title("Time to accuracy on the shapes demo")
+    axes.legend(loc="lower right", fontsize=8)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.time_to_accuracy", description=__doc__)
+    parser.add_argument("--out", required=True, help="one folder per row and seed goes here")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"any of {', '.join(ROWS)}")
+    parser.add_argument("--seeds", default="0,1,2", help="training seeds (default 0,1,2)")
+    parser.add_argument(
+        "--plot", default=None, help="the figure (default OUT/time_to_accuracy.png)"
+    )
+    arguments = parser.parse_args(argv)
+    rows = arguments.rows.split(",")
+    unknown = [row for row in rows if row not in ROWS]
+    if unknown:
+        parser.error(f"--rows names unknown rows {unknown}; known: {list(ROWS)}")
+    seeds = [int(seed) for seed in arguments.seeds.split(",")]
+    out = pathlib.Path(arguments.out)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        _, flags = ROWS[row]
+        results[row] = []
+        for seed in seeds:
+            print(f"[time_to_accuracy] {row}, seed {seed}", file=sys.stderr, flush=True)
+            folder = out / row / f"seed_{seed}"
+            _train(folder, flags, seed)
+            results[row].append(curve(folder))
+    print(table(results))
+    plot(results, pathlib.Path(arguments.plot or out / "time_to_accuracy.png"))
+    print(json.dumps({"seeds": seeds, "runs": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
