@@ -9,7 +9,8 @@ the epochs' own phases summed (`seconds_sampling + seconds_reward + seconds_upda
 epoch's compilation included): the held-out evaluations, checkpoints and start-up are left
 out, so that evaluating every 10 epochs does not count against a row.
 
-Prints the Markdown table of `docs/recipes.md` and then one JSON object with every curve, and
+Prints the Markdown table of `docs/recipes.md`, the table of where an epoch's time goes
+(`docs/performance.md`), and then one JSON object with every curve, and
 draws `--plot` (default `DIR/time_to_accuracy.png`): accuracy against training seconds per row,
 the mean over seeds as a line and the lowest to highest seed as a band. A run whose
 `summary.json` is in DIR is not run again, so an interrupted comparison continues where it
@@ -62,8 +63,9 @@ def curve(folder: pathlib.Path) -> dict[str, Any]:
 
     **Returns:**
 
-    `{"epochs": [...], "seconds": [...], "accuracy": [...], "summary": {...}}`, starting with
-    the base model's measure at epoch 0 and 0 seconds.
+    `{"epochs": [...], "seconds": [...], "accuracy": [...], "summary": {...}, "phases":
+    {...}}`, starting with the base model's measure at epoch 0 and 0 seconds; `phases` is
+    `phase_seconds`.
     """
     epochs, seconds, accuracy = [], [], []
     spent = 0.0
@@ -78,7 +80,63 @@ def curve(folder: pathlib.Path) -> dict[str, Any]:
             seconds.append(spent)
             accuracy.append(float(record["heldout_accuracy"]))
     summary = json.loads((folder / "summary.json").read_text())
-    return {"epochs": epochs, "seconds": seconds, "accuracy": accuracy, "summary": summary}
+    return {
+        "epochs": epochs,
+        "seconds": seconds,
+        "accuracy": accuracy,
+        "summary": summary,
+        "phases": phase_seconds(folder),
+    }
+
+
+PHASES = ("seconds_sampling", "seconds_reward", "seconds_update", "seconds_evaluation")
+
+
+def phase_seconds(folder: pathlib.Path) -> dict[str, float]:
+    """A run's mean seconds per epoch in each phase, from its `metrics.jsonl`.
+
+    **Arguments:**
+
+    - `folder`: a finished run folder.
+
+    **Returns:**
+
+    Per phase, the mean over epochs 2 onwards (the first compiles its programs), with
+    `seconds_evaluation` the mean over the epochs that measured; `first_epoch`, the first
+    epoch's three training phases together; `evaluations`, how many epochs measured.
+    """
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r.get("epoch", 0) >= 1]
+    later = [r for r in epochs if r["epoch"] >= 2]
+    measured = [r for r in epochs if "seconds_evaluation" in r]
+    result = {phase: statistics.fmean(r[phase] for r in later) for phase in PHASES[:3]}
+    result["seconds_evaluation"] = statistics.fmean(r["seconds_evaluation"] for r in measured)
+    result["first_epoch"] = sum(epochs[0][phase] for phase in PHASES[:3])
+    result["evaluations"] = float(len(measured))
+    return result
+
+
+def phase_table(results: dict[str, list[dict[str, Any]]]) -> str:
+    """The Markdown table of where an epoch's time goes, per row (mean ± std over seeds)."""
+    lines = [
+        "| recipe | sampling | reward | update | epoch (the three) | evaluation (each) "
+        "| first epoch (compiling) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row, runs in results.items():
+        phases = [run["phases"] for run in runs]
+
+        def figure(values: list[float]) -> str:
+            return _reached(values, len(values), 3) + " s"
+
+        epoch = [sum(p[phase] for phase in PHASES[:3]) for p in phases]
+        line = f"| {ROWS[row][0]} |"
+        for phase in PHASES[:3]:
+            line += f" {figure([p[phase] for p in phases])} |"
+        line += f" {figure(epoch)} | {figure([p['seconds_evaluation'] for p in phases])} |"
+        line += f" {figure([p['first_epoch'] for p in phases])} |"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def first_reaching(run: dict[str, Any], threshold: float) -> tuple[int, float] | None:
@@ -107,8 +165,9 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
     for threshold in THRESHOLDS:
         head += f" epochs to {threshold:.2f} | seconds to {threshold:.2f} |"
         rule += "---|---|"
-    head += " final accuracy | training seconds (all epochs) | wall time |"
-    rule += "---|---|---|"
+    head += " final accuracy | final diversity (x base) | training seconds (all epochs) |"
+    head += " wall time |"
+    rule += "---|---|---|---|"
     lines = [head, rule]
     for row, runs in results.items():
         name, flags = ROWS[row]
@@ -119,6 +178,8 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
             line += f" {_reached([s for _, s in hits], len(runs), 0)} s |"
         finals = [run["summary"]["final_accuracy"] for run in runs]
         line += f" {_reached(finals, len(runs), 3)} (worst {min(finals):.3f}) |"
+        kept = [r["summary"]["final_diversity"] / r["summary"]["base_diversity"] for r in runs]
+        line += f" {_reached(kept, len(runs), 3)} (lowest {min(kept):.3f}) |"
         line += f" {_reached([run['seconds'][-1] for run in runs], len(runs), 0)} s |"
         line += f" {_reached([run['summary']['wall_seconds'] for run in runs], len(runs), 0)} s |"
         lines.append(line)
@@ -180,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             _train(folder, flags, seed)
             results[row].append(curve(folder))
     print(table(results))
+    print()
+    print(phase_table(results))
     plot(results, pathlib.Path(arguments.plot or out / "time_to_accuracy.png"))
     print(json.dumps({"seeds": seeds, "runs": results}))
     return 0
