@@ -13,9 +13,9 @@ import argparse
 import json
 import pathlib
 import statistics
-import subprocess
-import sys
 from typing import Any
+
+from ._recipe_runs import cli, parse_rows, run_rows, train
 
 
 ROWS: dict[str, tuple[str, list[str]]] = {
@@ -42,21 +42,13 @@ ROWS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def _cli(*arguments: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *arguments]
-    return subprocess.run(command, capture_output=True, text=True, check=False)
-
-
 def _run(folder: pathlib.Path, flags: list[str], seed: int) -> dict[str, Any]:
     """Train (unless done) and evaluate on other noise (unless done); the run's figures."""
-    if not (folder / "summary.json").exists():
-        result = _cli("train", *flags, "--seed", str(seed), "--out", str(folder), "--quiet")
-        if result.returncode != 0:
-            raise RuntimeError(f"training in {folder} failed:\n{result.stderr[-3000:]}")
+    train(folder, flags, seed)
     summary: dict[str, Any] = json.loads((folder / "summary.json").read_text())
     other = folder / "eval.json"
     if not other.exists():
-        result = _cli(
+        result = cli(
             "eval", *flags, "--checkpoint", str(folder / "policy.eqx"),
             "--eval-samples-per-prompt", "16", "--eval-seed", "1",
             "--out", str(folder / "eval"),
@@ -78,23 +70,14 @@ def _figure(values: list[float], digits: int = 3, worst: bool = False) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.recipes", description=__doc__)
-    parser.add_argument("--out", required=True, help="one folder per row and seed goes here")
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"any of {', '.join(ROWS)}")
-    parser.add_argument("--seeds", default="0", help="training seeds, e.g. 0,1,2")
-    arguments = parser.parse_args(argv)
-    rows = arguments.rows.split(",")
-    unknown = [row for row in rows if row not in ROWS]
-    if unknown:
-        parser.error(f"--rows names unknown rows {unknown}; known: {list(ROWS)}")
-    seeds = [int(seed) for seed in arguments.seeds.split(",")]
-    out = pathlib.Path(arguments.out)
-    results: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        _, flags = ROWS[row]
-        results[row] = []
-        for seed in seeds:
-            print(f"[recipes] {row}, seed {seed}", file=sys.stderr, flush=True)
-            results[row].append(_run(out / row / f"seed_{seed}", flags, seed))
+    arguments, rows, seeds = parse_rows(parser, ROWS, "0", argv)
+    results = run_rows(
+        "recipes",
+        rows,
+        seeds,
+        pathlib.Path(arguments.out),
+        lambda row, folder, seed: _run(folder, ROWS[row][1], seed),
+    )
     print(
         "| recipe | flags | held-out accuracy | other noise | train reward (last epoch) "
         "| diversity | wall time |"

@@ -1,6 +1,6 @@
 """`python -m bench.time_to_accuracy --out DIR [--rows a,b] [--seeds 0,1,2]`: time to accuracy.
 
-Trains the shapes demo once per row and seed (`flowgrpo-eqx train --seed S --eval-every 10
+Trains the shapes demo once per row and seed (`flowgrpo-eqx train --eval-every 10 --seed S
 --out DIR/ROW/seed_S --quiet` with the row's flags, everything else the main job's defaults),
 then reads each run's `metrics.jsonl` and reports, per row, the epochs and the training
 seconds until held-out strict accuracy first reaches 0.85 and 0.90 (mean ± std over the seeds
@@ -21,11 +21,11 @@ import argparse
 import json
 import pathlib
 import statistics
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
+
+from ._recipe_runs import parse_rows, run_rows, train
 
 
 THRESHOLDS = (0.85, 0.90)
@@ -39,19 +39,6 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     ),
     "nft": ("DiffusionNFT as released", ["--algorithm", "nft"]),
 }
-
-
-def _train(folder: pathlib.Path, flags: list[str], seed: int) -> None:
-    if (folder / "summary.json").exists():
-        return
-    command = [
-        sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", "train", *flags,
-        "--seed", str(seed), "--eval-every", str(EVAL_EVERY), "--out", str(folder),
-        "--quiet", "--replace",
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"training in {folder} failed:\n{result.stderr[-3000:]}")
 
 
 def curve(folder: pathlib.Path) -> dict[str, Any]:
@@ -218,28 +205,18 @@ def plot(results: dict[str, list[dict[str, Any]]], path: pathlib.Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.time_to_accuracy", description=__doc__)
-    parser.add_argument("--out", required=True, help="one folder per row and seed goes here")
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"any of {', '.join(ROWS)}")
-    parser.add_argument("--seeds", default="0,1,2", help="training seeds (default 0,1,2)")
     parser.add_argument(
         "--plot", default=None, help="the figure (default OUT/time_to_accuracy.png)"
     )
-    arguments = parser.parse_args(argv)
-    rows = arguments.rows.split(",")
-    unknown = [row for row in rows if row not in ROWS]
-    if unknown:
-        parser.error(f"--rows names unknown rows {unknown}; known: {list(ROWS)}")
-    seeds = [int(seed) for seed in arguments.seeds.split(",")]
+    arguments, rows, seeds = parse_rows(parser, ROWS, "0,1,2", argv)
     out = pathlib.Path(arguments.out)
-    results: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        _, flags = ROWS[row]
-        results[row] = []
-        for seed in seeds:
-            print(f"[time_to_accuracy] {row}, seed {seed}", file=sys.stderr, flush=True)
-            folder = out / row / f"seed_{seed}"
-            _train(folder, flags, seed)
-            results[row].append(curve(folder))
+
+    def run(row: str, folder: pathlib.Path, seed: int) -> dict[str, Any]:
+        flags = [*ROWS[row][1], "--eval-every", str(EVAL_EVERY)]
+        train(folder, flags, seed)
+        return curve(folder)
+
+    results = run_rows("time_to_accuracy", rows, seeds, out, run)
     print(table(results))
     print()
     print(phase_table(results))

@@ -10,8 +10,8 @@ from hypothesis import given, strategies as st
 
 import flowgrpo_eqx as fg
 import flowgrpo_eqx.testing as T
-from tests.test_nft_released import K, N, draws, numpy_total, params_of
-from tests.test_objective import DIM, NULL, LinearVelocity, perturbed
+from tests.test_nft_released import N, draws, numpy_total, params_of, setup
+from tests.test_objective import perturbed
 
 
 @eqx.filter_jit
@@ -36,34 +36,19 @@ def test_nft_loss_at_the_old_policy_ignores_the_advantages(seed, beta, spread):
     """With `v_theta = v_old` the implicit policies `v+` and `v-` are both `v_old`, so with
     `kl_beta = 0` every row's loss is `(adv_max / beta) mean(e^2) / max(mean|e|, 1e-5)` whatever
     its advantage, and a batch of zero advantages (`r = 1/2`) has no gradient."""
-    objective = fg.DiffusionNFTObjective(
-        LinearVelocity(jax.random.key(0)),
-        fg.RectifiedFlow(),
-        fg.InputSpec(null=jnp.asarray(NULL), latent_shape=(DIM,)),
-        beta=beta,
-        kl_beta=0.0,
-        old_decay=None,
-    )
-    policy = perturbed(objective.init(jax.random.key(0)).policy, jax.random.key(seed), 0.1)
+    objective, variables, batch = setup(beta, kl_beta=0.0)
+    policy = perturbed(variables.policy, jax.random.key(seed), 0.1)
     variables = fg.NFTVariables(policy=policy, old_policy=policy, reference=None)
     rng = np.random.default_rng(seed)
-    grid = np.asarray(fg.RectifiedFlow().timesteps(K + 1))[:-1]
 
-    def batch_with(advantages: np.ndarray) -> fg.FinalSamples:
-        return fg.FinalSamples(
-            latents=jnp.asarray(rng_latents),
-            advantages=jnp.asarray(advantages.astype(np.float32)),
-            cond=jnp.asarray(rng_cond),
-            timesteps=jnp.asarray(np.broadcast_to(grid, (N, K)).astype(np.float32)),
-        )
+    def with_advantages(advantages: np.ndarray) -> fg.FinalSamples:
+        return eqx.tree_at(lambda b: b.advantages, batch, jnp.asarray(advantages, jnp.float32))
 
-    rng_latents = rng.normal(size=(N, DIM)).astype(np.float32)
-    rng_cond = rng.normal(size=(N, 3)).astype(np.float32)
     step = fg.Step(index=0, key=jax.random.key(seed))
-    first = batch_with(rng.normal(size=N) * spread)
+    first = with_advantages(rng.normal(size=N) * spread)
     value, _ = _nft_loss(objective, variables, first, step)
-    other, _ = _nft_loss(objective, variables, batch_with(rng.normal(size=N) * spread), step)
-    zero, zero_grad = _nft_loss(objective, variables, batch_with(np.zeros(N)), step)
+    other, _ = _nft_loss(objective, variables, with_advantages(rng.normal(size=N) * spread), step)
+    zero, zero_grad = _nft_loss(objective, variables, with_advantages(np.zeros(N)), step)
     np.testing.assert_allclose(float(other), float(value), rtol=1e-5)
     np.testing.assert_allclose(float(zero), float(value), rtol=1e-5)
     t, noise = draws(objective, first, step)

@@ -15,13 +15,14 @@ from tests.test_objective import DIM, NULL, LinearVelocity, perturbed
 N, K = 5, 6
 
 
-def setup(beta, guidance=None):
+def setup(beta, guidance=None, kl_beta=1e-4):
     objective = fg.DiffusionNFTObjective(
         LinearVelocity(jax.random.key(0)),
         fg.RectifiedFlow(),
         fg.InputSpec(null=jnp.asarray(NULL), latent_shape=(DIM,)),
         beta=beta,
         adv_max=5.0,
+        kl_beta=kl_beta,
         old_decay=None,
         guidance=guidance,
     )

@@ -1,0 +1,74 @@
+"""What the recipe benches share: the command line of rows and seeds, and training one row's
+run of the shapes demo in a fresh process (so that runs do not share compiled programs or
+memory, as separate jobs would not)."""
+
+import argparse
+import pathlib
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def cli(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """`flowgrpo-eqx ARGUMENTS` in a fresh interpreter, its output captured."""
+    command = [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
+def train(folder: pathlib.Path, flags: list[str], seed: int) -> None:
+    """`flowgrpo-eqx train FLAGS --seed SEED --out FOLDER --quiet --replace`, unless `FOLDER`
+    already holds its `summary.json` (a run stopped part-way is moved aside and run again).
+
+    **Raises:**
+
+    - `RuntimeError`: with the end of its standard error, if the run fails.
+    """
+    if (folder / "summary.json").exists():
+        return
+    result = cli("train", *flags, "--seed", str(seed), "--out", str(folder), "--quiet", "--replace")
+    if result.returncode != 0:
+        raise RuntimeError(f"training in {folder} failed:\n{result.stderr[-3000:]}")
+
+
+def parse_rows(
+    parser: argparse.ArgumentParser,
+    rows: Mapping[str, Any],
+    default_seeds: str,
+    argv: list[str] | None,
+) -> tuple[argparse.Namespace, list[str], list[int]]:
+    """Add `--out`, `--rows` and `--seeds` to `parser` and parse `argv`.
+
+    **Returns:**
+
+    The parsed arguments, the row names chosen (checked against `rows`) and the seeds.
+    """
+    parser.add_argument("--out", required=True, help="one folder per row and seed goes here")
+    parser.add_argument("--rows", default=",".join(rows), help=f"any of {', '.join(rows)}")
+    parser.add_argument(
+        "--seeds", default=default_seeds, help=f"training seeds (default {default_seeds})"
+    )
+    arguments = parser.parse_args(argv)
+    chosen = arguments.rows.split(",")
+    unknown = [row for row in chosen if row not in rows]
+    if unknown:
+        parser.error(f"--rows names unknown rows {unknown}; known: {list(rows)}")
+    return arguments, chosen, [int(seed) for seed in arguments.seeds.split(",")]
+
+
+def run_rows(
+    bench: str,
+    rows: list[str],
+    seeds: list[int],
+    out: pathlib.Path,
+    run: Callable[[str, pathlib.Path, int], dict[str, Any]],
+) -> dict[str, list[dict[str, Any]]]:
+    """`run(row, OUT/ROW/seed_S, S)` for every row and seed, in order, saying which on
+    standard error; the results by row."""
+    results: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        results[row] = []
+        for seed in seeds:
+            print(f"[{bench}] {row}, seed {seed}", file=sys.stderr, flush=True)
+            results[row].append(run(row, out / row / f"seed_{seed}", seed))
+    return results
