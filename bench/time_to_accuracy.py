@@ -33,9 +33,9 @@ EVAL_EVERY = 10
 
 ROWS: dict[str, tuple[str, list[str]]] = {
     "flow_grpo": ("Flow-GRPO, the main job's defaults", []),
-    "flow_grpo_independent_noise": (
-        "Flow-GRPO with independent initial noise (the former default)",
-        ["--shared-noise", "false"],
+    "flow_grpo_former": (
+        "Flow-GRPO, the former defaults (independent noise, partial reward, 200 epochs)",
+        ["--shared-noise", "false", "--reward", "partial", "--epochs", "200"],
     ),
     "nft": ("DiffusionNFT as released", ["--algorithm", "nft"]),
 }

@@ -111,7 +111,7 @@ class JobConfig:
         include_maximum=False,
     )
     # Flow-GRPO
-    epochs: int = _setting(200, "Flow-GRPO epochs (one rollout each)", minimum=1)
+    epochs: int = _setting(300, "Flow-GRPO epochs (one rollout each)", minimum=1)
     algorithm: AlgorithmName = _setting(
         "flow_grpo",
         "flow_grpo (clipped policy gradient on SDE transitions) | nft (DiffusionNFT: "
@@ -148,7 +148,7 @@ class JobConfig:
         minimum=1,
     )
     shared_noise: bool = _setting(
-        False, "every sample of a group starts from the same noise (groups differ)"
+        True, "every sample of a group starts from the same noise (groups differ)"
     )
     window_schedule: WindowScheduleName = _setting(
         "fixed",
@@ -186,13 +186,18 @@ class JobConfig:
         minimum=0,
     )
     reward: RewardName = _setting(
-        "partial", "partial | strict (the task checker) | jpeg_incompressibility"
+        "partial",
+        "partial | strict (the task checker) | jpeg_incompressibility: one built-in reward, "
+        "used when reward_weights is none (naming it, --custom-reward or --reward-url turns "
+        "the default reward_weights off)",
     )
     reward_weights: str | None = _setting(
-        None, "a weighted sum of built-in rewards instead of --reward, e.g. partial=1,strict=0.5"
+        "partial=1,strict=1",
+        "a weighted sum of built-in rewards instead of --reward, e.g. partial=1,strict=0.5 "
+        "(none: --reward alone)",
     )
     reward_combination: RewardCombination = _setting(
-        "sum",
+        "normalize_each",
         "sum (normalise the weighted sum in each group) | normalize_each (normalise each "
         "reward of --reward-weights in its group, then combine)",
     )
@@ -456,6 +461,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
     """A `JobConfig` from a preset and overrides, checked as a whole.
 
+    The default reward is the weighted sum `reward_weights` (partial and strict, each
+    normalised in its group); a preset or override that chooses one reward (`reward`,
+    `custom_reward` or `reward_url`) without naming `reward_weights` turns it off (and
+    `reward_combination` back to `"sum"` unless named too).
+
     **Raises:**
 
     - `ValueError`: for an unknown preset or setting, or a bad value (naming the setting).
@@ -466,7 +476,16 @@ def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
     unknown = sorted(set(overrides) - names)
     if unknown:
         raise ValueError(f"Unknown settings {unknown}; known: {sorted(names)}.")
-    return JobConfig(**{**PRESETS[preset], **overrides})
+    settings = {**PRESETS[preset], **overrides}
+    if "reward_weights" not in settings and any(name in settings for name in _ONE_REWARD):
+        settings.update(reward_weights=None)
+        settings.setdefault("reward_combination", "sum")
+    return JobConfig(**settings)
+
+
+_ONE_REWARD = ("reward", "custom_reward", "reward_url")
+"""Settings that choose one reward: naming any of them (in a preset, a file or a flag) without
+naming `reward_weights` turns the default weighted sum off."""
 
 
 def _field_types() -> dict[str, Any]:

@@ -264,6 +264,7 @@ class _Run:
                 "epoch": 0,
                 "heldout_accuracy": base_measure["accuracy"],
                 "heldout_reward": base_measure["reward"],
+                "heldout_diversity": base_measure["diversity"],
             }
         )
         if self.writers is not None:
@@ -307,6 +308,7 @@ class _Run:
             record.update(
                 heldout_accuracy=measured["accuracy"],
                 heldout_reward=measured["reward"],
+                heldout_diversity=measured["diversity"],
                 seconds_evaluation=time.perf_counter() - measuring,
             )
             if config.log:
