@@ -5,6 +5,7 @@ the session's tiny base model, except `launch`'s ranks; reward servers are real
 `flowgrpo-eqx serve-reward` processes on 127.0.0.1 (one is killed mid-run).
 """
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -308,6 +309,27 @@ def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tm
 def test_old_log_probs_default_to_the_update_program_in_bfloat16(settings, expected, tmp_path):
     job = ShapesJob(make_config("tiny", **settings), tmp_path, True)
     assert job.objective(job.model).old_log_probs == expected
+
+
+@pytest.mark.parametrize(
+    "settings, weights, combination",
+    [
+        ({}, "partial=1,strict=1", "normalize_each"),
+        ({"reward": "strict"}, None, "sum"),
+        ({"custom_reward": "tests.cli_rewards:brightness"}, None, "sum"),
+        ({"reward_url": "http://127.0.0.1:1"}, None, "sum"),
+        (
+            {"reward": "strict", "reward_combination": "sum", "reward_weights": "strict=1"},
+            "strict=1",
+            "sum",
+        ),
+    ],
+)
+def test_choosing_one_reward_turns_the_default_weighted_sum_off(settings, weights, combination):
+    config = make_config("default", **settings)
+    assert (config.reward_weights, config.reward_combination) == (weights, combination)
+    # A saved configuration names every setting, so reading it back changes nothing.
+    assert make_config("default", **dataclasses.asdict(config)) == config
 
 
 @pytest.mark.parametrize(
