@@ -322,8 +322,9 @@ class JobConfig:
             parse_reward_weights(self.reward_weights)
             if self.custom_reward is not None or self.reward_url is not None:
                 raise ValueError(
-                    "Setting `reward_weights` combines built-in rewards; it excludes "
-                    "`custom_reward` and `reward_url`."
+                    f"Setting `reward_weights`={self.reward_weights!r} combines built-in "
+                    "rewards; it excludes `custom_reward` and `reward_url` (set "
+                    "reward_weights to none to use either)."
                 )
         elif self.reward_combination != "sum":
             raise ValueError(
