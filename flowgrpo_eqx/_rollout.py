@@ -125,8 +125,8 @@ class FlowRollout(eqx.Module):
         transition).
     - `shared_noise`: if `True`, every sample of a group starts from the same N(0, I) draw
         (groups differ), so the group baseline compares sampler branches only (the
-        release's `same_latent`). `False` (default) draws every sample's start
-        independently.
+        release's `same_latent`); SDE samplers only, since an ODE sampler would draw one
+        sample per group. `False` (default) draws every sample's start independently.
     - `mesh`: a data mesh (`flowgrpo_eqx.data_mesh()`) to shard rows over, or `None` for the
         default device. With many processes, every process calls `collect` with the same
         global rows; generation is collective, the reward runs on process 0 only, and the
@@ -136,9 +136,9 @@ class FlowRollout(eqx.Module):
 
     - `ValueError`: naming the argument, for a `sampler` that is neither an SDE nor an ODE
         solver, `groups < 1`, `steps < 2`, a `train_steps` outside `1..steps - 1` or with an
-        ODE sampler, a recorded range with no stochastic transition, or a
+        ODE sampler, a recorded range with no stochastic transition, a
         `window_schedule` longer than the trajectory or beside `train_steps`, the SDE's
-        `window` or an ODE sampler.
+        `window` or an ODE sampler, or `shared_noise` with an ODE sampler and `groups > 1`.
     """
 
     flow: GuidedFlow
@@ -201,6 +201,12 @@ class FlowRollout(eqx.Module):
                         f"`{name}` must be None with an ODE `sampler` (it records no "
                         f"transitions), got {getattr(self, name)!r}."
                     )
+            if self.shared_noise and self.groups > 1:
+                raise ValueError(
+                    "`shared_noise` must be False with an ODE `sampler`: a deterministic "
+                    "sampler from one shared start draws the same sample for the whole group, "
+                    "so every advantage would be 0."
+                )
             return
         sde = self.sampler
         if self.window_schedule is not None:

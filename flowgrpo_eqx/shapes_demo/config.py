@@ -307,6 +307,12 @@ class JobConfig:
                     f"(rollout_steps={self.rollout_steps} gives {transitions} transitions), "
                     f"got {value!r}."
                 )
+        if self.algorithm == "nft" and self.shared_noise:
+            raise ValueError(
+                "Setting `shared_noise` must be false with algorithm 'nft': its rollout is a "
+                "deterministic ODE, so a group sharing one initial noise would be one sample "
+                "repeated, and every advantage 0."
+            )
         if self.algorithm == "nft" and self.beta > 0:
             raise ValueError(
                 "Setting `beta` (Flow-GRPO's KL weight) must be 0 with algorithm 'nft', got "
@@ -465,7 +471,9 @@ def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
     The default reward is the weighted sum `reward_weights` (partial and strict, each
     normalised in its group); a preset or override that chooses one reward (`reward`,
     `custom_reward` or `reward_url`) without naming `reward_weights` turns it off (and
-    `reward_combination` back to `"sum"` unless named too).
+    `reward_combination` back to `"sum"` unless named too). The default shared initial noise
+    is Flow-GRPO's: `algorithm="nft"` samples with a deterministic solver, so it turns
+    `shared_noise` off unless named.
 
     **Raises:**
 
@@ -481,6 +489,8 @@ def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
     if "reward_weights" not in settings and any(name in settings for name in _ONE_REWARD):
         settings.update(reward_weights=None)
         settings.setdefault("reward_combination", "sum")
+    if settings.get("algorithm") == "nft":
+        settings.setdefault("shared_noise", False)
     return JobConfig(**settings)
 
 
