@@ -38,10 +38,6 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         ["--shared-noise", "false", "--reward", "partial", "--epochs", "200"],
     ),
     "nft": ("DiffusionNFT as released", ["--algorithm", "nft"]),
-    "nft_partial": (
-        "DiffusionNFT as released, on the partial reward alone",
-        ["--algorithm", "nft", "--reward", "partial"],
-    ),
 }
 
 

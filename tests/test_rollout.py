@@ -194,6 +194,16 @@ def test_bad_rollout_settings_named(kwargs, name):
         fg.FlowRollout(objective.flow, objective.sde, CountingReward(), **kwargs)
 
 
+def test_shared_noise_with_an_ode_sampler_is_refused():
+    # A deterministic sampler from one start per group draws one sample per group: every
+    # advantage would be 0 and nothing would be learned.
+    objective = objective_of(make_rollout(CountingReward()))
+    with pytest.raises(ValueError, match="shared_noise"):
+        fg.FlowRollout(objective.flow, fg.Heun(), CountingReward(), groups=4, shared_noise=True)
+    fg.FlowRollout(objective.flow, fg.Heun(), CountingReward(), groups=4)
+    fg.FlowRollout(objective.flow, objective.sde, CountingReward(), groups=4, shared_noise=True)
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [

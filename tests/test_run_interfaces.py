@@ -311,6 +311,12 @@ def test_old_log_probs_default_to_the_update_program_in_bfloat16(settings, expec
     assert job.objective(job.model).old_log_probs == expected
 
 
+def test_nft_turns_the_default_shared_noise_off():
+    assert make_config("default").shared_noise
+    assert not make_config("default", algorithm="nft").shared_noise
+    assert make_config("default", algorithm="flow_grpo").shared_noise
+
+
 @pytest.mark.parametrize(
     "settings, weights, combination",
     [
@@ -346,6 +352,7 @@ def test_choosing_one_reward_turns_the_default_weighted_sum_off(settings, weight
         (["--precision", "float16"], "--precision"),
         (["--param-sharding", "zero3"], "--param-sharding"),
         (["--old-log-probs", "recorded"], "--old-log-probs"),
+        (["--algorithm", "nft", "--shared-noise", "true"], "shared_noise"),
     ],
 )
 def test_bad_recipe_options_are_named(flags, named):
