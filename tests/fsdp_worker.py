@@ -57,6 +57,32 @@ def train(trainer, state, batch):
     return state, history
 
 
+def on_one_and_four(trainer, host_state, host_batch):
+    """The updates on one device with replicated parameters (the state and metrics after
+    them), and the FSDP start on four devices with the rows sharded over them."""
+    one = fg.data_mesh(1)
+    replicated_state, replicated = train(
+        trainer,
+        fg.shard_parameters(host_state, one, "replicated"),
+        fg.shard_batch(host_batch, one),
+    )
+    four = fg.data_mesh(4)
+    sharded_start = fg.shard_parameters(host_state, four, "fsdp", min_elements=MIN_ELEMENTS)
+    return replicated_state, replicated, sharded_start, fg.shard_batch(host_batch, four)
+
+
+def largest_difference(a, b):
+    """The largest absolute difference between two trees' floating-point arrays."""
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(
+            jax.tree.leaves(eqx.filter(a, eqx.is_inexact_array)),
+            jax.tree.leaves(eqx.filter(b, eqx.is_inexact_array)),
+            strict=True,
+        )
+    )
+
+
 def main():
     model = MLPVelocity(LATENT, COND, hidden=64, depth=2, key=jax.random.key(0))
     objective = fg.FlowGRPOObjective(
@@ -68,32 +94,12 @@ def main():
     host_state = jax.device_get(initial)
     host_batch = jax.device_get(batch)
 
-    one = fg.data_mesh(1)
-    replicated_state, replicated = train(
-        trainer,
-        fg.shard_parameters(host_state, one, "replicated"),
-        fg.shard_batch(host_batch, one),
+    replicated_state, replicated, sharded_start, four_rows = on_one_and_four(
+        trainer, host_state, host_batch
     )
-    four = fg.data_mesh(4)
-    sharded_start = fg.shard_parameters(host_state, four, "fsdp", min_elements=MIN_ELEMENTS)
-    sharded_state, sharded = train(trainer, sharded_start, fg.shard_batch(host_batch, four))
-
-    moved = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(
-            jax.tree.leaves(eqx.filter(host_state.variables.policy, eqx.is_array)),
-            jax.tree.leaves(eqx.filter(replicated_state.variables.policy, eqx.is_array)),
-            strict=True,
-        )
-    )
-    difference = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(
-            jax.tree.leaves(eqx.filter(replicated_state, eqx.is_inexact_array)),
-            jax.tree.leaves(eqx.filter(sharded_state, eqx.is_inexact_array)),
-            strict=True,
-        )
-    )
+    sharded_state, sharded = train(trainer, sharded_start, four_rows)
+    moved = largest_difference(host_state.variables.policy, replicated_state.variables.policy)
+    difference = largest_difference(replicated_state, sharded_state)
     # bfloat16 with the old log densities taken from the update's program, on the FSDP mesh:
     # the first update's ratio is exactly 1 there too.
     bfloat16_objective = fg.FlowGRPOObjective(
@@ -101,8 +107,9 @@ def main():
         clip_range=0.2, precision="bfloat16", old_log_probs="update",
     )  # fmt: skip
     bfloat16 = Trainer(bfloat16_objective)
-    bfloat16_state = fg.shard_parameters(host_state, four, "fsdp", min_elements=MIN_ELEMENTS)
-    four_rows = fg.shard_batch(host_batch, four)
+    bfloat16_state = fg.shard_parameters(
+        host_state, fg.data_mesh(4), "fsdp", min_elements=MIN_ELEMENTS
+    )
     rescored = bfloat16_objective.prepare_batch(
         four_rows,
         lambda minibatch: bfloat16.run_update(bfloat16_state, minibatch),
@@ -203,15 +210,9 @@ def main_mmdit():
     batch = eqx.tree_at(lambda b: b.old_log_probs, batch, old + 0.05)
     host_state, host_batch = jax.device_get(initial), jax.device_get(batch)
 
-    one = fg.data_mesh(1)
-    replicated_state, replicated = train(
-        trainer,
-        fg.shard_parameters(host_state, one, "replicated"),
-        fg.shard_batch(host_batch, one),
+    replicated_state, replicated, sharded_start, four_rows = on_one_and_four(
+        trainer, host_state, host_batch
     )
-    four = fg.data_mesh(4)
-    sharded_start = fg.shard_parameters(host_state, four, "fsdp", min_elements=MIN_ELEMENTS)
-    four_rows = fg.shard_batch(host_batch, four)
     # The compiled step, as `Trainer.update` compiles it (under the state's mesh).
     dynamic, static_part = eqx.partition((trainer, four_rows, sharded_start), eqx.is_array)
 
@@ -223,22 +224,8 @@ def main_mmdit():
         hlo = jax.jit(step).lower(dynamic).compile().as_text()
     weights, activations = all_gathers(hlo, weight_shapes(initial))
     sharded_state, sharded = train(trainer, sharded_start, four_rows)
-    difference = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(
-            jax.tree.leaves(eqx.filter(replicated_state, eqx.is_inexact_array)),
-            jax.tree.leaves(eqx.filter(sharded_state, eqx.is_inexact_array)),
-            strict=True,
-        )
-    )
-    moved = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(
-            jax.tree.leaves(eqx.filter(host_state.variables.policy, eqx.is_inexact_array)),
-            jax.tree.leaves(eqx.filter(replicated_state.variables.policy, eqx.is_inexact_array)),
-            strict=True,
-        )
-    )
+    difference = largest_difference(replicated_state, sharded_state)
+    moved = largest_difference(host_state.variables.policy, replicated_state.variables.policy)
     print(
         json.dumps(
             {

@@ -17,24 +17,32 @@ from tests.errors import NAMED_ARGUMENT_ERRORS
 
 # A fresh interpreter: the device count is fixed when JAX starts. Its programs come from the
 # persistent compilation cache the test processes share (conftest.py) after the first run.
-def test_four_devices_fsdp_match_one_device_and_stay_sharded():
+def four_device_report(*arguments):
+    """Run `tests.fsdp_worker ARGUMENTS` on 4 simulated devices; its JSON report, after
+    checking that its updates moved the policy and that FSDP on four devices computed what
+    one device did (every metric of every update, and the state after them)."""
     environment = {
         **os.environ,
         "PYTHONPATH": str(REPO),
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
     }
     result = subprocess.run(
-        [sys.executable, "-m", "tests.fsdp_worker"],
+        [sys.executable, "-m", "tests.fsdp_worker", *arguments],
         capture_output=True, text=True, env=environment, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["moved"] > 1e-5, "three updates changed nothing; the comparison is vacuous"
+    assert report["moved"] > 1e-5, "the updates changed nothing; the comparison is vacuous"
     for one, four in zip(report["replicated"], report["fsdp"], strict=True):
         assert one.keys() == four.keys()
         for name in one:
             np.testing.assert_allclose(four[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
     assert report["largest_difference"] <= 1e-5
+    return report
+
+
+def test_four_devices_fsdp_match_one_device_and_stay_sharded():
+    report = four_device_report()
     # Every large array of the policy, the held reference and AdamW's moments is still split in
     # four after the updates, and one device holds about a quarter of the state.
     assert report["large_arrays"] >= 9 and report["large_sharded"] == report["large_arrays"]
@@ -43,24 +51,8 @@ def test_four_devices_fsdp_match_one_device_and_stay_sharded():
     assert first["approx_kl"] == 0.0 and first["ratio"] == 1.0
 
 
-# Slow (a fresh interpreter with 4 devices, about a minute): `python -m pytest -m slow`.
 def test_four_devices_fsdp_mmdit_gathers_weights_not_activations():
-    environment = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-    }
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.fsdp_worker", "mmdit"],
-        capture_output=True, text=True, env=environment, timeout=600, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["moved"] > 1e-5, "the updates changed nothing; the comparison is vacuous"
-    for one, four in zip(report["replicated"], report["fsdp"], strict=True):
-        for name in one:
-            np.testing.assert_allclose(four[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
-    assert report["largest_difference"] <= 1e-5
+    report = four_device_report("mmdit")
     # The step gathers weights (each block's as the scan reaches it), never activations.
     assert report["weight_gathers"] > 0
     assert report["activation_gathers"] == []
