@@ -41,6 +41,12 @@ ROWS: dict[str, tuple[str, list[str]]] = {
 }
 
 
+TRAINING_PHASES = ("seconds_sampling", "seconds_reward", "seconds_update")
+"""The phases of an epoch that train; their sum is the epoch's training seconds."""
+
+PHASES = (*TRAINING_PHASES, "seconds_evaluation")
+
+
 def curve(folder: pathlib.Path) -> dict[str, Any]:
     """One run's held-out accuracy against epochs and training seconds, and its summary.
 
@@ -54,14 +60,11 @@ def curve(folder: pathlib.Path) -> dict[str, Any]:
     {...}}`, starting with the base model's measure at epoch 0 and 0 seconds; `phases` is
     `phase_seconds`.
     """
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     epochs, seconds, accuracy = [], [], []
     spent = 0.0
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        spent += sum(
-            record.get(phase, 0.0)
-            for phase in ("seconds_sampling", "seconds_reward", "seconds_update")
-        )
+    for record in records:
+        spent += sum(record.get(phase, 0.0) for phase in TRAINING_PHASES)
         if "heldout_accuracy" in record:
             epochs.append(int(record["epoch"]))
             seconds.append(spent)
@@ -72,19 +75,16 @@ def curve(folder: pathlib.Path) -> dict[str, Any]:
         "seconds": seconds,
         "accuracy": accuracy,
         "summary": summary,
-        "phases": phase_seconds(folder),
+        "phases": phase_seconds(records),
     }
 
 
-PHASES = ("seconds_sampling", "seconds_reward", "seconds_update", "seconds_evaluation")
-
-
-def phase_seconds(folder: pathlib.Path) -> dict[str, float]:
-    """A run's mean seconds per epoch in each phase, from its `metrics.jsonl`.
+def phase_seconds(records: list[dict[str, Any]]) -> dict[str, float]:
+    """A run's mean seconds per epoch in each phase.
 
     **Arguments:**
 
-    - `folder`: a finished run folder.
+    - `records`: the records of a finished run's `metrics.jsonl`.
 
     **Returns:**
 
@@ -92,13 +92,12 @@ def phase_seconds(folder: pathlib.Path) -> dict[str, float]:
     `seconds_evaluation` the mean over the epochs that measured; `first_epoch`, the first
     epoch's three training phases together; `evaluations`, how many epochs measured.
     """
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in records if r.get("epoch", 0) >= 1]
     later = [r for r in epochs if r["epoch"] >= 2]
     measured = [r for r in epochs if "seconds_evaluation" in r]
-    result = {phase: statistics.fmean(r[phase] for r in later) for phase in PHASES[:3]}
+    result = {phase: statistics.fmean(r[phase] for r in later) for phase in TRAINING_PHASES}
     result["seconds_evaluation"] = statistics.fmean(r["seconds_evaluation"] for r in measured)
-    result["first_epoch"] = sum(epochs[0][phase] for phase in PHASES[:3])
+    result["first_epoch"] = sum(epochs[0][phase] for phase in TRAINING_PHASES)
     result["evaluations"] = float(len(measured))
     return result
 
@@ -116,9 +115,9 @@ def phase_table(results: dict[str, list[dict[str, Any]]]) -> str:
         def figure(values: list[float]) -> str:
             return _reached(values, len(values), 3) + " s"
 
-        epoch = [sum(p[phase] for phase in PHASES[:3]) for p in phases]
+        epoch = [sum(p[phase] for phase in TRAINING_PHASES) for p in phases]
         line = f"| {ROWS[row][0]} |"
-        for phase in PHASES[:3]:
+        for phase in TRAINING_PHASES:
             line += f" {figure([p[phase] for p in phases])} |"
         line += f" {figure(epoch)} | {figure([p['seconds_evaluation'] for p in phases])} |"
         line += f" {figure([p['first_epoch'] for p in phases])} |"
