@@ -92,8 +92,11 @@ class ShapesJob:
         self.quiet = quiet
         self.task = ShapesTask()
         self.reward: FlowReward
+        self.reward_name: str
+        """What the train reward is, in the words of the settings (for pictures)."""
         if config.custom_reward is not None:
             self.reward = load_reward(config.custom_reward)
+            self.reward_name = config.custom_reward
         elif config.reward_url is not None:
             self.reward = HttpReward(
                 config.reward_url,
@@ -101,13 +104,16 @@ class ShapesJob:
                 retries=config.reward_retries,
                 token=reward_token,
             )
+            self.reward_name = "reward server"
         elif config.reward_weights is not None:
             weights = parse_reward_weights(config.reward_weights)
             self.reward = WeightedReward(
                 [(BUILTIN_REWARDS[name](), weight) for name, weight in weights.items()]
             )
+            self.reward_name = f"{config.reward_weights}, {config.reward_combination}"
         else:
             self.reward = BUILTIN_REWARDS[config.reward]()
+            self.reward_name = config.reward
         self.inputs = InputSpec(
             select="tokens",
             null=jnp.full((PROMPT_LENGTH,), NULL_TOKEN, jnp.int32),

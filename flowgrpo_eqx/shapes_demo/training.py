@@ -47,17 +47,6 @@ from .report import plot_curve
 from .run_folder import RunFolderError, check_run_folder, identity, replace_run
 
 
-def _reward_name(config: JobConfig) -> str:
-    """What the run's train reward is, in the words of its settings."""
-    if config.custom_reward is not None:
-        return config.custom_reward
-    if config.reward_url is not None:
-        return "reward server"
-    if config.reward_weights is not None:
-        return f"{config.reward_weights}, {config.reward_combination}"
-    return config.reward
-
-
 def _silent(message: str) -> None:
     del message
 
@@ -365,7 +354,7 @@ class _Run:
             self.writers.image(config.epochs, "heldout_samples", out / "samples_after.png")
         job.save_policy(final_variables.policy)
         records = self.metrics.read()
-        plot_curve(records, out / "reward_curve.png", _reward_name(config))
+        plot_curve(records, out / "reward_curve.png", job.reward_name)
         train_rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
         summary = {
             "base_accuracy": base_measure["accuracy"],
