@@ -65,8 +65,9 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
     """An objective over a rectified-flow velocity model, in the trainer's interface.
 
     Concrete objectives hold a `GuidedFlow` (the model, process, inputs, guidance and
-    autoencoder) and supply `init` (their own variables) and `loss`; live-policy ODE
-    sampling (`evaluate`) and previews are shared here.
+    autoencoder) and supply `init` (their own variables), `loss`, and `loss_sums_over_rows`
+    (whether the trainer may split a batch into microbatches); live-policy ODE sampling
+    (`evaluate`) and previews are shared here.
     """
 
     flow: eqx.AbstractVar[GuidedFlow]
@@ -108,6 +109,17 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
         `(Mean(total, count), aux)`: the value as a sum and a count, so that shards reduce
         exactly, and a PyTree whose `Mean`s, scalars and one-axis arrays become metrics
         (arrays of more axes are per-row outputs, not metrics).
+        """
+
+    @abc.abstractmethod
+    def loss_sums_over_rows(self) -> bool:
+        """Whether `loss` is a sum of per-row parts over a count of rows, so that a batch's
+        `Mean` is the sum of its parts' `Mean`s; the trainer's `microbatches > 1` needs it.
+
+        **Returns:**
+
+        `False` where the loss of one row depends on other rows of the batch (statistics
+        taken over the whole minibatch).
         """
 
     def initial_policy(self) -> Model:

@@ -364,6 +364,10 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         scaled = jnp.clip(advantages.astype(jnp.float32) / self.adv_max, -1.0, 1.0)
         return 0.5 + 0.5 * scaled
 
+    def loss_sums_over_rows(self) -> bool:
+        """`True`: each row's loss, adaptive weights and KL are its own."""
+        return True
+
     def loss(
         self, variables: NFTVariables, batch: FinalSamples, step: Step
     ) -> tuple[Mean, dict[str, Mean]]:

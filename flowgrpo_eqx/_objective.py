@@ -620,6 +620,11 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         result: PerTransition = self._map_transitions(score, inputs, batch.cond)
         return result
 
+    def loss_sums_over_rows(self) -> bool:
+        """`True` without a `guard`; a guard's ratio normalisation and step weights use
+        whole-minibatch statistics."""
+        return self.guard is None
+
     def loss(
         self, variables: FlowGRPOVariables, batch: Transitions, step: Step
     ) -> tuple[Mean, Aux]:

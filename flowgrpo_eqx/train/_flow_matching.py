@@ -126,6 +126,10 @@ class FlowMatchingObjective(AbstractFlowObjective[PolicyVariables]):
             return jax.random.uniform(key, (count,), minval=1e-4, maxval=1.0 - 1e-4)
         return jax.nn.sigmoid(jax.random.normal(key, (count,)))
 
+    def loss_sums_over_rows(self) -> bool:
+        """`True`: each row's flow-matching error is its own."""
+        return True
+
     def loss(
         self, variables: PolicyVariables, batch: SupervisedBatch, step: Step
     ) -> tuple[Mean, dict[str, Mean]]:

@@ -140,7 +140,8 @@ class Trainer(eqx.Module):
 
     - `ValueError`: for an `ema_decay` outside [0, 1), or `microbatches` not an int >= 1,
         or `microbatches > 1` with an objective whose loss is not a sum of per-row parts
-        (GRPO-Guard's `guard`, which normalises the ratio with whole-minibatch statistics).
+        (`objective.loss_sums_over_rows()` false, as with GRPO-Guard's `guard`, which
+        normalises the ratio with whole-minibatch statistics).
     """
 
     objective: AbstractFlowObjective[Any]
@@ -169,11 +170,12 @@ class Trainer(eqx.Module):
             "ema_decay", self.ema_decay, minimum=0, maximum=1, include_maximum=False, optional=True
         )
         check_int("microbatches", self.microbatches, 1)
-        if self.microbatches > 1 and getattr(self.objective, "guard", None) is not None:
+        if self.microbatches > 1 and not self.objective.loss_sums_over_rows():
             raise ValueError(
-                f"`microbatches` ({self.microbatches}) must be 1 with GRPO-Guard (`guard`): "
-                "its RatioNorm and step reweighting use whole-minibatch statistics, so its "
-                "loss is not a sum of per-row parts."
+                f"`microbatches` ({self.microbatches}) must be 1 with "
+                f"{type(self.objective).__name__} as configured: its loss is not a sum of "
+                "per-row parts (`loss_sums_over_rows()` is false; GRPO-Guard's ratio "
+                "normalisation and step weights use whole-minibatch statistics)."
             )
 
     def trainable_filter(self, policy: Model) -> Callable[[Any], bool] | PyTree[bool]:
