@@ -4,6 +4,7 @@ memory, as separate jobs would not)."""
 
 import argparse
 import pathlib
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -72,3 +73,14 @@ def run_rows(
             print(f"[{bench}] {row}, seed {seed}", file=sys.stderr, flush=True)
             results[row].append(run(row, out / row / f"seed_{seed}", seed))
     return results
+
+
+def over_seeds(values: list[float], seeds: int, digits: int) -> str:
+    """`values` (one per seed that has one) as `mean ± std`, and `(k of n)` when only `k` of
+    the `n` seeds have one; `not reached (0 of n)` when none has."""
+    if not values:
+        return f"not reached (0 of {seeds})"
+    figure = f"{statistics.fmean(values):.{digits}f}"
+    if len(values) > 1:
+        figure += f" ± {statistics.pstdev(values):.{digits}f}"
+    return figure if len(values) == seeds else f"{figure} ({len(values)} of {seeds})"

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ._recipe_runs import parse_rows, run_rows, train
+from ._recipe_runs import over_seeds, parse_rows, run_rows, train
 
 
 THRESHOLDS = (0.85, 0.90)
@@ -113,7 +113,7 @@ def phase_table(results: dict[str, list[dict[str, Any]]]) -> str:
         phases = [run["phases"] for run in runs]
 
         def figure(values: list[float]) -> str:
-            return _reached(values, len(values), 3) + " s"
+            return over_seeds(values, len(values), 3) + " s"
 
         epoch = [sum(p[phase] for phase in TRAINING_PHASES) for p in phases]
         line = f"| {ROWS[row][0]} |"
@@ -135,15 +135,6 @@ def first_reaching(run: dict[str, Any], threshold: float) -> tuple[int, float] |
     return None
 
 
-def _reached(values: list[float], seeds: int, digits: int) -> str:
-    if not values:
-        return f"not reached (0 of {seeds})"
-    figure = f"{statistics.fmean(values):.{digits}f}"
-    if len(values) > 1:
-        figure += f" ± {statistics.pstdev(values):.{digits}f}"
-    return figure if len(values) == seeds else f"{figure} ({len(values)} of {seeds})"
-
-
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
     """The Markdown table: per row, epochs and seconds to each threshold, and the end."""
     head = "| recipe | flags |"
@@ -160,14 +151,14 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
         line = f"| {name} | `{' '.join(flags) or '(none)'}` |"
         for threshold in THRESHOLDS:
             hits = [hit for hit in (first_reaching(run, threshold) for run in runs) if hit]
-            line += f" {_reached([float(e) for e, _ in hits], len(runs), 0)} |"
-            line += f" {_reached([s for _, s in hits], len(runs), 0)} s |"
+            line += f" {over_seeds([float(e) for e, _ in hits], len(runs), 0)} |"
+            line += f" {over_seeds([s for _, s in hits], len(runs), 0)} s |"
         finals = [run["summary"]["final_accuracy"] for run in runs]
-        line += f" {_reached(finals, len(runs), 3)} (worst {min(finals):.3f}) |"
+        line += f" {over_seeds(finals, len(runs), 3)} (worst {min(finals):.3f}) |"
         kept = [r["summary"]["final_diversity"] / r["summary"]["base_diversity"] for r in runs]
-        line += f" {_reached(kept, len(runs), 3)} (lowest {min(kept):.3f}) |"
-        line += f" {_reached([run['seconds'][-1] for run in runs], len(runs), 0)} s |"
-        line += f" {_reached([run['summary']['wall_seconds'] for run in runs], len(runs), 0)} s |"
+        line += f" {over_seeds(kept, len(runs), 3)} (lowest {min(kept):.3f}) |"
+        line += f" {over_seeds([run['seconds'][-1] for run in runs], len(runs), 0)} s |"
+        line += f" {over_seeds([run['summary']['wall_seconds'] for run in runs], len(runs), 0)} s |"
         lines.append(line)
     return "\n".join(lines)
 
