@@ -88,7 +88,7 @@ def plot(results: dict[str, list[dict[str, float]]], path: pathlib.Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7.5, 4.8))
+    figure, axes = plt.subplots(figsize=(7.5, 6.0))
     for row, runs in results.items():
         kept = [run["kept"] for run in runs]
         accuracy = [run["accuracy"] for run in runs]
@@ -119,7 +119,7 @@ def plot(results: dict[str, list[dict[str, float]]], path: pathlib.Path) -> None
     axes.set_xlabel("diversity kept (final held-out diversity / the base model's)")
     axes.set_ylabel("final held-out strict accuracy")
     axes.set_title("Where the main job's recipes end, per training seed")
-    axes.legend(loc="lower left", fontsize=7)
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=7)
     axes.grid(alpha=0.3)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
