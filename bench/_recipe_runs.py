@@ -3,6 +3,7 @@ run of the shapes demo in a fresh process (so that runs do not share compiled pr
 memory, as separate jobs would not)."""
 
 import argparse
+import json
 import pathlib
 import statistics
 import subprocess
@@ -84,3 +85,48 @@ def over_seeds(values: list[float], seeds: int, digits: int) -> str:
     if len(values) > 1:
         figure += f" ± {statistics.pstdev(values):.{digits}f}"
     return figure if len(values) == seeds else f"{figure} ({len(values)} of {seeds})"
+
+
+Results = dict[str, list[dict[str, Any]]]
+"""Per row, one result per seed."""
+
+
+def plotted_bench(
+    bench: str,
+    description: str | None,
+    rows: Mapping[str, Any],
+    run: Callable[[str, pathlib.Path, int], dict[str, Any]],
+    report: Callable[[Results], str],
+    plot: Callable[[Results, pathlib.Path], None],
+    argv: list[str] | None,
+) -> int:
+    """The command line of a bench over rows and seeds 0, 1, 2 that draws one figure: parse
+    `--out`, `--rows`, `--seeds` and `--plot` (default `OUT/BENCH.png`), `run` every row and
+    seed, print `report` of the results, draw `plot`, then print every result as one JSON
+    object.
+
+    **Returns:**
+
+    The exit status, 0.
+    """
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{bench}", description=description)
+    parser.add_argument("--plot", default=None, help=f"the figure (default OUT/{bench}.png)")
+    arguments, chosen, seeds = parse_rows(parser, rows, "0,1,2", argv)
+    out = pathlib.Path(arguments.out)
+    results = run_rows(bench, chosen, seeds, out, run)
+    print(report(results))
+    plot(results, pathlib.Path(arguments.plot or out / f"{bench}.png"))
+    print(json.dumps({"seeds": seeds, "runs": results}))
+    return 0
+
+
+def save_figure(figure: Any, axes: Any, path: pathlib.Path) -> None:
+    """Grid `axes`, lay `figure` out tightly and write it to `path` (its folder made), then
+    close it."""
+    import matplotlib.pyplot as plt
+
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

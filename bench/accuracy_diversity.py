@@ -13,12 +13,11 @@ by hand with the same flags and seed can be put in place. Wall times are not com
 (runs may share the machine); `bench.time_to_accuracy` compares them.
 """
 
-import argparse
 import json
 import pathlib
 from typing import Any
 
-from ._recipe_runs import over_seeds, parse_rows, run_rows, train
+from ._recipe_runs import over_seeds, plotted_bench, save_figure, train
 
 
 GOAL_ACCURACY = 0.95
@@ -120,30 +119,15 @@ def plot(results: dict[str, list[dict[str, float]]], path: pathlib.Path) -> None
     axes.set_ylabel("final held-out strict accuracy")
     axes.set_title("Where the main job's recipes end, per training seed")
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=7)
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, axes, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.accuracy_diversity", description=__doc__)
-    parser.add_argument(
-        "--plot", default=None, help="the figure (default OUT/accuracy_diversity.png)"
-    )
-    arguments, rows, seeds = parse_rows(parser, ROWS, "0,1,2", argv)
-    out = pathlib.Path(arguments.out)
-
     def run(row: str, folder: pathlib.Path, seed: int) -> dict[str, Any]:
         train(folder, ROWS[row][1], seed)
         return final(folder)
 
-    results = run_rows("accuracy_diversity", rows, seeds, out, run)
-    print(table(results))
-    plot(results, pathlib.Path(arguments.plot or out / "accuracy_diversity.png"))
-    print(json.dumps({"seeds": seeds, "runs": results}))
-    return 0
+    return plotted_bench("accuracy_diversity", __doc__, ROWS, run, table, plot, argv)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ the mean over seeds as a line and the lowest to highest seed as a band. A run wh
 stopped. Run it with nothing else on the machine: the seconds are the comparison.
 """
 
-import argparse
 import json
 import pathlib
 import statistics
@@ -25,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ._recipe_runs import over_seeds, parse_rows, run_rows, train
+from ._recipe_runs import over_seeds, plotted_bench, save_figure, train
 
 
 THRESHOLDS = (0.85, 0.90)
@@ -186,33 +185,18 @@ def plot(results: dict[str, list[dict[str, Any]]], path: pathlib.Path) -> None:
     axes.set_ylabel("held-out strict accuracy")
     axes.set_title("Time to accuracy on the shapes demo")
     axes.legend(loc="lower right", fontsize=8)
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, axes, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.time_to_accuracy", description=__doc__)
-    parser.add_argument(
-        "--plot", default=None, help="the figure (default OUT/time_to_accuracy.png)"
-    )
-    arguments, rows, seeds = parse_rows(parser, ROWS, "0,1,2", argv)
-    out = pathlib.Path(arguments.out)
-
     def run(row: str, folder: pathlib.Path, seed: int) -> dict[str, Any]:
-        flags = [*ROWS[row][1], "--eval-every", str(EVAL_EVERY)]
-        train(folder, flags, seed)
+        train(folder, [*ROWS[row][1], "--eval-every", str(EVAL_EVERY)], seed)
         return curve(folder)
 
-    results = run_rows("time_to_accuracy", rows, seeds, out, run)
-    print(table(results))
-    print()
-    print(phase_table(results))
-    plot(results, pathlib.Path(arguments.plot or out / "time_to_accuracy.png"))
-    print(json.dumps({"seeds": seeds, "runs": results}))
-    return 0
+    def report(results: dict[str, list[dict[str, Any]]]) -> str:
+        return table(results) + "\n\n" + phase_table(results)
+
+    return plotted_bench("time_to_accuracy", __doc__, ROWS, run, report, plot, argv)
 
 
 if __name__ == "__main__":
