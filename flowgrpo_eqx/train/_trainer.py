@@ -1,4 +1,5 @@
-"""A generic trainer for objectives with `init` and `loss`.
+"""A generic trainer for any `AbstractFlowObjective` (its `init`, `loss` and
+`loss_sums_over_rows`).
 
 The optimizer step is one jit-compiled function of an immutable `TrainState`; everything
 random is derived from keys held in that state, so a run resumed from a checkpoint repeats
