@@ -12,10 +12,9 @@ on a 2-core CPU.
 import argparse
 import json
 import pathlib
-import statistics
 from typing import Any
 
-from ._recipe_runs import cli, parse_rows, run_rows, train
+from ._recipe_runs import cli, over_seeds, parse_rows, run_rows, train
 
 
 ROWS: dict[str, tuple[str, list[str]]] = {
@@ -62,10 +61,8 @@ def _run(folder: pathlib.Path, flags: list[str], seed: int) -> dict[str, Any]:
 
 def _figure(values: list[float], digits: int = 3, worst: bool = False) -> str:
     """One value as it is; several as mean ± (population) std, with the lowest if `worst`."""
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    figure = f"{statistics.fmean(values):.{digits}f} ± {statistics.pstdev(values):.{digits}f}"
-    return f"{figure} (worst {min(values):.{digits}f})" if worst else figure
+    figure = over_seeds(values, len(values), digits)
+    return f"{figure} (worst {min(values):.{digits}f})" if worst and len(values) > 1 else figure
 
 
 def main(argv: list[str] | None = None) -> int:

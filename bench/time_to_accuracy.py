@@ -43,8 +43,6 @@ ROWS: dict[str, tuple[str, list[str]]] = {
 TRAINING_PHASES = ("seconds_sampling", "seconds_reward", "seconds_update")
 """The phases of an epoch that train; their sum is the epoch's training seconds."""
 
-PHASES = (*TRAINING_PHASES, "seconds_evaluation")
-
 
 def curve(folder: pathlib.Path) -> dict[str, Any]:
     """One run's held-out accuracy against epochs and training seconds, and its summary.
