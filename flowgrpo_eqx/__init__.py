@@ -17,6 +17,7 @@ from ._custom_types import (
     Aux as Aux,
     FinalSamples as FinalSamples,
     Mean as Mean,
+    PerRow as PerRow,
     Step as Step,
     StepRatios as StepRatios,
     Transitions as Transitions,
@@ -82,7 +83,7 @@ from ._reward import (
     check_finite_samples as check_finite_samples,
     load_reward as load_reward,
 )
-from ._rl import AbstractRLObjective as AbstractRLObjective
+from ._rl import AbstractRLObjective as AbstractRLObjective, Rescore as Rescore
 from ._rollout import FlowRollout as FlowRollout, RolloutInfo as RolloutInfo
 from ._sde import (
     AbstractSDE as AbstractSDE,
@@ -92,6 +93,15 @@ from ._sde import (
     window_for_indices as window_for_indices,
 )
 from ._solver import AbstractSolver as AbstractSolver, Euler as Euler, Heun as Heun
+from ._trainable import (
+    TrainableFilter as TrainableFilter,
+    default_trainable as default_trainable,
+    reference_part as reference_part,
+    reference_policy as reference_policy,
+    split_trainable as split_trainable,
+    trainable_part as trainable_part,
+    with_part as with_part,
+)
 from ._window import (
     AbstractWindowSchedule as AbstractWindowSchedule,
     AtEnd as AtEnd,

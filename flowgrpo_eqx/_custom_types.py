@@ -4,7 +4,7 @@ Shapes use jaxtyping's notation: `N` rows (samples), `K` selected transitions, `
 (prompts), `*latent` the shape of one latent.
 """
 
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, final
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -53,6 +53,22 @@ class Mean(eqx.Module):
 
     def __add__(self, other: "Mean") -> "Mean":
         return Mean(self.total + other.total, self.count + other.count)
+
+
+@final
+class PerRow(eqx.Module):
+    """Marks an auxiliary output of a loss that has one entry per row of the batch.
+
+    The trainer reports none of it as a metric and, when it splits a batch into
+    microbatches, puts its rows back in the batch's order (where a `Mean` is summed as a
+    total and a count).
+
+    **Arguments:**
+
+    - `value`: `[M, ...]`, one entry per row of the batch the loss saw.
+    """
+
+    value: Float[Array, " M *rest"]
 
 
 class Step(eqx.Module):
@@ -104,11 +120,10 @@ class Aux(eqx.Module):
     - `step_ratios`: with GRPO-Guard (`FlowGRPOObjective(guard=...)`), the ratio's mean and
         std per step before and after normalisation; `None` without it.
     - `log_probs`: `[N, K]` the policy's log density of each kept transition as this very
-        evaluation computed it (0 where not kept; no gradient), when
-        `FlowGRPOObjective(old_log_probs="update")` asks for it, else `None`. Not a metric
-        (the trainer's metrics are the scalar and one-axis leaves): the objective records it
-        as the old log densities, so that the update's ratio starts from exactly 1 whatever
-        the model's precision.
+        evaluation computed it (0 where not kept; no gradient), marked `PerRow`, when
+        `FlowGRPOObjective(old_log_probs="update")` asks for it, else `None`. Not a metric:
+        the objective records it as the old log densities, so that the update's ratio starts
+        from exactly 1 whatever the model's precision.
     """
 
     policy_loss: Mean
@@ -120,7 +135,7 @@ class Aux(eqx.Module):
     ratio: Mean
     counted: Float[Array, ""]
     step_ratios: StepRatios | None = None
-    log_probs: Float[Array, " N K"] | None = None
+    log_probs: PerRow | None = None
 
 
 class Transitions(eqx.Module):

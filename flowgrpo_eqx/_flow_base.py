@@ -16,6 +16,7 @@ from ._misc import leading_rows
 from ._preview import preview_grid
 from ._reward import FlowReward, score
 from ._solver import AbstractSolver
+from ._trainable import TrainableFilter
 
 
 class AbstractVariables(eqx.Module):
@@ -76,7 +77,13 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
     pretrained: eqx.AbstractVar[Model | None]
 
     @abc.abstractmethod
-    def init(self, key: PRNGKeyArray, variables: VariablesT | None = None) -> VariablesT:
+    def init(
+        self,
+        key: PRNGKeyArray,
+        variables: VariablesT | None = None,
+        *,
+        trainable: TrainableFilter | None = None,
+    ) -> VariablesT:
         """The initial variables: the live policy and whatever else the objective reads.
 
         **Arguments:**
@@ -85,6 +92,9 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
             drawn from it; it is part of the interface for lazily built models.
         - `variables`: existing variables to start from (e.g. restored from a checkpoint),
             returned as they are; `None` builds them from `initial_policy()`.
+        - `trainable`: the trainer's filter of the policy's trainable part
+            (`Trainer.trainable_filter`), which copies of the policy (an old policy, a KL
+            reference) hold; `None` for `default_trainable(policy)`.
 
         **Returns:**
 

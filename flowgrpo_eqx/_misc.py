@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 
 def is_int(value: Any) -> bool:
@@ -216,6 +216,30 @@ def repeat_rows(tree: PyTree[Any], times: int) -> PyTree[Any]:
 def select_rows(tree: PyTree[Any], indices: Any) -> PyTree[Any]:
     """Rows `indices` of every leaf, on the host."""
     return jax.tree.map(lambda leaf: np.asarray(leaf)[indices], tree)
+
+
+def stop_gradient_arrays(tree: PyTree[Any]) -> PyTree[Any]:
+    """`tree` with `jax.lax.stop_gradient` on every float array (other leaves as they are)."""
+    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
+    return eqx.combine(jax.lax.stop_gradient(dynamic), static)
+
+
+def zero_rows_unless(rows: Bool[Array, " N"], leaf: Array) -> Array:
+    """A float leaf with its rows outside `rows` zeroed; other leaves as they are.
+
+    **Arguments:**
+
+    - `rows`: `[N]` bools, the rows to keep.
+    - `leaf`: an array whose leading axis is the `N` rows.
+
+    **Returns:**
+
+    `leaf`, zero in the rows not kept when it is a float array.
+    """
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+        return leaf
+    mask = rows.reshape(rows.shape + (1,) * (leaf.ndim - 1))
+    return jnp.where(mask, leaf, jnp.zeros((), leaf.dtype))
 
 
 def own_copy(tree: PyTree[Any]) -> PyTree[Any]:

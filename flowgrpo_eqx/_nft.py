@@ -5,19 +5,25 @@ from typing import Any, Literal, TypeAlias, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from . import lora
 from ._custom_types import FinalSamples, Mean, Model, Step, Transitions
 from ._flow_base import AbstractVariables
 from ._guided_flow import GuidedFlow, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
-from ._misc import check_int, check_number
-from ._objective import _stop_gradient
+from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
 from ._process import AbstractProcess
-from ._rl import AbstractRLObjective, FirstPass, RunUpdate
+from ._rl import AbstractRLObjective
 from ._rollout import RolloutInfo
 from ._solver import AbstractSolver, Euler
+from ._trainable import (
+    TrainableFilter,
+    part_like,
+    reference_part,
+    reference_policy,
+    trainable_part,
+    with_part,
+)
 
 
 NFTLoss: TypeAlias = Literal["released", "velocity"]
@@ -32,8 +38,8 @@ row (the released code), or one uniform time per row."""
 @final
 class RampedDecay(eqx.Module):
     """The released old-policy decay: `eta = 0` for the first `flat` optimizer steps, then
-    `min((step - flat) * rate, maximum)`, with `step = epoch * updates_per_epoch` the optimizer
-    steps done when the epoch ends. The old policy becomes `eta * old + (1 - eta) * live`.
+    `min((step - flat) * rate, maximum)`, with `step` the optimizer steps done when the epoch
+    ends. The old policy becomes `eta * old + (1 - eta) * live`.
 
     The defaults are the release's `decay_type=1`; its `decay_type=2` (OCR) is
     `RampedDecay(rate=0.0075, maximum=0.999, flat=75)`.
@@ -43,7 +49,6 @@ class RampedDecay(eqx.Module):
     - `rate`: the increase of `eta` per optimizer step (>= 0).
     - `maximum`: the cap of `eta`, in [0, 1).
     - `flat`: optimizer steps with `eta = 0` (>= 0).
-    - `updates_per_epoch`: optimizer steps per epoch (minibatches times inner epochs, >= 1).
 
     **Raises:**
 
@@ -53,26 +58,23 @@ class RampedDecay(eqx.Module):
     rate: float = 0.001
     maximum: float = 0.5
     flat: int = 0
-    updates_per_epoch: int = 1
 
     def __check_init__(self) -> None:
         check_number("rate", self.rate, minimum=0)
         check_number("maximum", self.maximum, minimum=0, maximum=1, include_maximum=False)
         check_int("flat", self.flat, 0)
-        check_int("updates_per_epoch", self.updates_per_epoch, 1)
 
-    def __call__(self, epoch: int) -> float:
-        """`eta` at the end of `epoch` (from 1).
+    def __call__(self, step: int) -> float:
+        """`eta` after `step` optimizer updates.
 
         **Arguments:**
 
-        - `epoch`: the epoch that ended.
+        - `step`: the optimizer updates done when the epoch ended.
 
         **Returns:**
 
         The decay `eta` in [0, maximum].
         """
-        step = epoch * self.updates_per_epoch
         if step < self.flat:
             return 0.0
         return min((step - self.flat) * self.rate, self.maximum)
@@ -88,18 +90,19 @@ class NFTVariables(AbstractVariables):
     **Arguments:**
 
     - `policy`: the live velocity model, trained by the optimizer.
-    - `old_policy`: the policy the rollout samples with and the implicit policies mix
-        with; for a policy with LoRA adapters, the old adapters alone (the old policy is the
-        live one carrying them). Moved towards the live policy once per epoch by
-        `DiffusionNFTObjective.end_epoch` when `old_decay` is set.
-    - `reference`: the frozen copy of the initial policy that the KL term compares with,
-        when `kl_beta > 0` and the policy has no LoRA adapters; `None` otherwise (for a
-        policy with adapters the reference is the policy with its adapters switched off).
+    - `old_policy`: the old policy's trainable part (`trainable_part`: every float array
+        of a fully trained policy, the adapters of a LoRA policy, whatever the trainer's
+        filter selects); the old policy, which the rollout samples with and the implicit
+        policies mix with, is the live one carrying it (`with_part`). Moved towards the live
+        policy once per epoch by `DiffusionNFTObjective.end_epoch` when `old_decay` is set.
+    - `reference`: when `kl_beta > 0`, a frozen copy of the initial policy's trainable
+        arrays that are not LoRA adapters (`reference_part`); the KL term compares with the
+        policy carrying it, adapters off (`reference_policy`). `None` without a KL term.
     """
 
     policy: Model
-    old_policy: Model
-    reference: Model | None
+    old_policy: PyTree[Any]
+    reference: PyTree[Any] | None
 
 
 @final
@@ -129,9 +132,9 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     The old policy (`NFTVariables.old_policy`) samples the rollout (the release samples with
     a deterministic second-order solver: give the `FlowRollout` `Heun()`) and anchors the
     implicit policies. It starts as the initial policy and follows the live one once per
-    epoch (`end_epoch`) by `old_decay`. For a policy with LoRA adapters it holds the adapters
-    alone. The velocity is the guided one (`GuidedFlow.velocity`); the release is
-    guidance-free, the default `guidance=None`.
+    epoch (`end_epoch`) by `old_decay`; it holds the policy's trainable part alone. The
+    velocity is the guided one (`GuidedFlow.velocity`); the release is guidance-free, the
+    default `guidance=None`.
 
     **Arguments:**
 
@@ -142,8 +145,8 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     - `adv_max`: the advantage clip at which the optimality probability saturates (the
         release's `adv_clip_max`).
     - `kl_beta`: the weight of the velocity KL to the reference (>= 0; default 1e-4, the
-        release's). With a LoRA policy the reference is the policy with its adapters switched
-        off; otherwise a frozen copy of the initial policy (none is kept at 0).
+        release's): the initial policy with its LoRA adapters switched off (for a LoRA
+        policy whose adapters alone train, its base model; none is kept at 0).
     - `old_decay`: `RampedDecay()` (default, the release's ramp); a number in [0, 1) for a
         constant decay; or `None` to keep the old policy at the initial one.
     - `loss`: `"released"` (default) or `"velocity"`.
@@ -229,16 +232,20 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     # ----------------------------------------------------------------------------------
     # The RL loop's interface
 
-    def init(self, key: PRNGKeyArray, variables: NFTVariables | None = None) -> NFTVariables:
+    def init(
+        self,
+        key: PRNGKeyArray,
+        variables: NFTVariables | None = None,
+        *,
+        trainable: TrainableFilter | None = None,
+    ) -> NFTVariables:
         del key
         if variables is not None:
             return variables
         policy = self.initial_policy()
-        adapted = lora.has_adapters(policy)
+        reference = reference_part(policy, trainable) if self.kl_beta > 0 else None
         return NFTVariables(
-            policy=policy,
-            old_policy=lora.adapters(policy) if adapted else policy,
-            reference=policy if self.kl_beta > 0 and not adapted else None,
+            policy=policy, old_policy=trainable_part(policy, trainable), reference=reference
         )
 
     def sampling_policy(self, variables: NFTVariables) -> Model:
@@ -280,29 +287,23 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
             timesteps=collected.timesteps,
         )
 
-    def prepare_batch(
-        self, batch: FinalSamples, run_update: RunUpdate, first_pass: FirstPass
-    ) -> FinalSamples:
-        del run_update, first_pass
-        return batch
-
-    def end_epoch(self, variables: NFTVariables, epoch: int) -> NFTVariables:
+    def end_epoch(self, variables: NFTVariables, step: int) -> NFTVariables:
         """With `old_decay`, the old policy moved towards the live one; else unchanged.
 
         **Arguments:**
 
         - `variables`: after the epoch's updates.
-        - `epoch`: the epoch that ended, from 1 (a `RampedDecay` reads it).
+        - `step`: the optimizer updates done so far (a `RampedDecay` reads it).
 
         **Returns:**
 
-        `variables` with `old_policy = eta * old + (1 - eta) * live` (the adapters alone
-        for a LoRA policy), `eta = old_decay(epoch)` for a `RampedDecay`, else `old_decay`.
+        `variables` with `old_policy = eta * old + (1 - eta) * live` on the trainable part,
+        `eta = old_decay(step)` for a `RampedDecay`, else `old_decay`.
         """
         if self.old_decay is None:
             return variables
         if isinstance(self.old_decay, RampedDecay):
-            return _soft_update(variables, self.old_decay(epoch))
+            return _soft_update(variables, self.old_decay(step))
         return _soft_update(variables, self.old_decay)
 
     def batch_metrics(self, batch: FinalSamples) -> dict[str, float]:
@@ -310,8 +311,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         return {}
 
     def old_policy(self, variables: NFTVariables) -> Model:
-        """The old policy: `variables.old_policy`, or for a LoRA policy the live policy
-        carrying the old adapters.
+        """The old policy: the live policy carrying `variables.old_policy`.
 
         **Arguments:**
 
@@ -321,12 +321,11 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
 
         The old policy, a model like `variables.policy`.
         """
-        if lora.has_adapters(variables.policy):
-            return lora.with_adapters(variables.policy, variables.old_policy)
-        return variables.old_policy
+        return with_part(variables.policy, variables.old_policy)
 
     def reference(self, variables: NFTVariables) -> Model:
-        """The KL reference: the LoRA policy with its adapters off, else `variables.reference`.
+        """The KL reference: the live policy carrying `variables.reference`, its LoRA adapters
+        switched off (`reference_policy`).
 
         **Arguments:**
 
@@ -338,17 +337,14 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
 
         **Raises:**
 
-        - `ValueError`: naming `variables` if a policy without adapters comes without its
-            reference.
+        - `ValueError`: naming `variables` if it holds no reference.
         """
-        if lora.has_adapters(variables.policy):
-            return lora.without_adapters(variables.policy)
         if variables.reference is None:
             raise ValueError(
-                "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference "
-                "of a policy without LoRA adapters: build the variables with `init`."
+                "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference: "
+                "build the variables with `init`."
             )
-        return variables.reference
+        return reference_policy(variables.policy, variables.reference)
 
     def optimality(self, advantages: Float[Array, " N"]) -> Float[Array, " N"]:
         """The optimality probabilities `r = 1/2 + 1/2 clip(A / adv_max, -1, 1)`.
@@ -401,40 +397,17 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         - `ValueError`: as `reference`, or `GuidedFlow.velocity`; naming `batch.timesteps`
             when `times="grid"` and the batch has none.
         """
-        old = _stop_gradient(self.old_policy(variables))
+        old = stop_gradient_arrays(self.old_policy(variables))
         rows = batch.num_rows
         keep = batch.mask
-
-        def clean(leaf: Array) -> Array:
-            if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-                return leaf
-            mask = keep.reshape((rows,) + (1,) * (leaf.ndim - 1))
-            return jnp.where(mask, leaf, jnp.zeros((), leaf.dtype))
-
-        data = clean(batch.latents)
-        advantages = clean(batch.advantages)
-        cond = jax.tree.map(clean, batch.cond)
+        data = zero_rows_unless(keep, batch.latents)
+        advantages = zero_rows_unless(keep, batch.advantages)
+        cond = jax.tree.map(lambda leaf: zero_rows_unless(keep, leaf), batch.cond)
         noise_key, time_key = jax.random.split(step.key)
-        if self.times == "grid":
-            if batch.timesteps is None:
-                raise ValueError(
-                    "`times`='grid' trains on the sampler's grid, but `batch.timesteps` is "
-                    "None: collect with a FlowRollout (an ODE sampler records it), or use "
-                    "`times`='uniform'."
-                )
-            grid = clean(batch.timesteps).astype(data.dtype)
-            size = grid.shape[1]
-            count_per_row = max(1, int(self.time_fraction * size))
-            order = jnp.argsort(jax.random.uniform(time_key, (rows, size)), axis=1)
-            t = jnp.take_along_axis(grid, order[:, :count_per_row], axis=1)
-        else:
-            count_per_row = 1
-            t = jax.random.uniform(time_key, (rows, 1), data.dtype, minval=1e-4, maxval=1.0 - 1e-4)
+        t, count_per_row = self._training_times(batch, keep, data.dtype, time_key)
         # Every (row, time) pair is one example of a flat batch of rows * count_per_row.
-        flat = rows * count_per_row
         x_0 = jnp.repeat(data, count_per_row, axis=0)
         noise = jax.random.normal(noise_key, x_0.shape, data.dtype)
-        t = t.reshape(flat)
         flat_cond = jax.tree.map(lambda leaf: jnp.repeat(leaf, count_per_row, axis=0), cond)
         process = self.flow.process
         x_t = jax.vmap(process.interpolate)(x_0, noise, t)
@@ -443,47 +416,21 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         v_old = jax.lax.stop_gradient(
             self.flow.velocity(old, x_t, t, flat_cond).astype(jnp.float32)
         )
-        positive = (1.0 - self.beta) * v_old + self.beta * v_theta
-        negative = (1.0 + self.beta) * v_old - self.beta * v_theta
-
-        def example_mean(value: Array) -> Float[Array, " F"]:
-            return jnp.mean(value.reshape(flat, -1), axis=1)
-
-        def row_mean(value: Float[Array, " F"]) -> Float[Array, " N"]:
-            return jnp.mean(value.reshape(rows, count_per_row), axis=1)
-
-        def mse(a: Array, b: Array) -> Float[Array, " F"]:
-            return example_mean((a - b) ** 2)
-
+        positive_mse, negative_mse, scale = self._implicit_errors(
+            x_0, x_t, t, v_theta, v_old, target
+        )
         r = jnp.repeat(self.optimality(advantages), count_per_row)
-        if self.loss_form == "released":
-            x_0_f32 = x_0.astype(jnp.float32)
-            t_column = t.astype(jnp.float32).reshape((flat,) + (1,) * (x_0.ndim - 1))
-            x_t_f32 = x_t.astype(jnp.float32)
-            positive_error = (x_t_f32 - t_column * positive) - x_0_f32
-            negative_error = (x_t_f32 - t_column * negative) - x_0_f32
-            positive_weight = jax.lax.stop_gradient(
-                jnp.maximum(example_mean(jnp.abs(positive_error)), 1e-5)
-            )
-            negative_weight = jax.lax.stop_gradient(
-                jnp.maximum(example_mean(jnp.abs(negative_error)), 1e-5)
-            )
-            positive_mse = example_mean(positive_error**2) / positive_weight
-            negative_mse = example_mean(negative_error**2) / negative_weight
-            scale = self.adv_max / self.beta
-        else:
-            positive_mse = mse(positive, target)
-            negative_mse = mse(negative, target)
-            scale = 1.0
         per_example = scale * (r * positive_mse + (1.0 - r) * negative_mse)
         kl = None
         if self.kl_beta > 0:
-            reference = _stop_gradient(self.reference(variables))
+            reference = stop_gradient_arrays(self.reference(variables))
             v_ref = self.flow.velocity(reference, x_t, t, flat_cond).astype(jnp.float32)
-            kl = mse(v_theta, jax.lax.stop_gradient(v_ref))
+            kl = _example_mse(v_theta, jax.lax.stop_gradient(v_ref))
             per_example = per_example + self.kl_beta * kl
-        per_row = row_mean(per_example)
         count = jnp.sum(keep, dtype=jnp.float32)
+
+        def row_mean(value: Float[Array, " F"]) -> Float[Array, " N"]:
+            return jnp.mean(value.reshape(rows, count_per_row), axis=1)
 
         def mean_of(value: Float[Array, " N"]) -> Mean:
             return Mean(jnp.sum(jnp.where(keep, value, jnp.zeros_like(value))), count)
@@ -494,19 +441,70 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         aux = {
             "positive_mse": row_stat(positive_mse),
             "negative_mse": row_stat(negative_mse),
-            "old_mse": row_stat(mse(v_old, target)),
-            "drift": row_stat(mse(v_theta, v_old)),
+            "old_mse": row_stat(_example_mse(v_old, target)),
+            "drift": row_stat(_example_mse(v_theta, v_old)),
             "optimality": row_stat(r),
         }
         if kl is not None:
             aux["kl"] = row_stat(kl)
-        return mean_of(per_row), aux
+        return mean_of(row_mean(per_example)), aux
+
+    def _training_times(
+        self, batch: FinalSamples, keep: Array, dtype: Any, time_key: PRNGKeyArray
+    ) -> tuple[Float[Array, " F"], int]:
+        """Each row's training times, flat and row-major, and how many each row has."""
+        rows = batch.num_rows
+        if self.times == "uniform":
+            t = jax.random.uniform(time_key, (rows, 1), dtype, minval=1e-4, maxval=1.0 - 1e-4)
+            return t.reshape(rows), 1
+        if batch.timesteps is None:
+            raise ValueError(
+                "`times`='grid' trains on the sampler's grid, but `batch.timesteps` is "
+                "None: collect with a FlowRollout (an ODE sampler records it), or use "
+                "`times`='uniform'."
+            )
+        grid = zero_rows_unless(keep, batch.timesteps).astype(dtype)
+        size = grid.shape[1]
+        count_per_row = max(1, int(self.time_fraction * size))
+        order = jnp.argsort(jax.random.uniform(time_key, (rows, size)), axis=1)
+        t = jnp.take_along_axis(grid, order[:, :count_per_row], axis=1)
+        return t.reshape(rows * count_per_row), count_per_row
+
+    def _implicit_errors(
+        self,
+        x_0: Array,
+        x_t: Array,
+        t: Float[Array, " F"],
+        v_theta: Array,
+        v_old: Array,
+        target: Array,
+    ) -> tuple[Float[Array, " F"], Float[Array, " F"], float]:
+        """The implicit positive and negative policies' errors per example, and the scale of
+        their weighted sum (`loss_form`)."""
+        positive = (1.0 - self.beta) * v_old + self.beta * v_theta
+        negative = (1.0 + self.beta) * v_old - self.beta * v_theta
+        if self.loss_form == "velocity":
+            return _example_mse(positive, target), _example_mse(negative, target), 1.0
+        flat = x_0.shape[0]
+        x_0_f32 = x_0.astype(jnp.float32)
+        t_column = t.astype(jnp.float32).reshape((flat,) + (1,) * (x_0.ndim - 1))
+        x_t_f32 = x_t.astype(jnp.float32)
+        positive_error = (x_t_f32 - t_column * positive) - x_0_f32
+        negative_error = (x_t_f32 - t_column * negative) - x_0_f32
+        positive_weight = jax.lax.stop_gradient(
+            jnp.maximum(_example_mean(jnp.abs(positive_error)), 1e-5)
+        )
+        negative_weight = jax.lax.stop_gradient(
+            jnp.maximum(_example_mean(jnp.abs(negative_error)), 1e-5)
+        )
+        positive_mse = _example_mean(positive_error**2) / positive_weight
+        negative_mse = _example_mean(negative_error**2) / negative_weight
+        return positive_mse, negative_mse, self.adv_max / self.beta
 
 
 @eqx.filter_jit
 def _soft_update(variables: NFTVariables, decay: float) -> NFTVariables:
-    policy = variables.policy
-    live = lora.adapters(policy) if lora.has_adapters(policy) else policy
+    live = part_like(variables.policy, variables.old_policy)
 
     def blend(old: Any, current: Any) -> Any:
         if eqx.is_inexact_array(old):
@@ -516,3 +514,13 @@ def _soft_update(variables: NFTVariables, decay: float) -> NFTVariables:
     old_policy = jax.tree.map(blend, variables.old_policy, live)
     moved: NFTVariables = eqx.tree_at(lambda v: v.old_policy, variables, old_policy)
     return moved
+
+
+def _example_mean(value: Array) -> Float[Array, " F"]:
+    """The mean of each example (leading axis) over its other axes."""
+    return jnp.mean(value.reshape(value.shape[0], -1), axis=1)
+
+
+def _example_mse(a: Array, b: Array) -> Float[Array, " F"]:
+    """The mean squared difference of each example."""
+    return _example_mean((a - b) ** 2)

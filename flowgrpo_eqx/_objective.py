@@ -7,14 +7,14 @@ from typing import Any, Literal, TypeAlias, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from . import lora
 from ._custom_types import (
     Aux,
     FinalSamples,
     Mean,
     Model,
+    PerRow,
     PerTransition,
     Step,
     StepRatios,
@@ -25,12 +25,13 @@ from ._custom_types import (
 from ._flow_base import AbstractVariables
 from ._guided_flow import GuidedFlow, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
-from ._misc import check_int, check_number, tile_rows
+from ._misc import check_int, check_number, stop_gradient_arrays, tile_rows, zero_rows_unless
 from ._process import AbstractProcess
-from ._rl import AbstractRLObjective, FirstPass, RunUpdate
+from ._rl import AbstractRLObjective, Rescore
 from ._rollout import RolloutInfo
 from ._sde import AbstractSDE, FlowSDE
 from ._solver import AbstractSolver, Euler
+from ._trainable import TrainableFilter, reference_part, reference_policy
 
 
 # The transition a masked entry is replaced by before any arithmetic, so that NaN or inf in
@@ -44,11 +45,6 @@ OldLogProbs: TypeAlias = Literal["rollout", "update"]
 them, or recomputed by the trainer's own update program before the first update."""
 
 
-def _stop_gradient(tree: PyTree[Any]) -> PyTree[Any]:
-    dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
-    return eqx.combine(jax.lax.stop_gradient(dynamic), static)
-
-
 @final
 class FlowGRPOVariables(AbstractVariables):
     """Flow-GRPO's variables: the live policy and the frozen KL reference.
@@ -56,14 +52,15 @@ class FlowGRPOVariables(AbstractVariables):
     **Arguments:**
 
     - `policy`: the live velocity model, trained by the optimizer.
-    - `reference`: the frozen copy of the initial denoiser that the KL term compares with,
-        when `beta > 0` and the policy has no LoRA adapters; `None` otherwise (without a KL
-        term there is nothing to compare with, and for a policy with adapters the reference
-        is the policy with its adapters switched off, which costs no copy).
+    - `reference`: when `beta > 0`, a frozen copy of the initial policy's trainable arrays
+        that are not LoRA adapters (`reference_part`: every float array of a fully trained
+        policy, none when a LoRA policy's adapters alone train); the KL term compares with
+        the policy carrying it with its adapters switched off (`reference_policy`). `None`
+        without a KL term.
     """
 
     policy: Model
-    reference: Model | None
+    reference: PyTree[Any] | None
 
 
 GuardDrift: TypeAlias = Literal["sample", "batch"]
@@ -341,8 +338,8 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     - `inputs`: an `InputSpec`: which row fields condition the model, and the null condition.
     - `sde`: the SDE (`FlowSDE`, `CoefficientsPreservingSDE`) used both by the rollout and
         for rescoring.
-    - `beta`: the KL weight; `beta > 0` freezes a copy of the initial denoiser as the
-        reference (for a policy without adapters).
+    - `beta`: the KL weight; `beta > 0` freezes a copy of the initial policy's trainable
+        part as the reference (`FlowGRPOVariables.reference`).
     - `clip_range`: the ratio clip `epsilon` (1e-4 by default, as Flow-GRPO).
     - `adv_clip_max`: advantages are clipped to `[-adv_clip_max, adv_clip_max]`.
     - `autoencoder`: decodes latents to samples in [-1, 1]; identity (with clipping) if `None`.
@@ -365,13 +362,14 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     - `precision`: `"float32"` (default) or `"bfloat16"`, the dtype the model computes in
         (`GuidedFlow`); the SDE, densities, ratio and KL stay float32.
     - `old_log_probs`: `"rollout"` (the default) keeps the old log densities the rollout
-        recorded; `"update"` has `prepare_batch` recompute them with the trainer's own
-        update program before the first update of each rollout, and `loss` then reports each
-        transition's log density (`Aux.log_probs`). The rollout and the update are different
-        compiled programs; in float32 they agree to about 1e-7, but in bfloat16 they round
-        differently and the first update's ratio is off 1 by about 4e-4 on the demo. With
-        `"update"` the ratio of every transition of the first update is exactly 1, at the
-        cost of one more run of the update program per minibatch of the first pass.
+        recorded; `"update"` has `training_batch` ask the trainer to `Rescore` the batch with
+        its own update program before the first update of each rollout, and `loss` then
+        reports each transition's log density (`Aux.log_probs`). The rollout and the update
+        are different compiled programs; in float32 they agree to about 1e-7, but in
+        bfloat16 they round differently and the first update's ratio is off 1 by about 4e-4
+        on the demo. With `"update"` the ratio of every transition of the first update is
+        exactly 1, at the cost of one more run of the update program per minibatch of the
+        first pass.
 
     **Raises:**
 
@@ -451,65 +449,86 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     # The RL loop's interface
 
     def init(
-        self, key: PRNGKeyArray, variables: FlowGRPOVariables | None = None
+        self,
+        key: PRNGKeyArray,
+        variables: FlowGRPOVariables | None = None,
+        *,
+        trainable: TrainableFilter | None = None,
     ) -> FlowGRPOVariables:
         del key
         if variables is not None:
             return variables
         policy = self.initial_policy()
-        needs_copy = self.beta > 0 and not lora.has_adapters(policy)
-        return FlowGRPOVariables(policy=policy, reference=policy if needs_copy else None)
+        reference = reference_part(policy, trainable) if self.beta > 0 else None
+        return FlowGRPOVariables(policy=policy, reference=reference)
 
     def sampling_policy(self, variables: FlowGRPOVariables) -> Model:
         return variables.policy
 
     def training_batch(
         self, collected: Transitions | FinalSamples, info: RolloutInfo
-    ) -> Transitions:
+    ) -> Transitions | Rescore[Transitions]:
+        """The rollout's transitions; with `old_log_probs="update"`, a `Rescore` of them.
+
+        **Arguments:**
+
+        - `collected`: the rollout's `Transitions`.
+        - `info`: unused.
+
+        **Returns:**
+
+        `collected`, or `Rescore(collected, fill=self.with_rescored_rows)`, so that the
+        trainer recomputes the old log densities with its own update program and the first
+        pass of updates starts from a ratio of exactly 1 whatever the precision.
+
+        **Raises:**
+
+        - `ValueError`: if the rollout recorded no transitions (an ODE sampler).
+        """
         del info
         if not isinstance(collected, Transitions):
             raise ValueError(
                 "Flow-GRPO trains on recorded transitions: give the FlowRollout an SDE "
                 f"`sampler`, not an ODE solver (it collected {type(collected).__name__})."
             )
+        if self.old_log_probs == "update":
+            return Rescore(collected, fill=self.with_rescored_rows)
         return collected
 
-    def prepare_batch(
-        self, batch: Transitions, run_update: RunUpdate, first_pass: FirstPass
+    def with_rescored_rows(
+        self, batch: Transitions, rows: Int[Array, " M"], aux: Aux
     ) -> Transitions:
-        """With `old_log_probs="update"`, the batch with its old log densities rescored.
-
-        Each minibatch of the first pass is scored by `run_update` (the trainer's update
-        program at the state that sampled the batch), so that the first pass of updates
-        starts from a ratio of exactly 1 whatever the precision; with `"rollout"`, the batch
-        as it is.
+        """`batch` whose kept transitions in `rows` take their old log densities from `aux`.
 
         **Arguments:**
 
-        - `batch`: the rollout's `Transitions`.
-        - `run_update`: the update program's auxiliary output (`Aux`) for a minibatch.
-        - `first_pass`: the rows of each minibatch of the first pass.
+        - `batch`: the whole batch.
+        - `rows`: the rows of one minibatch.
+        - `aux`: what `loss` reported on that minibatch (`Aux.log_probs`, `old_log_probs=
+            "update"`).
 
         **Returns:**
 
-        `batch`, with new `old_log_probs` (unchanged where a transition is not kept) when
-        `old_log_probs="update"`.
+        `batch` with new `old_log_probs` in those rows where a transition is kept.
+
+        **Raises:**
+
+        - `ValueError`: if `aux` holds no log densities (`old_log_probs` is not `"update"`).
         """
-        if self.old_log_probs == "rollout":
-            return batch
-        old_log_probs = batch.old_log_probs
-        for index in first_pass:
-            minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
-            aux = run_update(minibatch)
-            kept = self.kept(minibatch)
-            old_log_probs = old_log_probs.at[index].set(
-                jnp.where(kept, aux.log_probs, minibatch.old_log_probs)
+        if aux.log_probs is None:
+            raise ValueError(
+                "`aux.log_probs` is None: the loss reports log densities only with "
+                "`old_log_probs='update'`."
             )
-        rescored: Transitions = eqx.tree_at(lambda b: b.old_log_probs, batch, old_log_probs)
+        minibatch = jax.tree.map(lambda leaf: leaf[rows], batch)
+        old = jnp.where(self.kept(minibatch), aux.log_probs.value, minibatch.old_log_probs)
+        rescored: Transitions = eqx.tree_at(
+            lambda b: b.old_log_probs, batch, batch.old_log_probs.at[rows].set(old)
+        )
         return rescored
 
-    def end_epoch(self, variables: FlowGRPOVariables, epoch: int) -> FlowGRPOVariables:
-        del epoch
+    def end_epoch(self, variables: FlowGRPOVariables, step: int) -> FlowGRPOVariables:
+        del step
         return variables
 
     def batch_metrics(self, batch: Transitions) -> dict[str, float]:
@@ -656,47 +675,86 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
             `beta > 0` and a policy without adapters comes without its reference.
         """
         check_transitions(batch)
-        policy = variables.policy
-        reference = None
-        if self.beta > 0:
-            if lora.has_adapters(policy):
-                reference = _stop_gradient(lora.without_adapters(policy))
-            elif variables.reference is None:
-                raise ValueError(
-                    "`variables.reference` is None, but `beta` > 0 needs the frozen reference "
-                    "of a policy without LoRA adapters: build the variables with `init`."
-                )
-            else:
-                reference = _stop_gradient(variables.reference)
-        report_log_probs = self.old_log_probs == "update"
-        guard = self.guard
-        needs_means = guard is not None and guard.needs_old_means
+        reference = self.kl_reference(variables)
+        needs_means = self.guard is not None and self.guard.needs_old_means
         if needs_means and batch.old_means is None:
             raise ValueError(
-                f"`guard`={guard!r} adds back the drift from the rollout's means, but "
+                f"`guard`={self.guard!r} adds back the drift from the rollout's means, but "
                 "`batch.old_means` is None: build the FlowRollout with `record_means=True`."
             )
-        n, k = batch.timesteps.shape
         kept = self.kept(batch)
-        advantages = batch.advantages
-        if advantages.ndim == 1:
-            advantages = jnp.broadcast_to(advantages[:, None], (n, k))
-
-        def keep(value: Array, safe: float) -> Array:
-            mask = kept.reshape(kept.shape + (1,) * (value.ndim - 2))
-            return jnp.where(mask, value, jnp.asarray(safe, value.dtype))
-
-        inputs = {
-            "x": keep(batch.latents, 0.0),
-            "x_next": keep(batch.next_latents, 0.0),
-            "t": keep(batch.timesteps, _SAFE_T),
-            "t_next": keep(batch.next_timesteps, _SAFE_T_NEXT),
-            "old": keep(batch.old_log_probs, 0.0),
-            "advantage": keep(advantages.astype(jnp.float32), 0.0),
-            "kept": kept,
+        inputs = _kept_inputs(batch, kept, needs_means)
+        scored = self._score_kept(variables.policy, reference, inputs, batch.cond)
+        log_ratio, weight = self._guarded(scored, inputs, kept)
+        stats = self._surrogate_statistics(log_ratio, weight, inputs["advantage"], scored)
+        stats = {
+            name: jnp.where(kept, value, jnp.zeros_like(value)) for name, value in stats.items()
         }
-        if needs_means and batch.old_means is not None:
-            inputs["old_mean"] = keep(batch.old_means, 0.0)
+        count = jax.lax.stop_gradient(jnp.sum(kept, dtype=jnp.float32))
+
+        def mean_of(name: str) -> Mean:
+            return Mean(total=jnp.sum(stats[name]), count=count)
+
+        step_ratios = None
+        if self.guard is not None:
+            raw_mean, raw_std = _step_statistics(jnp.exp(scored["log_ratio"]), kept)
+            normalised_mean, normalised_std = _step_statistics(stats["ratio"], kept)
+            step_ratios = StepRatios(raw_mean, raw_std, normalised_mean, normalised_std)
+        log_probs = scored.get("log_prob")
+        aux = Aux(
+            policy_loss=mean_of("policy_loss"),
+            kl=mean_of("kl"),
+            clipfrac=mean_of("clipfrac"),
+            clipfrac_gt_one=mean_of("clipfrac_gt_one"),
+            clipfrac_lt_one=mean_of("clipfrac_lt_one"),
+            approx_kl=mean_of("approx_kl"),
+            ratio=mean_of("ratio"),
+            counted=count,
+            step_ratios=jax.lax.stop_gradient(step_ratios),
+            log_probs=None if log_probs is None else PerRow(jax.lax.stop_gradient(log_probs)),
+        )
+        return mean_of("objective"), aux
+
+    def kl_reference(self, variables: FlowGRPOVariables) -> Model | None:
+        """The frozen model the KL term compares with, without gradient; `None` when
+        `beta == 0`.
+
+        **Arguments:**
+
+        - `variables`: from `init`.
+
+        **Returns:**
+
+        `reference_policy(variables.policy, variables.reference)`: the initial policy with
+        its LoRA adapters switched off.
+
+        **Raises:**
+
+        - `ValueError`: naming `variables` when `beta > 0` and it holds no reference.
+        """
+        if self.beta == 0:
+            return None
+        if variables.reference is None:
+            raise ValueError(
+                "`variables.reference` is None, but `beta` > 0 needs the frozen reference: "
+                "build the variables with `init`."
+            )
+        reference: Model = stop_gradient_arrays(
+            reference_policy(variables.policy, variables.reference)
+        )
+        return reference
+
+    def _score_kept(
+        self,
+        policy: Model,
+        reference: Model | None,
+        inputs: dict[str, Array],
+        batch_cond: PyTree[Any],
+    ) -> dict[str, PerTransition]:
+        """Each kept transition's log-ratio, KL and std (and drift, log density when asked),
+        0 elsewhere."""
+        needs_means = "old_mean" in inputs
+        report_log_probs = self.old_log_probs == "update"
 
         def per_transition(chunk: dict[str, Array], cond: PyTree[Any]) -> dict[str, Array]:
             mean, std = self.flow.transition(
@@ -710,82 +768,86 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
                 kl = jax.vmap(self.sde.kl)(mean, mean_ref, std, chunk["t_next"] - chunk["t"])
             else:
                 kl = jnp.zeros_like(log_prob)
-            zero = jnp.zeros_like(log_prob)
-            on = chunk["kept"]
             per = {"log_ratio": log_prob - chunk["old"], "kl": kl, "std": std}
             if needs_means:
                 difference = (mean - chunk["old_mean"]).reshape(mean.shape[0], -1)
                 per["drift"] = jnp.mean(difference**2, axis=1)
             if report_log_probs:
                 per["log_prob"] = log_prob
-            return {name: jnp.where(on, value, zero) for name, value in per.items()}
+            zero = jnp.zeros_like(log_prob)
+            return {name: jnp.where(chunk["kept"], value, zero) for name, value in per.items()}
 
         # A row with no kept transition may carry anything in its conditioning too.
-        row_kept = jnp.any(kept, axis=1)
+        row_kept = jnp.any(inputs["kept"], axis=1)
+        cond = jax.tree.map(lambda leaf: zero_rows_unless(row_kept, leaf), batch_cond)
+        scored: dict[str, PerTransition] = self._map_transitions(per_transition, inputs, cond)
+        return scored
 
-        def clean_condition(leaf: Array) -> Array:
-            if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-                return leaf
-            mask = row_kept.reshape((n,) + (1,) * (leaf.ndim - 1))
-            return jnp.where(mask, leaf, jnp.zeros((), leaf.dtype))
+    def _guarded(
+        self, scored: dict[str, PerTransition], inputs: dict[str, Array], kept: TransitionMask
+    ) -> tuple[PerTransition, PerTransition | None]:
+        """The log-ratio the clip sees and each transition's weight: the raw log-ratio and
+        `None` without a `guard`, the guard's normalised one and weights with it."""
+        if self.guard is None:
+            return scored["log_ratio"], None
+        parts = GuardParts(
+            log_ratio=scored["log_ratio"],
+            drift=scored.get("drift", jnp.zeros_like(scored["log_ratio"])),
+            std=scored["std"],
+            t=inputs["t"],
+            t_next=inputs["t_next"],
+            kept=kept,
+        )
+        return self.guard.normalise(parts), self.guard.weights(parts)
 
-        cond = jax.tree.map(clean_condition, batch.cond)
-        scored = self._map_transitions(per_transition, inputs, cond)
-        raw_log_ratio = scored["log_ratio"]
-        log_ratio = raw_log_ratio
-        weight = None
-        if guard is not None:
-            parts = GuardParts(
-                log_ratio=raw_log_ratio,
-                drift=scored["drift"] if needs_means else jnp.zeros_like(raw_log_ratio),
-                std=scored["std"],
-                t=inputs["t"],
-                t_next=inputs["t_next"],
-                kept=kept,
-            )
-            log_ratio = guard.normalise(parts)
-            weight = guard.weights(parts)
+    def _surrogate_statistics(
+        self,
+        log_ratio: PerTransition,
+        weight: PerTransition | None,
+        advantage: PerTransition,
+        scored: dict[str, PerTransition],
+    ) -> dict[str, PerTransition]:
+        """The clipped surrogate, the objective and the per-transition diagnostics."""
         ratio = jnp.exp(log_ratio)
-        advantage = jnp.clip(inputs["advantage"], -self.adv_clip_max, self.adv_clip_max)
+        advantage = jnp.clip(advantage, -self.adv_clip_max, self.adv_clip_max)
         clipped_ratio = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
         surrogate = jnp.maximum(-advantage * ratio, -advantage * clipped_ratio)
         if weight is not None:
             surrogate = weight * surrogate
         kl = scored["kl"]
-        zero = jnp.zeros_like(surrogate)
-        per_transition_stats = {
+        return {
             "objective": surrogate + self.beta * kl,
             "policy_loss": surrogate,
             "kl": kl,
             "clipfrac": (jnp.abs(ratio - 1.0) > self.clip_range).astype(surrogate.dtype),
             "clipfrac_gt_one": (ratio - 1.0 > self.clip_range).astype(surrogate.dtype),
             "clipfrac_lt_one": (1.0 - ratio > self.clip_range).astype(surrogate.dtype),
-            "approx_kl": 0.5 * raw_log_ratio**2,
-            "ratio": ratio,
+            "approx_kl": 0.5 * scored["log_ratio"] ** 2,
+            "ratio": jax.lax.stop_gradient(ratio),
         }
-        stats = {name: jnp.where(kept, value, zero) for name, value in per_transition_stats.items()}
-        count = jax.lax.stop_gradient(jnp.sum(kept, dtype=jnp.float32))
 
-        def mean_of(name: str) -> Mean:
-            return Mean(total=jnp.sum(stats[name]), count=count)
 
-        step_ratios = None
-        if guard is not None:
-            raw = jax.lax.stop_gradient(jnp.exp(raw_log_ratio))
-            raw_mean, raw_std = _step_statistics(raw, kept)
-            normalised_mean, normalised_std = _step_statistics(jax.lax.stop_gradient(ratio), kept)
-            step_ratios = StepRatios(raw_mean, raw_std, normalised_mean, normalised_std)
+def _kept_inputs(batch: Transitions, kept: TransitionMask, needs_means: bool) -> dict[str, Array]:
+    """The batch's per-transition inputs, each masked entry replaced by a safe value before
+    any arithmetic (the double-`where` pattern)."""
+    n, k = batch.timesteps.shape
+    advantages = batch.advantages
+    if advantages.ndim == 1:
+        advantages = jnp.broadcast_to(advantages[:, None], (n, k))
 
-        aux = Aux(
-            policy_loss=mean_of("policy_loss"),
-            kl=mean_of("kl"),
-            clipfrac=mean_of("clipfrac"),
-            clipfrac_gt_one=mean_of("clipfrac_gt_one"),
-            clipfrac_lt_one=mean_of("clipfrac_lt_one"),
-            approx_kl=mean_of("approx_kl"),
-            ratio=mean_of("ratio"),
-            counted=count,
-            step_ratios=step_ratios,
-            log_probs=(jax.lax.stop_gradient(scored["log_prob"]) if report_log_probs else None),
-        )
-        return mean_of("objective"), aux
+    def keep(value: Array, safe: float) -> Array:
+        mask = kept.reshape(kept.shape + (1,) * (value.ndim - 2))
+        return jnp.where(mask, value, jnp.asarray(safe, value.dtype))
+
+    inputs = {
+        "x": keep(batch.latents, 0.0),
+        "x_next": keep(batch.next_latents, 0.0),
+        "t": keep(batch.timesteps, _SAFE_T),
+        "t_next": keep(batch.next_timesteps, _SAFE_T_NEXT),
+        "old": keep(batch.old_log_probs, 0.0),
+        "advantage": keep(advantages.astype(jnp.float32), 0.0),
+        "kept": kept,
+    }
+    if needs_means and batch.old_means is not None:
+        inputs["old_mean"] = keep(batch.old_means, 0.0)
+    return inputs

@@ -1,9 +1,10 @@
 """`AbstractRLObjective`: what an online RL objective gives the epoch loop."""
 
 import abc
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeAlias, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, final
 
+import equinox as eqx
 from jaxtyping import Array, Int
 
 from ._custom_types import FinalSamples, Model, Transitions
@@ -12,24 +13,39 @@ from ._rollout import RolloutInfo
 
 
 BatchT = TypeVar("BatchT")
-RunUpdate: TypeAlias = Callable[[Any], Any]
-"""The trainer's update program run on a minibatch without changing the state: the loss's
-auxiliary output."""
-FirstPass: TypeAlias = Sequence[Int[Array, " M"]]
-"""The rows of each minibatch of the first pass of updates, in order."""
+
+
+@final
+class Rescore(eqx.Module, Generic[BatchT]):
+    """A training batch that asks the trainer to rescore it before the first update.
+
+    An objective's `training_batch` returns one when the quantities its loss compares with
+    (Flow-GRPO's old log densities) must come from the very program that updates, not from
+    the rollout's: the epoch loop then runs the trainer's update program, without the
+    optimizer, on each minibatch of the first pass at the state that sampled the batch, and
+    writes what the loss reported back into the batch with `fill`.
+
+    **Arguments:**
+
+    - `batch`: the training batch, whose leaves have a leading row axis.
+    - `fill`: `fill(batch, rows, aux)`: `batch` with the rows `rows` (an index array, one
+        minibatch) taken from `aux`, the loss's auxiliary output on that minibatch.
+    """
+
+    batch: BatchT
+    fill: Callable[[BatchT, Int[Array, " M"], Any], BatchT]
 
 
 class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT, BatchT]):
     """An online RL objective: it samples, turns what it sampled into a batch, and trains.
 
-    The epoch loop (`flowgrpo_eqx.train.rl_epoch`) asks each objective the same five
-    questions and knows nothing else about it: which policy the rollout samples with
-    (`sampling_policy`), how a rollout becomes the training batch (`training_batch`), how
-    the batch is prepared with the trainer's own update program before the first update
-    (`prepare_batch`), what changes in the variables once the epoch's updates are done
-    (`end_epoch`), and which statistics of the batch the epoch reports (`batch_metrics`).
-    `FlowGRPOObjective` (with or without GRPO-Guard) and `DiffusionNFTObjective` implement
-    it.
+    The epoch loop (`flowgrpo_eqx.train.rl_epoch`) asks each objective the same four
+    questions besides its `init` and `loss`, and knows nothing else about it: which policy
+    the rollout samples with (`sampling_policy`), how a rollout becomes the training batch
+    (`training_batch`, which may ask the trainer to `Rescore` it), what changes in the
+    variables once the epoch's updates are done (`end_epoch`), and which statistics of the
+    batch the epoch reports (`batch_metrics`). `FlowGRPOObjective` (with or without
+    GRPO-Guard) and `DiffusionNFTObjective` implement it.
     """
 
     @abc.abstractmethod
@@ -46,7 +62,9 @@ class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT,
         """
 
     @abc.abstractmethod
-    def training_batch(self, collected: Transitions | FinalSamples, info: RolloutInfo) -> BatchT:
+    def training_batch(
+        self, collected: Transitions | FinalSamples, info: RolloutInfo
+    ) -> BatchT | Rescore[BatchT]:
         """The batch the objective's `loss` trains on, from one `FlowRollout.collect`.
 
         **Arguments:**
@@ -58,7 +76,7 @@ class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT,
         **Returns:**
 
         The training batch, whose leaves have a leading row axis (the loop cuts it into
-        minibatches of rows).
+        minibatches of rows), or a `Rescore` of it for the trainer to rescore first.
 
         **Raises:**
 
@@ -66,29 +84,13 @@ class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT,
         """
 
     @abc.abstractmethod
-    def prepare_batch(self, batch: BatchT, run_update: RunUpdate, first_pass: FirstPass) -> BatchT:
-        """The batch as the epoch's updates will see it, before the first update.
-
-        **Arguments:**
-
-        - `batch`: from `training_batch`.
-        - `run_update`: the trainer's update program, run at the state that sampled the batch
-            on a minibatch without changing the state; returns the `loss`'s auxiliary output.
-        - `first_pass`: the rows of each minibatch of the first pass of updates, in order.
-
-        **Returns:**
-
-        The batch to train on.
-        """
-
-    @abc.abstractmethod
-    def end_epoch(self, variables: VariablesT, epoch: int) -> VariablesT:
+    def end_epoch(self, variables: VariablesT, step: int) -> VariablesT:
         """The variables after an epoch's updates (e.g. an old policy that follows the live one).
 
         **Arguments:**
 
         - `variables`: the trainer's variables after the epoch's last update.
-        - `epoch`: the epoch that ended, from 1.
+        - `step`: the optimizer updates done so far (`TrainState.step`).
 
         **Returns:**
 
@@ -101,7 +103,7 @@ class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT,
 
         **Arguments:**
 
-        - `batch`: from `training_batch`.
+        - `batch`: from `training_batch` (rescored, when it asked to be).
 
         **Returns:**
 

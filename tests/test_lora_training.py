@@ -76,7 +76,7 @@ def test_first_update_of_a_lora_run_has_ratio_one_and_kl_zero():
     # Both a reference (beta > 0) and an EMA: the reference is the policy with its adapters
     # off, so no copy is kept, and the EMA holds the adapters alone.
     state = trainer.init(jax.random.key(0))
-    assert state.variables.reference is None
+    assert jax.tree.leaves(state.variables.reference) == []
     assert len(jax.tree.leaves(state.ema)) == 2 * len(policy.adapters)
     rollout = fg.FlowRollout(objective.flow, objective.sde, brightness, groups=4, steps=5)
     batch, _ = rollout.collect(state.variables.policy, ROWS, jax.random.key(1))
@@ -107,7 +107,7 @@ def test_trainer_trains_adapters_only_and_base_stays_bit_identical():
     trainer = Trainer(objective, default_optimizer(3e-2, 0.0))
     state = trainer.init(jax.random.key(0))
     # No EMA, and the reference is the policy with its adapters off: nothing else is kept.
-    assert state.variables.reference is None and state.ema is None
+    assert jax.tree.leaves(state.variables.reference) == [] and state.ema is None
     # The optimizer state holds adapter-shaped arrays only (AdamW: two per adapter array).
     adapter_shapes = sorted(x.shape for x in arrays(policy.adapters))
     state_shapes = sorted(x.shape for x in arrays(state.opt_state) if x.ndim > 0)
@@ -324,3 +324,57 @@ def test_merged_policy_saves_as_an_ordinary_model(tmp_path):
     loaded = load_model(tmp_path / "merged.eqx", base)
     assert_bit_identical(loaded, lora.merge(policy))
     assert not lora.has_adapters(loaded)
+
+
+def test_a_filter_of_adapters_and_base_weights_moves_both_in_the_ema_and_the_old_policy():
+    """The trainer splits the policy once: with a filter that trains the adapters and one base
+    weight, the optimizer, the EMA and DiffusionNFT's old policy all hold both, and the KL
+    reference keeps that base weight at its initial value with the adapters off."""
+    policy = lora.add(mlp_base(), 2, key=jax.random.key(3))
+    filter_spec = eqx.tree_at(
+        lambda model: model.base.layers[0].weight, lora.adapter_filter(policy), True
+    )
+    objective = fg.DiffusionNFTObjective(
+        policy,
+        fg.RectifiedFlow(),
+        fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+        old_decay=0.25,
+        kl_beta=0.1,
+        times="uniform",
+    )
+    trainer = Trainer(objective, optax.sgd(0.5), trainable=filter_spec, ema_decay=0.5)
+    state = trainer.init(jax.random.key(0))
+    trained = [*arrays(policy.adapters), np.asarray(policy.base.layers[0].weight)]
+    for part in (state.ema, state.variables.old_policy):
+        assert sorted(x.shape for x in arrays(part)) == sorted(x.shape for x in trained)
+    assert [x.shape for x in arrays(state.variables.reference)] == [trained[-1].shape]
+    rng = np.random.default_rng(0)
+    batch = fg.FinalSamples(
+        latents=jnp.asarray(rng.normal(size=(4, LATENT)), jnp.float32),
+        advantages=jnp.asarray([2.0, -1.0, 0.5, -2.0], jnp.float32),
+        cond=jnp.asarray(rng.normal(size=(4, COND)), jnp.float32),
+    )
+    state, _ = trainer.update(state, batch)
+    state = eqx.tree_at(
+        lambda s: s.variables, state, objective.end_epoch(state.variables, int(state.step))
+    )
+    live = state.variables.policy
+    before_weight, after_weight = trained[-1], np.asarray(live.base.layers[0].weight)
+    assert not np.array_equal(before_weight, after_weight)
+    # b starts at 0, so the first step moves b (a's gradient is b^T ... = 0).
+    before_b = np.asarray(policy.adapters[0].b)
+    after_b = np.asarray(live.adapters[0].b)
+    assert not np.array_equal(before_b, after_b)
+    averaged = fg.with_part(live, state.ema)
+    old = objective.old_policy(state.variables)
+    for model, keep in ((averaged, 0.5), (old, 0.25)):
+        for before, after, got in (
+            (before_weight, after_weight, model.base.layers[0].weight),
+            (before_b, after_b, model.adapters[0].b),
+        ):
+            want = keep * before.astype(np.float64) + (1 - keep) * after.astype(np.float64)
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=1e-7)
+    reference = objective.reference(state.variables)
+    assert not lora.has_adapters(reference)
+    np.testing.assert_array_equal(reference.layers[0].weight, before_weight)
+    np.testing.assert_array_equal(reference.layers[1].weight, live.base.layers[1].weight)

@@ -422,7 +422,7 @@ def test_nft_defaults_are_the_documented_ones():
         "grid",
         0.99,
     )
-    assert objective.kl_beta == 1e-4 and objective.old_decay == fg.RampedDecay(0.001, 0.5, 0, 1)
+    assert objective.kl_beta == 1e-4 and objective.old_decay == fg.RampedDecay(0.001, 0.5, 0)
 
     guided = fg.DiffusionNFTObjective(
         LinearVelocity(jax.random.key(0)),
@@ -454,8 +454,8 @@ def test_nft_messages_are_exact():
     with raises_named("`sampler` must be an AbstractSolver, got 'euler'."):
         _nft(guidance=None, sampler="euler")
     message = (
-        "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference of a policy "
-        "without LoRA adapters: build the variables with `init`."
+        "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference: build the "
+        "variables with `init`."
     )
     policy = _nft(guidance=None).initial_policy()
     with pytest.raises(ValueError, match=exact_message(message)):

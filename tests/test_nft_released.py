@@ -138,13 +138,13 @@ def test_released_nft_loss_and_gradient_match_numpy(beta, guidance):
         )
 
 
-def test_the_ramped_decay_is_the_released_one_once_per_epoch():
+def test_the_ramped_decay_is_the_released_one_over_optimizer_steps():
     decay = fg.RampedDecay()
-    for epoch in (1, 7, 499, 500, 501, 2000):
-        assert decay(epoch) == pytest.approx(ref.nft_decay(epoch, 0, 0.001, 0.5))
-    ocr = fg.RampedDecay(rate=0.0075, maximum=0.999, flat=75, updates_per_epoch=2)
-    for epoch in (1, 37, 38, 60, 300):
-        assert ocr(epoch) == pytest.approx(ref.nft_decay(2 * epoch, 75, 0.0075, 0.999))
+    for step in (1, 7, 499, 500, 501, 2000):
+        assert decay(step) == pytest.approx(ref.nft_decay(step, 0, 0.001, 0.5))
+    ocr = fg.RampedDecay(rate=0.0075, maximum=0.999, flat=75)
+    for step in (2, 74, 76, 120, 600):
+        assert ocr(step) == pytest.approx(ref.nft_decay(step, 75, 0.0075, 0.999))
 
     objective, variables, _ = setup(1.0)
     objective = fg.DiffusionNFTObjective(

@@ -320,7 +320,7 @@ def test_reference_gets_no_gradient_and_exists_only_with_a_kl_term():
     objective = make_objective(beta=0.5)
     assert make_objective(beta=0.0).init(jax.random.key(0)).reference is None
     variables = objective.init(jax.random.key(0))
-    assert variables.reference is variables.policy
+    assert_same_leaves(variables.reference, variables.policy)
     variables = fg.FlowGRPOVariables(
         perturbed(variables.policy, jax.random.key(3)), variables.reference
     )
@@ -341,7 +341,8 @@ def test_init_uses_pretrained_then_given_variables():
         model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, pretrained=pretrained, beta=0.1
     )
     variables = objective.init(jax.random.key(0))
-    assert variables.policy is pretrained and variables.reference is pretrained
+    assert variables.policy is pretrained
+    assert_same_leaves(variables.reference, pretrained)
     other = fg.FlowGRPOVariables(model, pretrained)
     assert objective.init(jax.random.key(0), other) is other
 
@@ -633,7 +634,9 @@ def test_the_kl_reference_of_a_lora_policy_is_its_base():
     )
     batch = make_batch(0)
     step = fg.Step(index=0, key=jax.random.key(0))
-    _, with_lora = objective.loss(fg.FlowGRPOVariables(adapted, None), batch, step)
+    variables = fg.FlowGRPOVariables(adapted, fg.reference_part(adapted))
+    assert jax.tree.leaves(variables.reference) == []
+    _, with_lora = objective.loss(variables, batch, step)
     merged = fg.FlowGRPOVariables(lora.merge(adapted), lora.without_adapters(adapted))
     _, with_held = objective.loss(merged, batch, step)
     assert float(with_lora.kl.value) > 0
@@ -682,8 +685,9 @@ def test_the_loss_reports_log_densities_in_the_update_mode():
     _, aux = objective.loss(variables, batch, fg.Step(index=0, key=jax.random.key(0)))
     kept = np.asarray(objective.kept(batch))
     want = np.where(kept, np.asarray(objective.log_probs(variables, batch)), 0.0)
-    np.testing.assert_allclose(np.asarray(aux.log_probs), want, rtol=1e-6, atol=1e-6)
-    assert np.any(np.asarray(aux.log_probs) != 0.0)
+    assert isinstance(aux.log_probs, fg.PerRow)
+    np.testing.assert_allclose(np.asarray(aux.log_probs.value), want, rtol=1e-6, atol=1e-6)
+    assert np.any(np.asarray(aux.log_probs.value) != 0.0)
 
 
 def test_transition_allowed_makes_the_forbidden_rows_deterministic():
@@ -710,6 +714,12 @@ def test_transition_allowed_makes_the_forbidden_rows_deterministic():
     np.testing.assert_array_equal(np.asarray(mean[::2]), np.asarray(free_mean[::2]))
 
 
+def assert_same_leaves(part, model):
+    """`part` holds exactly `model`'s arrays, the same objects (no copy)."""
+    got, want = jax.tree.leaves(part), jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    assert len(got) == len(want) > 0 and all(a is b for a, b in zip(got, want, strict=True))
+
+
 def test_a_lora_policy_holds_no_reference():
 
     base = _LinearModel(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
@@ -717,9 +727,9 @@ def test_a_lora_policy_holds_no_reference():
         lora.add(base, 2, key=jax.random.key(1)), fg.RectifiedFlow(), fg.InputSpec(),
         guidance=None, beta=0.5,
     )  # fmt: skip
-    assert objective.init(jax.random.key(0)).reference is None
+    assert jax.tree.leaves(objective.init(jax.random.key(0)).reference) == []
     frozen = fg.FlowGRPOObjective(base, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.5)
-    assert frozen.init(jax.random.key(0)).reference is base
+    assert_same_leaves(frozen.init(jax.random.key(0)).reference, base)
 
 
 # --------------------------------------------------------------------------------------

@@ -107,11 +107,8 @@ def test_old_log_probs_from_the_update_program_make_the_first_ratio_exactly_one(
     trainer = Trainer(flow)
     state = trainer.init(jax.random.key(0), variables)
     key = jax.random.key(5)
-    rescored = flow.prepare_batch(
-        batch,
-        lambda minibatch: trainer.run_update(state, minibatch),
-        minibatch_indices(batch.num_rows, 3, key),
-    )
+    request = fg.Rescore(batch, fill=flow.with_rescored_rows)
+    rescored = trainer.rescore(state, request, minibatch_indices(batch.num_rows, 3, key))
     kept = np.asarray(flow.kept(batch))
     old, new = np.asarray(batch.old_log_probs), np.asarray(rescored.old_log_probs)
     np.testing.assert_array_equal(new[~kept], old[~kept])
@@ -131,8 +128,8 @@ def test_the_rollout_mode_keeps_the_recorded_log_probs():
     state = trainer.init(jax.random.key(0))
     batch = make_batch(seed=1)
     assert trainer.run_update(state, batch).log_probs is None
-    kept = flow.prepare_batch(batch, lambda minibatch: pytest.fail("not run"), [])
-    assert kept is batch
+    with pytest.raises(ValueError, match="aux.log_probs"):
+        flow.with_rescored_rows(batch, jnp.arange(2), trainer.run_update(state, batch))
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="old_log_probs"):
         objective("float32", old_log_probs="recorded")
 

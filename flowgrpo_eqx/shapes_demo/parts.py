@@ -300,9 +300,6 @@ class ShapesJob:
         `A_max`, no guidance, and its old policy follows the live one once per epoch by the
         released ramp `min(0.001 step, nft_old_decay)` over the optimizer steps done."""
         config = self.config
-        minibatches = (
-            1 if config.minibatch_rows is None else config.rollout_rows // config.minibatch_rows
-        )
         settings = self._shared_settings(base)
         settings["guidance"] = None
         return DiffusionNFTObjective(
@@ -311,10 +308,7 @@ class ShapesJob:
             self.inputs,
             beta=config.nft_beta,
             adv_max=config.adv_clip_max,
-            old_decay=RampedDecay(
-                maximum=config.nft_old_decay,
-                updates_per_epoch=minibatches * config.inner_epochs,
-            ),
+            old_decay=RampedDecay(maximum=config.nft_old_decay),
             **settings,
         )
 

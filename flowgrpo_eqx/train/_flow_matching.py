@@ -14,6 +14,7 @@ from .._inputs import CFG, AbstractAutoEncoder, InputSpec
 from .._misc import check_int, check_leading_rows, check_number
 from .._process import AbstractProcess
 from .._solver import AbstractSolver, Euler
+from .._trainable import TrainableFilter
 
 
 TimeSampling: TypeAlias = Literal["logit_normal", "uniform"]
@@ -103,8 +104,14 @@ class FlowMatchingObjective(AbstractFlowObjective[PolicyVariables]):
         if self.cond_dropout > 0 and not self.flow.inputs.has_null:
             raise ValueError("`cond_dropout` > 0 needs a null condition: pass InputSpec(null=...).")
 
-    def init(self, key: PRNGKeyArray, variables: PolicyVariables | None = None) -> PolicyVariables:
-        del key
+    def init(
+        self,
+        key: PRNGKeyArray,
+        variables: PolicyVariables | None = None,
+        *,
+        trainable: TrainableFilter | None = None,
+    ) -> PolicyVariables:
+        del key, trainable
         if variables is not None:
             return variables
         return PolicyVariables(policy=self.initial_policy())

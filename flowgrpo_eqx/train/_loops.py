@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .._rl import AbstractRLObjective
+from .._rl import AbstractRLObjective, Rescore
 from .._rollout import FlowRollout, RolloutInfo
 from ._diverged import check_finite
 from ._metrics_log import MetricsLog as MetricsLog
@@ -107,9 +107,10 @@ def rl_epoch(
 
     The trainer's objective (an `AbstractRLObjective`) names the policy that samples
     (`sampling_policy`); the rollout collects with it; the objective turns the rollout into
-    its training batch (`training_batch`) and prepares it with the trainer's update program
-    (`prepare_batch`); the rows are shuffled and cut into minibatches, one optimizer update
-    each, `inner_epochs` times; then the objective ends the epoch (`end_epoch`).
+    its training batch (`training_batch`), which the trainer rescores first when it comes as
+    a `Rescore` (`Trainer.rescore`, over the first pass's minibatches); the rows are
+    shuffled and cut into minibatches, one optimizer update each, `inner_epochs` times; then
+    the objective ends the epoch at the optimizer step reached (`end_epoch`).
 
     **Arguments:**
 
@@ -131,7 +132,7 @@ def rl_epoch(
     The new state, the epoch's mean metrics (the loss's, the reward's statistics, the
     window's position, the objective's `batch_metrics`, and the wall seconds of the phases:
     `seconds_sampling` (the rollout's device work), `seconds_reward` (the transfer to the
-    host, the reward and the advantages) and `seconds_update` (preparing the batch and every
+    host, the reward and the advantages) and `seconds_update` (rescoring the batch and every
     update)), and the rollout's `RolloutInfo`.
 
     **Raises:**
@@ -151,16 +152,15 @@ def rl_epoch(
         objective.sampling_policy(state.variables), rows, rollout_key, epoch
     )
     collected_at = time.perf_counter()
-    batch = objective.training_batch(collected, info)
+    requested = objective.training_batch(collected, info)
+    batch = requested.batch if isinstance(requested, Rescore) else requested
     size = batch.num_rows if minibatch_rows is None else minibatch_rows
     passes = [
         minibatch_indices(batch.num_rows, size, jax.random.fold_in(shuffle_key, inner))
         for inner in range(inner_epochs)
     ]
-    if passes:
-        batch = objective.prepare_batch(
-            batch, lambda minibatch: trainer.run_update(state, minibatch), passes[0]
-        )
+    if passes and isinstance(requested, Rescore):
+        batch = trainer.rescore(state, requested, passes[0])
     history = []
     for indices in passes:
         for index in indices:
@@ -171,7 +171,8 @@ def rl_epoch(
     jax.block_until_ready(state)  # type: ignore[no-untyped-call]
     updated_at = time.perf_counter()
     check_finite(epoch, summary, state.variables.policy)
-    state = dataclasses.replace(state, variables=objective.end_epoch(state.variables, epoch))
+    variables = objective.end_epoch(state.variables, int(state.step))
+    state = dataclasses.replace(state, variables=variables)
     if after_updates is not None:
         after_updates(state, batch, info)
     summary.update(

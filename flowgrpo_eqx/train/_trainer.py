@@ -7,7 +7,7 @@ an uninterrupted one exactly.
 """
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any, final
 
 import equinox as eqx
@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .. import lora
-from .._custom_types import Mean, Model, Step
+from .._custom_types import Mean, Model, PerRow, Step
 from .._distributed import mesh_of
 from .._flow_base import AbstractFlowObjective, AbstractVariables
 from .._misc import check_int, check_number, leading_rows, own_copy
+from .._rl import BatchT, Rescore
+from .._trainable import TrainableFilter, default_trainable, split_trainable
 
 
 @final
@@ -34,15 +35,17 @@ class TrainState(eqx.Module):
     - `step`: the number of optimizer updates so far.
     - `key`: the PRNG key the next update derives its randomness from (raw uint32 key data,
         so it serialises with the rest).
-    - `ema`: with `Trainer(ema_decay=...)`, the exponential moving average of the policy
-        (of its adapters alone, for a policy with LoRA adapters); else `None`.
+    - `ema`: with `Trainer(ema_decay=...)`, the exponential moving average of the policy's
+        trainable part (`Trainer.split_policy`: the adapters of a LoRA policy by default, or
+        whatever the trainer's filter selects); else `None`. `with_part(policy, ema)` is the
+        averaged policy.
     """
 
     variables: AbstractVariables
     opt_state: PyTree[Any]
     step: Int[Array, ""]
     key: PRNGKeyArray
-    ema: Model | None = None
+    ema: PyTree[Any] | None = None
 
 
 def default_optimizer(
@@ -89,16 +92,16 @@ def mean_values(tree: PyTree[Any]) -> dict[str, Float[Array, ""]]:
     """Flatten an auxiliary PyTree of `Mean`s (and arrays) to `{name: scalar}`.
 
     A one-axis array (a statistic per step, as `StepRatios`) gives one scalar per entry,
-    named `name/0`, `name/1`, ...; arrays of more axes (per-row outputs such as
-    `Aux.log_probs`) are not metrics and are left out.
+    named `name/0`, `name/1`, ...; per-row outputs (`PerRow`, such as `Aux.log_probs`) are
+    not metrics and are left out.
     """
     out: dict[str, Float[Array, ""]] = {}
-    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, Mean))
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_mean_or_per_row)
     for path, leaf in leaves:
+        if isinstance(leaf, PerRow):
+            continue
         name = jax.tree_util.keystr(path, simple=True, separator="/")
         value = leaf.value if isinstance(leaf, Mean) else jnp.asarray(leaf, jnp.float32)
-        if value.ndim > 1:
-            continue
         if value.ndim == 1:
             out.update({f"{name}/{index}": value[index] for index in range(value.shape[0])})
         else:
@@ -120,11 +123,13 @@ class Trainer(eqx.Module):
         frozen. `None` (the default) trains the LoRA adapters of a policy that has them
         (`lora.adapter_filter(policy)`: the base weights stay frozen and the optimizer state
         holds adapter-shaped arrays only), and every float array of any other policy
-        (`eqx.is_inexact_array`). A filter that also trains a LoRA policy's base weights
-        moves its KL reference (the policy with its adapters off) with them.
-    - `ema_decay`: the decay of an exponential moving average of the policy kept in
-        `TrainState.ema` (of the adapters alone, for a policy with LoRA adapters), updated
-        after every optimizer step; `None` (the default) keeps none.
+        (`eqx.is_inexact_array`). The trainer splits the policy by it once
+        (`split_policy`); the optimizer state, the EMA and the objective's copies (an old
+        policy, the frozen KL reference) all hold that trainable part, so a filter that
+        trains a LoRA policy's adapters and base weights together keeps both in each.
+    - `ema_decay`: the decay of an exponential moving average of the policy's trainable
+        part kept in `TrainState.ema`, updated after every optimizer step; `None` (the
+        default) keeps none.
     - `microbatches`: how many microbatches of rows one update accumulates gradients over
         (one optimizer step), so that the rows a device holds are not bounded by activation
         memory. The loss is a `Mean(total, count)`: the update sums the microbatches'
@@ -147,7 +152,7 @@ class Trainer(eqx.Module):
 
     objective: AbstractFlowObjective[Any]
     optimizer: optax.GradientTransformation = eqx.field(static=True)
-    trainable: Callable[[Any], bool] | PyTree[bool] | None = eqx.field(static=True)
+    trainable: TrainableFilter | None = eqx.field(static=True)
     ema_decay: float | None
     microbatches: int = eqx.field(static=True)
 
@@ -156,7 +161,7 @@ class Trainer(eqx.Module):
         objective: AbstractFlowObjective[Any],
         optimizer: optax.GradientTransformation | None = None,
         *,
-        trainable: Callable[[Any], bool] | PyTree[bool] | None = None,
+        trainable: TrainableFilter | None = None,
         ema_decay: float | None = None,
         microbatches: int = 1,
     ):
@@ -179,7 +184,7 @@ class Trainer(eqx.Module):
                 "normalisation and step weights use whole-minibatch statistics)."
             )
 
-    def trainable_filter(self, policy: Model) -> Callable[[Any], bool] | PyTree[bool]:
+    def trainable_filter(self, policy: Model) -> TrainableFilter:
         """The filter in use for `policy`: `trainable`, or its default when `None`.
 
         **Arguments:**
@@ -188,14 +193,10 @@ class Trainer(eqx.Module):
 
         **Returns:**
 
-        `trainable` when given; else `lora.adapter_filter(policy)` when the policy has LoRA
-        adapters, else `eqx.is_inexact_array`.
+        `trainable` when given; else `default_trainable(policy)`: the adapters of a policy
+        with LoRA adapters, every float array of any other.
         """
-        if self.trainable is not None:
-            return self.trainable
-        if lora.has_adapters(policy):
-            return lora.adapter_filter(policy)
-        return eqx.is_inexact_array
+        return default_trainable(policy) if self.trainable is None else self.trainable
 
     def split_policy(self, policy: Model) -> tuple[PyTree[Any], PyTree[Any]]:
         """`(trainable, frozen)` parts of the policy, by `trainable_filter(policy)`.
@@ -213,9 +214,7 @@ class Trainer(eqx.Module):
         `(trainable, frozen)`, two PyTrees shaped like `policy` with `None` where the other
         one has the leaf.
         """
-        selected, unselected = eqx.partition(policy, self.trainable_filter(policy))
-        trainable, selected_static = eqx.partition(selected, eqx.is_inexact_array)
-        return trainable, eqx.combine(unselected, selected_static)
+        return split_trainable(policy, self.trainable_filter(policy))
 
     def init(self, key: PRNGKeyArray, variables: AbstractVariables | None = None) -> TrainState:
         """The initial state: the objective's variables and a fresh optimizer state.
@@ -227,9 +226,9 @@ class Trainer(eqx.Module):
 
         **Raises:**
 
-        - `ValueError`: naming `variables` when its policy has LoRA adapters and the
-            objective's initial policy has none, or the other way round (the objective's
-            variables would be built for the wrong kind of policy).
+        - `ValueError`: naming `variables` when its policy is not of the structure of the
+            objective's initial policy (say, one has LoRA adapters and the other none: the
+            objective's variables would be built for another policy).
 
         **Returns:**
 
@@ -237,20 +236,20 @@ class Trainer(eqx.Module):
         donate their buffers, so the objective's model is never consumed).
         """
         init_key, train_key = jax.random.split(key)
-        variables = self.objective.init(init_key, variables)
-        if lora.has_adapters(variables.policy) != lora.has_adapters(
-            self.objective.initial_policy()
-        ):
+        policy = variables.policy if variables is not None else self.objective.initial_policy()
+        variables = self.objective.init(
+            init_key, variables, trainable=self.trainable_filter(policy)
+        )
+        expected: Any = jax.tree.structure(self.objective.initial_policy())
+        if jax.tree.structure(variables.policy) != expected:
             raise ValueError(
-                "`variables.policy` and the objective's initial policy must both have LoRA "
-                "adapters or both have none; build the objective with the adapted model."
+                "`variables.policy` must have the structure of the objective's initial policy "
+                "(the same layers, and LoRA adapters on both or neither); build the objective "
+                "with the model it trains."
             )
         variables = own_copy(variables)
-        ema = None
-        if self.ema_decay is not None:
-            policy = variables.policy
-            ema = own_copy(lora.adapters(policy) if lora.has_adapters(policy) else policy)
         trainable, _ = self.split_policy(variables.policy)
+        ema = None if self.ema_decay is None else own_copy(trainable)
         opt_state = self.optimizer.init(trainable)
         return TrainState(
             variables=variables,
@@ -288,8 +287,7 @@ class Trainer(eqx.Module):
 
         Runs the very program `update` runs (same compiled executable, on a copy of `state`,
         which is left as it was) and returns what the objective's `loss` gave besides its
-        value: what an objective reads to prepare its batch
-        (`AbstractRLObjective.prepare_batch`), computed exactly as the update computes it.
+        value, computed exactly as the update computes it.
 
         **Arguments:**
 
@@ -303,6 +301,32 @@ class Trainer(eqx.Module):
         with _mesh_context(state):
             _, _, aux = _update_donating((self, batch), own_copy(state))
         return aux
+
+    def rescore(
+        self, state: TrainState, request: Rescore[BatchT], first_pass: Sequence[Int[Array, " M"]]
+    ) -> BatchT:
+        """The batch of a `Rescore` request, rescored by the update program at `state`.
+
+        Each minibatch of the first pass of updates goes through `run_update` (the update
+        program without its optimizer step) at the state that sampled the batch, and the
+        request's `fill` writes what the loss reported back into those rows, so the first
+        pass of updates sees exactly the numbers it computes itself, whatever the precision.
+
+        **Arguments:**
+
+        - `state`: the state that sampled the batch (not consumed).
+        - `request`: the objective's `Rescore`.
+        - `first_pass`: the rows of each minibatch of the first pass, in order.
+
+        **Returns:**
+
+        The rescored batch.
+        """
+        batch = request.batch
+        for rows in first_pass:
+            minibatch = jax.tree.map(lambda leaf, rows=rows: leaf[rows], batch)
+            batch = request.fill(batch, rows, self.run_update(state, minibatch))
+        return batch
 
     def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array], Any]:
         key, step_key = jax.random.split(state.key)
@@ -339,8 +363,7 @@ class Trainer(eqx.Module):
                     return decay * average + (1.0 - decay) * current
                 return average
 
-            current = lora.adapters(policy) if lora.has_adapters(policy) else policy
-            ema = jax.tree.map(blend, ema, current)
+            ema = jax.tree.map(blend, ema, trainable)
         grad_norm = optax.tree.norm(grads)
         metrics = {"loss": value, "grad_norm": grad_norm, "count": total.count}
         metrics.update(mean_values(aux))
@@ -409,19 +432,24 @@ class Trainer(eqx.Module):
         def combine(leaf: Any) -> Any:
             if isinstance(leaf, Mean):
                 return Mean(jnp.sum(leaf.total, axis=0), jnp.sum(leaf.count, axis=0))
+            if isinstance(leaf, PerRow):  # back in row order
+                value = jnp.swapaxes(leaf.value, 0, 1)
+                return PerRow(value.reshape(rows, *value.shape[2:]))
             if not eqx.is_array(leaf):
                 return leaf
-            if leaf.ndim >= 2 and leaf.shape[1] == size:  # per row: back in row order
-                return jnp.swapaxes(leaf, 0, 1).reshape(rows, *leaf.shape[2:])
             return jnp.sum(leaf, axis=0)
 
-        aux = jax.tree.map(combine, auxes, is_leaf=lambda node: isinstance(node, Mean))
+        aux = jax.tree.map(combine, auxes, is_leaf=_is_mean_or_per_row)
         count = total.count
         safe = jnp.where(count > 0, count, jnp.ones_like(count))
         grads = jax.tree.map(
             lambda g: jnp.where(count > 0, g / safe.astype(g.dtype), jnp.zeros_like(g)), grads
         )
         return total.value, total, aux, grads
+
+
+def _is_mean_or_per_row(node: Any) -> bool:
+    return isinstance(node, Mean | PerRow)
 
 
 def _mesh_context(state: TrainState) -> contextlib.AbstractContextManager[Any]:
