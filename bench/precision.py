@@ -24,6 +24,7 @@ import time
 
 import jax
 
+import flowgrpo_eqx as fg
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.shapes_demo.job import ShapesJob
 from flowgrpo_eqx.train import load_model, minibatch_indices, rl_epoch
@@ -51,9 +52,9 @@ def _first_update(objective, trainer, variables, batch, rows) -> dict[str, float
     """The ratio statistics of the first `Trainer.update` of an epoch on `batch`."""
     state = trainer.init(jax.random.key(0), variables)
     first_pass = minibatch_indices(batch.num_rows, rows, jax.random.key(2))
-    batch = objective.prepare_batch(
-        batch, lambda minibatch: trainer.run_update(state, minibatch), first_pass
-    )
+    if objective.old_log_probs == "update":
+        request = fg.Rescore(batch, fill=objective.with_rescored_rows)
+        batch = trainer.rescore(state, request, first_pass)
     _, metrics = trainer.update(state, jax.tree.map(lambda leaf: leaf[first_pass[0]], batch))
     approx_kl = float(metrics["approx_kl"])
     return {

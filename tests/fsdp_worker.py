@@ -110,9 +110,9 @@ def main():
     bfloat16_state = fg.shard_parameters(
         host_state, fg.data_mesh(4), "fsdp", min_elements=MIN_ELEMENTS
     )
-    rescored = bfloat16_objective.prepare_batch(
-        four_rows,
-        lambda minibatch: bfloat16.run_update(bfloat16_state, minibatch),
+    rescored = bfloat16.rescore(
+        bfloat16_state,
+        fg.Rescore(four_rows, fill=bfloat16_objective.with_rescored_rows),
         minibatch_indices(ROWS, ROWS, jax.random.key(3)),
     )
     _, first = bfloat16.update(bfloat16_state, rescored)
