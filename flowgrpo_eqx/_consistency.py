@@ -9,7 +9,7 @@ variables and rows, against a documented threshold.
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, final
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -23,10 +23,7 @@ from ._misc import repeat_rows
 from ._objective import FlowGRPOObjective, FlowGRPOVariables
 from ._reward import RewardError, reward_name
 from ._rollout import FlowRollout
-
-
-if TYPE_CHECKING:
-    from .train import Trainer
+from .train import Trainer
 
 
 @final
@@ -194,7 +191,7 @@ def _rescore(
 @eqx.filter_jit
 def _loss_and_gradient(
     objective: FlowGRPOObjective,
-    trainer: "Trainer",
+    trainer: Trainer,
     variables: FlowGRPOVariables,
     batch: Transitions,
     step: Step,
@@ -339,7 +336,7 @@ def check_consistency(
     rows: PyTree[Any],
     key: PRNGKeyArray,
     *,
-    trainer: "Trainer | None" = None,
+    trainer: Trainer | None = None,
     thresholds: ConsistencyThresholds | None = None,
 ) -> ConsistencyReport:
     """Run one collect and one update on a setup and report what a port commonly breaks.
@@ -388,8 +385,6 @@ def check_consistency(
     - `ValueError`: if `objective` is not a `FlowGRPOObjective` or `rollout` not a
         `FlowRollout`.
     """
-    from .train import Trainer
-
     if not isinstance(objective, FlowGRPOObjective):
         raise ValueError(f"`objective` must be a FlowGRPOObjective, got {objective!r}.")
     if not isinstance(rollout, FlowRollout):
@@ -605,7 +600,7 @@ def _check_first_update(
 
 def _check_masked_entries(
     objective: FlowGRPOObjective,
-    trainer: "Trainer",
+    trainer: Trainer,
     variables: FlowGRPOVariables,
     batch: Transitions,
     key: PRNGKeyArray,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree
 
 from ._custom_types import Latents, Model, Scalar, Times
+from ._distributed import DATA_AXIS
 from ._inputs import CFG, AbstractAutoEncoder, IdentityAutoEncoder, InputSpec
 from ._process import AbstractProcess
 from ._sde import AbstractSDE, compute_dtype
@@ -29,8 +30,6 @@ PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 def _on_data_mesh() -> bool:
     """Whether the program is traced for a mesh with the data axis (`jax.set_mesh`)."""
-    from ._distributed import DATA_AXIS
-
     mesh = jax.sharding.get_abstract_mesh()
     return not mesh.empty and DATA_AXIS in mesh.axis_names
 
@@ -208,8 +207,9 @@ class GuidedFlow(eqx.Module):
         def pair(c: Array, u: Array) -> Array:
             # On a data mesh, row r's two branches side by side (rows 2r and 2r + 1) rather
             # than the two halves one after the other: each device keeps both branches of its
-            # own rows, so the partitioner never gathers the batch to build them. (Off a mesh
-            # the halves stay, so one-device programs and results are as they were.)
+            # own rows, so the partitioner never gathers the batch to build them. Off a mesh
+            # the two halves are one contiguous batch per branch, and the shipped results
+            # (the main job's, the fixtures') are computed in that order.
             both = jnp.stack([c, u.astype(c.dtype)], axis=1)
             return both.reshape(-1, *c.shape[1:])
 

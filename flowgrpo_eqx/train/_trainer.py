@@ -429,17 +429,9 @@ class Trainer(eqx.Module):
         zero = Mean(jnp.zeros((), like.total.dtype), jnp.zeros((), like.count.dtype))
         (grads, total), auxes = jax.lax.scan(one, (zero_grads, zero), pieces)
 
-        def combine(leaf: Any) -> Any:
-            if isinstance(leaf, Mean):
-                return Mean(jnp.sum(leaf.total, axis=0), jnp.sum(leaf.count, axis=0))
-            if isinstance(leaf, PerRow):  # back in row order
-                value = jnp.swapaxes(leaf.value, 0, 1)
-                return PerRow(value.reshape(rows, *value.shape[2:]))
-            if not eqx.is_array(leaf):
-                return leaf
-            return jnp.sum(leaf, axis=0)
-
-        aux = jax.tree.map(combine, auxes, is_leaf=_is_mean_or_per_row)
+        aux = jax.tree.map(
+            lambda leaf: _combine_microbatches(leaf, rows), auxes, is_leaf=_is_mean_or_per_row
+        )
         count = total.count
         safe = jnp.where(count > 0, count, jnp.ones_like(count))
         grads = jax.tree.map(
@@ -450,6 +442,20 @@ class Trainer(eqx.Module):
 
 def _is_mean_or_per_row(node: Any) -> bool:
     return isinstance(node, Mean | PerRow)
+
+
+def _combine_microbatches(leaf: Any, rows: int) -> Any:
+    """One auxiliary output of `lax.scan`'s microbatches (leading axis) as one of the batch:
+    a `Mean` summed as totals and counts, a `PerRow` put back in row order (microbatch `m`
+    held rows `m, m + M, ...`), any other array summed."""
+    if isinstance(leaf, Mean):
+        return Mean(jnp.sum(leaf.total, axis=0), jnp.sum(leaf.count, axis=0))
+    if isinstance(leaf, PerRow):
+        value = jnp.swapaxes(leaf.value, 0, 1)
+        return PerRow(value.reshape(rows, *value.shape[2:]))
+    if not eqx.is_array(leaf):
+        return leaf
+    return jnp.sum(leaf, axis=0)
 
 
 def _mesh_context(state: TrainState) -> contextlib.AbstractContextManager[Any]:
