@@ -1,6 +1,7 @@
 """`FlowRollout`: sample complete prompt groups, score them, and record what training needs."""
 
 import time
+from collections.abc import Callable
 from typing import Any, final
 
 import equinox as eqx
@@ -194,21 +195,30 @@ class FlowRollout(eqx.Module):
             raise ValueError(
                 f"`advantage_std` must be 'group' or 'global', got {self.advantage_std!r}."
             )
-        if not isinstance(self.sampler, AbstractSDE):
-            for name in ("train_steps", "window_schedule"):
-                if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"`{name}` must be None with an ODE `sampler` (it records no "
-                        f"transitions), got {getattr(self, name)!r}."
-                    )
-            if self.shared_noise and self.groups > 1:
+        if isinstance(self.sampler, AbstractSDE):
+            self._check_sde_settings(self.sampler)
+        else:
+            self._check_ode_settings()
+
+    def _check_ode_settings(self) -> None:
+        """What an ODE `sampler` refuses: settings of recorded transitions, a shared start."""
+        for name in ("train_steps", "window_schedule"):
+            if getattr(self, name) is not None:
                 raise ValueError(
-                    "`shared_noise` must be False with an ODE `sampler`: a deterministic "
-                    "sampler from one shared start draws the same sample for the whole group, "
-                    "so every advantage would be 0."
+                    f"`{name}` must be None with an ODE `sampler` (it records no "
+                    f"transitions), got {getattr(self, name)!r}."
                 )
-            return
-        sde = self.sampler
+        if self.shared_noise and self.groups > 1:
+            raise ValueError(
+                "`shared_noise` must be False with an ODE `sampler`: a deterministic "
+                "sampler from one shared start draws the same sample for the whole group, "
+                "so every advantage would be 0."
+            )
+
+    def _check_sde_settings(self, sde: AbstractSDE) -> None:
+        """Where an SDE `sampler` records: a window schedule that fits, or a recorded range
+        with a stochastic transition."""
+        transitions = self.steps - 1
         if self.window_schedule is not None:
             if not isinstance(self.window_schedule, AbstractWindowSchedule):
                 raise ValueError(
@@ -497,7 +507,6 @@ def _generate(
     latent_shape = flow.inputs.latent_shape
     assert latent_shape is not None
     num = leading_rows(rows)
-    grid = flow.process.timesteps(steps)
     noise_key, step_key = jax.random.split(key)
     if starts_per_group == 1:
         start = jax.random.normal(noise_key, (num, *latent_shape), jnp.float32)
@@ -511,11 +520,45 @@ def _generate(
         return _constrained(
             Generated(None, None, None, final=final, samples=flow.decode(final)), sharding
         )
-    sde = sampler
+    noise = _step_noise(step_key, steps, num, latent_shape, sharding)
+    path = _SDEPath(flow, sampler, policy, rows, recorded, record_means)
+    grid = flow.process.timesteps(steps)
+    if scheduled:
+        indices = jnp.arange(steps - 1)
+        windowed = path.windowed(first)
+        x, every = jax.lax.scan(windowed, start, (grid[:-1], grid[1:], noise, indices))
+        recorded_arrays = jax.tree.map(
+            lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, first, recorded, axis=0), every
+        )
+    else:
+        head = (grid[:recorded], grid[1 : recorded + 1], noise[:recorded])
+        x, recorded_arrays = jax.lax.scan(lambda x, xs: path.recording(x, xs), start, head)
+        if recorded < steps - 1:
+            tail = (grid[recorded:-1], grid[recorded + 1 :], noise[recorded:])
+            x, _ = jax.lax.scan(lambda x, xs: path.silent(x, xs), x, tail)
+    latents, next_latents, log_probs = recorded_arrays[:3]
+    generated = Generated(
+        latents=jnp.swapaxes(latents, 0, 1),
+        next_latents=jnp.swapaxes(next_latents, 0, 1),
+        log_probs=jnp.swapaxes(log_probs, 0, 1),
+        final=x,
+        samples=flow.decode(x),
+        means=jnp.swapaxes(recorded_arrays[3], 0, 1) if record_means else None,
+    )
+    return _constrained(generated, sharding)
+
+
+def _step_noise(
+    step_key: PRNGKeyArray,
+    steps: int,
+    num: int,
+    latent_shape: tuple[int, ...],
+    sharding: NamedSharding | None,
+) -> Float[Array, " steps_minus_one N *latent"]:
+    """Every step's per-row noise, drawn from the per-step, per-row keys that a loop would
+    split: the same values, but one batched draw (inside the scan body each draw cost two
+    small rolled loops of tiny XLA ops per step on CPU)."""
     step_keys = jax.random.split(step_key, steps - 1)
-    # Every step's per-row noise, drawn here from the per-step, per-row keys that the loop
-    # would split: the same values, but one batched draw. On CPU each draw is a small rolled
-    # loop of tiny XLA ops; inside the scan body it cost two such loops per step.
     noise = jax.vmap(
         lambda k: jax.vmap(lambda r: jax.random.normal(r, latent_shape, jnp.float32))(
             jax.random.split(k, num)
@@ -525,63 +568,64 @@ def _generate(
         spec = PartitionSpec(None, *sharding.spec)  # type: ignore[no-untyped-call]
         per_step = NamedSharding(sharding.mesh, spec)
         noise = jax.lax.with_sharding_constraint(noise, per_step)  # type: ignore[no-untyped-call]
+    noise_array: Array = noise
+    return noise_array
+
+
+class _SDEPath(eqx.Module):
+    """The scan bodies of an SDE trajectory: a step that records, one that does not, and
+    one that draws noise only inside a window starting at a traced `first`. (Its methods
+    reach `lax.scan` through closures: a bound method of a module holding tracers cannot
+    be hashed.)"""
+
+    flow: GuidedFlow
+    sde: AbstractSDE
+    policy: Model
+    rows: PyTree[Any]
+    recorded: int = eqx.field(static=True)
+    record_means: bool = eqx.field(static=True)
 
     def transition(
-        x: Array, t: Array, t_next: Array, z: Array, allowed: Array | None = None
+        self, x: Array, t: Array, t_next: Array, z: Array, allowed: Array | None = None
     ) -> tuple[Array, Array, Array]:
+        num = x.shape[0]
         times = jnp.full((num,), t, x.dtype)
         next_times = jnp.full((num,), t_next, x.dtype)
         allowed_rows = None if allowed is None else jnp.full((num,), allowed)
-        mean, std = flow.transition(sde, policy, x, times, next_times, rows, allowed_rows)
-        x_next = jax.vmap(sde.sample)(mean, std, z)
-        log_prob = jax.vmap(sde.log_prob)(x_next, mean, std)
+        mean, std = self.flow.transition(
+            self.sde, self.policy, x, times, next_times, self.rows, allowed_rows
+        )
+        x_next = jax.vmap(self.sde.sample)(mean, std, z)
+        log_prob = jax.vmap(self.sde.log_prob)(x_next, mean, std)
         return x_next, log_prob, mean
 
-    def record(x: Array, x_next: Array, log_prob: Array, mean: Array) -> tuple[Array, ...]:
-        return (x, x_next, log_prob, mean) if record_means else (x, x_next, log_prob)
+    def record(self, x: Array, x_next: Array, log_prob: Array, mean: Array) -> tuple[Array, ...]:
+        return (x, x_next, log_prob, mean) if self.record_means else (x, x_next, log_prob)
 
-    def recording(x: Array, inputs: tuple[Array, Array, Array]) -> tuple[Array, tuple[Array, ...]]:
+    def recording(
+        self, x: Array, inputs: tuple[Array, Array, Array]
+    ) -> tuple[Array, tuple[Array, ...]]:
         t, t_next, z = inputs
-        x_next, log_prob, mean = transition(x, t, t_next, z)
-        return x_next, record(x, x_next, log_prob, mean)
+        x_next, log_prob, mean = self.transition(x, t, t_next, z)
+        return x_next, self.record(x, x_next, log_prob, mean)
 
-    def silent(x: Array, inputs: tuple[Array, Array, Array]) -> tuple[Array, None]:
+    def silent(self, x: Array, inputs: tuple[Array, Array, Array]) -> tuple[Array, None]:
         t, t_next, z = inputs
-        x_next, _, _ = transition(x, t, t_next, z)
+        x_next, _, _ = self.transition(x, t, t_next, z)
         return x_next, None
 
-    if scheduled:
-
-        def windowed(
+    def windowed(
+        self, first: Int[Array, ""]
+    ) -> Callable[[Array, tuple[Array, Array, Array, Array]], tuple[Array, tuple[Array, ...]]]:
+        def step(
             x: Array, inputs: tuple[Array, Array, Array, Array]
         ) -> tuple[Array, tuple[Array, ...]]:
             t, t_next, z, index = inputs
-            allowed = (index >= first) & (index < first + recorded)
-            x_next, log_prob, mean = transition(x, t, t_next, z, allowed)
-            return x_next, record(x, x_next, log_prob, mean)
+            allowed = (index >= first) & (index < first + self.recorded)
+            x_next, log_prob, mean = self.transition(x, t, t_next, z, allowed)
+            return x_next, self.record(x, x_next, log_prob, mean)
 
-        indices = jnp.arange(steps - 1)
-        x, every = jax.lax.scan(windowed, start, (grid[:-1], grid[1:], noise, indices))
-        recorded_arrays = jax.tree.map(
-            lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, first, recorded, axis=0), every
-        )
-    else:
-        head = (grid[:recorded], grid[1 : recorded + 1], noise[:recorded])
-        x, recorded_arrays = jax.lax.scan(recording, start, head)
-    latents, next_latents, log_probs = recorded_arrays[:3]
-    means = jnp.swapaxes(recorded_arrays[3], 0, 1) if record_means else None
-    if not scheduled and recorded < steps - 1:
-        tail = (grid[recorded:-1], grid[recorded + 1 :], noise[recorded:])
-        x, _ = jax.lax.scan(silent, x, tail)
-    generated = Generated(
-        latents=jnp.swapaxes(latents, 0, 1),
-        next_latents=jnp.swapaxes(next_latents, 0, 1),
-        log_probs=jnp.swapaxes(log_probs, 0, 1),
-        final=x,
-        samples=flow.decode(x),
-        means=means,
-    )
-    return _constrained(generated, sharding)
+        return step
 
 
 def _constrained(generated: Generated, sharding: NamedSharding | None) -> Generated:
