@@ -156,44 +156,48 @@ def dit_setup(quick: bool) -> Setup:
     prompts = 1 if quick else 2
     # The main job's own pieces (model, inputs, objective, rollout, trainer), on fewer prompts.
     # One update over the whole rollout, as measured here (the job's minibatches need more rows).
-    config = dataclasses.replace(job_config, prompts_per_epoch=prompts, minibatch_rows=None)
+    config = job_config.replace(prompts_per_epoch=prompts, minibatch_rows=None)
     scratch = tempfile.mkdtemp(prefix="flowgrpo-bench-")
     job = ShapesJob(config, scratch, quiet=True)
     task = job.task
-    model = _perturb_zero_leaves(job.model, 0.02, config.seed)
+    model = _perturb_zero_leaves(job.model, 0.02, config.training.seed)
 
     def make_objective(chunk: int | None) -> fg.FlowGRPOObjective:
-        chunked = dataclasses.replace(config, transition_chunk=chunk)
+        chunked = config.replace(transition_chunk=chunk)
         return ShapesJob(chunked, scratch, quiet=True).objective(model)
 
     def make_trainer(objective: fg.FlowGRPOObjective) -> Trainer:
         return job.trainer(objective)
 
-    objective = make_objective(config.transition_chunk)
+    objective = make_objective(config.objective.transition_chunk)
     rollout = job.rollout(objective)
     rows = job.epoch_rows
 
-    recorded = config.rollout_steps - 1 if config.train_steps is None else config.train_steps
+    rollout_settings, model_settings = config.rollout, config.model
+    training, objective_settings = config.training, config.objective
+    train_steps = rollout_settings.train_steps
+    recorded = rollout_settings.rollout_steps - 1 if train_steps is None else train_steps
     info = {
-        "model": f"DiT(width={config.width}, depth={config.depth}, heads={config.heads}, "
-        f"patch={config.patch}) on {task.image_shape} images, prompt length {PROMPT_LENGTH}",
+        "model": f"DiT(width={model_settings.width}, depth={model_settings.depth}, "
+        f"heads={model_settings.heads}, patch={model_settings.patch}) on {task.image_shape} "
+        f"images, prompt length {PROMPT_LENGTH}",
         "settings_from": "flowgrpo_eqx.shapes_demo.make_config() (JobConfig defaults)",
         "weights": "fresh init (seed from JobConfig) with the zero-initialised adaLN layers "
         "given N(0, 0.02^2) values; no pretraining",
         "parameters": int(sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))),
-        "N": prompts * config.groups,
+        "N": prompts * rollout_settings.groups,
         "source_rows": prompts,
-        "groups": config.groups,
-        "job_N": job_config.prompts_per_epoch * config.groups,
+        "groups": rollout_settings.groups,
+        "job_N": job_config.rollout.prompts_per_epoch * rollout_settings.groups,
         "K": recorded,
-        "rollout_steps": config.rollout_steps,
-        "guidance": config.guidance_scale,
-        "beta": config.beta,
-        "noise_level": config.noise_level,
-        "optimizer": f"default_optimizer({config.learning_rate}, {config.weight_decay}, "
-        f"{config.max_grad_norm})",
-        "reward": f"ShapesReward(kind={config.reward!r})",
-        "transition_chunk": config.transition_chunk,
+        "rollout_steps": rollout_settings.rollout_steps,
+        "guidance": rollout_settings.guidance_scale,
+        "beta": objective_settings.beta,
+        "noise_level": rollout_settings.noise_level,
+        "optimizer": f"default_optimizer({training.learning_rate}, {training.weight_decay}, "
+        f"{training.max_grad_norm})",
+        "reward": f"ShapesReward(kind={config.rewards.reward!r})",
+        "transition_chunk": objective_settings.transition_chunk,
     }
     return Setup(
         name="dit",

@@ -57,7 +57,7 @@ def main() -> int:
     def median(name: str, column: int) -> float:
         return statistics.median(row[column] for row in rows[name])
 
-    saves = config.epochs // config.checkpoint_every
+    saves = config.training.epochs // config.logging.checkpoint_every
     result = {
         "arrays": len(arrays),
         "state_bytes": sum(int(x.nbytes) for x in arrays),

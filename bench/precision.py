@@ -80,7 +80,7 @@ def main() -> int:
             batch, _ = rollout.collect(variables.policy, job.epoch_rows(1), jax.random.key(1))
             trainer = job.trainer(objective)
             assert objective.old_log_probs == old_log_probs
-            rows = config.minibatch_rows or batch.num_rows
+            rows = config.training.minibatch_rows or batch.num_rows
             case = _first_update(objective, trainer, variables, batch, rows)
             case["epoch_seconds"] = _epoch_seconds(job, trainer, rollout, variables, rows)
             results[f"{precision}, old_log_probs={old_log_probs}"] = case

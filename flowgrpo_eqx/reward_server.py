@@ -142,46 +142,85 @@ def make_app(
     check_int("max_concurrent_requests", max_concurrent_requests, 1)
     if token is not None and not token:
         raise ValueError("`token` must be None or a non-empty string.")
-    name = reward_name(reward)
-    scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-    held = 0
+    server = _Server(reward, token, max_request_bytes, read_timeout, max_concurrent_requests)
+    # The Content-Length check refuses large bodies before reading them; aiohttp's own limit
+    # stays as a second guard.
+    app = web.Application(client_max_size=max_request_bytes)
+    app.router.add_get("/health", server.health)
+    app.router.add_post("/score", server.score_batch)
+    app.on_cleanup.append(server.stop_scorer)
+    return app
 
-    async def health(request: web.Request) -> web.Response:
+
+@final
+class _Server:
+    """The handlers of `make_app`'s application, the limits they hold requests to, and the
+    one worker thread that calls the reward."""
+
+    def __init__(
+        self,
+        reward: FlowReward,
+        token: str | None,
+        max_request_bytes: int,
+        read_timeout: float,
+        max_concurrent_requests: int,
+    ):
+        self.reward = reward
+        self.name = reward_name(reward)
+        self.token = token
+        self.max_request_bytes = max_request_bytes
+        self.read_timeout = read_timeout
+        self.max_concurrent_requests = max_concurrent_requests
+        self.scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        self.held = 0
+
+    async def health(self, request: web.Request) -> web.Response:
         del request
-        return web.json_response({"status": "ok", "reward": name})
+        return web.json_response({"status": "ok", "reward": self.name})
 
-    async def score_batch(request: web.Request) -> web.StreamResponse:
-        nonlocal held
+    async def score_batch(self, request: web.Request) -> web.StreamResponse:
+        """`POST /score`: refused before its body is read, or scored."""
+        refusal = self._refusal_before_reading(request)
+        if refusal is not None:
+            return refusal
+        length = request.content_length
+        assert length is not None  # refused above otherwise
+        self.held += 1
+        try:
+            return await self._score(request, length)
+        finally:
+            self.held -= 1
+
+    def _refusal_before_reading(self, request: web.Request) -> web.Response | None:
+        """The reply to a request refused before its body is read (wrong token, no or too
+        large Content-Length, too many requests held), or `None`."""
+        token = self.token
         if token is not None and not _authorized(request.headers.get("Authorization"), token):
             return _refusal(401, "unauthorized", "missing or wrong bearer token.")
         length = request.content_length
         if length is None:
             return _refusal(411, "length_required", "send the body with a Content-Length.")
-        if length > max_request_bytes:
+        if length > self.max_request_bytes:
             return _refusal(
                 413,
                 "too_large",
                 f"the body's Content-Length {length} exceeds the server's "
-                f"max_request_bytes {max_request_bytes}.",
+                f"max_request_bytes {self.max_request_bytes}.",
             )
-        if held >= max_concurrent_requests:
+        if self.held >= self.max_concurrent_requests:
             response = _refusal(
-                503, "busy", f"{max_concurrent_requests} requests are already being served."
+                503, "busy", f"{self.max_concurrent_requests} requests are already being served."
             )
             response.headers["Retry-After"] = "1"
             return response
-        held += 1
-        try:
-            return await _score(request, length)
-        finally:
-            held -= 1
+        return None
 
-    async def _score(request: web.Request, length: int) -> web.StreamResponse:
+    async def _score(self, request: web.Request, length: int) -> web.StreamResponse:
         try:
-            body = await asyncio.wait_for(_read_body(request, length), read_timeout)
+            body = await asyncio.wait_for(_read_body(request, length), self.read_timeout)
         except TimeoutError:
             response = _refusal(
-                408, "read_timeout", f"the body did not arrive within {read_timeout:g} s."
+                408, "read_timeout", f"the body did not arrive within {self.read_timeout:g} s."
             )
             # Answer, then drop the connection at once: its client is too slow to wait for.
             await response.prepare(request)
@@ -200,22 +239,14 @@ def make_app(
             return _error(400, error.kind, str(error))
         del body  # the arrays keep what they view
         try:
-            scores = await loop.run_in_executor(scorer, score, reward, samples, rows)
+            scores = await loop.run_in_executor(self.scorer, score, self.reward, samples, rows)
         except RewardError as error:
             return _error(500, "reward_failed", str(error))
         return web.Response(body=npy_bytes(scores), content_type=NPY_CONTENT_TYPE)
 
-    async def stop_scorer(app: web.Application) -> None:
+    async def stop_scorer(self, app: web.Application) -> None:
         del app
-        scorer.shutdown(wait=False, cancel_futures=True)
-
-    # The Content-Length check above refuses large bodies before reading them; aiohttp's own
-    # limit stays as a second guard.
-    app = web.Application(client_max_size=max_request_bytes)
-    app.router.add_get("/health", health)
-    app.router.add_post("/score", score_batch)
-    app.on_cleanup.append(stop_scorer)
-    return app
+        self.scorer.shutdown(wait=False, cancel_futures=True)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

@@ -290,9 +290,9 @@ def test_an_old_policy_and_a_kl_reference_at_once():
 
 def test_an_unknown_algorithm_is_named():
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="algorithm"):
-        JobConfig(algorithm="bogus")
+        JobConfig.from_settings({"algorithm": "bogus"})
     with pytest.raises(ValueError, match="`nft_beta`"):
-        JobConfig(algorithm="nft", nft_beta=0.0)
+        JobConfig.from_settings({"algorithm": "nft", "nft_beta": 0.0})
     result = run_cli("train", "--preset", "tiny", "--algorithm", "bogus", "--print-config")
     assert result.returncode == 2
     assert "--algorithm" in result.stderr and "Traceback" not in result.stderr

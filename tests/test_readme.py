@@ -60,8 +60,8 @@ def test_readme_config_file_example_is_a_valid_config(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(block)
     config = make_config(**read_config_file(path))
-    assert config.learning_rate == 3e-4 and config.train_steps is None
-    assert config.log == ("tensorboard",)
+    assert config.training.learning_rate == 3e-4 and config.rollout.train_steps is None
+    assert config.logging.log == ("tensorboard",)
 
 
 def test_readme_dew_table_has_a_row_for_every_argument():

@@ -77,7 +77,7 @@ def test_resuming_with_a_changed_setting_names_both_values(
 ):
     name = flag[2:].replace("-", "_")
     config = make_config("tiny")
-    assert repr(getattr(config, name)) == recorded
+    assert repr(config.settings()[name]) == recorded
     message = refused(finished_run, tmp_path, "--resume", flag, value)
     assert f"{name}: {recorded} in the checkpoint" in message
     assert "now" in message and value in message

@@ -5,7 +5,6 @@ the session's tiny base model, except `launch`'s ranks; reward servers are real
 `flowgrpo-eqx serve-reward` processes on 127.0.0.1 (one is killed mid-run).
 """
 
-import dataclasses
 import json
 import signal
 import subprocess
@@ -148,7 +147,7 @@ def test_two_processes_send_one_request_per_collect(in_process, tmp_path):
         server.stop()
     assert result.returncode == 0, result.stdout[-3000:]
     epochs = 2
-    rows = make_config("tiny").rollout_rows
+    rows = make_config("tiny").rollout.rollout_rows
     # One request per collect (epoch), each scoring every row of the global batch.
     assert calls.read_text().split() == [str(rows)] * epochs
     for placement in MetricsLog(out / "distributed.jsonl").read():
@@ -183,9 +182,9 @@ def test_tensorboard_log_holds_scalars_images_and_histograms(in_process, tmp_pat
     assert "heldout_samples" in tags["images"]
     assert {"advantages", "policy_ratio"} <= set(tags["histograms"])
     advantages = events.Histograms("advantages")
-    assert len(advantages) == make_config("tiny").epochs
+    assert len(advantages) == make_config("tiny").training.epochs
     # Group-normalised advantages: as many as rows, summing to ~0.
-    assert advantages[0].histogram_value.num == make_config("tiny").rollout_rows
+    assert advantages[0].histogram_value.num == make_config("tiny").rollout.rollout_rows
     assert abs(advantages[0].histogram_value.sum) < 1e-3
 
 
@@ -312,9 +311,9 @@ def test_old_log_probs_default_to_the_update_program_in_bfloat16(settings, expec
 
 
 def test_nft_turns_the_default_shared_noise_off():
-    assert make_config("default").shared_noise
-    assert not make_config("default", algorithm="nft").shared_noise
-    assert make_config("default", algorithm="flow_grpo").shared_noise
+    assert make_config("default").rollout.shared_noise
+    assert not make_config("default", algorithm="nft").rollout.shared_noise
+    assert make_config("default", algorithm="flow_grpo").rollout.shared_noise
 
 
 @pytest.mark.parametrize(
@@ -333,9 +332,10 @@ def test_nft_turns_the_default_shared_noise_off():
 )
 def test_choosing_one_reward_turns_the_default_weighted_sum_off(settings, weights, combination):
     config = make_config("default", **settings)
-    assert (config.reward_weights, config.reward_combination) == (weights, combination)
+    reward = config.rewards
+    assert (reward.reward_weights, reward.reward_combination) == (weights, combination)
     # A saved configuration names every setting, so reading it back changes nothing.
-    assert make_config("default", **dataclasses.asdict(config)) == config
+    assert make_config("default", **config.settings()) == config
 
 
 @pytest.mark.parametrize(

@@ -5,11 +5,16 @@ that pretrains a small DiT on it and fine-tunes it with Flow-GRPO, its configura
 pictures and the `flowgrpo-eqx` command line.
 """
 
+from .algorithms import (
+    ALGORITHMS as ALGORITHMS,
+    NFT as NFT,
+    AbstractAlgorithm as AbstractAlgorithm,
+    FlowGRPO as FlowGRPO,
+)
 from .config import (
     PRESETS as PRESETS,
+    SETTINGS as SETTINGS,
     JobConfig as JobConfig,
-    LrSchedule as LrSchedule,
-    RewardName as RewardName,
     make_config as make_config,
     setting_help as setting_help,
 )
@@ -19,6 +24,18 @@ from .job import (
     run_eval as run_eval,
     run_pretrain as run_pretrain,
     run_train as run_train,
+)
+from .settings import (
+    EvaluationSettings as EvaluationSettings,
+    LoggingSettings as LoggingSettings,
+    LrSchedule as LrSchedule,
+    ModelSettings as ModelSettings,
+    ObjectiveSettings as ObjectiveSettings,
+    PretrainingSettings as PretrainingSettings,
+    RewardName as RewardName,
+    RewardSettings as RewardSettings,
+    RolloutSettings as RolloutSettings,
+    TrainingSettings as TrainingSettings,
 )
 from .task import (
     COLOURS as COLOURS,

@@ -9,6 +9,7 @@ import jax
 
 from .. import ConsistencyReport, check_consistency
 from .config import JobConfig
+from .parts import ShapesJob
 
 
 def load_factory(spec: str) -> Callable[[], tuple[Any, Any, Any, Any]]:
@@ -58,7 +59,7 @@ def run_check(
 
     - `ValueError`: for a bad `factory`, or one that does not return four things.
     """
-    key = jax.random.key(config.seed + 3)
+    key = jax.random.key(config.training.seed + 3)
     if factory is not None:
         made = load_factory(factory)()
         if not (isinstance(made, tuple) and len(made) == 4):
@@ -69,8 +70,6 @@ def run_check(
         objective, rollout, variables, rows = made
         report = check_consistency(objective, rollout, variables, rows, key)
     else:
-        from .job import ShapesJob
-
         job = ShapesJob(config, out, quiet)
         base, _ = job.base_model(log)
         objective = job.objective(base)

@@ -20,7 +20,6 @@ Every `JobConfig` setting has a flag (`--learning-rate 1e-4`, `--train-steps non
 """
 
 import argparse
-import dataclasses
 import os
 import signal
 import sys
@@ -29,14 +28,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..reward_limits import add_limit_arguments, limit_settings
-from .config import JobConfig, config_to_toml, make_config, read_config_file, split_optional
+from .config import SETTINGS, JobConfig, config_to_toml, make_config, read_config_file
+from .settings import split_optional
 
 
 _BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
 def _parser_for(annotation: Any) -> Callable[[str], Any]:
-    """A string parser for a `JobConfig` field's type (`int`, `float | None`, a `Literal`,
+    """A string parser for a setting's type (`int`, `float | None`, a `Literal`,
     a tuple given comma-separated)."""
     optional, base = split_optional(annotation)
 
@@ -62,10 +62,9 @@ def _parser_for(annotation: Any) -> Callable[[str], Any]:
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (default: the preset's)")
-    hints = typing.get_type_hints(JobConfig)
-    for field in dataclasses.fields(JobConfig):
-        flag = "--" + field.name.replace("_", "-")
-        annotation = hints[field.name]
+    for name, setting in SETTINGS.items():
+        flag = "--" + name.replace("_", "-")
+        annotation = setting.annotation
         optional, base = split_optional(annotation)
         literal = typing.get_origin(base) is typing.Literal
         choices = typing.get_args(base) if literal and not optional else None
@@ -74,12 +73,12 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             metavar = "{" + ",".join([*typing.get_args(base), "none"]) + "}"
         group.add_argument(
             flag,
-            dest=field.name,
+            dest=name,
             type=_parser_for(annotation),
             choices=choices,
             metavar=metavar,
             default=argparse.SUPPRESS,
-            help=f"{field.metadata['help']} (default {field.default!r})",
+            help=f"{setting.help} (default {setting.default!r})",
         )
 
 
@@ -282,8 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as error:
             print(f"flowgrpo-eqx: {error}", file=sys.stderr)
             return 2
-    names = {f.name for f in dataclasses.fields(JobConfig)}
-    overrides = {k: v for k, v in arguments.items() if k in names}
+    overrides = {k: v for k, v in arguments.items() if k in SETTINGS}
     try:
         from_file = read_config_file(arguments["config"]) if arguments.get("config") else {}
         config = make_config(arguments["preset"], **{**from_file, **overrides})

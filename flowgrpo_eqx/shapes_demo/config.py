@@ -1,443 +1,245 @@
-"""The main job's settings: one dataclass whose fields carry their own help, checked up front.
+"""The main job's settings: `JobConfig`, one section per concern (`settings`), checked as a
+whole when it is made; presets; and the settings as a TOML file.
 
-`flowgrpo-eqx train --help` lists a flag for every field; presets are named sets of overrides.
+Every setting has one name, its flag (`flowgrpo-eqx train --help` lists them all) and its
+TOML key; `SETTINGS` lists them in the order of the flags and of a run's `config.toml`.
 """
 
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import tomllib
-import types
 import typing
-from typing import Any, Literal, TypeAlias
+from collections.abc import Mapping
+from typing import Any
 
-from .. import OldLogProbs, ParamSharding, Precision, RewardCombination, check_int, check_number
-
-
-RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]
-"""The built-in rewards: the task checker's partial or strict score, or DDPO's JPEG size."""
-
-LrSchedule: TypeAlias = Literal["constant", "cosine"]
-"""The step size: constant, or a cosine from the peak down to 0 at the last update."""
-
-WindowScheduleName: TypeAlias = Literal["fixed", "random", "sliding"]
-"""Where the `sde_steps` stochastic transitions sit: the leading ones, a random position per
-rollout, or MixGRPO's window sliding later every `window_shift_every` epochs."""
-
-AlgorithmName: TypeAlias = Literal["flow_grpo", "nft"]
-"""What fine-tunes the base model: Flow-GRPO's clipped policy gradient on recorded SDE
-transitions, or DiffusionNFT's negative-aware flow matching on final samples."""
-
-LogName: TypeAlias = Literal["tensorboard", "wandb"]
-"""Where a run's metrics go besides `metrics.jsonl`."""
-
-REWARD_NAMES: tuple[RewardName, ...] = typing.get_args(RewardName)
-
-
-def _setting(default: Any, help: str, **bounds: int | float | bool) -> Any:
-    """A `JobConfig` field: its default, its help text, and for a number the bounds that
-    `check_int` or `check_number` holds it to (`minimum`, `maximum`, `include_minimum`,
-    `include_maximum`)."""
-    return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
-
-
-def _check_setting(name: str, annotation: Any, value: Any, bounds: dict[str, Any]) -> None:
-    """Check one setting against its declared type: a `Literal`'s values, a bool, a bounded
-    int or number, a string, a tuple of `Literal` values; `X | None` also allows `None`.
-
-    **Raises:**
-
-    - `ValueError`: `"Setting `name` must be ..."`.
-    """
-    optional, base = split_optional(annotation)
-    if optional and value is None:
-        return
-    none = " or none" if optional else ""
-    try:
-        if typing.get_origin(base) is Literal:
-            allowed = typing.get_args(base)
-            if value not in allowed:
-                raise ValueError(f"`{name}` must be one of {allowed}{none}, got {value!r}.")
-        elif typing.get_origin(base) is tuple:
-            allowed = typing.get_args(typing.get_args(base)[0])
-            if not isinstance(value, tuple) or any(item not in allowed for item in value):
-                raise ValueError(f"`{name}` must name values from {allowed}, got {value!r}.")
-        elif base is bool:
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}` must be true or false, got {value!r}.")
-        elif base is int:
-            check_int(name, value, bounds["minimum"], optional=optional)
-        elif base is float:
-            check_number(name, value, optional=optional, **bounds)
-        elif not isinstance(value, base):
-            raise ValueError(f"`{name}` must be a {base.__name__}{none}, got {value!r}.")
-    except ValueError as error:
-        # The library's checks say `None`; a setting is written `none` in flags and files.
-        raise ValueError(f"Setting {str(error).replace('None or ', 'none or ')}") from None
+from .algorithms import ALGORITHMS, AbstractAlgorithm
+from .settings import (
+    EvaluationSettings,
+    LoggingSettings,
+    ModelSettings,
+    ObjectiveSettings,
+    PretrainingSettings,
+    RewardSettings,
+    RolloutSettings,
+    TrainingSettings,
+    split_optional,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
-    """Every setting of the main job; `flowgrpo-eqx train --help` lists them as flags.
+    """Every setting of the main job, one section per concern; `flowgrpo-eqx train --help`
+    lists them as flags.
 
-    Each field's help text is its `metadata["help"]`. The whole configuration is checked
-    when it is made (`__post_init__`), before any work.
+    Each section checks its own settings when it is made; `JobConfig` checks what crosses
+    sections: the minibatch against the rollout, and the settings the chosen algorithm
+    refuses (`algorithms.AbstractAlgorithm.check`). `make_config` and `from_settings` make
+    one from settings by name.
 
     **Raises:**
 
-    - `ValueError`: naming the setting, for a value of the wrong type or outside its range,
-        or settings that do not fit together (`sde_steps` longer than the rollout, a
-        `minibatch_rows` that does not divide a rollout's rows, ...).
+    - `ValueError`: naming the setting, for settings that do not fit together (a
+        `minibatch_rows` that does not divide a rollout's rows, `shared_noise` with `nft`,
+        ...).
     """
 
-    # model
-    width: int = _setting(64, "DiT token width", minimum=1)
-    depth: int = _setting(4, "DiT blocks", minimum=1)
-    heads: int = _setting(4, "attention heads per block", minimum=1)
-    patch: int = _setting(4, "patch side in pixels (16 / patch tokens per side)", minimum=1)
-    # pretraining (flow matching)
-    pretrain_steps: int = _setting(10000, "flow-matching steps of the base model", minimum=0)
-    pretrain_batch: int = _setting(64, "images per flow-matching step", minimum=1)
-    pretrain_lr: float = _setting(
-        1e-3, "flow-matching AdamW learning rate", minimum=0, include_minimum=False
-    )
-    cond_dropout: float = _setting(
-        0.1,
-        "probability of the null prompt in pretraining (CFG)",
-        minimum=0,
-        maximum=1,
-        include_maximum=False,
-    )
-    # Flow-GRPO
-    epochs: int = _setting(300, "Flow-GRPO epochs (one rollout each)", minimum=1)
-    algorithm: AlgorithmName = _setting(
-        "flow_grpo",
-        "flow_grpo (clipped policy gradient on SDE transitions) | nft (DiffusionNFT: "
-        "negative-aware flow matching on final samples; adv_clip_max is its A_max)",
-    )
-    nft_beta: float = _setting(
-        1.0,
-        "nft: strength of the implicit positive and negative policies, in (0, 1]",
-        minimum=0,
-        maximum=1,
-        include_minimum=False,
-    )
-    nft_old_decay: float = _setting(
-        0.5,
-        "nft: the cap of the released ramp min(0.001 step, cap) by which the old (sampling) "
-        "policy keeps its weights at each epoch's end (0: the live policy)",
-        minimum=0,
-        maximum=1,
-        include_maximum=False,
-    )
-    prompts_per_epoch: int = _setting(16, "training prompts per rollout", minimum=1)
-    groups: int = _setting(16, "samples per prompt (the GRPO group)", minimum=1)
-    rollout_steps: int = _setting(
-        6,
-        "time-grid points of the rollout sampler (steps - 1 transitions)",
-        minimum=2,
-    )
-    train_steps: int | None = _setting(
-        2, "leading transitions recorded and trained (none: all)", minimum=1
-    )
-    sde_steps: int | None = _setting(
-        2,
-        "leading transitions that sample noise, ODE after (Flow-GRPO-Fast; none: all)",
-        minimum=1,
-    )
-    shared_noise: bool = _setting(
-        True, "every sample of a group starts from the same noise (groups differ)"
-    )
-    window_schedule: WindowScheduleName = _setting(
-        "fixed",
-        "fixed (the first sde_steps transitions) | random (a random position per rollout) | "
-        "sliding (MixGRPO: later by window_stride every window_shift_every epochs)",
-    )
-    window_shift_every: int = _setting(20, "epochs between moves of the sliding window", minimum=1)
-    window_stride: int = _setting(1, "transitions per move of the sliding window", minimum=1)
-    inner_epochs: int = _setting(1, "passes over each rollout", minimum=1)
-    minibatch_rows: int | None = _setting(
-        64, "rows per optimizer update (none: the whole rollout)", minimum=1
-    )
-    learning_rate: float = _setting(
-        1e-4, "AdamW learning rate (the peak, with a schedule)", minimum=0, include_minimum=False
-    )
-    lr_schedule: LrSchedule = _setting("cosine", "constant | cosine (to 0 at the last update)")
-    weight_decay: float = _setting(0.0, "AdamW decoupled weight decay", minimum=0)
-    max_grad_norm: float = _setting(
-        1.0, "global-norm gradient clip", minimum=0, include_minimum=False
-    )
-    beta: float = _setting(
-        0.0,
-        "KL weight to the base model (0: none; without LoRA, > 0 keeps a frozen copy of it)",
-        minimum=0,
-    )
-    clip_range: float = _setting(0.2, "PPO ratio clip", minimum=0, include_minimum=False)
-    grpo_guard: bool = _setting(
-        False, "GRPO-Guard: the ratio normalised per step and 1/dt step weights (mathematics §5a)"
-    )
-    adv_clip_max: float = _setting(5.0, "advantage clip", minimum=0, include_minimum=False)
-    noise_level: float = _setting(0.7, "SDE noise level a", minimum=0)
-    guidance_scale: float = _setting(
-        3.0,
-        "classifier-free guidance scale (rollout, loss and evaluation)",
-        minimum=0,
-    )
-    reward: RewardName = _setting(
-        "partial",
-        "partial | strict (the task checker) | jpeg_incompressibility: one built-in reward, "
-        "used when reward_weights is none (naming it, --custom-reward or --reward-url turns "
-        "the default reward_weights off)",
-    )
-    reward_weights: str | None = _setting(
-        "partial=1,strict=1",
-        "a weighted sum of built-in rewards instead of --reward, e.g. partial=1,strict=0.5 "
-        "(none: --reward alone)",
-    )
-    reward_combination: RewardCombination = _setting(
-        "normalize_each",
-        "sum (normalise the weighted sum in each group) | normalize_each (normalise each "
-        "reward of --reward-weights in its group, then combine)",
-    )
-    custom_reward: str | None = _setting(
-        None, "package.module:callable of your own FlowReward, used instead of --reward"
-    )
-    reward_url: str | None = _setting(
-        None,
-        "score through a reward server at this URL instead of in process (flowgrpo-eqx "
-        "serve-reward; token from --reward-token or FLOWGRPO_REWARD_TOKEN)",
-    )
-    reward_timeout: float = _setting(
-        60.0, "seconds one request to the reward server may take", minimum=0, include_minimum=False
-    )
-    reward_retries: int = _setting(
-        2, "retries of a failed reward request (with backoff)", minimum=0
-    )
-    ema_decay: float | None = _setting(
-        None,
-        "decay of an EMA of the policy (of the adapters with LoRA) kept in the train state "
-        "(none: off)",
-        minimum=0,
-        maximum=1,
-        include_maximum=False,
-    )
-    transition_chunk: int | None = _setting(
-        None,
-        "transitions per scanned chunk of the loss (none: all at once)",
-        minimum=1,
-    )
-    # LoRA
-    lora_rank: int = _setting(
-        0,
-        "rank of LoRA adapters on every linear layer of the DiT, trained alone (0: full "
-        "fine-tuning)",
-        minimum=0,
-    )
-    lora_alpha: float | None = _setting(
-        None,
-        "LoRA scale numerator: updates are (alpha / rank) B A (none: 2 x rank, the "
-        "Flow-GRPO release's ratio)",
-        minimum=0,
-        include_minimum=False,
-    )
-    # evaluation
-    eval_steps: int = _setting(21, "ODE steps of held-out evaluation", minimum=2)
-    eval_samples_per_prompt: int = _setting(
-        8, "held-out samples per prompt (fixed noise)", minimum=1
-    )
-    eval_every: int = _setting(20, "epochs between held-out evaluations", minimum=1)
-    preview_prompts: int = _setting(
-        8, "prompts in samples_before.png / samples_after.png", minimum=1
-    )
-    eval_seed: int = _setting(
-        0,
-        "seed of the held-out evaluation's fixed noise (runs compare on the same samples)",
-        minimum=0,
-    )
-    # bookkeeping
-    precision: Precision = _setting(
-        "float32",
-        "float32 | bfloat16 (the model computes in bfloat16; master weights, the SDE, ratios "
-        "and advantages stay float32 or wider)",
-    )
-    old_log_probs: OldLogProbs | None = _setting(
-        None,
-        "rollout | update: the ratio's old log densities as the rollout recorded them, or "
-        "recomputed by the update's own program before each rollout's first update (exact "
-        "ratio 1 in bfloat16, one more update-program run per minibatch; none: update in "
-        "bfloat16, rollout in float32)",
-    )
-    param_sharding: ParamSharding = _setting(
-        "replicated",
-        "replicated (a full copy of parameters and optimizer state per device) | fsdp "
-        "(each large array split over the devices)",
-    )
-    fsdp_min_elements: int = _setting(
-        1024, "with fsdp, arrays smaller than this stay replicated", minimum=1
-    )
-    checkpoint_every: int = _setting(10, "epochs between checkpoints", minimum=1)
-    keep_checkpoints: int = _setting(3, "checkpoints kept", minimum=1)
-    log: tuple[LogName, ...] = _setting(
-        (), "metrics writers besides metrics.jsonl: tensorboard, wandb (comma-separated)"
-    )
-    seed: int = _setting(
-        0,
-        "seed of the Flow-GRPO run: rollout noise and minibatch order (not the base model)",
-        minimum=0,
-    )
-    pretrain_seed: int = _setting(
-        0,
-        "seed of the base model: its initial weights and pretraining data",
-        minimum=0,
-    )
+    model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
+    pretraining: PretrainingSettings = dataclasses.field(default_factory=PretrainingSettings)
+    rollout: RolloutSettings = dataclasses.field(default_factory=RolloutSettings)
+    rewards: RewardSettings = dataclasses.field(default_factory=RewardSettings)
+    objective: ObjectiveSettings = dataclasses.field(default_factory=ObjectiveSettings)
+    training: TrainingSettings = dataclasses.field(default_factory=TrainingSettings)
+    evaluation: EvaluationSettings = dataclasses.field(default_factory=EvaluationSettings)
+    logging: LoggingSettings = dataclasses.field(default_factory=LoggingSettings)
 
     def __post_init__(self) -> None:
-        annotations = _field_types()
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            _check_setting(field.name, annotations[field.name], value, field.metadata["bounds"])
-        transitions = self.rollout_steps - 1
-        for name in ("train_steps", "sde_steps"):
-            value = getattr(self, name)
-            if value is not None and not value <= transitions:
-                raise ValueError(
-                    f"Setting `{name}` must be none or an int in 1..{transitions} "
-                    f"(rollout_steps={self.rollout_steps} gives {transitions} transitions), "
-                    f"got {value!r}."
-                )
-        if self.algorithm == "nft" and self.shared_noise:
+        self.chosen_algorithm.check(self)
+        rows = self.rollout.rollout_rows
+        minibatch_rows = self.training.minibatch_rows
+        if minibatch_rows is not None and rows % minibatch_rows != 0:
             raise ValueError(
-                "Setting `shared_noise` must be false with algorithm 'nft': its rollout is a "
-                "deterministic ODE, so a group sharing one initial noise would be one sample "
-                "repeated, and every advantage 0."
-            )
-        if self.algorithm == "nft" and self.beta > 0:
-            raise ValueError(
-                "Setting `beta` (Flow-GRPO's KL weight) must be 0 with algorithm 'nft', got "
-                f"{self.beta!r}."
-            )
-        if self.window_schedule != "fixed" and self.train_steps not in (None, self.sde_steps):
-            raise ValueError(
-                f"Setting `train_steps`={self.train_steps} must equal `sde_steps`="
-                f"{self.sde_steps} (or be none) with window_schedule={self.window_schedule!r}: "
-                "the moving window's transitions are the trained ones."
-            )
-        if self.reward_weights is not None:
-            parse_reward_weights(self.reward_weights)
-            if self.custom_reward is not None or self.reward_url is not None:
-                raise ValueError(
-                    f"Setting `reward_weights`={self.reward_weights!r} combines built-in "
-                    "rewards; it excludes `custom_reward` and `reward_url` (set "
-                    "reward_weights to none to use either)."
-                )
-        elif self.reward_combination != "sum":
-            raise ValueError(
-                f"Setting `reward_combination`={self.reward_combination!r} needs several rewards: "
-                "set `reward_weights`."
-            )
-        if self.custom_reward is not None and self.reward_url is not None:
-            raise ValueError("Settings `custom_reward` and `reward_url` exclude each other.")
-        if self.reward_url is not None and not self.reward_url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"Setting `reward_url` must be an http(s) URL, got {self.reward_url!r}."
-            )
-        if self.custom_reward is not None and ":" not in self.custom_reward:
-            raise ValueError(
-                "Setting `custom_reward` must be package.module:callable, got "
-                f"{self.custom_reward!r}."
-            )
-        if self.lora_alpha is not None and self.lora_rank == 0:
-            raise ValueError(
-                "Setting `lora_alpha` needs `lora_rank` >= 1 (0 is full fine-tuning), got "
-                f"lora_alpha={self.lora_alpha!r} with lora_rank=0."
-            )
-        if self.minibatch_rows is not None and self.rollout_rows % self.minibatch_rows != 0:
-            raise ValueError(
-                f"Setting `minibatch_rows`={self.minibatch_rows} must divide a rollout's "
-                f"{self.rollout_rows} rows (prompts_per_epoch x groups)."
+                f"Setting `minibatch_rows`={minibatch_rows} must divide a rollout's "
+                f"{rows} rows (prompts_per_epoch x groups)."
             )
 
     @property
-    def lora_scale_numerator(self) -> float:
-        """The LoRA `alpha` in use: `lora_alpha`, or 2 x `lora_rank` when it is none."""
-        return float(2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha)
+    def chosen_algorithm(self) -> AbstractAlgorithm:
+        """The algorithm the `algorithm` setting names (`algorithms.ALGORITHMS`)."""
+        return ALGORITHMS[self.objective.algorithm]
 
-    @property
-    def rollout_rows(self) -> int:
-        """Rows of one rollout: the epoch's training prompts times `groups`."""
-        from .task import NUM_TRAIN_PROMPTS
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> "JobConfig":
+        """The configuration with `settings` (by name, as the flags and TOML keys say) and
+        every other setting at its default.
 
-        return min(self.prompts_per_epoch, NUM_TRAIN_PROMPTS) * self.groups
+        **Raises:**
+
+        - `ValueError`: for an unknown setting, or a bad value (naming the setting).
+        """
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise ValueError(f"Unknown settings {unknown}; known: {sorted(SETTINGS)}.")
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in settings.items():
+            grouped[SETTINGS[key].section][SETTINGS[key].field] = value
+        return cls(**{name: _SECTIONS[name](**values) for name, values in grouped.items()})
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting by name, in `SETTINGS`' order."""
+        return {key: setting.value(self) for key, setting in SETTINGS.items()}
+
+    def replace(self, **changes: Any) -> "JobConfig":
+        """This configuration with `changes` (settings by name), checked as a whole.
+
+        **Raises:**
+
+        - `ValueError`: for an unknown setting, or a bad value (naming the setting).
+        """
+        return JobConfig.from_settings({**self.settings(), **changes})
 
     def base_fingerprint(self) -> str:
         """A hash of everything that determines the pretrained base model (and nothing else:
         the Flow-GRPO `seed` does not enter, so every training seed reuses one base)."""
-        fields = (
-            "width",
-            "depth",
-            "heads",
-            "patch",
-            "pretrain_steps",
-            "pretrain_batch",
-            "pretrain_lr",
-            "cond_dropout",
-        )
-        settings: dict[str, Any] = {name: getattr(self, name) for name in fields}
-        # Stored under "seed", its name when one seed drove everything, so that the shipped
-        # base model keeps its file name.
-        settings["seed"] = self.pretrain_seed
+        model, pretraining = self.model, self.pretraining
+        settings: dict[str, Any] = {
+            "width": model.width,
+            "depth": model.depth,
+            "heads": model.heads,
+            "patch": model.patch,
+            "pretrain_steps": pretraining.pretrain_steps,
+            "pretrain_batch": pretraining.pretrain_batch,
+            "pretrain_lr": pretraining.pretrain_lr,
+            "cond_dropout": pretraining.cond_dropout,
+            # Stored under "seed", its name when one seed drove everything, so that the
+            # shipped base model keeps its file name.
+            "seed": pretraining.pretrain_seed,
+        }
         text = json.dumps(settings, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def parse_reward_weights(text: str) -> dict[RewardName, float]:
-    """`partial=1,strict=0.5` as `{reward name: weight}`.
+_SECTIONS: dict[str, Any] = {
+    field.name: typing.get_type_hints(JobConfig)[field.name]
+    for field in dataclasses.fields(JobConfig)
+}
+"""Each section of `JobConfig` by its field name, with its class."""
 
-    **Arguments:**
 
-    - `text`: comma-separated `name=weight` pairs naming built-in rewards.
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting: where it lives in `JobConfig`, its type, default, help and bounds."""
 
-    **Returns:**
+    key: str
+    section: str
+    field: str
+    annotation: Any
+    default: Any
+    help: str
+    bounds: dict[str, Any]
 
-    The weights by reward name, in the order given.
+    def value(self, config: JobConfig) -> Any:
+        """The setting's value in `config`."""
+        return getattr(getattr(config, self.section), self.field)
+
+
+SETTING_ORDER: tuple[str, ...] = (
+    "width",
+    "depth",
+    "heads",
+    "patch",
+    "pretrain_steps",
+    "pretrain_batch",
+    "pretrain_lr",
+    "cond_dropout",
+    "epochs",
+    "algorithm",
+    "nft_beta",
+    "nft_old_decay",
+    "prompts_per_epoch",
+    "groups",
+    "rollout_steps",
+    "train_steps",
+    "sde_steps",
+    "shared_noise",
+    "window_schedule",
+    "window_shift_every",
+    "window_stride",
+    "inner_epochs",
+    "minibatch_rows",
+    "learning_rate",
+    "lr_schedule",
+    "weight_decay",
+    "max_grad_norm",
+    "beta",
+    "clip_range",
+    "grpo_guard",
+    "adv_clip_max",
+    "noise_level",
+    "guidance_scale",
+    "reward",
+    "reward_weights",
+    "reward_combination",
+    "custom_reward",
+    "reward_url",
+    "reward_timeout",
+    "reward_retries",
+    "ema_decay",
+    "transition_chunk",
+    "lora_rank",
+    "lora_alpha",
+    "eval_steps",
+    "eval_samples_per_prompt",
+    "eval_every",
+    "preview_prompts",
+    "eval_seed",
+    "precision",
+    "old_log_probs",
+    "param_sharding",
+    "fsdp_min_elements",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "log",
+    "seed",
+    "pretrain_seed",
+)
+"""The settings in the order of the flags and of `config.toml`: the order of the flat
+configuration the sections replaced, so that saved files and `--help` keep their form."""
+
+
+def _settings_table() -> dict[str, Setting]:
+    """Every setting of every section, by name, in `SETTING_ORDER`.
 
     **Raises:**
 
-    - `ValueError`: naming `reward_weights`, for a malformed pair, an unknown or repeated
-        reward, or a weight that is not a finite number.
+    - `RuntimeError`: if `SETTING_ORDER` does not name every setting exactly once.
     """
-    weights: dict[RewardName, float] = {}
-    for pair in text.split(","):
-        name, equals, weight_text = (part.strip() for part in pair.partition("="))
-        if not equals:
-            raise ValueError(f"Setting `reward_weights` needs name=weight pairs, got {pair!r}.")
-        if name not in REWARD_NAMES:
-            raise ValueError(
-                f"Setting `reward_weights` names an unknown reward {name!r}; the built-in "
-                f"rewards are {REWARD_NAMES}."
+    found: dict[str, Setting] = {}
+    for section, section_type in _SECTIONS.items():
+        hints = typing.get_type_hints(section_type)
+        for field in dataclasses.fields(section_type):
+            found[field.name] = Setting(
+                key=field.name,
+                section=section,
+                field=field.name,
+                annotation=hints[field.name],
+                default=field.default,
+                help=field.metadata["help"],
+                bounds=field.metadata["bounds"],
             )
-        if name in weights:
-            raise ValueError(f"Setting `reward_weights` names {name!r} twice.")
-        try:
-            weight = float(weight_text)
-        except ValueError:
-            weight = math.nan
-        if not math.isfinite(weight):
-            raise ValueError(
-                f"Setting `reward_weights` gives {name!r} the weight {weight_text!r}; it must "
-                "be a finite number."
-            )
-        weights[name] = weight
-    return weights
+    if sorted(found) != sorted(SETTING_ORDER):
+        raise RuntimeError(f"SETTING_ORDER must name every setting once: {sorted(found)}.")
+    return {key: found[key] for key in SETTING_ORDER}
+
+
+SETTINGS: dict[str, Setting] = _settings_table()
+"""Every setting by name, in the order of the flags and of `config.toml`."""
 
 
 def setting_help(name: str) -> str:
     """The help line of setting `name`."""
-    field = next(f for f in dataclasses.fields(JobConfig) if f.name == name)
-    help_text: str = field.metadata["help"]
-    return help_text
+    return SETTINGS[name].help
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -472,8 +274,9 @@ def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
     normalised in its group); a preset or override that chooses one reward (`reward`,
     `custom_reward` or `reward_url`) without naming `reward_weights` turns it off (and
     `reward_combination` back to `"sum"` unless named too). The default shared initial noise
-    is Flow-GRPO's: `algorithm="nft"` samples with a deterministic solver, so it turns
-    `shared_noise` off unless named.
+    is Flow-GRPO's: an algorithm may change such defaults
+    (`algorithms.AbstractAlgorithm.default_settings`; `nft` samples with a deterministic
+    solver, so it turns `shared_noise` off unless named).
 
     **Raises:**
 
@@ -481,17 +284,15 @@ def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
     """
     if preset not in PRESETS:
         raise ValueError(f"`preset` must be one of {sorted(PRESETS)}, got {preset!r}.")
-    names = {f.name for f in dataclasses.fields(JobConfig)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ValueError(f"Unknown settings {unknown}; known: {sorted(names)}.")
     settings = {**PRESETS[preset], **overrides}
     if "reward_weights" not in settings and any(name in settings for name in _ONE_REWARD):
         settings.update(reward_weights=None)
         settings.setdefault("reward_combination", "sum")
-    if settings.get("algorithm") == "nft":
-        settings.setdefault("shared_noise", False)
-    return JobConfig(**settings)
+    algorithm = ALGORITHMS.get(settings.get("algorithm", ObjectiveSettings().algorithm))
+    if algorithm is not None:
+        for key, value in algorithm.default_settings().items():
+            settings.setdefault(key, value)
+    return JobConfig.from_settings(settings)
 
 
 _ONE_REWARD = ("reward", "custom_reward", "reward_url")
@@ -499,35 +300,13 @@ _ONE_REWARD = ("reward", "custom_reward", "reward_url")
 naming `reward_weights` turns the default weighted sum off."""
 
 
-def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(JobConfig)
-
-
-def split_optional(annotation: Any) -> tuple[bool, Any]:
-    """Whether a `JobConfig` field's type admits `None`, and the type without it.
-
-    **Arguments:**
-
-    - `annotation`: the field's type (`X | None` and `Optional[Literal[...]]` alike).
-
-    **Returns:**
-
-    `(optional, base)`: `base` is `X` for an optional type, else `annotation` itself.
-    """
-    args = typing.get_args(annotation)
-    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    if not (union and type(None) in args):
-        return False, annotation
-    return True, next(a for a in args if a is not type(None))
-
-
 def _accepts(annotation: Any, value: Any) -> bool:
-    """Whether a TOML value fits a `JobConfig` field's type (`"none"` stands for `None`)."""
+    """Whether a TOML value fits a setting's type (`"none"` stands for `None`)."""
     optional, inner = split_optional(annotation)
     if optional:
         return value == "none" or _accepts(inner, value)
     args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is Literal:
+    if typing.get_origin(annotation) is typing.Literal:
         return value in args
     if typing.get_origin(annotation) is tuple:
         return isinstance(value, list) and all(_accepts(args[0], item) for item in value)
@@ -569,19 +348,20 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             table = tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ValueError(f"Config file {os.fspath(path)!r}: {error}") from error
-    hints = _field_types()
     values: dict[str, Any] = {}
     for key, value in table.items():
-        if key not in hints:
+        if key not in SETTINGS:
             raise ValueError(
-                f"Config file {os.fspath(path)!r}: unknown setting {key!r}; known: {sorted(hints)}."
+                f"Config file {os.fspath(path)!r}: unknown setting {key!r}; known: "
+                f"{sorted(SETTINGS)}."
             )
-        if not _accepts(hints[key], value):
+        annotation = SETTINGS[key].annotation
+        if not _accepts(annotation, value):
             raise ValueError(
                 f"Config file {os.fspath(path)!r}: setting {key!r} = {value!r} is not of type "
-                f"{hints[key]}."
+                f"{annotation}."
             )
-        values[key] = _from_toml(hints[key], value)
+        values[key] = _from_toml(annotation, value)
     return values
 
 
@@ -605,7 +385,7 @@ def config_to_toml(config: JobConfig) -> str:
     `read_config_file` of the text gives back the same configuration.
     """
     lines = ["# flowgrpo-eqx train --config THIS_FILE reproduces the run's settings."]
-    for field in dataclasses.fields(JobConfig):
-        lines.append(f"# {field.metadata['help']}")
-        lines.append(f"{field.name} = {_toml_value(getattr(config, field.name))}")
+    for key, setting in SETTINGS.items():
+        lines.append(f"# {setting.help}")
+        lines.append(f"{key} = {_toml_value(setting.value(config))}")
     return "\n".join(lines) + "\n"

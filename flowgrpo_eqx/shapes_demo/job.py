@@ -2,7 +2,7 @@
 it, fine-tune it with an RL objective, and measure again; once or once per seed; or measure a
 saved policy.
 
-The base model derives from `JobConfig.pretrain_seed`, the RL run from `seed` (with the step
+The base model derives from the `pretrain_seed` setting, the RL run from `seed` (with the step
 counters and the epoch index), and the held-out evaluation's noise from `eval_seed`; a run
 resumed from its latest checkpoint ends exactly as an uninterrupted one. The pieces live in
 `parts` (`ShapesJob`), the run in `training` (`run_train`), the seeds in `seeds`
@@ -68,7 +68,9 @@ def run_eval(
     job = ShapesJob(config, out, True)
     path = pathlib.Path(checkpoint)
     if path.is_dir():
-        start = job.policy(job.saved_base(path.parent.parent)) if config.lora_rank else job.model
+        start = (
+            job.policy(job.saved_base(path.parent.parent)) if config.model.lora_rank else job.model
+        )
         trainer = job.trainer(job.train_objective(start))
         like: TrainState = trainer.init(jax.random.key(0))
         stored, meta = Checkpointer(path.parent).restore(lora.without_bases(like), path)

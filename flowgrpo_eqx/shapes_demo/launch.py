@@ -152,6 +152,42 @@ def launch_local(
     lock = threading.Lock()
     children: list[subprocess.Popen[str]] = []
     forwarded = _forward_signals(children)
+    tails, pumps = _start_children(children, processes, command, address, lock)
+    failed, stopped, hung = _watch(children, grace_seconds, lock)
+    for pump in pumps:
+        pump.join(timeout=5)
+    _restore_signals(forwarded)
+    if failed is None:
+        return 0
+    if all(child.returncode == PREEMPTED_EXIT_STATUS for child in children):
+        print(
+            "[launch] every rank stopped after a signal and checkpointed; continue with --resume.",
+            flush=True,
+        )
+        return PREEMPTED_EXIT_STATUS
+    # Ranks that died within one poll of each other cannot be ordered, so each failed rank is
+    # named with its status and last line; the exit status is the first one seen.
+    codes = [None if rank in stopped else child.returncode for rank, child in enumerate(children)]
+    for line in failure_lines(codes, tails, hung):
+        print(line, flush=True)
+    code = failed[1]
+    return code if code > 0 else 128 - code
+
+
+def _start_children(
+    children: list[subprocess.Popen[str]],
+    processes: int,
+    command: Sequence[str],
+    address: str,
+    lock: threading.Lock,
+) -> tuple[list[deque[str]], list[threading.Thread]]:
+    """Start the `processes` ranks of `flowgrpo-eqx <command>` into `children`, each with a
+    thread that prints its output line by line under `lock`.
+
+    **Returns:**
+
+    `(tails, pumps)`: each rank's last 20 lines, and the threads that read them.
+    """
     tails: list[deque[str]] = []
     pumps = []
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -182,57 +218,58 @@ def launch_local(
         children.append(child)
         tails.append(tail)
         pumps.append(pump)
+    return tails, pumps
+
+
+def _watch(
+    children: list[subprocess.Popen[str]], grace_seconds: float, lock: threading.Lock
+) -> tuple[tuple[int, int] | None, set[int], list[int]]:
+    """Wait for every child to end; after the first failure, give the others `grace_seconds`
+    to stop on their own, then kill those still running.
+
+    **Returns:**
+
+    `(failed, stopped, hung)`: the first failed rank and its exit status (`None` if none
+    failed), the ranks killed, and the ranks found to have stopped responding.
+    """
     failed: tuple[int, int] | None = None
-    stopped: set[int] = set()
-    hung: list[int] = []
     deadline: float | None = None
     while True:
         codes = [child.poll() for child in children]
         if failed is None:
-            for rank, code in enumerate(codes):
-                if code not in (None, 0):
-                    failed = (rank, code)
-                    deadline = time.monotonic() + grace_seconds
-                    with lock:
-                        print(
-                            f"[launch] rank {rank} failed with exit status {code}; "
-                            f"waiting up to {grace_seconds:g} s for the others to stop.",
-                            flush=True,
-                        )
-                    break
+            failed = _first_failure(codes)
+            if failed is not None:
+                deadline = time.monotonic() + grace_seconds
+                with lock:
+                    print(
+                        f"[launch] rank {failed[0]} failed with exit status {failed[1]}; "
+                        f"waiting up to {grace_seconds:g} s for the others to stop.",
+                        flush=True,
+                    )
         if all(code is not None for code in codes):
-            break
-        if deadline is not None and time.monotonic() > deadline:
+            return failed, set(), []
+        if failed is not None and deadline is not None and time.monotonic() > deadline:
             hung = [r for r, child in enumerate(children) if stopped_responding(child.pid)]
-            for rank, child in enumerate(children):
-                if child.poll() is None:
-                    with lock:
-                        print(
-                            f"[launch] stopping rank {rank}: rank {failed[0] if failed else '?'} "
-                            "failed.",
-                            flush=True,
-                        )
-                    child.kill()
-                    stopped.add(rank)
-            for child in children:
-                child.wait()
-            break
+            return failed, _kill_running(children, failed[0], lock), hung
         time.sleep(0.2)
-    for pump in pumps:
-        pump.join(timeout=5)
-    _restore_signals(forwarded)
-    if failed is None:
-        return 0
-    if all(child.returncode == PREEMPTED_EXIT_STATUS for child in children):
-        print(
-            "[launch] every rank stopped after a signal and checkpointed; continue with --resume.",
-            flush=True,
-        )
-        return PREEMPTED_EXIT_STATUS
-    # Ranks that died within one poll of each other cannot be ordered, so each failed rank is
-    # named with its status and last line; the exit status is the first one seen.
-    codes = [None if rank in stopped else child.returncode for rank, child in enumerate(children)]
-    for line in failure_lines(codes, tails, hung):
-        print(line, flush=True)
-    code = failed[1]
-    return code if code > 0 else 128 - code
+
+
+def _first_failure(codes: list[int | None]) -> tuple[int, int] | None:
+    """The first rank that ended with a non-zero exit status, and that status."""
+    return next(((rank, code) for rank, code in enumerate(codes) if code not in (None, 0)), None)
+
+
+def _kill_running(
+    children: list[subprocess.Popen[str]], failed_rank: int, lock: threading.Lock
+) -> set[int]:
+    """Kill every child still running, saying so, and wait for all; returns the ranks killed."""
+    stopped: set[int] = set()
+    for rank, child in enumerate(children):
+        if child.poll() is None:
+            with lock:
+                print(f"[launch] stopping rank {rank}: rank {failed_rank} failed.", flush=True)
+            child.kill()
+            stopped.add(rank)
+    for child in children:
+        child.wait()
+    return stopped

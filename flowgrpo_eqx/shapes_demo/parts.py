@@ -15,28 +15,19 @@ from .. import (
     CFG,
     AbstractRLObjective,
     AbstractVariables,
-    AbstractWindowSchedule,
-    DiffusionNFTObjective,
     FlowGRPOObjective,
     FlowReward,
     FlowRollout,
-    FlowSDE,
-    GRPOGuard,
-    Heun,
     HttpReward,
     InputSpec,
     JpegCompressibility,
     JpegIncompressibility,
-    RampedDecay,
-    RandomWindow,
     RectifiedFlow,
-    SlidingWindow,
     Step,
     WeightedReward,
     load_reward,
     local_copy,
     lora,
-    window_for_indices,
 )
 from ..models import DiT
 from ..train import (
@@ -52,7 +43,9 @@ from ..train import (
     supervised_steps,
 )
 from ._progress import Progress
-from .config import JobConfig, parse_reward_weights
+from .algorithms import AbstractAlgorithm, flow_grpo_objective
+from .config import JobConfig
+from .settings import RewardSettings, parse_reward_weights
 from .task import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
 
 
@@ -67,6 +60,38 @@ BUILTIN_REWARDS: dict[str, Callable[[], FlowReward]] = {
 
 SHIPPED_DIR = pathlib.Path(__file__).resolve().parent / "checkpoints"
 """Where the shipped base models live, named `base_<fingerprint>.eqx`."""
+
+
+def train_reward(settings: RewardSettings, token: str | None) -> tuple[FlowReward, str]:
+    """The train reward the settings choose, and what it is in their words (for pictures).
+
+    **Arguments:**
+
+    - `settings`: the reward settings.
+    - `token`: the token for `reward_url`'s server, if any.
+
+    **Returns:**
+
+    `(reward, name)`: the user's own reward, a reward server's client, a weighted sum of
+    built-in rewards, or one built-in reward.
+    """
+    if settings.custom_reward is not None:
+        return load_reward(settings.custom_reward), settings.custom_reward
+    if settings.reward_url is not None:
+        client = HttpReward(
+            settings.reward_url,
+            timeout=settings.reward_timeout,
+            retries=settings.reward_retries,
+            token=token,
+        )
+        return client, "reward server"
+    if settings.reward_weights is not None:
+        weights = parse_reward_weights(settings.reward_weights)
+        combined = WeightedReward(
+            [(BUILTIN_REWARDS[name](), weight) for name, weight in weights.items()]
+        )
+        return combined, f"{settings.reward_weights}, {settings.reward_combination}"
+    return BUILTIN_REWARDS[settings.reward](), settings.reward
 
 
 class ShapesJob:
@@ -91,29 +116,11 @@ class ShapesJob:
         self.out = pathlib.Path(out)
         self.quiet = quiet
         self.task = ShapesTask()
+        self.algorithm: AbstractAlgorithm = config.chosen_algorithm
         self.reward: FlowReward
         self.reward_name: str
         """What the train reward is, in the words of the settings (for pictures)."""
-        if config.custom_reward is not None:
-            self.reward = load_reward(config.custom_reward)
-            self.reward_name = config.custom_reward
-        elif config.reward_url is not None:
-            self.reward = HttpReward(
-                config.reward_url,
-                timeout=config.reward_timeout,
-                retries=config.reward_retries,
-                token=reward_token,
-            )
-            self.reward_name = "reward server"
-        elif config.reward_weights is not None:
-            weights = parse_reward_weights(config.reward_weights)
-            self.reward = WeightedReward(
-                [(BUILTIN_REWARDS[name](), weight) for name, weight in weights.items()]
-            )
-            self.reward_name = f"{config.reward_weights}, {config.reward_combination}"
-        else:
-            self.reward = BUILTIN_REWARDS[config.reward]()
-            self.reward_name = config.reward
+        self.reward, self.reward_name = train_reward(config.rewards, reward_token)
         self.inputs = InputSpec(
             select="tokens",
             null=jnp.full((PROMPT_LENGTH,), NULL_TOKEN, jnp.int32),
@@ -123,15 +130,15 @@ class ShapesJob:
         self.model = DiT(
             image_size=self.task.image_shape[0],
             channels=self.task.image_shape[2],
-            patch=config.patch,
-            width=config.width,
-            depth=config.depth,
-            heads=config.heads,
+            patch=config.model.patch,
+            width=config.model.width,
+            depth=config.model.depth,
+            heads=config.model.heads,
             vocab_size=VOCAB_SIZE + 1,
             prompt_length=PROMPT_LENGTH,
-            key=jax.random.key(config.pretrain_seed),
+            key=jax.random.key(config.pretraining.pretrain_seed),
         )
-        self.guidance = CFG(config.guidance_scale)
+        self.guidance = CFG(config.rollout.guidance_scale)
 
     # -- the base model --------------------------------------------------------------
 
@@ -141,8 +148,8 @@ class ShapesJob:
             RectifiedFlow(),
             self.inputs,
             guidance=self.guidance,
-            steps=self.config.eval_steps,
-            cond_dropout=self.config.cond_dropout,
+            steps=self.config.evaluation.eval_steps,
+            cond_dropout=self.config.pretraining.cond_dropout,
         )
 
     def base_paths(self) -> list[pathlib.Path]:
@@ -151,7 +158,7 @@ class ShapesJob:
 
     def pretrain(self, log: Callable[[str], None] = print) -> Any:
         """Flow-matching pretraining on rendered images of every prompt; returns the model."""
-        config = self.config
+        config = self.config.pretraining
         trainer = Trainer(self.pretrain_objective(), default_optimizer(config.pretrain_lr, 0.0))
         state = trainer.init(jax.random.key(config.pretrain_seed + 1))
         prompts = self.task.rows("all")["tokens"]
@@ -203,20 +210,20 @@ class ShapesJob:
     def policy(self, base: Any) -> Any:
         """The policy Flow-GRPO trains: `base` itself, or with `lora_rank > 0` a
         `lora.LoraModel` with adapters on every linear layer of `base` (only they train)."""
-        config = self.config
-        if config.lora_rank == 0:
+        model = self.config.model
+        if model.lora_rank == 0:
             return base
         return lora.add(
             base,
-            config.lora_rank,
-            alpha=config.lora_scale_numerator,
-            key=jax.random.key(config.seed + 4),
+            model.lora_rank,
+            alpha=model.lora_scale_numerator,
+            key=jax.random.key(self.config.training.seed + 4),
         )
 
     def checkpoint_metadata(self, base: Any) -> dict[str, Any]:
         """What a checkpoint records besides the state: the base model's `lora.fingerprint`
         when the policy has adapters (the state is stored without the base)."""
-        if self.config.lora_rank == 0:
+        if self.config.model.lora_rank == 0:
             return {}
         return {"lora_base_fingerprint": lora.fingerprint(base)}
 
@@ -237,7 +244,7 @@ class ShapesJob:
         - `ValueError`: naming the checkpoint and both fingerprints, if its adapters belong
             to another base model than this run's.
         """
-        if lora.has_adapters(like.variables.policy):
+        if self.config.model.lora_rank > 0:
             found = lora.fingerprint(lora.base(like.variables.policy))
             recorded = metadata.get("lora_base_fingerprint")
             if recorded != found:
@@ -251,7 +258,7 @@ class ShapesJob:
     def save_policy(self, policy: Any) -> pathlib.Path:
         """Export the trained policy: `policy.eqx`, or for a policy with adapters only the
         adapters and the base's fingerprint, `policy.lora` (`lora.save_adapters`)."""
-        if lora.has_adapters(policy):
+        if self.config.model.lora_rank > 0:
             path = self.out / "policy.lora"
             lora.save_adapters(path, policy)
         else:
@@ -259,129 +266,34 @@ class ShapesJob:
             save_model(path, policy)
         return path
 
-    # -- Flow-GRPO --------------------------------------------------------------------
-
-    def sde_window(self) -> tuple[float, float] | None:
-        """The SDE window of `sde_steps` (the leading rollout transitions that sample noise;
-        the rest are ODE steps, as Flow-GRPO-Fast), or `None` when every transition does."""
-        config = self.config
-        if config.sde_steps is None or config.window_schedule != "fixed":
-            return None
-        grid = RectifiedFlow().timesteps(config.rollout_steps)
-        return window_for_indices(grid, 0, config.sde_steps)
-
-    def sde(self) -> FlowSDE:
-        """The rollout's SDE: `noise_level`, stochastic on `sde_window()`."""
-        return FlowSDE(self.config.noise_level, window=self.sde_window())
+    # -- RL fine-tuning ----------------------------------------------------------------
 
     def objective(self, base: Any) -> FlowGRPOObjective:
-        config = self.config
-        old_log_probs = config.old_log_probs
-        if old_log_probs is None:
-            # The update program's densities matter only to a Flow-GRPO run in bfloat16.
-            bfloat16_grpo = config.precision == "bfloat16" and config.algorithm == "flow_grpo"
-            old_log_probs = "update" if bfloat16_grpo else "rollout"
-        return FlowGRPOObjective(
-            self.model,
-            RectifiedFlow(),
-            self.inputs,
-            sde=self.sde(),
-            beta=config.beta,
-            clip_range=config.clip_range,
-            adv_clip_max=config.adv_clip_max,
-            transition_chunk=config.transition_chunk,
-            guard=GRPOGuard() if config.grpo_guard else None,
-            old_log_probs=old_log_probs,
-            **self._shared_settings(base),
-        )
-
-    def nft_objective(self, base: Any) -> DiffusionNFTObjective:
-        """DiffusionNFT's objective for `--algorithm nft`, as released: `adv_clip_max` is its
-        `A_max`, no guidance, and its old policy follows the live one once per epoch by the
-        released ramp `min(0.001 step, nft_old_decay)` over the optimizer steps done."""
-        config = self.config
-        settings = self._shared_settings(base)
-        settings["guidance"] = None
-        return DiffusionNFTObjective(
-            self.model,
-            RectifiedFlow(),
-            self.inputs,
-            beta=config.nft_beta,
-            adv_max=config.adv_clip_max,
-            old_decay=RampedDecay(maximum=config.nft_old_decay),
-            **settings,
-        )
-
-    def _shared_settings(self, base: Any) -> dict[str, Any]:
-        """What both objectives take alike: guidance, the evaluation grid, the starting
-        weights and the precision."""
-        config = self.config
-        return {
-            "guidance": self.guidance,
-            "steps": config.eval_steps,
-            "pretrained": base,
-            "precision": config.precision,
-        }
+        """Flow-GRPO's objective from `base`: what `flow_grpo` trains, and what the job
+        measures and previews with whatever the algorithm (`algorithms.flow_grpo_objective`)."""
+        return flow_grpo_objective(self, base, self.algorithm.old_log_probs(self.config))
 
     def train_objective(self, base: Any) -> AbstractRLObjective[Any, Any]:
-        """The objective the trainer trains: `objective(base)`, or with `--algorithm nft`
-        `nft_objective(base)` (the rollout samples with the same SDE either way)."""
-        if self.config.algorithm == "nft":
-            return self.nft_objective(base)
-        return self.objective(base)
+        """The objective the trainer trains: the chosen algorithm's, from `base`."""
+        return self.algorithm.objective(self, base)
 
     def rollout(
         self, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None = None
     ) -> FlowRollout:
-        """The rollout of `objective`'s guided flow with the job's SDE (`sde()`); with
-        `--algorithm nft`, as released, the deterministic second-order `Heun` solver and
-        advantages over the global reward std."""
-        config = self.config
-        shared: dict[str, Any] = {
-            "groups": config.groups,
-            "steps": config.rollout_steps,
-            "shared_noise": config.shared_noise,
-            "reward_combination": config.reward_combination,
-            "mesh": mesh,
-        }
-        if config.algorithm == "nft":
-            return FlowRollout(
-                objective.flow, Heun(), self.reward, advantage_std="global", **shared
-            )
-        return FlowRollout(
-            objective.flow,
-            self.sde(),
-            self.reward,
-            train_steps=config.train_steps if config.window_schedule == "fixed" else None,
-            window_schedule=self.window_schedule(),
-            record_means=config.grpo_guard,
-            **shared,
-        )
-
-    def window_schedule(self) -> AbstractWindowSchedule | None:
-        """`None` for the fixed leading window (the SDE's `window`), else a schedule of
-        `sde_steps` stochastic, trained transitions."""
-        config = self.config
-        count = config.sde_steps if config.sde_steps is not None else config.rollout_steps - 1
-        if config.window_schedule == "random":
-            return RandomWindow(count)
-        if config.window_schedule == "sliding":
-            return SlidingWindow(
-                count, shift_every=config.window_shift_every, stride=config.window_stride
-            )
-        return None
+        """The chosen algorithm's rollout of `objective`'s guided flow."""
+        return self.algorithm.rollout(self, objective, mesh)
 
     def updates(self) -> int:
         """How many optimizer updates the Flow-GRPO run makes (epochs x inner epochs x
         minibatches per rollout)."""
-        config = self.config
-        rows = config.rollout_rows
-        size = rows if config.minibatch_rows is None else config.minibatch_rows
-        return config.epochs * config.inner_epochs * minibatch_count(rows, size)
+        training = self.config.training
+        rows = self.config.rollout.rollout_rows
+        size = rows if training.minibatch_rows is None else training.minibatch_rows
+        return training.epochs * training.inner_epochs * minibatch_count(rows, size)
 
     def trainer(self, objective: AbstractRLObjective[Any, Any]) -> Trainer:
         """The trainer of `objective`, with the job's optimizer and `ema_decay`."""
-        config = self.config
+        config = self.config.training
         updates = self.updates()
         optimizer = default_optimizer(
             config.learning_rate,
@@ -394,19 +306,19 @@ class ShapesJob:
     def epoch_rows(self, epoch: int) -> dict[str, npt.NDArray[Any]]:
         """The training prompts of one epoch, drawn without replacement from the train split."""
         rows = self.task.rows("train")
-        rng = np.random.default_rng([self.config.seed, 7, epoch])
+        rng = np.random.default_rng([self.config.training.seed, 7, epoch])
         total = len(rows["tokens"])
-        picked = rng.permutation(total)[: min(self.config.prompts_per_epoch, total)]
+        picked = rng.permutation(total)[: min(self.config.rollout.prompts_per_epoch, total)]
         return {name: np.asarray(values)[picked] for name, values in rows.items()}
 
     # -- measurement ------------------------------------------------------------------
 
     def measure(self, objective: FlowGRPOObjective, variables: AbstractVariables) -> dict[str, Any]:
         """Held-out strict accuracy, reward and diversity, with fixed noise (ODE sampling)."""
-        per_prompt = self.config.eval_samples_per_prompt
+        per_prompt = self.config.evaluation.eval_samples_per_prompt
         rows = self.task.rows("heldout")
         tokens = np.repeat(rows["tokens"], per_prompt, axis=0)
-        step = Step(index=0, key=jax.random.key(10_000 + self.config.eval_seed))
+        step = Step(index=0, key=jax.random.key(10_000 + self.config.evaluation.eval_seed))
         variables = local_copy(variables)
         evaluation = objective.evaluate(variables, {"tokens": jnp.asarray(tokens)}, step)
         samples = np.asarray(evaluation.samples, np.float64)
@@ -437,11 +349,11 @@ class ShapesJob:
         variables = local_copy(variables)
         if jax.process_index() != 0:
             return
-        tokens = self.task.rows("heldout")["tokens"][: self.config.preview_prompts]
+        tokens = self.task.rows("heldout")["tokens"][: self.config.evaluation.preview_prompts]
         objective.preview(
             variables,
             {"tokens": jnp.asarray(tokens)},
-            Step(index=0, key=jax.random.key(20_000 + self.config.eval_seed)),
+            Step(index=0, key=jax.random.key(20_000 + self.config.evaluation.eval_seed)),
             scored=ShapesReward(self.task, kind="partial"),
             path=str(path),
             title=title,

@@ -5,7 +5,6 @@ A run's identity is the settings that determine its result: every setting but th
 where things live or run). Every checkpoint records them, so that `--resume` can compare.
 """
 
-import dataclasses
 import json
 import pathlib
 import shutil
@@ -63,9 +62,7 @@ def identity(config: JobConfig) -> dict[str, Any]:
     `{setting: value}` for every setting not in `FREE_ON_RESUME` (tuples become lists).
     """
     values = {
-        field.name: getattr(config, field.name)
-        for field in dataclasses.fields(config)
-        if field.name not in FREE_ON_RESUME
+        name: value for name, value in config.settings().items() if name not in FREE_ON_RESUME
     }
     loaded: dict[str, Any] = json.loads(json.dumps(values))
     return loaded
@@ -126,10 +123,10 @@ def check_run_folder(out: pathlib.Path, config: JobConfig, *, resume: bool) -> N
             "folder."
         )
     done = int(metadata.get("epoch", 0))
-    if config.epochs < done:
+    if config.training.epochs < done:
         raise RunFolderError(
-            f"Setting `epochs`={config.epochs} is below the {done} epochs the run in {out} "
-            "has done: resume with at least as many."
+            f"Setting `epochs`={config.training.epochs} is below the {done} epochs the run in "
+            f"{out} has done: resume with at least as many."
         )
 
 

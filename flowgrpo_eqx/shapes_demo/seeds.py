@@ -1,6 +1,5 @@
 """One configuration trained once per seed, and the statistics over the seeds."""
 
-import dataclasses
 import json
 import pathlib
 import shutil
@@ -64,7 +63,7 @@ def run_seeds(
                 shutil.copy(base_file, folder / base_file.name)
         log(f"Training seed {seed} into {folder}.")
         runs[seed] = run_train(
-            dataclasses.replace(config, seed=seed), folder, quiet=quiet, replace=replace, log=log
+            config.replace(seed=seed), folder, quiet=quiet, replace=replace, log=log
         )
         records = MetricsLog(folder / "metrics.jsonl").read()
         curves[seed] = [

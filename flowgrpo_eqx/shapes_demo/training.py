@@ -134,6 +134,34 @@ def run_train(
     if not root:
         log = _silent
         quiet = True
+    _claim_folder(out, config, resume=resume, replace=replace, root=root, log=log)
+    job = ShapesJob(config, out, quiet, reward_token=reward_token)
+    base, base_source = job.base_model(log)
+    run = _Run.build(job, base, devices=devices, root=root, log=log, started=started)
+    try:
+        with GracefulStop(log) as stop:
+            return run.train(stop, resume=resume, quiet=quiet, base_source=base_source)
+    finally:
+        if run.writers is not None:
+            run.writers.close()
+
+
+def _claim_folder(
+    out: pathlib.Path,
+    config: JobConfig,
+    *,
+    resume: bool,
+    replace: bool,
+    root: bool,
+    log: Callable[[str], None],
+) -> None:
+    """Check the run folder (or move its run aside with `replace`), then write the run's
+    `config.toml` into it (process 0 alone).
+
+    **Raises:**
+
+    - `RunFolderError`: as `run_train` says.
+    """
     if resume and replace:
         raise RunFolderError("`resume` and `replace` exclude each other.")
     if replace:
@@ -147,66 +175,6 @@ def run_train(
     out.mkdir(parents=True, exist_ok=True)
     if root:
         (out / "config.toml").write_text(config_to_toml(config))
-    job = ShapesJob(config, out, quiet, reward_token=reward_token)
-    base, base_source = job.base_model(log)
-    device_count = jax.device_count() if devices is None else devices
-    mesh = data_mesh(device_count) if device_count > 1 else None
-    policy = job.policy(base)
-    trained = job.train_objective(policy)
-    # Only process 0 keeps the run's files; the others write to no log at all.
-    writers = (
-        make_writers(config.log, out, config=dataclasses.asdict(config))
-        if root and config.log
-        else None
-    )
-    run = _Run(
-        job=job,
-        objective=job.objective(policy),
-        rollout=job.rollout(trained, mesh),
-        trainer=job.trainer(trained),
-        checkpoints=Checkpointer(out / "checkpoints", keep=config.keep_checkpoints),
-        metrics=MetricsLog(out / "metrics.jsonl" if root else None),
-        placement=MetricsLog(out / "distributed.jsonl" if root else None),
-        writers=writers,
-        mesh=mesh,
-        log=log,
-        checkpoint_metadata={"settings": identity(config), **job.checkpoint_metadata(base)},
-        started=started,
-    )
-    try:
-        with GracefulStop(log) as stop:
-            state, first_epoch, base_measure = run.start(resume)
-            log(
-                f"Base model ({base_source}): held-out accuracy "
-                f"{base_measure['accuracy']:.3f}, reward {base_measure['reward']:.3f}, "
-                f"diversity {base_measure['diversity']:.3f}"
-            )
-            run_key = jax.random.key(config.seed + 3)
-            progress = Progress(config.epochs, "flow-grpo", disable=quiet, initial=first_epoch)
-            for epoch in range(first_epoch + 1, config.epochs + 1):
-                state, record = run.epoch(state, epoch, jax.random.fold_in(run_key, epoch))
-                progress.update(
-                    1,
-                    reward=record["reward_mean"],
-                    loss=record.get("loss", 0.0),
-                    acc=record.get("heldout_accuracy"),
-                )
-                stopping = stop.agreed(epoch)
-                if epoch % config.checkpoint_every == 0 or epoch == config.epochs or stopping:
-                    run.save(state, epoch, base_measure)
-                if stopping and epoch < config.epochs:
-                    progress.close()
-                    cause = stop.received.name if stop.received is not None else "a peer's signal"
-                    log(
-                        f"Stopped after epoch {epoch} ({cause}); checkpoint in "
-                        f"{run.checkpoints.directory}; continue with --resume."
-                    )
-                    return {"stopped_at_epoch": epoch, "preempted": True}
-            progress.close()
-            return run.finish(state, base_measure, base_source, resume)
-    finally:
-        if writers is not None:
-            writers.close()
 
 
 @dataclasses.dataclass
@@ -227,14 +195,88 @@ class _Run:
     checkpoint_metadata: dict[str, Any]
     started: float
 
+    @classmethod
+    def build(
+        cls,
+        job: ShapesJob,
+        base: Any,
+        *,
+        devices: int | None,
+        root: bool,
+        log: Callable[[str], None],
+        started: float,
+    ) -> "_Run":
+        """The run of `job` from the base model `base` over `devices` devices (default:
+        all); only process 0 (`root`) writes files."""
+        config, out = job.config, job.out
+        device_count = jax.device_count() if devices is None else devices
+        mesh = data_mesh(device_count) if device_count > 1 else None
+        policy = job.policy(base)
+        trained = job.train_objective(policy)
+        logs = config.logging.log
+        # Only process 0 keeps the run's files; the others write to no log at all.
+        writers = make_writers(logs, out, config=config.settings()) if root and logs else None
+        return cls(
+            job=job,
+            objective=job.objective(policy),
+            rollout=job.rollout(trained, mesh),
+            trainer=job.trainer(trained),
+            checkpoints=Checkpointer(out / "checkpoints", keep=config.logging.keep_checkpoints),
+            metrics=MetricsLog(out / "metrics.jsonl" if root else None),
+            placement=MetricsLog(out / "distributed.jsonl" if root else None),
+            writers=writers,
+            mesh=mesh,
+            log=log,
+            checkpoint_metadata={"settings": identity(config), **job.checkpoint_metadata(base)},
+            started=started,
+        )
+
+    def train(
+        self, stop: GracefulStop, *, resume: bool, quiet: bool, base_source: str
+    ) -> dict[str, Any]:
+        """Every epoch still to do, with its checkpoint when due, then the final files; or,
+        after a signal `stop` agrees on, a checkpoint and the stop record."""
+        epochs, seed = self.job.config.training.epochs, self.job.config.training.seed
+        state, first_epoch, base_measure = self.start(resume)
+        self.log(
+            f"Base model ({base_source}): held-out accuracy "
+            f"{base_measure['accuracy']:.3f}, reward {base_measure['reward']:.3f}, "
+            f"diversity {base_measure['diversity']:.3f}"
+        )
+        run_key = jax.random.key(seed + 3)
+        progress = Progress(epochs, "flow-grpo", disable=quiet, initial=first_epoch)
+        for epoch in range(first_epoch + 1, epochs + 1):
+            state, record = self.epoch(state, epoch, jax.random.fold_in(run_key, epoch))
+            progress.update(
+                1,
+                reward=record["reward_mean"],
+                loss=record.get("loss", 0.0),
+                acc=record.get("heldout_accuracy"),
+            )
+            stopping = stop.agreed(epoch)
+            every = self.job.config.logging.checkpoint_every
+            if epoch % every == 0 or epoch == epochs or stopping:
+                self.save(state, epoch, base_measure)
+            if stopping and epoch < epochs:
+                progress.close()
+                cause = stop.received.name if stop.received is not None else "a peer's signal"
+                self.log(
+                    f"Stopped after epoch {epoch} ({cause}); checkpoint in "
+                    f"{self.checkpoints.directory}; continue with --resume."
+                )
+                return {"stopped_at_epoch": epoch, "preempted": True}
+        progress.close()
+        return self.finish(state, base_measure, base_source, resume)
+
     def start(self, resume: bool) -> tuple[TrainState, int, dict[str, Any]]:
         """The first state, the last epoch done and the base model's measure: from the newest
         intact checkpoint when resuming, else fresh (the base measured and previewed)."""
         job, config, out = self.job, self.job.config, self.job.out
-        state = self.trainer.init(jax.random.key(config.seed + 2))
+        training = config.training
+        state = self.trainer.init(jax.random.key(training.seed + 2))
         if self.mesh is not None:
             state = shard_parameters(
-                state, self.mesh, config.param_sharding, min_elements=config.fsdp_min_elements
+                state, self.mesh, training.param_sharding, min_elements=training.fsdp_min_elements
             )
         # Restored arrays take the shardings of this run's state, whatever mesh wrote them.
         found = None
@@ -275,7 +317,7 @@ class _Run:
     def epoch(self, state: TrainState, epoch: int, key: Any) -> tuple[TrainState, dict[str, Any]]:
         """One RL epoch, its placement record, its held-out measure when due, and its metrics."""
         job, config, out = self.job, self.job.config, self.job.out
-        logs_ratios = config.log and config.algorithm == "flow_grpo"
+        logs_ratios = config.logging.log and job.algorithm.trains_on_ratios()
         state, summary, info = rl_epoch(
             self.trainer,
             state,
@@ -283,8 +325,8 @@ class _Run:
             job.epoch_rows(epoch),
             key,
             epoch=epoch,
-            inner_epochs=config.inner_epochs,
-            minibatch_rows=config.minibatch_rows,
+            inner_epochs=config.training.inner_epochs,
+            minibatch_rows=config.training.minibatch_rows,
             after_updates=(
                 _log_distributions(self.writers, self.objective, epoch) if logs_ratios else None
             ),
@@ -297,12 +339,12 @@ class _Run:
                 "reward_calls_per_process": process_counts(info.reward_calls_here),
                 "rows_per_process": process_counts(owned_rows(info.samples)),
                 "rows_total": int(info.samples.shape[0]),
-                "param_sharding": config.param_sharding,
+                "param_sharding": config.training.param_sharding,
                 "state_fraction_per_device": device_fraction(state),
             }
         )
         record: dict[str, Any] = {"epoch": epoch, **summary}
-        if epoch % config.eval_every == 0 or epoch == config.epochs:
+        if epoch % config.evaluation.eval_every == 0 or epoch == config.training.epochs:
             measuring = time.perf_counter()
             measured = job.measure(self.objective, state.variables)
             record.update(
@@ -311,7 +353,7 @@ class _Run:
                 heldout_diversity=measured["diversity"],
                 seconds_evaluation=time.perf_counter() - measuring,
             )
-            if config.log:
+            if config.logging.log:
                 picture = out / "previews" / f"epoch_{epoch:05d}.png"
                 job.preview(self.objective, state.variables, picture, f"epoch {epoch}")
                 if self.writers is not None:
@@ -351,7 +393,7 @@ class _Run:
             f"after Flow-GRPO: held-out accuracy {final['accuracy']:.2f}",
         )
         if self.writers is not None:
-            self.writers.image(config.epochs, "heldout_samples", out / "samples_after.png")
+            self.writers.image(config.training.epochs, "heldout_samples", out / "samples_after.png")
         job.save_policy(final_variables.policy)
         records = self.metrics.read()
         plot_curve(records, out / "reward_curve.png", job.reward_name)
@@ -365,7 +407,7 @@ class _Run:
             "final_diversity": final["diversity"],
             "train_reward_first_epoch": train_rewards[0] if train_rewards else None,
             "train_reward_last_epoch": train_rewards[-1] if train_rewards else None,
-            "epochs": config.epochs,
+            "epochs": config.training.epochs,
             "base_source": base_source,
             "processes": jax.process_count(),
             "devices": 1 if self.mesh is None else int(self.mesh.devices.size),

@@ -1,0 +1,295 @@
+"""The RL algorithms the main job can fine-tune with: one final class each, chosen by name
+from `ALGORITHMS` (the `algorithm` setting).
+
+An algorithm checks the settings that must fit it, builds the objective the trainer trains
+and the rollout that feeds it, and says whether that objective trains on a policy ratio. It
+reads the job's settings and pieces through `Settings` and `JobPieces`, which
+`config.JobConfig` and `parts.ShapesJob` satisfy (protocols, so that the configuration can
+check itself through `ALGORITHMS` without importing what imports it).
+"""
+
+import abc
+from typing import Any, Protocol, final, runtime_checkable
+
+import equinox as eqx
+from jax.sharding import Mesh
+
+from .. import (
+    CFG,
+    AbstractRLObjective,
+    AbstractWindowSchedule,
+    DiffusionNFTObjective,
+    FlowGRPOObjective,
+    FlowReward,
+    FlowRollout,
+    FlowSDE,
+    GRPOGuard,
+    Heun,
+    InputSpec,
+    OldLogProbs,
+    RampedDecay,
+    RandomWindow,
+    RectifiedFlow,
+    SlidingWindow,
+    window_for_indices,
+)
+from .settings import (
+    AlgorithmName,
+    EvaluationSettings,
+    ModelSettings,
+    ObjectiveSettings,
+    RewardSettings,
+    RolloutSettings,
+    TrainingSettings,
+)
+
+
+@runtime_checkable
+class Settings(Protocol):
+    """The sections of the job's settings an algorithm reads (`config.JobConfig` has them)."""
+
+    @property
+    def model(self) -> ModelSettings: ...
+    @property
+    def rollout(self) -> RolloutSettings: ...
+    @property
+    def rewards(self) -> RewardSettings: ...
+    @property
+    def objective(self) -> ObjectiveSettings: ...
+    @property
+    def training(self) -> TrainingSettings: ...
+    @property
+    def evaluation(self) -> EvaluationSettings: ...
+
+
+@runtime_checkable
+class JobPieces(Protocol):
+    """What an algorithm builds from (`parts.ShapesJob` has it): the settings, the model,
+    its inputs, the guidance and the train reward."""
+
+    @property
+    def config(self) -> Settings: ...
+    @property
+    def model(self) -> Any: ...
+    @property
+    def inputs(self) -> InputSpec: ...
+    @property
+    def guidance(self) -> CFG: ...
+    @property
+    def reward(self) -> FlowReward: ...
+
+
+class AbstractAlgorithm(eqx.Module):
+    """An RL algorithm of the main job: its settings checks, its objective and its rollout."""
+
+    @abc.abstractmethod
+    def check(self, config: Settings) -> None:
+        """Refuse settings that do not fit this algorithm.
+
+        **Raises:**
+
+        - `ValueError`: naming the setting and the algorithm.
+        """
+
+    @abc.abstractmethod
+    def default_settings(self) -> dict[str, Any]:
+        """Settings, by name, whose defaults this algorithm changes (`config.make_config`
+        applies them unless named)."""
+
+    @abc.abstractmethod
+    def objective(self, job: JobPieces, base: Any) -> AbstractRLObjective[Any, Any]:
+        """The objective the trainer trains, starting from the policy `base`."""
+
+    @abc.abstractmethod
+    def rollout(
+        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
+    ) -> FlowRollout:
+        """The rollout of `objective`'s guided flow that collects each epoch's batch."""
+
+    @abc.abstractmethod
+    def old_log_probs(self, config: Settings) -> OldLogProbs:
+        """Where the Flow-GRPO objective's ratio takes its old log densities from: the
+        `old_log_probs` setting, or this algorithm's choice when it is none (the job measures
+        with that objective whatever the algorithm)."""
+
+    @abc.abstractmethod
+    def trains_on_ratios(self) -> bool:
+        """Whether the objective trains on the policy ratio of recorded transitions (whose
+        histogram a run with metrics writers logs)."""
+
+
+@final
+class FlowGRPO(AbstractAlgorithm):
+    """Flow-GRPO: the clipped policy gradient on SDE transitions the rollout records."""
+
+    def check(self, config: Settings) -> None:
+        del config
+
+    def default_settings(self) -> dict[str, Any]:
+        return {}
+
+    def objective(self, job: JobPieces, base: Any) -> FlowGRPOObjective:
+        return flow_grpo_objective(job, base, self.old_log_probs(job.config))
+
+    def rollout(
+        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
+    ) -> FlowRollout:
+        """The rollout with the job's SDE (`rollout_sde`), recording the trained window."""
+        rollout = job.config.rollout
+        return FlowRollout(
+            objective.flow,
+            rollout_sde(rollout),
+            job.reward,
+            train_steps=rollout.train_steps if rollout.window_schedule == "fixed" else None,
+            window_schedule=window_schedule(rollout),
+            record_means=job.config.objective.grpo_guard,
+            **_rollout_settings(job, mesh),
+        )
+
+    def old_log_probs(self, config: Settings) -> OldLogProbs:
+        """The update program's densities in bfloat16 (exact ratio 1), else the rollout's."""
+        explicit = config.objective.old_log_probs
+        if explicit is not None:
+            return explicit
+        return "update" if config.model.precision == "bfloat16" else "rollout"
+
+    def trains_on_ratios(self) -> bool:
+        return True
+
+
+@final
+class NFT(AbstractAlgorithm):
+    """DiffusionNFT: negative-aware flow matching on final samples of a deterministic
+    rollout, as released."""
+
+    def check(self, config: Settings) -> None:
+        if config.rollout.shared_noise:
+            raise ValueError(
+                "Setting `shared_noise` must be false with algorithm 'nft': its rollout is a "
+                "deterministic ODE, so a group sharing one initial noise would be one sample "
+                "repeated, and every advantage 0."
+            )
+        if config.objective.beta > 0:
+            raise ValueError(
+                "Setting `beta` (Flow-GRPO's KL weight) must be 0 with algorithm 'nft', got "
+                f"{config.objective.beta!r}."
+            )
+
+    def default_settings(self) -> dict[str, Any]:
+        """No shared initial noise: a deterministic rollout would repeat one sample."""
+        return {"shared_noise": False}
+
+    def objective(self, job: JobPieces, base: Any) -> DiffusionNFTObjective:
+        """DiffusionNFT's objective as released: `adv_clip_max` is its `A_max`, no guidance,
+        and its old policy follows the live one once per epoch by the released ramp
+        `min(0.001 step, nft_old_decay)` over the optimizer steps done."""
+        config = job.config
+        settings = _objective_settings(job, base)
+        settings["guidance"] = None
+        return DiffusionNFTObjective(
+            job.model,
+            RectifiedFlow(),
+            job.inputs,
+            beta=config.objective.nft_beta,
+            adv_max=config.objective.adv_clip_max,
+            old_decay=RampedDecay(maximum=config.objective.nft_old_decay),
+            **settings,
+        )
+
+    def rollout(
+        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
+    ) -> FlowRollout:
+        """The deterministic second-order `Heun` solver and advantages over the global
+        reward std, as released."""
+        return FlowRollout(
+            objective.flow,
+            Heun(),
+            job.reward,
+            advantage_std="global",
+            **_rollout_settings(job, mesh),
+        )
+
+    def old_log_probs(self, config: Settings) -> OldLogProbs:
+        """The rollout's: no ratio is trained, so the update program's densities never count."""
+        return (
+            "rollout" if config.objective.old_log_probs is None else config.objective.old_log_probs
+        )
+
+    def trains_on_ratios(self) -> bool:
+        return False
+
+
+ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {"flow_grpo": FlowGRPO(), "nft": NFT()}
+"""Every algorithm, by its name in the `algorithm` setting."""
+
+
+def flow_grpo_objective(job: JobPieces, base: Any, old_log_probs: OldLogProbs) -> FlowGRPOObjective:
+    """Flow-GRPO's objective from `base` with the job's SDE: what `FlowGRPO` trains, and what
+    the job measures and previews with whatever the algorithm."""
+    config = job.config
+    algorithm = config.objective
+    return FlowGRPOObjective(
+        job.model,
+        RectifiedFlow(),
+        job.inputs,
+        sde=rollout_sde(config.rollout),
+        beta=algorithm.beta,
+        clip_range=algorithm.clip_range,
+        adv_clip_max=algorithm.adv_clip_max,
+        transition_chunk=algorithm.transition_chunk,
+        guard=GRPOGuard() if algorithm.grpo_guard else None,
+        old_log_probs=old_log_probs,
+        **_objective_settings(job, base),
+    )
+
+
+def _objective_settings(job: JobPieces, base: Any) -> dict[str, Any]:
+    """What every objective takes alike: guidance, the evaluation grid, the starting weights
+    and the precision."""
+    return {
+        "guidance": job.guidance,
+        "steps": job.config.evaluation.eval_steps,
+        "pretrained": base,
+        "precision": job.config.model.precision,
+    }
+
+
+def _rollout_settings(job: JobPieces, mesh: Mesh | None) -> dict[str, Any]:
+    """What every rollout takes alike: the groups, the time grid, the initial noise, how
+    rewards combine, and the data mesh."""
+    rollout = job.config.rollout
+    return {
+        "groups": rollout.groups,
+        "steps": rollout.rollout_steps,
+        "shared_noise": rollout.shared_noise,
+        "reward_combination": job.config.rewards.reward_combination,
+        "mesh": mesh,
+    }
+
+
+def sde_window(rollout: RolloutSettings) -> tuple[float, float] | None:
+    """The SDE window of `sde_steps` (the leading rollout transitions that sample noise; the
+    rest are ODE steps, as Flow-GRPO-Fast), or `None` when every transition does or a
+    schedule moves the window."""
+    if rollout.sde_steps is None or rollout.window_schedule != "fixed":
+        return None
+    grid = RectifiedFlow().timesteps(rollout.rollout_steps)
+    return window_for_indices(grid, 0, rollout.sde_steps)
+
+
+def rollout_sde(rollout: RolloutSettings) -> FlowSDE:
+    """The rollout's SDE: `noise_level`, stochastic on `sde_window`."""
+    return FlowSDE(rollout.noise_level, window=sde_window(rollout))
+
+
+def window_schedule(rollout: RolloutSettings) -> AbstractWindowSchedule | None:
+    """`None` for the fixed leading window (the SDE's `window`), else a schedule of
+    `sde_steps` stochastic, trained transitions."""
+    count = rollout.sde_steps if rollout.sde_steps is not None else rollout.rollout_steps - 1
+    if rollout.window_schedule == "random":
+        return RandomWindow(count)
+    if rollout.window_schedule == "sliding":
+        return SlidingWindow(
+            count, shift_every=rollout.window_shift_every, stride=rollout.window_stride
+        )
+    return None

@@ -1,0 +1,520 @@
+"""The main job's settings, one frozen dataclass per concern, each checked when it is made.
+
+A setting is a field whose metadata carries its help text and its bounds (`_setting`); its
+flag, its TOML key and its name in `make_config` are the field's name, unique over the
+sections. `config.JobConfig` holds one of each section and checks what crosses sections.
+"""
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Literal, TypeAlias
+
+from .. import OldLogProbs, ParamSharding, Precision, RewardCombination, check_int, check_number
+from .task import NUM_TRAIN_PROMPTS
+
+
+RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]
+"""The built-in rewards: the task checker's partial or strict score, or DDPO's JPEG size."""
+
+LrSchedule: TypeAlias = Literal["constant", "cosine"]
+"""The step size: constant, or a cosine from the peak down to 0 at the last update."""
+
+WindowScheduleName: TypeAlias = Literal["fixed", "random", "sliding"]
+"""Where the `sde_steps` stochastic transitions sit: the leading ones, a random position per
+rollout, or MixGRPO's window sliding later every `window_shift_every` epochs."""
+
+AlgorithmName: TypeAlias = Literal["flow_grpo", "nft"]
+"""What fine-tunes the base model: Flow-GRPO's clipped policy gradient on recorded SDE
+transitions, or DiffusionNFT's negative-aware flow matching on final samples."""
+
+LogName: TypeAlias = Literal["tensorboard", "wandb"]
+"""Where a run's metrics go besides `metrics.jsonl`."""
+
+REWARD_NAMES: tuple[RewardName, ...] = typing.get_args(RewardName)
+
+
+def _setting(default: Any, help: str, **bounds: int | float | bool) -> Any:
+    """A setting: its default, its help text, and for a number the bounds that `check_int`
+    or `check_number` holds it to (`minimum`, `maximum`, `include_minimum`,
+    `include_maximum`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
+
+
+def split_optional(annotation: Any) -> tuple[bool, Any]:
+    """Whether a setting's type admits `None`, and the type without it.
+
+    **Arguments:**
+
+    - `annotation`: the field's type (`X | None` and `Optional[Literal[...]]` alike).
+
+    **Returns:**
+
+    `(optional, base)`: `base` is `X` for an optional type, else `annotation` itself.
+    """
+    args = typing.get_args(annotation)
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    if not (union and type(None) in args):
+        return False, annotation
+    return True, next(a for a in args if a is not type(None))
+
+
+def _check_setting(name: str, annotation: Any, value: Any, bounds: dict[str, Any]) -> None:
+    """Check one setting against its declared type: a `Literal`'s values, a bool, a bounded
+    int or number, a string, a tuple of `Literal` values; `X | None` also allows `None`.
+
+    **Raises:**
+
+    - `ValueError`: `"Setting `name` must be ..."`.
+    """
+    optional, base = split_optional(annotation)
+    if optional and value is None:
+        return
+    none = " or none" if optional else ""
+    try:
+        if typing.get_origin(base) is Literal:
+            allowed = typing.get_args(base)
+            if value not in allowed:
+                raise ValueError(f"`{name}` must be one of {allowed}{none}, got {value!r}.")
+        elif typing.get_origin(base) is tuple:
+            allowed = typing.get_args(typing.get_args(base)[0])
+            if not isinstance(value, tuple) or any(item not in allowed for item in value):
+                raise ValueError(f"`{name}` must name values from {allowed}, got {value!r}.")
+        elif base is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be true or false, got {value!r}.")
+        elif base is int:
+            check_int(name, value, bounds["minimum"], optional=optional)
+        elif base is float:
+            check_number(name, value, optional=optional, **bounds)
+        elif not isinstance(value, base):
+            raise ValueError(f"`{name}` must be a {base.__name__}{none}, got {value!r}.")
+    except ValueError as error:
+        # The library's checks say `None`; a setting is written `none` in flags and files.
+        raise ValueError(f"Setting {str(error).replace('None or ', 'none or ')}") from None
+
+
+def _check_fields(section: Any) -> None:
+    """Check every field of a section against its declared type and bounds.
+
+    **Raises:**
+
+    - `ValueError`: naming the first setting of the wrong type or outside its range.
+    """
+    hints = typing.get_type_hints(type(section))
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        _check_setting(field.name, hints[field.name], value, field.metadata["bounds"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The DiT that is pretrained and fine-tuned, its LoRA adapters and its precision.
+
+    **Raises:**
+
+    - `ValueError`: naming the setting, for a bad value, or a `lora_alpha` without adapters.
+    """
+
+    width: int = _setting(64, "DiT token width", minimum=1)
+    depth: int = _setting(4, "DiT blocks", minimum=1)
+    heads: int = _setting(4, "attention heads per block", minimum=1)
+    patch: int = _setting(4, "patch side in pixels (16 / patch tokens per side)", minimum=1)
+    lora_rank: int = _setting(
+        0,
+        "rank of LoRA adapters on every linear layer of the DiT, trained alone (0: full "
+        "fine-tuning)",
+        minimum=0,
+    )
+    lora_alpha: float | None = _setting(
+        None,
+        "LoRA scale numerator: updates are (alpha / rank) B A (none: 2 x rank, the "
+        "Flow-GRPO release's ratio)",
+        minimum=0,
+        include_minimum=False,
+    )
+    precision: Precision = _setting(
+        "float32",
+        "float32 | bfloat16 (the model computes in bfloat16; master weights, the SDE, ratios "
+        "and advantages stay float32 or wider)",
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.lora_alpha is not None and self.lora_rank == 0:
+            raise ValueError(
+                "Setting `lora_alpha` needs `lora_rank` >= 1 (0 is full fine-tuning), got "
+                f"lora_alpha={self.lora_alpha!r} with lora_rank=0."
+            )
+
+    @property
+    def lora_scale_numerator(self) -> float:
+        """The LoRA `alpha` in use: `lora_alpha`, or 2 x `lora_rank` when it is none."""
+        return float(2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha)
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainingSettings:
+    """The base model's flow-matching pretraining.
+
+    **Raises:**
+
+    - `ValueError`: naming the setting, for a bad value.
+    """
+
+    pretrain_steps: int = _setting(10000, "flow-matching steps of the base model", minimum=0)
+    pretrain_batch: int = _setting(64, "images per flow-matching step", minimum=1)
+    pretrain_lr: float = _setting(
+        1e-3, "flow-matching AdamW learning rate", minimum=0, include_minimum=False
+    )
+    cond_dropout: float = _setting(
+        0.1,
+        "probability of the null prompt in pretraining (CFG)",
+        minimum=0,
+        maximum=1,
+        include_maximum=False,
+    )
+    pretrain_seed: int = _setting(
+        0,
+        "seed of the base model: its initial weights and pretraining data",
+        minimum=0,
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    """What one epoch's rollout samples: its prompts and groups, its time grid, which
+    transitions are stochastic and recorded, and the guidance.
+
+    **Raises:**
+
+    - `ValueError`: naming the setting, for a bad value, `train_steps` or `sde_steps` longer
+        than the rollout, or a moving window whose transitions are not the trained ones.
+    """
+
+    prompts_per_epoch: int = _setting(16, "training prompts per rollout", minimum=1)
+    groups: int = _setting(16, "samples per prompt (the GRPO group)", minimum=1)
+    rollout_steps: int = _setting(
+        6,
+        "time-grid points of the rollout sampler (steps - 1 transitions)",
+        minimum=2,
+    )
+    train_steps: int | None = _setting(
+        2, "leading transitions recorded and trained (none: all)", minimum=1
+    )
+    sde_steps: int | None = _setting(
+        2,
+        "leading transitions that sample noise, ODE after (Flow-GRPO-Fast; none: all)",
+        minimum=1,
+    )
+    shared_noise: bool = _setting(
+        True, "every sample of a group starts from the same noise (groups differ)"
+    )
+    window_schedule: WindowScheduleName = _setting(
+        "fixed",
+        "fixed (the first sde_steps transitions) | random (a random position per rollout) | "
+        "sliding (MixGRPO: later by window_stride every window_shift_every epochs)",
+    )
+    window_shift_every: int = _setting(20, "epochs between moves of the sliding window", minimum=1)
+    window_stride: int = _setting(1, "transitions per move of the sliding window", minimum=1)
+    noise_level: float = _setting(0.7, "SDE noise level a", minimum=0)
+    guidance_scale: float = _setting(
+        3.0,
+        "classifier-free guidance scale (rollout, loss and evaluation)",
+        minimum=0,
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        transitions = self.rollout_steps - 1
+        for name in ("train_steps", "sde_steps"):
+            value = getattr(self, name)
+            if value is not None and not value <= transitions:
+                raise ValueError(
+                    f"Setting `{name}` must be none or an int in 1..{transitions} "
+                    f"(rollout_steps={self.rollout_steps} gives {transitions} transitions), "
+                    f"got {value!r}."
+                )
+        if self.window_schedule != "fixed" and self.train_steps not in (None, self.sde_steps):
+            raise ValueError(
+                f"Setting `train_steps`={self.train_steps} must equal `sde_steps`="
+                f"{self.sde_steps} (or be none) with window_schedule={self.window_schedule!r}: "
+                "the moving window's transitions are the trained ones."
+            )
+
+    @property
+    def rollout_rows(self) -> int:
+        """Rows of one rollout: the epoch's training prompts times `groups`."""
+        return min(self.prompts_per_epoch, NUM_TRAIN_PROMPTS) * self.groups
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSettings:
+    """What scores a rollout's samples: one built-in reward, a weighted sum of them, the
+    user's own, or a reward server.
+
+    **Raises:**
+
+    - `ValueError`: naming the setting, for a bad value or rewards that exclude each other.
+    """
+
+    reward: RewardName = _setting(
+        "partial",
+        "partial | strict (the task checker) | jpeg_incompressibility: one built-in reward, "
+        "used when reward_weights is none (naming it, --custom-reward or --reward-url turns "
+        "the default reward_weights off)",
+    )
+    reward_weights: str | None = _setting(
+        "partial=1,strict=1",
+        "a weighted sum of built-in rewards instead of --reward, e.g. partial=1,strict=0.5 "
+        "(none: --reward alone)",
+    )
+    reward_combination: RewardCombination = _setting(
+        "normalize_each",
+        "sum (normalise the weighted sum in each group) | normalize_each (normalise each "
+        "reward of --reward-weights in its group, then combine)",
+    )
+    custom_reward: str | None = _setting(
+        None, "package.module:callable of your own FlowReward, used instead of --reward"
+    )
+    reward_url: str | None = _setting(
+        None,
+        "score through a reward server at this URL instead of in process (flowgrpo-eqx "
+        "serve-reward; token from --reward-token or FLOWGRPO_REWARD_TOKEN)",
+    )
+    reward_timeout: float = _setting(
+        60.0, "seconds one request to the reward server may take", minimum=0, include_minimum=False
+    )
+    reward_retries: int = _setting(
+        2, "retries of a failed reward request (with backoff)", minimum=0
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        self._check_choice()
+        if self.reward_url is not None and not self.reward_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"Setting `reward_url` must be an http(s) URL, got {self.reward_url!r}."
+            )
+        if self.custom_reward is not None and ":" not in self.custom_reward:
+            raise ValueError(
+                "Setting `custom_reward` must be package.module:callable, got "
+                f"{self.custom_reward!r}."
+            )
+
+    def _check_choice(self) -> None:
+        """At most one of `reward_weights`, `custom_reward` and `reward_url`; a
+        `reward_combination` other than `sum` only with `reward_weights`."""
+        if self.reward_weights is not None:
+            parse_reward_weights(self.reward_weights)
+            if self.custom_reward is not None or self.reward_url is not None:
+                raise ValueError(
+                    f"Setting `reward_weights`={self.reward_weights!r} combines built-in "
+                    "rewards; it excludes `custom_reward` and `reward_url` (set "
+                    "reward_weights to none to use either)."
+                )
+        elif self.reward_combination != "sum":
+            raise ValueError(
+                f"Setting `reward_combination`={self.reward_combination!r} needs several rewards: "
+                "set `reward_weights`."
+            )
+        if self.custom_reward is not None and self.reward_url is not None:
+            raise ValueError("Settings `custom_reward` and `reward_url` exclude each other.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSettings:
+    """Which RL algorithm fine-tunes the base model, and the settings of each one's objective
+    (all kept, whichever is chosen; `algorithms.ALGORITHMS[algorithm]` checks those that
+    must fit it).
+
+    **Raises:**
+
+    - `ValueError`: naming the setting, for a bad value.
+    """
+
+    algorithm: AlgorithmName = _setting(
+        "flow_grpo",
+        "flow_grpo (clipped policy gradient on SDE transitions) | nft (DiffusionNFT: "
+        "negative-aware flow matching on final samples; adv_clip_max is its A_max)",
+    )
+    nft_beta: float = _setting(
+        1.0,
+        "nft: strength of the implicit positive and negative policies, in (0, 1]",
+        minimum=0,
+        maximum=1,
+        include_minimum=False,
+    )
+    nft_old_decay: float = _setting(
+        0.5,
+        "nft: the cap of the released ramp min(0.001 step, cap) by which the old (sampling) "
+        "policy keeps its weights at each epoch's end (0: the live policy)",
+        minimum=0,
+        maximum=1,
+        include_maximum=False,
+    )
+    beta: float = _setting(
+        0.0,
+        "KL weight to the base model (0: none; without LoRA, > 0 keeps a frozen copy of it)",
+        minimum=0,
+    )
+    clip_range: float = _setting(0.2, "PPO ratio clip", minimum=0, include_minimum=False)
+    grpo_guard: bool = _setting(
+        False, "GRPO-Guard: the ratio normalised per step and 1/dt step weights (mathematics §5a)"
+    )
+    adv_clip_max: float = _setting(5.0, "advantage clip", minimum=0, include_minimum=False)
+    transition_chunk: int | None = _setting(
+        None,
+        "transitions per scanned chunk of the loss (none: all at once)",
+        minimum=1,
+    )
+    old_log_probs: OldLogProbs | None = _setting(
+        None,
+        "rollout | update: the ratio's old log densities as the rollout recorded them, or "
+        "recomputed by the update's own program before each rollout's first update (exact "
+        "ratio 1 in bfloat16, one more update-program run per minibatch; none: update in "
+        "bfloat16, rollout in float32)",
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSettings:
+    """The optimisation: epochs, updates per rollout, the optimizer, the EMA, how parameters
+    lie on the devices, and the run's seed.
+
+    **Raises:**
+
+    - `ValueError`: naming the setting, for a bad value.
+    """
+
+    epochs: int = _setting(300, "Flow-GRPO epochs (one rollout each)", minimum=1)
+    inner_epochs: int = _setting(1, "passes over each rollout", minimum=1)
+    minibatch_rows: int | None = _setting(
+        64, "rows per optimizer update (none: the whole rollout)", minimum=1
+    )
+    learning_rate: float = _setting(
+        1e-4, "AdamW learning rate (the peak, with a schedule)", minimum=0, include_minimum=False
+    )
+    lr_schedule: LrSchedule = _setting("cosine", "constant | cosine (to 0 at the last update)")
+    weight_decay: float = _setting(0.0, "AdamW decoupled weight decay", minimum=0)
+    max_grad_norm: float = _setting(
+        1.0, "global-norm gradient clip", minimum=0, include_minimum=False
+    )
+    ema_decay: float | None = _setting(
+        None,
+        "decay of an EMA of the policy (of the adapters with LoRA) kept in the train state "
+        "(none: off)",
+        minimum=0,
+        maximum=1,
+        include_maximum=False,
+    )
+    param_sharding: ParamSharding = _setting(
+        "replicated",
+        "replicated (a full copy of parameters and optimizer state per device) | fsdp "
+        "(each large array split over the devices)",
+    )
+    fsdp_min_elements: int = _setting(
+        1024, "with fsdp, arrays smaller than this stay replicated", minimum=1
+    )
+    seed: int = _setting(
+        0,
+        "seed of the Flow-GRPO run: rollout noise and minibatch order (not the base model)",
+        minimum=0,
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationSettings:
+    """The held-out measure and the preview pictures.
+
+    **Raises:**
+
+    - `ValueError`: naming the setting, for a bad value.
+    """
+
+    eval_steps: int = _setting(21, "ODE steps of held-out evaluation", minimum=2)
+    eval_samples_per_prompt: int = _setting(
+        8, "held-out samples per prompt (fixed noise)", minimum=1
+    )
+    eval_every: int = _setting(20, "epochs between held-out evaluations", minimum=1)
+    preview_prompts: int = _setting(
+        8, "prompts in samples_before.png / samples_after.png", minimum=1
+    )
+    eval_seed: int = _setting(
+        0,
+        "seed of the held-out evaluation's fixed noise (runs compare on the same samples)",
+        minimum=0,
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingSettings:
+    """What a run keeps: checkpoints and metrics writers.
+
+    **Raises:**
+
+    - `ValueError`: naming the setting, for a bad value.
+    """
+
+    checkpoint_every: int = _setting(10, "epochs between checkpoints", minimum=1)
+    keep_checkpoints: int = _setting(3, "checkpoints kept", minimum=1)
+    log: tuple[LogName, ...] = _setting(
+        (), "metrics writers besides metrics.jsonl: tensorboard, wandb (comma-separated)"
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+def parse_reward_weights(text: str) -> dict[RewardName, float]:
+    """`partial=1,strict=0.5` as `{reward name: weight}`.
+
+    **Arguments:**
+
+    - `text`: comma-separated `name=weight` pairs naming built-in rewards.
+
+    **Returns:**
+
+    The weights by reward name, in the order given.
+
+    **Raises:**
+
+    - `ValueError`: naming `reward_weights`, for a malformed pair, an unknown or repeated
+        reward, or a weight that is not a finite number.
+    """
+    weights: dict[RewardName, float] = {}
+    for pair in text.split(","):
+        name, equals, weight_text = (part.strip() for part in pair.partition("="))
+        if not equals:
+            raise ValueError(f"Setting `reward_weights` needs name=weight pairs, got {pair!r}.")
+        if name not in REWARD_NAMES:
+            raise ValueError(
+                f"Setting `reward_weights` names an unknown reward {name!r}; the built-in "
+                f"rewards are {REWARD_NAMES}."
+            )
+        if name in weights:
+            raise ValueError(f"Setting `reward_weights` names {name!r} twice.")
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            weight = math.nan
+        if not math.isfinite(weight):
+            raise ValueError(
+                f"Setting `reward_weights` gives {name!r} the weight {weight_text!r}; it must "
+                "be a finite number."
+            )
+        weights[name] = weight
+    return weights
