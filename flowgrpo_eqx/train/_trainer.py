@@ -17,6 +17,7 @@ import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .. import lora
+from .._buffer import freeze_buffers
 from .._custom_types import Mean, Model, Step
 from .._distributed import mesh_of
 from .._flow_base import AbstractFlowObjective, AbstractVariables
@@ -202,7 +203,8 @@ class Trainer(eqx.Module):
 
         The trainable part holds the floating-point arrays the filter selects; everything
         else, including whatever non-array leaves (activations, static settings) the filter
-        selects, stays in the frozen part, so `eqx.combine` of the two is the whole policy.
+        selects and every array inside a `Buffer`, stays in the frozen part, so `eqx.combine`
+        of the two is the whole policy.
 
         **Arguments:**
 
@@ -213,7 +215,9 @@ class Trainer(eqx.Module):
         `(trainable, frozen)`, two PyTrees shaped like `policy` with `None` where the other
         one has the leaf.
         """
-        selected, unselected = eqx.partition(policy, self.trainable_filter(policy))
+        selected, unselected = eqx.partition(
+            policy, freeze_buffers(self.trainable_filter(policy), policy)
+        )
         trainable, selected_static = eqx.partition(selected, eqx.is_inexact_array)
         return trainable, eqx.combine(unselected, selected_static)
 
