@@ -398,12 +398,13 @@ class MMDiT(eqx.Module):
 
     The MMDiT of Stable Diffusion 3 (Esser et al. 2024, arXiv:2403.03206) and 3.5 on one
     unbatched channels-last latent, computing what diffusers' `SD3Transformer2DModel`
-    computes (`from_diffusers` loads its weights, `save_diffusers` writes them back). Two
+    computes (`load_diffusers` loads its weights, `save_diffusers` writes them back). Two
     token streams, each with its own weights:
 
     - image: the latent cut into `patch x patch` patches, each linearly embedded (diffusers'
         strided convolution), plus fixed 2D sin-cos position features, cropped from the
-        centre of a `pos_embed_max_size`-square table as diffusers does;
+        centre of a `pos_embed_max_size`-square table as diffusers does (a `Buffer`, as
+        diffusers' buffer: `Trainer` never trains or weight-decays it);
     - text: the context token embeddings, linearly mapped to the token width.
 
     The conditioning vector is `c = time_mlp(features(1000 t)) + pooled_mlp(pooled)`, with
