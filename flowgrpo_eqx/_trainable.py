@@ -21,6 +21,7 @@ import jax
 from jaxtyping import PyTree
 
 from . import lora
+from ._buffer import freeze_buffers
 
 
 _Model = TypeVar("_Model")
@@ -50,9 +51,10 @@ def split_trainable(
 ) -> tuple[PyTree[Any], PyTree[Any]]:
     """`(part, frozen)`: the policy's trainable part and the rest.
 
-    The part holds the floating-point arrays the filter selects; everything else, including
-    whatever non-array leaves (activations, static settings) the filter selects, stays in the
-    frozen part, so `eqx.combine(part, frozen)` is the whole policy.
+    The part holds the floating-point arrays the filter selects outside any `Buffer` (a
+    model's fixed array, such as a position table); everything else, including whatever
+    non-array leaves (activations, static settings) the filter selects, stays in the frozen
+    part, so `eqx.combine(part, frozen)` is the whole policy.
 
     **Arguments:**
 
@@ -64,7 +66,7 @@ def split_trainable(
     Two PyTrees shaped like `policy`, with `None` where the other one has the leaf.
     """
     filter_spec = default_trainable(policy) if trainable is None else trainable
-    selected, unselected = eqx.partition(policy, filter_spec)
+    selected, unselected = eqx.partition(policy, freeze_buffers(filter_spec, policy))
     part, selected_static = eqx.partition(selected, eqx.is_inexact_array)
     return part, eqx.combine(unselected, selected_static)
 

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
-from flowgrpo_eqx.models import MMDiT, save_diffusers_lora
+from flowgrpo_eqx.models import MMDiT, load_diffusers, save_diffusers, save_diffusers_lora
 from flowgrpo_eqx.models._diffusers import _layout
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
@@ -34,7 +34,7 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 @functools.cache
 def _model(name: str, dtype: Any = None) -> MMDiT:
-    return MMDiT.from_diffusers(DATA / name, context_length=5, dtype=dtype)
+    return load_diffusers(DATA / name, context_length=5, dtype=dtype)
 
 
 def _io(name: str) -> dict[str, np.ndarray]:
@@ -57,10 +57,10 @@ def _relative(got: np.ndarray, want: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_from_diffusers_matches_diffusers(name: str) -> None:
+def test_load_diffusers_matches_diffusers(name: str) -> None:
     model = _model(name)
     io = _io(name)
-    assert model.pos_embed.dtype == jnp.float32
+    assert model.pos_embed.value.dtype == jnp.float32
     assert _relative(_velocity(model, io), io["v"]) < 1e-4
     if name == "sd35_tiny":
         assert model.qk_norm == "rms_norm" and model.dual_attention_layers == (0,)
@@ -76,7 +76,7 @@ def test_position_table_is_diffusers_buffer(name: str) -> None:
 @pytest.mark.parametrize("name", TINY)
 def test_save_diffusers_round_trip(name: str, tmp_path: pathlib.Path) -> None:
     model = _model(name)
-    model.save_diffusers(tmp_path)
+    save_diffusers(tmp_path, model)
     original, saved = load_file(DATA / name / WEIGHTS), load_file(tmp_path / WEIGHTS)
     assert set(saved) == set(original)
     for key, value in original.items():
@@ -87,7 +87,7 @@ def test_save_diffusers_round_trip(name: str, tmp_path: pathlib.Path) -> None:
         if key != "_diffusers_version":
             want = list(value) if isinstance(value, tuple) else value
             assert config[key] == want, key
-    again = MMDiT.from_diffusers(tmp_path, context_length=5)
+    again = load_diffusers(tmp_path, context_length=5)
     io = _io(name)
     assert _relative(_velocity(again, io), _velocity(model, io)) < 1e-5
 
@@ -105,7 +105,7 @@ def test_unused_keys_are_listed(tmp_path: pathlib.Path) -> None:
     tensors["extra.bias"] = np.zeros((3,), np.float32)
     save_file(tensors, folder / WEIGHTS)
     with pytest.raises(ValueError, match="2 keys map to no leaf") as error:
-        MMDiT.from_diffusers(folder, context_length=5)
+        load_diffusers(folder, context_length=5)
     assert "transformer_blocks.9.attn.to_q.weight" in str(error.value)
     assert "extra.bias" in str(error.value)
 
@@ -116,7 +116,7 @@ def test_missing_keys_list_the_unfilled_leaves(tmp_path: pathlib.Path) -> None:
     del tensors["transformer_blocks.0.attn2.norm_k.weight"], tensors["proj_out.bias"]
     save_file(tensors, folder / WEIGHTS)
     with pytest.raises(ValueError, match="2 leaves have no key") as error:
-        MMDiT.from_diffusers(folder, context_length=5)
+        load_diffusers(folder, context_length=5)
     message = str(error.value)
     assert ".blocks[0].attn2.norm_k (key transformer_blocks.0.attn2.norm_k.weight)" in message
     assert ".final_proj.bias (key proj_out.bias)" in message
@@ -128,18 +128,18 @@ def test_wrong_shape_and_config_are_named(tmp_path: pathlib.Path) -> None:
     tensors["proj_out.bias"] = np.zeros((3,), np.float32)
     save_file(tensors, folder / WEIGHTS)
     with pytest.raises(ValueError, match=r"proj_out.bias has shape \(3,\)"):
-        MMDiT.from_diffusers(folder, context_length=5)
+        load_diffusers(folder, context_length=5)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "out_channels": 8}))
     with pytest.raises(ValueError, match="`out_channels`"):
-        MMDiT.from_diffusers(folder, context_length=5)
+        load_diffusers(folder, context_length=5)
     (folder / "config.json").write_text(json.dumps({**config, "_class_name": "FluxTransformer"}))
     with pytest.raises(ValueError, match="FluxTransformer"):
-        MMDiT.from_diffusers(folder, context_length=5)
+        load_diffusers(folder, context_length=5)
     with pytest.raises(ValueError, match="neither"):
         (folder / WEIGHTS).unlink()
         (folder / "config.json").write_text(json.dumps(config))
-        MMDiT.from_diffusers(folder, context_length=5)
+        load_diffusers(folder, context_length=5)
 
 
 def test_sharded_checkpoint(tmp_path: pathlib.Path) -> None:
@@ -154,7 +154,7 @@ def test_sharded_checkpoint(tmp_path: pathlib.Path) -> None:
         weight_map.update(dict.fromkeys(names, shard))
     index = {"metadata": {}, "weight_map": weight_map}
     (folder / f"{WEIGHTS}.index.json").write_text(json.dumps(index))
-    sharded = MMDiT.from_diffusers(folder, context_length=5)
+    sharded = load_diffusers(folder, context_length=5)
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(_model("sd3_tiny")), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -167,10 +167,10 @@ def test_bfloat16(tmp_path: pathlib.Path) -> None:
     io = _io(name)
     assert _relative(_velocity(half, io), io["v"]) < 0.1
     # A bfloat16 checkpoint (safetensors' NumPy reader has no bfloat16) loads in bfloat16.
-    half.save_diffusers(tmp_path)
+    save_diffusers(tmp_path, half)
     with safe_open(str(tmp_path / WEIGHTS), framework="numpy") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
-    again = MMDiT.from_diffusers(tmp_path, context_length=5)
+    again = load_diffusers(tmp_path, context_length=5)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(half), strict=True):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -214,13 +214,13 @@ def test_sd35_medium_from_its_config_alone() -> None:
 @pytest.mark.parametrize("name", TINY)
 def test_stacked_and_unstacked_loads_compute_the_same(name: str, tmp_path: pathlib.Path) -> None:
     stacked = _model(name)
-    plain = MMDiT.from_diffusers(DATA / name, context_length=5, stacked=False)
+    plain = load_diffusers(DATA / name, context_length=5, stacked=False)
     assert stacked.stacked and not plain.stacked and len(plain.blocks) == plain.depth
     io = _io(name)
     np.testing.assert_allclose(_velocity(stacked, io), _velocity(plain, io), rtol=0, atol=1e-6)
     # Both write the same file.
-    stacked.save_diffusers(tmp_path / "stacked")
-    plain.save_diffusers(tmp_path / "plain")
+    save_diffusers(tmp_path / "stacked", stacked)
+    save_diffusers(tmp_path / "plain", plain)
     one, other = load_file(tmp_path / "stacked" / WEIGHTS), load_file(tmp_path / "plain" / WEIGHTS)
     assert one.keys() == other.keys()
     for key in one:
@@ -237,7 +237,7 @@ def test_lora_adapters_export(tmp_path: pathlib.Path) -> None:
         [jnp.asarray(rng.standard_normal(a.b.shape), jnp.float32) for a in policy.adapters],
     )
     save_diffusers_lora(tmp_path / "lora", policy)
-    lora.merge(policy).save_diffusers(tmp_path / "merged")
+    save_diffusers(tmp_path / "merged", lora.merge(policy))
     adapters = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
     base = load_file(DATA / "sd35_tiny" / WEIGHTS)
     merged = load_file(tmp_path / "merged" / WEIGHTS)
@@ -261,7 +261,7 @@ def test_lora_adapters_export(tmp_path: pathlib.Path) -> None:
 def test_models_without_a_diffusers_counterpart_are_refused(tmp_path: pathlib.Path) -> None:
     tokens = MMDiT(image_size=8, depth=1, width=16, heads=2, vocab_size=5, key=jax.random.key(0))
     with pytest.raises(ValueError, match="token-id"):
-        tokens.save_diffusers(tmp_path)
+        save_diffusers(tmp_path, tokens)
 
 
 def test_diffusers_grid_is_the_schedulers_sigmas() -> None:
@@ -282,10 +282,10 @@ def test_without_a_position_table_size(tmp_path: pathlib.Path) -> None:
     # diffusers keeps the position buffer out of the checkpoint then, and computes it for the
     # image's grid with `base_size = sample_size // patch`; so do we.
     model = MMDiT(image_size=8, depth=2, width=16, heads=2, sample_size=4, key=jax.random.key(0))
-    model.save_diffusers(tmp_path)
+    save_diffusers(tmp_path, model)
     assert "pos_embed.pos_embed" not in load_file(tmp_path / WEIGHTS)
     assert json.loads((tmp_path / "config.json").read_text())["pos_embed_max_size"] is None
-    again = MMDiT.from_diffusers(tmp_path, image_size=8, context_length=model.context_length)
+    again = load_diffusers(tmp_path, image_size=8, context_length=model.context_length)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Positions step by `base / side` = 2 / 4 along each axis.

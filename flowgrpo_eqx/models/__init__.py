@@ -1,6 +1,10 @@
 """Small conditional velocity networks `model(x, t, cond) -> v` on one unbatched example."""
 
-from ._diffusers import save_diffusers_lora as save_diffusers_lora
+from ._diffusers import (
+    load_diffusers as load_diffusers,
+    save_diffusers as save_diffusers,
+    save_diffusers_lora as save_diffusers_lora,
+)
 from ._dit import DiT as DiT
 from ._mlp import (
     MLPVelocity as MLPVelocity,

@@ -13,7 +13,7 @@ import os
 import pathlib
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -23,11 +23,9 @@ import numpy.typing as npt
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ..lora import LoraModel
 from ._mmdit import MMDiT, _pos_crop
 
-
-if TYPE_CHECKING:
-    from ..lora import LoraModel
 
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 _INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -195,7 +193,11 @@ def _pos_entry(model: MMDiT) -> _Entry:
         return full.reshape(1, side * side, width)
 
     return _Entry(
-        "pos_embed.pos_embed", lambda m: m.pos_embed, (1, side * side, width), to_ours, to_theirs
+        "pos_embed.pos_embed",
+        lambda m: m.pos_embed.value,
+        (1, side * side, width),
+        to_ours,
+        to_theirs,
     )
 
 
@@ -314,15 +316,46 @@ def _on_host(model: MMDiT) -> MMDiT:
     return host.with_settings(stacked=False)
 
 
-def load_sd3(
+def load_diffusers(
     path: str | os.PathLike[str],
     *,
-    image_size: int | None,
-    context_length: int,
-    dtype: Any,
+    image_size: int | None = None,
+    context_length: int = 333,
+    dtype: Any = None,
     stacked: bool = True,
 ) -> MMDiT:
-    """`MMDiT.from_diffusers`: see there."""
+    """Read a diffusers `SD3Transformer2DModel` folder (SD3 or SD3.5) into an `MMDiT`.
+
+    The folder holds `config.json` and `diffusion_pytorch_model.safetensors` (or the
+    shards a `diffusion_pytorch_model.safetensors.index.json` lists), as
+    `SD3Transformer2DModel.save_pretrained` writes them: a pipeline's `transformer/`
+    subfolder. Read with `safetensors` into NumPy; torch is not needed. The model computes
+    what diffusers' does, on our conventions: one unbatched channels-last latent, `t` in
+    [0, 1] (diffusers' timestep is `1000 t`), an `MMDiTCondition`, the velocity out.
+
+    **Arguments:**
+
+    - `path`: the folder.
+    - `image_size`: the latent size to run at (the position features are cropped for
+        it); `None` means the config's `sample_size`.
+    - `context_length`: the number of text tokens of `cond["context"]`; diffusers'
+        SD3 pipelines give 77 CLIP + 256 T5 = 333.
+    - `dtype`: the parameters' dtype, e.g. `jnp.bfloat16`; `None` keeps the
+        checkpoint's (float32 for a float32 checkpoint).
+    - `stacked`: the block layout (see `MMDiT`): stacked per group of one structure
+        (the default) or one module per block. The arrays are stacked on the host, so
+        the device holds each once. Other settings: `MMDiT.with_settings`.
+
+    **Returns:**
+
+    The `MMDiT`.
+
+    **Raises:**
+
+    - `ValueError`: when the config is not an SD3 transformer's that `MMDiT` can hold, or
+        a key of the checkpoint maps to no leaf (all such keys listed), or a leaf has no
+        key (all listed), or a tensor's shape is wrong.
+    """
     folder = pathlib.Path(path)
     if not (folder / "config.json").exists():
         raise ValueError(f"`path` ({folder}) has no config.json.")
@@ -359,7 +392,7 @@ def load_sd3(
         values.append(np.asarray(entry.to_ours(array)).astype(np.dtype(dtype)))
     if model.pos_embed_max_size is None:
         # No buffer in the checkpoint (diffusers keeps it out): computed as diffusers does.
-        entries = entries + [_Entry("", lambda m: m.pos_embed, ())]
+        entries = entries + [_Entry("", lambda m: m.pos_embed.value, ())]
         values.append(model.position_table().astype(np.dtype(dtype)))
     filled: MMDiT = eqx.tree_at(lambda m: [entry.where(m) for entry in entries], model, values)
     unfilled = [
@@ -395,8 +428,26 @@ def _check_exportable(model: MMDiT) -> None:
         raise ValueError(f"diffusers' SD3 transformer has `mlp_ratio` 4, got {model.mlp_ratio}.")
 
 
-def save_sd3(model: MMDiT, path: str | os.PathLike[str], *, dtype: Any) -> None:
-    """`MMDiT.save_diffusers`: see there."""
+def save_diffusers(path: str | os.PathLike[str], model: MMDiT, *, dtype: Any = None) -> None:
+    """Write an `MMDiT` as a diffusers `SD3Transformer2DModel` folder.
+
+    `config.json` and `diffusion_pytorch_model.safetensors`, which
+    `SD3Transformer2DModel.from_pretrained(path)` reads (the position buffer written in
+    full, with this model's features at its centre); stacked blocks are written one per
+    block, as diffusers holds them. For a LoRA policy, save `lora.merge(policy)`;
+    `save_diffusers_lora` writes the adapters alone.
+
+    **Arguments:**
+
+    - `path`: the folder, created if missing; existing files of those names are replaced.
+    - `model`: the `MMDiT`.
+    - `dtype`: the dtype to write, e.g. `jnp.bfloat16`; `None` keeps the parameters'.
+
+    **Raises:**
+
+    - `ValueError`: when `model` is not an `MMDiT` or has no diffusers counterpart
+        (token-id conditioning, an MLP ratio other than 4).
+    """
     _check_exportable(model)
     model = _on_host(model)
     folder = pathlib.Path(path)
@@ -411,7 +462,7 @@ def save_sd3(model: MMDiT, path: str | os.PathLike[str], *, dtype: Any) -> None:
     (folder / "config.json").write_text(json.dumps(_config(model), indent=2) + "\n")
 
 
-def save_diffusers_lora(path: str | os.PathLike[str], model: "LoraModel[MMDiT]") -> None:
+def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
     """Write the LoRA adapters of an `MMDiT` policy alone, as diffusers' SD3 LoRA loaders read them.
 
     Writes `path/pytorch_lora_weights.safetensors` with, for each adapted layer, the keys
@@ -439,9 +490,7 @@ def save_diffusers_lora(path: str | os.PathLike[str], model: "LoraModel[MMDiT]")
     - `ValueError`: when `model` is not a `LoraModel` of an `MMDiT` that diffusers can hold,
         or one of its adapted layers has no diffusers counterpart.
     """
-    from .. import lora
-
-    if not isinstance(model, lora.LoraModel):
+    if not isinstance(model, LoraModel):
         raise ValueError(f"`model` must be a LoraModel, got {type(model).__name__}.")
     _check_exportable(model.base)
     base, layers = _unstacked_adapters(model)
@@ -478,7 +527,7 @@ def _linear_paths(model: MMDiT) -> dict[int, str]:
 
 
 def _unstacked_adapters(
-    model: "LoraModel[MMDiT]",
+    model: LoraModel[MMDiT],
 ) -> tuple[MMDiT, list[tuple[str, _NpArray, _NpArray]]]:
     """The base with one module per block (on the host) and each block's `(path, a, b)`.
 

@@ -1,8 +1,7 @@
 """A small diffusion transformer (DiT) velocity network for images and token prompts."""
 
-import dataclasses
 import math
-from typing import Literal, final
+from typing import Any, Literal, final
 
 import equinox as eqx
 import jax
@@ -12,58 +11,18 @@ import numpy.typing as npt
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
+from ._layers import dense, layer_norm, modulate, patchify, unpatchify
 from ._mlp import (
     _init_linears,
     _uniform_arrays,
     _zero_linear,
     sinusoidal_time_features,
 )
+from ._stacked import AbstractBlockLayout, Remat, StackedLayout, block_layout, relayout
 
 
 _TIME_FEATURES = 64
 _MLP_RATIO = 4
-_LN_EPS = 1e-6
-
-
-def _layer_norm(h: Float[Array, "S D"]) -> Float[Array, "S D"]:
-    """LayerNorm over the last axis, without an affine part (adaLN supplies scale and shift)."""
-    mean = jnp.mean(h, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
-    return (h - mean) * jax.lax.rsqrt(var + _LN_EPS)
-
-
-def _modulate(
-    h: Float[Array, "S D"], shift: Float[Array, " D"], scale: Float[Array, " D"]
-) -> Float[Array, "S D"]:
-    return h * (1 + scale[None, :]) + shift[None, :]
-
-
-def _dense(linear: eqx.nn.Linear, h: Float[Array, "S I"]) -> Float[Array, "S O"]:
-    """Apply `linear` to each row of `h`, as one matmul with the rows as the leading axis.
-
-    (`jax.vmap(linear)` gives an `[O, S]` matmul and a transpose, which is slower on CPU.)
-    """
-    out = h @ linear.weight.T
-    if linear.bias is not None:
-        out = out + linear.bias[None, :]
-    return out
-
-
-def patchify(x: Float[Array, "H W C"], patch: int) -> Float[Array, "N P"]:
-    """Cut a channels-last square image into `patch x patch` patches, row-major, flattened."""
-    size, _, channels = x.shape
-    grid = size // patch
-    x = x.reshape(grid, patch, grid, patch, channels).transpose(0, 2, 1, 3, 4)
-    return x.reshape(grid * grid, patch * patch * channels)
-
-
-def unpatchify(
-    tokens: Float[Array, "N P"], patch: int, image_size: int, channels: int
-) -> Float[Array, "H W C"]:
-    """The inverse of `patchify`."""
-    grid = image_size // patch
-    x = tokens.reshape(grid, grid, patch, patch, channels).transpose(0, 2, 1, 3, 4)
-    return x.reshape(image_size, image_size, channels)
 
 
 def _sincos_2d(grid: int, width: int) -> npt.NDArray[np.float32]:
@@ -125,11 +84,11 @@ class _DiTBlock(eqx.Module):
         scores = jnp.einsum("hqe,hke->hqk", q, qkv[1])
         weights = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("hqk,hke->qhe", weights, qkv[2]).reshape(seq, width)
-        projected: Float[Array, "S D"] = _dense(self.proj, out)
+        projected: Float[Array, "S D"] = dense(self.proj, out)
         return projected
 
     def _mlp(self, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
-        out: Float[Array, "S D"] = _dense(self.fc2, jax.nn.gelu(_dense(self.fc1, h)))
+        out: Float[Array, "S D"] = dense(self.fc2, jax.nn.gelu(dense(self.fc1, h)))
         return out
 
     def __call__(self, h: Float[Array, "S D"], c: Float[Array, " D"]) -> Float[Array, "S D"]:
@@ -146,9 +105,21 @@ class _DiTBlock(eqx.Module):
         """
         mod = self.modulation(jax.nn.silu(c))
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = jnp.split(mod, 6)
-        h = h + gate_a[None, :] * self._attention(_modulate(_layer_norm(h), shift_a, scale_a))
-        h = h + gate_m[None, :] * self._mlp(_modulate(_layer_norm(h), shift_m, scale_m))
+        h = h + gate_a[None, :] * self._attention(modulate(layer_norm(h), shift_a, scale_a))
+        h = h + gate_m[None, :] * self._mlp(modulate(layer_norm(h), shift_m, scale_m))
         return h
+
+
+def _check_sizes(**sizes: Any) -> None:
+    """Raise a `ValueError` naming the DiT argument whose size does not fit."""
+    for name, value in sizes.items():
+        check_int(name, value, 1)
+    image_size, patch = sizes["image_size"], sizes["patch"]
+    if image_size % patch != 0:
+        raise ValueError(f"`patch` ({patch}) must divide `image_size` ({image_size}).")
+    width, heads = sizes["width"], sizes["heads"]
+    if width % heads != 0:
+        raise ValueError(f"`heads` ({heads}) must divide `width` ({width}).")
 
 
 @final
@@ -210,7 +181,8 @@ class DiT(eqx.Module):
     token_embed: Float[Array, "vocab_size width"]
     prompt_pos_embed: Float[Array, "prompt_length width"]
     cond_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear]
-    blocks: tuple[_DiTBlock, ...]
+    blocks: tuple[_DiTBlock, ...]  # as `block_layout` holds them
+    block_layout: AbstractBlockLayout
     final_modulation: eqx.nn.Linear
     final_proj: eqx.nn.Linear
     image_size: int = eqx.field(static=True)
@@ -221,8 +193,6 @@ class DiT(eqx.Module):
     heads: int = eqx.field(static=True)
     vocab_size: int = eqx.field(static=True)
     prompt_length: int = eqx.field(static=True)
-    stacked: bool = eqx.field(static=True)
-    remat: Literal["nothing", "dots"] | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -235,29 +205,21 @@ class DiT(eqx.Module):
         vocab_size: int = 8,
         prompt_length: int = 4,
         stacked: bool = False,
-        remat: Literal["nothing", "dots"] | None = None,
+        remat: Remat = None,
         *,
         key: PRNGKeyArray,
     ) -> None:
-        if not isinstance(stacked, bool):
-            raise ValueError(f"`stacked` must be a bool, got {stacked!r}.")
-        if remat not in ("nothing", "dots", None):
-            raise ValueError(f"`remat` must be one of ('nothing', 'dots', None), got {remat!r}.")
-        for name, value in (
-            ("image_size", image_size),
-            ("channels", channels),
-            ("patch", patch),
-            ("width", width),
-            ("depth", depth),
-            ("heads", heads),
-            ("vocab_size", vocab_size),
-            ("prompt_length", prompt_length),
-        ):
-            check_int(name, value, 1)
-        if image_size % patch != 0:
-            raise ValueError(f"`patch` ({patch}) must divide `image_size` ({image_size}).")
-        if width % heads != 0:
-            raise ValueError(f"`heads` ({heads}) must divide `width` ({width}).")
+        _check_sizes(
+            image_size=image_size,
+            channels=channels,
+            patch=patch,
+            width=width,
+            depth=depth,
+            heads=heads,
+            vocab_size=vocab_size,
+            prompt_length=prompt_length,
+        )
+        layout = block_layout(stacked, remat, ((0, depth),))
         self.image_size = image_size
         self.channels = channels
         self.patch = patch
@@ -266,8 +228,7 @@ class DiT(eqx.Module):
         self.heads = heads
         self.vocab_size = vocab_size
         self.prompt_length = prompt_length
-        self.stacked = stacked
-        self.remat = remat
+        self.block_layout = layout
 
         # (Eager `jax.random` calls compile once per shape; `_init_linears` and
         # `_uniform_arrays` draw fixed-size chunks instead, so construction is quick.)
@@ -297,16 +258,25 @@ class DiT(eqx.Module):
         self.token_embed, self.prompt_pos_embed = _uniform_arrays(
             k_emb, [((vocab_size, width), math.sqrt(3)), ((prompt_length, width), math.sqrt(3))]
         )
-        blocks = tuple(_DiTBlock(width, heads, key=k) for k in k_blocks)
-        self.blocks = (jax.tree.map(lambda *a: jnp.stack(a), *blocks),) if stacked else blocks
+        self.blocks = layout.hold([_DiTBlock(width, heads, key=k) for k in k_blocks])
         self.final_modulation = _zero_linear(width, 2 * width, key=key)
         self.final_proj = _zero_linear(width, patch_dim, key=key)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the blocks are held stacked and scanned over (`blocks` is one stacked block)."""
+        return isinstance(self.block_layout, StackedLayout)
+
+    @property
+    def remat(self) -> Remat:
+        """What each block keeps for the backward pass (`Remat`)."""
+        return self.block_layout.remat
 
     def with_settings(
         self,
         *,
         stacked: bool | None = None,
-        remat: Literal["nothing", "dots", "keep"] | None = "keep",
+        remat: Remat | Literal["keep"] = "keep",
     ) -> "DiT":
         """The same model (the same function of the same weights) with other settings.
 
@@ -323,45 +293,23 @@ class DiT(eqx.Module):
 
         - `ValueError`: naming `stacked` or `remat` when it is not one of its values.
         """
-        stacked = self.stacked if stacked is None else stacked
-        remat = self.remat if remat == "keep" else remat
-        if not isinstance(stacked, bool):
-            raise ValueError(f"`stacked` must be a bool, got {stacked!r}.")
-        if remat not in ("nothing", "dots", None):
-            raise ValueError(f"`remat` must be one of ('nothing', 'dots', None), got {remat!r}.")
-        blocks = self.blocks
-        if stacked and not self.stacked:
-            blocks = (jax.tree.map(lambda *a: jnp.stack(a), *blocks),)
-        elif self.stacked and not stacked:
-            blocks = tuple(jax.tree.map(lambda a, i=i: a[i], blocks[0]) for i in range(self.depth))
-        new = object.__new__(DiT)
-        for field in dataclasses.fields(self):
-            object.__setattr__(new, field.name, getattr(self, field.name))
-        for name, value in (("blocks", blocks), ("stacked", stacked), ("remat", remat)):
-            object.__setattr__(new, name, value)
+        layout = block_layout(
+            self.stacked if stacked is None else stacked,
+            self.remat if remat == "keep" else remat,
+            ((0, self.depth),),
+        )
+        blocks = relayout(self.blocks, self.block_layout, layout)
+        new: DiT = eqx.tree_at(lambda m: (m.blocks, m.block_layout), self, (blocks, layout))
         return new
 
     def _blocks(self, h: Float[Array, "S D"], c: Float[Array, " D"]) -> Float[Array, "S D"]:
-        """Every block in turn (scanned when stacked, rematerialised per `remat`)."""
-        from .._distributed import gather_weights
-        from ._mmdit import remat_policy
+        """Every block in turn, as `block_layout` runs them."""
 
-        def run(block: _DiTBlock, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
-            out: Float[Array, "S D"] = gather_weights(block)(h, c)
+        def step(block: _DiTBlock, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
+            out: Float[Array, "S D"] = block(h, c)
             return out
 
-        if self.remat is not None:
-            run = jax.checkpoint(run, policy=remat_policy(self.remat))
-        if not self.stacked:
-            for block in self.blocks:
-                h = run(block, h)
-            return h
-
-        def body(carry: Float[Array, "S D"], block: _DiTBlock) -> tuple[Float[Array, "S D"], None]:
-            return run(block, carry), None
-
-        h, _ = jax.lax.scan(body, h, self.blocks[0])
-        return h
+        return self.block_layout.run(self.blocks, step, h)
 
     def _patchify(self, x: Float[Array, "H W C"]) -> Float[Array, "N P"]:
         return patchify(x, self.patch)
@@ -408,11 +356,11 @@ class DiT(eqx.Module):
         c = time_emb + prompt_vec
 
         # Sequence: in-context prompt tokens, then image patch tokens.
-        image_tokens = _dense(self.patch_embed, self._patchify(x.astype(dtype)))
+        image_tokens = dense(self.patch_embed, self._patchify(x.astype(dtype)))
         h = jnp.concatenate([prompt, image_tokens + self.pos_embed])
         h = self._blocks(h, c)
         h = h[self.prompt_length :]
 
         shift, scale = jnp.split(self.final_modulation(jax.nn.silu(c)), 2)
-        out = _dense(self.final_proj, _modulate(_layer_norm(h), shift, scale))
+        out = dense(self.final_proj, modulate(layer_norm(h), shift, scale))
         return self._unpatchify(out).astype(x.dtype)

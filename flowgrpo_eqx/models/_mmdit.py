@@ -1,10 +1,8 @@
 """The multimodal diffusion transformer (MMDiT) of Stable Diffusion 3 and 3.5."""
 
-import dataclasses
 import math
-import os
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple, TypeAlias, TypedDict, final, get_args
+from typing import Any, Literal, NamedTuple, TypedDict, final
 
 import equinox as eqx
 import jax
@@ -13,47 +11,32 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._buffer import Buffer
+from .._distributed import gather_weights
 from .._misc import check_int
-from ._dit import _dense, _layer_norm, _modulate, patchify, unpatchify
+from ._layers import (
+    Attention,
+    AttentionSettings,
+    attend,
+    dense,
+    layer_norm,
+    modulate,
+    patchify,
+    unpatchify,
+)
 from ._mlp import _init_linears, _uniform_arrays, _zero_linear
+from ._stacked import (
+    AbstractBlockLayout,
+    Remat,
+    StackedLayout,
+    block_layout,
+    relayout,
+)
 
 
 _TIME_FEATURES = 256
 _RMS_EPS = 1e-6
-
-Remat: TypeAlias = Literal["nothing", "dots"] | None
-"""Rematerialisation per block: `"nothing"` saves no activation inside a block for the
-backward pass (recomputes the block), `"dots"` saves the matmuls with weights (recomputes the
-rest, attention scores included), `None` saves whatever XLA keeps (no rematerialisation)."""
-
-Attention: TypeAlias = Literal["xla", "cudnn", "chunked"]
-"""How attention is computed: `"xla"`, `jax.nn.dot_product_attention`'s plain form (the
-scores materialised); `"cudnn"`, its cuDNN fused kernel (GPU only, float16/bfloat16); or
-`"chunked"`, a memory-efficient form in JAX that materialises the scores of
-`attention_chunk` queries at a time (forward and backward)."""
-
-REMATS: tuple[Remat, ...] = ("nothing", "dots", None)
-ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
-
-
-def check_settings(remat: Any, attention: Any, attention_chunk: Any) -> None:
-    """Raise a `ValueError` naming `remat`, `attention` or `attention_chunk` if invalid."""
-    if remat not in REMATS:
-        raise ValueError(f"`remat` must be one of {REMATS}, got {remat!r}.")
-    if attention not in ATTENTIONS:
-        raise ValueError(f"`attention` must be one of {ATTENTIONS}, got {attention!r}.")
-    check_int("attention_chunk", attention_chunk, 1)
-
-
-def remat_policy(remat: Remat) -> Any:
-    """The `jax.checkpoint` policy of a `Remat` setting (`None` for no checkpoint)."""
-    if remat == "nothing":
-        return jax.checkpoint_policies.nothing_saveable
-    if remat == "dots":
-        # Under the library's vmap over rows a weight matmul has no batch dimension, and
-        # the attention's query-key products have one: this keeps the former only.
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    return None
+_PLAIN_ATTENTION = AttentionSettings("xla", 512)
 
 
 class MMDiTCondition(TypedDict):
@@ -167,58 +150,12 @@ class _Attention(eqx.Module):
         seq, width = h.shape
 
         def heads(linear: eqx.nn.Linear) -> Float[Array, "S heads head_dim"]:
-            return _dense(linear, h).reshape(seq, self.heads, width // self.heads)
+            return dense(linear, h).reshape(seq, self.heads, width // self.heads)
 
         q, k, v = heads(self.q), heads(self.k), heads(self.v)
         if self.norm_q is not None and self.norm_k is not None:
             q, k = _rms_norm(q, self.norm_q), _rms_norm(k, self.norm_k)
         return jnp.stack([q, k, v])
-
-
-def _attend(
-    qkv: Float[Array, "3 S heads head_dim"], attention: Attention = "xla", chunk: int = 512
-) -> Float[Array, "S D"]:
-    """Multi-head attention of the queries, keys and values, heads merged back, `[S, D]`.
-
-    `attention` chooses the implementation (`Attention`); all compute the same function.
-    """
-    q, k, v = qkv[0], qkv[1], qkv[2]
-    # jax's attention mixes a half-precision query with its float32 logits internally, which
-    # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
-    with jax.numpy_dtype_promotion("standard"):
-        if attention == "chunked" and q.shape[0] > chunk:
-            attended = _chunked_attention(q, k, v, chunk)
-        else:
-            implementation: Literal["xla", "cudnn"] = "cudnn" if attention == "cudnn" else "xla"
-            attended = jax.nn.dot_product_attention(q, k, v, implementation=implementation)
-    return attended.reshape(attended.shape[0], -1)
-
-
-def _chunked_attention(
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "S heads head_dim"],
-    v: Float[Array, "S heads head_dim"],
-    chunk: int,
-) -> Float[Array, "S heads head_dim"]:
-    """Attention over all keys for `chunk` queries at a time, each chunk rematerialised.
-
-    Each query's softmax is over every key, as in the plain form, so the result is the
-    same function; only `[heads, chunk, S]` scores exist at once, in the forward pass and
-    (each chunk recomputed) in the backward pass. The queries are zero-padded to a multiple
-    of `chunk` and the padding's outputs dropped.
-    """
-    seq = q.shape[0]
-    pieces = -(-seq // chunk)
-    padded = jnp.pad(q, ((0, pieces * chunk - seq), (0, 0), (0, 0)))
-
-    @jax.checkpoint
-    def one(queries: Float[Array, "chunk heads head_dim"]) -> Float[Array, "chunk heads hd"]:
-        out: Float[Array, "chunk heads hd"] = jax.nn.dot_product_attention(queries, k, v)
-        return out
-
-    out = jax.lax.map(one, padded.reshape(pieces, chunk, *q.shape[1:]))
-    attended: Float[Array, "S heads head_dim"] = out.reshape(pieces * chunk, *q.shape[1:])
-    return attended[:seq]
 
 
 @final
@@ -279,8 +216,8 @@ class _Stream(eqx.Module):
     ) -> Float[Array, "S D"]:
         """The tokens normalised and modulated for the (joint) attention."""
         if self.pre_only:
-            return _modulate(_layer_norm(h), mod[1], mod[0])
-        return _modulate(_layer_norm(h), mod[0], mod[1])
+            return modulate(layer_norm(h), mod[1], mod[0])
+        return modulate(layer_norm(h), mod[0], mod[1])
 
     def residual(
         self, h: Float[Array, "S D"], attended: Float[Array, "S D"], mod: Float[Array, "M D"]
@@ -288,7 +225,7 @@ class _Stream(eqx.Module):
         """The gated attention residual added to the tokens (unchanged if pre-only)."""
         if self.attn.out is None:
             return h
-        out: Float[Array, "S D"] = h + mod[2][None, :] * _dense(self.attn.out, attended)
+        out: Float[Array, "S D"] = h + mod[2][None, :] * dense(self.attn.out, attended)
         return out
 
     def feed_forward(self, h: Float[Array, "S D"], mod: Float[Array, "M D"]) -> Float[Array, "S D"]:
@@ -296,9 +233,9 @@ class _Stream(eqx.Module):
         if self.fc1 is None or self.fc2 is None:
             return h
         hidden = jax.nn.gelu(
-            _dense(self.fc1, _modulate(_layer_norm(h), mod[3], mod[4])), approximate=True
+            dense(self.fc1, modulate(layer_norm(h), mod[3], mod[4])), approximate=True
         )
-        out: Float[Array, "S D"] = h + mod[5][None, :] * _dense(self.fc2, hidden)
+        out: Float[Array, "S D"] = h + mod[5][None, :] * dense(self.fc2, hidden)
         return out
 
 
@@ -336,8 +273,7 @@ class _MMDiTBlock(eqx.Module):
         context: Float[Array, "L D"],
         image: Float[Array, "N D"],
         c: Float[Array, " D"],
-        attention: Attention = "xla",
-        attention_chunk: int = 512,
+        attention: AttentionSettings = _PLAIN_ATTENTION,
     ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
         """Apply the block to both token streams, modulated by the vector `c`.
 
@@ -346,8 +282,7 @@ class _MMDiTBlock(eqx.Module):
         - `context`: the text tokens, `[L, D]`.
         - `image`: the image tokens, `[N, D]`.
         - `c`: the conditioning vector (time and pooled text), `[D]`.
-        - `attention`: the attention implementation (`Attention`).
-        - `attention_chunk`: the query chunk of `"chunked"` attention.
+        - `attention`: how attention is computed.
 
         **Returns:**
 
@@ -356,8 +291,8 @@ class _MMDiTBlock(eqx.Module):
         """
         width = c.shape[0]
         silu_c = jax.nn.silu(c)
-        mod_context = _dense(self.context.modulation, silu_c[None])[0].reshape(-1, width)
-        mod_image = _dense(self.image.modulation, silu_c[None])[0].reshape(-1, width)
+        mod_context = dense(self.context.modulation, silu_c[None])[0].reshape(-1, width)
+        mod_image = dense(self.image.modulation, silu_c[None])[0].reshape(-1, width)
         # diffusers' order, image tokens first: the same attention, the same rounding.
         qkv = jnp.concatenate(
             [
@@ -366,14 +301,14 @@ class _MMDiTBlock(eqx.Module):
             ],
             axis=1,
         )
-        attended = _attend(qkv, attention, attention_chunk)
+        attended = attend(qkv, attention)
         length = image.shape[0]
         new_image = self.image.residual(image, attended[:length], mod_image)
         if self.attn2 is not None and self.attn2.out is not None:
-            image_in2 = _modulate(_layer_norm(image), mod_image[6], mod_image[7])
-            second = _dense(
+            image_in2 = modulate(layer_norm(image), mod_image[6], mod_image[7])
+            second = dense(
                 self.attn2.out,
-                _attend(self.attn2.qkv(image_in2), attention, attention_chunk),
+                attend(self.attn2.qkv(image_in2), attention),
             )
             new_image = new_image + mod_image[8][None, :] * second
         new_image = self.image.feed_forward(new_image, mod_image)
@@ -400,35 +335,61 @@ def block_groups(depth: int, dual: Sequence[int]) -> tuple[tuple[int, int], ...]
     return tuple(groups)
 
 
-def _stack_leaves(*leaves: Any) -> Any:
-    if all(isinstance(leaf, np.ndarray) for leaf in leaves):
-        return np.stack(leaves)
-    if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
-        shape = (len(leaves), *leaves[0].shape)
-        return jax.ShapeDtypeStruct(shape, leaves[0].dtype)  # type: ignore[no-untyped-call]
-    return jnp.stack(leaves)
+def _check_config(
+    sizes: dict[str, Any],
+    *,
+    vocab_size: Any,
+    qk_norm: Any,
+    depth: int,
+    dual: tuple[Any, ...],
+    pos_embed_max_size: Any,
+) -> None:
+    """Raise a `ValueError` naming the `MMDiT` argument that does not fit the others."""
+    for name, value in sizes.items():
+        check_int(name, value, 1)
+    if vocab_size is not None:
+        check_int("vocab_size", vocab_size, 1)
+    image_size, sample_size, patch = sizes["image_size"], sizes["sample_size"], sizes["patch"]
+    width, heads = sizes["width"], sizes["heads"]
+    if image_size % patch != 0:
+        raise ValueError(f"`patch` ({patch}) must divide `image_size` ({image_size}).")
+    if sample_size % patch != 0:
+        raise ValueError(f"`patch` ({patch}) must divide `sample_size` ({sample_size}).")
+    if width % heads != 0:
+        raise ValueError(f"`heads` ({heads}) must divide `width` ({width}).")
+    if width % 4 != 0:
+        raise ValueError(f"`width` must be a multiple of 4, got {width}.")
+    if qk_norm not in (None, "rms_norm"):
+        raise ValueError(f"`qk_norm` must be None or 'rms_norm', got {qk_norm!r}.")
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth for i in dual):
+        raise ValueError(
+            f"`dual_attention_layers` must be block indices in [0, {depth}), got {dual!r}."
+        )
+    if pos_embed_max_size is not None:
+        check_int("pos_embed_max_size", pos_embed_max_size, image_size // patch)
 
 
-def _index_leaf(leaf: Any, index: int) -> Any:
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)  # type: ignore[no-untyped-call]
-    return leaf[index]
-
-
-def stack_blocks(blocks: Sequence[_MMDiTBlock]) -> _MMDiTBlock:
-    """Blocks of one structure as one block whose every array has a leading layer axis.
-
-    NumPy leaves stay NumPy (so a checkpoint can be stacked on the host), abstract ones
-    (`jax.ShapeDtypeStruct`) stay abstract.
-    """
-    stacked: _MMDiTBlock = jax.tree.map(_stack_leaves, *blocks)
-    return stacked
-
-
-def unstack_block(group: _MMDiTBlock) -> list[_MMDiTBlock]:
-    """The blocks of a stacked group, in order (the inverse of `stack_blocks`)."""
-    size = jax.tree.leaves(group)[0].shape[0]
-    return [jax.tree.map(lambda leaf, i=i: _index_leaf(leaf, i), group) for i in range(size)]
+def _token_tables(
+    vocab_size: int | None,
+    context_length: int,
+    context_dim: int,
+    pooled_dim: int,
+    key: PRNGKeyArray,
+) -> tuple[Float[Array, "V C"] | None, Float[Array, "L C"] | None, Float[Array, "V P"] | None]:
+    """The token, per-position and pooled token tables of token-id conditioning, or Nones."""
+    if vocab_size is None:
+        return None, None, None
+    # Unit-variance embeddings (uniform on [-sqrt 3, sqrt 3)).
+    unit = math.sqrt(3)
+    token, position, pooled = _uniform_arrays(
+        key,
+        [
+            ((vocab_size, context_dim), unit),
+            ((context_length, context_dim), unit),
+            ((vocab_size, pooled_dim), unit),
+        ],
+    )
+    return token, position, pooled
 
 
 @final
@@ -437,12 +398,13 @@ class MMDiT(eqx.Module):
 
     The MMDiT of Stable Diffusion 3 (Esser et al. 2024, arXiv:2403.03206) and 3.5 on one
     unbatched channels-last latent, computing what diffusers' `SD3Transformer2DModel`
-    computes (`from_diffusers` loads its weights, `save_diffusers` writes them back). Two
+    computes (`load_diffusers` loads its weights, `save_diffusers` writes them back). Two
     token streams, each with its own weights:
 
     - image: the latent cut into `patch x patch` patches, each linearly embedded (diffusers'
         strided convolution), plus fixed 2D sin-cos position features, cropped from the
-        centre of a `pos_embed_max_size`-square table as diffusers does;
+        centre of a `pos_embed_max_size`-square table as diffusers does (a `Buffer`, as
+        diffusers' buffer: `Trainer` never trains or weight-decays it);
     - text: the context token embeddings, linearly mapped to the token width.
 
     The conditioning vector is `c = time_mlp(features(1000 t)) + pooled_mlp(pooled)`, with
@@ -528,14 +490,16 @@ class MMDiT(eqx.Module):
     """
 
     patch_embed: eqx.nn.Linear
-    pos_embed: Float[Array, "num_patches width"]
+    pos_embed: Buffer  # fixed, as diffusers' buffer: `Trainer` never trains it
     context_embed: eqx.nn.Linear
     time_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear]
     pooled_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear]
     token_embed: Float[Array, "vocab_size context_dim"] | None
     token_pos_embed: Float[Array, "context_length context_dim"] | None
     pooled_token_embed: Float[Array, "vocab_size pooled_dim"] | None
-    blocks: tuple[_MMDiTBlock, ...]  # one per block, or one stacked per group
+    blocks: tuple[_MMDiTBlock, ...]  # as `block_layout` holds them
+    block_layout: AbstractBlockLayout
+    attention_settings: AttentionSettings
     final_modulation: eqx.nn.Linear
     final_proj: eqx.nn.Linear
     image_size: int = eqx.field(static=True)
@@ -553,10 +517,6 @@ class MMDiT(eqx.Module):
     dual_attention_layers: tuple[int, ...] = eqx.field(static=True)
     pos_embed_max_size: int | None = eqx.field(static=True)
     sample_size: int = eqx.field(static=True)
-    stacked: bool = eqx.field(static=True)
-    remat: Remat = eqx.field(static=True)
-    attention: Attention = eqx.field(static=True)
-    attention_chunk: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -583,45 +543,31 @@ class MMDiT(eqx.Module):
         key: PRNGKeyArray,
     ) -> None:
         check_int("depth", depth, 1)
-        if not isinstance(stacked, bool):
-            raise ValueError(f"`stacked` must be a bool, got {stacked!r}.")
-        check_settings(remat, attention, attention_chunk)
+        dual = tuple(dual_attention_layers)
+        self.block_layout = block_layout(stacked, remat, block_groups(depth, dual))
+        self.attention_settings = AttentionSettings(attention, attention_chunk)
         width = 64 * depth if width is None else width
         heads = depth if heads is None else heads
         sample_size = image_size if sample_size is None else sample_size
-        for name, value in (
-            ("image_size", image_size),
-            ("channels", channels),
-            ("patch", patch),
-            ("width", width),
-            ("heads", heads),
-            ("mlp_ratio", mlp_ratio),
-            ("context_length", context_length),
-            ("context_dim", context_dim),
-            ("pooled_dim", pooled_dim),
-            ("sample_size", sample_size),
-        ):
-            check_int(name, value, 1)
-        if vocab_size is not None:
-            check_int("vocab_size", vocab_size, 1)
-        if image_size % patch != 0:
-            raise ValueError(f"`patch` ({patch}) must divide `image_size` ({image_size}).")
-        if sample_size % patch != 0:
-            raise ValueError(f"`patch` ({patch}) must divide `sample_size` ({sample_size}).")
-        if width % heads != 0:
-            raise ValueError(f"`heads` ({heads}) must divide `width` ({width}).")
-        if width % 4 != 0:
-            raise ValueError(f"`width` must be a multiple of 4, got {width}.")
-        if qk_norm not in (None, "rms_norm"):
-            raise ValueError(f"`qk_norm` must be None or 'rms_norm', got {qk_norm!r}.")
-        dual = tuple(dual_attention_layers)
-        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth for i in dual):
-            raise ValueError(
-                f"`dual_attention_layers` must be block indices in [0, {depth}), got {dual!r}."
-            )
-        grid = image_size // patch
-        if pos_embed_max_size is not None:
-            check_int("pos_embed_max_size", pos_embed_max_size, grid)
+        _check_config(
+            dict(
+                image_size=image_size,
+                channels=channels,
+                patch=patch,
+                width=width,
+                heads=heads,
+                mlp_ratio=mlp_ratio,
+                context_length=context_length,
+                context_dim=context_dim,
+                pooled_dim=pooled_dim,
+                sample_size=sample_size,
+            ),
+            vocab_size=vocab_size,
+            qk_norm=qk_norm,
+            depth=depth,
+            dual=dual,
+            pos_embed_max_size=pos_embed_max_size,
+        )
         self.image_size = image_size
         self.channels = channels
         self.patch = patch
@@ -637,13 +583,14 @@ class MMDiT(eqx.Module):
         self.dual_attention_layers = tuple(sorted(set(dual)))
         self.pos_embed_max_size = pos_embed_max_size
         self.sample_size = sample_size
-        self.stacked = stacked
-        self.remat = remat
-        self.attention = attention
-        self.attention_chunk = attention_chunk
+        self._init_arrays(key)
 
-        patch_dim = patch * patch * channels
-        k_lin, k_emb, k_final, *k_blocks = (jax.random.fold_in(key, i) for i in range(3 + depth))
+    def _init_arrays(self, key: PRNGKeyArray) -> None:
+        """Draw every array of a fresh model (called once, from `__init__`)."""
+        width, patch_dim = self.width, self.patch * self.patch * self.channels
+        k_lin, k_emb, k_final, *k_blocks = (
+            jax.random.fold_in(key, i) for i in range(3 + self.depth)
+        )
         (
             self.patch_embed,
             self.context_embed,
@@ -654,44 +601,48 @@ class MMDiT(eqx.Module):
         ) = _init_linears(
             [
                 (patch_dim, width),
-                (context_dim, width),
+                (self.context_dim, width),
                 (_TIME_FEATURES, width),
                 (width, width),
-                (pooled_dim, width),
+                (self.pooled_dim, width),
                 (width, width),
             ],
             key=k_lin,
         )
         self.time_mlp = (time_0, time_1)
         self.pooled_mlp = (pooled_0, pooled_1)
-        self.pos_embed = jax.device_put(self.position_table())
-        if vocab_size is None:
-            self.token_embed = self.token_pos_embed = self.pooled_token_embed = None
-        else:
-            # Unit-variance embeddings (uniform on [-sqrt 3, sqrt 3)).
-            unit = math.sqrt(3)
-            self.token_embed, self.token_pos_embed, self.pooled_token_embed = _uniform_arrays(
-                k_emb,
-                [
-                    ((vocab_size, context_dim), unit),
-                    ((context_length, context_dim), unit),
-                    ((vocab_size, pooled_dim), unit),
-                ],
-            )
-        blocks = tuple(
-            _MMDiTBlock(
-                _BlockShape(width, heads, mlp_ratio, qk_norm is not None),
-                i == depth - 1,
-                i in self.dual_attention_layers,
-                key=k,
-            )
+        self.pos_embed = Buffer(jax.device_put(self.position_table()))
+        self.token_embed, self.token_pos_embed, self.pooled_token_embed = _token_tables(
+            self.vocab_size, self.context_length, self.context_dim, self.pooled_dim, k_emb
+        )
+        shape = _BlockShape(width, self.heads, self.mlp_ratio, self.qk_norm is not None)
+        blocks = [
+            _MMDiTBlock(shape, i == self.depth - 1, i in self.dual_attention_layers, key=k)
             for i, k in enumerate(k_blocks)
-        )
-        self.blocks = (
-            tuple(stack_blocks(blocks[a:b]) for a, b in self.block_groups) if stacked else blocks
-        )
+        ]
+        self.blocks = self.block_layout.hold(blocks)
         self.final_modulation = _zero_linear(width, 2 * width, key=k_final)
         self.final_proj = _zero_linear(width, patch_dim, key=k_final)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the blocks are held stacked per group and scanned over (see `MMDiT`)."""
+        return isinstance(self.block_layout, StackedLayout)
+
+    @property
+    def remat(self) -> Remat:
+        """What each block keeps for the backward pass (`Remat`)."""
+        return self.block_layout.remat
+
+    @property
+    def attention(self) -> Attention:
+        """How attention is computed (`Attention`)."""
+        return self.attention_settings.kind
+
+    @property
+    def attention_chunk(self) -> int:
+        """The queries per chunk of `"chunked"` attention."""
+        return self.attention_settings.chunk
 
     @property
     def block_groups(self) -> tuple[tuple[int, int], ...]:
@@ -705,9 +656,7 @@ class MMDiT(eqx.Module):
 
         A tuple of `depth` blocks (views of the stacked arrays' slices when `stacked`).
         """
-        if not self.stacked:
-            return self.blocks
-        return tuple(block for group in self.blocks for block in unstack_block(group))
+        return self.block_layout.every_block(self.blocks)
 
     def with_settings(
         self,
@@ -734,31 +683,21 @@ class MMDiT(eqx.Module):
 
         - `ValueError`: naming the setting, when it is not one of its values.
         """
-        stacked = self.stacked if stacked is None else stacked
-        if not isinstance(stacked, bool):
-            raise ValueError(f"`stacked` must be a bool, got {stacked!r}.")
-        remat = self.remat if remat == "keep" else remat
-        attention = self.attention if attention is None else attention
-        chunk = self.attention_chunk if attention_chunk is None else attention_chunk
-        check_settings(remat, attention, chunk)
-        blocks = self.blocks
-        if stacked != self.stacked:
-            every = self.unstacked_blocks()
-            blocks = (
-                tuple(stack_blocks(every[a:b]) for a, b in self.block_groups) if stacked else every
-            )
-        new = object.__new__(MMDiT)
-        for field in dataclasses.fields(self):
-            object.__setattr__(new, field.name, getattr(self, field.name))
-        changes = dict(
-            blocks=blocks,
-            stacked=stacked,
-            remat=remat,
-            attention=attention,
-            attention_chunk=chunk,
+        layout = block_layout(
+            self.stacked if stacked is None else stacked,
+            self.remat if remat == "keep" else remat,
+            self.block_groups,
         )
-        for name, value in changes.items():
-            object.__setattr__(new, name, value)
+        settings = AttentionSettings(
+            self.attention if attention is None else attention,
+            self.attention_chunk if attention_chunk is None else attention_chunk,
+        )
+        blocks = relayout(self.blocks, self.block_layout, layout)
+        new: MMDiT = eqx.tree_at(
+            lambda m: (m.blocks, m.block_layout, m.attention_settings),
+            self,
+            (blocks, layout, settings),
+        )
         return new
 
     def position_table(self, full: bool = False) -> npt.NDArray[np.float32]:
@@ -841,109 +780,17 @@ class MMDiT(eqx.Module):
             "pos_embed_max_size": 384,
         }
 
-    @classmethod
-    def from_diffusers(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        image_size: int | None = None,
-        context_length: int = 333,
-        dtype: Any = None,
-        stacked: bool = True,
-    ) -> "MMDiT":
-        """Read a diffusers `SD3Transformer2DModel` folder (SD3 or SD3.5) into an `MMDiT`.
-
-        The folder holds `config.json` and `diffusion_pytorch_model.safetensors` (or the
-        shards a `diffusion_pytorch_model.safetensors.index.json` lists), as
-        `SD3Transformer2DModel.save_pretrained` writes them: a pipeline's `transformer/`
-        subfolder. Read with `safetensors` into NumPy; torch is not needed. The model computes
-        what diffusers' does, on our conventions: one unbatched channels-last latent, `t` in
-        [0, 1] (diffusers' timestep is `1000 t`), an `MMDiTCondition`, the velocity out.
-
-        **Arguments:**
-
-        - `path`: the folder.
-        - `image_size`: the latent size to run at (the position features are cropped for
-            it); `None` means the config's `sample_size`.
-        - `context_length`: the number of text tokens of `cond["context"]`; diffusers'
-            SD3 pipelines give 77 CLIP + 256 T5 = 333.
-        - `dtype`: the parameters' dtype, e.g. `jnp.bfloat16`; `None` keeps the
-            checkpoint's (float32 for a float32 checkpoint).
-        - `stacked`: the block layout (see `MMDiT`): stacked per group of one structure
-            (the default) or one module per block. The arrays are stacked on the host, so
-            the device holds each once. Other settings: `with_settings`.
-
-        **Returns:**
-
-        The `MMDiT`.
-
-        **Raises:**
-
-        - `ValueError`: when the config is not an SD3 transformer's that `MMDiT` can hold, or
-            a key of the checkpoint maps to no leaf (all such keys listed), or a leaf has no
-            key (all listed), or a tensor's shape is wrong.
-        """
-        from ._diffusers import load_sd3
-
-        return load_sd3(
-            path,
-            image_size=image_size,
-            context_length=context_length,
-            dtype=dtype,
-            stacked=stacked,
-        )
-
-    def save_diffusers(self, path: str | os.PathLike[str], *, dtype: Any = None) -> None:
-        """Write the model as a diffusers `SD3Transformer2DModel` folder.
-
-        Stacked blocks are written one per block, as diffusers holds them.
-        `config.json` and `diffusion_pytorch_model.safetensors`, which
-        `SD3Transformer2DModel.from_pretrained(path)` reads (the position buffer written in
-        full, with this model's features at its centre). For a LoRA policy, save
-        `lora.merge(policy)`; `save_diffusers_lora` writes the adapters alone.
-
-        **Arguments:**
-
-        - `path`: the folder, created if missing; existing files of those names are replaced.
-        - `dtype`: the dtype to write, e.g. `jnp.bfloat16`; `None` keeps the parameters'.
-
-        **Raises:**
-
-        - `ValueError`: when the model has no diffusers counterpart (token-id conditioning,
-            an MLP ratio other than 4).
-        """
-        from ._diffusers import save_sd3
-
-        save_sd3(self, path, dtype=dtype)
-
     def _blocks(
         self, context: Float[Array, "L D"], image: Float[Array, "N D"], c: Float[Array, " D"]
     ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
-        """Every block in turn: scanned per stacked group, rematerialised per `remat`."""
-        from .._distributed import gather_weights
+        """Every block in turn, as `block_layout` runs them."""
 
-        def run(
-            block: _MMDiTBlock, context: Float[Array, "L D"], image: Float[Array, "N D"]
+        def step(
+            block: _MMDiTBlock, carry: tuple[Float[Array, "L D"], Float[Array, "N D"]]
         ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
-            # The FSDP pattern: this block's weights whole, the activations left as they lie.
-            return gather_weights(block)(context, image, c, self.attention, self.attention_chunk)
+            return block(*carry, c, self.attention_settings)
 
-        policy = remat_policy(self.remat)
-        if self.remat is not None:
-            run = jax.checkpoint(run, policy=policy)
-        if not self.stacked:
-            for block in self.blocks:
-                context, image = run(block, context, image)
-            return context, image
-
-        def body(
-            carry: tuple[Float[Array, "L D"], Float[Array, "N D"]], block: _MMDiTBlock
-        ) -> tuple[tuple[Float[Array, "L D"], Float[Array, "N D"]], None]:
-            return run(block, *carry), None
-
-        for group in self.blocks:
-            (context, image), _ = jax.lax.scan(body, (context, image), group)
-        return context, image
+        return self.block_layout.run(self.blocks, step, (context, image))
 
     def _patchify(self, x: Float[Array, "H W C"]) -> Float[Array, "N P"]:
         return patchify(x, self.patch)
@@ -955,7 +802,7 @@ class MMDiT(eqx.Module):
         self, cond: MMDiTCondition | Int[Array, " context_length"]
     ) -> tuple[Float[Array, "context_length context_dim"], Float[Array, " pooled_dim"]]:
         """The context tokens and pooled vector of `cond`, checked, in the parameters' dtype."""
-        dtype = self.pos_embed.dtype
+        dtype = self.pos_embed.value.dtype
         if self.vocab_size is None:
             if not isinstance(cond, dict) or set(cond) != {"context", "pooled"}:
                 raise ValueError(
@@ -1012,24 +859,22 @@ class MMDiT(eqx.Module):
             raise ValueError(f"`x` must have shape {want}, got {x.shape}.")
         if t.shape != ():
             raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
-        from .._distributed import gather_weights
-
         # On a data mesh, the weights outside the blocks whole (the blocks gather their own).
         outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
         context_in, pooled = outer._text(cond)
-        dtype = outer.pos_embed.dtype
+        dtype = outer.pos_embed.value.dtype
 
         time_in = _sd3_time_features(t).astype(dtype)
-        c = _dense(outer.time_mlp[1], jax.nn.silu(_dense(outer.time_mlp[0], time_in[None])))
-        c = c + _dense(outer.pooled_mlp[1], jax.nn.silu(_dense(outer.pooled_mlp[0], pooled[None])))
+        c = dense(outer.time_mlp[1], jax.nn.silu(dense(outer.time_mlp[0], time_in[None])))
+        c = c + dense(outer.pooled_mlp[1], jax.nn.silu(dense(outer.pooled_mlp[0], pooled[None])))
         c = c[0]
 
         # The positional features are fixed, as SD3's buffer.
-        pos = jax.lax.stop_gradient(outer.pos_embed)
-        image = _dense(outer.patch_embed, outer._patchify(x.astype(dtype))) + pos
-        context = _dense(outer.context_embed, context_in)
+        pos = jax.lax.stop_gradient(outer.pos_embed.value)
+        image = dense(outer.patch_embed, outer._patchify(x.astype(dtype))) + pos
+        context = dense(outer.context_embed, context_in)
         context, image = self._blocks(context, image, c)
 
-        scale, shift = jnp.split(_dense(outer.final_modulation, jax.nn.silu(c)[None])[0], 2)
-        out = _dense(outer.final_proj, _modulate(_layer_norm(image), shift, scale))
+        scale, shift = jnp.split(dense(outer.final_modulation, jax.nn.silu(c)[None])[0], 2)
+        out = dense(outer.final_proj, modulate(layer_norm(image), shift, scale))
         return self._unpatchify(out).astype(x.dtype)

@@ -203,7 +203,8 @@ class Trainer(eqx.Module):
 
         The trainable part holds the floating-point arrays the filter selects; everything
         else, including whatever non-array leaves (activations, static settings) the filter
-        selects, stays in the frozen part, so `eqx.combine` of the two is the whole policy.
+        selects and every array inside a `Buffer`, stays in the frozen part, so `eqx.combine`
+        of the two is the whole policy.
 
         **Arguments:**
 

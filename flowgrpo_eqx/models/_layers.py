@@ -1,0 +1,138 @@
+"""The layers the transformers share: dense maps, adaLN, patches and attention."""
+
+from typing import Any, Literal, TypeAlias, final, get_args
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._misc import check_int
+
+
+_LN_EPS = 1e-6
+
+Attention: TypeAlias = Literal["xla", "cudnn", "chunked"]
+"""How attention is computed: `"xla"`, `jax.nn.dot_product_attention`'s plain form (the
+scores materialised); `"cudnn"`, its cuDNN fused kernel (GPU only, float16/bfloat16); or
+`"chunked"`, a memory-efficient form in JAX that materialises the scores of
+`attention_chunk` queries at a time (forward and backward)."""
+
+ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
+
+
+def layer_norm(h: Float[Array, "S D"]) -> Float[Array, "S D"]:
+    """LayerNorm over the last axis, without an affine part (adaLN supplies scale and shift)."""
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+    return (h - mean) * jax.lax.rsqrt(var + _LN_EPS)
+
+
+def modulate(
+    h: Float[Array, "S D"], shift: Float[Array, " D"], scale: Float[Array, " D"]
+) -> Float[Array, "S D"]:
+    """adaLN's modulation of each token: `h * (1 + scale) + shift`."""
+    return h * (1 + scale[None, :]) + shift[None, :]
+
+
+def dense(linear: eqx.nn.Linear, h: Float[Array, "S I"]) -> Float[Array, "S O"]:
+    """Apply `linear` to each row of `h`, as one matmul with the rows as the leading axis.
+
+    (`jax.vmap(linear)` gives an `[O, S]` matmul and a transpose, which is slower on CPU.)
+    """
+    out = h @ linear.weight.T
+    if linear.bias is not None:
+        out = out + linear.bias[None, :]
+    return out
+
+
+def patchify(x: Float[Array, "H W C"], patch: int) -> Float[Array, "N P"]:
+    """Cut a channels-last square image into `patch x patch` patches, row-major, flattened."""
+    size, _, channels = x.shape
+    grid = size // patch
+    x = x.reshape(grid, patch, grid, patch, channels).transpose(0, 2, 1, 3, 4)
+    return x.reshape(grid * grid, patch * patch * channels)
+
+
+def unpatchify(
+    tokens: Float[Array, "N P"], patch: int, image_size: int, channels: int
+) -> Float[Array, "H W C"]:
+    """The inverse of `patchify`."""
+    grid = image_size // patch
+    x = tokens.reshape(grid, grid, patch, patch, channels).transpose(0, 2, 1, 3, 4)
+    return x.reshape(image_size, image_size, channels)
+
+
+def check_attention(attention: Any, attention_chunk: Any) -> None:
+    """Raise a `ValueError` naming `attention` or `attention_chunk` if invalid."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"`attention` must be one of {ATTENTIONS}, got {attention!r}.")
+    check_int("attention_chunk", attention_chunk, 1)
+
+
+@final
+class AttentionSettings(eqx.Module):
+    """How a model computes attention; it holds no array, so it adds no leaf to the model.
+
+    **Arguments:**
+
+    - `kind`: `"xla"`, `"cudnn"` or `"chunked"` (`Attention`).
+    - `chunk`: the queries per chunk of `"chunked"` attention.
+
+    **Raises:**
+
+    - `ValueError`: naming `attention` (for `kind`) or `attention_chunk` (for `chunk`), as
+        the models call them, when it is not one of its values.
+    """
+
+    kind: Attention = eqx.field(static=True)
+    chunk: int = eqx.field(static=True)
+
+    def __check_init__(self) -> None:
+        check_attention(self.kind, self.chunk)
+
+
+def attend(
+    qkv: Float[Array, "3 S heads head_dim"], settings: AttentionSettings
+) -> Float[Array, "S D"]:
+    """Multi-head attention of the queries, keys and values, heads merged back, `[S, D]`.
+
+    `settings` chooses the implementation (`Attention`); all compute the same function.
+    """
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    # jax's attention mixes a half-precision query with its float32 logits internally, which
+    # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
+    with jax.numpy_dtype_promotion("standard"):
+        if settings.kind == "chunked" and q.shape[0] > settings.chunk:
+            attended = _chunked_attention(q, k, v, settings.chunk)
+        else:
+            implementation: Literal["xla", "cudnn"] = "cudnn" if settings.kind == "cudnn" else "xla"
+            attended = jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+    return attended.reshape(attended.shape[0], -1)
+
+
+def _chunked_attention(
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "S heads head_dim"],
+    v: Float[Array, "S heads head_dim"],
+    chunk: int,
+) -> Float[Array, "S heads head_dim"]:
+    """Attention over all keys for `chunk` queries at a time, each chunk rematerialised.
+
+    Each query's softmax is over every key, as in the plain form, so the result is the
+    same function; only `[heads, chunk, S]` scores exist at once, in the forward pass and
+    (each chunk recomputed) in the backward pass. The queries are zero-padded to a multiple
+    of `chunk` and the padding's outputs dropped.
+    """
+    seq = q.shape[0]
+    pieces = -(-seq // chunk)
+    padded = jnp.pad(q, ((0, pieces * chunk - seq), (0, 0), (0, 0)))
+
+    @jax.checkpoint
+    def one(queries: Float[Array, "chunk heads head_dim"]) -> Float[Array, "chunk heads hd"]:
+        out: Float[Array, "chunk heads hd"] = jax.nn.dot_product_attention(queries, k, v)
+        return out
+
+    out = jax.lax.map(one, padded.reshape(pieces, chunk, *q.shape[1:]))
+    attended: Float[Array, "S heads head_dim"] = out.reshape(pieces * chunk, *q.shape[1:])
+    return attended[:seq]

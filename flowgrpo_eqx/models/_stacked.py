@@ -1,0 +1,296 @@
+"""How a model holds its blocks and runs them: one module per block, or stacked and scanned.
+
+A model keeps its blocks in a tuple field and an `AbstractBlockLayout` beside it. The layout
+says what the tuple holds (`UnstackedLayout`: one module per block; `StackedLayout`: one
+module per group of blocks of one structure, its arrays with a leading block axis) and runs
+the blocks in order. A layout holds no array, so the model's leaves and their tree paths
+(`.blocks[i]...`) are those of the tuple alone.
+"""
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeAlias, TypeVar, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._distributed import gather_weights
+
+
+Remat: TypeAlias = Literal["nothing", "dots"] | None
+"""Rematerialisation per block: `"nothing"` saves no activation inside a block for the
+backward pass (recomputes the block), `"dots"` saves the matmuls with weights (recomputes the
+rest, attention scores included), `None` saves whatever XLA keeps (no rematerialisation)."""
+
+REMATS: tuple[Remat, ...] = ("nothing", "dots", None)
+
+_Block = TypeVar("_Block")
+_Carry = TypeVar("_Carry")
+
+
+def check_remat(remat: Any) -> None:
+    """Raise a `ValueError` naming `remat` unless it is one of `REMATS`."""
+    if remat not in REMATS:
+        raise ValueError(f"`remat` must be one of {REMATS}, got {remat!r}.")
+
+
+def remat_policy(remat: Remat) -> Any:
+    """The `jax.checkpoint` policy of a `Remat` setting (`None` for no checkpoint)."""
+    if remat == "nothing":
+        return jax.checkpoint_policies.nothing_saveable
+    if remat == "dots":
+        # Under the library's vmap over rows a weight matmul has no batch dimension, and
+        # the attention's query-key products have one: this keeps the former only.
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return None
+
+
+def _stack_leaves(*leaves: Any) -> Any:
+    if all(isinstance(leaf, np.ndarray) for leaf in leaves):
+        return np.stack(leaves)
+    if all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+        shape = (len(leaves), *leaves[0].shape)
+        return jax.ShapeDtypeStruct(shape, leaves[0].dtype)  # type: ignore[no-untyped-call]
+    return jnp.stack(leaves)
+
+
+def _index_leaf(leaf: Any, index: int) -> Any:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)  # type: ignore[no-untyped-call]
+    return leaf[index]
+
+
+def stack_blocks(blocks: Sequence[_Block]) -> _Block:
+    """Blocks of one structure as one block whose every array has a leading block axis.
+
+    NumPy leaves stay NumPy (so a checkpoint can be stacked on the host), abstract ones
+    (`jax.ShapeDtypeStruct`) stay abstract.
+    """
+    stacked: _Block = jax.tree.map(_stack_leaves, *blocks)
+    return stacked
+
+
+def unstack_block(group: _Block) -> list[_Block]:
+    """The blocks of a stacked group, in order (the inverse of `stack_blocks`)."""
+    size = jax.tree.leaves(group)[0].shape[0]
+    return [jax.tree.map(lambda leaf, i=i: _index_leaf(leaf, i), group) for i in range(size)]
+
+
+class AbstractBlockLayout(eqx.Module):
+    """How a model holds its blocks (`hold`, `every_block`) and runs them in order (`run`).
+
+    The layout changes how the blocks are held and compiled, never what they compute.
+    """
+
+    remat: eqx.AbstractVar[Remat]
+
+    @abc.abstractmethod
+    def hold(self, blocks: Sequence[_Block]) -> tuple[_Block, ...]:
+        """The held form of the blocks, given one module per block, in order.
+
+        **Arguments:**
+
+        - `blocks`: every block, in order.
+
+        **Returns:**
+
+        What the model's block tuple holds in this layout.
+
+        **Raises:**
+
+        - `ValueError`: naming `blocks` when their number does not fit the layout.
+        """
+
+    @abc.abstractmethod
+    def every_block(self, held: Sequence[_Block]) -> tuple[_Block, ...]:
+        """One module per block, in order (the inverse of `hold`).
+
+        **Arguments:**
+
+        - `held`: the blocks as this layout holds them.
+
+        **Returns:**
+
+        Every block (slices of the stacked arrays when stacked).
+        """
+
+    @abc.abstractmethod
+    def _fold(
+        self,
+        held: Sequence[_Block],
+        step: Callable[[_Block, _Carry], _Carry],
+        carry: _Carry,
+    ) -> _Carry:
+        """`step` over the held blocks in order, threading `carry`."""
+
+    def run(
+        self,
+        held: Sequence[_Block],
+        step: Callable[[_Block, _Carry], _Carry],
+        carry: _Carry,
+    ) -> _Carry:
+        """Every block in turn, each block's weights gathered whole, rematerialised per `remat`.
+
+        Inside a step on a data mesh (`jax.set_mesh`), `gather_weights` gathers each block's
+        weights as the loop reaches it (the FSDP pattern: only weights travel, the
+        activations stay split); elsewhere it changes nothing.
+
+        **Arguments:**
+
+        - `held`: the blocks as this layout holds them.
+        - `step`: `(block, carry) -> carry`, one block applied.
+        - `carry`: the activations before the first block.
+
+        **Returns:**
+
+        The activations after the last block.
+        """
+
+        def gathered(block: _Block, carry: _Carry) -> _Carry:
+            return step(gather_weights(block), carry)
+
+        if self.remat is not None:
+            gathered = jax.checkpoint(gathered, policy=remat_policy(self.remat))
+        return self._fold(held, gathered, carry)
+
+
+@final
+class UnstackedLayout(AbstractBlockLayout):
+    """One module per block, run in a Python loop (the program grows with the depth).
+
+    **Arguments:**
+
+    - `remat`: what each block keeps for the backward pass (`Remat`).
+
+    **Raises:**
+
+    - `ValueError`: naming `remat` when it is not one of its values.
+    """
+
+    remat: Remat = eqx.field(static=True)
+
+    def __check_init__(self) -> None:
+        check_remat(self.remat)
+
+    def hold(self, blocks: Sequence[_Block]) -> tuple[_Block, ...]:
+        return tuple(blocks)
+
+    def every_block(self, held: Sequence[_Block]) -> tuple[_Block, ...]:
+        return tuple(held)
+
+    def _fold(
+        self,
+        held: Sequence[_Block],
+        step: Callable[[_Block, _Carry], _Carry],
+        carry: _Carry,
+    ) -> _Carry:
+        for block in held:
+            carry = step(block, carry)
+        return carry
+
+
+@final
+class StackedLayout(AbstractBlockLayout):
+    """One module per group of consecutive blocks of one structure, scanned with `lax.scan`.
+
+    Each group's arrays have a leading block axis, so the compiled program and its compile
+    time do not grow with the depth.
+
+    **Arguments:**
+
+    - `groups`: the `[start, stop)` block indices of each group, consecutive from 0.
+    - `remat`: what each block keeps for the backward pass (`Remat`).
+
+    **Raises:**
+
+    - `ValueError`: naming `groups` when the groups are empty or not consecutive non-empty
+        runs from 0, or `remat` when it is not one of its values.
+    """
+
+    groups: tuple[tuple[int, int], ...] = eqx.field(static=True)
+    remat: Remat = eqx.field(static=True)
+
+    def __check_init__(self) -> None:
+        check_remat(self.remat)
+        stops = [0] + [stop for _, stop in self.groups]
+        starts = [start for start, _ in self.groups]
+        if not self.groups or starts != stops[:-1] or any(a >= b for a, b in self.groups):
+            raise ValueError(
+                f"`groups` must be consecutive non-empty [start, stop) runs from 0, "
+                f"got {self.groups!r}."
+            )
+
+    def hold(self, blocks: Sequence[_Block]) -> tuple[_Block, ...]:
+        depth = self.groups[-1][1]
+        if len(blocks) != depth:
+            raise ValueError(f"`blocks` must be {depth} blocks, got {len(blocks)}.")
+        return tuple(stack_blocks(blocks[start:stop]) for start, stop in self.groups)
+
+    def every_block(self, held: Sequence[_Block]) -> tuple[_Block, ...]:
+        return tuple(block for group in held for block in unstack_block(group))
+
+    def _fold(
+        self,
+        held: Sequence[_Block],
+        step: Callable[[_Block, _Carry], _Carry],
+        carry: _Carry,
+    ) -> _Carry:
+        def body(carry: _Carry, block: _Block) -> tuple[_Carry, None]:
+            return step(block, carry), None
+
+        for group in held:
+            carry, _ = jax.lax.scan(body, carry, group)
+        return carry
+
+
+def block_layout(
+    stacked: Any, remat: Any, groups: tuple[tuple[int, int], ...]
+) -> AbstractBlockLayout:
+    """The layout of a model's `stacked` and `remat` arguments.
+
+    **Arguments:**
+
+    - `stacked`: whether the blocks are stacked per group.
+    - `remat`: what each block keeps for the backward pass (`Remat`).
+    - `groups`: the `[start, stop)` runs of blocks of one structure.
+
+    **Returns:**
+
+    A `StackedLayout` of `groups` or an `UnstackedLayout`.
+
+    **Raises:**
+
+    - `ValueError`: naming `stacked` when it is not a bool, or `remat` when it is not one of
+        its values.
+    """
+    if not isinstance(stacked, bool):
+        raise ValueError(f"`stacked` must be a bool, got {stacked!r}.")
+    if stacked:
+        return StackedLayout(groups=groups, remat=remat)
+    return UnstackedLayout(remat=remat)
+
+
+def relayout(
+    held: tuple[_Block, ...], layout: AbstractBlockLayout, new: AbstractBlockLayout
+) -> tuple[_Block, ...]:
+    """The blocks held in `layout` as `new` holds them (the same tuple when they agree).
+
+    **Arguments:**
+
+    - `held`: the blocks as `layout` holds them.
+    - `layout`: their layout.
+    - `new`: the layout wanted.
+
+    **Returns:**
+
+    The blocks in `new`'s form; restacking copies the arrays.
+    """
+    same_form = type(layout) is type(new) and (
+        not isinstance(new, StackedLayout)
+        or (isinstance(layout, StackedLayout) and layout.groups == new.groups)
+    )
+    if same_form:
+        return held
+    return new.hold(layout.every_block(held))
