@@ -1,4 +1,4 @@
-"""Fixtures for `MMDiT.from_diffusers` / `save_diffusers`, made with diffusers itself.
+"""Fixtures for `models.load_diffusers` / `save_diffusers`, made with diffusers itself.
 
 The library and its tests never import torch; this script is the one place diffusers runs,
 by hand, in a separate environment with torch and diffusers:
@@ -25,7 +25,7 @@ It has three commands.
     /tmp/venv-torch/bin/python tools/make_sd3_fixtures.py make
 
 `export OUT` (the project's environment, with JAX) loads each fixture with
-`MMDiT.from_diffusers`, adds random LoRA adapters to every layer, and writes
+`load_diffusers`, adds random LoRA adapters to every layer, and writes
 `OUT/<name>/merged` (`save_diffusers` of `lora.merge`), `OUT/<name>/lora`
 (`save_diffusers_lora`) and `OUT/<name>/expected.npz` (our velocity of the LoRA policy on
 the fixture inputs).
@@ -33,7 +33,7 @@ the fixture inputs).
 `check OUT` (torch venv) loads `OUT/<name>/merged` with `SD3Transformer2DModel.from_pretrained`
 and the base fixture plus `OUT/<name>/lora` with `StableDiffusion3Pipeline`'s LoRA loader,
 and checks, relative to the largest `|v|`: that diffusers computes with the model
-`save_diffusers(from_diffusers(fixture))` what it computes with the fixture, and with the
+`save_diffusers(load_diffusers(fixture))` what it computes with the fixture, and with the
 merged LoRA policy what it computes with the base and the exported adapters (to 1e-5); and
 that both agree with our velocity of the policy (to 1e-4, JAX against torch).
 
@@ -164,10 +164,10 @@ def export(out: pathlib.Path) -> None:
     import numpy as np
 
     from flowgrpo_eqx import lora
-    from flowgrpo_eqx.models import MMDiT, save_diffusers_lora
+    from flowgrpo_eqx.models import load_diffusers, save_diffusers, save_diffusers_lora
 
     for name in TINY:
-        model = MMDiT.from_diffusers(DATA / name, context_length=CONTEXT_LENGTH)
+        model = load_diffusers(DATA / name, context_length=CONTEXT_LENGTH)
         policy = lora.add(model, 2, key=jax.random.key(1), alpha=3.0)
         # `b` starts at zero: give every adapter a random `b` too.
         rng = np.random.default_rng(1)
@@ -179,8 +179,8 @@ def export(out: pathlib.Path) -> None:
                 for a in policy.adapters
             ],
         )
-        model.save_diffusers(out / name / "roundtrip")
-        lora.merge(policy).save_diffusers(out / name / "merged")
+        save_diffusers(out / name / "roundtrip", model)
+        save_diffusers(out / name / "merged", lora.merge(policy))
         save_diffusers_lora(out / name / "lora", policy)
         io = dict(np.load(DATA / name / "io.npz"))
         cond = {"context": io["context"], "pooled": io["pooled"]}
@@ -200,7 +200,7 @@ def check(out: pathlib.Path) -> None:
     for name in TINY:
         io = dict(np.load(DATA / name / "io.npz"))
         ours = np.load(out / name / "expected.npz")["v"]
-        # `save_diffusers(from_diffusers(fixture))` computes in diffusers what the fixture does.
+        # `save_diffusers(load_diffusers(fixture))` computes in diffusers what the fixture does.
         roundtrip = SD3Transformer2DModel.from_pretrained(out / name / "roundtrip").eval()
         merged = SD3Transformer2DModel.from_pretrained(out / name / "merged").eval()
         base = SD3Transformer2DModel.from_pretrained(DATA / name).eval()
@@ -210,7 +210,7 @@ def check(out: pathlib.Path) -> None:
         with_lora = _diffusers_velocity(base, io)
         merged_v = _diffusers_velocity(merged, io)
         checks = {
-            "diffusers: save_diffusers(from_diffusers(fixture)) vs fixture": (
+            "diffusers: save_diffusers(load_diffusers(fixture)) vs fixture": (
                 _diffusers_velocity(roundtrip, io),
                 io["v"],
             ),
