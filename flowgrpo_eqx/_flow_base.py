@@ -66,7 +66,8 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
     """An objective over a rectified-flow velocity model, in the trainer's interface.
 
     Concrete objectives hold a `GuidedFlow` (the model, process, inputs, guidance and
-    autoencoder) and supply `init` (their own variables), `loss`, and `loss_sums_over_rows`
+    autoencoder) and supply `variables_for` (their own variables, which `init` builds),
+    `loss`, and `loss_sums_over_rows`
     (whether the trainer may split a batch into microbatches); live-policy ODE sampling
     (`evaluate`) and previews are shared here.
     """
@@ -76,7 +77,6 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
     steps: eqx.AbstractVar[int]
     pretrained: eqx.AbstractVar[Model | None]
 
-    @abc.abstractmethod
     def init(
         self,
         key: PRNGKeyArray,
@@ -95,6 +95,24 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
         - `trainable`: the trainer's filter of the policy's trainable part
             (`Trainer.trainable_filter`), which copies of the policy (an old policy, a KL
             reference) hold; `None` for `default_trainable(policy)`.
+
+        **Returns:**
+
+        `variables`, or `variables_for(initial_policy(), trainable)`.
+        """
+        del key
+        if variables is not None:
+            return variables
+        return self.variables_for(self.initial_policy(), trainable)
+
+    @abc.abstractmethod
+    def variables_for(self, policy: Model, trainable: TrainableFilter | None) -> VariablesT:
+        """The objective's variables around an initial policy.
+
+        **Arguments:**
+
+        - `policy`: the initial policy.
+        - `trainable`: the filter of its trainable part (`None`: `default_trainable`).
 
         **Returns:**
 

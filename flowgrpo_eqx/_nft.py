@@ -232,17 +232,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     # ----------------------------------------------------------------------------------
     # The RL loop's interface
 
-    def init(
-        self,
-        key: PRNGKeyArray,
-        variables: NFTVariables | None = None,
-        *,
-        trainable: TrainableFilter | None = None,
-    ) -> NFTVariables:
-        del key
-        if variables is not None:
-            return variables
-        policy = self.initial_policy()
+    def variables_for(self, policy: Model, trainable: TrainableFilter | None) -> NFTVariables:
         reference = reference_part(policy, trainable) if self.kl_beta > 0 else None
         return NFTVariables(
             policy=policy, old_policy=trainable_part(policy, trainable), reference=reference

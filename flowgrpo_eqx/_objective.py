@@ -7,7 +7,7 @@ from typing import Any, Literal, TypeAlias, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PyTree
 
 from ._custom_types import (
     Aux,
@@ -448,17 +448,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     # ----------------------------------------------------------------------------------
     # The RL loop's interface
 
-    def init(
-        self,
-        key: PRNGKeyArray,
-        variables: FlowGRPOVariables | None = None,
-        *,
-        trainable: TrainableFilter | None = None,
-    ) -> FlowGRPOVariables:
-        del key
-        if variables is not None:
-            return variables
-        policy = self.initial_policy()
+    def variables_for(self, policy: Model, trainable: TrainableFilter | None) -> FlowGRPOVariables:
         reference = reference_part(policy, trainable) if self.beta > 0 else None
         return FlowGRPOVariables(policy=policy, reference=reference)
 

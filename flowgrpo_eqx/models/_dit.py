@@ -18,7 +18,7 @@ from ._mlp import (
     _zero_linear,
     sinusoidal_time_features,
 )
-from ._stacked import AbstractBlockLayout, Remat, StackedLayout, block_layout, relayout
+from ._stacked import AbstractBlockLayout, AbstractLayeredModel, Remat, block_layout
 
 
 _TIME_FEATURES = 64
@@ -123,7 +123,7 @@ def _check_sizes(**sizes: Any) -> None:
 
 
 @final
-class DiT(eqx.Module):
+class DiT(AbstractLayeredModel):
     """A small diffusion transformer velocity network `v(x, t, cond)` for channels-last images.
 
     The image is cut into `patch x patch` patches, each linearly embedded and given a learned
@@ -262,16 +262,6 @@ class DiT(eqx.Module):
         self.final_modulation = _zero_linear(width, 2 * width, key=key)
         self.final_proj = _zero_linear(width, patch_dim, key=key)
 
-    @property
-    def stacked(self) -> bool:
-        """Whether the blocks are held stacked and scanned over (`blocks` is one stacked block)."""
-        return isinstance(self.block_layout, StackedLayout)
-
-    @property
-    def remat(self) -> Remat:
-        """What each block keeps for the backward pass (`Remat`)."""
-        return self.block_layout.remat
-
     def with_settings(
         self,
         *,
@@ -293,14 +283,7 @@ class DiT(eqx.Module):
 
         - `ValueError`: naming `stacked` or `remat` when it is not one of its values.
         """
-        layout = block_layout(
-            self.stacked if stacked is None else stacked,
-            self.remat if remat == "keep" else remat,
-            ((0, self.depth),),
-        )
-        blocks = relayout(self.blocks, self.block_layout, layout)
-        new: DiT = eqx.tree_at(lambda m: (m.blocks, m.block_layout), self, (blocks, layout))
-        return new
+        return self.relaid(stacked, remat, ((0, self.depth),))
 
     def _blocks(self, h: Float[Array, "S D"], c: Float[Array, " D"]) -> Float[Array, "S D"]:
         """Every block in turn, as `block_layout` runs them."""

@@ -25,13 +25,7 @@ from ._layers import (
     unpatchify,
 )
 from ._mlp import _init_linears, _uniform_arrays, _zero_linear
-from ._stacked import (
-    AbstractBlockLayout,
-    Remat,
-    StackedLayout,
-    block_layout,
-    relayout,
-)
+from ._stacked import AbstractBlockLayout, AbstractLayeredModel, Remat, block_layout
 
 
 _TIME_FEATURES = 256
@@ -393,7 +387,7 @@ def _token_tables(
 
 
 @final
-class MMDiT(eqx.Module):
+class MMDiT(AbstractLayeredModel):
     """The multimodal diffusion transformer of SD3 and SD3.5 as a velocity network `v(x, t, cond)`.
 
     The MMDiT of Stable Diffusion 3 (Esser et al. 2024, arXiv:2403.03206) and 3.5 on one
@@ -625,16 +619,6 @@ class MMDiT(eqx.Module):
         self.final_proj = _zero_linear(width, patch_dim, key=k_final)
 
     @property
-    def stacked(self) -> bool:
-        """Whether the blocks are held stacked per group and scanned over (see `MMDiT`)."""
-        return isinstance(self.block_layout, StackedLayout)
-
-    @property
-    def remat(self) -> Remat:
-        """What each block keeps for the backward pass (`Remat`)."""
-        return self.block_layout.remat
-
-    @property
     def attention(self) -> Attention:
         """How attention is computed (`Attention`)."""
         return self.attention_settings.kind
@@ -683,21 +667,12 @@ class MMDiT(eqx.Module):
 
         - `ValueError`: naming the setting, when it is not one of its values.
         """
-        layout = block_layout(
-            self.stacked if stacked is None else stacked,
-            self.remat if remat == "keep" else remat,
-            self.block_groups,
-        )
         settings = AttentionSettings(
             self.attention if attention is None else attention,
             self.attention_chunk if attention_chunk is None else attention_chunk,
         )
-        blocks = relayout(self.blocks, self.block_layout, layout)
-        new: MMDiT = eqx.tree_at(
-            lambda m: (m.blocks, m.block_layout, m.attention_settings),
-            self,
-            (blocks, layout, settings),
-        )
+        relaid = self.relaid(stacked, remat, self.block_groups)
+        new: MMDiT = eqx.tree_at(lambda m: m.attention_settings, relaid, settings)
         return new
 
     def position_table(self, full: bool = False) -> npt.NDArray[np.float32]:

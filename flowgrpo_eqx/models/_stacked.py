@@ -28,6 +28,8 @@ REMATS: tuple[Remat, ...] = ("nothing", "dots", None)
 
 _Block = TypeVar("_Block")
 _Carry = TypeVar("_Carry")
+_Step: TypeAlias = Callable[[_Block, _Carry], _Carry]
+_Model = TypeVar("_Model", bound="AbstractLayeredModel")
 
 
 def check_remat(remat: Any) -> None:
@@ -117,12 +119,7 @@ class AbstractBlockLayout(eqx.Module):
         """
 
     @abc.abstractmethod
-    def _fold(
-        self,
-        held: Sequence[_Block],
-        step: Callable[[_Block, _Carry], _Carry],
-        carry: _Carry,
-    ) -> _Carry:
+    def _fold(self, held: Sequence[_Block], step: _Step[_Block, _Carry], carry: _Carry) -> _Carry:
         """`step` over the held blocks in order, threading `carry`."""
 
     def run(
@@ -180,12 +177,7 @@ class UnstackedLayout(AbstractBlockLayout):
     def every_block(self, held: Sequence[_Block]) -> tuple[_Block, ...]:
         return tuple(held)
 
-    def _fold(
-        self,
-        held: Sequence[_Block],
-        step: Callable[[_Block, _Carry], _Carry],
-        carry: _Carry,
-    ) -> _Carry:
+    def _fold(self, held: Sequence[_Block], step: _Step[_Block, _Carry], carry: _Carry) -> _Carry:
         for block in held:
             carry = step(block, carry)
         return carry
@@ -231,12 +223,7 @@ class StackedLayout(AbstractBlockLayout):
     def every_block(self, held: Sequence[_Block]) -> tuple[_Block, ...]:
         return tuple(block for group in held for block in unstack_block(group))
 
-    def _fold(
-        self,
-        held: Sequence[_Block],
-        step: Callable[[_Block, _Carry], _Carry],
-        carry: _Carry,
-    ) -> _Carry:
+    def _fold(self, held: Sequence[_Block], step: _Step[_Block, _Carry], carry: _Carry) -> _Carry:
         def body(carry: _Carry, block: _Block) -> tuple[_Carry, None]:
             return step(block, carry), None
 
@@ -294,3 +281,55 @@ def relayout(
     if same_form:
         return held
     return new.hold(layout.every_block(held))
+
+
+class AbstractLayeredModel(eqx.Module):
+    """A model whose blocks an `AbstractBlockLayout` holds and runs (`DiT`, `MMDiT`).
+
+    Concrete models give the two fields; the layout's settings read back through `stacked`
+    and `remat`, and `relaid` changes them.
+    """
+
+    blocks: eqx.AbstractVar[tuple[Any, ...]]
+    block_layout: eqx.AbstractVar[AbstractBlockLayout]
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the blocks are held stacked per group and scanned over."""
+        return isinstance(self.block_layout, StackedLayout)
+
+    @property
+    def remat(self) -> Remat:
+        """What each block keeps for the backward pass (`Remat`)."""
+        return self.block_layout.remat
+
+    def relaid(
+        self: _Model,
+        stacked: bool | None,
+        remat: Remat | Literal["keep"],
+        groups: tuple[tuple[int, int], ...],
+    ) -> _Model:
+        """The same model with its blocks in another layout.
+
+        **Arguments:**
+
+        - `stacked`: the block layout; `None` keeps it.
+        - `remat`: the rematerialisation policy; `"keep"` keeps it.
+        - `groups`: the `[start, stop)` runs of blocks of one structure.
+
+        **Returns:**
+
+        A new model of the same type; restacking copies the blocks' arrays.
+
+        **Raises:**
+
+        - `ValueError`: as `block_layout`.
+        """
+        layout = block_layout(
+            self.stacked if stacked is None else stacked,
+            self.remat if remat == "keep" else remat,
+            groups,
+        )
+        blocks = relayout(self.blocks, self.block_layout, layout)
+        new: _Model = eqx.tree_at(lambda m: (m.blocks, m.block_layout), self, (blocks, layout))
+        return new

@@ -3,12 +3,13 @@ from `ALGORITHMS` (the `algorithm` setting).
 
 An algorithm checks the settings that must fit it, builds the objective the trainer trains
 and the rollout that feeds it, and says whether that objective trains on a policy ratio. It
-reads the job's settings and pieces through `Settings` and `JobPieces`, which
-`config.JobConfig` and `parts.ShapesJob` satisfy (protocols, so that the configuration can
-check itself through `ALGORITHMS` without importing what imports it).
+reads the job's settings through `Settings`, a protocol that `config.JobConfig` satisfies (so
+that the configuration can check itself through `ALGORITHMS` without importing what imports
+it), and what it builds from as `JobPieces`, which `parts.ShapesJob.pieces()` hands over.
 """
 
 import abc
+import dataclasses
 from typing import Any, Protocol, final, runtime_checkable
 
 import equinox as eqx
@@ -40,7 +41,6 @@ from .settings import (
     ObjectiveSettings,
     RewardSettings,
     RolloutSettings,
-    TrainingSettings,
 )
 
 
@@ -57,26 +57,20 @@ class Settings(Protocol):
     @property
     def objective(self) -> ObjectiveSettings: ...
     @property
-    def training(self) -> TrainingSettings: ...
-    @property
     def evaluation(self) -> EvaluationSettings: ...
 
 
-@runtime_checkable
-class JobPieces(Protocol):
-    """What an algorithm builds from (`parts.ShapesJob` has it): the settings, the model,
+@final
+@dataclasses.dataclass(frozen=True)
+class JobPieces:
+    """What an algorithm builds from (`parts.ShapesJob.pieces()`): the settings, the model,
     its inputs, the guidance and the train reward."""
 
-    @property
-    def config(self) -> Settings: ...
-    @property
-    def model(self) -> Any: ...
-    @property
-    def inputs(self) -> InputSpec: ...
-    @property
-    def guidance(self) -> CFG: ...
-    @property
-    def reward(self) -> FlowReward: ...
+    config: Settings
+    model: Any
+    inputs: InputSpec
+    guidance: CFG
+    reward: FlowReward
 
 
 class AbstractAlgorithm(eqx.Module):

@@ -43,7 +43,7 @@ from ..train import (
     supervised_steps,
 )
 from ._progress import Progress
-from .algorithms import AbstractAlgorithm, flow_grpo_objective
+from .algorithms import AbstractAlgorithm, JobPieces, flow_grpo_objective
 from .config import JobConfig
 from .settings import RewardSettings, parse_reward_weights
 from .task import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
@@ -268,20 +268,24 @@ class ShapesJob:
 
     # -- RL fine-tuning ----------------------------------------------------------------
 
+    def pieces(self) -> JobPieces:
+        """What the chosen algorithm builds its objective and rollout from."""
+        return JobPieces(self.config, self.model, self.inputs, self.guidance, self.reward)
+
     def objective(self, base: Any) -> FlowGRPOObjective:
         """Flow-GRPO's objective from `base`: what `flow_grpo` trains, and what the job
         measures and previews with whatever the algorithm (`algorithms.flow_grpo_objective`)."""
-        return flow_grpo_objective(self, base, self.algorithm.old_log_probs(self.config))
+        return flow_grpo_objective(self.pieces(), base, self.algorithm.old_log_probs(self.config))
 
     def train_objective(self, base: Any) -> AbstractRLObjective[Any, Any]:
         """The objective the trainer trains: the chosen algorithm's, from `base`."""
-        return self.algorithm.objective(self, base)
+        return self.algorithm.objective(self.pieces(), base)
 
     def rollout(
         self, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None = None
     ) -> FlowRollout:
         """The chosen algorithm's rollout of `objective`'s guided flow."""
-        return self.algorithm.rollout(self, objective, mesh)
+        return self.algorithm.rollout(self.pieces(), objective, mesh)
 
     def updates(self) -> int:
         """How many optimizer updates the Flow-GRPO run makes (epochs x inner epochs x

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from .. import OldLogProbs, ParamSharding, Precision, RewardCombination, check_int, check_number
 from .task import NUM_TRAIN_PROMPTS
@@ -95,6 +95,24 @@ def _check_setting(name: str, annotation: Any, value: Any, bounds: dict[str, Any
         raise ValueError(f"Setting {str(error).replace('None or ', 'none or ')}") from None
 
 
+_Section = TypeVar("_Section")
+
+
+@typing.dataclass_transform(frozen_default=True)
+def _section(cls: type[_Section]) -> type[_Section]:
+    """`cls` as a frozen dataclass whose fields are checked against their types and bounds
+    when it is made (`_check_fields`), before its own `__post_init__`, if it has one."""
+    own_check = cls.__dict__.get("__post_init__")
+
+    def post_init(self: Any) -> None:
+        _check_fields(self)
+        if own_check is not None:
+            own_check(self)
+
+    setattr(cls, "__post_init__", post_init)  # noqa: B010
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
 def _check_fields(section: Any) -> None:
     """Check every field of a section against its declared type and bounds.
 
@@ -108,7 +126,7 @@ def _check_fields(section: Any) -> None:
         _check_setting(field.name, hints[field.name], value, field.metadata["bounds"])
 
 
-@dataclasses.dataclass(frozen=True)
+@_section
 class ModelSettings:
     """The DiT that is pretrained and fine-tuned, its LoRA adapters and its precision.
 
@@ -141,7 +159,6 @@ class ModelSettings:
     )
 
     def __post_init__(self) -> None:
-        _check_fields(self)
         if self.lora_alpha is not None and self.lora_rank == 0:
             raise ValueError(
                 "Setting `lora_alpha` needs `lora_rank` >= 1 (0 is full fine-tuning), got "
@@ -154,13 +171,11 @@ class ModelSettings:
         return float(2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha)
 
 
-@dataclasses.dataclass(frozen=True)
+@_section
 class PretrainingSettings:
     """The base model's flow-matching pretraining.
 
-    **Raises:**
-
-    - `ValueError`: naming the setting, for a bad value.
+    A bad value raises a `ValueError` naming the setting (`_section`).
     """
 
     pretrain_steps: int = _setting(10000, "flow-matching steps of the base model", minimum=0)
@@ -181,11 +196,8 @@ class PretrainingSettings:
         minimum=0,
     )
 
-    def __post_init__(self) -> None:
-        _check_fields(self)
 
-
-@dataclasses.dataclass(frozen=True)
+@_section
 class RolloutSettings:
     """What one epoch's rollout samples: its prompts and groups, its time grid, which
     transitions are stochastic and recorded, and the guidance.
@@ -229,7 +241,6 @@ class RolloutSettings:
     )
 
     def __post_init__(self) -> None:
-        _check_fields(self)
         transitions = self.rollout_steps - 1
         for name in ("train_steps", "sde_steps"):
             value = getattr(self, name)
@@ -252,7 +263,7 @@ class RolloutSettings:
         return min(self.prompts_per_epoch, NUM_TRAIN_PROMPTS) * self.groups
 
 
-@dataclasses.dataclass(frozen=True)
+@_section
 class RewardSettings:
     """What scores a rollout's samples: one built-in reward, a weighted sum of them, the
     user's own, or a reward server.
@@ -294,7 +305,6 @@ class RewardSettings:
     )
 
     def __post_init__(self) -> None:
-        _check_fields(self)
         self._check_choice()
         if self.reward_url is not None and not self.reward_url.startswith(("http://", "https://")):
             raise ValueError(
@@ -326,7 +336,7 @@ class RewardSettings:
             raise ValueError("Settings `custom_reward` and `reward_url` exclude each other.")
 
 
-@dataclasses.dataclass(frozen=True)
+@_section
 class ObjectiveSettings:
     """Which RL algorithm fine-tunes the base model, and the settings of each one's objective
     (all kept, whichever is chosen; `algorithms.ALGORITHMS[algorithm]` checks those that
@@ -380,11 +390,8 @@ class ObjectiveSettings:
         "bfloat16, rollout in float32)",
     )
 
-    def __post_init__(self) -> None:
-        _check_fields(self)
 
-
-@dataclasses.dataclass(frozen=True)
+@_section
 class TrainingSettings:
     """The optimisation: epochs, updates per rollout, the optimizer, the EMA, how parameters
     lie on the devices, and the run's seed.
@@ -429,17 +436,12 @@ class TrainingSettings:
         minimum=0,
     )
 
-    def __post_init__(self) -> None:
-        _check_fields(self)
 
-
-@dataclasses.dataclass(frozen=True)
+@_section
 class EvaluationSettings:
     """The held-out measure and the preview pictures.
 
-    **Raises:**
-
-    - `ValueError`: naming the setting, for a bad value.
+    A bad value raises a `ValueError` naming the setting (`_section`).
     """
 
     eval_steps: int = _setting(21, "ODE steps of held-out evaluation", minimum=2)
@@ -456,17 +458,12 @@ class EvaluationSettings:
         minimum=0,
     )
 
-    def __post_init__(self) -> None:
-        _check_fields(self)
 
-
-@dataclasses.dataclass(frozen=True)
+@_section
 class LoggingSettings:
     """What a run keeps: checkpoints and metrics writers.
 
-    **Raises:**
-
-    - `ValueError`: naming the setting, for a bad value.
+    A bad value raises a `ValueError` naming the setting (`_section`).
     """
 
     checkpoint_every: int = _setting(10, "epochs between checkpoints", minimum=1)
@@ -474,9 +471,6 @@ class LoggingSettings:
     log: tuple[LogName, ...] = _setting(
         (), "metrics writers besides metrics.jsonl: tensorboard, wandb (comma-separated)"
     )
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
 
 
 def parse_reward_weights(text: str) -> dict[RewardName, float]:

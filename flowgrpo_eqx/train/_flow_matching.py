@@ -5,7 +5,7 @@ from typing import Any, Literal, TypeAlias, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, PyTree
 
 from .._custom_types import Mean, Model, Step
 from .._flow_base import AbstractFlowObjective, PolicyVariables
@@ -104,17 +104,9 @@ class FlowMatchingObjective(AbstractFlowObjective[PolicyVariables]):
         if self.cond_dropout > 0 and not self.flow.inputs.has_null:
             raise ValueError("`cond_dropout` > 0 needs a null condition: pass InputSpec(null=...).")
 
-    def init(
-        self,
-        key: PRNGKeyArray,
-        variables: PolicyVariables | None = None,
-        *,
-        trainable: TrainableFilter | None = None,
-    ) -> PolicyVariables:
-        del key, trainable
-        if variables is not None:
-            return variables
-        return PolicyVariables(policy=self.initial_policy())
+    def variables_for(self, policy: Model, trainable: TrainableFilter | None) -> PolicyVariables:
+        del trainable
+        return PolicyVariables(policy=policy)
 
     def sample_times(self, key: Array, count: int) -> Float[Array, " B"]:
         """Training times in (0, 1), drawn as `time_sampling` says.
