@@ -19,26 +19,28 @@ DIM, COND = 4, 3
 
 
 class BfloatProbe(eqx.Module):
-    """v = W x + U c, refusing (at trace time) to run in anything but bfloat16."""
+    """v = W x + U c, refusing (at trace time) to run in anything but `dtype` (bfloat16)."""
 
     weight: jax.Array
     cond_weight: jax.Array
+    dtype: str = eqx.field(static=True, default="bfloat16")
 
-    def __init__(self, key):
+    def __init__(self, key, dtype="bfloat16"):
         k1, k2 = jax.random.split(key)
         self.weight = 0.3 * jax.random.normal(k1, (DIM, DIM))
         self.cond_weight = jax.random.normal(k2, (DIM, COND))
+        self.dtype = dtype
 
     def __call__(self, x, t, cond):
         for name, value in (("weight", self.weight), ("x", x), ("t", t), ("cond", cond)):
-            if value.dtype != jnp.bfloat16:
+            if value.dtype != jnp.dtype(self.dtype):
                 raise AssertionError(f"{name} reached the model as {value.dtype}")
         return self.weight @ x + self.cond_weight @ cond + t
 
 
 def objective(precision, old_log_probs="rollout"):
     return fg.FlowGRPOObjective(
-        BfloatProbe(jax.random.key(0)),
+        BfloatProbe(jax.random.key(0), "bfloat16" if precision == "bfloat16" else "float32"),
         fg.RectifiedFlow(shift=3.0),
         fg.InputSpec(latent_shape=(DIM,)),
         sde=fg.FlowSDE(0.7),
@@ -99,10 +101,11 @@ def test_unknown_precision_is_named():
         objective("float16")
 
 
-def test_old_log_probs_from_the_update_program_make_the_first_ratio_exactly_one():
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_old_log_probs_from_the_update_program_make_the_first_ratio_exactly_one(precision):
     # make_batch's old log densities are random: only a recomputation makes the ratio 1.
     batch = make_batch(seed=4, n=6)
-    flow = objective("bfloat16", old_log_probs="update")
+    flow = objective(precision, old_log_probs="update")
     variables = flow.init(jax.random.key(1))
     trainer = Trainer(flow)
     state = trainer.init(jax.random.key(0), variables)
