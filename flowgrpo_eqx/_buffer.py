@@ -7,6 +7,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, PyTree
 
+from ._misc import present_mask
+
 
 @final
 class Buffer(eqx.Module):
@@ -28,15 +30,6 @@ def _is_buffer(node: Any) -> bool:
     return isinstance(node, Buffer)
 
 
-def _resolve(spec: Any, subtree: Any) -> Any:
-    """Equinox's reading of one filter-spec leaf: a bool, or a callable applied to each leaf."""
-    if isinstance(spec, bool):
-        return jax.tree.map(lambda _: spec, subtree)
-    if callable(spec):
-        return jax.tree.map(spec, subtree)
-    raise ValueError(f"`filter_spec` leaves must be bools or callables, got {spec!r}.")
-
-
 def freeze_buffers(
     filter_spec: Callable[[Any], bool] | PyTree[Any], tree: PyTree[Any]
 ) -> PyTree[bool]:
@@ -55,15 +48,13 @@ def freeze_buffers(
     **Raises:**
 
     - `ValueError`: naming `filter_spec` when one of its leaves is neither a bool nor a
-        callable.
+        callable (Equinox's reading of the spec).
     """
-    selected = jax.tree.map(_resolve, filter_spec, tree)
+    selected = present_mask(eqx.filter(tree, filter_spec))
     in_buffer = jax.tree.map(
         lambda node: jax.tree.map(lambda _: True, node) if _is_buffer(node) else False,
         tree,
         is_leaf=_is_buffer,
     )
-    mask: PyTree[bool] = jax.tree.map(
-        lambda keep, frozen: bool(keep) and not frozen, selected, in_buffer
-    )
+    mask: PyTree[bool] = jax.tree.map(lambda keep, frozen: keep and not frozen, selected, in_buffer)
     return mask

@@ -224,6 +224,20 @@ def stop_gradient_arrays(tree: PyTree[Any]) -> PyTree[Any]:
     return eqx.combine(jax.lax.stop_gradient(dynamic), static)
 
 
+def present_mask(tree: PyTree[Any]) -> PyTree[bool]:
+    """Where a filtered tree (`eqx.filter`, `eqx.partition`) has a leaf.
+
+    **Arguments:**
+
+    - `tree`: a tree with `None` in the places a filter left out.
+
+    **Returns:**
+
+    A tree of bools of the unfiltered structure: `True` at a leaf, `False` at a `None`.
+    """
+    return jax.tree.map(lambda leaf: leaf is not None, tree, is_leaf=lambda x: x is None)
+
+
 def zero_rows_unless(rows: Bool[Array, " N"], leaf: Array) -> Array:
     """A float leaf with its rows outside `rows` zeroed; other leaves as they are.
 

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import Any, TypeAlias, TypeVar
 
 import equinox as eqx
-import jax
 from jaxtyping import PyTree
 
 from . import lora
 from ._buffer import freeze_buffers
+from ._misc import present_mask
 
 
 _Model = TypeVar("_Model")
@@ -114,8 +114,7 @@ def part_like(policy: Any, part: PyTree[Any]) -> PyTree[Any]:
 
     A part shaped like `part`, holding `policy`'s arrays.
     """
-    mask = jax.tree.map(lambda leaf: leaf is not None, part, is_leaf=lambda leaf: leaf is None)
-    return eqx.filter(policy, mask)
+    return eqx.filter(policy, present_mask(part))
 
 
 def reference_part(policy: Any, trainable: TrainableFilter | None = None) -> PyTree[Any]:
