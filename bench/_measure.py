@@ -92,13 +92,12 @@ def _scheduled(setup: Setup, schedule: fg.AbstractWindowSchedule) -> tuple[Any, 
     free = fg.FlowSDE(sde.noise_level, window=None, kl_weighting=sde.kl_weighting)
     objective = eqx.tree_at(lambda o: o.sde, setup.objective, free)
     scheduled = fg.FlowRollout(
-        objective.flow,
-        free,
+        objective,
         rollout.reward,
         groups=rollout.groups,
         steps=rollout.steps,
+        sampler=fg.SDESampler(free, window_schedule=schedule),
         advantage_std=rollout.advantage_std,
-        window_schedule=schedule,
         mesh=rollout.mesh,
     )
     return scheduled, setup.make_trainer(objective)

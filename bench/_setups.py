@@ -87,9 +87,7 @@ def mlp_setup(quick: bool) -> Setup:
         return Trainer(objective, optimizer)
 
     objective = make_objective(None)
-    rollout = fg.FlowRollout(
-        objective.flow, objective.sde, TargetReward(), groups=groups, steps=steps
-    )
+    rollout = fg.FlowRollout(objective, TargetReward(), groups=groups, steps=steps)
 
     def rows(epoch: int) -> npt.NDArray[np.float32]:
         rng = np.random.default_rng([0, epoch])

@@ -18,6 +18,7 @@ from ._custom_types import (
     FinalSamples as FinalSamples,
     Mean as Mean,
     PerRow as PerRow,
+    RolloutInfo as RolloutInfo,
     Step as Step,
     StepRatios as StepRatios,
     Transitions as Transitions,
@@ -84,7 +85,13 @@ from ._reward import (
     load_reward as load_reward,
 )
 from ._rl import AbstractRLObjective as AbstractRLObjective, Rescore as Rescore
-from ._rollout import FlowRollout as FlowRollout, RolloutInfo as RolloutInfo
+from ._rollout import FlowRollout as FlowRollout
+from ._sampling import (
+    AbstractSampler as AbstractSampler,
+    Generated as Generated,
+    ODESampler as ODESampler,
+    SDESampler as SDESampler,
+)
 from ._sde import (
     AbstractSDE as AbstractSDE,
     CoefficientsPreservingSDE as CoefficientsPreservingSDE,

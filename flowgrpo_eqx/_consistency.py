@@ -382,18 +382,14 @@ def check_consistency(
 
     **Raises:**
 
-    - `ValueError`: if `objective` is not a `FlowGRPOObjective` or `rollout` not a
-        `FlowRollout`.
+    - `ValueError`: if `objective` is not a `FlowGRPOObjective`, `rollout` not a
+        `FlowRollout`, or the rollout's sampler not an `SDESampler` of the objective's `sde`.
     """
     if not isinstance(objective, FlowGRPOObjective):
         raise ValueError(f"`objective` must be a FlowGRPOObjective, got {objective!r}.")
     if not isinstance(rollout, FlowRollout):
         raise ValueError(f"`rollout` must be a FlowRollout, got {rollout!r}.")
-    if not rollout.records_transitions:
-        raise ValueError(
-            "`rollout` must sample with an SDE (the check rescores recorded transitions), got "
-            f"the ODE sampler {rollout.sampler!r}."
-        )
+    objective.rollout_sampler(rollout.sampler)
     limits = ConsistencyThresholds() if thresholds is None else thresholds
     trainer = Trainer(objective) if trainer is None else trainer
     collect_key, init_key, step_key = jax.random.split(key, 3)

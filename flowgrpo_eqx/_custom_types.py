@@ -8,6 +8,8 @@ from typing import Any, TypeAlias, final
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ._misc import check_leading_rows
@@ -154,7 +156,7 @@ class Transitions(eqx.Module):
     - `advantages`: `[N]` (broadcast over K) or `[N, K]`.
     - `cond`: the conditioning, a PyTree whose leaves have a leading `N` axis.
     - `old_means`: `[N, K, *latent]`, the mean of each transition's Gaussian under the policy
-        that sampled it (`FlowRollout(record_means=True)`), or `None` (the default). The
+        that sampled it (`SDESampler(record_means=True)`), or `None` (the default). The
         released GRPO-Guard (`GRPOGuard`) adds back the drift `|mu_theta - mu_old|^2 / (2 S^2)`
         and needs them.
 
@@ -312,6 +314,38 @@ def check_transitions(batch: Transitions) -> None:
     check_leading_rows("Transitions", "cond", batch.cond, n)
 
 
+@final
+class RolloutInfo(eqx.Module):
+    """Host-side diagnostics of one `collect`.
+
+    **Arguments:**
+
+    - `rewards`: `[N]` float64 rewards, exactly as the reward returned them.
+    - `reward_mean`: the float32 mean reward (a diagnostic).
+    - `zero_std_fraction`: the fraction of groups whose rewards are all equal.
+    - `mean_group_std`: the mean over groups of the population reward std.
+    - `samples`: `[N, *sample]` the decoded samples (device array).
+    - `final`: `[N, *latent]` the final latents at t = 0 that `samples` decode (device
+        array): what DiffusionNFT trains on.
+    - `seconds`: wall time of `generation` (device work) and `reward` (host transfer,
+        reward, float64 statistics, transport between processes).
+    - `reward_calls_here`: how many times this process called the reward (1 on process 0,
+        0 elsewhere).
+    - `window_start`: the first recorded transition (a window schedule's position; 0
+        without one).
+    """
+
+    rewards: npt.NDArray[np.float64]
+    reward_mean: np.float32
+    zero_std_fraction: float
+    mean_group_std: float
+    samples: Float[Array, " N *sample"]
+    final: Float[Array, " N *latent"]
+    seconds: dict[str, float]
+    reward_calls_here: int
+    window_start: int
+
+
 __all__ = [
     "Array",
     "Aux",
@@ -324,6 +358,7 @@ __all__ = [
     "Model",
     "PRNGKeyArray",
     "PyTree",
+    "RolloutInfo",
     "RealScalarLike",
     "Scalar",
     "ScalarLike",

@@ -150,6 +150,14 @@ def shard_batch(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
     return jax.tree.map(place, tree)
 
 
+def place_rows(tree: PyTree[Any], mesh: Mesh | None) -> PyTree[Any]:
+    """Host arrays with a leading row axis on the device(s): `shard_batch` over `mesh`, or
+    on the default device when `mesh` is `None`."""
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, tree)
+    return shard_batch(tree, mesh)
+
+
 def replicate(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
     """Global arrays fully replicated over the mesh (parameters, optimizer state, keys).
 

@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._custom_types import FinalSamples, Mean, Model, Step, Transitions
+from ._custom_types import FinalSamples, Mean, Model, RolloutInfo, Step, Transitions
 from ._flow_base import AbstractVariables
 from ._guided_flow import GuidedFlow, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, InputSpec
 from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
 from ._process import AbstractProcess
 from ._rl import AbstractRLObjective
-from ._rollout import RolloutInfo
+from ._sampling import AbstractSampler, ODESampler
 from ._solver import AbstractSolver, Euler
 from ._trainable import (
     TrainableFilter,
@@ -237,6 +237,11 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         return NFTVariables(
             policy=policy, old_policy=trainable_part(policy, trainable), reference=reference
         )
+
+    def rollout_sampler(self, requested: AbstractSampler | None) -> AbstractSampler:
+        """`ODESampler(sampler)` by default (the objective's solver); any requested sampler
+        otherwise: DiffusionNFT trains on final samples, whatever drew them."""
+        return ODESampler(self.sampler) if requested is None else requested
 
     def sampling_policy(self, variables: NFTVariables) -> Model:
         return self.old_policy(variables)

@@ -16,6 +16,7 @@ from ._custom_types import (
     Model,
     PerRow,
     PerTransition,
+    RolloutInfo,
     Step,
     StepRatios,
     TransitionMask,
@@ -28,7 +29,7 @@ from ._inputs import CFG, AbstractAutoEncoder, InputSpec
 from ._misc import check_int, check_number, stop_gradient_arrays, tile_rows, zero_rows_unless
 from ._process import AbstractProcess
 from ._rl import AbstractRLObjective, Rescore
-from ._rollout import RolloutInfo
+from ._sampling import AbstractSampler, SDESampler
 from ._sde import AbstractSDE, FlowSDE
 from ._solver import AbstractSolver, Euler
 from ._trainable import TrainableFilter, reference_part, reference_policy
@@ -158,7 +159,7 @@ class GRPOGuard(AbstractGRPOGuard):
     `GRPOGuard()`; the released code (the batch-global drift of flow_grpo issue #244),
     `GRPOGuard(drift="batch")`; per-sample `S` without reweighting (as a widely used
     third-party trainer), `GRPOGuard(scale="sample", reweight=False)`. All need the rollout's
-    means: `FlowRollout(record_means=True)`.
+    means: `SDESampler(record_means=True)`.
 
     **Arguments:**
 
@@ -452,6 +453,26 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         reference = reference_part(policy, trainable) if self.beta > 0 else None
         return FlowGRPOVariables(policy=policy, reference=reference)
 
+    def rollout_sampler(self, requested: AbstractSampler | None) -> SDESampler:
+        """`SDESampler(sde)` by default; a requested sampler only if it samples this `sde`.
+
+        Flow-GRPO rescores recorded transitions with its own `sde`: a rollout that sampled
+        another one (or an ODE) would give log densities the loss cannot reproduce.
+
+        **Raises:**
+
+        - `ValueError`: naming `sampler`, for anything but an `SDESampler` whose `sde`
+            equals the objective's.
+        """
+        if requested is None:
+            return SDESampler(self.sde)
+        if not isinstance(requested, SDESampler) or not eqx.tree_equal(requested.sde, self.sde):
+            raise ValueError(
+                "`sampler` must be an SDESampler of the Flow-GRPO objective's own `sde` "
+                f"({self.sde!r}): the objective rescores what it recorded, got {requested!r}."
+            )
+        return requested
+
     def sampling_policy(self, variables: FlowGRPOVariables) -> Model:
         return variables.policy
 
@@ -478,8 +499,8 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         del info
         if not isinstance(collected, Transitions):
             raise ValueError(
-                "Flow-GRPO trains on recorded transitions: give the FlowRollout an SDE "
-                f"`sampler`, not an ODE solver (it collected {type(collected).__name__})."
+                "Flow-GRPO trains on recorded transitions: collect with an SDESampler of the "
+                f"objective's `sde` (it collected {type(collected).__name__})."
             )
         if self.old_log_probs == "update":
             return Rescore(collected, fill=self.with_rescored_rows)
@@ -670,7 +691,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         if needs_means and batch.old_means is None:
             raise ValueError(
                 f"`guard`={self.guard!r} adds back the drift from the rollout's means, but "
-                "`batch.old_means` is None: build the FlowRollout with `record_means=True`."
+                "`batch.old_means` is None: sample with `SDESampler(record_means=True)`."
             )
         kept = self.kept(batch)
         inputs = _kept_inputs(batch, kept, needs_means)

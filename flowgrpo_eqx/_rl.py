@@ -7,9 +7,9 @@ from typing import Any, Generic, TypeVar, final
 import equinox as eqx
 from jaxtyping import Array, Int
 
-from ._custom_types import FinalSamples, Model, Transitions
+from ._custom_types import FinalSamples, Model, RolloutInfo, Transitions
 from ._flow_base import AbstractFlowObjective, VariablesT
-from ._rollout import RolloutInfo
+from ._sampling import AbstractSampler
 
 
 BatchT = TypeVar("BatchT")
@@ -39,14 +39,33 @@ class Rescore(eqx.Module, Generic[BatchT]):
 class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT, BatchT]):
     """An online RL objective: it samples, turns what it sampled into a batch, and trains.
 
-    The epoch loop (`flowgrpo_eqx.train.rl_epoch`) asks each objective the same four
-    questions besides its `init` and `loss`, and knows nothing else about it: which policy
-    the rollout samples with (`sampling_policy`), how a rollout becomes the training batch
+    The rollout and the epoch loop (`flowgrpo_eqx.train.rl_epoch`) ask each objective the
+    same five questions besides its `init` and `loss`, and know nothing else about it: which
+    sampler its rollout may use (`rollout_sampler`), which policy the rollout samples with
+    (`sampling_policy`), how a rollout becomes the training batch
     (`training_batch`, which may ask the trainer to `Rescore` it), what changes in the
     variables once the epoch's updates are done (`end_epoch`), and which statistics of the
     batch the epoch reports (`batch_metrics`). `FlowGRPOObjective` (with or without
     GRPO-Guard) and `DiffusionNFTObjective` implement it.
     """
+
+    @abc.abstractmethod
+    def rollout_sampler(self, requested: AbstractSampler | None) -> AbstractSampler:
+        """The sampler a `FlowRollout` of this objective uses.
+
+        **Arguments:**
+
+        - `requested`: the rollout's `sampler` argument, or `None` for the objective's own.
+
+        **Returns:**
+
+        `requested`, or the objective's default sampler when it is `None`.
+
+        **Raises:**
+
+        - `ValueError`: naming `sampler`, if the objective cannot train on what `requested`
+            records (for Flow-GRPO, anything but an `SDESampler` of its own `sde`).
+        """
 
     @abc.abstractmethod
     def sampling_policy(self, variables: VariablesT) -> Model:
@@ -69,8 +88,8 @@ class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT,
 
         **Arguments:**
 
-        - `collected`: what `collect` returned: `Transitions` when the rollout's sampler is
-            an SDE, `FinalSamples` when it is an ODE solver.
+        - `collected`: what `collect` returned: `Transitions` from an `SDESampler`,
+            `FinalSamples` from an `ODESampler`.
         - `info`: the `RolloutInfo` that came with it.
 
         **Returns:**

@@ -95,7 +95,7 @@ def user_setup(
         guidance=fg.CFG(2.0),
         steps=4,
     )
-    rollout = fg.FlowRollout(objective.flow, objective.sde, reward, groups=4, steps=4)
+    rollout = fg.FlowRollout(objective, reward, groups=4, steps=4)
     rows = np.random.default_rng(0).normal(size=(PROMPTS, COND_DIM)).astype(np.float32)
     return objective, rollout, objective.init(jax.random.key(0)), rows
 

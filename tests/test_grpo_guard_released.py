@@ -169,7 +169,7 @@ def test_a_released_guard_without_old_means_is_refused_by_name():
     )
     message = (
         "`guard`=GRPOGuard() adds back the drift from the rollout's means, but "
-        "`batch.old_means` is None: build the FlowRollout with `record_means=True`."
+        "`batch.old_means` is None: sample with `SDESampler(record_means=True)`."
     )
     with pytest.raises(ValueError, match=exact_message(message)):
         objective.loss(variables, batch, STEP)
@@ -182,7 +182,8 @@ def test_the_rollout_records_the_means_that_score_its_log_probs():
     def reward(samples, rows):
         return np.asarray(samples, np.float64).sum(axis=1)
 
-    rollout = fg.FlowRollout(flow, objective.sde, reward, groups=2, steps=5, record_means=True)
+    sampler = fg.SDESampler(objective.sde, record_means=True)
+    rollout = fg.FlowRollout(objective, reward, groups=2, steps=5, sampler=sampler)
     rows = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3)).astype(np.float32))
     batch, _ = rollout.collect(objective.init(jax.random.key(0)).policy, rows, jax.random.key(1))
     assert batch.old_means is not None and batch.old_means.shape == batch.latents.shape

@@ -78,7 +78,7 @@ def test_first_update_of_a_lora_run_has_ratio_one_and_kl_zero():
     state = trainer.init(jax.random.key(0))
     assert jax.tree.leaves(state.variables.reference) == []
     assert len(jax.tree.leaves(state.ema)) == 2 * len(policy.adapters)
-    rollout = fg.FlowRollout(objective.flow, objective.sde, brightness, groups=4, steps=5)
+    rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
     batch, _ = rollout.collect(state.variables.policy, ROWS, jax.random.key(1))
     state, metrics = trainer.update(state, batch)
     assert float(metrics["counted"]) > 0
@@ -112,7 +112,7 @@ def test_trainer_trains_adapters_only_and_base_stays_bit_identical():
     adapter_shapes = sorted(x.shape for x in arrays(policy.adapters))
     state_shapes = sorted(x.shape for x in arrays(state.opt_state) if x.ndim > 0)
     assert state_shapes == sorted(adapter_shapes * 2)
-    rollout = fg.FlowRollout(objective.flow, objective.sde, brightness, groups=4, steps=5)
+    rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
     for epoch in range(2):
         state, metrics, _ = rl_epoch(
             trainer,

@@ -215,7 +215,7 @@ def test_small_mmdit_trains_in_the_flow_grpo_loop() -> None:
     )
     _, _, cond = _inputs(model, 2, 8)
     rows = {**cond, "prompt_id": np.arange(2)}
-    rollout = fg.FlowRollout(objective.flow, objective.sde, brightness, groups=2, steps=3)
+    rollout = fg.FlowRollout(objective, brightness, groups=2, steps=3)
     trainer = Trainer(objective, default_optimizer(1e-2, 0.0))
     state = trainer.init(jax.random.key(1))
     before = _float_leaves(state.variables.policy)

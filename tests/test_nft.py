@@ -312,13 +312,13 @@ def test_the_tiny_preset_trains_with_nft_through_the_command_line(tmp_path):
 def test_one_epoch_function_trains_nft_from_an_ode_rollout_that_records_no_transitions():
     objective = make_objective(old_decay=0.5)
     rollout = fg.FlowRollout(
-        objective.flow,
-        fg.Heun(),
+        objective,
         lambda samples, rows: samples.reshape(len(samples), -1).mean(axis=1).astype(np.float64),
         groups=3,
         steps=4,
+        sampler=fg.ODESampler(fg.Heun()),
     )
-    assert not rollout.records_transitions
+    assert rollout.recorded_transitions == 0
     trainer = Trainer(objective, optax.sgd(0.1))
     state = trainer.init(jax.random.key(0))
     old_before = np.array(state.variables.old_policy.weight)

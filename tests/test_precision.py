@@ -151,7 +151,7 @@ def bfloat16_epoch(old_log_probs):
         old_log_probs=old_log_probs,
     )
 
-    rollout = fg.FlowRollout(flow.flow, flow.sde, brightness, groups=4, steps=5)
+    rollout = fg.FlowRollout(flow, brightness, groups=4, steps=5)
     trainer = Trainer(flow)
     state = trainer.init(jax.random.key(1))
     rows = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)

@@ -57,12 +57,11 @@ def make_rollout(
         steps=4,
     )
     return fg.FlowRollout(
-        objective.flow,
-        objective.sde,
+        objective,
         reward,
         groups=groups,
         steps=steps,
-        train_steps=train_steps,
+        sampler=fg.SDESampler(objective.sde, train_steps=train_steps),
         shared_noise=shared_noise,
     )
 
@@ -101,16 +100,8 @@ def test_batch_shapes_grid_and_chaining(train_steps):
 
 
 def objective_of(rollout):
-    """The Flow-GRPO objective that rescores what `rollout` samples (its flow and SDE)."""
-    flow = rollout.flow
-    return fg.FlowGRPOObjective(
-        flow.model,
-        flow.process,
-        flow.inputs,
-        sde=rollout.sampler,
-        guidance=flow.guidance,
-        steps=4,
-    )
+    """The Flow-GRPO objective that rescores what `rollout` samples."""
+    return rollout.objective
 
 
 def test_groups_are_contiguous_and_not_merged():
@@ -191,17 +182,18 @@ def test_recorded_range_without_noise_rejected():
 def test_bad_rollout_settings_named(kwargs, name):
     objective = objective_of(make_rollout(CountingReward()))
     with pytest.raises(ValueError, match=name):
-        fg.FlowRollout(objective.flow, objective.sde, CountingReward(), **kwargs)
+        fg.FlowRollout(objective, CountingReward(), **kwargs)
 
 
 def test_shared_noise_with_an_ode_sampler_is_refused():
     # A deterministic sampler from one start per group draws one sample per group: every
     # advantage would be 0 and nothing would be learned.
-    objective = objective_of(make_rollout(CountingReward()))
+    rollout = make_rollout(CountingReward())
+    nft, ode = nft_of(rollout), fg.ODESampler(fg.Heun())
     with pytest.raises(ValueError, match="shared_noise"):
-        fg.FlowRollout(objective.flow, fg.Heun(), CountingReward(), groups=4, shared_noise=True)
-    fg.FlowRollout(objective.flow, fg.Heun(), CountingReward(), groups=4)
-    fg.FlowRollout(objective.flow, objective.sde, CountingReward(), groups=4, shared_noise=True)
+        fg.FlowRollout(nft, CountingReward(), groups=4, sampler=ode, shared_noise=True)
+    fg.FlowRollout(nft, CountingReward(), groups=4, sampler=ode)
+    fg.FlowRollout(objective_of(rollout), CountingReward(), groups=4, shared_noise=True)
 
 
 @pytest.mark.parametrize(
@@ -340,12 +332,7 @@ def test_rewards_normalised_one_by_one_before_the_weighted_sum():
 def test_per_reward_normalisation_needs_a_weighted_reward():
     with pytest.raises(ValueError, match="reward_combination"):
         rollout = make_rollout(CountingReward())
-        fg.FlowRollout(
-            rollout.flow,
-            rollout.sampler,
-            CountingReward(),
-            reward_combination="normalize_each",
-        )
+        fg.FlowRollout(objective_of(rollout), CountingReward(), reward_combination="normalize_each")
 
 
 def nft_of(rollout):
@@ -374,8 +361,14 @@ def test_info_keeps_the_final_latents_that_nft_trains_on():
 
 def test_an_ode_sampler_records_only_the_final_samples():
     rollout = make_rollout(CountingReward(), train_steps=None)
-    ode = fg.FlowRollout(rollout.flow, fg.Euler(), CountingReward(), groups=2, steps=rollout.steps)
-    assert not ode.records_transitions and ode.recorded_transitions == 0
+    ode = fg.FlowRollout(
+        nft_of(rollout),
+        CountingReward(),
+        groups=2,
+        steps=rollout.steps,
+        sampler=fg.ODESampler(fg.Euler()),
+    )
+    assert ode.recorded_transitions == 0
     key = jax.random.key(3)
     final, info = ode.collect(rollout.flow.model, ROWS, key)
     assert isinstance(final, fg.FinalSamples)
@@ -389,6 +382,47 @@ def test_an_ode_sampler_records_only_the_final_samples():
     assert final.advantages.shape == (6,)
     with pytest.raises(ValueError, match="Flow-GRPO trains on recorded transitions"):
         objective_of(rollout).training_batch(final, info)
-    for name, value in (("train_steps", 1), ("window_schedule", fg.FixedWindow(1))):
-        with pytest.raises(ValueError, match=f"`{name}` must be None with an ODE"):
-            fg.FlowRollout(rollout.flow, fg.Heun(), CountingReward(), **{name: value})
+
+
+def test_nft_samples_with_its_own_solver_by_default_and_with_any_sampler():
+    nft = nft_of(make_rollout(CountingReward()))
+    assert fg.FlowRollout(nft, CountingReward()).active_sampler == fg.ODESampler(nft.sampler)
+    sde = fg.SDESampler(fg.FlowSDE(0.5))
+    assert fg.FlowRollout(nft, CountingReward(), sampler=sde).active_sampler is sde
+
+
+def test_a_flow_grpo_rollout_samples_only_with_its_objectives_sde():
+    # Flow-GRPO rescores recorded transitions with the objective's SDE: a rollout that
+    # sampled another SDE, or an ODE, is refused when it is built, not after training on it.
+    objective = objective_of(make_rollout(CountingReward()))
+    default = fg.FlowRollout(objective, CountingReward())
+    assert default.sampler is None
+    assert default.active_sampler == fg.SDESampler(objective.sde)
+    same = fg.SDESampler(fg.FlowSDE(0.7), train_steps=2, record_means=True)
+    assert fg.FlowRollout(objective, CountingReward(), sampler=same).recorded_transitions == 2
+    for other in (
+        fg.SDESampler(fg.FlowSDE(0.5)),
+        fg.SDESampler(fg.CoefficientsPreservingSDE(0.7)),
+        fg.ODESampler(fg.Heun()),
+    ):
+        with pytest.raises(ValueError, match="`sampler` must be an SDESampler of the Flow-GRPO"):
+            fg.FlowRollout(objective, CountingReward(), sampler=other)
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="objective"):
+        fg.FlowRollout(objective.flow, CountingReward())
+
+
+def test_sde_sampler_settings_are_named():
+    sde = fg.FlowSDE(0.7)
+    for kwargs, name in (
+        ({"train_steps": 1, "window_schedule": fg.FixedWindow(1)}, "train_steps"),
+        ({"window_schedule": "fixed"}, "window_schedule"),
+        ({"record_means": 1}, "record_means"),
+    ):
+        with pytest.raises(NAMED_ARGUMENT_ERRORS, match=name):
+            fg.SDESampler(sde, **kwargs)
+    with pytest.raises(ValueError, match="`window` must be None"):
+        fg.SDESampler(fg.FlowSDE(0.7, window=(1.0, 0.5)), window_schedule=fg.FixedWindow(1))
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="sde"):
+        fg.SDESampler(fg.Heun())
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="solver"):
+        fg.ODESampler(sde)

@@ -50,7 +50,7 @@ def make_setup(beta, ema_decay=None, trainable=eqx.is_inexact_array, lr=1e-2):
         guidance=fg.CFG(2.0),
         steps=4,
     )
-    rollout = fg.FlowRollout(objective.flow, objective.sde, brightness, groups=4, steps=5)
+    rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
     trainer = Trainer(
         objective, default_optimizer(lr, 0.0), trainable=trainable, ema_decay=ema_decay
     )
@@ -464,7 +464,7 @@ def test_equinox_faq_filter_spec_trains_exactly_the_selected_submodule():
         guidance=fg.CFG(2.0),
         steps=4,
     )
-    rollout = fg.FlowRollout(objective.flow, objective.sde, brightness, groups=4, steps=5)
+    rollout = fg.FlowRollout(objective, brightness, groups=4, steps=5)
     trainer = Trainer(objective, default_optimizer(1e-2, 0.0), trainable=spec)
     state = trainer.init(jax.random.key(1))
     state, _ = run_epochs(trainer, rollout, state, epochs=1)

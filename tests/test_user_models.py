@@ -166,9 +166,7 @@ def _user_objective(model, null, guidance=GUIDANCE):
 @pytest.mark.parametrize("guidance", [GUIDANCE, None])
 def test_wrong_velocity_shape_is_named(guidance):
     objective = _user_objective(WrongShapeVelocity(4, 2, jax.random.key(0)), jnp.zeros(2), guidance)
-    rollout = fg.FlowRollout(
-        objective.flow, objective.sde, lambda s, r: np.zeros(len(s)), groups=2, steps=3
-    )
+    rollout = fg.FlowRollout(objective, lambda s, r: np.zeros(len(s)), groups=2, steps=3)
     variables = objective.init(jax.random.key(1))
     rows = {"cond": np.ones((2, 2), np.float32)}
     with pytest.raises(ValueError, match=r"velocity of shape \(3,\) for a latent of shape \(4,\)"):
@@ -178,9 +176,7 @@ def test_wrong_velocity_shape_is_named(guidance):
 def test_condition_not_matching_null_is_named():
     # The null condition has 3 numbers, the rows' conditioning 2.
     objective = _user_objective(VectorMLP(4, 2, jax.random.key(0)), jnp.zeros(3))
-    rollout = fg.FlowRollout(
-        objective.flow, objective.sde, lambda s, r: np.zeros(len(s)), groups=2, steps=3
-    )
+    rollout = fg.FlowRollout(objective, lambda s, r: np.zeros(len(s)), groups=2, steps=3)
     variables = objective.init(jax.random.key(1))
     rows = {"cond": np.ones((2, 2), np.float32)}
     with pytest.raises(ValueError, match=r"rows give shapes \(2,\), the null condition .* \(3,\)"):

@@ -25,12 +25,11 @@ def scheduled_rollout(schedule):
         steps=4,
     )
     return fg.FlowRollout(
-        objective.flow,
-        objective.sde,
+        objective,
         CountingReward(),
         groups=2,
         steps=STEPS,
-        window_schedule=schedule,
+        sampler=fg.SDESampler(objective.sde, window_schedule=schedule),
     )
 
 
@@ -98,30 +97,10 @@ def test_window_longer_than_the_trajectory_named():
 
 
 def test_schedule_excludes_train_steps_and_an_sde_window():
-    rollout = scheduled_rollout(fg.RandomWindow(COUNT))
     with pytest.raises(ValueError, match="train_steps"):
-        fg.FlowRollout(
-            rollout.flow,
-            rollout.sampler,
-            CountingReward(),
-            steps=STEPS,
-            train_steps=2,
-            window_schedule=fg.RandomWindow(COUNT),
-        )
-    windowed = fg.FlowGRPOObjective(
-        rollout.flow.model,
-        fg.RectifiedFlow(shift=2.0),
-        rollout.flow.inputs,
-        sde=fg.FlowSDE(0.7, window=(1.0, 0.5)),
-    )
+        fg.SDESampler(fg.FlowSDE(0.7), train_steps=2, window_schedule=fg.RandomWindow(COUNT))
     with pytest.raises(ValueError, match="window"):
-        fg.FlowRollout(
-            windowed.flow,
-            windowed.sde,
-            CountingReward(),
-            steps=STEPS,
-            window_schedule=fg.FixedWindow(1),
-        )
+        fg.SDESampler(fg.FlowSDE(0.7, window=(1.0, 0.5)), window_schedule=fg.FixedWindow(1))
 
 
 @pytest.mark.parametrize("first", [0, 2, 4])

@@ -27,10 +27,12 @@ from .. import (
     GRPOGuard,
     Heun,
     InputSpec,
+    ODESampler,
     OldLogProbs,
     RampedDecay,
     RandomWindow,
     RectifiedFlow,
+    SDESampler,
     SlidingWindow,
     window_for_indices,
 )
@@ -130,15 +132,13 @@ class FlowGRPO(AbstractAlgorithm):
     ) -> FlowRollout:
         """The rollout with the job's SDE (`rollout_sde`), recording the trained window."""
         rollout = job.config.rollout
-        return FlowRollout(
-            objective.flow,
+        sampler = SDESampler(
             rollout_sde(rollout),
-            job.reward,
             train_steps=rollout.train_steps if rollout.window_schedule == "fixed" else None,
             window_schedule=window_schedule(rollout),
             record_means=job.config.objective.grpo_guard,
-            **_rollout_settings(job, mesh),
         )
+        return FlowRollout(objective, job.reward, sampler=sampler, **_rollout_settings(job, mesh))
 
     def old_log_probs(self, config: Settings) -> OldLogProbs:
         """The update program's densities in bfloat16 (exact ratio 1), else the rollout's."""
@@ -196,9 +196,9 @@ class NFT(AbstractAlgorithm):
         """The deterministic second-order `Heun` solver and advantages over the global
         reward std, as released."""
         return FlowRollout(
-            objective.flow,
-            Heun(),
+            objective,
             job.reward,
+            sampler=ODESampler(Heun()),
             advantage_std="global",
             **_rollout_settings(job, mesh),
         )

@@ -9,8 +9,9 @@ import jax
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
+from .._custom_types import RolloutInfo
 from .._rl import AbstractRLObjective, Rescore
-from .._rollout import FlowRollout, RolloutInfo
+from .._rollout import FlowRollout
 from ._diverged import check_finite
 from ._metrics_log import MetricsLog as MetricsLog
 from ._trainer import Trainer, TrainState
