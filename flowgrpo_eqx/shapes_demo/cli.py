@@ -339,6 +339,9 @@ def _serve_reward(arguments: dict[str, Any]) -> int:
     except ValueError as error:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        print(f"flowgrpo-eqx: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
