@@ -241,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Flow-GRPO for rectified-flow models in JAX/Equinox, on an embedded "
         "compositional shapes task.",
     )
+    # Also before the subcommand (`flowgrpo-eqx --preset tiny train`), where people put it.
+    parser.add_argument(
+        "--preset",
+        dest="preset_first",
+        default=None,
+        help="default | tiny, as the subcommand's --preset",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text, flags, common in _COMMANDS:
         command = commands.add_parser(name, help=help_text)
@@ -254,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="default", help="default | tiny (fast, for tests)")
+    parser.add_argument(
+        "--preset", default=None, help="default | tiny (fast, for tests); default: default"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     distributed = parser.add_argument_group("scale out")
     distributed.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
@@ -271,8 +280,16 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    arguments = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    arguments = vars(parser.parse_args(argv))
     command = arguments.pop("command")
+    preset_first = arguments.pop("preset_first")
+    if "preset" in arguments:
+        if preset_first is not None and arguments["preset"] not in (None, preset_first):
+            parser.error(f"--preset {preset_first} and --preset {arguments['preset']} disagree")
+        arguments["preset"] = arguments["preset"] or preset_first or "default"
+    elif preset_first is not None:
+        parser.error(f"{command} takes no --preset (train, pretrain, eval and check do)")
     if command == "serve-reward":
         return _serve_reward(arguments)
     if command == "launch":

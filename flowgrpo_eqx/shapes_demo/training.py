@@ -32,6 +32,7 @@ from .. import (
     shard_parameters,
     sync_processes,
 )
+from .._misc import is_int
 from ..train import (
     PREEMPTED_EXIT_STATUS,
     Checkpointer,
@@ -142,6 +143,8 @@ def run_train(
 
     **Raises:**
 
+    - `ValueError`: naming `devices`, before any work, if it is not in 1..the devices of
+        every process.
     - `RunFolderError`: before any work, if another process holds the folder (naming its
         pid and host), if `out` holds another run and neither `resume` nor `replace` is
         set, or if `resume` would change a setting of the run (each named with both values),
@@ -155,6 +158,12 @@ def run_train(
     """
     started = time.perf_counter()
     out = pathlib.Path(out)
+    # Before the base model is pretrained: the mesh is built only after it.
+    if devices is not None and not (is_int(devices) and 1 <= devices <= jax.device_count()):
+        raise ValueError(
+            f"`devices` must be an int in 1..{jax.device_count()} (the devices of every "
+            f"process), got {devices!r}."
+        )
     root = jax.process_index() == 0
     if not root:
         log = _silent
