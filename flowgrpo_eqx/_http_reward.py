@@ -6,12 +6,13 @@ reply against one deadline. The wire format it shares with the server is in `_re
 """
 
 import http.client
+import io
 import json
 import os
 import socket
 import time
 import urllib.parse
-from typing import Any, final
+from typing import Any, cast, final
 
 import numpy as np
 import numpy.typing as npt
@@ -55,7 +56,8 @@ class HttpReward:
 
     - `url`: the server's base URL, `http://host:port` (or `https://`, optionally with a
         path prefix).
-    - `timeout`: seconds one attempt may take, from connecting to the last reply byte.
+    - `timeout`: seconds one attempt may take, from connecting to the last reply byte
+        (the reply's status line and headers included, however slowly they arrive).
     - `retries`: further attempts after a failed one (connection refused or reset, timeout,
         HTTP 5xx, 408 or 429, or a reply that is not `[N]` finite float64 scores); other 4xx
         replies (wrong token, bad request) are never repeated. Attempt `k` (from 0) is
@@ -170,10 +172,13 @@ class HttpReward:
         connection_type = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         connection = connection_type(self._host, self._port, timeout=self.timeout)
         response = None
+        sock = None
         try:
             connection.connect()
-            # Kept: http.client lets go of the socket once it sees a closing reply's headers.
+            # Kept, and closed here: http.client lets go of it once it sees a closing reply's
+            # headers, while the reply is still to be read through it.
             sock = connection.sock
+            connection.sock = cast(socket.socket, _DeadlineSocket(sock, deadline))
             _wait_at_most(sock, deadline)
             connection.request("POST", self._path, body=body, headers=headers)
             _wait_at_most(sock, deadline)
@@ -190,6 +195,8 @@ class HttpReward:
             if response is not None:
                 response.close()
             connection.close()
+            if sock is not None:
+                sock.close()
         if response.status != 200:
             described = f"HTTP {response.status} {response.reason}: {_error_text(reply)}"
             if 400 <= response.status < 500 and response.status not in _RETRIED_CLIENT_STATUSES:
@@ -204,6 +211,49 @@ def _wait_at_most(sock: socket.socket, deadline: float) -> None:
     if remaining <= 0:
         raise TimeoutError
     sock.settimeout(remaining)
+
+
+class _DeadlineSocket:
+    """A connected socket whose every read waits at most what is left of one deadline.
+
+    http.client reads a reply's status line and headers line by line through
+    `sock.makefile("rb")`, each read bounded by the socket's timeout alone: a server that
+    trickles its headers a byte at a time would hold the attempt for as long as it likes.
+    `close` is left to the attempt, which closes the socket itself once the reply is read;
+    everything else is the socket's own.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock = sock
+        self._deadline = deadline
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
+        del args, kwargs
+        if mode != "rb":
+            raise ValueError(f"only mode 'rb' is supported, got {mode!r}")
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """`_DeadlineSocket`'s reading side: `recv_into` under the time left."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        _wait_at_most(self._sock, self._deadline)
+        return self._sock.recv_into(buffer)
 
 
 def _read_until(

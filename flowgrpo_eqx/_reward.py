@@ -63,22 +63,29 @@ def reward_name(reward: Any) -> str:
 
 
 def check_finite_samples(name: str, samples: Any) -> None:
-    """Refuse a batch holding NaN or inf, naming the reward and the rows that hold them.
+    """Refuse an empty batch, or one holding NaN or inf, naming the reward (and the rows
+    that hold NaN or inf).
 
     Rewards that turn samples into images or files would otherwise score NaN as some
     finite number (JPEG sizes of whatever NaN casts to), and the policy would be trained
-    toward it.
+    toward it; an empty batch is always a caller's mistake (a rollout has rows).
 
     **Arguments:**
 
     - `name`: the reward's name, for the message.
-    - `samples`: `[N, *sample]` samples (integer samples are always finite).
+    - `samples`: `[N, *sample]` samples, `N >= 1` (integer samples are always finite).
 
     **Raises:**
 
-    - `RewardError`: naming the reward, `samples` and the rows that hold NaN or inf.
+    - `RewardError`: naming the reward and `samples`, for an empty batch (`N = 0`) or the
+        rows that hold NaN or inf.
     """
     array = np.asarray(samples)
+    if array.ndim >= 1 and array.shape[0] == 0:
+        raise RewardError(
+            f"Reward {name!r} was given an empty batch (`samples` of shape {array.shape}); "
+            "it scores one or more samples."
+        )
     if array.ndim == 0 or not np.issubdtype(array.dtype, np.inexact):
         return
     bad = np.flatnonzero(~np.isfinite(array.reshape(array.shape[0], -1)).all(axis=1))

@@ -11,6 +11,13 @@ lists in order:
 (`"rows"` alone for rows that are one array). The reply to a scoring request is one `.npy`
 float64 array `[N]` (`NPY_CONTENT_TYPE`); an error reply is JSON
 `{"error": kind, "message": text}`.
+
+Samples must be real numbers: a float or integer dtype (`SAMPLE_KINDS`); rows may also be
+bool or fixed-width strings (`ROWS_KINDS`). Complex, datetime, timedelta, structured and
+object arrays are refused by name (`"unsupported_dtype"`; object arrays as
+`"pickled_array"`), and so are arrays that hold no element (a shape with a 0 axis): every
+array must then hold at least one element, so each axis of each declared shape is at most the
+body's length, which the server bounds by its `max_request_bytes` before reading it.
 """
 
 import io
@@ -36,7 +43,14 @@ _ALIGN = 64
 # uint8 level -> float32 `x / 127.5 - 1`, computed in float64 and rounded once.
 _UINT8_TO_FLOAT32 = (np.arange(256) / 127.5 - 1.0).astype(np.float32)
 
-WireErrorKind = Literal["malformed_body", "pickled_array"]
+SAMPLE_KINDS = "fiu"
+"""The NumPy dtype kinds a request's samples may have: real floats, signed and unsigned ints."""
+
+ROWS_KINDS = "biufSU"
+"""The NumPy dtype kinds a request's rows may have: those of samples, bool, and fixed-width
+byte and Unicode strings (prompts)."""
+
+WireErrorKind = Literal["malformed_body", "pickled_array", "unsupported_dtype"]
 
 
 class WireError(ValueError):
@@ -79,8 +93,16 @@ def load_npy(blob: Any, what: str) -> npt.NDArray[Any]:
     return _array_at(data, 0, data.size, what)
 
 
-def _array_at(body: npt.NDArray[np.uint8], start: int, size: int, what: str) -> npt.NDArray[Any]:
-    """The `.npy` array in `body[start : start + size]`, its header checked first."""
+def _array_at(
+    body: npt.NDArray[np.uint8],
+    start: int,
+    size: int,
+    what: str,
+    *,
+    kinds: str | None = None,
+) -> npt.NDArray[Any]:
+    """The `.npy` array in `body[start : start + size]`, its header checked first; with
+    `kinds`, its dtype must be of one of those kinds and it must hold an element."""
     blob = body[start : start + size]
     head = io.BytesIO(blob[:_NPY_HEADER_LIMIT].tobytes())
     try:
@@ -102,6 +124,18 @@ def _array_at(body: npt.NDArray[np.uint8], start: int, size: int, what: str) -> 
     follows = size - head.tell()
     if any(axis < 0 for axis in shape) or dtype.itemsize == 0 or dtype.subdtype is not None:
         raise WireError("malformed_body", f"{what} has shape {shape} of dtype {dtype}.")
+    if kinds is not None and dtype.kind not in kinds:
+        raise WireError(
+            "unsupported_dtype",
+            f"{what} has dtype {dtype}, which is not accepted here (only "
+            f"{_describe_kinds(kinds)}).",
+        )
+    if kinds is not None and math.prod(shape) == 0:
+        # Its axes are bounded by nothing: a reward would do per-row work for billions of
+        # declared rows sent in zero bytes.
+        raise WireError(
+            "malformed_body", f"{what} has shape {shape}, which holds no element; send one or more."
+        )
     claimed = math.prod(shape) * dtype.itemsize
     if claimed != follows:
         raise WireError(
@@ -117,6 +151,20 @@ def _array_at(body: npt.NDArray[np.uint8], start: int, size: int, what: str) -> 
     if not (array.flags.writeable and array.flags.aligned):
         array = array.copy(order="K")
     return array
+
+
+_KIND_NAMES = {
+    "b": "bool",
+    "i": "signed int",
+    "u": "unsigned int",
+    "f": "real float",
+    "S": "byte string",
+    "U": "Unicode string",
+}
+
+
+def _describe_kinds(kinds: str) -> str:
+    return ", ".join(_KIND_NAMES[kind] for kind in kinds) + " dtypes"
 
 
 def _flatten_rows(rows: Any, prefix: str = "rows") -> list[tuple[str, npt.NDArray[Any]]]:
@@ -193,7 +241,10 @@ def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:
     """The samples and rows of a request body (`encode_request`'s inverse).
 
     Every length is checked before anything is allocated: the header's array lengths must add
-    up to the body, and each `.npy` header must describe exactly the bytes that follow it.
+    up to the body, and each `.npy` header must describe exactly the bytes that follow it and
+    at least one element, so that no axis of any array exceeds the body's length. Samples must
+    have a real float or integer dtype (`SAMPLE_KINDS`), rows may also be bool or strings
+    (`ROWS_KINDS`).
     The arrays are views of `body` when it is writable (the server reads bodies into a
     writable buffer) and their data is aligned, copies otherwise, so decoding costs at most
     one more body of memory. uint8 samples come back as float32 `x / 127.5 - 1`, computed in
@@ -212,8 +263,10 @@ def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:
     **Raises:**
 
     - `WireError`: naming what is wrong: `"pickled_array"` for an object-dtype array,
-        `"malformed_body"` otherwise (bad magic, header or lengths, a `.npy` header that does
-        not match its bytes, rows whose leading axis is not the samples').
+        `"unsupported_dtype"` naming the array and its dtype (complex, datetime, structured,
+        bool samples, ...), `"malformed_body"` otherwise (bad magic, header or lengths, a
+        `.npy` header that does not match its bytes, an array with no element, rows whose
+        leading axis is not the samples').
     """
     data = np.frombuffer(body, dtype=np.uint8)
     if data[: len(MAGIC)].tobytes() != MAGIC:
@@ -247,7 +300,8 @@ def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:
         raise WireError("malformed_body", "the array lengths do not add up to the body length.")
     arrays = {}
     for name, size in entries:
-        arrays[name] = _array_at(data, offset, size, name)
+        kinds = SAMPLE_KINDS if name == "samples" else ROWS_KINDS
+        arrays[name] = _array_at(data, offset, size, name, kinds=kinds)
         offset += size
     samples = arrays.pop("samples")
     if samples.ndim == 0:

@@ -3,11 +3,13 @@
     python -m flowgrpo_eqx.reward_server package.module:reward --port 8000 [--token T]
 
 Endpoints: `GET /health` answers `{"status": "ok", "reward": name}`; `POST /score` takes the
-wire format that `HttpReward` sends and answers the `[N]` float64 scores as `.npy`,
-or a JSON `{"error": kind, "message": text}` with status 400 (`malformed_body`,
-`pickled_array`), 401 (`unauthorized`), 408 (`read_timeout`), 411 (`length_required`), 413
-(`too_large`), 500 (`reward_failed`) or 503 (`busy`). Nothing a client sends is ever
-unpickled, and every length in a body is checked before anything is allocated.
+wire format that `HttpReward` sends and answers the `[N]` float64 scores as `.npy`, or a JSON
+`{"error": kind, "message": text}` with status 400 (`malformed_body`, `pickled_array`,
+`unsupported_dtype`), 401 (`unauthorized`), 408 (`read_timeout`), 411 (`length_required`),
+413 (`too_large`), 500 (`reward_failed`) or 503 (`busy`). Nothing a client sends is ever
+unpickled, and every length in a body is checked before anything is allocated; samples must
+be real float or integer arrays, rows may also be bool or strings, and no array may be empty
+(so no declared axis exceeds the body's length: `_reward_wire.decode_request`).
 """
 
 import argparse
@@ -25,7 +27,7 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
-from ._misc import check_int, check_number
+from ._misc import check_int, check_number, is_int
 from ._reward import FlowReward, RewardError, load_reward, reward_name, score
 from ._reward_wire import (
     NPY_CONTENT_TYPE,
@@ -118,7 +120,10 @@ def make_app(
     that takes longer than `read_timeout` gets 408 and its connection is closed. The body is
     read into one buffer and the arrays are views of it, so a request holds about one body
     of memory (two at most, for arrays that arrive unaligned) until it is scored, plus the
-    float32 samples when they arrive as uint8.
+    float32 samples when they arrive as uint8. Every array must hold at least one element
+    and be of a real float or integer dtype (rows also bool or strings), else 400, so no
+    declared axis exceeds `max_request_bytes` and the reward never sees complex, datetime or
+    empty arrays.
 
     **Arguments:**
 
@@ -250,8 +255,14 @@ class _Server:
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    return socket.create_server((host, port), family=family)
+    """A socket listening on `host:port`, or an `OSError` that says so in one line."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        raise OSError(
+            error.errno, f"cannot listen on {host}:{port}: {error.strerror or error}"
+        ) from error
 
 
 def _is_loopback(host: str) -> bool:
@@ -382,10 +393,14 @@ def serve(
 
     **Raises:**
 
-    - `ValueError`: naming the argument, for a `host` off loopback without a `token` (unless
-        `allow_unauthenticated`), or a setting out of range (as in `make_app`; a
-        `max_connections` below 1).
+    - `ValueError`: naming the argument, for a `port` outside 0..65535, a `host` off
+        loopback without a `token` (unless `allow_unauthenticated`), or a setting out of
+        range (as in `make_app`; a `max_connections` below 1).
+    - `OSError`: naming the address, when it cannot be listened on (the port is in use, the
+        host is not this machine's).
     """
+    if not (is_int(port) and 0 <= port <= 65535):
+        raise ValueError(f"`port` must be an int in 0..65535 (0: any free port), got {port!r}.")
     if token is None and not _is_loopback(host) and not allow_unauthenticated:
         raise ValueError(
             f"`host` {host!r} is not loopback and no `token` is set: anyone who can reach it "
@@ -472,7 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     **Raises:**
 
     - `SystemExit`: with status 2 and a usage message, for bad arguments, a reward that
-        cannot be loaded, or a host off loopback without a token (see `serve`).
+        cannot be loaded, a port outside 0..65535, or a host off loopback without a token
+        (see `serve`); with status 1 and one line, when the address cannot be listened on.
     """
     parser = argparse.ArgumentParser(
         prog="python -m flowgrpo_eqx.reward_server", description="Serve a reward over HTTP."
@@ -491,6 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve(reward, host=args.host, port=args.port, token=token, **limit_settings(vars(args)))
     except ValueError as error:
         parser.error(str(error))
+    except OSError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

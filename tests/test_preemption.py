@@ -210,3 +210,63 @@ def test_two_processes_stop_together_and_resume_to_the_same_result(uninterrupted
     # Two processes match one to float32 round-off (tests/test_distributed.py).
     for name in RESULT_FIELDS:
         assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
+
+
+def started_and_locked(out, *args):
+    """`flowgrpo-eqx ARGS` started, returned once it holds the run folder `out` (its pid is
+    in the lock file): past its imports, before its first epoch."""
+    from flowgrpo_eqx.shapes_demo.run_folder import LOCK_FILE
+
+    process = subprocess.Popen(
+        command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=environment(),
+    )  # fmt: skip
+    lock = out / LOCK_FILE
+    while process.poll() is None:
+        if lock.exists() and f"pid {process.pid} " in lock.read_text():
+            break
+        time.sleep(0.01)
+    return process
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["once", "twice"])
+def test_a_signal_before_the_first_epoch_exits_75_with_a_checkpoint_kept(
+    uninterrupted, tmp_path, signals
+):
+    """Issue 36: SIGTERM before the first epoch, or twice, exited 143 though a checkpoint
+    was kept."""
+    from flowgrpo_eqx.shapes_demo import cli
+
+    assert cli._PREEMPTED_EXIT_STATUS == PREEMPTED_EXIT_STATUS
+    out = _resumable_copy(uninterrupted, tmp_path / "stopped", newest=2)
+    metrics = (out / "metrics.jsonl").read_bytes()
+    process = started_and_locked(out, "train", *COMMON, "--out", str(out), "--resume")
+    for _ in range(signals):
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+    output, _ = process.communicate(timeout=TIMEOUT)
+    assert process.returncode == PREEMPTED_EXIT_STATUS, output[-3000:]
+    assert "Traceback" not in output
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "ckpt_00000001",
+        "ckpt_00000002",
+    ]
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+    resumed = run("train", *COMMON, "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_result(out, uninterrupted)
+
+
+def test_a_second_signal_exits_75_once_a_checkpoint_is_kept(uninterrupted, tmp_path):
+    out = with_base(uninterrupted, tmp_path / "twice")
+    process = started_past_first_epoch(
+        out, "train", *COMMON, "--checkpoint-every", "1", "--out", str(out)
+    )
+    while not (out / "checkpoints" / "ckpt_00000001").exists() and process.poll() is None:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=TIMEOUT)
+    assert process.returncode == PREEMPTED_EXIT_STATUS, output[-3000:]
+    assert "Traceback" not in output

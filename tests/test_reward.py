@@ -105,3 +105,28 @@ def test_shipped_rewards_refuse_non_finite_samples_naming_the_rows(reward):
     if isinstance(reward, fg.JpegIncompressibility):
         finite = smooth_and_noisy()
         assert np.all(np.isfinite(reward(finite, None)))
+
+
+@pytest.mark.parametrize(
+    "reward",
+    [
+        fg.JpegCompressibility(),
+        fg.JpegIncompressibility(),
+        fg.WeightedReward([(lambda s, r: np.zeros(len(s)), 1.0)]),
+        fg.HttpReward("http://127.0.0.1:9", retries=0),  # refused before any request
+    ],
+    ids=["jpeg_compressibility", "jpeg_incompressibility", "weighted", "http"],
+)
+def test_shipped_rewards_refuse_an_empty_batch_by_name(reward):
+    """Issue 36: an empty batch reached `reshape(0, -1)` and raised a raw numpy error."""
+    empty = np.zeros((0, 16, 16, 3), np.float32)
+    with pytest.raises(fg.RewardError, match=r"empty batch \(`samples` of shape \(0, 16, 16, 3\)"):
+        reward(empty, {"id": np.arange(0)})
+
+
+def test_the_shapes_reward_refuses_an_empty_batch_by_name():
+    from flowgrpo_eqx.shapes_demo.job import BUILTIN_REWARDS
+
+    for name in ("partial", "strict"):
+        with pytest.raises(fg.RewardError, match="shapes_.*empty batch"):
+            BUILTIN_REWARDS[name]()(np.zeros((0, 16, 16, 3)), {"tokens": np.zeros((0, 4), int)})

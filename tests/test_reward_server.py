@@ -709,3 +709,121 @@ def test_decoded_arrays_view_a_writable_body_without_copies():
     # A read-only body (bytes) gives writable copies, as np.load did.
     from_bytes, _ = decode_request(body.tobytes())
     assert from_bytes.flags.writeable and not np.shares_memory(from_bytes, body)
+
+
+# Issue 36: declared shapes, dtypes, a trickling reply head, and port errors.
+
+
+@pytest.mark.parametrize(
+    ("arrays", "kind", "named"),
+    [
+        ([("samples", npy_claiming((3 * 10**9, 0, 16, 3), b""))], "malformed_body", "no element"),
+        ([("samples", npy(np.zeros((0, 8, 8, 3), np.float32)))], "malformed_body", "no element"),
+        (
+            [("samples", npy(np.zeros((2, 3)))), ("rows/a", npy_claiming((2, 10**12, 0), b""))],
+            "malformed_body",
+            "rows/a has shape (2, 1000000000000, 0)",
+        ),
+        ([("samples", npy(np.zeros((2, 3), np.complex64)))], "unsupported_dtype", "complex64"),
+        ([("samples", npy(np.zeros((2, 3), "datetime64[s]")))], "unsupported_dtype", "datetime64"),
+        ([("samples", npy(np.zeros((2, 3), bool)))], "unsupported_dtype", "bool"),
+        (
+            [("samples", npy(np.zeros((2, 3)))), ("rows/t", npy(np.zeros(2, "timedelta64[s]")))],
+            "unsupported_dtype",
+            "rows/t has dtype timedelta64",
+        ),
+    ],
+    ids=["3e9-rows-of-nothing", "no-rows", "rows-axis", "complex", "datetime", "bool", "rows-dt"],
+)
+def test_empty_or_non_real_arrays_get_400_naming_them(hardened_url, arrays, kind, named):
+    """A 171-byte body declaring (3e9, 0, 16, 3) samples had the reward allocate a byte per
+    declared row; complex and datetime samples were scored with 200."""
+    body = container(arrays, rows="dict" if len(arrays) > 1 else "none")
+    started = time.monotonic()
+    status, reply = post(hardened_url + "/score", body)
+    error = json.loads(reply)
+    assert status == 400 and error["error"] == kind, error
+    assert named in error["message"], error["message"]
+    assert time.monotonic() - started < 5.0
+    assert get_json(hardened_url + "/health")["status"] == "ok"
+
+
+def test_string_and_bool_rows_are_still_accepted(brightness_url):
+    samples, rows = batch()
+    rows["flag"] = np.arange(6) % 2 == 0
+    got = fg.HttpReward(brightness_url)(samples, rows)
+    assert same_bits(got, reward_fixtures.brightness(samples, rows))
+
+
+def test_complex_samples_are_rejected_by_name_not_retried(brightness_url, backoffs):
+    samples, rows = batch()
+    remote = fg.HttpReward(brightness_url, retries=2)
+    with pytest.raises(fg.RewardError, match="not retried.*unsupported_dtype.*complex128"):
+        remote(samples.astype(np.complex128), rows)
+    assert backoffs == []
+
+
+@pytest.fixture
+def trickling_head_url():
+    """A loopback server that reads a request, then sends its reply's status line and headers
+    one byte every 0.1 s (a reply head of about 10 s)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with sock:
+                sock.settimeout(0.2)
+                try:
+                    sock.recv(1 << 20)
+                    for byte in b"HTTP/1.1 200 OK\r\n" + b"X-Slow: " + b"y" * 80 + b"\r\n\r\n":
+                        if stop.is_set():
+                            break
+                        sock.sendall(bytes([byte]))
+                        time.sleep(0.1)
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join(5)
+    listener.close()
+
+
+def test_the_timeout_covers_a_trickling_reply_head(trickling_head_url, backoffs):
+    """HttpReward(timeout=1) waited as long as the server trickled its headers (14 s)."""
+    samples, rows = batch(count=2)
+    remote = fg.HttpReward(trickling_head_url, timeout=1.0, retries=0)
+    started = time.monotonic()
+    with pytest.raises(fg.RewardError, match="failed after 1 attempt: timed out after 1 s"):
+        remote(samples, rows)
+    assert time.monotonic() - started < 5.0
+
+
+def test_serve_reward_port_errors_are_one_line(capsys):
+    from tests.cli_helpers import run_cli
+
+    out_of_range = run_cli("serve-reward", "tests.reward_fixtures:brightness", "--port", "99999")
+    assert out_of_range.returncode == 2
+    assert out_of_range.stderr.strip().splitlines() == [
+        "flowgrpo-eqx: `port` must be an int in 0..65535 (0: any free port), got 99999."
+    ]
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        in_use = run_cli("serve-reward", "tests.reward_fixtures:brightness", "--port", port)
+        assert in_use.returncode == 1
+        (line,) = in_use.stderr.strip().splitlines()
+        assert f"cannot listen on 127.0.0.1:{port}" in line and "in use" in line
+        assert reward_server.main(["tests.reward_fixtures:brightness", "--port", str(port)]) == 1
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        reward_server.main(["tests.reward_fixtures:brightness", "--port", "99999"])
+    assert stopped.value.code == 2
+    assert "`port` must be an int in 0..65535" in capsys.readouterr().err

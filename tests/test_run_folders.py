@@ -3,24 +3,27 @@ refused by name, before any work, and nothing of the old run is touched."""
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 import flowgrpo_eqx.train as fg_train
 from flowgrpo_eqx.shapes_demo import make_config
-from flowgrpo_eqx.shapes_demo.run_folder import FREE_ON_RESUME, identity
-from tests.cli_helpers import run_cli, with_base
+from flowgrpo_eqx.shapes_demo.run_folder import FREE_ON_RESUME, LOCK_FILE, identity
+from tests.cli_helpers import environment, run_cli, with_base
 
 
 TINY = ("train", "--preset", "tiny", "--quiet")
 
 
 def snapshot(folder):
-    """Every file under `folder` with its bytes."""
+    """Every file under `folder` with its bytes (but the lock file, which says who last
+    wrote the folder)."""
     return {
         str(path.relative_to(folder)): path.read_bytes()
         for path in sorted(folder.rglob("*"))
-        if path.is_file()
+        if path.is_file() and path.name != LOCK_FILE
     }
 
 
@@ -147,3 +150,149 @@ def test_divergence_after_good_epochs_keeps_their_checkpoints(tiny_base, tmp_pat
     resumed = run_cli(*TINY, "--epochs", "2", "--resume", "--out", out)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "Continuing from checkpoint" in resumed.stdout + resumed.stderr
+
+
+# Issue 36, part 5: one writer at a time, and a resume that loses nothing.
+
+
+def copy_of(finished_run, tmp_path):
+    out, _ = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    return copy
+
+
+def test_a_second_writer_is_refused_naming_the_first(finished_run, tmp_path):
+    """Two `--resume` processes on one folder both ran and interleaved its files."""
+    copy = copy_of(finished_run, tmp_path)
+    before = snapshot(copy)
+    holder = subprocess.Popen(
+        [
+            sys.executable, "-c",
+            "import pathlib, sys; from flowgrpo_eqx.shapes_demo.run_folder import "
+            "lock_run_folder\nwith lock_run_folder(pathlib.Path(sys.argv[1])):\n"
+            "    print('locked', flush=True); sys.stdin.read()",
+            str(copy),
+        ],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment(),
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = run_cli(*TINY, "--epochs", "3", "--resume", "--out", copy)
+    finally:
+        holder.communicate("", timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert f"is in use by another run (pid {holder.pid} on host " in line
+    assert snapshot(copy) == before
+    again = run_cli(*TINY, "--epochs", "2", "--resume", "--out", copy)
+    assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_resuming_a_finished_run_writes_nothing(finished_run, tmp_path):
+    copy = copy_of(finished_run, tmp_path)
+    before = snapshot(copy)
+    result = run_cli(*TINY, "--epochs", "2", "--resume", "--out", copy)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "is finished (2 epochs): nothing to resume, nothing written" in result.stdout
+    assert snapshot(copy) == before
+
+
+@pytest.mark.parametrize("flags", [(), ("--learning-rate", "0.003")], ids=["same", "other"])
+def test_resuming_a_finished_run_whose_checkpoints_are_gone_is_refused(
+    finished_run, tmp_path, flags
+):
+    """It started over and overwrote policy.eqx, summary.json, config.toml and the metrics,
+    with other settings, exit 0."""
+    copy = copy_of(finished_run, tmp_path)
+    shutil.rmtree(copy / "checkpoints")
+    before = snapshot(copy)
+    result = run_cli(*TINY, "--epochs", "2", "--resume", "--out", copy, *flags)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "holds a finished run (summary.json, policy.eqx) and no checkpoint" in result.stderr
+    assert snapshot(copy) == before
+
+
+def test_resuming_a_run_whose_checkpoints_were_emptied_is_refused(finished_run, tmp_path):
+    copy = copy_of(finished_run, tmp_path)
+    for name in ("summary.json", "policy.eqx"):
+        (copy / name).unlink()
+    for checkpoint in (copy / "checkpoints").iterdir():
+        shutil.rmtree(checkpoint)
+    before = snapshot(copy)
+    result = run_cli(*TINY, "--epochs", "2", "--resume", "--out", copy)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "holds a run that checkpointed, but no checkpoint is left" in result.stderr
+    assert snapshot(copy) == before
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (lambda meta: meta.update(epoch=-3), "records epoch -3 at step 2"),
+        (lambda meta: meta.pop("base"), "records no `base` measure"),
+        (lambda meta: meta.update(settings=None), "records no `settings`"),
+    ],
+    ids=["epoch-minus-3", "no-base", "no-settings"],
+)
+def test_a_checkpoint_that_does_not_parse_is_named_and_cuts_nothing(
+    finished_run, tmp_path, edit, named
+):
+    """A hand-edited epoch of -3 emptied metrics.jsonl; meta.json without `base` raised a raw
+    KeyError."""
+    copy = copy_of(finished_run, tmp_path)
+    meta_path = copy / "checkpoints" / "ckpt_00000002" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    edit(meta)
+    meta_path.write_text(json.dumps(meta))
+    before = snapshot(copy)
+    result = run_cli(*TINY, "--epochs", "3", "--resume", "--out", copy)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert f"{copy / 'checkpoints' / 'ckpt_00000002'}: meta.json {named}" in line
+    assert snapshot(copy) == before
+
+
+def test_a_metrics_line_that_does_not_parse_is_named_and_cuts_nothing(finished_run, tmp_path):
+    """A mid-file `{"epoch": "x"}` raised a raw TypeError on resume."""
+    copy = copy_of(finished_run, tmp_path)
+    metrics = copy / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join([lines[0], '{"epoch": "x"}\n', *lines[1:]]))
+    before = snapshot(copy)
+    result = run_cli(*TINY, "--epochs", "3", "--resume", "--out", copy)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f'{metrics}: line 2 ({{"epoch": "x"}}) cannot be read' in result.stderr
+    assert "nothing was cut" in result.stderr
+    assert snapshot(copy) == before  # config.toml too: written only after loading
+
+
+def test_a_failed_resume_leaves_config_toml_as_it_was(finished_run, tmp_path):
+    copy = copy_of(finished_run, tmp_path)
+    for checkpoint in (copy / "checkpoints").iterdir():
+        (checkpoint / "meta.json").write_text("{not json")
+    before = snapshot(copy)
+    result = run_cli(*TINY, "--epochs", "3", "--eval-every", "3", "--resume", "--out", copy)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "none of its 2 checkpoints is usable" in result.stderr
+    assert snapshot(copy) == before
+
+
+def test_a_sweep_resumes_each_seed(tiny_base, tmp_path):
+    """`--seeds` could not be resumed, yet its refusal said "continue it with --resume"."""
+    out = tmp_path / "sweep"
+    with_base(tiny_base, out / "seed_0")
+    sweep = (*TINY, "--seeds", "0,1", "--epochs", "1", "--out", out)
+    first = run_cli(*sweep)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_cli(*sweep)
+    assert again.returncode == 1 and "--resume" in again.stderr
+    finished = run_cli(*sweep, "--resume")
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert finished.stdout.count("is finished (1 epochs)") == 2
+    longer = run_cli(*sweep, "--epochs", "2", "--resume")
+    assert longer.returncode == 0, longer.stderr[-2000:]
+    for seed in (0, 1):
+        assert f"Continuing from checkpoint {out / f'seed_{seed}' / 'checkpoints'}" in longer.stdout
+        assert json.loads((out / f"seed_{seed}" / "summary.json").read_text())["epochs"] == 2
+    assert json.loads((out / "seeds_summary.json").read_text())["seeds"] == [0, 1]

@@ -547,3 +547,28 @@ def test_microbatches_accumulate_to_the_whole_batch_update():
     )  # fmt: skip
     with pytest.raises(ValueError, match="`microbatches`.*GRPO-Guard"):
         Trainer(guarded, microbatches=2)
+
+
+def test_an_optimizer_that_is_not_a_gradient_transformation_is_named():
+    """Issue 36: `Trainer(objective, "adam")` failed later with a raw AttributeError."""
+    objective, _, _ = make_setup(beta=0.0)
+    # This suite's runtime type checker refuses it first; both name `optimizer`.
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="optimizer"):
+        Trainer(objective, "adam")
+    trainer = Trainer(objective)
+    object.__setattr__(trainer, "optimizer", "adam")
+    with pytest.raises(ValueError, match="`optimizer` must be an optax.GradientTransformation"):
+        trainer.__check_init__()
+
+
+def test_non_finite_advantages_are_refused_by_name():
+    """Issue 36: NaN advantages made every trained parameter NaN without a word."""
+    objective, rollout, trainer = make_setup(beta=0.0)
+    state = trainer.init(jax.random.key(0))
+    batch, _ = rollout.collect(state.variables.policy, ROWS, jax.random.key(3))
+    for bad in (np.nan, np.inf):
+        poisoned = eqx.tree_at(lambda b: b.advantages, batch, batch.advantages.at[1].set(bad))
+        with pytest.raises(Exception, match=r"`batch.advantages` holds a NaN or infinite"):
+            trainer.update(own_copy(state), poisoned)
+    new_state, _ = trainer.update(state, batch)
+    assert all(np.all(np.isfinite(a)) for a in arrays(new_state.variables.policy))

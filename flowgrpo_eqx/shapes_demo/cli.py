@@ -20,17 +20,24 @@ Every `JobConfig` setting has a flag (`--learning-rate 1e-4`, `--train-steps non
 """
 
 import argparse
+import contextlib
 import os
+import pathlib
 import signal
 import sys
+import threading
+import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..reward_limits import add_limit_arguments, limit_settings
 from .config import SETTINGS, JobConfig, config_to_toml, make_config, read_config_file
 from .settings import split_optional
 
+
+# `train.PREEMPTED_EXIT_STATUS`, known here without importing JAX (tests hold them equal).
+_PREEMPTED_EXIT_STATUS = 75
 
 _BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
@@ -234,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Flow-GRPO for rectified-flow models in JAX/Equinox, on an embedded "
         "compositional shapes task.",
     )
+    # Also before the subcommand (`flowgrpo-eqx --preset tiny train`), where people put it.
+    parser.add_argument(
+        "--preset",
+        dest="preset_first",
+        default=None,
+        help="default | tiny, as the subcommand's --preset",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text, flags, common in _COMMANDS:
         command = commands.add_parser(name, help=help_text)
@@ -247,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="default", help="default | tiny (fast, for tests)")
+    parser.add_argument(
+        "--preset", default=None, help="default | tiny (fast, for tests); default: default"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     distributed = parser.add_argument_group("scale out")
     distributed.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
@@ -264,8 +280,16 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    arguments = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    arguments = vars(parser.parse_args(argv))
     command = arguments.pop("command")
+    preset_first = arguments.pop("preset_first")
+    if "preset" in arguments:
+        if preset_first is not None and arguments["preset"] not in (None, preset_first):
+            parser.error(f"--preset {preset_first} and --preset {arguments['preset']} disagree")
+        arguments["preset"] = arguments["preset"] or preset_first or "default"
+    elif preset_first is not None:
+        parser.error(f"{command} takes no --preset (train, pretrain, eval and check do)")
     if command == "serve-reward":
         return _serve_reward(arguments)
     if command == "launch":
@@ -281,6 +305,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as error:
             print(f"flowgrpo-eqx: {error}", file=sys.stderr)
             return 2
+    if command == "train":
+        with _early_stop(pathlib.Path(arguments["out"])):
+            return _configure_and_run(command, arguments)
+    return _configure_and_run(command, arguments)
+
+
+@contextlib.contextmanager
+def _early_stop(out: pathlib.Path) -> Iterator[None]:
+    """Until the run's own `GracefulStop` is in place (imports, the folder's checks, and after
+    it again), SIGTERM or SIGINT end `train` at once: with the preempted exit status when
+    `out` (or a seed folder in it) keeps a checkpoint, so that a scheduler resumes the run;
+    else by the signal, as without a handler."""
+
+    def stop(signum: int, frame: types.FrameType | None) -> None:
+        del frame
+        kept = [*out.glob("checkpoints/ckpt_*"), *out.glob("seed_*/checkpoints/ckpt_*")]
+        if kept:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(_PREEMPTED_EXIT_STATUS)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = [s for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) != signal.SIG_IGN]
+    previous = {s: signal.signal(s, stop) for s in caught}
+    try:
+        yield
+    finally:
+        for caught_signal, handler in previous.items():
+            signal.signal(caught_signal, signal.SIG_DFL if handler is None else handler)
+
+
+def _configure_and_run(command: str, arguments: dict[str, Any]) -> int:
+    """The settings of a job subcommand, then the subcommand, errors named in one line."""
     overrides = {k: v for k, v in arguments.items() if k in SETTINGS}
     try:
         from_file = read_config_file(arguments["config"]) if arguments.get("config") else {}
@@ -339,6 +401,9 @@ def _serve_reward(arguments: dict[str, Any]) -> int:
     except ValueError as error:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        print(f"flowgrpo-eqx: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -389,21 +454,27 @@ def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
     from ..train import PREEMPTED_EXIT_STATUS
     from .job import run_eval, run_pretrain, run_seeds, run_train
 
-    if command == "train" and arguments["seeds"] is not None:
-        seeds = [int(seed) for seed in arguments["seeds"].split(",") if seed.strip()]
-        run_seeds(
-            config, arguments["out"], seeds, quiet=arguments["quiet"], replace=arguments["replace"]
-        )
-    elif command == "train":
-        result = run_train(
-            config,
-            arguments["out"],
-            resume=arguments["resume"],
-            replace=arguments["replace"],
-            quiet=arguments["quiet"],
-            devices=arguments["devices"],
-            reward_token=arguments["reward_token"],
-        )
+    if command == "train":
+        if arguments["seeds"] is not None:
+            seeds = [int(seed) for seed in arguments["seeds"].split(",") if seed.strip()]
+            result = run_seeds(
+                config,
+                arguments["out"],
+                seeds,
+                quiet=arguments["quiet"],
+                resume=arguments["resume"],
+                replace=arguments["replace"],
+            )
+        else:
+            result = run_train(
+                config,
+                arguments["out"],
+                resume=arguments["resume"],
+                replace=arguments["replace"],
+                quiet=arguments["quiet"],
+                devices=arguments["devices"],
+                reward_token=arguments["reward_token"],
+            )
         if result.get("preempted"):
             # The process is on its way out: a second signal during interpreter shutdown
             # must end it at once, not raise KeyboardInterrupt inside an exit handler.

@@ -3,14 +3,22 @@
 A run's identity is the settings that determine its result: every setting but those in
 `FREE_ON_RESUME` (logging, evaluation cadence, checkpoint cadence, the epoch count and
 where things live or run). Every checkpoint records them, so that `--resume` can compare.
+
+One process writes a run folder at a time: `lock_run_folder` holds an advisory lock on
+`LOCK_FILE` for the whole run, and a second writer is refused naming the first's pid and host.
 """
 
+import contextlib
+import fcntl
 import json
+import os
 import pathlib
 import shutil
+import socket
+from collections.abc import Iterator
 from typing import Any
 
-from ..train import Checkpointer
+from ..train import Checkpointer, CheckpointError
 from .config import JobConfig
 
 
@@ -42,6 +50,13 @@ RUN_FILES: tuple[str, ...] = (
 )
 """What marks a folder as holding a run (the base model cache `base_*.eqx` does not)."""
 
+FINISHED_FILES: tuple[str, ...] = ("summary.json", "policy.eqx", "policy.lora")
+"""What marks a run as finished: the files its last step writes."""
+
+LOCK_FILE = "run.lock"
+"""The run folder's lock file: held (`fcntl.flock`) by the process writing the folder, and
+holding that process's pid and host; it stays when the run ends, unlocked."""
+
 
 class RunFolderError(ValueError):
     """The run folder holds another run, or `--resume` would change what the run computes.
@@ -68,6 +83,42 @@ def identity(config: JobConfig) -> dict[str, Any]:
     return loaded
 
 
+@contextlib.contextmanager
+def lock_run_folder(out: pathlib.Path) -> Iterator[None]:
+    """Hold the run folder's advisory lock (`LOCK_FILE`, `fcntl.flock`) for the duration.
+
+    The lock goes with the open file: it is released when the block ends, and by the
+    operating system when the process dies, however it dies.
+
+    **Arguments:**
+
+    - `out`: the run folder (created if missing).
+
+    **Raises:**
+
+    - `RunFolderError`: naming the pid and host recorded by the process that holds the
+        lock, if another one does.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 4096, 0).decode(errors="replace").strip()
+            raise RunFolderError(
+                f"{out} is in use by another run ({holder or 'a process that has not said who'} "
+                f"holds {path}): one process writes a run folder at a time. Wait for it to end "
+                "(or stop it), or train into another folder."
+            ) from None
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(descriptor)
+
+
 def holds_a_run(out: pathlib.Path) -> bool:
     """Whether `out` holds any file of a run (`RUN_FILES`)."""
     return any((out / name).exists() for name in RUN_FILES)
@@ -89,7 +140,11 @@ def check_run_folder(out: pathlib.Path, config: JobConfig, *, resume: bool) -> N
     - `RunFolderError`: without `resume`, if `out` holds a run (the message says how to
         continue it or start fresh); with `resume`, naming every identity setting whose value
         differs from the newest checkpoint's (both values), or an `epochs` below the epochs
-        that checkpoint has done.
+        that checkpoint has done, or when no checkpoint is left of a run that checkpointed
+        (its `checkpoints` folder exists) or finished (`FINISHED_FILES`): starting over
+        would overwrite what it wrote.
+    - `CheckpointError`: naming the checkpoint, if its `meta.json` does not record what a
+        run resumes from (`check_resumable`).
     - `CheckpointVersionError`: if the newest checkpoint was written by another version.
     """
     if not resume:
@@ -100,13 +155,14 @@ def check_run_folder(out: pathlib.Path, config: JobConfig, *, resume: bool) -> N
                 f"(to {replaced_name(out)})."
             )
         return
-    found = Checkpointer(out / "checkpoints").latest_metadata()
+    checkpoints = Checkpointer(out / "checkpoints")
+    found = checkpoints.latest_metadata()
     if found is None:
+        _check_nothing_lost(out, checkpoints)
         return
     metadata, path = found
-    recorded = metadata.get("settings")
-    if not isinstance(recorded, dict):
-        raise RunFolderError(f"Checkpoint {path} records no settings to resume with.")
+    check_resumable(metadata, path)
+    recorded = metadata["settings"]
     now = identity(config)
     changed = [
         f"{name}: {recorded.get(name)!r} in the checkpoint, {now.get(name)!r} now"
@@ -122,11 +178,66 @@ def check_run_folder(out: pathlib.Path, config: JobConfig, *, resume: bool) -> N
             + ". Resume with the run's own settings (its config.toml), or train into another "
             "folder."
         )
-    done = int(metadata.get("epoch", 0))
+    done = int(metadata["epoch"])
     if config.training.epochs < done:
         raise RunFolderError(
             f"Setting `epochs`={config.training.epochs} is below the {done} epochs the run in "
             f"{out} has done: resume with at least as many."
+        )
+
+
+def _check_nothing_lost(out: pathlib.Path, checkpoints: Checkpointer) -> None:
+    """With no readable checkpoint, `--resume` starts over: refuse it where that would
+    overwrite a run that checkpointed or finished."""
+    if checkpoints.paths():
+        return  # every one unreadable: restoring names each problem
+    finished = [name for name in FINISHED_FILES if (out / name).exists()]
+    if finished:
+        raise RunFolderError(
+            f"{out} holds a finished run ({', '.join(finished)}) and no checkpoint to resume "
+            "from: --resume would start over and overwrite its outputs. Train into another "
+            "folder, or pass --replace to move it aside."
+        )
+    if checkpoints.directory.exists():
+        raise RunFolderError(
+            f"{out} holds a run that checkpointed, but no checkpoint is left in "
+            f"{checkpoints.directory}: --resume would start over and overwrite its metrics. "
+            "Train into another folder, or pass --replace to move it aside."
+        )
+
+
+def check_resumable(metadata: dict[str, Any], path: pathlib.Path) -> None:
+    """Check that a checkpoint's metadata records what the main job resumes from.
+
+    **Arguments:**
+
+    - `metadata`: the checkpoint's `meta.json`, as read.
+    - `path`: the checkpoint's folder, for the message.
+
+    **Raises:**
+
+    - `CheckpointError`: naming the checkpoint and the entry, for an `epoch` that is not an
+        int >= 1 equal to its `step`, `settings` that are not a table, or a `base` measure
+        that is not a table of numbers `accuracy`, `reward` and `diversity`.
+    """
+    epoch, step = metadata.get("epoch"), metadata.get("step")
+    if type(epoch) is not int or epoch < 1 or epoch != step:
+        raise CheckpointError(
+            path,
+            f"meta.json records epoch {epoch!r} at step {step!r}; a checkpoint of the main "
+            "job records the same int >= 1 for both. Restore the file, or remove this "
+            "checkpoint to resume from an older one.",
+        )
+    if not isinstance(metadata.get("settings"), dict):
+        raise CheckpointError(path, "meta.json records no `settings` to resume with.")
+    base = metadata.get("base")
+    if not isinstance(base, dict) or not all(
+        isinstance(base.get(name), int | float) for name in ("accuracy", "reward", "diversity")
+    ):
+        raise CheckpointError(
+            path,
+            f"meta.json records no `base` measure (accuracy, reward, diversity), got {base!r}. "
+            "Restore the file, or remove this checkpoint to resume from an older one.",
         )
 
 
@@ -139,7 +250,8 @@ def replaced_name(out: pathlib.Path) -> pathlib.Path:
 
 
 def replace_run(out: pathlib.Path) -> pathlib.Path | None:
-    """Move the run in `out` aside, keeping the folder's cached base models in place.
+    """Move the run in `out` aside, keeping the folder's cached base models and its lock
+    file (`LOCK_FILE`, which the caller may hold) in place.
 
     **Arguments:**
 
@@ -152,8 +264,10 @@ def replace_run(out: pathlib.Path) -> pathlib.Path | None:
     if not holds_a_run(out):
         return None
     target = replaced_name(out)
-    shutil.move(str(out), str(target))
-    out.mkdir(parents=True)
+    target.mkdir()
+    for entry in sorted(out.iterdir()):
+        if entry.name != LOCK_FILE:
+            shutil.move(str(entry), str(target / entry.name))
     for base in target.glob("base_*.eqx"):
         shutil.copy2(base, out / base.name)
     return target

@@ -20,6 +20,7 @@ def run_seeds(
     seeds: list[int],
     *,
     quiet: bool = False,
+    resume: bool = False,
     replace: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -31,18 +32,24 @@ def run_seeds(
     (highest) value, and every seed's value; `out/seeds_accuracy.png` plots every seed's
     held-out accuracy curve.
 
+    With `resume`, each seed's run continues (`run_train(resume=True)`): finished ones are
+    left as they are, stopped ones go on from their checkpoints, and those not begun start.
+    A signal stops the sweep after the seed run in progress has checkpointed.
+
     **Arguments:**
 
     - `config`: the settings shared by every run (its `seed` is replaced).
     - `out`: the parent folder.
     - `seeds`: the training seeds, at least one, no repeats.
     - `quiet`: no progress bars.
+    - `resume`: continue each seed's run (`run_train(resume=True)`).
     - `replace`: move runs already in the seed folders aside (`run_train(replace=True)`).
     - `log`: where messages go.
 
     **Returns:**
 
-    The summary (also written to `seeds_summary.json`).
+    The summary (also written to `seeds_summary.json`), or the stop record of the seed run
+    a signal stopped (`{"stopped_at_epoch": E, "preempted": True, "seed": s}`).
 
     **Raises:**
 
@@ -63,8 +70,11 @@ def run_seeds(
                 shutil.copy(base_file, folder / base_file.name)
         log(f"Training seed {seed} into {folder}.")
         runs[seed] = run_train(
-            config.replace(seed=seed), folder, quiet=quiet, replace=replace, log=log
+            config.replace(seed=seed), folder, quiet=quiet, resume=resume, replace=replace, log=log
         )
+        if runs[seed].get("preempted"):
+            log(f"Stopped the sweep in seed {seed}; continue it with --seeds ... --resume.")
+            return {**runs[seed], "seed": seed}
         records = MetricsLog(folder / "metrics.jsonl").read()
         curves[seed] = [
             (r["epoch"], r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r

@@ -35,6 +35,16 @@ LogName: TypeAlias = Literal["tensorboard", "wandb"]
 REWARD_NAMES: tuple[RewardName, ...] = typing.get_args(RewardName)
 
 
+MAX_SEED = 2**32 - 1
+"""The largest seed a setting takes (NumPy's range; JAX keys take the seed plus a small
+offset as a 64-bit int)."""
+
+MAX_PARAMETERS = 2**32
+"""The largest DiT the settings describe, in parameters (at least `12 x depth x width**2`:
+the blocks' attention and MLP weights; 16 GiB in float32). A model beyond it is refused
+before anything is allocated, rather than aborting with `std::bad_alloc`."""
+
+
 def _setting(default: Any, help: str, **bounds: int | float | bool) -> Any:
     """A setting: its default, its help text, and for a number the bounds that `check_int`
     or `check_number` holds it to (`minimum`, `maximum`, `include_minimum`,
@@ -86,6 +96,11 @@ def _check_setting(name: str, annotation: Any, value: Any, bounds: dict[str, Any
                 raise ValueError(f"`{name}` must be true or false, got {value!r}.")
         elif base is int:
             check_int(name, value, bounds["minimum"], optional=optional)
+            if "maximum" in bounds and value > bounds["maximum"]:
+                raise ValueError(
+                    f"`{name}` must be an int in {bounds['minimum']}..{bounds['maximum']}, "
+                    f"got {value!r}."
+                )
         elif base is float:
             check_number(name, value, optional=optional, **bounds)
         elif not isinstance(value, base):
@@ -132,7 +147,8 @@ class ModelSettings:
 
     **Raises:**
 
-    - `ValueError`: naming the setting, for a bad value, or a `lora_alpha` without adapters.
+    - `ValueError`: naming the setting, for a bad value, a `lora_alpha` without adapters,
+        or a `width` and `depth` whose DiT would exceed `MAX_PARAMETERS`.
     """
 
     width: int = _setting(64, "DiT token width", minimum=1)
@@ -159,6 +175,13 @@ class ModelSettings:
     )
 
     def __post_init__(self) -> None:
+        at_least = 12 * self.depth * self.width**2
+        if at_least > MAX_PARAMETERS:
+            raise ValueError(
+                f"Settings `width` ({self.width}) and `depth` ({self.depth}) make a DiT of at "
+                f"least {at_least:.3g} parameters (12 x depth x width**2), beyond the demo's "
+                f"bound of {MAX_PARAMETERS:.3g} (settings.MAX_PARAMETERS)."
+            )
         if self.lora_alpha is not None and self.lora_rank == 0:
             raise ValueError(
                 "Setting `lora_alpha` needs `lora_rank` >= 1 (0 is full fine-tuning), got "
@@ -194,6 +217,7 @@ class PretrainingSettings:
         0,
         "seed of the base model: its initial weights and pretraining data",
         minimum=0,
+        maximum=MAX_SEED,
     )
 
 
@@ -434,6 +458,7 @@ class TrainingSettings:
         0,
         "seed of the Flow-GRPO run: rollout noise and minibatch order (not the base model)",
         minimum=0,
+        maximum=MAX_SEED,
     )
 
 
@@ -456,6 +481,7 @@ class EvaluationSettings:
         0,
         "seed of the held-out evaluation's fixed noise (runs compare on the same samples)",
         minimum=0,
+        maximum=MAX_SEED,
     )
 
 

@@ -1,9 +1,11 @@
 """The main job's training run: a run folder, the base model's measure, the RL epochs with
 their checkpoints and metrics, and the final measure and files."""
 
+import contextlib
 import dataclasses
 import json
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +32,9 @@ from .. import (
     shard_parameters,
     sync_processes,
 )
+from .._misc import is_int
 from ..train import (
+    PREEMPTED_EXIT_STATUS,
     Checkpointer,
     GracefulStop,
     MetricsLog,
@@ -44,7 +48,14 @@ from ._progress import Progress
 from .config import JobConfig, config_to_toml
 from .parts import ShapesJob
 from .report import plot_curve
-from .run_folder import RunFolderError, check_run_folder, identity, replace_run
+from .run_folder import (
+    RunFolderError,
+    check_resumable,
+    check_run_folder,
+    identity,
+    lock_run_folder,
+    replace_run,
+)
 
 
 def _silent(message: str) -> None:
@@ -94,11 +105,20 @@ def run_train(
     With several devices (or processes), rows are sharded over a data mesh and parameters
     replicated; process 0 alone scores rewards and writes files.
 
+    Process 0 holds the run folder's lock (`run_folder.lock_run_folder`) for the whole run:
+    a second process training into the same folder is refused, naming the first.
+
     On SIGTERM or SIGINT the run finishes the epoch in progress, writes a checkpoint, says so
     and returns `{"stopped_at_epoch": E, "preempted": True}` (the command line then exits with
-    `PREEMPTED_EXIT_STATUS`); a second signal stops at once. With several processes every
-    process stops after the same epoch. `resume=True` then continues to the result an
-    uninterrupted run would have had.
+    `PREEMPTED_EXIT_STATUS`); a signal before the first epoch stops the run before it, with
+    the same record (E the epoch it would have continued from). A second signal stops at
+    once: with `PREEMPTED_EXIT_STATUS` when the folder keeps a checkpoint, else killed by that
+    signal. With several processes every process stops after the same epoch. `resume=True`
+    then continues to the result an uninterrupted run would have had.
+
+    `config.toml` is written once the run's starting point is known: after the checkpoint to
+    resume from is loaded and checked. `resume=True` on a finished run with as many epochs
+    as it has done returns its `summary.json` and writes nothing.
 
     **Arguments:**
 
@@ -106,7 +126,8 @@ def run_train(
     - `out`: the run folder.
     - `resume`: continue from the newest intact checkpoint in `out/checkpoints` (damaged
         ones are reported by path and skipped), whose recorded settings must be this run's
-        but for those `run_folder.FREE_ON_RESUME` names.
+        but for those `run_folder.FREE_ON_RESUME` names; in a folder that never
+        checkpointed, start from the beginning.
     - `replace`: move a run already in `out` aside (`run_folder.replace_run`) and start
         afresh; without it, a folder that holds a run is refused unless `resume`.
     - `quiet`: no progress bars.
@@ -122,28 +143,55 @@ def run_train(
 
     **Raises:**
 
-    - `RunFolderError`: before any work, if `out` holds another run and neither `resume`
-        nor `replace` is set, or if `resume` would change a setting of the run (each named
-        with both values) or run fewer epochs than it has done.
-    - `CheckpointError`: when resuming and checkpoints exist but none is intact.
+    - `ValueError`: naming `devices`, before any work, if it is not in 1..the devices of
+        every process.
+    - `RunFolderError`: before any work, if another process holds the folder (naming its
+        pid and host), if `out` holds another run and neither `resume` nor `replace` is
+        set, or if `resume` would change a setting of the run (each named with both values),
+        run fewer epochs than it has done, or start over a run that checkpointed or finished
+        but has no checkpoint left.
+    - `CheckpointError`: when resuming and checkpoints exist but none is intact, or the one
+        to resume from records no usable epoch, settings or base measure.
+    - `ValueError`: naming `metrics.jsonl` and the line, when resuming and a record before
+        its last line cannot be read (nothing is cut).
     - `RewardError`: when the reward fails (the run folder keeps its last checkpoint).
     """
     started = time.perf_counter()
     out = pathlib.Path(out)
+    # Before the base model is pretrained: the mesh is built only after it.
+    if devices is not None and not (is_int(devices) and 1 <= devices <= jax.device_count()):
+        raise ValueError(
+            f"`devices` must be an int in 1..{jax.device_count()} (the devices of every "
+            f"process), got {devices!r}."
+        )
     root = jax.process_index() == 0
     if not root:
         log = _silent
         quiet = True
-    _claim_folder(out, config, resume=resume, replace=replace, root=root, log=log)
-    job = ShapesJob(config, out, quiet, reward_token=reward_token)
-    base, base_source = job.base_model(log)
-    run = _Run.build(job, base, devices=devices, root=root, log=log, started=started)
-    try:
-        with GracefulStop(log) as stop:
-            return run.train(stop, resume=resume, quiet=quiet, base_source=base_source)
-    finally:
-        if run.writers is not None:
-            run.writers.close()
+    if resume and replace:
+        raise RunFolderError("`resume` and `replace` exclude each other.")
+    with lock_run_folder(out) if root else contextlib.nullcontext():
+        finished = _claim_folder(out, config, resume=resume, replace=replace, root=root, log=log)
+        if finished is not None:
+            log(
+                f"The run in {out} is finished ({config.training.epochs} epochs): nothing to "
+                "resume, nothing written. Pass a larger --epochs to train it further."
+            )
+            return finished
+        checkpoints = Checkpointer(out / "checkpoints")
+
+        def kept_checkpoint() -> int | None:
+            return PREEMPTED_EXIT_STATUS if checkpoints.paths() else None
+
+        with GracefulStop(log, exit_status=kept_checkpoint) as stop:
+            job = ShapesJob(config, out, quiet, reward_token=reward_token)
+            base, base_source = job.base_model(log)
+            run = _Run.build(job, base, devices=devices, root=root, log=log, started=started)
+            try:
+                return run.train(stop, resume=resume, quiet=quiet, base_source=base_source)
+            finally:
+                if run.writers is not None:
+                    run.writers.close()
 
 
 def _claim_folder(
@@ -154,27 +202,48 @@ def _claim_folder(
     replace: bool,
     root: bool,
     log: Callable[[str], None],
-) -> None:
-    """Check the run folder (or move its run aside with `replace`), then write the run's
-    `config.toml` into it (process 0 alone).
+) -> dict[str, Any] | None:
+    """Check the run folder (or move its run aside with `replace`); the run's `config.toml`
+    is written later, once its starting point is loaded (`_Run.train`).
+
+    **Returns:**
+
+    The summary of a finished run that `resume` asks to continue to the epochs it has
+    done (nothing to do), else `None`.
 
     **Raises:**
 
     - `RunFolderError`: as `run_train` says.
     """
-    if resume and replace:
-        raise RunFolderError("`resume` and `replace` exclude each other.")
     if replace:
         moved = replace_run(out) if root else None
         if moved is not None:
             log(f"Moved the run that was in {out} to {moved}.")
     else:
         check_run_folder(out, config, resume=resume)
+    finished = _finished_summary(out, config) if resume else None
     # Every process has read the folder before process 0 writes into it.
     sync_processes("run folder checked")
     out.mkdir(parents=True, exist_ok=True)
-    if root:
-        (out / "config.toml").write_text(config_to_toml(config))
+    return finished
+
+
+def _finished_summary(out: pathlib.Path, config: JobConfig) -> dict[str, Any] | None:
+    """The `summary.json` of a finished run of `config.training.epochs` epochs, whose newest
+    checkpoint is of that epoch, or `None`."""
+    summary_path = out / "summary.json"
+    found = Checkpointer(out / "checkpoints").latest_metadata()
+    if not summary_path.exists() or found is None:
+        return None
+    metadata, _ = found
+    try:
+        summary: dict[str, Any] = json.loads(summary_path.read_text())
+    except ValueError:
+        return None
+    epochs = config.training.epochs
+    if metadata.get("epoch") != epochs or summary.get("epochs") != epochs:
+        return None
+    return summary
 
 
 @dataclasses.dataclass
@@ -237,7 +306,14 @@ class _Run:
         """Every epoch still to do, with its checkpoint when due, then the final files; or,
         after a signal `stop` agrees on, a checkpoint and the stop record."""
         epochs, seed = self.job.config.training.epochs, self.job.config.training.seed
+        if stop.agreed(0):
+            return self.stopped_before(None, stop)
         state, first_epoch, base_measure = self.start(resume)
+        if jax.process_index() == 0:
+            # Only now: a resume refused above leaves the run's own config.toml as it was.
+            (self.job.out / "config.toml").write_text(config_to_toml(self.job.config))
+        if stop.agreed(first_epoch):
+            return self.stopped_before(first_epoch, stop)
         self.log(
             f"Base model ({base_source}): held-out accuracy "
             f"{base_measure['accuracy']:.3f}, reward {base_measure['reward']:.3f}, "
@@ -268,6 +344,16 @@ class _Run:
         progress.close()
         return self.finish(state, base_measure, base_source, resume)
 
+    def stopped_before(self, epoch: int | None, stop: GracefulStop) -> dict[str, Any]:
+        """The stop record of a signal that came before the first epoch of this session (with
+        `epoch`, the last one done, once the starting point is loaded)."""
+        cause = stop.received.name if stop.received is not None else "a peer's signal"
+        where = "before loading" if epoch is None else f"after epoch {epoch}, before training"
+        kept = f"; checkpoint in {self.checkpoints.directory}" if self.checkpoints.paths() else ""
+        self.log(f"Stopped {where} ({cause}){kept}; continue with --resume.")
+        sys.stdout.flush()
+        return {"stopped_at_epoch": epoch or 0, "preempted": True}
+
     def start(self, resume: bool) -> tuple[TrainState, int, dict[str, Any]]:
         """The first state, the last epoch done and the base model's measure: from the newest
         intact checkpoint when resuming, else fresh (the base measured and previewed)."""
@@ -288,6 +374,7 @@ class _Run:
                 )
         if found is not None:
             stored, meta, path = found
+            check_resumable(meta, path)
             first_epoch = int(meta["epoch"])
             self.metrics.keep_only(lambda r: r.get("epoch", 0) <= first_epoch, report=self.log)
             self.placement.keep_only(lambda r: r.get("epoch", 0) <= first_epoch, report=self.log)

@@ -49,17 +49,18 @@ class MetricsLog:
         - `ValueError`: naming the file and the line, for a line that is not a JSON object
             (`keep_only` cuts back a torn last line instead).
         """
-        records, torn = self._records()
+        numbered, torn = self._records()
         if torn is not None:
             raise ValueError(f"{self.path}: line {torn} is not a JSON object (a torn write?).")
-        return records
+        return [record for _, record in numbered]
 
-    def _records(self) -> tuple[list[dict[str, Any]], int | None]:
-        """The records, and the number of a torn last line (or `None`)."""
+    def _records(self) -> tuple[list[tuple[int, dict[str, Any]]], int | None]:
+        """The records with their line numbers, and the number of a torn last line (or
+        `None`)."""
         if self.path is None or not self.path.exists():
             return [], None
         lines = self.path.read_text().splitlines()
-        records: list[dict[str, Any]] = []
+        records: list[tuple[int, dict[str, Any]]] = []
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
@@ -71,7 +72,7 @@ class MetricsLog:
                 if number == len(lines):
                     return records, number
                 raise ValueError(f"{self.path}: line {number} is not a JSON object.")
-            records.append(record)
+            records.append((number, record))
         return records, None
 
     def clear(self) -> None:
@@ -95,13 +96,26 @@ class MetricsLog:
         **Raises:**
 
         - `ValueError`: naming the file and the line, for a line before the last that is not
-            a JSON object.
+            a JSON object, or a record `keep` cannot judge (it raises `TypeError`,
+            `ValueError` or `KeyError`, as for `{"epoch": "x"}` compared with a number).
+            The file is then left as it was.
         """
         if self.path is None:
             return
-        records, torn = self._records()
+        numbered, torn = self._records()
+        records = []
+        for number, record in numbered:
+            try:
+                kept = keep(record)
+            except (TypeError, ValueError, KeyError) as error:
+                raise ValueError(
+                    f"{self.path}: line {number} ({json.dumps(record)[:200]}) cannot be read "
+                    f"as a record of this log ({type(error).__name__}: {error}); nothing was "
+                    "cut. Mend or remove that line."
+                ) from error
+            if kept:
+                records.append(record)
         if torn is not None:
             report(f"Cut back the torn last line {torn} of {self.path}.")
-        records = [r for r in records if keep(r)]
         with atomic_file(self.path) as handle:
             handle.write("".join(jsonl_line(record) for record in records).encode())

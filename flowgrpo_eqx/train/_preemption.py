@@ -6,8 +6,10 @@ reads once per epoch, through `agreed`, so that every process stops after the sa
 a checkpoint and exits with `PREEMPTED_EXIT_STATUS`. A second signal ends the process at once.
 """
 
+import contextlib
 import os
 import signal
+import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
@@ -35,12 +37,13 @@ class GracefulStop:
     training loop asks `agreed(step)` after each epoch and, when it is `True`, saves a
     checkpoint and exits with `PREEMPTED_EXIT_STATUS`.
 
-    A second signal (of either kind) stops the process at once: the handler restores the
-    default action for that signal and sends it to the process again with `os.kill`, so the
-    process is killed by that signal, exactly as without `GracefulStop` (no Python cleanup runs;
-    checkpoints are written atomically, so at worst a `.tmp-*` folder is left). Its exit status
-    is `-signum` in `subprocess` (`-15` for SIGTERM, `-2` for SIGINT), `128 + signum` in a
-    shell (143, 130).
+    A second signal (of either kind) stops the process at once (no Python cleanup runs;
+    checkpoints are written atomically, so at worst a `.tmp-*` folder is left). When
+    `exit_status` gives a status, the process exits with it (`os._exit`, after flushing
+    stdout and stderr); otherwise the handler restores the default action for that signal and
+    sends it to the process again with `os.kill`, so the process is killed by that signal,
+    exactly as without `GracefulStop`: its exit status is `-signum` in `subprocess` (`-15`
+    for SIGTERM, `-2` for SIGINT), `128 + signum` in a shell (143, 130).
 
     On exit the previous handlers are restored. Handlers can only be installed from the main
     thread: entered from another thread, `GracefulStop` installs nothing and `requested()`
@@ -57,6 +60,9 @@ class GracefulStop:
 
     - `log`: called with the one line announcing a stop (default `print`).
     - `signals`: the signals to catch.
+    - `exit_status`: called on a second signal; the status to exit with at once (e.g.
+        `PREEMPTED_EXIT_STATUS` when a checkpoint is kept, so that a scheduler resumes the
+        run), or `None` to die by the signal. `None` (the default): always die by it.
 
     **Raises:**
 
@@ -67,9 +73,11 @@ class GracefulStop:
         self,
         log: Callable[[str], None] = print,
         signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+        exit_status: Callable[[], int | None] | None = None,
     ):
         self._log = log
         self._signals = tuple(signals)
+        self._exit_status = exit_status
         self._previous: dict[signal.Signals, _Handler] = {}
         self._received: signal.Signals | None = None
         self._unlogged: str | None = None
@@ -97,6 +105,12 @@ class GracefulStop:
 
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
         if self._received is not None:
+            status = self._exit_status() if self._exit_status is not None else None
+            if status is not None:
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+                os._exit(status)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return

@@ -144,8 +144,9 @@ class Trainer(eqx.Module):
 
     **Raises:**
 
-    - `ValueError`: for an `ema_decay` outside [0, 1), or `microbatches` not an int >= 1,
-        or `microbatches > 1` with an objective whose loss is not a sum of per-row parts
+    - `ValueError`: naming `optimizer` if it is not an `optax.GradientTransformation` (say,
+        the string `"adam"`); for an `ema_decay` outside [0, 1), or `microbatches` not an int
+        >= 1, or `microbatches > 1` with an objective whose loss is not a sum of per-row parts
         (`objective.loss_sums_over_rows()` false, as with GRPO-Guard's `guard`, which
         normalises the ratio with whole-minibatch statistics).
     """
@@ -172,6 +173,11 @@ class Trainer(eqx.Module):
         self.microbatches = microbatches
 
     def __check_init__(self) -> None:
+        if not isinstance(self.optimizer, optax.GradientTransformation):
+            raise ValueError(
+                "`optimizer` must be an optax.GradientTransformation (e.g. optax.adamw(1e-4) or "
+                f"default_optimizer()), got {type(self.optimizer).__name__} {self.optimizer!r}."
+            )
         check_number(
             "ema_decay", self.ema_decay, minimum=0, maximum=1, include_maximum=False, optional=True
         )
@@ -278,6 +284,12 @@ class Trainer(eqx.Module):
 
         The new state and `{name: scalar}` metrics: `loss`, `grad_norm`, and every
         auxiliary `Mean`'s value.
+
+        **Raises:**
+
+        - `EquinoxRuntimeError` (from `eqx.error_if`): naming `batch.advantages` when the
+            batch has advantages and one of them is NaN or infinite (they would make every
+            trained parameter NaN).
         """
         with _mesh_context(state):
             new_state, metrics, _ = _update_donating((self, batch), state)
@@ -330,6 +342,7 @@ class Trainer(eqx.Module):
         return batch
 
     def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array], Any]:
+        batch = _finite_advantages(batch)
         key, step_key = jax.random.split(state.key)
         variables = state.variables
         trainable, frozen = self.split_policy(variables.policy)
@@ -439,6 +452,21 @@ class Trainer(eqx.Module):
             lambda g: jnp.where(count > 0, g / safe.astype(g.dtype), jnp.zeros_like(g)), grads
         )
         return total.value, total, aux, grads
+
+
+def _finite_advantages(batch: Any) -> Any:
+    """`batch`, its `advantages` (when it has them) checked finite: one NaN advantage
+    would turn every trained parameter NaN without a word."""
+    advantages = getattr(batch, "advantages", None)
+    if not isinstance(advantages, jax.Array) or not jnp.issubdtype(advantages.dtype, jnp.inexact):
+        return batch
+    checked = eqx.error_if(
+        advantages,
+        ~jnp.all(jnp.isfinite(advantages)),
+        "`batch.advantages` holds a NaN or infinite value: Trainer.update refuses it (it would "
+        "make every trained parameter NaN); check the rewards and the advantage estimator.",
+    )
+    return eqx.tree_at(lambda b: b.advantages, batch, checked)
 
 
 def _is_mean_or_per_row(node: Any) -> bool:
