@@ -224,6 +224,44 @@ def test_config_file_errors_name_the_key_and_file(tmp_path, text, named):
     assert "Traceback" not in result.stderr
 
 
+def test_eval_reads_the_run_folders_settings(in_process, tmp_path):
+    summary = json.loads((in_process / "summary.json").read_text())
+    final = {name: summary[f"final_{name}"] for name in ("accuracy", "reward", "diversity")}
+    last = sorted((in_process / "checkpoints").glob("ckpt_*"))[-1]
+    # No settings flag: `--run` (its policy.eqx), or a policy or checkpoint inside the run,
+    # is measured with the run's config.toml, as the run measured its final policy.
+    for index, target in enumerate(
+        [("--run", in_process), ("--checkpoint", in_process / "policy.eqx"), ("--checkpoint", last)]
+    ):
+        result = cli("eval", *target, "--quiet", "--out", tmp_path / f"eval_{index}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"Settings from {in_process / 'config.toml'}." in result.stdout
+        assert json.loads(result.stdout.splitlines()[-1]) == final
+
+
+def test_eval_names_checkpoints_and_the_settings_that_do_not_fit(in_process, tmp_path):
+    folder = in_process / "checkpoints"
+    listed = cli("eval", "--checkpoint", folder, "--out", tmp_path / "a")
+    assert listed.returncode == 2
+    assert "is a folder of checkpoints; name one of them:" in listed.stderr
+    for checkpoint in folder.glob("ckpt_*"):
+        assert str(checkpoint) in listed.stderr
+    # A policy outside its run folder, read with the default preset's model settings.
+    alone = tmp_path / "policy.eqx"
+    alone.write_bytes((in_process / "policy.eqx").read_bytes())
+    result = cli("eval", "--checkpoint", alone, "--out", tmp_path / "b")
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert f"{alone} does not fit the model settings width=64, depth=4" in line
+    assert "--run RUN_FOLDER" in line and "--preset tiny" in line
+    assert "TreePathError" not in line and "EOFError" not in line
+    # Given the settings as a flag, it is measured.
+    fitted = cli("eval", "--checkpoint", alone, "--preset", "tiny", "--out", tmp_path / "c")
+    assert fitted.returncode == 0, fitted.stderr[-3000:]
+    neither = cli("eval", "--out", tmp_path / "d")
+    assert neither.returncode == 2 and "--run RUN_FOLDER" in neither.stderr
+
+
 def test_training_seeds_share_the_base_and_differ_only_in_the_run(in_process, tmp_path):
     again = with_base(in_process, tmp_path / "again")
     other = with_base(in_process, tmp_path / "other")

@@ -3,7 +3,8 @@
 - `flowgrpo-eqx train --out DIR`: pretrain (or load) the base model, measure it, fine-tune
   it with Flow-GRPO, measure again.
 - `flowgrpo-eqx pretrain --out DIR`: flow-matching pretraining of the base model only.
-- `flowgrpo-eqx eval --checkpoint PATH`: measure a saved policy.
+- `flowgrpo-eqx eval --run DIR` (or `--checkpoint PATH`): measure a saved policy, with the
+  settings of its run's `config.toml`.
 - `flowgrpo-eqx serve-reward REWARD --port P`: serve a reward over HTTP for `--reward-url`.
 - `flowgrpo-eqx train --seeds 0,1,2 --out DIR`: one run per training seed and a summary.
 - `flowgrpo-eqx check`: the porting check (one collect, one update, a verdict per line) on
@@ -33,6 +34,7 @@ from typing import Any
 
 from ..reward_limits import add_limit_arguments, limit_settings
 from .config import SETTINGS, JobConfig, config_to_toml, make_config, read_config_file
+from .eval_target import eval_target
 from .settings import split_optional
 
 
@@ -181,10 +183,19 @@ _COMMANDS: tuple[tuple[str, str, tuple[_Flag, ...], bool], ...] = (
         "measure a saved policy or checkpoint",
         (
             (
+                "--run",
+                {
+                    "default": None,
+                    "help": "a run folder (train's --out): its policy, or its newest checkpoint, "
+                    "measured with the settings of its config.toml",
+                },
+            ),
+            (
                 "--checkpoint",
                 {
-                    "required": True,
-                    "help": "policy.eqx, base_<hash>.eqx, or a checkpoints/ckpt_* folder",
+                    "default": None,
+                    "help": "policy.eqx, policy.lora, base_<hash>.eqx, or a checkpoints/ckpt_<n> "
+                    "folder; inside a run folder, read with the run's config.toml",
                 },
             ),
             ("--out", {"default": "runs/eval", "help": "where samples_eval.png goes"}),
@@ -346,6 +357,12 @@ def _configure_and_run(command: str, arguments: dict[str, Any]) -> int:
     overrides = {k: v for k, v in arguments.items() if k in SETTINGS}
     try:
         from_file = read_config_file(arguments["config"]) if arguments.get("config") else {}
+        if command == "eval":
+            target = eval_target(arguments["checkpoint"], arguments["run"])
+            arguments["checkpoint"] = target.policy
+            if target.config_file is not None:
+                from_file = read_config_file(target.config_file)
+                print(f"Settings from {target.config_file}.", flush=True)
         config = make_config(arguments["preset"], **{**from_file, **overrides})
     except (ValueError, TypeError) as error:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)

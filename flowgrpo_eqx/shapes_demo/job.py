@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from .. import lora
-from ..train import Checkpointer, TrainState, load_model, save_model
+from ..train import Checkpointer, CheckpointError, TrainState, load_model, save_model
 from .config import JobConfig
 from .parts import BUILTIN_REWARDS, SHIPPED_DIR, ShapesJob
 from .seeds import run_seeds
@@ -63,22 +63,44 @@ def run_eval(
     out: str | pathlib.Path,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Measure a saved policy (`policy.eqx`, `policy.lora` with its run's base model beside
-    it, a base `.eqx`, or a checkpoint folder)."""
+    """Measure a saved policy on the held-out prompts and write `out/samples_eval.png`.
+
+    **Arguments:**
+
+    - `config`: the settings the policy was trained with (its run's `config.toml`).
+    - `checkpoint`: `policy.eqx`, `policy.lora` with its run's base model beside it, a base
+        `.eqx`, or a `ckpt_<n>` checkpoint folder.
+    - `out`: where the picture goes.
+    - `log`: where the measurement goes, as one JSON line.
+
+    **Returns:**
+
+    `{"accuracy", "reward", "diversity"}`, as `summary.json` reports them.
+
+    **Raises:**
+
+    - `ValueError`: naming the policy, the model settings it was read with and how to pass
+        the right ones, if it does not hold a model of `config`'s shape (or is damaged); or
+        naming both fingerprints, if LoRA adapters belong to another base model.
+    """
     job = ShapesJob(config, out, True)
     path = pathlib.Path(checkpoint)
-    if path.is_dir():
-        start = (
-            job.policy(job.saved_base(path.parent.parent)) if config.model.lora_rank else job.model
+    try:
+        policy = _load_policy(job, path)
+    except CheckpointError as error:
+        model = config.model
+        shape = (
+            f"width={model.width}, depth={model.depth}, heads={model.heads}, patch={model.patch}"
         )
-        trainer = job.trainer(job.train_objective(start))
-        like: TrainState = trainer.init(jax.random.key(0))
-        stored, meta = Checkpointer(path.parent).restore(lora.without_bases(like), path)
-        policy = job.from_checkpoint(stored, like, meta, path).variables.policy
-    elif path.suffix == ".lora":
-        policy = lora.load_adapters(path, job.saved_base(path.parent))
-    else:
-        policy = load_model(path, job.model)
+        if model.lora_rank:
+            shape += f", lora_rank={model.lora_rank}, lora_alpha={model.lora_alpha}"
+        # The problem's first clause: what follows is equinox's leaf path and the read error.
+        problem = error.problem.split(": ")[0]
+        raise ValueError(
+            f"{path} does not fit the model settings {shape}: {problem}. Pass the settings "
+            "it was trained with: `--run RUN_FOLDER` (reads its config.toml), or flags such as "
+            "`--preset tiny` or `--width W --depth D --heads H --patch P`."
+        ) from error
     objective = job.objective(policy)
     variables = objective.init(jax.random.key(0))
     measured = job.measure(objective, variables)
@@ -91,3 +113,17 @@ def run_eval(
     )
     log(json.dumps(measured))
     return measured
+
+
+def _load_policy(job: ShapesJob, path: pathlib.Path) -> Any:
+    """The policy a `policy.eqx`, `policy.lora`, base `.eqx` or checkpoint folder holds."""
+    if path.is_dir():
+        lora_rank = job.config.model.lora_rank
+        start = job.policy(job.saved_base(path.parent.parent)) if lora_rank else job.model
+        trainer = job.trainer(job.train_objective(start))
+        like: TrainState = trainer.init(jax.random.key(0))
+        stored, meta = Checkpointer(path.parent).restore(lora.without_bases(like), path)
+        return job.from_checkpoint(stored, like, meta, path).variables.policy
+    if path.suffix == ".lora":
+        return lora.load_adapters(path, job.saved_base(path.parent))
+    return load_model(path, job.model)
