@@ -50,7 +50,8 @@ try:
     from aiohttp import web
 except ModuleNotFoundError as _missing:
     raise ModuleNotFoundError(
-        "flowgrpo_eqx.reward_server needs aiohttp: pip install 'flowgrpo_eqx[server]'."
+        "flowgrpo_eqx.reward_server needs aiohttp: pip install aiohttp (in a checkout of "
+        "flowgrpo_eqx: pip install -e '.[server]')."
     ) from _missing
 
 

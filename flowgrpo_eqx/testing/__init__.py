@@ -19,7 +19,7 @@ def test_masked_entries_are_inert(batch):
     fgt.assert_masked_entries_inert(objective, variables, batch)
 ```
 
-This subpackage needs Hypothesis (`pip install "flowgrpo_eqx[testing]"`); `import
+This subpackage needs Hypothesis (`pip install -e '.[testing]'`); `import
 flowgrpo_eqx` never imports it.
 """
 

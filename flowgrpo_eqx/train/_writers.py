@@ -4,7 +4,7 @@ A training loop calls a writer once an epoch with scalars, images (preview grids
 histograms (advantages, the policy ratio). `MultiWriter` fans one call out to several writers.
 
 TensorBoard goes through `tensorboardX` and W&B through `wandb`; both are optional extras
-(`pip install flowgrpo_eqx[tensorboard]`, `[wandb]`) and are imported only when a writer that
+(`pip install -e '.[tensorboard]'`, `[wandb]`) and are imported only when a writer that
 needs them is made, so that `import flowgrpo_eqx.train` never loads them.
 """
 
@@ -279,7 +279,8 @@ class TensorBoardWriter:
             from tensorboardX import SummaryWriter
         except ImportError as error:
             raise ImportError(
-                "TensorBoardWriter needs tensorboardX: pip install 'flowgrpo_eqx[tensorboard]'."
+                "TensorBoardWriter needs tensorboardX: pip install tensorboardX (in a checkout "
+                "of flowgrpo_eqx: pip install -e '.[tensorboard]')."
             ) from error
         self.logdir = pathlib.Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
@@ -380,7 +381,8 @@ class WandbWriter:
             import wandb
         except ImportError as error:
             raise ImportError(
-                "WandbWriter needs wandb: pip install 'flowgrpo_eqx[wandb]'."
+                "WandbWriter needs wandb: pip install wandb (in a checkout of flowgrpo_eqx: "
+                "pip install -e '.[wandb]')."
             ) from error
         if chosen == "online" and not wandb.login(prompt=False, verify=False):
             raise RuntimeError(
