@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
+from flowgrpo_eqx.shapes_demo import make_config
+from flowgrpo_eqx.train import MetricsLog
 from tests import numpy_reference as ref
 from tests.cli_helpers import run_cli
 from tests.errors import exact_message, raises_named
@@ -372,9 +374,23 @@ def test_a_masked_row_of_nan_reaches_neither_the_loss_nor_its_gradient():
     assert float(again.value) == float(value(variables.policy))
 
 
+def test_the_awm_demo_settings_are_the_released_recipe_adapted():
+    config = make_config("tiny", algorithm="awm")
+    assert (config.objective.beta, config.objective.clip_range) == (0.001, 1.0)
+    assert (config.rollout.noise_level, config.rollout.shared_noise) == (0.4, False)
+    named = make_config("tiny", algorithm="awm", beta=0.0, noise_level=0.7)
+    assert (named.objective.beta, named.rollout.noise_level) == (0.0, 0.7)
+    with pytest.raises(ValueError, match="`rollout_steps` must be at least 4 with algorithm 'awm'"):
+        make_config("tiny", algorithm="awm", rollout_steps=3)
+
+
 def test_the_tiny_preset_trains_with_awm_through_the_command_line(tmp_path):
     out = tmp_path / "awm"
     result = run_cli("train", "--preset", "tiny", "--quiet", "--algorithm", "awm", "--out", out)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stderr[-3000:]
     assert 'algorithm = "awm"' in (out / "config.toml").read_text().splitlines()
-    assert (out / "policy.eqx").exists()
+    records = [r for r in MetricsLog(out / "metrics.jsonl").read() if "reward_mean" in r]
+    assert [r["epoch"] for r in records] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) and r["ratio"] == 1.0 for r in records)
+    assert all("ema_kl" in r and "kl" in r and "log_likelihood" in r for r in records)
+    assert (out / "summary.json").exists() and (out / "policy.eqx").exists()
