@@ -7,6 +7,14 @@ from ._advantages import (
     group_advantages as group_advantages,
     per_reward_advantages as per_reward_advantages,
 )
+from ._awm import (
+    AWMKLWeight as AWMKLWeight,
+    AWMObjective as AWMObjective,
+    AWMRatio as AWMRatio,
+    AWMTimes as AWMTimes,
+    AWMVariables as AWMVariables,
+    AWMWeighting as AWMWeighting,
+)
 from ._consistency import (
     CheckLine as CheckLine,
     ConsistencyReport as ConsistencyReport,

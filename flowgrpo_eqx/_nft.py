@@ -18,7 +18,7 @@ from ._sampling import AbstractSampler, ODESampler
 from ._solver import AbstractSolver, Euler
 from ._trainable import (
     TrainableFilter,
-    part_like,
+    blend_part,
     reference_part,
     reference_policy,
     trainable_part,
@@ -268,19 +268,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
 
         - `ValueError`: if `collected` holds per-transition (`[N, K]`) advantages.
         """
-        if isinstance(collected, FinalSamples):
-            return collected
-        if collected.advantages.ndim != 1:
-            raise ValueError(
-                "DiffusionNFT needs one advantage per row, got Transitions.advantages of "
-                f"shape {tuple(collected.advantages.shape)}."
-            )
-        return FinalSamples(
-            latents=info.final,
-            advantages=collected.advantages,
-            cond=collected.cond,
-            timesteps=collected.timesteps,
-        )
+        return final_samples(collected, info, "DiffusionNFT")
 
     def end_epoch(self, variables: NFTVariables, step: int) -> NFTVariables:
         """With `old_decay`, the old policy moved towards the live one; else unchanged.
@@ -497,16 +485,44 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         return positive_mse, negative_mse, self.adv_max / self.beta
 
 
+def final_samples(
+    collected: Transitions | FinalSamples, info: RolloutInfo, algorithm: str
+) -> FinalSamples:
+    """The final samples of a rollout: `collected` itself, or the rows, advantages and grid
+    of recorded `Transitions` with the final latents of `info` (every row counts).
+
+    **Arguments:**
+
+    - `collected`: what `FlowRollout.collect` returned.
+    - `info`: its `RolloutInfo` (the `final` latents).
+    - `algorithm`: the objective's name, for the message.
+
+    **Returns:**
+
+    The `FinalSamples`.
+
+    **Raises:**
+
+    - `ValueError`: if `collected` holds per-transition (`[N, K]`) advantages.
+    """
+    if isinstance(collected, FinalSamples):
+        return collected
+    if collected.advantages.ndim != 1:
+        raise ValueError(
+            f"{algorithm} needs one advantage per row, got Transitions.advantages of "
+            f"shape {tuple(collected.advantages.shape)}."
+        )
+    return FinalSamples(
+        latents=info.final,
+        advantages=collected.advantages,
+        cond=collected.cond,
+        timesteps=collected.timesteps,
+    )
+
+
 @eqx.filter_jit
 def _soft_update(variables: NFTVariables, decay: float) -> NFTVariables:
-    live = part_like(variables.policy, variables.old_policy)
-
-    def blend(old: Any, current: Any) -> Any:
-        if eqx.is_inexact_array(old):
-            return decay * old + (1.0 - decay) * current
-        return old
-
-    old_policy = jax.tree.map(blend, variables.old_policy, live)
+    old_policy = blend_part(variables.old_policy, variables.policy, decay)
     moved: NFTVariables = eqx.tree_at(lambda v: v.old_policy, variables, old_policy)
     return moved
 

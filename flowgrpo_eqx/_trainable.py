@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeAlias, TypeVar
 
 import equinox as eqx
+import jax
 from jaxtyping import PyTree
 
 from . import lora
@@ -115,6 +116,31 @@ def part_like(policy: Any, part: PyTree[Any]) -> PyTree[Any]:
     A part shaped like `part`, holding `policy`'s arrays.
     """
     return eqx.filter(policy, present_mask(part))
+
+
+def blend_part(part: PyTree[Any], policy: Any, decay: Any) -> PyTree[Any]:
+    """A part moved towards the policy's own arrays: `decay * part + (1 - decay) * live`.
+
+    What an old policy (DiffusionNFT) or a slow EMA (AWM's KL anchor) does once per epoch.
+
+    **Arguments:**
+
+    - `part`: a part of a policy of the same structure (a `trainable_part`).
+    - `policy`: the live policy, whose arrays at `part`'s places are `live`.
+    - `decay`: the weight kept on `part`, in [0, 1].
+
+    **Returns:**
+
+    A part shaped like `part`.
+    """
+    live = part_like(policy, part)
+
+    def blend(old: Any, current: Any) -> Any:
+        if eqx.is_inexact_array(old):
+            return decay * old + (1.0 - decay) * current
+        return old
+
+    return jax.tree.map(blend, part, live)
 
 
 def reference_part(policy: Any, trainable: TrainableFilter | None = None) -> PyTree[Any]:

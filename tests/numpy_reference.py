@@ -243,3 +243,98 @@ def nft_released_row(
 def nft_decay(step, flat, rate, maximum):
     """The released old-policy decay `eta`: 0 before `flat`, then `min((step - flat) rate, max)`."""
     return 0.0 if step < flat else min((step - flat) * rate, maximum)
+
+
+# ---------------------------------------------------------------------------------------------
+# AWM (docs/mathematics.md §9), from the authors' release: github scxue/advantage_weighted_matching
+# at be51372, advantage_weighted_matching/scripts/train_sd3_awm.py (cited below by line).
+
+AWM_RELEASE = "scxue/advantage_weighted_matching@be51372 scripts/train_sd3_awm.py"
+
+
+def awm_log_prob(v, data, noise, t, weighting="ghuber", power=0.25):
+    """`compute_log_prob_awm`, lines 237-251: `e = mean (v - (eps - x_0))^2` in float64, then
+    `Uniform` `-e`, `t` `-e t`, `t**2` `-e t^2`, `huber` `-(sqrt(e + 1e-10) - 1e-5) t`,
+    `ghuber` `-((e + 1e-10)^p - (1e-10)^p) t / p`."""
+    v = np.asarray(v, np.float64)
+    target = np.asarray(noise, np.float64) - np.asarray(data, np.float64)
+    log_prob = -np.mean((v - target) ** 2)
+    t = float(t)
+    if weighting == "t":
+        return log_prob * t
+    if weighting == "t**2":
+        return log_prob * t**2
+    if weighting == "uniform":
+        return log_prob
+    if weighting == "huber":
+        return -(np.sqrt(-log_prob + 1e-10) - 1e-5) * t
+    if weighting == "ghuber":
+        return -(np.power(-log_prob + 1e-10, power) - np.power(1e-10, power)) * t / power
+    raise ValueError(weighting)
+
+
+def awm_indices(u, grid_size, train_timesteps, timestep_fraction, time_type):
+    """The trained grid indices, lines 1172-1205 (`discrete`, `discrete_with_init`,
+    `discrete_wo_init`): strata bounds `linspace(start, int(K f), n + 1).long()`, one index
+    `lower + long(u (upper - lower))` per stratum (`u` float32, as `torch.rand`); with
+    `discrete_with_init`, index 0 first and `n = T - 1` strata from 1."""
+    top = int(grid_size * timestep_fraction)
+    if time_type == "discrete_with_init":
+        start, strata = 1, train_timesteps - 1
+    else:
+        start, strata = (0 if time_type == "discrete" else 1), train_timesteps
+    step = (top - start) / strata
+    bounds = [int(start + i * step) if i < strata else top for i in range(strata + 1)]
+    u = np.asarray(u, np.float32)
+    picked = [
+        bounds[i] + int(np.float32(u[i]) * np.float32(bounds[i + 1] - bounds[i]))
+        for i in range(strata)
+    ]
+    return ([0] if time_type == "discrete_with_init" else []) + picked
+
+
+def awm_advantages(advantages, adv_clip_max, advantage_max):
+    """Lines 1293-1299: `clamp(A, -adv_clip_max, adv_clip_max)`, then, when `advantage_max` is
+    set, `/ adv_clip_max * advantage_max`."""
+    a = np.clip(np.asarray(advantages, np.float64), -adv_clip_max, adv_clip_max)
+    return a if advantage_max is None else a / adv_clip_max * advantage_max
+
+
+def awm_policy_loss(log_probs, old_log_probs, advantages, clip_range, loss_type="exp_first"):
+    """Lines 1301-1327, on `[T, B]` log-likelihoods and `[B]` (scaled) advantages:
+    `exp_first` ratio `exp(lp - old)` per entry; `sum_first` `exp(mean_T lp - mean_T old)` per
+    row; the loss `mean(max(-A r, -A clamp(r, 1 - c, 1 + c)))`. Returns `(loss, ratio)`."""
+    lp = np.asarray(log_probs, np.float64)
+    old = np.asarray(old_log_probs, np.float64)
+    a = np.asarray(advantages, np.float64)
+    if loss_type == "sum_first":
+        ratio = np.exp(lp.mean(axis=0) - old.mean(axis=0))
+    else:
+        ratio = np.exp(lp - old).reshape(-1)
+        a = np.repeat(a[None, :], lp.shape[0], axis=0).reshape(-1)
+    unclipped = -a * ratio
+    clipped = -a * np.clip(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return float(np.mean(np.maximum(unclipped, clipped))), ratio
+
+
+def awm_kl(v, v_other, t, weight="uniform"):
+    """Lines 1334-1340 (and 1343-1349 for the EMA): `mean (v - v')^2` per example, over
+    `2 std^2` for `ELBO`, `std = sqrt(t / (1 - clamp(t, 0, 0.99))) 0.7` (line 236)."""
+    kl = np.mean((np.asarray(v, np.float64) - np.asarray(v_other, np.float64)) ** 2)
+    if weight == "uniform":
+        return kl
+    t = float(t)
+    std = np.sqrt(t / (1 - min(max(t, 0.0), 0.99))) * 0.7
+    return kl / (2 * std**2)
+
+
+def awm_ema_decay(global_step, decay_type="linear", kl_ema_decay=0.3):
+    """Lines 1410-1413: `constant` `kl_ema_decay`, `linear` `min(kl_ema_decay, 0.001 step)`."""
+    if decay_type == "constant":
+        return kl_ema_decay
+    return min(kl_ema_decay, 0.001 * global_step)
+
+
+def awm_ema_update(ema, live, decay):
+    """Lines 1416-1419: `ema = ema decay + live (1 - decay)`."""
+    return np.asarray(ema, np.float64) * decay + np.asarray(live, np.float64) * (1.0 - decay)

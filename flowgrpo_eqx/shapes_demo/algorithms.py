@@ -19,6 +19,7 @@ from .. import (
     CFG,
     AbstractRLObjective,
     AbstractWindowSchedule,
+    AWMObjective,
     DiffusionNFTObjective,
     FlowGRPOObjective,
     FlowReward,
@@ -213,7 +214,85 @@ class NFT(AbstractAlgorithm):
         return False
 
 
-ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {"flow_grpo": FlowGRPO(), "nft": NFT()}
+@final
+class AWM(AbstractAlgorithm):
+    """Advantage Weighted Matching as released (`AWMObjective`'s defaults: the GenEval recipe
+    of `config/dgx_awm.py`), adapted to this task where it cannot be taken as it is:
+
+    - The KL weight to the base model is the `beta` setting, 0.001 by default (the
+        release's); `clip_range` (1.0 by default, the release's) and `adv_clip_max` (5, the
+        release's) are the shared settings.
+    - No guidance in the rollout or the loss (the release trains with CFG off), whatever
+        `guidance_scale`; advantages over the global reward std (`global_std=True`); no
+        shared initial noise (each sample draws its own).
+    - The rollout samples the job's SDE (`rollout_sde`) with `noise_level` 0.4 by default:
+        this library has no SA-Solver, the release's stochastic sampler (stochasticity 0.4
+        on `0.3 <= t <= 0.9`), and the job's grid of `rollout_steps - 1` start times (5 by
+        default) is too coarse for that window.
+    - `train_timesteps` is `min(6, int(0.9 K) - 1)` for `K` start times: the released
+        6 strata of `[1, int(0.9 K))` would draw the same index several times on a grid of 5
+        (14 in the release), so each available index is trained once instead (3 of 5).
+    - The optimizer, learning rate and updates per epoch are the job's: the release's
+        LoRA at 3e-4 with one accumulated update per epoch is for SD3.5-M.
+    """
+
+    def check(self, config: Settings) -> None:
+        if config.rollout.rollout_steps < 4:
+            raise ValueError(
+                "Setting `rollout_steps` must be at least 4 with algorithm 'awm': its strata "
+                "of the grid skip the first start time and the last tenth, got "
+                f"{config.rollout.rollout_steps!r}."
+            )
+
+    def default_settings(self) -> dict[str, Any]:
+        """The release's KL weight, clip range, SDE noise, and independent initial noise."""
+        return {"beta": 0.001, "clip_range": 1.0, "noise_level": 0.4, "shared_noise": False}
+
+    def objective(self, job: JobPieces, base: Any) -> AWMObjective:
+        """AWM's objective as released, its KL weight `beta` and clips the job's."""
+        config = job.config
+        settings = _objective_settings(job, base)
+        settings["guidance"] = None
+        start_times = config.rollout.rollout_steps - 1
+        return AWMObjective(
+            job.model,
+            RectifiedFlow(),
+            job.inputs,
+            kl_beta=config.objective.beta,
+            clip_range=config.objective.clip_range,
+            adv_clip_max=config.objective.adv_clip_max,
+            train_timesteps=max(1, min(6, int(0.9 * start_times) - 1)),
+            sde=rollout_sde(config.rollout),
+            **settings,
+        )
+
+    def rollout(
+        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
+    ) -> FlowRollout:
+        """The job's SDE and advantages over the global reward std, as released."""
+        return FlowRollout(
+            objective,
+            job.reward,
+            sampler=SDESampler(rollout_sde(job.config.rollout)),
+            advantage_std="global",
+            **_rollout_settings(job, mesh),
+        )
+
+    def old_log_probs(self, config: Settings) -> OldLogProbs:
+        """The rollout's: AWM's ratio is of its own surrogate, never of recorded densities."""
+        return (
+            "rollout" if config.objective.old_log_probs is None else config.objective.old_log_probs
+        )
+
+    def trains_on_ratios(self) -> bool:
+        return False
+
+
+ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {
+    "flow_grpo": FlowGRPO(),
+    "nft": NFT(),
+    "awm": AWM(),
+}
 """Every algorithm, by its name in the `algorithm` setting."""
 
 

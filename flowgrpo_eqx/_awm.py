@@ -1,0 +1,591 @@
+"""`AWMObjective`: Advantage Weighted Matching, as its authors' released code computes it."""
+
+from typing import Any, Literal, TypeAlias, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
+
+from ._custom_types import FinalSamples, Mean, Model, RolloutInfo, Step, Transitions
+from ._flow_base import AbstractVariables
+from ._guided_flow import GuidedFlow, Precision, flow_from
+from ._inputs import CFG, AbstractAutoEncoder, InputSpec
+from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
+from ._nft import RampedDecay, _example_mse, final_samples
+from ._process import AbstractProcess
+from ._rl import AbstractRLObjective
+from ._sampling import AbstractSampler, SDESampler
+from ._sde import AbstractSDE, FlowSDE
+from ._solver import AbstractSolver, Euler
+from ._trainable import (
+    TrainableFilter,
+    blend_part,
+    reference_part,
+    reference_policy,
+    trainable_part,
+    with_part,
+)
+
+
+AWMWeighting: TypeAlias = Literal["ghuber", "huber", "t", "t**2", "uniform"]
+"""How AWM turns an example's flow-matching error `e` at time `t` into its log-likelihood
+surrogate (the release's `weighting`): `"ghuber"` `-((e + 1e-10)^p - 1e-10^p) t / p` (the
+released default, `p = ghuber_power`), `"huber"` `-(sqrt(e + 1e-10) - 1e-5) t`, `"t"`
+`-e t`, `"t**2"` `-e t^2`, `"uniform"` `-e`."""
+
+AWMRatio: TypeAlias = Literal["per_time", "per_row"]
+"""Where AWM takes its ratio: one per (row, time) (the release's `loss_type='exp_first'`, its
+default), or one per row from its mean log-likelihood over its times (`'sum_first'`)."""
+
+AWMTimes: TypeAlias = Literal["discrete_wo_init", "discrete", "discrete_with_init"]
+"""How AWM chooses its trained grid indices (the release's `time_type`): one uniform draw in
+each of `train_timesteps` strata of `[1, int(K time_fraction))` (`"discrete_wo_init"`, the
+GenEval and OCR default), of `[0, ...)` (`"discrete"`, PickScore), or index 0 and one draw in
+each of `train_timesteps - 1` strata of `[1, ...)` (`"discrete_with_init"`)."""
+
+AWMKLWeight: TypeAlias = Literal["uniform", "elbo"]
+"""How a velocity KL is weighted per example: `mean (v - v')^2` (`"uniform"`, the released
+default), or that over `2 std^2`, `std = 0.7 sqrt(t / (1 - min(t, 0.99)))` (`"elbo"`)."""
+
+_RELEASED_SDE = FlowSDE(noise_level=0.4, window=(0.9, 0.3))
+_RELEASED_EMA_DECAY = RampedDecay(rate=0.001, maximum=0.3)
+
+
+@final
+class AWMVariables(AbstractVariables):
+    """AWM's variables: the live policy, the slow EMA of its trainable part, the reference.
+
+    **Arguments:**
+
+    - `policy`: the live velocity model, trained by the optimizer.
+    - `ema`: when `ema_beta > 0` or `off_policy`, the EMA of the policy's trainable part
+        (`trainable_part`: the adapters of a LoRA policy, every float array of a fully
+        trained one); the EMA policy is the live one carrying it (`with_part`). It starts as
+        the initial policy's and moves once per epoch (`AWMObjective.end_epoch`). `None`
+        otherwise.
+    - `reference`: when `kl_beta > 0`, the frozen `reference_part` of the initial policy;
+        the KL compares with `reference_policy` (the base model of a LoRA policy). `None`
+        otherwise.
+    """
+
+    policy: Model
+    ema: PyTree[Any] | None
+    reference: PyTree[Any] | None
+
+
+@final
+class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
+    """Advantage Weighted Matching (arXiv 2509.25050) as the authors' released
+    `scripts/train_sd3_awm.py` computes it (`docs/mathematics.md` §9); the defaults are its
+    GenEval recipe (`config/dgx_awm.py`, `geneval_sd3_no_cfg_1node`).
+
+    Trained on final samples `x_0` and one advantage `A` per row. Each minibatch draws
+    `T = train_timesteps` grid indices, one per stratum (`times`), shared by its rows; row
+    `i` trains at `t = timesteps[i, index]` of the grid that drew it, with fresh noise `eps`
+    per (row, time): `x_t = (1 - t) x_0 + t eps`. The flow-matching error
+    `e = mean (v_theta(x_t, t) - (eps - x_0))^2` becomes a log-likelihood surrogate
+    `log p = weighting(e, t)` (`AWMWeighting`). The ratio is `exp(log p - old)` per example
+    (or per row, `ratio="per_row"`) with `old = stop_gradient(log p)` (on-policy, the
+    released default: the ratio is exactly 1, the loss `-mean(A')` in value and
+    `-mean(A' grad log p)` in gradient), or the EMA policy's (`off_policy=True`). With
+    `A' = clip(A, -adv_clip_max, adv_clip_max) / adv_clip_max * advantage_max`, the policy
+    loss is the mean of `max(-A' r, -A' clip(r, 1 - clip_range, 1 + clip_range))`; the loss
+    adds `kl_beta` times the velocity KL to the base model and `ema_beta` times the one to
+    the EMA policy (`AWMKLWeight`). Rows count alike, zero-advantage rows included (the
+    release drops none).
+
+    The EMA moves once per epoch, `ema = d ema + (1 - d) live` with `d = ema_decay(step)`
+    (`RampedDecay(rate=0.001, maximum=0.3)`: the released linear `min(0.001 step, 0.3)`), so
+    it trails the live policy by about an epoch: a trust region, not a long average.
+
+    The rollout may use any sampler (`rollout_sampler`); AWM needs only its final samples
+    and its grid. The default is `SDESampler(sde)` with `sde = FlowSDE(0.4, window=(0.9,
+    0.3))`, the nearest this library has to the release's SA-Solver (stochasticity 0.4 on
+    `0.3 <= t <= 0.9`).
+
+    **Arguments:**
+
+    - `model`, `process`, `inputs`, `guidance`, `sampler`, `steps`, `autoencoder`,
+        `pretrained`, `precision`: as for `DiffusionNFTObjective` (`sampler` and `steps`
+        serve `evaluate`); `guidance` defaults to `None` (the release trains without CFG).
+    - `weighting`: `"ghuber"` (default) or another `AWMWeighting`.
+    - `ghuber_power`: `p` of `"ghuber"`, > 0 (default 0.25).
+    - `ratio`: `"per_time"` (default) or `"per_row"`.
+    - `clip_range`: the ratio clip, > 0 (default 1.0, the recipe's).
+    - `adv_clip_max`: the advantage clip, > 0 (default 5.0, the release's).
+    - `advantage_max`: the clipped advantage's new bound, > 0, or `None` to keep the clip's
+        scale (default 1.0, the recipe's).
+    - `times`: `"discrete_wo_init"` (default) or another `AWMTimes`.
+    - `train_timesteps`: `T`, the trained times per row, >= 1 (default 6).
+    - `time_fraction`: the fraction of the grid the strata cover, in (0, 1] (default 0.9).
+    - `kl_beta`: the weight of the KL to the base model, >= 0 (default 0.001).
+    - `kl_weight`: its `AWMKLWeight` (default `"uniform"`).
+    - `ema_beta`: the weight of the KL to the EMA policy, >= 0 (default 1.0).
+    - `ema_kl_weight`: its `AWMKLWeight` (default `"uniform"`).
+    - `ema_decay`: a `RampedDecay` (default, the released linear schedule), a constant in
+        [0, 1) (the release's `'constant'`), or `None` to keep the EMA at the initial policy.
+    - `off_policy`: whether the EMA policy samples the rollout and gives the old
+        log-likelihoods (default `False`, the recipe's).
+    - `sde`: the SDE of the default rollout sampler.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for a value outside the ranges above, an unknown
+        mode, a `sde` that is not an `AbstractSDE`, `steps < 2`, or guidance without a null
+        condition.
+    """
+
+    flow: GuidedFlow
+    sampler: AbstractSolver
+    steps: int
+    pretrained: Model | None
+    sde: AbstractSDE
+    weighting: AWMWeighting = eqx.field(static=True)
+    ghuber_power: float
+    ratio: AWMRatio = eqx.field(static=True)
+    clip_range: float
+    adv_clip_max: float
+    advantage_max: float | None
+    times: AWMTimes = eqx.field(static=True)
+    train_timesteps: int = eqx.field(static=True)
+    time_fraction: float = eqx.field(static=True)
+    kl_beta: float
+    kl_weight: AWMKLWeight = eqx.field(static=True)
+    ema_beta: float
+    ema_kl_weight: AWMKLWeight = eqx.field(static=True)
+    ema_decay: float | RampedDecay | None
+    off_policy: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        model: Model,
+        process: AbstractProcess,
+        inputs: InputSpec,
+        *,
+        weighting: AWMWeighting = "ghuber",
+        ghuber_power: float = 0.25,
+        ratio: AWMRatio = "per_time",
+        clip_range: float = 1.0,
+        adv_clip_max: float = 5.0,
+        advantage_max: float | None = 1.0,
+        times: AWMTimes = "discrete_wo_init",
+        train_timesteps: int = 6,
+        time_fraction: float = 0.9,
+        kl_beta: float = 0.001,
+        kl_weight: AWMKLWeight = "uniform",
+        ema_beta: float = 1.0,
+        ema_kl_weight: AWMKLWeight = "uniform",
+        ema_decay: float | RampedDecay | None = _RELEASED_EMA_DECAY,
+        off_policy: bool = False,
+        sde: AbstractSDE = _RELEASED_SDE,
+        guidance: CFG | None = None,
+        sampler: AbstractSolver = Euler(),
+        steps: int = 41,
+        autoencoder: AbstractAutoEncoder | None = None,
+        pretrained: Model | None = None,
+        precision: Precision = "float32",
+    ):
+        self.flow = flow_from(model, process, inputs, guidance, autoencoder, precision)
+        self.sampler = sampler
+        self.steps = steps
+        self.pretrained = pretrained
+        self.sde = sde
+        self.weighting = weighting
+        self.ghuber_power = ghuber_power
+        self.ratio = ratio
+        self.clip_range = clip_range
+        self.adv_clip_max = adv_clip_max
+        self.advantage_max = advantage_max
+        self.times = times
+        self.train_timesteps = train_timesteps
+        self.time_fraction = time_fraction
+        self.kl_beta = kl_beta
+        self.kl_weight = kl_weight
+        self.ema_beta = ema_beta
+        self.ema_kl_weight = ema_kl_weight
+        self.ema_decay = ema_decay
+        self.off_policy = off_policy
+
+    def __check_init__(self) -> None:
+        _check_mode("weighting", self.weighting, AWMWeighting)
+        _check_mode("ratio", self.ratio, AWMRatio)
+        _check_mode("times", self.times, AWMTimes)
+        _check_mode("kl_weight", self.kl_weight, AWMKLWeight)
+        _check_mode("ema_kl_weight", self.ema_kl_weight, AWMKLWeight)
+        for name in ("ghuber_power", "clip_range", "adv_clip_max", "advantage_max"):
+            value = getattr(self, name)
+            optional = name == "advantage_max"
+            check_number(name, value, minimum=0, include_minimum=False, optional=optional)
+        check_int("train_timesteps", self.train_timesteps, 1)
+        check_number(
+            "time_fraction", self.time_fraction, minimum=0, maximum=1, include_minimum=False
+        )
+        check_number("kl_beta", self.kl_beta, minimum=0)
+        check_number("ema_beta", self.ema_beta, minimum=0)
+        if not isinstance(self.ema_decay, RampedDecay):
+            check_number(
+                "ema_decay", self.ema_decay, minimum=0, maximum=1, include_maximum=False,
+                optional=True,
+            )  # fmt: skip
+        if not isinstance(self.off_policy, bool):
+            raise ValueError(f"`off_policy` must be a bool, got {self.off_policy!r}.")
+        if not isinstance(self.sde, AbstractSDE):
+            raise ValueError(f"`sde` must be an AbstractSDE, got {self.sde!r}.")
+        if not isinstance(self.sampler, AbstractSolver):
+            raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
+        check_int("steps", self.steps, 2)
+
+    # ----------------------------------------------------------------------------------
+    # The RL loop's interface
+
+    def variables_for(self, policy: Model, trainable: TrainableFilter | None) -> AWMVariables:
+        keeps_ema = self.ema_beta > 0 or self.off_policy
+        return AWMVariables(
+            policy=policy,
+            ema=trainable_part(policy, trainable) if keeps_ema else None,
+            reference=reference_part(policy, trainable) if self.kl_beta > 0 else None,
+        )
+
+    def rollout_sampler(self, requested: AbstractSampler | None) -> AbstractSampler:
+        """`SDESampler(sde)` by default; any requested sampler otherwise: AWM trains on
+        final samples, whatever drew them."""
+        return SDESampler(self.sde) if requested is None else requested
+
+    def sampling_policy(self, variables: AWMVariables) -> Model:
+        """The EMA policy with `off_policy`, else the live policy."""
+        return self.ema_policy(variables) if self.off_policy else variables.policy
+
+    def training_batch(
+        self, collected: Transitions | FinalSamples, info: RolloutInfo
+    ) -> FinalSamples:
+        """The rollout's final samples, rows and advantages; every row counts.
+
+        **Arguments:**
+
+        - `collected`: `FinalSamples` (an ODE rollout), or `Transitions` (an SDE rollout:
+            its rows, advantages and grid, with the final latents of `info`).
+        - `info`: the rollout's `RolloutInfo`.
+
+        **Returns:**
+
+        The `FinalSamples`.
+
+        **Raises:**
+
+        - `ValueError`: if `collected` holds per-transition (`[N, K]`) advantages.
+        """
+        return final_samples(collected, info, "AWM")
+
+    def end_epoch(self, variables: AWMVariables, step: int) -> AWMVariables:
+        """The EMA moved towards the live policy, `ema = d ema + (1 - d) live`.
+
+        **Arguments:**
+
+        - `variables`: after the epoch's updates.
+        - `step`: the optimizer updates done so far (a `RampedDecay` reads it).
+
+        **Returns:**
+
+        `variables` with the moved EMA (`d = ema_decay(step)` for a `RampedDecay`, else
+        `ema_decay`); unchanged without an EMA or with `ema_decay=None`.
+        """
+        if variables.ema is None or self.ema_decay is None:
+            return variables
+        decay = self.ema_decay
+        return _move_ema(variables, decay(step) if isinstance(decay, RampedDecay) else decay)
+
+    def batch_metrics(self, batch: FinalSamples) -> dict[str, float]:
+        del batch
+        return {}
+
+    def loss_sums_over_rows(self) -> bool:
+        """`True`: given the step's draws, each row's loss is its own."""
+        return True
+
+    # ----------------------------------------------------------------------------------
+    # The pieces of the loss
+
+    def ema_policy(self, variables: AWMVariables) -> Model:
+        """The EMA policy: the live policy carrying `variables.ema`.
+
+        **Arguments:**
+
+        - `variables`: from `init`.
+
+        **Returns:**
+
+        A model like `variables.policy`.
+
+        **Raises:**
+
+        - `ValueError`: naming `variables` if it holds no EMA.
+        """
+        if variables.ema is None:
+            raise ValueError(
+                "`variables.ema` is None, but `ema_beta` > 0 or `off_policy` needs the EMA: "
+                "build the variables with `init`."
+            )
+        return with_part(variables.policy, variables.ema)
+
+    def reference(self, variables: AWMVariables) -> Model:
+        """The KL reference: `reference_policy(variables.policy, variables.reference)`.
+
+        **Arguments:**
+
+        - `variables`: from `init`.
+
+        **Returns:**
+
+        The reference model (the base model of a LoRA policy).
+
+        **Raises:**
+
+        - `ValueError`: naming `variables` if it holds no reference.
+        """
+        if variables.reference is None:
+            raise ValueError(
+                "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference: "
+                "build the variables with `init`."
+            )
+        return reference_policy(variables.policy, variables.reference)
+
+    def log_likelihood(
+        self, error: Float[Array, " F"], t: Float[Array, " F"]
+    ) -> Float[Array, " F"]:
+        """The log-likelihood surrogate of each example (`weighting`).
+
+        **Arguments:**
+
+        - `error`: `[F]` flow-matching errors `mean (v - (eps - x_0))^2`.
+        - `t`: `[F]` their times.
+
+        **Returns:**
+
+        `[F]` surrogates (<= 0 for `"ghuber"`, `"t"`, `"t**2"`, `"uniform"`).
+        """
+        if self.weighting == "uniform":
+            return -error
+        if self.weighting == "t":
+            return -error * t
+        if self.weighting == "t**2":
+            return -error * t**2
+        if self.weighting == "huber":
+            return -(jnp.sqrt(error + 1e-10) - 1e-5) * t
+        p = self.ghuber_power
+        surrogate: Float[Array, " F"] = -((error + 1e-10) ** p - 1e-10**p) * t / p
+        return surrogate
+
+    def scaled_advantages(self, advantages: Float[Array, " N"]) -> Float[Array, " N"]:
+        """`A' = clip(A, -adv_clip_max, adv_clip_max)`, times `advantage_max / adv_clip_max`
+        when `advantage_max` is set.
+
+        **Arguments:**
+
+        - `advantages`: `[N]` advantages.
+
+        **Returns:**
+
+        `[N]` float32 advantages in `[-advantage_max, advantage_max]`.
+        """
+        clipped = jnp.clip(advantages.astype(jnp.float32), -self.adv_clip_max, self.adv_clip_max)
+        if self.advantage_max is None:
+            return clipped
+        return clipped / self.adv_clip_max * self.advantage_max
+
+    def trained_indices(self, grid_size: int, key: PRNGKeyArray) -> Int[Array, " T"]:
+        """The `T` grid indices a minibatch trains at, one per stratum (`times`).
+
+        The strata's bounds are `linspace(start, int(grid_size * time_fraction), n + 1)`
+        truncated to ints, with `start = 0` for `"discrete"` and 1 otherwise and `n` strata
+        (`T`, or `T - 1` after the fixed index 0 of `"discrete_with_init"`); with
+        `u = jax.random.uniform(key, (n,))`, index `lower + int(u (upper - lower))`.
+
+        **Arguments:**
+
+        - `grid_size`: `K`, the start times of the sampler's grid.
+        - `key`: draws `u`.
+
+        **Returns:**
+
+        `[T]` int32 indices in `[0, K)`.
+
+        **Raises:**
+
+        - `ValueError`: naming `time_fraction`, if `int(K time_fraction)` leaves no index
+            after `start`.
+        """
+        start = 0 if self.times == "discrete" else 1
+        top = int(grid_size * self.time_fraction)
+        if top <= start:
+            raise ValueError(
+                f"`time_fraction`={self.time_fraction} of a grid of {grid_size} start times "
+                f"leaves no trained index for `times`={self.times!r} (needs "
+                f"int(K * time_fraction) > {start})."
+            )
+        first = self.times == "discrete_with_init"
+        strata = self.train_timesteps - 1 if first else self.train_timesteps
+        bounds = np.linspace(start, top, strata + 1).astype(np.int64)
+        lower = jnp.asarray(bounds[:-1], jnp.int32)
+        width = jnp.asarray(bounds[1:] - bounds[:-1], jnp.float32)
+        u = jax.random.uniform(key, (strata,), jnp.float32)
+        drawn = lower + (u * width).astype(jnp.int32)
+        return jnp.concatenate([jnp.zeros((1,), jnp.int32), drawn]) if first else drawn
+
+    def kl_of(
+        self, v: Array, v_other: Array, t: Float[Array, " F"], weight: AWMKLWeight
+    ) -> Float[Array, " F"]:
+        """The velocity KL of each example: `mean (v - v')^2`, over `2 std^2` for `"elbo"`.
+
+        **Arguments:**
+
+        - `v`, `v_other`: `[F, *latent]` velocities (`v_other` without gradient).
+        - `t`: `[F]` their times.
+        - `weight`: `"uniform"` or `"elbo"`.
+
+        **Returns:**
+
+        `[F]` KLs.
+        """
+        kl = _example_mse(v, jax.lax.stop_gradient(v_other))
+        if weight == "uniform":
+            return kl
+        std = jnp.sqrt(t / (1 - jnp.clip(t, 0.0, 0.99))) * 0.7
+        return kl / (2 * std**2)
+
+    def loss(
+        self, variables: AWMVariables, batch: FinalSamples, step: Step
+    ) -> tuple[Mean, dict[str, Mean]]:
+        """The AWM loss over the batch's counted rows (one `Mean`, summed per row).
+
+        Masked rows are replaced by a zero latent, advantage and conditioning (and time 1)
+        before any arithmetic, so NaN or inf in them reach neither the loss nor its gradient.
+
+        **Arguments:**
+
+        - `variables`: gradients flow into `variables.policy` only.
+        - `batch`: the `FinalSamples`, with their grid `timesteps` `[N, K]`.
+        - `step`: its key draws the times and the noise: `index_key, noise_key =
+            jax.random.split(step.key)`; `trained_indices(K, index_key)`, shared by the rows;
+            `eps = jax.random.normal(noise_key, [N T, *latent])`, rows repeated time-fastest.
+
+        **Returns:**
+
+        `(Mean(sum of per-row losses, counted rows), aux)`, each row's loss its mean over
+        its times (its own with `ratio="per_row"`), and `aux` the `Mean`s over counted rows
+        of `policy_loss`, `error` (`e`), `log_likelihood`, `ratio`, `clipfrac`
+        (`|r - 1| > clip_range`), `advantage` (`A'`), and `kl` and `ema_kl` when weighted.
+
+        **Raises:**
+
+        - `ValueError`: naming `batch.timesteps` if it is `None`; as `trained_indices`,
+            `reference`, `ema_policy` or `GuidedFlow.velocity`.
+        """
+        keep = batch.mask
+        index_key, noise_key = jax.random.split(step.key)
+        t = self._training_times(batch, keep, index_key)
+        rows, count = t.shape
+        t_flat = t.reshape(rows * count)
+        x_0 = jnp.repeat(zero_rows_unless(keep, batch.latents), count, axis=0)
+        cond = jax.tree.map(
+            lambda leaf: jnp.repeat(zero_rows_unless(keep, leaf), count, 0), batch.cond
+        )
+        noise = jax.random.normal(noise_key, x_0.shape, x_0.dtype)
+        x_t = jax.vmap(self.flow.process.interpolate)(x_0, noise, t_flat.astype(x_0.dtype))
+        target = jax.vmap(self.flow.process.velocity_target)(x_0, noise).astype(jnp.float32)
+
+        def velocity(policy: Model) -> Array:
+            return self.flow.velocity(policy, x_t, t_flat, cond).astype(jnp.float32)
+
+        v = velocity(variables.policy)
+        error = _example_mse(v, target)
+        log_p = self.log_likelihood(error, t_flat)
+        v_ema = None
+        old = log_p
+        if self.ema_beta > 0 or self.off_policy:
+            v_ema = jax.lax.stop_gradient(
+                velocity(stop_gradient_arrays(self.ema_policy(variables)))
+            )
+            if self.off_policy:
+                old = self.log_likelihood(_example_mse(v_ema, target), t_flat)
+        advantages = self.scaled_advantages(zero_rows_unless(keep, batch.advantages))
+        policy, ratio = self._policy_loss(log_p, jax.lax.stop_gradient(old), advantages, count)
+        per_row, aux = policy, {"policy_loss": policy}
+        if self.kl_beta > 0:
+            v_ref = velocity(stop_gradient_arrays(self.reference(variables)))
+            aux["kl"] = _row_mean(self.kl_of(v, v_ref, t_flat, self.kl_weight), count)
+            per_row = per_row + self.kl_beta * aux["kl"]
+        if v_ema is not None and self.ema_beta > 0:
+            aux["ema_kl"] = _row_mean(self.kl_of(v, v_ema, t_flat, self.ema_kl_weight), count)
+            per_row = per_row + self.ema_beta * aux["ema_kl"]
+        aux |= {
+            "error": _row_mean(error, count),
+            "log_likelihood": _row_mean(log_p, count),
+            "ratio": _row_mean(ratio, ratio.shape[0] // rows),
+            "clipfrac": _row_mean(
+                (jnp.abs(ratio - 1.0) > self.clip_range).astype(jnp.float32),
+                ratio.shape[0] // rows,
+            ),
+            "advantage": advantages,
+        }
+        stats = {k: _mean_over(keep, jax.lax.stop_gradient(a)) for k, a in aux.items()}
+        return _mean_over(keep, per_row), stats
+
+    def _training_times(
+        self, batch: FinalSamples, keep: Bool[Array, " N"], key: PRNGKeyArray
+    ) -> Float[Array, " N T"]:
+        """Each row's trained times, `[N, T]`: its grid at the minibatch's indices."""
+        if batch.timesteps is None:
+            raise ValueError(
+                "AWM trains at the sampler's grid, but `batch.timesteps` is None: collect "
+                "with a FlowRollout (every sampler records it)."
+            )
+        grid = jnp.where(keep[:, None], batch.timesteps, jnp.ones((), batch.timesteps.dtype))
+        index = self.trained_indices(grid.shape[1], key)
+        return jnp.take(grid, index, axis=1).astype(jnp.float32)
+
+    def _policy_loss(
+        self,
+        log_p: Float[Array, " F"],
+        old: Float[Array, " F"],
+        advantages: Float[Array, " N"],
+        count: int,
+    ) -> tuple[Float[Array, " N"], Float[Array, " R"]]:
+        """Each row's clipped policy loss and the ratios (per example or per row)."""
+        if self.ratio == "per_row":
+            log_p, old = _row_mean(log_p, count), _row_mean(old, count)
+            per = 1
+        else:
+            advantages = jnp.repeat(advantages, count)
+            per = count
+        ratio = jnp.exp(log_p - old)
+        clipped = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
+        loss = jnp.maximum(-advantages * ratio, -advantages * clipped)
+        return _row_mean(loss, per), ratio
+
+
+def _check_mode(name: str, value: Any, modes: Any) -> None:
+    """Raise a `ValueError` naming `name` unless `value` is one of the `Literal`'s modes."""
+    allowed = modes.__args__
+    if value not in allowed:
+        listed = ", ".join(repr(mode) for mode in allowed)
+        raise ValueError(f"`{name}` must be one of {listed}, got {value!r}.")
+
+
+def _row_mean(value: Float[Array, " F"], count: int) -> Float[Array, " N"]:
+    """Each row's mean of its `count` consecutive examples."""
+    return jnp.mean(value.reshape(-1, count), axis=1)
+
+
+def _mean_over(keep: Bool[Array, " N"], value: Float[Array, " N"]) -> Mean:
+    """The `Mean` of per-row values over the counted rows."""
+    total = jnp.sum(jnp.where(keep, value, jnp.zeros_like(value)))
+    return Mean(total, jnp.sum(keep, dtype=jnp.float32))
+
+
+@eqx.filter_jit
+def _move_ema(variables: AWMVariables, decay: float) -> AWMVariables:
+    ema = blend_part(variables.ema, variables.policy, decay)
+    moved: AWMVariables = eqx.tree_at(lambda v: v.ema, variables, ema)
+    return moved
