@@ -206,9 +206,7 @@ class NFT(AbstractAlgorithm):
 
     def old_log_probs(self, config: Settings) -> OldLogProbs:
         """The rollout's: no ratio is trained, so the update program's densities never count."""
-        return (
-            "rollout" if config.objective.old_log_probs is None else config.objective.old_log_probs
-        )
+        return _setting_or_rollout(config)
 
     def trains_on_ratios(self) -> bool:
         return False
@@ -280,9 +278,7 @@ class AWM(AbstractAlgorithm):
 
     def old_log_probs(self, config: Settings) -> OldLogProbs:
         """The rollout's: AWM's ratio is of its own surrogate, never of recorded densities."""
-        return (
-            "rollout" if config.objective.old_log_probs is None else config.objective.old_log_probs
-        )
+        return _setting_or_rollout(config)
 
     def trains_on_ratios(self) -> bool:
         return False
@@ -314,6 +310,12 @@ def flow_grpo_objective(job: JobPieces, base: Any, old_log_probs: OldLogProbs) -
         old_log_probs=old_log_probs,
         **_objective_settings(job, base),
     )
+
+
+def _setting_or_rollout(config: Settings) -> OldLogProbs:
+    """The `old_log_probs` setting, or the rollout's densities when it is none."""
+    explicit = config.objective.old_log_probs
+    return "rollout" if explicit is None else explicit
 
 
 def _objective_settings(job: JobPieces, base: Any) -> dict[str, Any]:
