@@ -504,8 +504,7 @@ class _Run:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         self.log(
             f"Final: held-out accuracy {final['accuracy']:.3f} (base "
-            f"{base_measure['accuracy']:.3f}), reward {final['reward']:.3f} (base "
-            f"{base_measure['reward']:.3f}), diversity {final['diversity']:.3f} (base "
+            f"{base_measure['accuracy']:.3f}), diversity {final['diversity']:.3f} (base "
             f"{base_measure['diversity']:.3f})."
         )
         return summary
