@@ -25,6 +25,7 @@ from .. import (
     data_mesh,
     device_fraction,
     host_samples,
+    is_int,
     local_copy,
     lora,
     owned_rows,
@@ -32,7 +33,6 @@ from .. import (
     shard_parameters,
     sync_processes,
 )
-from .._misc import is_int
 from ..train import (
     PREEMPTED_EXIT_STATUS,
     Checkpointer,
