@@ -359,6 +359,8 @@ def dpm_solver_pp_2m(velocity, x, sigmas):
     outputs, lower_order_nums = [None, None], 0
 
     def lam(s):
+        # The grid's first point is 1 up to rounding (a shifted grid may give 1 + 1 ulp).
+        s = min(s, 1.0)
         with np.errstate(divide="ignore"):
             return np.log(1 - s) - np.log(s)
 
