@@ -97,6 +97,7 @@ from ._rollout import FlowRollout as FlowRollout
 from ._sampling import (
     AbstractSampler as AbstractSampler,
     Generated as Generated,
+    MixSampler as MixSampler,
     ODESampler as ODESampler,
     SDESampler as SDESampler,
 )

@@ -1,0 +1,91 @@
+"""MixGRPO's rollout sampler: the SDESampler's window with Euler steps around it, and for
+MixGRPO-Flash DPM-Solver++(2M) on the released compressed grid after the window."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flowgrpo_eqx as fg
+from tests import numpy_reference as ref
+from tests.test_rollout import COND, LATENT, ROWS, CountingReward, SmallNet
+from tests.test_windows import numpy_velocity
+
+
+STEPS = 11  # ten transitions
+COUNT = 2
+SHIFT = 2.0
+
+
+def _rollout(sampler_of):
+    objective = fg.FlowGRPOObjective(
+        SmallNet(jax.random.key(0)),
+        fg.RectifiedFlow(shift=SHIFT),
+        fg.InputSpec(select="cond", null=jnp.zeros(COND), latent_shape=LATENT),
+        sde=fg.FlowSDE(0.7),
+        guidance=None,
+        steps=4,
+    )
+    return fg.FlowRollout(
+        objective, CountingReward(), groups=2, steps=STEPS, sampler=sampler_of(objective.sde)
+    )
+
+
+def _generate(rollout, first):
+    variables = rollout.objective.init(jax.random.key(0))
+    rows = {k: np.repeat(v, 2, axis=0) for k, v in ROWS.items()}
+    return variables.policy, rollout.generate(variables.policy, rows, jax.random.key(5), first)
+
+
+@pytest.mark.parametrize("ratio", [None, 1.0])
+@pytest.mark.parametrize("first", [0, 3, 8])
+def test_keeping_every_step_with_euler_it_is_the_sde_sampler(ratio, first):
+    schedule = fg.FixedWindow(COUNT, start=first)
+    _, want = _generate(_rollout(lambda sde: fg.SDESampler(sde, window_schedule=schedule)), first)
+    _, got = _generate(
+        _rollout(lambda sde: fg.MixSampler(sde, schedule, compress_ratio=ratio)), first
+    )
+    exact = ratio is None
+    for name in ("latents", "next_latents", "log_probs", "final", "samples"):
+        a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+        if exact:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        else:
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("first", [0, 3, 7])
+def test_flash_runs_dpm_solver_pp_2m_on_the_released_compressed_grid(first):
+    rollout = _rollout(
+        lambda sde: fg.MixSampler(
+            sde, fg.FixedWindow(COUNT, start=first), fg.DPMSolverPP2M(), compress_ratio=0.4
+        )
+    )
+    net, got = _generate(rollout, first)
+    grid, last = ref.grid(STEPS, SHIFT), first + COUNT - 1
+    post = ref.mixgrpo_post_grid(STEPS - 1, last, 0.4, SHIFT)
+    assert post.size < STEPS - 1 - last  # compressed
+    rows = np.repeat(ROWS["cond"], 2, axis=0).astype(np.float64)
+    for row in range(rows.shape[0]):
+
+        def velocity(x, t, row=row):
+            return numpy_velocity(net, x, t, rows[row])
+
+        x_last = np.asarray(got.latents, np.float64)[row, -1]
+        previous = (x_last - grid[last] * velocity(x_last, grid[last]), grid[last])
+        x_end = np.asarray(got.next_latents, np.float64)[row, -1]
+        want = ref.dpm_solver_pp_2m(velocity, x_end, post, previous)
+        np.testing.assert_allclose(np.asarray(got.final)[row], want, rtol=0, atol=2e-5)
+
+
+def test_the_batch_is_the_windows_transitions():
+    schedule = fg.FixedWindow(COUNT, start=3)
+    rollout = _rollout(lambda sde: fg.MixSampler(sde, schedule, fg.DPMSolverPP2M(), 0.4))
+    variables = rollout.objective.init(jax.random.key(0))
+    batch, info = rollout.collect(variables.policy, ROWS, jax.random.key(5), epoch=1)
+    assert info.window_start == 3
+    np.testing.assert_allclose(
+        np.asarray(batch.timesteps)[0], ref.grid(STEPS, SHIFT)[3 : 3 + COUNT], rtol=1e-6
+    )
+    rescored = rollout.objective.log_probs(variables, batch)
+    np.testing.assert_allclose(np.asarray(rescored), np.asarray(batch.old_log_probs), atol=1e-5)
