@@ -8,6 +8,7 @@ import pytest
 
 import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
+from tests.errors import raises_named
 from tests.test_rollout import COND, LATENT, ROWS, CountingReward, SmallNet
 from tests.test_windows import numpy_velocity
 
@@ -92,3 +93,40 @@ def test_the_batch_is_the_windows_transitions():
     )
     rescored = rollout.objective.log_probs(variables, batch)
     np.testing.assert_allclose(np.asarray(rescored), np.asarray(batch.old_log_probs), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sde": fg.Euler()}, "`sde` must be an AbstractSDE, got Euler()."),
+        ({"window_schedule": 2}, "`window_schedule` must be an AbstractWindowSchedule, got 2."),
+        ({"solver": "euler"}, "`solver` must be an AbstractSolver, got 'euler'."),
+        ({"compress_ratio": 0.0}, "`compress_ratio` must be None or a float in (0, 1], got 0.0."),
+        ({"compress_ratio": 1.5}, "`compress_ratio` must be None or a float in (0, 1], got 1.5."),
+        (
+            {"sde": fg.FlowSDE(0.7, window=(1.0, 0.5))},
+            "The `sde`'s `window` must be None with a MixSampler (its `window_schedule` places "
+            "the noise), got (1.0, 0.5).",
+        ),
+    ],
+)
+def test_bad_settings_are_named(kwargs, message):
+    settings = {"sde": fg.FlowSDE(0.7), "window_schedule": fg.FixedWindow(COUNT)} | kwargs
+    with raises_named(message):
+        fg.MixSampler(**settings)
+
+
+def test_a_compressed_grid_needs_the_uniform_rectified_flow_grid():
+    objective = fg.FlowGRPOObjective(
+        SmallNet(jax.random.key(0)),
+        fg.RectifiedFlow(shift=SHIFT, grid="diffusers"),
+        fg.InputSpec(select="cond", null=jnp.zeros(COND), latent_shape=LATENT),
+        sde=fg.FlowSDE(0.7),
+        guidance=None,
+        steps=4,
+    )
+    sampler = fg.MixSampler(objective.sde, fg.FixedWindow(COUNT), compress_ratio=0.4)
+    with pytest.raises(ValueError, match="`compress_ratio` needs a RectifiedFlow"):
+        fg.FlowRollout(objective, CountingReward(), groups=2, steps=STEPS, sampler=sampler)
+    with pytest.raises(ValueError, match="`count`=11 stochastic transitions do not fit"):
+        _rollout(lambda sde: fg.MixSampler(sde, fg.FixedWindow(11)))
