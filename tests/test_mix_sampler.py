@@ -130,3 +130,27 @@ def test_a_compressed_grid_needs_the_uniform_rectified_flow_grid():
         fg.FlowRollout(objective, CountingReward(), groups=2, steps=STEPS, sampler=sampler)
     with pytest.raises(ValueError, match="`count`=11 stochastic transitions do not fit"):
         _rollout(lambda sde: fg.MixSampler(sde, fg.FixedWindow(11)))
+
+
+def test_the_sliding_window_moves_without_recompiling_the_flash_rollout():
+    # The compressed grid after the window is a row of a table read at the traced position.
+    schedule = fg.SlidingWindow(COUNT, shift_every=1)
+    rollout = _rollout(lambda sde: fg.MixSampler(sde, schedule, fg.DPMSolverPP2M(), 0.4))
+    policy = rollout.objective.init(jax.random.key(0)).policy
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    rollout.collect(policy, ROWS, jax.random.key(1), epoch=1)  # warm-up
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        starts = [
+            rollout.collect(policy, ROWS, jax.random.key(1 + epoch), epoch=epoch)[1].window_start
+            for epoch in (2, 3, 9, 12)
+        ]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert starts == [1, 2, 8, 8]
+    assert compiles == []
