@@ -97,6 +97,7 @@ from ._rollout import FlowRollout as FlowRollout
 from ._sampling import (
     AbstractSampler as AbstractSampler,
     Generated as Generated,
+    MixSampler as MixSampler,
     ODESampler as ODESampler,
     SDESampler as SDESampler,
 )
@@ -107,7 +108,13 @@ from ._sde import (
     KLWeighting as KLWeighting,
     window_for_indices as window_for_indices,
 )
-from ._solver import AbstractSolver as AbstractSolver, Euler as Euler, Heun as Heun
+from ._solver import (
+    AbstractSolver as AbstractSolver,
+    DPMSolverPP2M as DPMSolverPP2M,
+    Euler as Euler,
+    Heun as Heun,
+    MultistepState as MultistepState,
+)
 from ._trainable import (
     TrainableFilter as TrainableFilter,
     default_trainable as default_trainable,

@@ -267,7 +267,7 @@ class GuidedFlow(eqx.Module):
         - `model`: the model to sample from.
         - `cond`: one row per sample (leading axis `N`).
         - `noise`: `[N, *latent]` starting points.
-        - `sampler`: the ODE solver.
+        - `sampler`: the ODE solver; its state (`init` at t = 1) is carried through the steps.
         - `steps`: the number of time points of the grid.
 
         **Returns:**
@@ -280,12 +280,13 @@ class GuidedFlow(eqx.Module):
         def velocity(x: Latents, t: Scalar) -> Latents:
             return self.velocity(model, x, jnp.full((rows,), t, x.dtype), cond)
 
-        def body(x: Latents, times: Array) -> tuple[Array, None]:
-            return sampler.step(velocity, x, times[0], times[1]), None
+        def body(carry: tuple[Array, Any], times: Array) -> tuple[tuple[Array, Any], None]:
+            x, state = carry
+            return sampler.step(velocity, x, times[0], times[1], state), None
 
         start = noise.astype(compute_dtype(noise.dtype))
         intervals = jnp.stack([grid[:-1], grid[1:]], axis=1)
-        final, _ = jax.lax.scan(body, start, intervals)
+        (final, _), _ = jax.lax.scan(body, (start, sampler.init(start, grid[0])), intervals)
         return final
 
     def decode(self, latents: Latents) -> Float[Array, " N *sample"]:

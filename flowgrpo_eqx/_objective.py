@@ -29,7 +29,7 @@ from ._inputs import CFG, AbstractAutoEncoder, InputSpec
 from ._misc import check_int, check_number, stop_gradient_arrays, tile_rows, zero_rows_unless
 from ._process import AbstractProcess
 from ._rl import AbstractRLObjective, Rescore
-from ._sampling import AbstractSampler, SDESampler
+from ._sampling import AbstractSampler, MixSampler, SDESampler
 from ._sde import AbstractSDE, FlowSDE
 from ._solver import AbstractSolver, Euler
 from ._trainable import TrainableFilter, reference_part, reference_policy
@@ -453,23 +453,28 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         reference = reference_part(policy, trainable) if self.beta > 0 else None
         return FlowGRPOVariables(policy=policy, reference=reference)
 
-    def rollout_sampler(self, requested: AbstractSampler | None) -> SDESampler:
+    def rollout_sampler(self, requested: AbstractSampler | None) -> SDESampler | MixSampler:
         """`SDESampler(sde)` by default; a requested sampler only if it samples this `sde`.
 
         Flow-GRPO rescores recorded transitions with its own `sde`: a rollout that sampled
-        another one (or an ODE) would give log densities the loss cannot reproduce.
+        another one (or an ODE) would give log densities the loss cannot reproduce. A
+        `MixSampler` (MixGRPO's rollout) records its window with the same `sde`, so it is
+        accepted too.
 
         **Raises:**
 
-        - `ValueError`: naming `sampler`, for anything but an `SDESampler` whose `sde`
-            equals the objective's.
+        - `ValueError`: naming `sampler`, for anything but an `SDESampler` or `MixSampler`
+            whose `sde` equals the objective's.
         """
         if requested is None:
             return SDESampler(self.sde)
-        if not isinstance(requested, SDESampler) or not eqx.tree_equal(requested.sde, self.sde):
+        if not isinstance(requested, SDESampler | MixSampler) or not eqx.tree_equal(
+            requested.sde, self.sde
+        ):
             raise ValueError(
                 "`sampler` must be an SDESampler of the Flow-GRPO objective's own `sde` "
-                f"({self.sde!r}): the objective rescores what it recorded, got {requested!r}."
+                f"({self.sde!r}) or a MixSampler of it: the objective rescores what it "
+                f"recorded, got {requested!r}."
             )
         return requested
 

@@ -22,8 +22,9 @@ from ._custom_types import FinalSamples, Model, Transitions
 from ._distributed import place_rows, row_sharding
 from ._guided_flow import GuidedFlow
 from ._misc import is_int
+from ._process import RectifiedFlow
 from ._sde import AbstractSDE
-from ._solver import AbstractSolver
+from ._solver import AbstractSolver, Euler
 from ._window import AbstractWindowSchedule
 
 
@@ -300,37 +301,7 @@ class SDESampler(AbstractSampler):
 
         - `ValueError`: if `generated` holds no transitions (it came from an `ODESampler`).
         """
-        if (
-            generated.latents is None
-            or generated.next_latents is None
-            or generated.log_probs is None
-        ):
-            raise ValueError("`generated` holds no transitions: it came from an ODESampler.")
-        num, recorded = generated.log_probs.shape
-        grid, first = np.asarray(draw.grid()), int(draw.first)
-        timesteps = np.broadcast_to(grid[first : first + recorded], (num, recorded))
-        next_timesteps = np.broadcast_to(grid[first + 1 : first + recorded + 1], (num, recorded))
-        stochastic = np.asarray(self.sde.is_stochastic(timesteps, next_timesteps))
-        host_advantages = np.asarray(advantages, np.float32)
-        placed = draw.place(
-            {
-                "timesteps": timesteps,
-                "next_timesteps": next_timesteps,
-                "mask": stochastic & (host_advantages != 0)[:, None],
-                "advantages": host_advantages,
-            }
-        )
-        return Transitions(
-            latents=generated.latents,
-            next_latents=generated.next_latents,
-            timesteps=placed["timesteps"],
-            next_timesteps=placed["next_timesteps"],
-            old_log_probs=generated.log_probs,
-            transition_mask=placed["mask"],
-            advantages=placed["advantages"],
-            cond=draw.rows,
-            old_means=generated.means,
-        )
+        return _transitions_batch(self.sde, draw, generated, advantages)
 
 
 @final
@@ -389,6 +360,181 @@ class ODESampler(AbstractSampler):
             cond=draw.rows,
             timesteps=draw.place(np.broadcast_to(starts, (len(advantages), starts.shape[0]))),
         )
+
+
+@final
+class MixSampler(AbstractSampler):
+    """MixGRPO's rollout (github `Tencent-Hunyuan/MixGRPO`, `fastvideo/utils/sampling_utils.py`
+    `run_sample_step`, `sample_strategy="progressive"`, `dpm_apply_strategy="post"`): ODE
+    steps (the `sde`'s deterministic transition, Euler's) before a window of `count`
+    stochastic transitions placed by `window_schedule`, which are recorded exactly as
+    `SDESampler(sde, window_schedule=...)` records them; after the window, `solver` runs on
+    the rest of the grid, compressed for MixGRPO-Flash.
+
+    With `compress_ratio` set, the grid after the window's last transition `l` (of `T`) is
+    rebuilt as released: `n = int(max((T - l) r, 1))` points evenly from `u = 1 - (l + 1) / T`
+    to 0, each shifted as the process's grid is (so `r = 1` keeps every step, up to rounding);
+    with `n = 1` the release stops there, before t = 0, and so does this sampler. A solver
+    with a state starts from its state after the window's last step (the release's
+    `DPMState` keeps the data prediction of every step), at the cost of one more velocity
+    evaluation. MixGRPO is `MixSampler(sde, SlidingWindow(...))`; MixGRPO-Flash adds
+    `solver=DPMSolverPP2M(), compress_ratio=0.4` (Flash*: 0.2).
+
+    **Arguments:**
+
+    - `sde`: the SDE of the window (the objective's).
+    - `window_schedule`: where the window sits, epoch by epoch (`SlidingWindow` as released).
+    - `solver`: the ODE solver after the window; `Euler()` (default) as MixGRPO's.
+    - `compress_ratio`: `None` (default) keeps the grid after the window; a float in (0, 1]
+        rebuilds it with that ratio (needs a `RectifiedFlow` with `grid="uniform"`).
+    - `record_means`: as `SDESampler`'s.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for an `sde` or `window_schedule` or `solver` of the
+        wrong type, an `sde` with a `window`, or a `compress_ratio` outside (0, 1]; and, when
+        a rollout checks it, a window longer than the trajectory or a `compress_ratio` with
+        another process.
+    """
+
+    sde: AbstractSDE
+    window_schedule: AbstractWindowSchedule
+    solver: AbstractSolver = Euler()
+    compress_ratio: float | None = eqx.field(default=None, static=True)
+    record_means: bool = eqx.field(default=False, static=True)
+
+    def __check_init__(self) -> None:
+        for name, value, kind in (
+            ("sde", self.sde, AbstractSDE),
+            ("window_schedule", self.window_schedule, AbstractWindowSchedule),
+            ("solver", self.solver, AbstractSolver),
+        ):
+            if not isinstance(value, kind):
+                raise ValueError(f"`{name}` must be an {kind.__name__}, got {value!r}.")
+        if self.sde.window is not None:
+            raise ValueError(
+                "The `sde`'s `window` must be None with a MixSampler (its `window_schedule` "
+                f"places the noise), got {self.sde.window!r}."
+            )
+        ratio = self.compress_ratio
+        if ratio is not None and not (isinstance(ratio, float) and 0 < ratio <= 1):
+            raise ValueError(f"`compress_ratio` must be None or a float in (0, 1], got {ratio!r}.")
+        if not isinstance(self.record_means, bool):
+            raise ValueError(f"`record_means` must be a bool, got {self.record_means!r}.")
+
+    def check_rollout(self, flow: GuidedFlow, steps: int, groups: int, shared_noise: bool) -> None:
+        del groups, shared_noise
+        self.window_schedule.check_fits(steps - 1)
+        process = flow.process
+        if self.compress_ratio is not None and not (
+            isinstance(process, RectifiedFlow) and process.grid == "uniform"
+        ):
+            raise ValueError(
+                "`compress_ratio` needs a RectifiedFlow with grid='uniform' (the release "
+                f"shifts the rebuilt grid as it does), got {process!r}."
+            )
+
+    def recorded_transitions(self, steps: int) -> int:
+        return self.window_schedule.count
+
+    def window_start(self, epoch: int, steps: int, key: PRNGKeyArray) -> int:
+        return self.window_schedule.first(epoch, steps - 1, key)
+
+    def trajectory(
+        self, draw: Draw, start: Float[Array, " N *latent"], key: PRNGKeyArray
+    ) -> Generated:
+        """One `lax.scan` up to the window's end (skipping, by `lax.cond`, every step after
+        it), the window sliced out at the traced `first`, then a `lax.fori_loop` of `solver`
+        over the (compressed) rest of the grid, its length read from a table per `first`."""
+        steps, first, count = draw.steps, draw.first, self.window_schedule.count
+        noise = _step_noise(key, steps, start.shape[0], start.shape[1:], draw.sharding)
+        path = _SDEPath(draw.flow, self.sde, draw.policy, draw.rows, count, self.record_means)
+        grid = draw.grid()
+        last = first + count - 1
+        windowed = path.windowed(first)
+
+        def body(x: Array, inputs: tuple[Array, Array, Array, Array]) -> tuple[Array, Any]:
+            skipped = jax.eval_shape(windowed, x, inputs)[1]
+
+            def skip(x: Array) -> tuple[Array, Any]:
+                return x, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), skipped)
+
+            out: tuple[Array, Any] = jax.lax.cond(
+                inputs[3] <= last, lambda x: windowed(x, inputs), skip, x
+            )
+            return out
+
+        indices = jnp.arange(steps - 1)
+        x, every = jax.lax.scan(body, start, (grid[:-1], grid[1:], noise, indices))
+        recorded = jax.tree.map(
+            lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, first, count, axis=0), every
+        )
+        final = self._after_window(draw, x, every[0][last], grid[last], last)
+        return Generated(
+            latents=jnp.swapaxes(recorded[0], 0, 1),
+            next_latents=jnp.swapaxes(recorded[1], 0, 1),
+            log_probs=jnp.swapaxes(recorded[2], 0, 1),
+            final=final,
+            samples=draw.flow.decode(final),
+            means=jnp.swapaxes(recorded[3], 0, 1) if self.record_means else None,
+        )
+
+    def _after_window(
+        self, draw: Draw, x: Array, x_last: Array, t_last: Array, last: Array
+    ) -> Array:
+        """Run `solver` from the window's end over the rest of the grid."""
+        process = draw.flow.process
+        shift = process.shift if isinstance(process, RectifiedFlow) else 1.0
+        with jax.ensure_compile_time_eval():  # the grid is static: its table is built once
+            host_grid = np.asarray(draw.grid())
+        table, lengths = _post_grids(
+            host_grid, self.window_schedule.count, self.compress_ratio, shift
+        )
+        times, length = jnp.asarray(table)[last], jnp.asarray(lengths)[last]
+        rows = x.shape[0]
+
+        def velocity(y: Array, t: Array) -> Array:
+            return draw.flow.velocity(draw.policy, y, jnp.full((rows,), t, y.dtype), draw.rows)
+
+        # The state after the window's last step, run deterministically (its result unused).
+        _, state = self.solver.step(
+            velocity, x_last, t_last, times[0], self.solver.init(x_last, t_last)
+        )
+
+        def step(j: Array, carry: tuple[Array, Any]) -> tuple[Array, Any]:
+            y, s = carry
+            return self.solver.step(velocity, y, times[j], times[j + 1], s)
+
+        final: Array = jax.lax.fori_loop(0, length - 1, step, (x, state))[0]
+        return final
+
+    def batch(
+        self, draw: Draw, generated: Generated, advantages: npt.NDArray[np.float32]
+    ) -> Transitions:
+        """The `Transitions` batch of the window, as `SDESampler`'s."""
+        return _transitions_batch(self.sde, draw, generated, advantages)
+
+
+def _post_grids(
+    grid: npt.NDArray[np.float32], count: int, ratio: float | None, shift: float
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int32]]:
+    """For every window end `l` (row `l`), the grid after the window (padded with 0) and its
+    number of points: `grid[l + 1:]`, or with `ratio` the release's rebuilt grid
+    (`run_sample_step`, lines 44-54: `n` points evenly from `u = linspace(1, 0, T + 1)[l + 1]`
+    to 0, then `sd3_time_shift(shift, u)`, lines 9-10), computed in float64."""
+    transitions = grid.shape[0] - 1
+    table = np.zeros((transitions, transitions + 1), np.float32)
+    lengths = np.ones((transitions,), np.int32)
+    for last in range(count - 1, transitions):
+        if ratio is None:
+            rest = grid[last + 1 :]
+        else:
+            n = int(max((transitions - last) * ratio, 1))
+            u = np.linspace(1.0 - (last + 1) / transitions, 0.0, n)
+            rest = (shift * u / (1 + (shift - 1) * u)).astype(np.float32)
+        table[last, : rest.shape[0]] = rest
+        lengths[last] = rest.shape[0]
+    return table, lengths
 
 
 def _step_noise(
@@ -469,3 +615,36 @@ class _SDEPath(eqx.Module):
             return x_next, self.record(x, x_next, log_prob, mean)
 
         return step
+
+
+def _transitions_batch(
+    sde: AbstractSDE, draw: Draw, generated: Generated, advantages: npt.NDArray[np.float32]
+) -> Transitions:
+    """The `Transitions` batch of the recorded window (`SDESampler.batch`, `MixSampler.batch`)."""
+    if generated.latents is None or generated.next_latents is None or generated.log_probs is None:
+        raise ValueError("`generated` holds no transitions: it came from an ODESampler.")
+    num, recorded = generated.log_probs.shape
+    grid, first = np.asarray(draw.grid()), int(draw.first)
+    timesteps = np.broadcast_to(grid[first : first + recorded], (num, recorded))
+    next_timesteps = np.broadcast_to(grid[first + 1 : first + recorded + 1], (num, recorded))
+    stochastic = np.asarray(sde.is_stochastic(timesteps, next_timesteps))
+    host_advantages = np.asarray(advantages, np.float32)
+    placed = draw.place(
+        {
+            "timesteps": timesteps,
+            "next_timesteps": next_timesteps,
+            "mask": stochastic & (host_advantages != 0)[:, None],
+            "advantages": host_advantages,
+        }
+    )
+    return Transitions(
+        latents=generated.latents,
+        next_latents=generated.next_latents,
+        timesteps=placed["timesteps"],
+        next_timesteps=placed["next_timesteps"],
+        old_log_probs=generated.log_probs,
+        transition_mask=placed["mask"],
+        advantages=placed["advantages"],
+        cond=draw.rows,
+        old_means=generated.means,
+    )

@@ -338,3 +338,58 @@ def awm_ema_decay(global_step, decay_type="linear", kl_ema_decay=0.3):
 def awm_ema_update(ema, live, decay):
     """Lines 1416-1419: `ema = ema decay + live (1 - decay)`."""
     return np.asarray(ema, np.float64) * decay + np.asarray(live, np.float64) * (1.0 - decay)
+
+
+# --------------------------------------------------------------------------------------
+# MixGRPO (github Tencent-Hunyuan/MixGRPO, `fastvideo/utils/sampling_utils.py`).
+
+
+def dpm_solver_pp_2m(velocity, x, sigmas, previous=None):
+    """DPM-Solver++(2M), midpoint, deterministic, over the grid `sigmas` (from t = 1 to 0):
+    `dpm_step` (lines 273-385) with `dpm_algorithm_type="dpmsolver++"`, `dpm_solver_order=2`,
+    `dpm_solver_type="midpoint"`, `sde_solver=False`: the data prediction `x - sigma v`
+    (`convert_model_output`, lines 387-396) pushed onto the state (`DPMState`, lines
+    255-271); first order for the first step and the last (`lower_order_final`, lines
+    308 and 328), `dpm_solver_first_order_update` (lines 421-436); otherwise
+    `multistep_dpm_solver_second_order_update` (lines 472-520), with `alpha = 1 - sigma`
+    (`_sigma_to_alpha_sigma_t`, lines 641-644). `velocity(x, sigma)` in float64.
+    `previous=(m, sigma)`: the state after an earlier step from `sigma` with data prediction
+    `m` (MixGRPO's steps before the post grid, lines 114-127, update the state too)."""
+    x = np.asarray(x, np.float64)
+    sigmas = np.asarray(sigmas, np.float64)
+    outputs, lower_order_nums, begin = [None, None], 0, 0
+    if previous is not None:
+        outputs, lower_order_nums, begin = [None, np.asarray(previous[0], np.float64)], 1, 1
+        sigmas = np.concatenate([[previous[1]], sigmas])
+    steps = sigmas.size - 1
+
+    def lam(s):
+        # The grid's first point is 1 up to rounding (a shifted grid may give 1 + 1 ulp).
+        s = min(s, 1.0)
+        with np.errstate(divide="ignore"):
+            return np.log(1 - s) - np.log(s)
+
+    for i in range(begin, steps):
+        m0 = x - sigmas[i] * velocity(x, sigmas[i])
+        outputs = [outputs[1], m0]
+        s_t, s_0 = sigmas[i + 1], sigmas[i]
+        a_t = 1 - s_t
+        h = lam(s_t) - lam(s_0)
+        if lower_order_nums < 1 or i == steps - 1:
+            x = (s_t / s_0) * x - (a_t * (np.exp(-h) - 1.0)) * m0
+        else:
+            h_0 = lam(s_0) - lam(sigmas[i - 1])
+            d1 = (1.0 / (h_0 / h)) * (m0 - outputs[0])
+            x = (s_t / s_0) * x - (a_t * (np.exp(-h) - 1.0)) * m0
+            x = x - 0.5 * (a_t * (np.exp(-h) - 1.0)) * d1
+        lower_order_nums = min(lower_order_nums + 1, 2)
+    return x
+
+
+def mixgrpo_post_grid(transitions, last, ratio, shift):
+    """`run_sample_step` lines 44-49: after the window's last transition `last` (of
+    `transitions`), `n = int(max((T - last) ratio, 1))` points evenly from
+    `linspace(1, 0, T + 1)[last + 1]` to 0, each `sd3_time_shift(shift, .)` (lines 9-10)."""
+    n = int(max((transitions - last) * ratio, 1))
+    post = np.linspace(np.linspace(1.0, 0.0, transitions + 1)[last + 1], 0.0, n)
+    return (shift * post) / (1 + (shift - 1) * post)
