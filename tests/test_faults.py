@@ -1,4 +1,4 @@
-"""Issue 36's raw tracebacks, each now a one-line named error before any work: settings no
+"""Faults that once gave raw tracebacks, each a one-line named error before any work: settings no
 model or key can hold, a device count the machine lacks, and `--preset` before the
 subcommand (which now works)."""
 

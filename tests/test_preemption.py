@@ -233,7 +233,7 @@ def started_and_locked(out, *args):
 def test_a_signal_before_the_first_epoch_exits_75_with_a_checkpoint_kept(
     uninterrupted, tmp_path, signals
 ):
-    """Issue 36: SIGTERM before the first epoch, or twice, exited 143 though a checkpoint
+    """SIGTERM before the first epoch, or twice, exited 143 though a checkpoint
     was kept."""
     from flowgrpo_eqx.shapes_demo import cli
 

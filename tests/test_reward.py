@@ -86,7 +86,7 @@ def _with_non_finite(samples):
     return samples
 
 
-@pytest.mark.parametrize(
+SHIPPED_REWARDS = pytest.mark.parametrize(
     "reward",
     [
         fg.JpegCompressibility(),
@@ -96,6 +96,10 @@ def _with_non_finite(samples):
     ],
     ids=["jpeg_compressibility", "jpeg_incompressibility", "weighted", "http"],
 )
+"""Every shipped reward, each of which checks its samples before any work."""
+
+
+@SHIPPED_REWARDS
 def test_shipped_rewards_refuse_non_finite_samples_naming_the_rows(reward):
     samples = _with_non_finite(smooth_and_noisy())
     with pytest.raises(fg.RewardError, match=r"non-finite `samples` .* at rows \[1, 3\]"):
@@ -107,18 +111,9 @@ def test_shipped_rewards_refuse_non_finite_samples_naming_the_rows(reward):
         assert np.all(np.isfinite(reward(finite, None)))
 
 
-@pytest.mark.parametrize(
-    "reward",
-    [
-        fg.JpegCompressibility(),
-        fg.JpegIncompressibility(),
-        fg.WeightedReward([(lambda s, r: np.zeros(len(s)), 1.0)]),
-        fg.HttpReward("http://127.0.0.1:9", retries=0),  # refused before any request
-    ],
-    ids=["jpeg_compressibility", "jpeg_incompressibility", "weighted", "http"],
-)
+@SHIPPED_REWARDS
 def test_shipped_rewards_refuse_an_empty_batch_by_name(reward):
-    """Issue 36: an empty batch reached `reshape(0, -1)` and raised a raw numpy error."""
+    """An empty batch reached `reshape(0, -1)` and raised a raw numpy error."""
     empty = np.zeros((0, 16, 16, 3), np.float32)
     with pytest.raises(fg.RewardError, match=r"empty batch \(`samples` of shape \(0, 16, 16, 3\)"):
         reward(empty, {"id": np.arange(0)})

@@ -711,7 +711,7 @@ def test_decoded_arrays_view_a_writable_body_without_copies():
     assert from_bytes.flags.writeable and not np.shares_memory(from_bytes, body)
 
 
-# Issue 36: declared shapes, dtypes, a trickling reply head, and port errors.
+# Declared shapes, dtypes, a trickling reply head, and port errors.
 
 
 @pytest.mark.parametrize(

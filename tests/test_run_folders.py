@@ -152,7 +152,7 @@ def test_divergence_after_good_epochs_keeps_their_checkpoints(tiny_base, tmp_pat
     assert "Continuing from checkpoint" in resumed.stdout + resumed.stderr
 
 
-# Issue 36, part 5: one writer at a time, and a resume that loses nothing.
+# One writer at a time, and a resume that loses nothing.
 
 
 def copy_of(finished_run, tmp_path):

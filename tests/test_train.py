@@ -550,7 +550,7 @@ def test_microbatches_accumulate_to_the_whole_batch_update():
 
 
 def test_an_optimizer_that_is_not_a_gradient_transformation_is_named():
-    """Issue 36: `Trainer(objective, "adam")` failed later with a raw AttributeError."""
+    """`Trainer(objective, "adam")` failed later with a raw AttributeError."""
     objective, _, _ = make_setup(beta=0.0)
     # This suite's runtime type checker refuses it first; both name `optimizer`.
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="optimizer"):
@@ -562,7 +562,7 @@ def test_an_optimizer_that_is_not_a_gradient_transformation_is_named():
 
 
 def test_non_finite_advantages_are_refused_by_name():
-    """Issue 36: NaN advantages made every trained parameter NaN without a word."""
+    """NaN advantages made every trained parameter NaN without a word."""
     objective, rollout, trainer = make_setup(beta=0.0)
     state = trainer.init(jax.random.key(0))
     batch, _ = rollout.collect(state.variables.policy, ROWS, jax.random.key(3))
