@@ -45,6 +45,13 @@ def environment(**extra):
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **extra}
 
 
+def simulated_devices(count):
+    """The environment entry that gives a process `count` simulated CPU devices, keeping the
+    XLA flags this process runs with (the suite's compile settings, conftest.py)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={count}".strip()}
+
+
 def run_process(*args, **extra_env):
     """Run `flowgrpo-eqx ARGS` as a process to the end, capturing its output: for what needs
     a process of its own (`launch`, another XLA device count)."""

@@ -28,6 +28,7 @@ from tests.cli_helpers import (
     environment,
     run_cli,
     run_process,
+    simulated_devices,
     with_base,
 )
 
@@ -100,7 +101,7 @@ def test_four_simulated_devices_match_one_device(baseline, tmp_path, layout):
     out = with_base(baseline, tmp_path / "four")
     result = run_process(
         "train", *COMMON, "--param-sharding", layout, "--out", str(out),
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        **simulated_devices(4),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     for placement in placements(out):
@@ -152,7 +153,7 @@ def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env=environment(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+        env=environment(**simulated_devices(4)),
     )
     checkpoint = out / "checkpoints" / "ckpt_00000002"
     while not checkpoint.exists() and crashing.poll() is None:
@@ -161,7 +162,7 @@ def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline
     _, crash_err = crashing.communicate(timeout=TIMEOUT)
     assert crashing.returncode == -signal.SIGKILL, crash_err[-3000:]
     assert not (out / "summary.json").exists()
-    resumed = run_process(*flags, "--resume", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    resumed = run_process(*flags, "--resume", **simulated_devices(2))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Continuing from checkpoint" in resumed.stdout
     summary = json.loads((out / "summary.json").read_text())

@@ -11,7 +11,7 @@ import pytest
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx._distributed import fsdp_spec
-from tests.cli_helpers import REPO
+from tests.cli_helpers import REPO, simulated_devices
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -24,7 +24,7 @@ def four_device_report(*arguments):
     environment = {
         **os.environ,
         "PYTHONPATH": str(REPO),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        **simulated_devices(4),
     }
     result = subprocess.run(
         [sys.executable, "-m", "tests.fsdp_worker", *arguments],

@@ -16,7 +16,13 @@ import pytest
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.shapes_demo import ShapesJob, make_config, run_eval, run_train
 from flowgrpo_eqx.train import Checkpointer, load_model, save_model
-from tests.cli_helpers import assert_close_metrics, metrics_of, run_cli, run_process
+from tests.cli_helpers import (
+    assert_close_metrics,
+    metrics_of,
+    run_cli,
+    run_process,
+    simulated_devices,
+)
 
 
 SEED = 5
@@ -139,7 +145,7 @@ def test_lora_on_four_simulated_devices_matches_one_device(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "four")
     result = run_process(
         "train", *COMMON, "--out", str(out),
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        **simulated_devices(4),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     with open(out / "distributed.jsonl") as handle:

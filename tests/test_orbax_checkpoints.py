@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from flowgrpo_eqx.train import Checkpointer
+from tests.cli_helpers import simulated_devices
 
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -32,7 +33,7 @@ def worker(*arguments, devices=1):
         env={
             **os.environ,
             "PYTHONUNBUFFERED": "1",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            **simulated_devices(devices),
         },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
