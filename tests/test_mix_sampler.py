@@ -49,8 +49,8 @@ def test_keeping_every_step_with_euler_it_is_the_sde_sampler(ratio):
         _, got = _generate(mix_rollout, first)
         for name in ("latents", "next_latents", "log_probs", "final", "samples"):
             a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
-            if ratio is None:  # the same grid and the same operations: bit for bit
-                np.testing.assert_array_equal(a, b, err_msg=name)
+            if ratio is None:  # the same grid and operations, in two programs XLA fuses apart
+                np.testing.assert_allclose(a, b, rtol=0, atol=2e-6, err_msg=name)
             else:  # the rebuilt grid equals the grid up to float32 rounding
                 np.testing.assert_allclose(a, b, rtol=0, atol=2e-5, err_msg=name)
 
