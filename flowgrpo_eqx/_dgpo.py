@@ -116,8 +116,9 @@ class GroupedSamples(eqx.Module):
         return self.samples.num_rows
 
     @property
-    def advantages(self) -> Float[Array, " N"]:
-        """The rows' advantages (`samples.advantages`), which the trainer checks finite."""
+    def advantages(self) -> Any:
+        """`[N]` the rows' advantages (`samples.advantages`), which the trainer checks finite
+        (annotated `Any`: `eqx.tree_at` reads it on a tree of placeholders)."""
         return self.samples.advantages
 
 
