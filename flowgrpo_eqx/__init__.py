@@ -31,6 +31,13 @@ from ._custom_types import (
     StepRatios as StepRatios,
     Transitions as Transitions,
 )
+from ._dgpo import (
+    DGPOLoss as DGPOLoss,
+    DGPOObjective as DGPOObjective,
+    DGPOReference as DGPOReference,
+    DGPOVariables as DGPOVariables,
+    GroupedSamples as GroupedSamples,
+)
 from ._distributed import (
     ParamSharding as ParamSharding,
     data_mesh as data_mesh,

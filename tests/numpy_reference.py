@@ -393,3 +393,104 @@ def mixgrpo_post_grid(transitions, last, ratio, shift):
     n = int(max((transitions - last) * ratio, 1))
     post = np.linspace(np.linspace(1.0, 0.0, transitions + 1)[last + 1], 0.0, n)
     return (shift * post) / (1 + (shift - 1) * post)
+
+
+# ---------------------------------------------------------------------------------------------
+# DGPO (docs/mathematics.md §10), from the authors' release: github Luo-Yihong/DGPO at 01ceb4b,
+# scripts/train_sd3_dgpo.py (cited below by line), with flow_grpo/ema.py and config/dgpo.py.
+
+DGPO_RELEASE = "Luo-Yihong/DGPO@01ceb4b scripts/train_sd3_dgpo.py"
+
+
+def dgpo_rollout_sigmas(num_steps, flow_shift=3.0):
+    """The start times of the release's rollout (lines 557-559: diffusers'
+    `DPMSolverMultistepScheduler` with `use_flow_sigmas` and `flow_shift` 3):
+    `s = 1 - linspace(1, 1/1000, n + 1)`, shifted `shift s / (1 + (shift - 1) s)`, reversed,
+    the last dropped."""
+    sigmas = 1.0 - np.linspace(1.0, 1.0 / 1000, num_steps + 1)
+    return np.flip(flow_shift * sigmas / (1 + (flow_shift - 1) * sigmas))[:-1].copy()
+
+
+def dgpo_time(sigma):
+    """Lines 852-854 and 1099-1100: the rollout records the scheduler's `timesteps`, which
+    `set_timesteps` casts from `sigma * 1000` to int64 (truncating), and training noises at
+    `t / 1000`."""
+    return np.trunc(np.asarray(sigma, np.float64) * 1000).astype(np.int64) / 1000
+
+
+def dgpo_index_choices(trunc_steps):
+    """Lines 1062-1064: each inner epoch draws `random.sample(train_timesteps, M)`, distinct
+    indices of `train_timesteps = range(trunc_steps + 1)`, shared by all its batches."""
+    return set(range(trunc_steps + 1))
+
+
+def dgpo_error(v, target):
+    """Lines 171, 173, 1132 and 1134: `(target - v)^2` averaged per example, `target = eps -
+    x_0` (line 1107)."""
+    v = np.asarray(v, np.float64)
+    return np.mean((np.asarray(target, np.float64) - v).reshape(v.shape[0], -1) ** 2, axis=1)
+
+
+def dgpo_advantages(advantages, adv_clip_max):
+    """Lines 1127-1131: `clamp(A, -adv_clip_max, adv_clip_max)`."""
+    return np.clip(np.asarray(advantages, np.float64), -adv_clip_max, adv_clip_max)
+
+
+def dgpo_should_clip(error, old_error, advantages, clip_range):
+    """Lines 1136-1142: `ratio = exp(-e + e_old)`; clipped where `A > 0` and
+    `ratio > 1 + c`, or `A <= 0` and `ratio < 1 - c` (then line 1144 detaches `e`)."""
+    ratio = np.exp(-np.asarray(error, np.float64) + np.asarray(old_error, np.float64))
+    a = np.asarray(advantages, np.float64)
+    return np.where(a > 0, ratio > 1.0 + clip_range, ratio < 1.0 - clip_range)
+
+
+def dgpo_group_weights(advantages, error, reference_error, group, beta_dpo, group_size):
+    """Lines 175-189: `A beta (e - e_ref) / group_size` summed over each group's rows
+    (`scatter_add_` over the prompt groups, all-reduced), then `sigmoid`; one weight per
+    row, its group's."""
+    a = np.asarray(advantages, np.float64)
+    term = a * beta_dpo * (np.asarray(error) - np.asarray(reference_error)) / group_size
+    group = np.asarray(group)
+    sums = np.array([term[group == g].sum() for g in group])
+    return np.exp(-np.logaddexp(0.0, -sums))  # sigmoid, without overflow
+
+
+def dgpo_policy_loss(weights, advantages, error):
+    """Line 191: `(w A e).mean()`, the weight detached (a constant here)."""
+    return float(np.mean(np.asarray(weights) * np.asarray(advantages) * np.asarray(error)))
+
+
+def dgpo_group_dpo(advantages, error, reference_error, group, beta_dpo, group_size):
+    """The group DPO loss whose gradient lines 162-193 compute ("the gradient-equivalent
+    version", line 166): the README's `-log sigmoid(R(G+) - R(G-))` per group,
+    `softplus(x_g)` with `x_g = beta sum_g A (e - e_ref) / group_size`, over `beta`, each
+    group counting `group_size` rows, over the rows: its gradient is `mean(sigmoid(x_g) A
+    grad e)`."""
+    a = np.asarray(advantages, np.float64)
+    term = a * beta_dpo * (np.asarray(error) - np.asarray(reference_error)) / group_size
+    group = np.asarray(group)
+    total = sum(np.logaddexp(0.0, term[group == g].sum()) for g in np.unique(group))
+    return float(total * group_size / beta_dpo / len(a))
+
+
+def dgpo_kl(v, v_reference):
+    """Lines 1151 and 1154: `(v - v_ref)^2` averaged per example (then over the batch)."""
+    v = np.asarray(v, np.float64)
+    return np.mean((v - np.asarray(v_reference, np.float64)).reshape(v.shape[0], -1) ** 2, axis=1)
+
+
+def dgpo_ema_decay(global_step):
+    """Line 1176: `min(0.3, 0.001 global_step)`, `global_step` the updates before this one."""
+    return min(0.3, 0.001 * global_step)
+
+
+def dgpo_ema_update(ema, live, decay):
+    """flow_grpo/ema.py lines 32-43 (`step` with `decay`): `ema += (1 - decay) (live - ema)`."""
+    ema = np.asarray(ema, np.float64)
+    return ema + (1.0 - decay) * (np.asarray(live, np.float64) - ema)
+
+
+def dgpo_samples_with_ema(global_step, switch_ema_ref):
+    """Lines 799-800: the rollout samples with the EMA reference when
+    `global_step > switch_ema_ref`."""
+    return global_step > switch_ema_ref

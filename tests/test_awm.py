@@ -12,7 +12,7 @@ import flowgrpo_eqx as fg
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.train import MetricsLog
 from tests import numpy_reference as ref
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import run_cli, with_base
 from tests.errors import exact_message, raises_named
 from tests.test_objective import DIM, LinearVelocity, perturbed
 
@@ -384,13 +384,25 @@ def test_the_awm_demo_settings_are_the_released_recipe_adapted():
         make_config("tiny", algorithm="awm", rollout_steps=3)
 
 
-def test_the_tiny_preset_trains_with_awm_through_the_command_line(tmp_path):
-    out = tmp_path / "awm"
-    result = run_cli("train", "--preset", "tiny", "--quiet", "--algorithm", "awm", "--out", out)
+@pytest.mark.parametrize(
+    "algorithm, reported",
+    [
+        ("awm", ("ema_kl", "kl", "log_likelihood", "ratio")),
+        ("dgpo", ("kl", "weight", "clipfrac", "error", "reference_error")),
+    ],
+)
+def test_the_tiny_preset_trains_with_awm_and_dgpo_through_the_command_line(
+    tiny_base, tmp_path, algorithm, reported
+):
+    """AWM, and DGPO (test_dgpo.py), the other objective on final samples with an EMA of
+    the policy, train the tiny preset from the session's base model."""
+    out = with_base(tiny_base, tmp_path / algorithm)
+    result = run_cli("train", "--preset", "tiny", "--quiet", "--algorithm", algorithm, "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert 'algorithm = "awm"' in (out / "config.toml").read_text().splitlines()
+    assert f'algorithm = "{algorithm}"' in (out / "config.toml").read_text().splitlines()
     records = [r for r in MetricsLog(out / "metrics.jsonl").read() if "reward_mean" in r]
     assert [r["epoch"] for r in records] == [1, 2, 3, 4]
-    assert all(np.isfinite(r["loss"]) and r["ratio"] == 1.0 for r in records)
-    assert all("ema_kl" in r and "kl" in r and "log_likelihood" in r for r in records)
+    assert all(np.isfinite(r["loss"]) and all(name in r for name in reported) for r in records)
+    if algorithm == "awm":
+        assert all(r["ratio"] == 1.0 for r in records)
     assert (out / "summary.json").exists() and (out / "policy.eqx").exists()

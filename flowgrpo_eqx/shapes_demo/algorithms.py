@@ -20,7 +20,9 @@ from .. import (
     AbstractRLObjective,
     AbstractWindowSchedule,
     AWMObjective,
+    DGPOObjective,
     DiffusionNFTObjective,
+    DPMSolverPP2M,
     FlowGRPOObjective,
     FlowReward,
     FlowRollout,
@@ -284,10 +286,88 @@ class AWM(AbstractAlgorithm):
         return False
 
 
+@final
+class DGPO(AbstractAlgorithm):
+    """Direct Group Preference Optimization as released (`DGPOObjective`'s defaults: the
+    default recipe of `config/dgpo.py`, `general_ocr_sd3_4gpu`), adapted to this task where
+    it cannot be taken as it is:
+
+    - The KL weight to the base model is the `beta` setting, 0.02 by default (the
+        recipe's); the DSM clip is `clip_range`, 0.01 by default (the recipe's), and
+        `adv_clip_max` (5, the release's) the advantage clip.
+    - The rollout is the deterministic DPM-Solver++(2M) (`ODESampler(DPMSolverPP2M())`,
+        the release's scheduler) with the job's guidance (the release samples with CFG 4.5
+        and trains without; the loss never guides here either); advantages over the global
+        reward std (`global_std=True`); no shared initial noise, which would make every
+        sample of a group the same with a deterministic solver.
+    - `group_size` is the job's `groups`; one update per epoch on the whole rollout
+        (`minibatch_rows` none, the release's recipe), unless `minibatch_rows` is named (the
+        tiny preset names 4): each group's preference then sums over its rows in the
+        minibatch.
+    - `trunc_steps` is `int(0.7 K) - 1` for `K` start times (the release trains the first 7
+        of its 10, `trunc_steps=6`), at least 0, and `train_timesteps` `min(4, trunc_steps +
+        1)` (4, the release's, where the grid allows).
+    - The optimizer, learning rate and EMA switch (200 updates) are the job's and the
+        release's: the release's LoRA at 3e-4 is for SD3.5-M.
+    """
+
+    def check(self, config: Settings) -> None:
+        if config.rollout.shared_noise:
+            raise ValueError(
+                "Setting `shared_noise` must be false with algorithm 'dgpo': its rollout is a "
+                "deterministic ODE, so a group sharing one initial noise would be one sample "
+                "repeated, and every advantage 0."
+            )
+
+    def default_settings(self) -> dict[str, Any]:
+        """The release's KL weight and DSM clip, independent initial noise, and one update
+        per epoch."""
+        return {"beta": 0.02, "clip_range": 0.01, "shared_noise": False, "minibatch_rows": None}
+
+    def objective(self, job: JobPieces, base: Any) -> DGPOObjective:
+        """DGPO's objective as released, its group the job's `groups`, its KL weight `beta`
+        and clips the job's; the trained indices scaled to the job's grid."""
+        config = job.config
+        trunc_steps = max(0, int(0.7 * (config.rollout.rollout_steps - 1)) - 1)
+        return DGPOObjective(
+            job.model,
+            RectifiedFlow(),
+            job.inputs,
+            group_size=config.rollout.groups,
+            kl_beta=config.objective.beta,
+            clip_range=config.objective.clip_range,
+            adv_clip_max=config.objective.adv_clip_max,
+            trunc_steps=trunc_steps,
+            train_timesteps=min(4, trunc_steps + 1),
+            **_objective_settings(job, base),
+        )
+
+    def rollout(
+        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
+    ) -> FlowRollout:
+        """The deterministic DPM-Solver++(2M) and advantages over the global reward std, as
+        released."""
+        return FlowRollout(
+            objective,
+            job.reward,
+            sampler=ODESampler(DPMSolverPP2M()),
+            advantage_std="global",
+            **_rollout_settings(job, mesh),
+        )
+
+    def old_log_probs(self, config: Settings) -> OldLogProbs:
+        """The rollout's: DGPO trains no ratio of recorded densities."""
+        return _setting_or_rollout(config)
+
+    def trains_on_ratios(self) -> bool:
+        return False
+
+
 ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {
     "flow_grpo": FlowGRPO(),
     "nft": NFT(),
     "awm": AWM(),
+    "dgpo": DGPO(),
 }
 """Every algorithm, by its name in the `algorithm` setting."""
 

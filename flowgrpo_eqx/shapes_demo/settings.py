@@ -25,10 +25,11 @@ WindowScheduleName: TypeAlias = Literal["fixed", "random", "sliding"]
 """Where the `sde_steps` stochastic transitions sit: the leading ones, a random position per
 rollout, or MixGRPO's window sliding later every `window_shift_every` epochs."""
 
-AlgorithmName: TypeAlias = Literal["flow_grpo", "nft", "awm"]
+AlgorithmName: TypeAlias = Literal["flow_grpo", "nft", "awm", "dgpo"]
 """What fine-tunes the base model: Flow-GRPO's clipped policy gradient on recorded SDE
-transitions, DiffusionNFT's negative-aware flow matching on final samples, or Advantage
-Weighted Matching's advantage-weighted flow matching on final samples."""
+transitions, DiffusionNFT's negative-aware flow matching on final samples, Advantage
+Weighted Matching's advantage-weighted flow matching on final samples, or Direct Group
+Preference Optimization's group-level preference loss on final samples."""
 
 LogName: TypeAlias = Literal["tensorboard", "wandb"]
 """Where a run's metrics go besides `metrics.jsonl`."""
@@ -376,7 +377,9 @@ class ObjectiveSettings:
         "flow_grpo",
         "flow_grpo (clipped policy gradient on SDE transitions) | nft (DiffusionNFT: "
         "negative-aware flow matching on final samples; adv_clip_max is its A_max) | awm "
-        "(Advantage Weighted Matching as released: beta is its KL weight to the base model)",
+        "(Advantage Weighted Matching as released: beta is its KL weight to the base model) "
+        "| dgpo (Direct Group Preference Optimization as released: beta is its KL weight, "
+        "clip_range its DSM clip)",
     )
     nft_beta: float = _setting(
         1.0,
