@@ -171,7 +171,7 @@ def all_gathers(hlo_text, shapes):
 
 def main_mmdit():
     from flowgrpo_eqx.models import MMDiT
-    from flowgrpo_eqx.train._trainer import _mesh_context
+    from flowgrpo_eqx.train._trainer import _mesh_context, _update_donating
 
     rows = 8
     sizes = dict(image_size=8, channels=4, patch=2, width=32, heads=4, context_length=3)
@@ -213,15 +213,10 @@ def main_mmdit():
     replicated_state, replicated, sharded_start, four_rows = on_one_and_four(
         trainer, host_state, host_batch
     )
-    # The compiled step, as `Trainer.update` compiles it (under the state's mesh).
-    dynamic, static_part = eqx.partition((trainer, four_rows, sharded_start), eqx.is_array)
-
-    def step(dynamic):
-        trainer_, batch_, state_ = eqx.combine(dynamic, static_part)
-        return trainer_._update(state_, batch_)
-
+    # The compiled step: `Trainer.update`'s own program, which the updates below then reuse.
     with _mesh_context(sharded_start):
-        hlo = jax.jit(step).lower(dynamic).compile().as_text()
+        lowered = _update_donating.lower((trainer, four_rows), sharded_start)
+        hlo = lowered.compile().as_text()
     weights, activations = all_gathers(hlo, weight_shapes(initial))
     sharded_state, sharded = train(trainer, sharded_start, four_rows)
     difference = largest_difference(replicated_state, sharded_state)

@@ -4,6 +4,7 @@ Small sizes throughout; the SD3-Medium size is only ever shape-evaluated. Inputs
 NumPy and passed into jitted calls (eager `jnp` ops compile once per shape).
 """
 
+import functools
 from typing import Any
 
 import equinox as eqx
@@ -266,29 +267,47 @@ def test_stacked_remat_and_chunked_attention_compute_the_same_velocity_and_gradi
 ) -> None:
     stacked = _perturb(_model(**SD35_LIKE), seed=11)
     assert stacked.stacked and len(stacked.blocks) == 3
-    plain = stacked.with_settings(stacked=False)
-    assert not plain.stacked and len(plain.blocks) == 5
-    assert plain.with_settings(stacked=True).blocks[0].image.fc1.weight.shape[0] == 3
+    assert (
+        stacked.with_settings(stacked=False)
+        .with_settings(stacked=True)
+        .blocks[0]
+        .image.fc1.weight.shape[0]
+        == 3
+    )
     other = stacked.with_settings(**settings)
     x, t, cond = _inputs(stacked, 2, 12)
-    want = np.asarray(_vcall(plain, x, t, cond))
+    want, want_grads = _unstacked_velocity_and_gradient()
     np.testing.assert_allclose(np.asarray(_vcall(other, x, t, cond)), want, rtol=0, atol=1e-6)
-
-    @eqx.filter_jit
-    def grads(model: Any) -> Any:
-        def value(params: Any) -> jax.Array:
-            v = jax.vmap(eqx.combine(params, static))(x, t, cond)
-            return jnp.sum(jnp.sin(v))
-
-        params, static = eqx.partition(model, eqx.is_inexact_array)
-        return jax.grad(value)(params)
-
-    want_grads = grads(plain).with_settings(stacked=True)
     for got, expected in zip(
-        jax.tree.leaves(grads(other)), jax.tree.leaves(want_grads), strict=True
+        jax.tree.leaves(_sin_gradient(other, x, t, cond)),
+        jax.tree.leaves(want_grads),
+        strict=True,
     ):
         scale = float(np.max(np.abs(np.asarray(expected)))) + 1e-30
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5 * scale)
+
+
+@eqx.filter_jit
+def _sin_gradient(model: Any, x: Any, t: Any, cond: Any) -> Any:
+    """The gradient of `sum(sin(v))` over the model's float parameters."""
+
+    def value(params: Any) -> jax.Array:
+        v = jax.vmap(eqx.combine(params, static))(x, t, cond)
+        return jnp.sum(jnp.sin(v))
+
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    return jax.grad(value)(params)
+
+
+@functools.cache
+def _unstacked_velocity_and_gradient() -> tuple[np.ndarray, Any]:
+    """The reference of the settings test, computed once: the same parameters as one block
+    after another (no scan, no remat, plain attention); the gradient restacked to compare."""
+    plain = _perturb(_model(**SD35_LIKE), seed=11).with_settings(stacked=False)
+    assert not plain.stacked and len(plain.blocks) == 5
+    x, t, cond = _inputs(plain, 2, 12)
+    velocity = np.asarray(_vcall(plain, x, t, cond))
+    return velocity, _sin_gradient(plain, x, t, cond).with_settings(stacked=True)
 
 
 def test_scan_keeps_the_program_size_flat_in_depth() -> None:
