@@ -63,15 +63,20 @@ def _sd3_time_features(t: Float[Array, ""]) -> Float[Array, " 256"]:
     return jnp.concatenate([jnp.cos(args), jnp.sin(args)])
 
 
-def _pos_table(table: int, base: int, width: int) -> npt.NDArray[np.float32]:
-    """diffusers' `get_2d_sincos_pos_embed(width, table, base_size=base)`, `[table**2, width]`.
+def _pos_table(
+    table: int, base: int, width: int, first: int = 0, size: int | None = None
+) -> npt.NDArray[np.float32]:
+    """diffusers' `get_2d_sincos_pos_embed(width, table, base_size=base)`, `[table**2, width]`,
+    or its square crop of rows and columns `first .. first + size - 1`, `[size**2, width]`
+    (computed alone: the whole table of a large model is most of a gigabyte).
 
     Position `i` along an axis is `i / (table / base)` (float32); the first half of the
     features encodes the column, the second the row, each `[sin, cos]` of the position times
     `10^4 ** (-k / (width / 4))`, in float64, then float32. Row-major over `(row, column)`.
     """
+    size = table - first if size is None else size
     scale = np.float32(table / base)
-    pos = (np.arange(table, dtype=np.float32) / scale).astype(np.float64)
+    pos = (np.arange(table, dtype=np.float32)[first : first + size] / scale).astype(np.float64)
     quarter = width // 4
     omega = 1.0 / 10_000.0 ** (np.arange(quarter, dtype=np.float64) / (width / 4.0))
     rows, cols = np.meshgrid(pos, pos, indexing="ij")
@@ -690,12 +695,11 @@ class MMDiT(AbstractLayeredModel):
         """
         grid = self.image_size // self.patch
         side = grid if self.pos_embed_max_size is None else self.pos_embed_max_size
-        table = _pos_table(side, self.sample_size // self.patch, self.width)
+        base = self.sample_size // self.patch
         if full:
-            return table
+            return _pos_table(side, base, self.width)
         top, size = _pos_crop(side, grid)
-        square = table.reshape(side, side, self.width)[top : top + size, top : top + size]
-        return np.ascontiguousarray(square.reshape(size * size, self.width))
+        return _pos_table(side, base, self.width, top, size)
 
     @classmethod
     def sd3_medium_config(cls) -> dict[str, Any]:
