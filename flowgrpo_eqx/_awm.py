@@ -22,6 +22,7 @@ from ._solver import AbstractSolver, Euler
 from ._trainable import (
     TrainableFilter,
     blend_part,
+    held_part,
     reference_part,
     reference_policy,
     trainable_part,
@@ -322,12 +323,8 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
 
         - `ValueError`: naming `variables` if it holds no EMA.
         """
-        if variables.ema is None:
-            raise ValueError(
-                "`variables.ema` is None, but `ema_beta` > 0 or `off_policy` needs the EMA: "
-                "build the variables with `init`."
-            )
-        return with_part(variables.policy, variables.ema)
+        needed_by = "`ema_beta` > 0 or `off_policy` needs the EMA"
+        return with_part(variables.policy, held_part(variables.ema, "ema", needed_by))
 
     def reference(self, variables: AWMVariables) -> Model:
         """The KL reference: `reference_policy(variables.policy, variables.reference)`.
@@ -344,12 +341,10 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
 
         - `ValueError`: naming `variables` if it holds no reference.
         """
-        if variables.reference is None:
-            raise ValueError(
-                "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference: "
-                "build the variables with `init`."
-            )
-        return reference_policy(variables.policy, variables.reference)
+        needed_by = "`kl_beta` > 0 needs the frozen reference"
+        return reference_policy(
+            variables.policy, held_part(variables.reference, "reference", needed_by)
+        )
 
     def log_likelihood(
         self, error: Float[Array, " F"], t: Float[Array, " F"]

@@ -23,6 +23,7 @@ from ._solver import AbstractSolver, DPMSolverPP2M
 from ._trainable import (
     TrainableFilter,
     blend_part,
+    held_part,
     reference_part,
     reference_policy,
     trainable_part,
@@ -473,12 +474,10 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
         - `ValueError`: naming `variables` if it holds no EMA.
         """
-        if variables.ema is None:
-            raise ValueError(
-                "`variables.ema` is None, but `clip_range`, `dpo_reference='ema'` or "
-                "`switch_ema_ref` needs the EMA reference: build the variables with `init`."
-            )
-        return with_part(variables.policy, variables.ema)
+        needed_by = (
+            "`clip_range`, `dpo_reference='ema'` or `switch_ema_ref` needs the EMA reference"
+        )
+        return with_part(variables.policy, held_part(variables.ema, "ema", needed_by))
 
     def reference(self, variables: DGPOVariables) -> Model:
         """The base model: `reference_policy(variables.policy, variables.reference)`.
@@ -495,12 +494,10 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
         - `ValueError`: naming `variables` if it holds no reference.
         """
-        if variables.reference is None:
-            raise ValueError(
-                "`variables.reference` is None, but `dpo_reference='base'` or `kl_beta` > 0 "
-                "needs the frozen base model: build the variables with `init`."
-            )
-        return reference_policy(variables.policy, variables.reference)
+        needed_by = "`dpo_reference='base'` or `kl_beta` > 0 needs the frozen base model"
+        return reference_policy(
+            variables.policy, held_part(variables.reference, "reference", needed_by)
+        )
 
     def clipped_advantages(self, advantages: Float[Array, " N"]) -> Float[Array, " N"]:
         """`clip(A, -adv_clip_max, adv_clip_max)` (the release's `adv_clip_max`).

@@ -19,6 +19,7 @@ from ._solver import AbstractSolver, Euler
 from ._trainable import (
     TrainableFilter,
     blend_part,
+    held_part,
     reference_part,
     reference_policy,
     trainable_part,
@@ -322,12 +323,10 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
 
         - `ValueError`: naming `variables` if it holds no reference.
         """
-        if variables.reference is None:
-            raise ValueError(
-                "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference: "
-                "build the variables with `init`."
-            )
-        return reference_policy(variables.policy, variables.reference)
+        needed_by = "`kl_beta` > 0 needs the frozen reference"
+        return reference_policy(
+            variables.policy, held_part(variables.reference, "reference", needed_by)
+        )
 
     def optimality(self, advantages: Float[Array, " N"]) -> Float[Array, " N"]:
         """The optimality probabilities `r = 1/2 + 1/2 clip(A / adv_max, -1, 1)`.

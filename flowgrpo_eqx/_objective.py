@@ -32,7 +32,7 @@ from ._rl import AbstractRLObjective, Rescore
 from ._sampling import AbstractSampler, MixSampler, SDESampler
 from ._sde import AbstractSDE, FlowSDE
 from ._solver import AbstractSolver, Euler
-from ._trainable import TrainableFilter, reference_part, reference_policy
+from ._trainable import TrainableFilter, held_part, reference_part, reference_policy
 
 
 # The transition a masked entry is replaced by before any arithmetic, so that NaN or inf in
@@ -750,14 +750,8 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         """
         if self.beta == 0:
             return None
-        if variables.reference is None:
-            raise ValueError(
-                "`variables.reference` is None, but `beta` > 0 needs the frozen reference: "
-                "build the variables with `init`."
-            )
-        reference: Model = stop_gradient_arrays(
-            reference_policy(variables.policy, variables.reference)
-        )
+        part = held_part(variables.reference, "reference", "`beta` > 0 needs the frozen reference")
+        reference: Model = stop_gradient_arrays(reference_policy(variables.policy, part))
         return reference
 
     def _score_kept(

@@ -160,6 +160,30 @@ def reference_part(policy: Any, trainable: TrainableFilter | None = None) -> PyT
     return eqx.filter(part, lora.adapter_filter(policy), inverse=True)
 
 
+def held_part(part: PyTree[Any] | None, field: str, needed_by: str) -> PyTree[Any]:
+    """`part`, a field of an objective's variables that a setting needs.
+
+    **Arguments:**
+
+    - `part`: the field's value (an EMA, a frozen reference, an old policy), or `None`.
+    - `field`: the field's name, for the error.
+    - `needed_by`: the setting that needs it and what for, for the error.
+
+    **Returns:**
+
+    `part`.
+
+    **Raises:**
+
+    - `ValueError`: naming `variables.<field>` and `needed_by`, when `part` is `None`.
+    """
+    if part is None:
+        raise ValueError(
+            f"`variables.{field}` is None, but {needed_by}: build the variables with `init`."
+        )
+    return part
+
+
 def reference_policy(policy: _Model, part: PyTree[Any]) -> _Model:
     """The KL reference: `policy` carrying the frozen `part` (from `reference_part`), with
     its LoRA adapters switched off.

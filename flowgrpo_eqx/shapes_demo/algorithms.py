@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from .. import (
     CFG,
     AbstractRLObjective,
+    AbstractSolver,
     AbstractWindowSchedule,
     AWMObjective,
     DGPOObjective,
@@ -198,13 +199,7 @@ class NFT(AbstractAlgorithm):
     ) -> FlowRollout:
         """The deterministic second-order `Heun` solver and advantages over the global
         reward std, as released."""
-        return FlowRollout(
-            objective,
-            job.reward,
-            sampler=ODESampler(Heun()),
-            advantage_std="global",
-            **_rollout_settings(job, mesh),
-        )
+        return _ode_rollout(job, objective, mesh, Heun())
 
     def old_log_probs(self, config: Settings) -> OldLogProbs:
         """The rollout's: no ratio is trained, so the update program's densities never count."""
@@ -347,13 +342,7 @@ class DGPO(AbstractAlgorithm):
     ) -> FlowRollout:
         """The deterministic DPM-Solver++(2M) and advantages over the global reward std, as
         released."""
-        return FlowRollout(
-            objective,
-            job.reward,
-            sampler=ODESampler(DPMSolverPP2M()),
-            advantage_std="global",
-            **_rollout_settings(job, mesh),
-        )
+        return _ode_rollout(job, objective, mesh, DPMSolverPP2M())
 
     def old_log_probs(self, config: Settings) -> OldLogProbs:
         """The rollout's: DGPO trains no ratio of recorded densities."""
@@ -389,6 +378,23 @@ def flow_grpo_objective(job: JobPieces, base: Any, old_log_probs: OldLogProbs) -
         guard=GRPOGuard() if algorithm.grpo_guard else None,
         old_log_probs=old_log_probs,
         **_objective_settings(job, base),
+    )
+
+
+def _ode_rollout(
+    job: JobPieces,
+    objective: AbstractRLObjective[Any, Any],
+    mesh: Mesh | None,
+    solver: AbstractSolver,
+) -> FlowRollout:
+    """The job's rollout with deterministic `solver` steps and advantages over the global
+    reward std (the released form of the algorithms that train on final samples)."""
+    return FlowRollout(
+        objective,
+        job.reward,
+        sampler=ODESampler(solver),
+        advantage_std="global",
+        **_rollout_settings(job, mesh),
     )
 
 
