@@ -29,7 +29,7 @@ from flowgrpo_eqx.train import (
     rl_epoch,
     save_model,
 )
-from tests.cli_helpers import metrics_of
+from tests.cli_helpers import metrics_of, with_base
 from tests.cli_rewards import brightness
 from tests.errors import NAMED_ARGUMENT_ERRORS
 from tests.test_guided_flow import _times_model
@@ -311,9 +311,9 @@ def _cli(*args, cwd):
     )
 
 
-def test_killed_run_resumes_to_identical_result(tmp_path):
-    whole = tmp_path / "whole"
-    killed = tmp_path / "killed"
+def test_killed_run_resumes_to_identical_result(tmp_path, tiny_base):
+    whole = with_base(tiny_base, tmp_path / "whole")
+    killed = with_base(tiny_base, tmp_path / "killed")
     common = ["train", "--preset", "tiny", "--quiet", "--seed", "3", "--epochs", "8"]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     first = subprocess.Popen(
