@@ -494,3 +494,19 @@ def dgpo_samples_with_ema(global_step, switch_ema_ref):
     """Lines 799-800: the rollout samples with the EMA reference when
     `global_step > switch_ema_ref`."""
     return global_step > switch_ema_ref
+
+
+def central_differences(loss, params, eps=1e-6):
+    """The gradient of the float64 scalar `loss(params)` in each array of the list `params`,
+    by central differences of step `eps`: one array per parameter, of its shape."""
+    gradients = []
+    for which, array in enumerate(params):
+        numeric = np.zeros(array.shape)
+        for index in np.ndindex(array.shape):
+            up = [p.copy() for p in params]
+            down = [p.copy() for p in params]
+            up[which][index] += eps
+            down[which][index] -= eps
+            numeric[index] = (loss(up) - loss(down)) / (2 * eps)
+        gradients.append(numeric)
+    return gradients

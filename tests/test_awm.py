@@ -148,19 +148,13 @@ def test_awm_loss_and_gradient_match_the_released_statement(kwargs):
     assert float(count) == MASK.sum()
     np.testing.assert_allclose(float(total), want, rtol=2e-4, atol=1e-6)
 
-    eps = 1e-6
-    for index_, got in enumerate((grads.weight, grads.time, grads.cond_weight)):
-        numeric = np.zeros(params[index_].shape)
-        for index in np.ndindex(params[index_].shape):
-            up = [p.copy() for p in params]
-            down = [p.copy() for p in params]
-            up[index_][index] += eps
-            down[index_][index] -= eps
-            plus, _ = numpy_loss(objective, up, ema, reference, batch, t, noise, old)
-            minus, _ = numpy_loss(objective, down, ema, reference, batch, t, noise, old)
-            numeric[index] = (plus - minus) / (2 * eps)
+    numeric = ref.central_differences(
+        lambda ps: numpy_loss(objective, ps, ema, reference, batch, t, noise, old)[0], params
+    )
+    grads = (grads.weight, grads.time, grads.cond_weight)
+    for got, want in zip(grads, numeric, strict=True):
         np.testing.assert_allclose(
-            np.asarray(got, np.float64), numeric, rtol=2e-3, atol=2e-3 * np.abs(numeric).max()
+            np.asarray(got, np.float64), want, rtol=2e-3, atol=2e-3 * np.abs(want).max()
         )
 
 

@@ -122,19 +122,14 @@ def test_released_nft_loss_and_gradient_match_numpy(beta, guidance):
 
     # The gradient, with the adaptive weights held at their values (stop-gradient): central
     # differences of the float64 statement.
-    eps = 1e-6
-    for index_, got in enumerate((grads.weight, grads.time, grads.cond_weight)):
-        numeric = np.zeros(params[index_].shape)
-        for index in np.ndindex(params[index_].shape):
-            up = [p.copy() for p in params]
-            down = [p.copy() for p in params]
-            up[index_][index] += eps
-            down[index_][index] -= eps
-            plus, _ = numpy_total(objective, up, old, reference, batch, t, noise, scale, weights)
-            minus, _ = numpy_total(objective, down, old, reference, batch, t, noise, scale, weights)
-            numeric[index] = (plus - minus) / (2 * eps)
+    numeric = ref.central_differences(
+        lambda ps: numpy_total(objective, ps, old, reference, batch, t, noise, scale, weights)[0],
+        params,
+    )
+    grads = (grads.weight, grads.time, grads.cond_weight)
+    for got, want in zip(grads, numeric, strict=True):
         np.testing.assert_allclose(
-            np.asarray(got, np.float64), numeric, rtol=1e-3, atol=1e-3 * np.abs(numeric).max()
+            np.asarray(got, np.float64), want, rtol=1e-3, atol=1e-3 * np.abs(want).max()
         )
 
 
