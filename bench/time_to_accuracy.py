@@ -37,6 +37,10 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         ["--shared-noise", "false", "--reward", "partial", "--epochs", "200"],
     ),
     "nft": ("DiffusionNFT as released", ["--algorithm", "nft"]),
+    "awm": ("AWM as released, adapted", ["--algorithm", "awm"]),
+    "dgpo": ("DGPO as released, adapted", ["--algorithm", "dgpo"]),
+    "mixgrpo": ("MixGRPO as released, adapted", ["--algorithm", "mixgrpo"]),
+    "mixgrpo_flash": ("MixGRPO-Flash as released, adapted", ["--algorithm", "mixgrpo-flash"]),
 }
 
 

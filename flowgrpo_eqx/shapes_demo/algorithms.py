@@ -20,10 +20,12 @@ from .. import (
     AbstractRLObjective,
     AbstractSolver,
     AbstractWindowSchedule,
+    AtEnd,
     AWMObjective,
     DGPOObjective,
     DiffusionNFTObjective,
     DPMSolverPP2M,
+    Euler,
     FlowGRPOObjective,
     FlowReward,
     FlowRollout,
@@ -31,6 +33,7 @@ from .. import (
     GRPOGuard,
     Heun,
     InputSpec,
+    MixSampler,
     ODESampler,
     OldLogProbs,
     RampedDecay,
@@ -352,11 +355,99 @@ class DGPO(AbstractAlgorithm):
         return False
 
 
+@final
+class MixGRPO(AbstractAlgorithm):
+    """MixGRPO and MixGRPO-Flash (github `Tencent-Hunyuan/MixGRPO`,
+    `scripts/finetune/finetune_flux_grpo_MixGRPO*.sh`): Flow-GRPO's objective, as the job's
+    `flow_grpo` builds it, trained on the transitions of a window of `sde_steps` stochastic
+    steps that slides along the grid (`MixSampler`); Euler ODE steps before the window, and
+    after it `solver` on the rest of the grid, compressed by `compress_ratio` for Flash.
+
+    As released: the window moves by its own length (`window_stride` = `sde_steps`; the
+    scripts leave `prog_overlap` off) every `shift_every` epochs (`iters_per_group`: 25, and
+    20 for Flash; one iteration of the release is one rollout and its update, an epoch here)
+    and starts again from the first transition past the end (`roll_back`); Flash runs
+    DPM-Solver++(2M) after the window on a grid compressed by 0.4. Adapted to this task:
+
+    - The window is the job's `sde_steps` (2) transitions, all trained, on the job's grid
+        (6 points): the release's 4 of 25 with `timestep_fraction` 0.6 is for FLUX.1 at 25
+        steps. The window's positions are then transitions 0 and 2.
+    - Flash samples on 11 points (`rollout_steps`): on the job's 6 the compressed rest
+        would be one point, where the release stops before t = 0. On 11 the window's last
+        transition `l` leaves `int(max(0.4 (10 - l), 1))` points after it (3, 2, 2, 1, 1
+        for its five positions), so the fourth position, like the release's last, stops
+        short of t = 0 (at t = 0.2).
+    - The objective, its clip, KL and step size are the job's Flow-GRPO defaults (the
+        release's clip 1e-4 and learning rate 1e-5 are for FLUX.1's full fine-tuning).
+
+    **Arguments:**
+
+    - `shift_every`: the default `window_shift_every`, epochs between the window's moves.
+    - `solver`: the ODE solver after the window.
+    - `compress_ratio`: `None` keeps the grid after the window; a float rebuilds it.
+    - `rollout_steps`: the default `rollout_steps`, or `None` for the job's.
+    """
+
+    shift_every: int
+    solver: AbstractSolver = Euler()
+    compress_ratio: float | None = None
+    rollout_steps: int | None = None
+
+    def check(self, config: Settings) -> None:
+        rollout = config.rollout
+        if rollout.window_schedule == "fixed":
+            raise ValueError(
+                "Setting `window_schedule` must be 'sliding' or 'random' with a MixGRPO "
+                "algorithm: its SDE window moves along the grid."
+            )
+
+    def default_settings(self) -> dict[str, Any]:
+        """The released window: sliding by its own length every `shift_every` epochs."""
+        defaults: dict[str, Any] = {
+            "window_schedule": "sliding",
+            "window_shift_every": self.shift_every,
+            "window_stride": RolloutSettings().sde_steps,
+        }
+        if self.rollout_steps is not None:
+            defaults["rollout_steps"] = self.rollout_steps
+        return defaults
+
+    def objective(self, job: JobPieces, base: Any) -> FlowGRPOObjective:
+        return flow_grpo_objective(job, base, self.old_log_probs(job.config))
+
+    def rollout(
+        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
+    ) -> FlowRollout:
+        """`MixSampler` with the job's SDE and window, restarting past the grid's end."""
+        rollout = job.config.rollout
+        schedule = window_schedule(rollout, at_end="restart")
+        assert schedule is not None  # `check` refuses the fixed window
+        sampler = MixSampler(
+            rollout_sde(rollout),
+            schedule,
+            solver=self.solver,
+            compress_ratio=self.compress_ratio,
+            record_means=job.config.objective.grpo_guard,
+        )
+        return FlowRollout(objective, job.reward, sampler=sampler, **_rollout_settings(job, mesh))
+
+    def old_log_probs(self, config: Settings) -> OldLogProbs:
+        """As `FlowGRPO`'s: the update program's densities in bfloat16, else the rollout's."""
+        return FlowGRPO().old_log_probs(config)
+
+    def trains_on_ratios(self) -> bool:
+        return True
+
+
 ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {
     "flow_grpo": FlowGRPO(),
     "nft": NFT(),
     "awm": AWM(),
     "dgpo": DGPO(),
+    "mixgrpo": MixGRPO(shift_every=25),
+    "mixgrpo-flash": MixGRPO(
+        shift_every=20, solver=DPMSolverPP2M(), compress_ratio=0.4, rollout_steps=11
+    ),
 }
 """Every algorithm, by its name in the `algorithm` setting."""
 
@@ -443,14 +534,20 @@ def rollout_sde(rollout: RolloutSettings) -> FlowSDE:
     return FlowSDE(rollout.noise_level, window=sde_window(rollout))
 
 
-def window_schedule(rollout: RolloutSettings) -> AbstractWindowSchedule | None:
+def window_schedule(
+    rollout: RolloutSettings, at_end: AtEnd = "clip"
+) -> AbstractWindowSchedule | None:
     """`None` for the fixed leading window (the SDE's `window`), else a schedule of
-    `sde_steps` stochastic, trained transitions."""
+    `sde_steps` stochastic, trained transitions; a sliding one stays at the grid's end or
+    starts again (`at_end`)."""
     count = rollout.sde_steps if rollout.sde_steps is not None else rollout.rollout_steps - 1
     if rollout.window_schedule == "random":
         return RandomWindow(count)
     if rollout.window_schedule == "sliding":
         return SlidingWindow(
-            count, shift_every=rollout.window_shift_every, stride=rollout.window_stride
+            count,
+            shift_every=rollout.window_shift_every,
+            stride=rollout.window_stride,
+            at_end=at_end,
         )
     return None

@@ -25,11 +25,13 @@ WindowScheduleName: TypeAlias = Literal["fixed", "random", "sliding"]
 """Where the `sde_steps` stochastic transitions sit: the leading ones, a random position per
 rollout, or MixGRPO's window sliding later every `window_shift_every` epochs."""
 
-AlgorithmName: TypeAlias = Literal["flow_grpo", "nft", "awm", "dgpo"]
+AlgorithmName: TypeAlias = Literal["flow_grpo", "nft", "awm", "dgpo", "mixgrpo", "mixgrpo-flash"]
 """What fine-tunes the base model: Flow-GRPO's clipped policy gradient on recorded SDE
 transitions, DiffusionNFT's negative-aware flow matching on final samples, Advantage
-Weighted Matching's advantage-weighted flow matching on final samples, or Direct Group
-Preference Optimization's group-level preference loss on final samples."""
+Weighted Matching's advantage-weighted flow matching on final samples, Direct Group
+Preference Optimization's group-level preference loss on final samples, or Flow-GRPO's
+objective on MixGRPO's rollout (a sliding SDE window, ODE steps around it; `mixgrpo-flash`
+with DPM-Solver++(2M) on a compressed grid after it)."""
 
 LogName: TypeAlias = Literal["tensorboard", "wandb"]
 """Where a run's metrics go besides `metrics.jsonl`."""
@@ -379,7 +381,9 @@ class ObjectiveSettings:
         "negative-aware flow matching on final samples; adv_clip_max is its A_max) | awm "
         "(Advantage Weighted Matching as released: beta is its KL weight to the base model) "
         "| dgpo (Direct Group Preference Optimization as released: beta is its KL weight, "
-        "clip_range its DSM clip)",
+        "clip_range its DSM clip) | mixgrpo (Flow-GRPO's objective on MixGRPO's rollout: ODE "
+        "steps around a sliding SDE window) | mixgrpo-flash (the same, DPM-Solver++(2M) on a "
+        "compressed grid after the window)",
     )
     nft_beta: float = _setting(
         1.0,
