@@ -140,7 +140,8 @@ class SlidingWindow(AbstractWindowSchedule):
 
     - `count`: how many consecutive transitions are stochastic and trained.
     - `shift_every`: epochs between moves (MixGRPO's `iters_per_group`).
-    - `stride`: transitions per move; 1 by default (MixGRPO's overlapping progression).
+    - `stride`: transitions per move; 1 by default (MixGRPO's `prog_overlap_step`). The
+        released scripts move the window by its length: `stride=count`.
     - `at_end`: `"clip"` (default) or `"restart"`.
 
     **Raises:**

@@ -10,7 +10,7 @@ it), and what it builds from as `JobPieces`, which `parts.ShapesJob.pieces()` ha
 
 import abc
 import dataclasses
-from typing import Any, Protocol, final, runtime_checkable
+from typing import Any, ClassVar, Protocol, final, runtime_checkable
 
 import equinox as eqx
 from jax.sharding import Mesh
@@ -18,8 +18,10 @@ from jax.sharding import Mesh
 from .. import (
     CFG,
     AbstractRLObjective,
+    AbstractSampler,
     AbstractSolver,
     AbstractWindowSchedule,
+    AdvantageStd,
     AtEnd,
     AWMObjective,
     DGPOObjective,
@@ -104,26 +106,52 @@ class AbstractAlgorithm(eqx.Module):
         """The objective the trainer trains, starting from the policy `base`."""
 
     @abc.abstractmethod
+    def sampler(self, job: JobPieces) -> AbstractSampler:
+        """The sampler of the rollout that collects each epoch's batch."""
+
+    advantage_std: eqx.AbstractClassVar[AdvantageStd]
+    """Over which rewards an advantage's std is taken: its group's or the whole rollout's."""
+
+    trains_on_ratios: eqx.AbstractClassVar[bool]
+    """Whether the objective trains on the policy ratio of recorded transitions (whose
+    histogram a run with metrics writers logs)."""
+
+    def old_log_probs(self, config: Settings) -> OldLogProbs:
+        """Where the Flow-GRPO objective's ratio takes its old log densities from (the job
+        measures with that objective whatever the algorithm): the `old_log_probs` setting,
+        or when it is none the update program's densities in bfloat16 (an exact ratio 1) for
+        an algorithm that trains on ratios, else the rollout's."""
+        explicit = config.objective.old_log_probs
+        if explicit is not None:
+            return explicit
+        bfloat16 = config.model.precision == "bfloat16"
+        return "update" if self.trains_on_ratios and bfloat16 else "rollout"
+
     def rollout(
         self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
     ) -> FlowRollout:
-        """The rollout of `objective`'s guided flow that collects each epoch's batch."""
-
-    @abc.abstractmethod
-    def old_log_probs(self, config: Settings) -> OldLogProbs:
-        """Where the Flow-GRPO objective's ratio takes its old log densities from: the
-        `old_log_probs` setting, or this algorithm's choice when it is none (the job measures
-        with that objective whatever the algorithm)."""
-
-    @abc.abstractmethod
-    def trains_on_ratios(self) -> bool:
-        """Whether the objective trains on the policy ratio of recorded transitions (whose
-        histogram a run with metrics writers logs)."""
+        """The rollout of `objective`'s guided flow with this algorithm's `sampler` and
+        `advantage_std`, and the job's groups, time grid, initial noise and reward
+        combination, its rows on `mesh`."""
+        rollout = job.config.rollout
+        return FlowRollout(
+            objective,
+            job.reward,
+            sampler=self.sampler(job),
+            advantage_std=self.advantage_std,
+            groups=rollout.groups,
+            steps=rollout.rollout_steps,
+            shared_noise=rollout.shared_noise,
+            reward_combination=job.config.rewards.reward_combination,
+            mesh=mesh,
+        )
 
 
 @final
 class FlowGRPO(AbstractAlgorithm):
     """Flow-GRPO: the clipped policy gradient on SDE transitions the rollout records."""
+
+    trains_on_ratios: ClassVar[bool] = True
 
     def check(self, config: Settings) -> None:
         del config
@@ -134,28 +162,17 @@ class FlowGRPO(AbstractAlgorithm):
     def objective(self, job: JobPieces, base: Any) -> FlowGRPOObjective:
         return flow_grpo_objective(job, base, self.old_log_probs(job.config))
 
-    def rollout(
-        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
-    ) -> FlowRollout:
-        """The rollout with the job's SDE (`rollout_sde`), recording the trained window."""
+    advantage_std: ClassVar[AdvantageStd] = "group"
+
+    def sampler(self, job: JobPieces) -> SDESampler:
+        """The job's SDE (`rollout_sde`), recording the trained window."""
         rollout = job.config.rollout
-        sampler = SDESampler(
+        return SDESampler(
             rollout_sde(rollout),
             train_steps=rollout.train_steps if rollout.window_schedule == "fixed" else None,
             window_schedule=window_schedule(rollout),
             record_means=job.config.objective.grpo_guard,
         )
-        return FlowRollout(objective, job.reward, sampler=sampler, **_rollout_settings(job, mesh))
-
-    def old_log_probs(self, config: Settings) -> OldLogProbs:
-        """The update program's densities in bfloat16 (exact ratio 1), else the rollout's."""
-        explicit = config.objective.old_log_probs
-        if explicit is not None:
-            return explicit
-        return "update" if config.model.precision == "bfloat16" else "rollout"
-
-    def trains_on_ratios(self) -> bool:
-        return True
 
 
 @final
@@ -163,13 +180,10 @@ class NFT(AbstractAlgorithm):
     """DiffusionNFT: negative-aware flow matching on final samples of a deterministic
     rollout, as released."""
 
+    trains_on_ratios: ClassVar[bool] = False
+
     def check(self, config: Settings) -> None:
-        if config.rollout.shared_noise:
-            raise ValueError(
-                "Setting `shared_noise` must be false with algorithm 'nft': its rollout is a "
-                "deterministic ODE, so a group sharing one initial noise would be one sample "
-                "repeated, and every advantage 0."
-            )
+        _refuse_shared_noise(config, "nft")
         if config.objective.beta > 0:
             raise ValueError(
                 "Setting `beta` (Flow-GRPO's KL weight) must be 0 with algorithm 'nft', got "
@@ -197,19 +211,11 @@ class NFT(AbstractAlgorithm):
             **settings,
         )
 
-    def rollout(
-        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
-    ) -> FlowRollout:
-        """The deterministic second-order `Heun` solver and advantages over the global
-        reward std, as released."""
-        return _ode_rollout(job, objective, mesh, Heun())
+    advantage_std: ClassVar[AdvantageStd] = "global"
 
-    def old_log_probs(self, config: Settings) -> OldLogProbs:
-        """The rollout's: no ratio is trained, so the update program's densities never count."""
-        return _setting_or_rollout(config)
-
-    def trains_on_ratios(self) -> bool:
-        return False
+    def sampler(self, job: JobPieces) -> ODESampler:
+        """The deterministic second-order `Heun` solver, as released."""
+        return ODESampler(Heun())
 
 
 @final
@@ -233,6 +239,8 @@ class AWM(AbstractAlgorithm):
     - The optimizer, learning rate and updates per epoch are the job's: the release's
         LoRA at 3e-4 with one accumulated update per epoch is for SD3.5-M.
     """
+
+    trains_on_ratios: ClassVar[bool] = False
 
     def check(self, config: Settings) -> None:
         if config.rollout.rollout_steps < 4:
@@ -264,24 +272,11 @@ class AWM(AbstractAlgorithm):
             **settings,
         )
 
-    def rollout(
-        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
-    ) -> FlowRollout:
-        """The job's SDE and advantages over the global reward std, as released."""
-        return FlowRollout(
-            objective,
-            job.reward,
-            sampler=SDESampler(rollout_sde(job.config.rollout)),
-            advantage_std="global",
-            **_rollout_settings(job, mesh),
-        )
+    advantage_std: ClassVar[AdvantageStd] = "global"
 
-    def old_log_probs(self, config: Settings) -> OldLogProbs:
-        """The rollout's: AWM's ratio is of its own surrogate, never of recorded densities."""
-        return _setting_or_rollout(config)
-
-    def trains_on_ratios(self) -> bool:
-        return False
+    def sampler(self, job: JobPieces) -> SDESampler:
+        """The job's SDE (`rollout_sde`)."""
+        return SDESampler(rollout_sde(job.config.rollout))
 
 
 @final
@@ -309,13 +304,10 @@ class DGPO(AbstractAlgorithm):
         release's: the release's LoRA at 3e-4 is for SD3.5-M.
     """
 
+    trains_on_ratios: ClassVar[bool] = False
+
     def check(self, config: Settings) -> None:
-        if config.rollout.shared_noise:
-            raise ValueError(
-                "Setting `shared_noise` must be false with algorithm 'dgpo': its rollout is a "
-                "deterministic ODE, so a group sharing one initial noise would be one sample "
-                "repeated, and every advantage 0."
-            )
+        _refuse_shared_noise(config, "dgpo")
 
     def default_settings(self) -> dict[str, Any]:
         """The release's KL weight and DSM clip, independent initial noise, and one update
@@ -340,19 +332,11 @@ class DGPO(AbstractAlgorithm):
             **_objective_settings(job, base),
         )
 
-    def rollout(
-        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
-    ) -> FlowRollout:
-        """The deterministic DPM-Solver++(2M) and advantages over the global reward std, as
-        released."""
-        return _ode_rollout(job, objective, mesh, DPMSolverPP2M())
+    advantage_std: ClassVar[AdvantageStd] = "global"
 
-    def old_log_probs(self, config: Settings) -> OldLogProbs:
-        """The rollout's: DGPO trains no ratio of recorded densities."""
-        return _setting_or_rollout(config)
-
-    def trains_on_ratios(self) -> bool:
-        return False
+    def sampler(self, job: JobPieces) -> ODESampler:
+        """The deterministic DPM-Solver++(2M), as released."""
+        return ODESampler(DPMSolverPP2M())
 
 
 @final
@@ -388,6 +372,8 @@ class MixGRPO(AbstractAlgorithm):
     - `rollout_steps`: the default `rollout_steps`, or `None` for the job's.
     """
 
+    trains_on_ratios: ClassVar[bool] = True
+
     shift_every: int
     solver: AbstractSolver = Euler()
     compress_ratio: float | None = None
@@ -415,28 +401,20 @@ class MixGRPO(AbstractAlgorithm):
     def objective(self, job: JobPieces, base: Any) -> FlowGRPOObjective:
         return flow_grpo_objective(job, base, self.old_log_probs(job.config))
 
-    def rollout(
-        self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
-    ) -> FlowRollout:
+    advantage_std: ClassVar[AdvantageStd] = "group"
+
+    def sampler(self, job: JobPieces) -> MixSampler:
         """`MixSampler` with the job's SDE and window, restarting past the grid's end."""
         rollout = job.config.rollout
         schedule = window_schedule(rollout, at_end="restart")
         assert schedule is not None  # `check` refuses the fixed window
-        sampler = MixSampler(
+        return MixSampler(
             rollout_sde(rollout),
             schedule,
             solver=self.solver,
             compress_ratio=self.compress_ratio,
             record_means=job.config.objective.grpo_guard,
         )
-        return FlowRollout(objective, job.reward, sampler=sampler, **_rollout_settings(job, mesh))
-
-    def old_log_probs(self, config: Settings) -> OldLogProbs:
-        """As `FlowGRPO`'s: the update program's densities in bfloat16, else the rollout's."""
-        return FlowGRPO().old_log_probs(config)
-
-    def trains_on_ratios(self) -> bool:
-        return True
 
 
 ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {
@@ -450,6 +428,21 @@ ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {
     ),
 }
 """Every algorithm, by its name in the `algorithm` setting."""
+
+
+def _refuse_shared_noise(config: Settings, algorithm: AlgorithmName) -> None:
+    """Refuse shared initial noise for an algorithm whose rollout is deterministic.
+
+    **Raises:**
+
+    - `ValueError`: naming `shared_noise` and `algorithm`, if the setting is on.
+    """
+    if config.rollout.shared_noise:
+        raise ValueError(
+            f"Setting `shared_noise` must be false with algorithm '{algorithm}': its rollout "
+            "is a deterministic ODE, so a group sharing one initial noise would be one "
+            "sample repeated, and every advantage 0."
+        )
 
 
 def flow_grpo_objective(job: JobPieces, base: Any, old_log_probs: OldLogProbs) -> FlowGRPOObjective:
@@ -472,29 +465,6 @@ def flow_grpo_objective(job: JobPieces, base: Any, old_log_probs: OldLogProbs) -
     )
 
 
-def _ode_rollout(
-    job: JobPieces,
-    objective: AbstractRLObjective[Any, Any],
-    mesh: Mesh | None,
-    solver: AbstractSolver,
-) -> FlowRollout:
-    """The job's rollout with deterministic `solver` steps and advantages over the global
-    reward std (the released form of the algorithms that train on final samples)."""
-    return FlowRollout(
-        objective,
-        job.reward,
-        sampler=ODESampler(solver),
-        advantage_std="global",
-        **_rollout_settings(job, mesh),
-    )
-
-
-def _setting_or_rollout(config: Settings) -> OldLogProbs:
-    """The `old_log_probs` setting, or the rollout's densities when it is none."""
-    explicit = config.objective.old_log_probs
-    return "rollout" if explicit is None else explicit
-
-
 def _objective_settings(job: JobPieces, base: Any) -> dict[str, Any]:
     """What every objective takes alike: guidance, the evaluation grid, the starting weights
     and the precision."""
@@ -503,19 +473,6 @@ def _objective_settings(job: JobPieces, base: Any) -> dict[str, Any]:
         "steps": job.config.evaluation.eval_steps,
         "pretrained": base,
         "precision": job.config.model.precision,
-    }
-
-
-def _rollout_settings(job: JobPieces, mesh: Mesh | None) -> dict[str, Any]:
-    """What every rollout takes alike: the groups, the time grid, the initial noise, how
-    rewards combine, and the data mesh."""
-    rollout = job.config.rollout
-    return {
-        "groups": rollout.groups,
-        "steps": rollout.rollout_steps,
-        "shared_noise": rollout.shared_noise,
-        "reward_combination": job.config.rewards.reward_combination,
-        "mesh": mesh,
     }
 
 

@@ -404,7 +404,7 @@ class _Run:
     def epoch(self, state: TrainState, epoch: int, key: Any) -> tuple[TrainState, dict[str, Any]]:
         """One RL epoch, its placement record, its held-out measure when due, and its metrics."""
         job, config, out = self.job, self.job.config, self.job.out
-        logs_ratios = config.logging.log and job.algorithm.trains_on_ratios()
+        logs_ratios = config.logging.log and job.algorithm.trains_on_ratios
         state, summary, info = rl_epoch(
             self.trainer,
             state,
