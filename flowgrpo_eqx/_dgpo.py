@@ -683,26 +683,11 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
             `reference`, `ema_policy` or `GuidedFlow.call_model`.
         - `EquinoxRuntimeError`: if a group has more than `group_size` counted rows.
         """
+        keep = batch.samples.mask
+        points = self.training_points(variables, batch.samples, batch.group, step.key)
+        x_t, target, t_flat, conditioning = points.x_t, points.target, points.t, points.cond
+        rows, count = batch.samples.latents.shape[0], points.count
         samples = batch.samples
-        keep = samples.mask
-        if samples.timesteps is None:
-            raise ValueError(
-                "DGPO trains at the sampler's grid, but `batch.samples.timesteps` is None: "
-                "collect with a FlowRollout (every sampler records it)."
-            )
-        grid = jnp.where(keep[:, None], samples.timesteps, jnp.ones((), samples.timesteps.dtype))
-        t = self.training_times(grid, variables.indices)
-        rows, count = t.shape
-        t_flat = t.reshape(rows * count)
-        x_0 = jnp.repeat(zero_rows_unless(keep, samples.latents), count, axis=0)
-        cond = jax.tree.map(
-            lambda leaf: jnp.repeat(zero_rows_unless(keep, leaf), count, 0), samples.cond
-        )
-        noise = self.training_noise(batch.group, count, x_0.shape[1:], step.key).astype(x_0.dtype)
-        process = self.flow.process
-        x_t = jax.vmap(process.interpolate)(x_0, noise, t_flat.astype(x_0.dtype))
-        target = jax.vmap(process.velocity_target)(x_0, noise).astype(jnp.float32)
-        conditioning = self.flow.inputs.condition(cond)
 
         def velocity(policy: Model) -> Array:
             return self.flow.call_model(policy, x_t, t_flat, conditioning).astype(jnp.float32)
@@ -727,13 +712,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         v_dpo = v_ema if self.dpo_reference == "ema" else v_base
         assert v_dpo is not None
         reference_error = _example_mse(v_dpo, target)
-        same = (batch.group[:, None] == batch.group[None, :]) & keep[None, :]
-        same = eqx.error_if(
-            same,
-            jnp.any(keep & (jnp.sum(same, axis=1) > self.group_size)),
-            "A group of the batch has more counted rows than `group_size`: the batch's "
-            "`group` ids do not match the objective's `group_size`.",
-        )
+        same = self._same_group(batch.group, keep)
         policy, weight = self.preference_loss(
             clipped.reshape(rows, count), reference_error.reshape(rows, count), advantages, same
         )
@@ -757,6 +736,72 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         stats = {k: _mean_over(keep, jax.lax.stop_gradient(a)) for k, a in aux.items()}
         return _mean_over(keep, per_row), stats
 
+    def training_points(
+        self,
+        variables: DGPOVariables,
+        samples: FinalSamples,
+        group: Int[Array, " N"],
+        key: PRNGKeyArray,
+    ) -> "_TrainingPoints":
+        """Each counted row noised at its epoch's trained times (`training_times` of its grid
+        at `variables.indices`) with its group's noise; masked rows as zeros at time 1.
+
+        **Arguments:**
+
+        - `variables`: its `indices` are the epoch's trained grid indices.
+        - `samples`: the batch's `FinalSamples`, with their grid `timesteps`.
+        - `group`: `[N]` each row's group id.
+        - `key`: draws the noise (`training_noise`).
+
+        **Returns:**
+
+        The `[N T, ...]` noised latents, velocity targets, times and conditioning.
+
+        **Raises:**
+
+        - `ValueError`: naming `batch.samples.timesteps` if it is `None`; as
+            `training_times`.
+        """
+        keep = samples.mask
+        if samples.timesteps is None:
+            raise ValueError(
+                "DGPO trains at the sampler's grid, but `batch.samples.timesteps` is None: "
+                "collect with a FlowRollout (every sampler records it)."
+            )
+        grid = jnp.where(keep[:, None], samples.timesteps, jnp.ones((), samples.timesteps.dtype))
+        t = self.training_times(grid, variables.indices)
+        rows, count = t.shape
+        t_flat = t.reshape(rows * count)
+        x_0 = jnp.repeat(zero_rows_unless(keep, samples.latents), count, axis=0)
+        cond = jax.tree.map(
+            lambda leaf: jnp.repeat(zero_rows_unless(keep, leaf), count, 0), samples.cond
+        )
+        noise = self.training_noise(group, count, x_0.shape[1:], key).astype(x_0.dtype)
+        process = self.flow.process
+        return _TrainingPoints(
+            x_t=jax.vmap(process.interpolate)(x_0, noise, t_flat.astype(x_0.dtype)),
+            target=jax.vmap(process.velocity_target)(x_0, noise).astype(jnp.float32),
+            t=t_flat,
+            cond=self.flow.inputs.condition(cond),
+            count=count,
+        )
+
+    def _same_group(self, group: Int[Array, " N"], keep: Bool[Array, " N"]) -> Bool[Array, "N N"]:
+        """`[N, N]`: whether row `j` is a counted row of row `i`'s group.
+
+        **Raises:**
+
+        - `EquinoxRuntimeError`: if a group has more than `group_size` counted rows.
+        """
+        same = (group[:, None] == group[None, :]) & keep[None, :]
+        checked: Bool[Array, "N N"] = eqx.error_if(
+            same,
+            jnp.any(keep & (jnp.sum(same, axis=1) > self.group_size)),
+            "A group of the batch has more counted rows than `group_size`: the batch's "
+            "`group` ids do not match the objective's `group_size`.",
+        )
+        return checked
+
     def _base_velocity(
         self, base: Model, x_t: Array, t: Float[Array, " F"], conditioning: PyTree[Any]
     ) -> Array:
@@ -767,6 +812,17 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         null = self.flow.null_like(conditioning)
         unconditional = self.flow.call_model(base, x_t, t, null).astype(jnp.float32)
         return self.reference_guidance.combine(conditional, unconditional)
+
+
+class _TrainingPoints(eqx.Module):
+    """The flattened `[N T, ...]` inputs of one DGPO loss: noised latents, velocity targets,
+    times and conditioning, for `count` times per row."""
+
+    x_t: Array
+    target: Array
+    t: Float[Array, " F"]
+    cond: PyTree[Any]
+    count: int = eqx.field(static=True)
 
 
 def _draw_indices(
