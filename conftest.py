@@ -38,11 +38,9 @@ import pytest
 # the same operations in IEEE float arithmetic (no fast-math either way); only the speed of the
 # compiled code differs. Set before the CPU backend starts; the processes tests start inherit it.
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_user_xla_flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
-    [
-        os.environ.get("XLA_FLAGS", ""),
-        *(f for f in TEST_XLA_FLAGS if f not in os.environ.get("XLA_FLAGS", "")),
-    ]
+    [_user_xla_flags, *(f for f in TEST_XLA_FLAGS if f not in _user_xla_flags)]
 ).strip()
 
 jax.config.update("jax_numpy_rank_promotion", "raise")

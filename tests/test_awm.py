@@ -14,7 +14,7 @@ from flowgrpo_eqx.train import MetricsLog
 from tests import numpy_reference as ref
 from tests.cli_helpers import run_cli, with_base
 from tests.errors import exact_message, raises_named
-from tests.test_objective import DIM, LinearVelocity, perturbed
+from tests.test_objective import DIM, LinearVelocity, perturbed, rollout_info
 
 
 N, K = 5, 10
@@ -330,17 +330,7 @@ def test_awm_trains_on_the_final_samples_of_an_sde_rollout():
         advantages=batch.advantages,
         cond=batch.cond,
     )
-    info = fg.RolloutInfo(
-        rewards=np.zeros(N),
-        reward_mean=np.float32(0.0),
-        zero_std_fraction=0.0,
-        mean_group_std=0.0,
-        samples=batch.latents,
-        final=batch.latents,
-        seconds={},
-        reward_calls_here=1,
-        window_start=0,
-    )
+    info = rollout_info(batch.latents)
     got = objective.training_batch(transitions, info)
     assert isinstance(got, fg.FinalSamples) and bool(np.all(np.asarray(got.mask)))
     assert got.latents is batch.latents and got.timesteps is batch.timesteps

@@ -14,7 +14,7 @@ from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.train import Trainer
 from tests import numpy_reference as ref
 from tests.errors import NAMED_ARGUMENT_ERRORS, exact_message, raises_named
-from tests.test_objective import DIM, NULL, LinearVelocity, perturbed
+from tests.test_objective import DIM, NULL, LinearVelocity, perturbed, rollout_info
 
 
 N, K, G = 8, 10, 4
@@ -344,17 +344,7 @@ def test_the_loss_never_guides_the_live_policy():
 def test_the_training_batch_groups_runs_of_group_size_rows():
     objective, _, batch = setup()
     samples = batch.samples
-    info = fg.RolloutInfo(
-        rewards=np.zeros(N),
-        reward_mean=np.float32(0.0),
-        zero_std_fraction=0.0,
-        mean_group_std=0.0,
-        samples=samples.latents,
-        final=samples.latents,
-        seconds={},
-        reward_calls_here=1,
-        window_start=0,
-    )
+    info = rollout_info(samples.latents)
     got = objective.training_batch(samples, info)
     assert isinstance(got, fg.GroupedSamples) and got.samples is samples
     assert np.asarray(got.group).tolist() == GROUP.tolist() and got.num_rows == N

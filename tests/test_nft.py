@@ -27,6 +27,7 @@ from tests.test_objective import (
     _value_and_grad,
     make_batch as make_transitions,
     numpy_guided,
+    rollout_info,
 )
 
 
@@ -371,17 +372,7 @@ def test_the_nft_training_batch_takes_the_final_latents_the_rows_and_their_advan
 
     batch = make_transitions(1, n=3, k=2, steps=4)
     final = jnp.arange(3 * DIM, dtype=jnp.float32).reshape(3, -1)
-    info = fg.RolloutInfo(
-        rewards=np.zeros(3),
-        reward_mean=np.float32(0.0),
-        zero_std_fraction=0.0,
-        mean_group_std=0.0,
-        samples=final,
-        final=final,
-        seconds={},
-        reward_calls_here=1,
-        window_start=0,
-    )
+    info = rollout_info(final)
     nft = make_objective().training_batch(batch, info)
     np.testing.assert_array_equal(nft.latents, final)
     np.testing.assert_array_equal(nft.advantages, batch.advantages)

@@ -72,6 +72,23 @@ def numpy_guided(model, x, t, cond, scale):
     return v_null + scale * (v_cond - v_null)
 
 
+def rollout_info(final):
+    """A `RolloutInfo` of rows whose final latents (and decoded samples) are `final`, with
+    zero rewards: what an objective's `training_batch` reads of a rollout."""
+    rows = final.shape[0]
+    return fg.RolloutInfo(
+        rewards=np.zeros(rows),
+        reward_mean=np.float32(0.0),
+        zero_std_fraction=0.0,
+        mean_group_std=0.0,
+        samples=final,
+        final=final,
+        seconds={},
+        reward_calls_here=1,
+        window_start=0,
+    )
+
+
 def make_batch(seed, n=5, k=6, steps=8, advantages_per_transition=False, poison=False):
     rng = np.random.default_rng(seed)
     grid = ref.grid(steps, 3.0)
