@@ -382,7 +382,11 @@ class MixSampler(AbstractSampler):
 
     **Arguments:**
 
-    - `sde`: the SDE of the window (the objective's).
+    - `sde`: the SDE of the window (the objective's). Its own `window` may end the noise
+        before the scheduled window does (the release's `max_timesteps = T - 2` cuts its last
+        window to 3 transitions: `FlowSDE(eta, window=window_for_indices(grid, 0, T - 2))`);
+        the cut transitions are recorded but masked, and `solver` takes over after the last
+        stochastic one, as the release's `last_false_index`.
     - `window_schedule`: where the window sits, epoch by epoch (`SlidingWindow` as released).
     - `solver`: the ODE solver after the window; `Euler()` (default) as MixGRPO's.
     - `compress_ratio`: `None` (default) keeps the grid after the window; a float in (0, 1]
@@ -392,7 +396,7 @@ class MixSampler(AbstractSampler):
     **Raises:**
 
     - `ValueError`: naming the argument, for an `sde` or `window_schedule` or `solver` of the
-        wrong type, an `sde` with a `window`, or a `compress_ratio` outside (0, 1]; and, when
+        wrong type, or a `compress_ratio` outside (0, 1]; and, when
         a rollout checks it, a window longer than the trajectory or a `compress_ratio` with
         another process.
     """
@@ -411,11 +415,6 @@ class MixSampler(AbstractSampler):
         ):
             if not isinstance(value, kind):
                 raise ValueError(f"`{name}` must be an {kind.__name__}, got {value!r}.")
-        if self.sde.window is not None:
-            raise ValueError(
-                "The `sde`'s `window` must be None with a MixSampler (its `window_schedule` "
-                f"places the noise), got {self.sde.window!r}."
-            )
         ratio = self.compress_ratio
         if ratio is not None and not (isinstance(ratio, float) and 0 < ratio <= 1):
             raise ValueError(f"`compress_ratio` must be None or a float in (0, 1], got {ratio!r}.")
@@ -443,14 +442,18 @@ class MixSampler(AbstractSampler):
     def trajectory(
         self, draw: Draw, start: Float[Array, " N *latent"], key: PRNGKeyArray
     ) -> Generated:
-        """One `lax.scan` up to the window's end (skipping, by `lax.cond`, every step after
-        it), the window sliced out at the traced `first`, then a `lax.fori_loop` of `solver`
-        over the (compressed) rest of the grid, its length read from a table per `first`."""
+        """One `lax.scan` up to the window's last stochastic transition (skipping, by
+        `lax.cond`, every step after it), the window sliced out at the traced `first`, then a
+        `lax.fori_loop` of `solver` over the (compressed) rest of the grid, its length read
+        from a table per `first`."""
         steps, first, count = draw.steps, draw.first, self.window_schedule.count
         noise = _step_noise(key, steps, start.shape[0], start.shape[1:], draw.sharding)
         path = _SDEPath(draw.flow, self.sde, draw.policy, draw.rows, count, self.record_means)
         grid = draw.grid()
-        last = first + count - 1
+        with jax.ensure_compile_time_eval():  # the grid is static: its tables are built once
+            host_grid = np.asarray(draw.grid())
+            lasts = _last_stochastic(self.sde, host_grid, count)
+        last = jnp.asarray(lasts)[first]
         windowed = path.windowed(first)
 
         def body(x: Array, inputs: tuple[Array, Array, Array, Array]) -> tuple[Array, Any]:
@@ -469,7 +472,7 @@ class MixSampler(AbstractSampler):
         recorded = jax.tree.map(
             lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, first, count, axis=0), every
         )
-        final = self._after_window(draw, x, every[0][last], grid[last], last)
+        final = self._after_window(draw, x, every[0][last], grid[last], last, host_grid)
         return Generated(
             latents=jnp.swapaxes(recorded[0], 0, 1),
             next_latents=jnp.swapaxes(recorded[1], 0, 1),
@@ -480,16 +483,19 @@ class MixSampler(AbstractSampler):
         )
 
     def _after_window(
-        self, draw: Draw, x: Array, x_last: Array, t_last: Array, last: Array
+        self,
+        draw: Draw,
+        x: Array,
+        x_last: Array,
+        t_last: Array,
+        last: Array,
+        host_grid: npt.NDArray[np.float32],
     ) -> Array:
-        """Run `solver` from the window's end over the rest of the grid."""
+        """Run `solver` from the window's last stochastic transition over the rest of the
+        grid."""
         process = draw.flow.process
         shift = process.shift if isinstance(process, RectifiedFlow) else 1.0
-        with jax.ensure_compile_time_eval():  # the grid is static: its table is built once
-            host_grid = np.asarray(draw.grid())
-        table, lengths = _post_grids(
-            host_grid, self.window_schedule.count, self.compress_ratio, shift
-        )
+        table, lengths = _post_grids(host_grid, self.compress_ratio, shift)
         times, length = jnp.asarray(table)[last], jnp.asarray(lengths)[last]
         rows = x.shape[0]
 
@@ -515,8 +521,23 @@ class MixSampler(AbstractSampler):
         return _transitions_batch(self.sde, draw, generated, advantages)
 
 
+def _last_stochastic(
+    sde: AbstractSDE, grid: npt.NDArray[np.float32], count: int
+) -> npt.NDArray[np.int32]:
+    """For every window start `f` (entry `f`), the last transition of `f .. f + count - 1`
+    that `sde` makes stochastic (its `window` may end the noise before the scheduled
+    window does, as MixGRPO's `max_timesteps` does), or `f + count - 1` if none is."""
+    transitions = grid.shape[0] - 1
+    stochastic = np.asarray(sde.is_stochastic(grid[:-1], grid[1:]))
+    lasts = np.zeros((max(transitions - count + 1, 1),), np.int32)
+    for first in range(transitions - count + 1):
+        inside = [i for i in range(first, first + count) if stochastic[i]]
+        lasts[first] = inside[-1] if inside else first + count - 1
+    return lasts
+
+
 def _post_grids(
-    grid: npt.NDArray[np.float32], count: int, ratio: float | None, shift: float
+    grid: npt.NDArray[np.float32], ratio: float | None, shift: float
 ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int32]]:
     """For every window end `l` (row `l`), the grid after the window (padded with 0) and its
     number of points: `grid[l + 1:]`, or with `ratio` the release's rebuilt grid
@@ -525,7 +546,7 @@ def _post_grids(
     transitions = grid.shape[0] - 1
     table = np.zeros((transitions, transitions + 1), np.float32)
     lengths = np.ones((transitions,), np.int32)
-    for last in range(count - 1, transitions):
+    for last in range(transitions):
         if ratio is None:
             rest = grid[last + 1 :]
         else:

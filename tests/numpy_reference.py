@@ -395,6 +395,32 @@ def mixgrpo_post_grid(transitions, last, ratio, shift):
     return (shift * post) / (1 + (shift - 1) * post)
 
 
+def mixgrpo_windows(iterations, sampling_steps, group_size, iters_per_group, roll_back=True):
+    """The transitions each training iteration makes stochastic and trains, as MixGRPO's
+    release computes them (github `Tencent-Hunyuan/MixGRPO`, `fastvideo/utils/grpo_states.py`
+    `GRPOTrainingStates` with `sample_strategy="progressive"` and `prog_overlap` off, as the
+    three `scripts/finetune/*MixGRPO*` scripts leave it): `max_timesteps = sampling_steps - 2`
+    (`fastvideo/train_grpo_flux.py`, `GRPOTrainingStates(max_timesteps=args.sampling_steps-2)`);
+    each iteration takes `get_current_timesteps()`, `range(cur, min(cur + group_size,
+    max_timesteps))`, then `update_iteration()`: after `iters_per_group` iterations `cur` moves
+    by `group_size`, and past `max_timesteps` it rolls back to 0 (`roll_back_start`) or stays
+    at `max_timesteps`."""
+    max_timesteps = sampling_steps - 2
+    current, in_group, windows = 0, 0, []
+    for _ in range(iterations):
+        windows.append(list(range(current, min(current + group_size, max_timesteps))))
+        in_group += 1
+        if in_group >= iters_per_group:
+            in_group = 0
+            current += group_size
+        if current > max_timesteps:
+            if roll_back:
+                current, in_group = 0, 0
+            else:
+                current = max_timesteps
+    return windows
+
+
 # ---------------------------------------------------------------------------------------------
 # DGPO (docs/mathematics.md §10), from the authors' release: github Luo-Yihong/DGPO at 01ceb4b,
 # scripts/train_sd3_dgpo.py (cited below by line), with flow_grpo/ema.py and config/dgpo.py.

@@ -19,11 +19,15 @@ SHIFT = 2.0
 
 
 def _rollout(sampler_of):
+    return _rollout_with_sde(fg.FlowSDE(0.7), sampler_of)
+
+
+def _rollout_with_sde(sde, sampler_of):
     objective = fg.FlowGRPOObjective(
         SmallNet(jax.random.key(0)),
         fg.RectifiedFlow(shift=SHIFT),
         fg.InputSpec(select="cond", null=jnp.zeros(COND), latent_shape=LATENT),
-        sde=fg.FlowSDE(0.7),
+        sde=sde,
         guidance=None,
         steps=4,
     )
@@ -82,6 +86,55 @@ def test_flash_runs_dpm_solver_pp_2m_on_the_released_compressed_grid():
             np.testing.assert_allclose(np.asarray(got.final)[row], want, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("iters_per_group", [25, 20])  # MixGRPO; Flash and Flash*
+def test_the_released_windows_are_the_schedule_cut_by_the_sdes_window(iters_per_group):
+    # The release's 25 steps, windows of 4 moved by 4, back to 0 past max_timesteps = 23,
+    # which also cuts the last window to 3 transitions: the SDE's window ends the noise there.
+    transitions = 25
+    grid = ref.grid(transitions + 1, 3.0)
+    sde = fg.FlowSDE(0.7, window=fg.window_for_indices(grid, 0, transitions - 2))
+    schedule = fg.SlidingWindow(4, shift_every=iters_per_group, stride=4, at_end="restart")
+    stochastic = np.asarray(sde.is_stochastic(grid[:-1], grid[1:]))
+    key = jax.random.key(0)
+    got = []
+    for epoch in range(1, 601):
+        first = schedule.first(epoch, transitions, key)
+        got.append([i for i in range(first, first + 4) if stochastic[i]])
+    assert got == ref.mixgrpo_windows(600, transitions, 4, iters_per_group)
+    assert [20, 21, 22] in got  # the cut window
+
+
+@pytest.mark.parametrize("ratio", [0.4, 1.0])
+def test_a_window_cut_by_the_sde_hands_over_at_its_last_stochastic_transition(ratio):
+    # Transitions 6, 7 and 8 are scheduled; the SDE's window ends the noise before 8 (as
+    # the release's max_timesteps does), so 8 is recorded but masked, and the solver after
+    # the window starts where the release's does: after 7.
+    grid = ref.grid(STEPS, SHIFT)
+    cut = fg.window_for_indices(grid, 0, STEPS - 3)
+    rollout = _rollout_with_sde(
+        fg.FlowSDE(0.7, window=cut),
+        lambda sde: fg.MixSampler(sde, fg.FixedWindow(3, start=6), fg.DPMSolverPP2M(), ratio),
+    )
+    variables = rollout.objective.init(jax.random.key(0))
+    batch, info = rollout.collect(variables.policy, ROWS, jax.random.key(5), epoch=1)
+    recorded = rollout.objective.sde.is_stochastic(batch.timesteps, batch.next_timesteps)
+    assert np.asarray(recorded).tolist() == [[True, True, False]] * len(recorded)
+    assert not np.asarray(batch.transition_mask)[:, 2].any() and info.window_start == 6
+    net, got = _generate(rollout, 6)
+    post = ref.mixgrpo_post_grid(STEPS - 1, 7, ratio, SHIFT)
+    rows = np.repeat(ROWS["cond"], 2, axis=0).astype(np.float64)
+    for row in range(rows.shape[0]):
+
+        def velocity(x, t, row=row, net=net):
+            return numpy_velocity(net, x, t, rows[row])
+
+        x_last = np.asarray(got.latents, np.float64)[row, 1]
+        previous = (x_last - grid[7] * velocity(x_last, grid[7]), grid[7])
+        x_end = np.asarray(got.next_latents, np.float64)[row, 1]
+        want = ref.dpm_solver_pp_2m(velocity, x_end, post, previous)
+        np.testing.assert_allclose(np.asarray(got.final)[row], want, rtol=0, atol=2e-5)
+
+
 def test_the_batch_is_the_windows_transitions():
     schedule = fg.FixedWindow(COUNT, start=3)
     rollout = _rollout(lambda sde: fg.MixSampler(sde, schedule, fg.DPMSolverPP2M(), 0.4))
@@ -103,11 +156,6 @@ def test_the_batch_is_the_windows_transitions():
         ({"solver": "euler"}, "`solver` must be an AbstractSolver, got 'euler'."),
         ({"compress_ratio": 0.0}, "`compress_ratio` must be None or a float in (0, 1], got 0.0."),
         ({"compress_ratio": 1.5}, "`compress_ratio` must be None or a float in (0, 1], got 1.5."),
-        (
-            {"sde": fg.FlowSDE(0.7, window=(1.0, 0.5))},
-            "The `sde`'s `window` must be None with a MixSampler (its `window_schedule` places "
-            "the noise), got (1.0, 0.5).",
-        ),
     ],
 )
 def test_bad_settings_are_named(kwargs, message):

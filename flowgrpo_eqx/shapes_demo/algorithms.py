@@ -356,6 +356,9 @@ class MixGRPO(AbstractAlgorithm):
     - The window is the job's `sde_steps` (2) transitions, all trained, on the job's grid
         (6 points): the release's 4 of 25 with `timestep_fraction` 0.6 is for FLUX.1 at 25
         steps. The window's positions are then transitions 0 and 2.
+    - The window is never cut before the grid's last two transitions (the release's
+        `max_timesteps = T - 2`, which the library gives with the SDE's `window`): on 5
+        transitions that would leave the window's second position one transition.
     - Flash samples on 11 points (`rollout_steps`): on the job's 6 the compressed rest
         would be one point, where the release stops before t = 0. On 11 the window's last
         transition `l` leaves `int(max(0.4 (10 - l), 1))` points after it (3, 2, 2, 1, 1
