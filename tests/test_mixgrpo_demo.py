@@ -1,14 +1,12 @@
 """The demo's MixGRPO and MixGRPO-Flash (`--algorithm mixgrpo|mixgrpo-flash`): the released
-window and solver adapted to the main job, and a tiny run of each through the command line."""
+window and solver adapted to the main job (a tiny run of each through the command line is in
+test_awm.py, beside AWM's and DGPO's)."""
 
 import jax
-import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
-from flowgrpo_eqx.train import MetricsLog
-from tests.cli_helpers import run_cli, with_base
 
 
 @pytest.mark.parametrize(
@@ -46,17 +44,3 @@ def test_a_fixed_window_is_refused_with_mixgrpo():
         make_config("tiny", algorithm="mixgrpo", window_schedule="fixed")
     named = make_config("tiny", algorithm="mixgrpo-flash", window_shift_every=3, rollout_steps=5)
     assert (named.rollout.window_shift_every, named.rollout.rollout_steps) == (3, 5)
-
-
-@pytest.mark.parametrize("algorithm", ["mixgrpo", "mixgrpo-flash"])
-def test_the_tiny_preset_trains_with_mixgrpo_through_the_command_line(
-    tiny_base, tmp_path, algorithm
-):
-    out = with_base(tiny_base, tmp_path / algorithm)
-    result = run_cli("train", "--preset", "tiny", "--quiet", "--algorithm", algorithm, "--out", out)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f'algorithm = "{algorithm}"' in (out / "config.toml").read_text().splitlines()
-    records = [r for r in MetricsLog(out / "metrics.jsonl").read() if "reward_mean" in r]
-    assert [r["epoch"] for r in records] == [1, 2, 3, 4]
-    assert all(np.isfinite(r["loss"]) and "clipfrac" in r for r in records)
-    assert (out / "summary.json").exists() and (out / "policy.eqx").exists()
