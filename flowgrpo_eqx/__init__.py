@@ -54,7 +54,9 @@ from ._distributed import (
     sync_processes as sync_processes,
 )
 from ._flow_base import (
+    AbstractEMAVariables as AbstractEMAVariables,
     AbstractFlowObjective as AbstractFlowObjective,
+    AbstractReferenceVariables as AbstractReferenceVariables,
     AbstractVariables as AbstractVariables,
     Evaluation as Evaluation,
     PolicyVariables as PolicyVariables,

@@ -1,5 +1,6 @@
 """`AWMObjective`: Advantage Weighted Matching, as its authors' released code computes it."""
 
+from dataclasses import KW_ONLY
 from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
@@ -8,13 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ._custom_types import FinalSamples, Mean, Model, RolloutInfo, Step, Transitions
-from ._flow_base import AbstractVariables
-from ._guided_flow import GuidedFlow, Precision, flow_from
-from ._inputs import CFG, AbstractAutoEncoder, InputSpec
+from ._custom_types import FinalSamples, Mean, Model, PerExample, RolloutInfo, Step, Transitions
+from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables
+from ._guided_flow import GuidedFlow
 from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
 from ._nft import RampedDecay, _example_mse, final_samples
-from ._process import AbstractProcess
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, SDESampler
 from ._sde import AbstractSDE, FlowSDE
@@ -22,11 +21,8 @@ from ._solver import AbstractSolver, Euler
 from ._trainable import (
     TrainableFilter,
     blend_part,
-    held_part,
     reference_part,
-    reference_policy,
     trainable_part,
-    with_part,
 )
 
 
@@ -55,7 +51,7 @@ _RELEASED_EMA_DECAY = RampedDecay(rate=0.001, maximum=0.3)
 
 
 @final
-class AWMVariables(AbstractVariables):
+class AWMVariables(AbstractEMAVariables, AbstractReferenceVariables):
     """AWM's variables: the live policy, the slow EMA of its trainable part, the reference.
 
     **Arguments:**
@@ -108,9 +104,11 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
 
     **Arguments:**
 
-    - `model`, `process`, `inputs`, `guidance`, `sampler`, `steps`, `autoencoder`,
-        `pretrained`, `precision`: as for `DiffusionNFTObjective` (`sampler` and `steps`
-        serve `evaluate`); `guidance` defaults to `None` (the release trains without CFG).
+    - `flow`: a `GuidedFlow`: the model, process, inputs, guidance, autoencoder and
+        precision.
+    - `sampler`, `steps`, `pretrained`: as for `FlowGRPOObjective` (`sampler` and `steps`
+        serve `evaluate`). The release trains without guidance: its recipe is a `flow` with
+        `guidance=None`.
     - `weighting`: `"ghuber"` (default) or another `AWMWeighting`.
     - `ghuber_power`: `p` of `"ghuber"`, > 0 (default 0.25).
     - `ratio`: `"per_time"` (default) or `"per_row"`.
@@ -134,80 +132,31 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     **Raises:**
 
     - `ValueError`: naming the argument, for a value outside the ranges above, an unknown
-        mode, a `sde` that is not an `AbstractSDE`, `steps < 2`, or guidance without a null
-        condition.
+        mode, a `flow` that is not a `GuidedFlow`, a `sde` that is not an `AbstractSDE`, a
+        `sampler` that is not an `AbstractSolver`, or `steps < 2`.
     """
 
     flow: GuidedFlow
-    sampler: AbstractSolver
-    steps: int
-    pretrained: Model | None
-    sde: AbstractSDE
-    weighting: AWMWeighting = eqx.field(static=True)
-    ghuber_power: float
-    ratio: AWMRatio = eqx.field(static=True)
-    clip_range: float
-    adv_clip_max: float
-    advantage_max: float | None
-    times: AWMTimes = eqx.field(static=True)
-    train_timesteps: int = eqx.field(static=True)
-    time_fraction: float = eqx.field(static=True)
-    kl_beta: float
-    kl_weight: AWMKLWeight = eqx.field(static=True)
-    ema_beta: float
-    ema_kl_weight: AWMKLWeight = eqx.field(static=True)
-    ema_decay: float | RampedDecay | None
-    off_policy: bool = eqx.field(static=True)
-
-    def __init__(
-        self,
-        model: Model,
-        process: AbstractProcess,
-        inputs: InputSpec,
-        *,
-        weighting: AWMWeighting = "ghuber",
-        ghuber_power: float = 0.25,
-        ratio: AWMRatio = "per_time",
-        clip_range: float = 1.0,
-        adv_clip_max: float = 5.0,
-        advantage_max: float | None = 1.0,
-        times: AWMTimes = "discrete_wo_init",
-        train_timesteps: int = 6,
-        time_fraction: float = 0.9,
-        kl_beta: float = 0.001,
-        kl_weight: AWMKLWeight = "uniform",
-        ema_beta: float = 1.0,
-        ema_kl_weight: AWMKLWeight = "uniform",
-        ema_decay: float | RampedDecay | None = _RELEASED_EMA_DECAY,
-        off_policy: bool = False,
-        sde: AbstractSDE = _RELEASED_SDE,
-        guidance: CFG | None = None,
-        sampler: AbstractSolver = Euler(),
-        steps: int = 41,
-        autoencoder: AbstractAutoEncoder | None = None,
-        pretrained: Model | None = None,
-        precision: Precision = "float32",
-    ):
-        self.flow = flow_from(model, process, inputs, guidance, autoencoder, precision)
-        self.sampler = sampler
-        self.steps = steps
-        self.pretrained = pretrained
-        self.sde = sde
-        self.weighting = weighting
-        self.ghuber_power = ghuber_power
-        self.ratio = ratio
-        self.clip_range = clip_range
-        self.adv_clip_max = adv_clip_max
-        self.advantage_max = advantage_max
-        self.times = times
-        self.train_timesteps = train_timesteps
-        self.time_fraction = time_fraction
-        self.kl_beta = kl_beta
-        self.kl_weight = kl_weight
-        self.ema_beta = ema_beta
-        self.ema_kl_weight = ema_kl_weight
-        self.ema_decay = ema_decay
-        self.off_policy = off_policy
+    _: KW_ONLY
+    weighting: AWMWeighting = eqx.field(default="ghuber", static=True)
+    ghuber_power: float = 0.25
+    ratio: AWMRatio = eqx.field(default="per_time", static=True)
+    clip_range: float = 1.0
+    adv_clip_max: float = 5.0
+    advantage_max: float | None = 1.0
+    times: AWMTimes = eqx.field(default="discrete_wo_init", static=True)
+    train_timesteps: int = eqx.field(default=6, static=True)
+    time_fraction: float = eqx.field(default=0.9, static=True)
+    kl_beta: float = 0.001
+    kl_weight: AWMKLWeight = eqx.field(default="uniform", static=True)
+    ema_beta: float = 1.0
+    ema_kl_weight: AWMKLWeight = eqx.field(default="uniform", static=True)
+    ema_decay: float | RampedDecay | None = _RELEASED_EMA_DECAY
+    off_policy: bool = eqx.field(default=False, static=True)
+    sde: AbstractSDE = _RELEASED_SDE
+    sampler: AbstractSolver = Euler()
+    steps: int = 41
+    pretrained: Model | None = None
 
     def __check_init__(self) -> None:
         _check_mode("weighting", self.weighting, AWMWeighting)
@@ -234,9 +183,6 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
             raise ValueError(f"`off_policy` must be a bool, got {self.off_policy!r}.")
         if not isinstance(self.sde, AbstractSDE):
             raise ValueError(f"`sde` must be an AbstractSDE, got {self.sde!r}.")
-        if not isinstance(self.sampler, AbstractSolver):
-            raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
-        check_int("steps", self.steps, 2)
 
     # ----------------------------------------------------------------------------------
     # The RL loop's interface
@@ -256,7 +202,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
 
     def sampling_policy(self, variables: AWMVariables) -> Model:
         """The EMA policy with `off_policy`, else the live policy."""
-        return self.ema_policy(variables) if self.off_policy else variables.policy
+        return variables.ema_policy() if self.off_policy else variables.policy
 
     def training_batch(
         self, collected: Transitions | FinalSamples, info: RolloutInfo
@@ -308,47 +254,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     # ----------------------------------------------------------------------------------
     # The pieces of the loss
 
-    def ema_policy(self, variables: AWMVariables) -> Model:
-        """The EMA policy: the live policy carrying `variables.ema`.
-
-        **Arguments:**
-
-        - `variables`: from `init`.
-
-        **Returns:**
-
-        A model like `variables.policy`.
-
-        **Raises:**
-
-        - `ValueError`: naming `variables` if it holds no EMA.
-        """
-        needed_by = "`ema_beta` > 0 or `off_policy` needs the EMA"
-        return with_part(variables.policy, held_part(variables.ema, "ema", needed_by))
-
-    def reference(self, variables: AWMVariables) -> Model:
-        """The KL reference: `reference_policy(variables.policy, variables.reference)`.
-
-        **Arguments:**
-
-        - `variables`: from `init`.
-
-        **Returns:**
-
-        The reference model (the base model of a LoRA policy).
-
-        **Raises:**
-
-        - `ValueError`: naming `variables` if it holds no reference.
-        """
-        needed_by = "`kl_beta` > 0 needs the frozen reference"
-        return reference_policy(
-            variables.policy, held_part(variables.reference, "reference", needed_by)
-        )
-
-    def log_likelihood(
-        self, error: Float[Array, " F"], t: Float[Array, " F"]
-    ) -> Float[Array, " F"]:
+    def log_likelihood(self, error: PerExample, t: PerExample) -> PerExample:
         """The log-likelihood surrogate of each example (`weighting`).
 
         **Arguments:**
@@ -369,7 +275,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         if self.weighting == "huber":
             return -(jnp.sqrt(error + 1e-10) - 1e-5) * t
         p = self.ghuber_power
-        surrogate: Float[Array, " F"] = -((error + 1e-10) ** p - 1e-10**p) * t / p
+        surrogate: PerExample = -((error + 1e-10) ** p - 1e-10**p) * t / p
         return surrogate
 
     def scaled_advantages(self, advantages: Float[Array, " N"]) -> Float[Array, " N"]:
@@ -428,9 +334,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         drawn = lower + (u * width).astype(jnp.int32)
         return jnp.concatenate([jnp.zeros((1,), jnp.int32), drawn]) if first else drawn
 
-    def kl_of(
-        self, v: Array, v_other: Array, t: Float[Array, " F"], weight: AWMKLWeight
-    ) -> Float[Array, " F"]:
+    def kl_of(self, v: Array, v_other: Array, t: PerExample, weight: AWMKLWeight) -> PerExample:
         """The velocity KL of each example: `mean (v - v')^2`, over `2 std^2` for `"elbo"`.
 
         **Arguments:**
@@ -499,16 +403,14 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         v_ema = None
         old = log_p
         if self.ema_beta > 0 or self.off_policy:
-            v_ema = jax.lax.stop_gradient(
-                velocity(stop_gradient_arrays(self.ema_policy(variables)))
-            )
+            v_ema = jax.lax.stop_gradient(velocity(stop_gradient_arrays(variables.ema_policy())))
             if self.off_policy:
                 old = self.log_likelihood(_example_mse(v_ema, target), t_flat)
         advantages = self.scaled_advantages(zero_rows_unless(keep, batch.advantages))
         policy, ratio = self._policy_loss(log_p, jax.lax.stop_gradient(old), advantages, count)
         per_row, aux = policy, {"policy_loss": policy}
         if self.kl_beta > 0:
-            v_ref = velocity(stop_gradient_arrays(self.reference(variables)))
+            v_ref = velocity(stop_gradient_arrays(variables.reference_policy()))
             aux["kl"] = _row_mean(self.kl_of(v, v_ref, t_flat, self.kl_weight), count)
             per_row = per_row + self.kl_beta * aux["kl"]
         if v_ema is not None and self.ema_beta > 0:
@@ -542,8 +444,8 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
 
     def _policy_loss(
         self,
-        log_p: Float[Array, " F"],
-        old: Float[Array, " F"],
+        log_p: PerExample,
+        old: PerExample,
         advantages: Float[Array, " N"],
         count: int,
     ) -> tuple[Float[Array, " N"], Float[Array, " R"]]:
@@ -568,7 +470,7 @@ def _check_mode(name: str, value: Any, modes: Any) -> None:
         raise ValueError(f"`{name}` must be one of {listed}, got {value!r}.")
 
 
-def _row_mean(value: Float[Array, " F"], count: int) -> Float[Array, " N"]:
+def _row_mean(value: PerExample, count: int) -> Float[Array, " N"]:
     """Each row's mean of its `count` consecutive examples."""
     return jnp.mean(value.reshape(-1, count), axis=1)
 

@@ -24,6 +24,11 @@ PerTransition: TypeAlias = Float[Array, " N K"]
 """One number per row and transition."""
 TransitionMask: TypeAlias = Bool[Array, " N K"]
 """One flag per row and transition."""
+PerExample: TypeAlias = Float[Array, " F"]
+"""One number per training example of an objective on final samples (AWM, DGPO,
+DiffusionNFT): the rows at each of their trained times, flattened row-major."""
+ExampleMask: TypeAlias = Bool[Array, " F"]
+"""One flag per training example (`PerExample`)."""
 ScalarLike: TypeAlias = Float[ArrayLike, ""]
 """A float scalar: an array of shape `()` or a Python float."""
 Condition: TypeAlias = PyTree[Any]

@@ -1,6 +1,7 @@
 """`DGPOObjective`: Direct Group Preference Optimization, as its authors' released code
 computes it."""
 
+from dataclasses import KW_ONLY
 from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
@@ -10,24 +11,29 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ._awm import _check_mode, _mean_over, _row_mean
-from ._custom_types import FinalSamples, Mean, Model, RolloutInfo, Step, Transitions
-from ._flow_base import AbstractVariables
-from ._guided_flow import GuidedFlow, Precision, flow_from
-from ._inputs import CFG, AbstractAutoEncoder, InputSpec
+from ._custom_types import (
+    ExampleMask,
+    FinalSamples,
+    Mean,
+    Model,
+    PerExample,
+    RolloutInfo,
+    Step,
+    Transitions,
+)
+from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables
+from ._guided_flow import GuidedFlow
+from ._inputs import CFG
 from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
 from ._nft import RampedDecay, _example_mse, final_samples
-from ._process import AbstractProcess
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, ODESampler
 from ._solver import AbstractSolver, DPMSolverPP2M
 from ._trainable import (
     TrainableFilter,
     blend_part,
-    held_part,
     reference_part,
-    reference_policy,
     trainable_part,
-    with_part,
 )
 
 
@@ -43,7 +49,6 @@ default, the same model as the KL's), or the EMA reference (`"ema"`, the release
 `use_ema_ref`)."""
 
 _RELEASED_EMA_DECAY = RampedDecay(rate=0.001, maximum=0.3)
-_RELEASED_GUIDANCE = CFG(4.5)
 _RELEASED_SOLVER = DPMSolverPP2M()
 _QUANTUM_TOLERANCE = 1e-3
 """Added to `quantize * t` before the floor, in units of one training timestep: it absorbs
@@ -52,7 +57,7 @@ computes as an integer number of timesteps in float64 keeps that integer here.""
 
 
 @final
-class DGPOVariables(AbstractVariables):
+class DGPOVariables(AbstractEMAVariables, AbstractReferenceVariables):
     """DGPO's variables: the live policy, its EMA reference, the frozen base, and where the
     epoch trains.
 
@@ -158,13 +163,14 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
     **Arguments:**
 
-    - `model`, `process`, `inputs`, `autoencoder`, `pretrained`, `precision`: as for
-        `DiffusionNFTObjective`.
+    - `flow`: a `GuidedFlow`; its guidance is the rollout's and `evaluate`'s (the
+        release's `CFG(4.5)`; `None` for none). The loss never guides the live policy.
+    - `pretrained`: as for `FlowGRPOObjective`.
     - `group_size`: the rows of one group, the rollout's `groups` (the release's
         `num_image_per_prompt`, 16 in its recipe), >= 1: the batch's groups are runs of
         this many consecutive rows, and `x_g` divides by it.
     - `beta_dpo`: `beta_dpo`, > 0 (default 100).
-    - `loss`: `"surrogate"` (default) or `"group_dpo"` (`DGPOLoss`).
+    - `loss_form`: `"surrogate"` (default) or `"group_dpo"` (`DGPOLoss`).
     - `dpo_reference`: `"base"` (default) or `"ema"` (`DGPOReference`).
     - `reference_guidance`: `None` (default) or a `CFG` the base model's velocity is guided
         with, for the KL and a `"base"` DPO reference (the release's `kl_cfg > 1`).
@@ -185,8 +191,6 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
     - `switch_ema_ref`: the updates after which the EMA reference samples the rollout,
         >= 0, or `None` for never (default 200).
     - `seed`: seeds the epochs' trained indices, >= 0 (default 0).
-    - `guidance`: the rollout's and `evaluate`'s guidance (default `CFG(4.5)`; `None` for
-        none). The loss never guides the live policy.
     - `sampler`, `steps`: the ODE solver of the default rollout and of `evaluate`, and the
         time points `evaluate` samples on (default `DPMSolverPP2M()`, 15: the release's
         DPM-Solver++ and 14 evaluation steps).
@@ -194,85 +198,36 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
     **Raises:**
 
     - `ValueError`: naming the argument, for a value outside the ranges above, an unknown
-        mode, `clip_kl` without `clip_range`, guidance (or `reference_guidance`) without a
-        null condition, or a `sampler` that is not an `AbstractSolver`.
+        mode, `clip_kl` without `clip_range`, `reference_guidance` without a null condition,
+        a `flow` that is not a `GuidedFlow`, or a `sampler` that is not an `AbstractSolver`.
     """
 
     flow: GuidedFlow
-    sampler: AbstractSolver
-    steps: int
-    pretrained: Model | None
+    _: KW_ONLY
     group_size: int = eqx.field(static=True)
-    beta_dpo: float
-    loss_form: DGPOLoss = eqx.field(static=True)
-    dpo_reference: DGPOReference = eqx.field(static=True)
-    reference_guidance: CFG | None
-    clip_range: float | None
-    clip_kl: bool = eqx.field(static=True)
-    adv_clip_max: float
-    kl_beta: float
-    train_timesteps: int = eqx.field(static=True)
-    trunc_steps: int = eqx.field(static=True)
-    shared_noise: bool = eqx.field(static=True)
-    quantize: int | None = eqx.field(static=True)
-    ema_decay: float | RampedDecay | None
-    switch_ema_ref: int | None = eqx.field(static=True)
-    seed: int = eqx.field(static=True)
-
-    def __init__(
-        self,
-        model: Model,
-        process: AbstractProcess,
-        inputs: InputSpec,
-        *,
-        group_size: int,
-        beta_dpo: float = 100.0,
-        loss: DGPOLoss = "surrogate",
-        dpo_reference: DGPOReference = "base",
-        reference_guidance: CFG | None = None,
-        clip_range: float | None = 0.01,
-        clip_kl: bool = False,
-        adv_clip_max: float = 5.0,
-        kl_beta: float = 0.02,
-        train_timesteps: int = 4,
-        trunc_steps: int = 6,
-        shared_noise: bool = True,
-        quantize: int | None = 1000,
-        ema_decay: float | RampedDecay | None = _RELEASED_EMA_DECAY,
-        switch_ema_ref: int | None = 200,
-        seed: int = 0,
-        guidance: CFG | None = _RELEASED_GUIDANCE,
-        sampler: AbstractSolver = _RELEASED_SOLVER,
-        steps: int = 15,
-        autoencoder: AbstractAutoEncoder | None = None,
-        pretrained: Model | None = None,
-        precision: Precision = "float32",
-    ):
-        self.flow = flow_from(model, process, inputs, guidance, autoencoder, precision)
-        self.sampler = sampler
-        self.steps = steps
-        self.pretrained = pretrained
-        self.group_size = group_size
-        self.beta_dpo = beta_dpo
-        self.loss_form = loss
-        self.dpo_reference = dpo_reference
-        self.reference_guidance = reference_guidance
-        self.clip_range = clip_range
-        self.clip_kl = clip_kl
-        self.adv_clip_max = adv_clip_max
-        self.kl_beta = kl_beta
-        self.train_timesteps = train_timesteps
-        self.trunc_steps = trunc_steps
-        self.shared_noise = shared_noise
-        self.quantize = quantize
-        self.ema_decay = ema_decay
-        self.switch_ema_ref = switch_ema_ref
-        self.seed = seed
+    beta_dpo: float = 100.0
+    loss_form: DGPOLoss = eqx.field(default="surrogate", static=True)
+    dpo_reference: DGPOReference = eqx.field(default="base", static=True)
+    reference_guidance: CFG | None = None
+    clip_range: float | None = 0.01
+    clip_kl: bool = eqx.field(default=False, static=True)
+    adv_clip_max: float = 5.0
+    kl_beta: float = 0.02
+    train_timesteps: int = eqx.field(default=4, static=True)
+    trunc_steps: int = eqx.field(default=6, static=True)
+    shared_noise: bool = eqx.field(default=True, static=True)
+    quantize: int | None = eqx.field(default=1000, static=True)
+    ema_decay: float | RampedDecay | None = _RELEASED_EMA_DECAY
+    switch_ema_ref: int | None = eqx.field(default=200, static=True)
+    seed: int = eqx.field(default=0, static=True)
+    sampler: AbstractSolver = _RELEASED_SOLVER
+    steps: int = 15
+    pretrained: Model | None = None
 
     def __check_init__(self) -> None:
         check_int("group_size", self.group_size, 1)
         check_number("beta_dpo", self.beta_dpo, minimum=0, include_minimum=False)
-        _check_mode("loss", self.loss_form, DGPOLoss)
+        _check_mode("loss_form", self.loss_form, DGPOLoss)
         _check_mode("dpo_reference", self.dpo_reference, DGPOReference)
         if self.reference_guidance is not None:
             if not isinstance(self.reference_guidance, CFG):
@@ -310,9 +265,6 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
             )  # fmt: skip
         check_int("switch_ema_ref", self.switch_ema_ref, 0, optional=True)
         check_int("seed", self.seed, 0)
-        if not isinstance(self.sampler, AbstractSolver):
-            raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
-        check_int("steps", self.steps, 2)
 
     # ----------------------------------------------------------------------------------
     # The RL loop's interface
@@ -365,7 +317,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         """
         switch = self.switch_ema_ref
         if switch is not None and int(variables.step) > switch:
-            return self.ema_policy(variables)
+            return variables.ema_policy()
         return variables.policy
 
     def training_batch(
@@ -459,46 +411,6 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         """
         return _draw_indices(self.seed, step, self.trunc_steps + 1, self.train_timesteps)
 
-    def ema_policy(self, variables: DGPOVariables) -> Model:
-        """The EMA reference: the live policy carrying `variables.ema`.
-
-        **Arguments:**
-
-        - `variables`: from `init`.
-
-        **Returns:**
-
-        A model like `variables.policy`.
-
-        **Raises:**
-
-        - `ValueError`: naming `variables` if it holds no EMA.
-        """
-        needed_by = (
-            "`clip_range`, `dpo_reference='ema'` or `switch_ema_ref` needs the EMA reference"
-        )
-        return with_part(variables.policy, held_part(variables.ema, "ema", needed_by))
-
-    def reference(self, variables: DGPOVariables) -> Model:
-        """The base model: `reference_policy(variables.policy, variables.reference)`.
-
-        **Arguments:**
-
-        - `variables`: from `init`.
-
-        **Returns:**
-
-        The frozen base model (the adapters of a LoRA policy switched off).
-
-        **Raises:**
-
-        - `ValueError`: naming `variables` if it holds no reference.
-        """
-        needed_by = "`dpo_reference='base'` or `kl_beta` > 0 needs the frozen base model"
-        return reference_policy(
-            variables.policy, held_part(variables.reference, "reference", needed_by)
-        )
-
     def clipped_advantages(self, advantages: Float[Array, " N"]) -> Float[Array, " N"]:
         """`clip(A, -adv_clip_max, adv_clip_max)` (the release's `adv_clip_max`).
 
@@ -587,10 +499,10 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
     def should_clip(
         self,
-        error: Float[Array, " F"],
-        ema_error: Float[Array, " F"],
-        advantages: Float[Array, " F"],
-    ) -> Bool[Array, " F"]:
+        error: PerExample,
+        ema_error: PerExample,
+        advantages: PerExample,
+    ) -> ExampleMask:
         """The release's PPO-style clip of the DSM term: with `r = exp(e_ema - e)`, `r > 1 +
         clip_range` where `A > 0`, else `r < 1 - clip_range`.
 
@@ -698,13 +610,11 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         flat_advantages = jnp.repeat(advantages, count)
         v_base = None
         if self.keeps_base:
-            base = stop_gradient_arrays(self.reference(variables))
+            base = stop_gradient_arrays(variables.reference_policy())
             v_base = jax.lax.stop_gradient(self._base_velocity(base, x_t, t_flat, conditioning))
         v_ema = None
         if self.clip_range is not None or self.dpo_reference == "ema":
-            v_ema = jax.lax.stop_gradient(
-                velocity(stop_gradient_arrays(self.ema_policy(variables)))
-            )
+            v_ema = jax.lax.stop_gradient(velocity(stop_gradient_arrays(variables.ema_policy())))
         clip = jnp.zeros(error.shape, bool)
         if v_ema is not None and self.clip_range is not None:
             clip = self.should_clip(error, _example_mse(v_ema, target), flat_advantages)
@@ -803,7 +713,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         return checked
 
     def _base_velocity(
-        self, base: Model, x_t: Array, t: Float[Array, " F"], conditioning: PyTree[Any]
+        self, base: Model, x_t: Array, t: PerExample, conditioning: PyTree[Any]
     ) -> Array:
         """The base model's velocity: conditional, or guided by `reference_guidance`."""
         conditional = self.flow.call_model(base, x_t, t, conditioning).astype(jnp.float32)
@@ -820,7 +730,7 @@ class _TrainingPoints(eqx.Module):
 
     x_t: Array
     target: Array
-    t: Float[Array, " F"]
+    t: PerExample
     cond: PyTree[Any]
     count: int = eqx.field(static=True)
 

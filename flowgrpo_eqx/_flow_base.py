@@ -12,11 +12,11 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._custom_types import Mean, Model, Step, Transitions
 from ._guided_flow import GuidedFlow
-from ._misc import leading_rows
+from ._misc import check_int, leading_rows
 from ._preview import preview_grid
 from ._reward import FlowReward, score
 from ._solver import AbstractSolver
-from ._trainable import TrainableFilter
+from ._trainable import TrainableFilter, held_part, reference_policy, with_part
 
 
 class AbstractVariables(eqx.Module):
@@ -41,6 +41,52 @@ class PolicyVariables(AbstractVariables):
     """
 
     policy: Model
+
+
+class AbstractReferenceVariables(AbstractVariables):
+    """Variables that may hold a frozen reference for a KL (or a DPO) term: the initial
+    policy's `reference_part`, or `None` where no setting needs one.
+    """
+
+    reference: eqx.AbstractVar[PyTree[Any] | None]
+
+    def reference_policy(self) -> Model:
+        """The frozen reference: the live policy carrying `reference`, its LoRA adapters
+        switched off (`reference_policy`): the base model of a LoRA policy whose adapters
+        alone train, the frozen initial policy of a fully trained one.
+
+        **Returns:**
+
+        The reference model.
+
+        **Raises:**
+
+        - `ValueError`: naming `variables.reference` if it is `None`.
+        """
+        needed_by = "the objective's KL or DPO reference needs it"
+        return reference_policy(self.policy, held_part(self.reference, "reference", needed_by))
+
+
+class AbstractEMAVariables(AbstractVariables):
+    """Variables that may hold an exponential moving average of the policy's trainable part
+    (`trainable_part`), or `None` where no setting needs one.
+    """
+
+    ema: eqx.AbstractVar[PyTree[Any] | None]
+
+    def ema_policy(self) -> Model:
+        """The EMA policy: the live policy carrying `ema` (`with_part`).
+
+        **Returns:**
+
+        A model like `policy`.
+
+        **Raises:**
+
+        - `ValueError`: naming `variables.ema` if it is `None`.
+        """
+        needed_by = "the objective's EMA policy needs it"
+        return with_part(self.policy, held_part(self.ema, "ema", needed_by))
 
 
 VariablesT = TypeVar("VariablesT", bound=AbstractVariables)
@@ -76,6 +122,16 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
     sampler: eqx.AbstractVar[AbstractSolver]
     steps: eqx.AbstractVar[int]
     pretrained: eqx.AbstractVar[Model | None]
+
+    def __check_init__(self) -> None:
+        if not isinstance(self.flow, GuidedFlow):
+            raise ValueError(
+                "`flow` must be a GuidedFlow, as GuidedFlow(model, process, inputs, guidance=..., "
+                f"autoencoder=..., precision=...) builds one; got {self.flow!r}."
+            )
+        if not isinstance(self.sampler, AbstractSolver):
+            raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
+        check_int("steps", self.steps, 2)
 
     def init(
         self,

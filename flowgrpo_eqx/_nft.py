@@ -1,5 +1,6 @@
 """`DiffusionNFTObjective`: online RL on the forward process from final samples and rewards."""
 
+from dataclasses import KW_ONLY
 from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
@@ -7,21 +8,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._custom_types import FinalSamples, Mean, Model, RolloutInfo, Step, Transitions
-from ._flow_base import AbstractVariables
-from ._guided_flow import GuidedFlow, Precision, flow_from
-from ._inputs import CFG, AbstractAutoEncoder, InputSpec
+from ._custom_types import FinalSamples, Mean, Model, PerExample, RolloutInfo, Step, Transitions
+from ._flow_base import AbstractReferenceVariables
+from ._guided_flow import GuidedFlow
 from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
-from ._process import AbstractProcess
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, ODESampler
 from ._solver import AbstractSolver, Euler
 from ._trainable import (
     TrainableFilter,
     blend_part,
-    held_part,
     reference_part,
-    reference_policy,
     trainable_part,
     with_part,
 )
@@ -85,7 +82,7 @@ _RELEASED_DECAY = RampedDecay()
 
 
 @final
-class NFTVariables(AbstractVariables):
+class NFTVariables(AbstractReferenceVariables):
     """DiffusionNFT's variables: the live policy, the old (sampling) policy and the reference.
 
     **Arguments:**
@@ -135,13 +132,14 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     implicit policies. It starts as the initial policy and follows the live one once per
     epoch (`end_epoch`) by `old_decay`; it holds the policy's trainable part alone. The
     velocity is the guided one (`GuidedFlow.velocity`); the release is guidance-free, the
-    default `guidance=None`.
+    recipe a `flow` with `guidance=None`.
 
     **Arguments:**
 
-    - `model`, `process`, `inputs`, `guidance`, `sampler`, `steps`, `autoencoder`,
-        `pretrained`, `precision`: as for `FlowGRPOObjective` (`sampler` and `steps` serve
-        `evaluate`); `guidance` defaults to `None`.
+    - `flow`: a `GuidedFlow`: the model, process, inputs, guidance, autoencoder and
+        precision.
+    - `sampler`, `steps`, `pretrained`: as for `FlowGRPOObjective` (`sampler` and `steps`
+        serve `evaluate`).
     - `beta`: the mixing strength of the implicit policies, in (0, 1].
     - `adv_max`: the advantage clip at which the optimality probability saturates (the
         release's `adv_clip_max`).
@@ -150,7 +148,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         policy whose adapters alone train, its base model; none is kept at 0).
     - `old_decay`: `RampedDecay()` (default, the release's ramp); a number in [0, 1) for a
         constant decay; or `None` to keep the old policy at the initial one.
-    - `loss`: `"released"` (default) or `"velocity"`.
+    - `loss_form`: `"released"` (default) or `"velocity"`.
     - `times`: `"grid"` (default) or `"uniform"`.
     - `time_fraction`: the fraction of the grid's times each row trains on, in (0, 1]
         (default 0.99, the release's `timestep_fraction`; at least one time).
@@ -159,52 +157,22 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
 
     - `ValueError`: naming the argument, for `beta` outside (0, 1], `adv_max <= 0`,
         `kl_beta < 0`, a numeric `old_decay` outside [0, 1), a `time_fraction` outside (0, 1],
-        an unknown `loss` or `times`, `steps < 2`, or guidance without a null condition.
+        an unknown `loss_form` or `times`, a `flow` that is not a `GuidedFlow`, or
+        `steps < 2`.
     """
 
     flow: GuidedFlow
-    sampler: AbstractSolver
-    steps: int
-    pretrained: Model | None
-    beta: float
-    adv_max: float
-    kl_beta: float
-    old_decay: float | RampedDecay | None
-    loss_form: NFTLoss = eqx.field(static=True)
-    times: NFTTimes = eqx.field(static=True)
-    time_fraction: float
-
-    def __init__(
-        self,
-        model: Model,
-        process: AbstractProcess,
-        inputs: InputSpec,
-        *,
-        beta: float = 1.0,
-        adv_max: float = 5.0,
-        kl_beta: float = 1e-4,
-        old_decay: float | RampedDecay | None = _RELEASED_DECAY,
-        loss: NFTLoss = "released",
-        times: NFTTimes = "grid",
-        time_fraction: float = 0.99,
-        guidance: CFG | None = None,
-        sampler: AbstractSolver = Euler(),
-        steps: int = 41,
-        autoencoder: AbstractAutoEncoder | None = None,
-        pretrained: Model | None = None,
-        precision: Precision = "float32",
-    ):
-        self.flow = flow_from(model, process, inputs, guidance, autoencoder, precision)
-        self.sampler = sampler
-        self.steps = steps
-        self.pretrained = pretrained
-        self.beta = beta
-        self.adv_max = adv_max
-        self.kl_beta = kl_beta
-        self.old_decay = old_decay
-        self.loss_form = loss
-        self.times = times
-        self.time_fraction = time_fraction
+    _: KW_ONLY
+    beta: float = 1.0
+    adv_max: float = 5.0
+    kl_beta: float = 1e-4
+    old_decay: float | RampedDecay | None = _RELEASED_DECAY
+    loss_form: NFTLoss = eqx.field(default="released", static=True)
+    times: NFTTimes = eqx.field(default="grid", static=True)
+    time_fraction: float = 0.99
+    sampler: AbstractSolver = Euler()
+    steps: int = 41
+    pretrained: Model | None = None
 
     def __check_init__(self) -> None:
         check_number("beta", self.beta, minimum=0, maximum=1, include_minimum=False)
@@ -220,15 +188,14 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
                 optional=True,
             )
         if self.loss_form not in ("released", "velocity"):
-            raise ValueError(f"`loss` must be 'released' or 'velocity', got {self.loss_form!r}.")
+            raise ValueError(
+                f"`loss_form` must be 'released' or 'velocity', got {self.loss_form!r}."
+            )
         if self.times not in ("grid", "uniform"):
             raise ValueError(f"`times` must be 'grid' or 'uniform', got {self.times!r}.")
         check_number(
             "time_fraction", self.time_fraction, minimum=0, maximum=1, include_minimum=False
         )
-        if not isinstance(self.sampler, AbstractSolver):
-            raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
-        check_int("steps", self.steps, 2)
 
     # ----------------------------------------------------------------------------------
     # The RL loop's interface
@@ -307,27 +274,6 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         """
         return with_part(variables.policy, variables.old_policy)
 
-    def reference(self, variables: NFTVariables) -> Model:
-        """The KL reference: the live policy carrying `variables.reference`, its LoRA adapters
-        switched off (`reference_policy`).
-
-        **Arguments:**
-
-        - `variables`: from `init`.
-
-        **Returns:**
-
-        The reference model.
-
-        **Raises:**
-
-        - `ValueError`: naming `variables` if it holds no reference.
-        """
-        needed_by = "`kl_beta` > 0 needs the frozen reference"
-        return reference_policy(
-            variables.policy, held_part(variables.reference, "reference", needed_by)
-        )
-
     def optimality(self, advantages: Float[Array, " N"]) -> Float[Array, " N"]:
         """The optimality probabilities `r = 1/2 + 1/2 clip(A / adv_max, -1, 1)`.
 
@@ -405,19 +351,19 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         per_example = scale * (r * positive_mse + (1.0 - r) * negative_mse)
         kl = None
         if self.kl_beta > 0:
-            reference = stop_gradient_arrays(self.reference(variables))
+            reference = stop_gradient_arrays(variables.reference_policy())
             v_ref = self.flow.velocity(reference, x_t, t, flat_cond).astype(jnp.float32)
             kl = _example_mse(v_theta, jax.lax.stop_gradient(v_ref))
             per_example = per_example + self.kl_beta * kl
         count = jnp.sum(keep, dtype=jnp.float32)
 
-        def row_mean(value: Float[Array, " F"]) -> Float[Array, " N"]:
+        def row_mean(value: PerExample) -> Float[Array, " N"]:
             return jnp.mean(value.reshape(rows, count_per_row), axis=1)
 
         def mean_of(value: Float[Array, " N"]) -> Mean:
             return Mean(jnp.sum(jnp.where(keep, value, jnp.zeros_like(value))), count)
 
-        def row_stat(value: Float[Array, " F"]) -> Mean:
+        def row_stat(value: PerExample) -> Mean:
             return mean_of(row_mean(jax.lax.stop_gradient(value)))
 
         aux = {
@@ -433,7 +379,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
 
     def _training_times(
         self, batch: FinalSamples, keep: Array, dtype: Any, time_key: PRNGKeyArray
-    ) -> tuple[Float[Array, " F"], int]:
+    ) -> tuple[PerExample, int]:
         """Each row's training times, flat and row-major, and how many each row has."""
         rows = batch.num_rows
         if self.times == "uniform":
@@ -456,11 +402,11 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         self,
         x_0: Array,
         x_t: Array,
-        t: Float[Array, " F"],
+        t: PerExample,
         v_theta: Array,
         v_old: Array,
         target: Array,
-    ) -> tuple[Float[Array, " F"], Float[Array, " F"], float]:
+    ) -> tuple[PerExample, PerExample, float]:
         """The implicit positive and negative policies' errors per example, and the scale of
         their weighted sum (`loss_form`)."""
         positive = (1.0 - self.beta) * v_old + self.beta * v_theta
@@ -526,11 +472,11 @@ def _soft_update(variables: NFTVariables, decay: float) -> NFTVariables:
     return moved
 
 
-def _example_mean(value: Array) -> Float[Array, " F"]:
+def _example_mean(value: Array) -> PerExample:
     """The mean of each example (leading axis) over its other axes."""
     return jnp.mean(value.reshape(value.shape[0], -1), axis=1)
 
 
-def _example_mse(a: Array, b: Array) -> Float[Array, " F"]:
+def _example_mse(a: Array, b: Array) -> PerExample:
     """The mean squared difference of each example."""
     return _example_mean((a - b) ** 2)

@@ -432,9 +432,6 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         check_number("beta", self.beta, minimum=0)
         check_number("clip_range", self.clip_range, minimum=0, include_minimum=False)
         check_number("adv_clip_max", self.adv_clip_max, minimum=0, include_minimum=False)
-        if not isinstance(self.sampler, AbstractSolver):
-            raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
-        check_int("steps", self.steps, 2)
         check_int("transition_chunk", self.transition_chunk, 1, optional=True)
         if self.guard is not None and not isinstance(self.guard, AbstractGRPOGuard):
             raise ValueError(

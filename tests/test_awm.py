@@ -13,7 +13,7 @@ from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.train import MetricsLog
 from tests import numpy_reference as ref
 from tests.cli_helpers import run_cli, with_base
-from tests.errors import exact_message, raises_named
+from tests.errors import NAMED_ARGUMENT_ERRORS, exact_message, raises_named
 from tests.test_objective import DIM, LinearVelocity, perturbed, rollout_info
 
 
@@ -22,9 +22,10 @@ MASK = np.array([True, True, False, True, True])
 
 
 def make_objective(**kwargs):
-    return fg.AWMObjective(
-        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), **kwargs
+    flow = fg.GuidedFlow(
+        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), guidance=None
     )
+    return fg.AWMObjective(flow, **kwargs)
 
 
 def setup(**kwargs):
@@ -143,7 +144,7 @@ def test_awm_loss_and_gradient_match_the_released_statement(kwargs):
     t, noise = draws(objective, batch, step)
     params = params_of(variables.policy)
     ema = None if variables.ema is None else params_of(variables.ema)
-    reference = params_of(objective.reference(variables))
+    reference = params_of(variables.reference_policy())
     want, old = numpy_loss(objective, params, ema, reference, batch, t, noise)
     assert float(count) == MASK.sum()
     np.testing.assert_allclose(float(total), want, rtol=2e-4, atol=1e-6)
@@ -253,7 +254,7 @@ def test_awm_defaults_are_the_released_geneval_recipe():
     )
     assert (objective.kl_beta, objective.kl_weight) == (0.001, "uniform")
     assert (objective.ema_beta, objective.ema_kl_weight) == (1.0, "uniform")
-    assert objective.off_policy is False and objective.flow.guidance is None
+    assert objective.off_policy is False
     sampler = objective.rollout_sampler(None)
     assert isinstance(sampler, fg.SDESampler)
     assert sampler.sde == fg.FlowSDE(noise_level=0.4, window=(0.9, 0.3))
@@ -316,6 +317,21 @@ def test_awm_arguments_are_checked_by_name(kwargs, message):
 def test_awm_modes_and_types_are_checked_by_name(kwargs, message):
     with raises_named(message):
         make_objective(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "objective_type, settings",
+    [
+        (fg.AWMObjective, {}),
+        (fg.DGPOObjective, {"group_size": 4}),
+        (fg.DiffusionNFTObjective, {}),
+        (fg.train.FlowMatchingObjective, {}),
+    ],
+)
+def test_a_model_in_place_of_the_flow_is_named(objective_type, settings):
+    model = LinearVelocity(jax.random.key(0))
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="flow"):
+        objective_type(model, **settings)
 
 
 def test_awm_trains_on_the_final_samples_of_an_sde_rollout():

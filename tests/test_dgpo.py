@@ -24,14 +24,15 @@ SIGMAS = ref.dgpo_rollout_sigmas(K)  # the released recipe's 10-step grid, float
 STEP = fg.Step(index=0, key=jax.random.key(0))
 
 
-def make_objective(**kwargs):
+RELEASED_GUIDANCE = fg.CFG(4.5)
+
+
+def make_objective(guidance=RELEASED_GUIDANCE, **kwargs):
+    """DGPO on a linear velocity, guided as the released recipe's rollout by default."""
     kwargs.setdefault("group_size", G)
-    return fg.DGPOObjective(
-        LinearVelocity(jax.random.key(0)),
-        fg.RectifiedFlow(),
-        fg.InputSpec(null=jnp.asarray(NULL)),
-        **kwargs,
-    )
+    model = LinearVelocity(jax.random.key(0))
+    flow = fg.GuidedFlow(model, fg.RectifiedFlow(), fg.InputSpec(null=jnp.asarray(NULL)), guidance)
+    return fg.DGPOObjective(flow, **kwargs)
 
 
 def setup(**kwargs):
@@ -161,7 +162,7 @@ def numpy_loss(objective, params, ema, base, batch, t, noise, held=None):
 
 CASES = [
     {},  # the released default recipe (config/dgpo.py, general_ocr_sd3_4gpu)
-    {"loss": "group_dpo"},
+    {"loss_form": "group_dpo"},
     {"dpo_reference": "ema", "beta_dpo": 2000.0, "clip_range": 1e-5, "kl_beta": 0.001},
     {"reference_guidance": fg.CFG(4.5), "clip_kl": True, "shared_noise": False, "quantize": None},
     {"clip_range": None, "kl_beta": 0.0, "beta_dpo": 10.0, "train_timesteps": 2, "trunc_steps": 3},
@@ -175,8 +176,8 @@ def test_dgpo_loss_and_gradient_match_the_released_statement(kwargs):
     (_, (mean, aux)), grads = _value_and_grad(objective, variables, batch, step)
     t, noise = draws(objective, variables, step)
     params = params_of(variables.policy)
-    ema = None if variables.ema is None else params_of(objective.ema_policy(variables))
-    base = params_of(objective.reference(variables))
+    ema = None if variables.ema is None else params_of(variables.ema_policy())
+    base = params_of(variables.reference_policy())
     want, held = numpy_loss(objective, params, ema, base, batch, t, noise)
     assert float(mean.count) == MASK.sum()
     np.testing.assert_allclose(float(mean.total), want, rtol=2e-4, atol=1e-6)
@@ -202,8 +203,8 @@ def test_dgpo_loss_and_gradient_match_the_released_statement(kwargs):
 def test_the_group_dpo_form_is_the_surrogate_in_gradient(loss):
     """The release computes the gradient of the group DPO loss through a surrogate (line
     166): here both forms give the same gradient, and the group DPO value is the oracle's."""
-    objective, variables, batch = setup(loss=loss)
-    other = make_objective(loss="surrogate" if loss == "group_dpo" else "group_dpo")
+    objective, variables, batch = setup(loss_form=loss)
+    other = make_objective(loss_form="surrogate" if loss == "group_dpo" else "group_dpo")
     step = fg.Step(index=0, key=jax.random.key(7))
     _, grads = _value_and_grad(objective, variables, batch, step)
     _, others = _value_and_grad(other, variables, batch, step)
@@ -297,7 +298,7 @@ def test_the_rollout_samples_with_the_ema_reference_after_the_released_step():
         at = eqx.tree_at(lambda v: v.step, variables, jnp.asarray(step, jnp.int32))
         policy = objective.sampling_policy(at)
         if ref.dgpo_samples_with_ema(step, 200):
-            assert eqx.tree_equal(policy, objective.ema_policy(at))
+            assert eqx.tree_equal(policy, at.ema_policy())
             assert policy is not at.policy
         else:
             assert policy is at.policy
@@ -320,7 +321,7 @@ def test_dgpo_defaults_are_the_released_recipe():
         1000,
         200,
     )
-    assert objective.flow.guidance == fg.CFG(4.5) and objective.steps == 15
+    assert objective.steps == 15
     sampler = objective.rollout_sampler(None)
     assert isinstance(sampler, fg.ODESampler) and isinstance(sampler.solver, fg.DPMSolverPP2M)
     requested = fg.ODESampler(fg.Heun())
@@ -374,7 +375,7 @@ def test_the_training_batch_groups_runs_of_group_size_rows():
 
 
 def test_a_masked_row_of_nan_reaches_neither_the_loss_nor_its_gradient():
-    objective, variables, batch = setup(loss="group_dpo", clip_kl=True)
+    objective, variables, batch = setup(loss_form="group_dpo", clip_kl=True)
     step = fg.Step(index=0, key=jax.random.key(2))
     (_, (mean, _)), grads = _value_and_grad(objective, variables, batch, step)
     assert np.isfinite(float(mean.value))
@@ -419,7 +420,7 @@ def test_dgpo_arguments_are_checked_by_name(kwargs, message):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"loss": "dpo"}, "`loss` must be one of 'surrogate', 'group_dpo', got 'dpo'."),
+        ({"loss_form": "dpo"}, "`loss_form` must be one of 'surrogate', 'group_dpo', got 'dpo'."),
         ({"dpo_reference": "old"}, "`dpo_reference` must be one of 'base', 'ema', got 'old'."),
         ({"clip_kl": 1}, "`clip_kl` must be a bool, got 1."),
         ({"shared_noise": "yes"}, "`shared_noise` must be a bool, got 'yes'."),
@@ -432,19 +433,12 @@ def test_dgpo_modes_and_types_are_checked_by_name(kwargs, message):
         make_objective(**kwargs)
 
 
-def test_guidance_without_a_null_condition_is_named():
-    model = LinearVelocity(jax.random.key(0))
-    with pytest.raises(ValueError, match="`guidance` needs a null condition"):
-        fg.DGPOObjective(model, fg.RectifiedFlow(), fg.InputSpec(), group_size=G)
+def test_reference_guidance_without_a_null_condition_is_named():
+    flow = fg.GuidedFlow(
+        LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), guidance=None
+    )
     with pytest.raises(ValueError, match="`reference_guidance` needs a null condition"):
-        fg.DGPOObjective(
-            model,
-            fg.RectifiedFlow(),
-            fg.InputSpec(),
-            group_size=G,
-            guidance=None,
-            reference_guidance=fg.CFG(4.5),
-        )
+        fg.DGPOObjective(flow, group_size=G, reference_guidance=fg.CFG(4.5))
 
 
 def test_the_dgpo_demo_settings_are_the_released_recipe_adapted():

@@ -334,10 +334,9 @@ def test_a_filter_of_adapters_and_base_weights_moves_both_in_the_ema_and_the_old
     filter_spec = eqx.tree_at(
         lambda model: model.base.layers[0].weight, lora.adapter_filter(policy), True
     )
+    inputs = fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,))
     objective = fg.DiffusionNFTObjective(
-        policy,
-        fg.RectifiedFlow(),
-        fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+        fg.GuidedFlow(policy, fg.RectifiedFlow(), inputs, guidance=None),
         old_decay=0.25,
         kl_beta=0.1,
         times="uniform",
@@ -374,7 +373,7 @@ def test_a_filter_of_adapters_and_base_weights_moves_both_in_the_ema_and_the_old
         ):
             want = keep * before.astype(np.float64) + (1 - keep) * after.astype(np.float64)
             np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=1e-7)
-    reference = objective.reference(state.variables)
+    reference = state.variables.reference_policy()
     assert not lora.has_adapters(reference)
     np.testing.assert_array_equal(reference.layers[0].weight, before_weight)
     np.testing.assert_array_equal(reference.layers[1].weight, live.base.layers[1].weight)

@@ -41,11 +41,9 @@ def test_adamw_with_weight_decay_leaves_the_position_table_bit_identical() -> No
     assert isinstance(model.pos_embed, Buffer) and model.pos_embed.value.shape == TABLE_SHAPE
     table = np.asarray(model.pos_embed.value)
     assert np.abs(table).max() > 0.0
+    inputs = fg.InputSpec(select=("context", "pooled"), latent_shape=(6, 6, 4))
     objective = FlowMatchingObjective(
-        model,
-        fg.RectifiedFlow(),
-        fg.InputSpec(select=("context", "pooled"), latent_shape=(6, 6, 4)),
-        guidance=None,
+        fg.GuidedFlow(model, fg.RectifiedFlow(), inputs, guidance=None),
         cond_dropout=0.0,
         time_sampling="uniform",
     )

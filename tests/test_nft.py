@@ -32,20 +32,20 @@ from tests.test_objective import (
 
 
 # The velocity-space form with one uniform time per row, no KL and a fixed old policy: the
-# library's first form, kept as options (loss="velocity", times="uniform"); these tests state
+# library's first form, kept as options (loss_form="velocity", times="uniform"); these tests state
 # it. The released form (the default) is tested in test_nft_released.py.
-VELOCITY_FORM = {"loss": "velocity", "times": "uniform", "kl_beta": 0.0, "old_decay": None}
+VELOCITY_FORM = {"loss_form": "velocity", "times": "uniform", "kl_beta": 0.0, "old_decay": None}
 
 
 def make_objective(beta=0.7, adv_max=2.0, guidance=None, **settings):
-    return fg.DiffusionNFTObjective(
+    flow = fg.GuidedFlow(
         LinearVelocity(jax.random.key(0)),
         fg.RectifiedFlow(),
         fg.InputSpec(null=jnp.asarray(NULL), latent_shape=(DIM,)),
-        beta=beta,
-        adv_max=adv_max,
-        guidance=guidance,
-        **{**VELOCITY_FORM, **settings},
+        guidance,
+    )
+    return fg.DiffusionNFTObjective(
+        flow, beta=beta, adv_max=adv_max, **{**VELOCITY_FORM, **settings}
     )
 
 
@@ -206,10 +206,7 @@ def test_masked_rows_reach_neither_value_nor_gradient():
 )
 def test_bad_settings_are_named(settings, named):
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match=f"`?{named}`?"):
-        fg.DiffusionNFTObjective(
-            LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), guidance=None,
-            **settings,
-        )  # fmt: skip
+        _nft(**settings)
 
 
 def test_malformed_batches_and_a_missing_reference_are_named():
@@ -390,24 +387,24 @@ def test_the_nft_training_batch_takes_the_final_latents_the_rows_and_their_advan
 # DiffusionNFT: documented defaults, the boundaries of its checks, and the LoRA old policy.
 
 
-def _nft(**settings):
-
-    return fg.DiffusionNFTObjective(
+def _nft(autoencoder=None, precision="float32", **settings):
+    flow = fg.GuidedFlow(
         LinearVelocity(jax.random.key(0)),
         fg.RectifiedFlow(),
         fg.InputSpec(),
-        **settings,
+        guidance=None,
+        autoencoder=fg.IdentityAutoEncoder() if autoencoder is None else autoencoder,
+        precision=precision,
     )
+    return fg.DiffusionNFTObjective(flow, **settings)
 
 
 def test_nft_defaults_are_the_documented_ones():
-    objective = _nft(guidance=None)
+    objective = _nft()
     assert (objective.beta, objective.adv_max, objective.steps) == (1.0, 5.0, 41)
     assert objective.pretrained is None and isinstance(objective.sampler, fg.Euler)
-    assert objective.flow.precision == "float32"
-    assert isinstance(objective.flow.autoencoder, fg.IdentityAutoEncoder)
     # The released defaults: the adaptive x0-space loss on the sampler's grid, KL 1e-4 to the
-    # reference, the ramped old-policy decay, no guidance.
+    # reference, the ramped old-policy decay.
     assert (objective.loss_form, objective.times, objective.time_fraction) == (
         "released",
         "grid",
@@ -415,19 +412,11 @@ def test_nft_defaults_are_the_documented_ones():
     )
     assert objective.kl_beta == 1e-4 and objective.old_decay == fg.RampedDecay(0.001, 0.5, 0)
 
-    guided = fg.DiffusionNFTObjective(
-        LinearVelocity(jax.random.key(0)),
-        fg.RectifiedFlow(),
-        fg.InputSpec(null=jnp.asarray(NULL)),
-    )
-    assert guided.flow.guidance is None
-
 
 def test_nft_passes_its_arguments_on():
 
     pretrained = LinearVelocity(jax.random.key(7))
     objective = _nft(
-        guidance=None,
         autoencoder=_Doubling(),
         precision="bfloat16",
         pretrained=pretrained,
@@ -443,14 +432,14 @@ def test_nft_passes_its_arguments_on():
 
 def test_nft_messages_are_exact():
     with raises_named("`sampler` must be an AbstractSolver, got 'euler'."):
-        _nft(guidance=None, sampler="euler")
+        _nft(sampler="euler")
     message = (
-        "`variables.reference` is None, but `kl_beta` > 0 needs the frozen reference: build the "
-        "variables with `init`."
+        "`variables.reference` is None, but the objective's KL or DPO reference needs it: build "
+        "the variables with `init`."
     )
-    policy = _nft(guidance=None).initial_policy()
+    policy = _nft().initial_policy()
     with pytest.raises(ValueError, match=exact_message(message)):
-        _nft(guidance=None).reference(fg.NFTVariables(policy, policy, None))
+        fg.NFTVariables(policy, policy, None).reference_policy()
 
 
 def test_final_samples_accept_scalar_latents_and_one_dimensional_rows():
@@ -475,6 +464,6 @@ def test_nft_old_policy_of_a_lora_policy_is_the_policy_with_the_old_adapters():
         return lora.with_adapters(model, noisy)
 
     policy, old = adapted(2), adapted(3)
-    got = _nft(guidance=None).old_policy(fg.NFTVariables(policy, lora.adapters(old), None))
+    got = _nft().old_policy(fg.NFTVariables(policy, lora.adapters(old), None))
     _assert_same_trees(lora.adapters(got), lora.adapters(old))
     _assert_same_trees(lora.without_adapters(got), lora.without_adapters(policy))

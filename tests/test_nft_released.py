@@ -16,15 +16,10 @@ N, K = 5, 6
 
 
 def setup(beta, guidance=None, kl_beta=1e-4):
+    inputs = fg.InputSpec(null=jnp.asarray(NULL), latent_shape=(DIM,))
+    flow = fg.GuidedFlow(LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), inputs, guidance)
     objective = fg.DiffusionNFTObjective(
-        LinearVelocity(jax.random.key(0)),
-        fg.RectifiedFlow(),
-        fg.InputSpec(null=jnp.asarray(NULL), latent_shape=(DIM,)),
-        beta=beta,
-        adv_max=5.0,
-        kl_beta=kl_beta,
-        old_decay=None,
-        guidance=guidance,
+        flow, beta=beta, adv_max=5.0, kl_beta=kl_beta, old_decay=None
     )
     variables = objective.init(jax.random.key(0))
     variables = fg.NFTVariables(
@@ -142,12 +137,7 @@ def test_the_ramped_decay_is_the_released_one_over_optimizer_steps():
         assert ocr(step) == pytest.approx(ref.nft_decay(step, 75, 0.0075, 0.999))
 
     objective, variables, _ = setup(1.0)
-    objective = fg.DiffusionNFTObjective(
-        LinearVelocity(jax.random.key(0)),
-        fg.RectifiedFlow(),
-        fg.InputSpec(latent_shape=(DIM,)),
-        old_decay=fg.RampedDecay(rate=0.1),
-    )
+    objective = fg.DiffusionNFTObjective(objective.flow, old_decay=fg.RampedDecay(rate=0.1))
     moved = objective.end_epoch(variables, 3)
     eta = 0.3
     np.testing.assert_allclose(

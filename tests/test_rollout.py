@@ -336,8 +336,7 @@ def test_per_reward_normalisation_needs_a_weighted_reward():
 
 
 def nft_of(rollout):
-    flow = rollout.flow
-    return fg.DiffusionNFTObjective(flow.model, flow.process, flow.inputs, guidance=flow.guidance)
+    return fg.DiffusionNFTObjective(rollout.flow)
 
 
 def test_info_keeps_the_final_latents_that_nft_trains_on():

@@ -32,7 +32,6 @@ from flowgrpo_eqx.train import (
 from tests.cli_helpers import metrics_of, with_base
 from tests.cli_rewards import brightness
 from tests.errors import NAMED_ARGUMENT_ERRORS
-from tests.test_guided_flow import _times_model
 
 
 LATENT = 4
@@ -171,13 +170,11 @@ def test_update_matches_manual_optax_step():
 
 def test_flow_matching_loss_matches_numpy():
     model = MLPVelocity(LATENT, COND, hidden=8, depth=1, time_features=4, key=jax.random.key(0))
+    inputs = fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,))
     objective = FlowMatchingObjective(
-        model,
-        fg.RectifiedFlow(),
-        fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
+        fg.GuidedFlow(model, fg.RectifiedFlow(), inputs, guidance=None),
         cond_dropout=0.0,
         time_sampling="uniform",
-        guidance=None,
     )
     data = jax.random.normal(jax.random.key(1), (6, LATENT))
     cond = jax.random.normal(jax.random.key(2), (6, COND))
@@ -199,11 +196,9 @@ def test_flow_matching_loss_matches_numpy():
 
 def test_flow_matching_pretraining_reduces_loss_and_drops_conditions():
     model = MLPVelocity(LATENT, COND, hidden=32, depth=2, time_features=8, key=jax.random.key(0))
+    inputs = fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,))
     objective = FlowMatchingObjective(
-        model,
-        fg.RectifiedFlow(),
-        fg.InputSpec(null=jnp.zeros(COND), latent_shape=(LATENT,)),
-        cond_dropout=0.5,
+        fg.GuidedFlow(model, fg.RectifiedFlow(), inputs), cond_dropout=0.5
     )
     trainer = Trainer(objective, default_optimizer(3e-3, 0.0))
     state = trainer.init(jax.random.key(0))
@@ -229,23 +224,12 @@ def test_bad_trainer_and_flow_matching_settings():
         with pytest.raises(ValueError, match="decay_steps"):
             default_optimizer(1e-3, decay_steps=bad)
     with pytest.raises(ValueError, match="cond_dropout"):
-        FlowMatchingObjective(
-            objective.flow.model,
-            fg.RectifiedFlow(),
-            fg.InputSpec(null=jnp.zeros(2)),
-            cond_dropout=1.0,
-        )
-    with pytest.raises(ValueError, match="null"):
-        FlowMatchingObjective(
-            objective.flow.model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None
-        )
-
-
-def test_flow_matching_trains_in_float32():
-    objective = fg.train.FlowMatchingObjective(
-        _times_model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, cond_dropout=0.0
+        FlowMatchingObjective(objective.flow, cond_dropout=1.0)
+    unconditional = fg.GuidedFlow(
+        objective.flow.model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None
     )
-    assert objective.flow.precision == "float32"
+    with pytest.raises(ValueError, match="null"):
+        FlowMatchingObjective(unconditional)
 
 
 def test_checkpointer_keeps_latest_and_restores(tmp_path):

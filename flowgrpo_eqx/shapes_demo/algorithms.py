@@ -33,6 +33,7 @@ from .. import (
     FlowRollout,
     FlowSDE,
     GRPOGuard,
+    GuidedFlow,
     Heun,
     InputSpec,
     MixSampler,
@@ -199,16 +200,12 @@ class NFT(AbstractAlgorithm):
         and its old policy follows the live one once per epoch by the released ramp
         `min(0.001 step, nft_old_decay)` over the optimizer steps done."""
         config = job.config
-        settings = _objective_settings(job, base)
-        settings["guidance"] = None
         return DiffusionNFTObjective(
-            job.model,
-            RectifiedFlow(),
-            job.inputs,
+            _flow(job, guidance=None),
             beta=config.objective.nft_beta,
             adv_max=config.objective.adv_clip_max,
             old_decay=RampedDecay(maximum=config.objective.nft_old_decay),
-            **settings,
+            **_evaluation(job, base),
         )
 
     advantage_std: ClassVar[AdvantageStd] = "global"
@@ -257,19 +254,15 @@ class AWM(AbstractAlgorithm):
     def objective(self, job: JobPieces, base: Any) -> AWMObjective:
         """AWM's objective as released, its KL weight `beta` and clips the job's."""
         config = job.config
-        settings = _objective_settings(job, base)
-        settings["guidance"] = None
         start_times = config.rollout.rollout_steps - 1
         return AWMObjective(
-            job.model,
-            RectifiedFlow(),
-            job.inputs,
+            _flow(job, guidance=None),
             kl_beta=config.objective.beta,
             clip_range=config.objective.clip_range,
             adv_clip_max=config.objective.adv_clip_max,
             train_timesteps=max(1, min(6, int(0.9 * start_times) - 1)),
             sde=rollout_sde(config.rollout),
-            **settings,
+            **_evaluation(job, base),
         )
 
     advantage_std: ClassVar[AdvantageStd] = "global"
@@ -320,16 +313,14 @@ class DGPO(AbstractAlgorithm):
         config = job.config
         trunc_steps = max(0, int(0.7 * (config.rollout.rollout_steps - 1)) - 1)
         return DGPOObjective(
-            job.model,
-            RectifiedFlow(),
-            job.inputs,
+            _flow(job, guidance=job.guidance),
             group_size=config.rollout.groups,
             kl_beta=config.objective.beta,
             clip_range=config.objective.clip_range,
             adv_clip_max=config.objective.adv_clip_max,
             trunc_steps=trunc_steps,
             train_timesteps=min(4, trunc_steps + 1),
-            **_objective_settings(job, base),
+            **_evaluation(job, base),
         )
 
     advantage_std: ClassVar[AdvantageStd] = "global"
@@ -464,19 +455,21 @@ def flow_grpo_objective(job: JobPieces, base: Any, old_log_probs: OldLogProbs) -
         transition_chunk=algorithm.transition_chunk,
         guard=GRPOGuard() if algorithm.grpo_guard else None,
         old_log_probs=old_log_probs,
-        **_objective_settings(job, base),
+        guidance=job.guidance,
+        precision=config.model.precision,
+        **_evaluation(job, base),
     )
 
 
-def _objective_settings(job: JobPieces, base: Any) -> dict[str, Any]:
-    """What every objective takes alike: guidance, the evaluation grid, the starting weights
-    and the precision."""
-    return {
-        "guidance": job.guidance,
-        "steps": job.config.evaluation.eval_steps,
-        "pretrained": base,
-        "precision": job.config.model.precision,
-    }
+def _flow(job: JobPieces, guidance: CFG | None) -> GuidedFlow:
+    """The job's model, process and inputs with `guidance`, in the job's precision."""
+    precision = job.config.model.precision
+    return GuidedFlow(job.model, RectifiedFlow(), job.inputs, guidance, precision=precision)
+
+
+def _evaluation(job: JobPieces, base: Any) -> dict[str, Any]:
+    """What every objective takes alike for `evaluate`: its grid and the starting weights."""
+    return {"steps": job.config.evaluation.eval_steps, "pretrained": base}
 
 
 def sde_window(rollout: RolloutSettings) -> tuple[float, float] | None:

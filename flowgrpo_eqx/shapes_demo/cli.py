@@ -33,13 +33,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..reward_limits import add_limit_arguments, limit_settings
+from ..train import PREEMPTED_EXIT_STATUS, exit_now
 from .config import SETTINGS, JobConfig, config_to_toml, make_config, read_config_file
 from .eval_target import eval_target
 from .settings import split_optional
 
-
-# `train.PREEMPTED_EXIT_STATUS`, known here without importing JAX (tests hold them equal).
-_PREEMPTED_EXIT_STATUS = 75
 
 _BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
@@ -332,13 +330,7 @@ def _early_stop(out: pathlib.Path) -> Iterator[None]:
     def stop(signum: int, frame: types.FrameType | None) -> None:
         del frame
         kept = [*out.glob("checkpoints/ckpt_*"), *out.glob("seed_*/checkpoints/ckpt_*")]
-        if kept:
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            os._exit(_PREEMPTED_EXIT_STATUS)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        exit_now(signum, PREEMPTED_EXIT_STATUS if kept else None)
 
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -18,6 +18,7 @@ from .. import (
     FlowGRPOObjective,
     FlowReward,
     FlowRollout,
+    GuidedFlow,
     HttpReward,
     InputSpec,
     JpegCompressibility,
@@ -144,10 +145,7 @@ class ShapesJob:
 
     def pretrain_objective(self) -> FlowMatchingObjective:
         return FlowMatchingObjective(
-            self.model,
-            RectifiedFlow(),
-            self.inputs,
-            guidance=self.guidance,
+            GuidedFlow(self.model, RectifiedFlow(), self.inputs, guidance=self.guidance),
             steps=self.config.evaluation.eval_steps,
             cond_dropout=self.config.pretraining.cond_dropout,
         )

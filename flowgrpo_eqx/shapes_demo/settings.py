@@ -56,6 +56,11 @@ def _setting(default: Any, help: str, **bounds: int | float | bool) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
 
 
+def _seed_setting(help: str) -> Any:
+    """A seed: 0 by default, any unsigned 32-bit integer."""
+    return _setting(0, help, minimum=0, maximum=MAX_SEED)
+
+
 def split_optional(annotation: Any) -> tuple[bool, Any]:
     """Whether a setting's type admits `None`, and the type without it.
 
@@ -217,11 +222,8 @@ class PretrainingSettings:
         maximum=1,
         include_maximum=False,
     )
-    pretrain_seed: int = _setting(
-        0,
-        "seed of the base model: its initial weights and pretraining data",
-        minimum=0,
-        maximum=MAX_SEED,
+    pretrain_seed: int = _seed_setting(
+        "seed of the base model: its initial weights and pretraining data"
     )
 
 
@@ -463,11 +465,8 @@ class TrainingSettings:
     fsdp_min_elements: int = _setting(
         1024, "with fsdp, arrays smaller than this stay replicated", minimum=1
     )
-    seed: int = _setting(
-        0,
-        "seed of the Flow-GRPO run: rollout noise and minibatch order (not the base model)",
-        minimum=0,
-        maximum=MAX_SEED,
+    seed: int = _seed_setting(
+        "seed of the Flow-GRPO run: rollout noise and minibatch order (not the base model)"
     )
 
 
@@ -486,11 +485,8 @@ class EvaluationSettings:
     preview_prompts: int = _setting(
         8, "prompts in samples_before.png / samples_after.png", minimum=1
     )
-    eval_seed: int = _setting(
-        0,
-        "seed of the held-out evaluation's fixed noise (runs compare on the same samples)",
-        minimum=0,
-        maximum=MAX_SEED,
+    eval_seed: int = _seed_setting(
+        "seed of the held-out evaluation's fixed noise (runs compare on the same samples)"
     )
 
 

@@ -25,6 +25,7 @@ from ._metrics_log import MetricsLog as MetricsLog
 from ._preemption import (
     PREEMPTED_EXIT_STATUS as PREEMPTED_EXIT_STATUS,
     GracefulStop as GracefulStop,
+    exit_now as exit_now,
 )
 from ._trainer import (
     Trainer as Trainer,

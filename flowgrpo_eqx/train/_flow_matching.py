@@ -1,5 +1,6 @@
 """Flow-matching pretraining of the base velocity model, in the same trainer interface."""
 
+from dataclasses import KW_ONLY
 from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
@@ -9,10 +10,8 @@ from jaxtyping import Array, Float, PyTree
 
 from .._custom_types import Mean, Model, Step
 from .._flow_base import AbstractFlowObjective, PolicyVariables
-from .._guided_flow import GuidedFlow, flow_from
-from .._inputs import CFG, AbstractAutoEncoder, InputSpec
-from .._misc import check_int, check_leading_rows, check_number
-from .._process import AbstractProcess
+from .._guided_flow import GuidedFlow
+from .._misc import check_leading_rows, check_number
 from .._solver import AbstractSolver, Euler
 from .._trainable import TrainableFilter
 
@@ -52,47 +51,29 @@ class FlowMatchingObjective(AbstractFlowObjective[PolicyVariables]):
 
     **Arguments:**
 
-    - `model`, `process`, `inputs`, `guidance`, `sampler`, `steps`, `autoencoder`,
-        `pretrained`: as for `FlowGRPOObjective` (guidance is used by `evaluate`).
+    - `flow`: a `GuidedFlow` (its guidance is used by `evaluate`; its precision by the
+        loss).
+    - `sampler`, `steps`, `pretrained`: as for `FlowGRPOObjective`.
     - `cond_dropout`: probability of training a row on the null condition.
     - `time_sampling`: `"logit_normal"` (default) or `"uniform"`.
 
     **Raises:**
 
     - `ValueError`: naming the argument, for `cond_dropout` outside [0, 1), an unknown
-        `time_sampling`, `steps < 2`, or dropout/guidance without a null condition.
+        `time_sampling`, a `flow` that is not a `GuidedFlow`, `steps < 2`, or dropout
+        without a null condition.
 
     Training a model that returns a velocity of the wrong shape, or on rows whose
     conditioning does not match the null condition, raises a `ValueError` saying so.
     """
 
     flow: GuidedFlow
-    sampler: AbstractSolver
-    steps: int
-    pretrained: Model | None
-    cond_dropout: float
-    time_sampling: TimeSampling
-
-    def __init__(
-        self,
-        model: Model,
-        process: AbstractProcess,
-        inputs: InputSpec,
-        *,
-        guidance: CFG | None = CFG(3.0),
-        sampler: AbstractSolver = Euler(),
-        steps: int = 41,
-        autoencoder: AbstractAutoEncoder | None = None,
-        pretrained: Model | None = None,
-        cond_dropout: float = 0.1,
-        time_sampling: TimeSampling = "logit_normal",
-    ):
-        self.flow = flow_from(model, process, inputs, guidance, autoencoder)
-        self.sampler = sampler
-        self.steps = steps
-        self.pretrained = pretrained
-        self.cond_dropout = cond_dropout
-        self.time_sampling = time_sampling
+    _: KW_ONLY
+    sampler: AbstractSolver = Euler()
+    steps: int = 41
+    pretrained: Model | None = None
+    cond_dropout: float = 0.1
+    time_sampling: TimeSampling = "logit_normal"
 
     def __check_init__(self) -> None:
         check_number("cond_dropout", self.cond_dropout, minimum=0, maximum=1, include_maximum=False)
@@ -100,7 +81,6 @@ class FlowMatchingObjective(AbstractFlowObjective[PolicyVariables]):
             raise ValueError(
                 f"`time_sampling` must be 'logit_normal' or 'uniform', got {self.time_sampling!r}."
             )
-        check_int("steps", self.steps, 2)
         if self.cond_dropout > 0 and not self.flow.inputs.has_null:
             raise ValueError("`cond_dropout` > 0 needs a null condition: pass InputSpec(null=...).")
 

@@ -28,6 +28,25 @@ and retry wrappers can tell it apart from success (0) and from failure (1)."""
 _Handler = Callable[[int, types.FrameType | None], Any] | int | None
 
 
+def exit_now(signum: int, status: int | None) -> None:
+    """End the process at once from a signal handler: with exit status `status` after
+    flushing stdout and stderr, or, when `status` is `None`, by the signal itself with its
+    default action (as if no handler were installed).
+
+    **Arguments:**
+
+    - `signum`: the signal being handled.
+    - `status`: the exit status, or `None` to end by the signal.
+    """
+    if status is not None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 @final
 class GracefulStop:
     """A context manager that turns SIGTERM and SIGINT into a request to stop.
@@ -105,14 +124,7 @@ class GracefulStop:
 
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
         if self._received is not None:
-            status = self._exit_status() if self._exit_status is not None else None
-            if status is not None:
-                for stream in (sys.stdout, sys.stderr):
-                    with contextlib.suppress(Exception):
-                        stream.flush()
-                os._exit(status)
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            exit_now(signum, self._exit_status() if self._exit_status is not None else None)
             return
         self._received = signal.Signals(signum)
         name = self._received.name
