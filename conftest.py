@@ -72,10 +72,48 @@ if MUTATION_RUN:
     hypothesis.settings.load_profile("mutation")
 
 
+LONGEST_FILES = (
+    "tests/test_preemption.py",
+    "tests/test_distributed.py",
+    "tests/test_run_interfaces.py",
+    "tests/test_distributed_fsdp.py",
+    "tests/test_mmdit.py",
+    "tests/test_fsdp.py",
+    "property_tests/test_objective_properties.py",
+    "tests/test_orbax_checkpoints.py",
+    "tests/test_awm.py",
+    "tests/test_lora_job.py",
+    "tests/test_train.py",
+    "tests/test_run_folders.py",
+    "tests/test_docs.py",
+)
+"""The test files that take longest (each 30 s or more of `--durations` on a 2-core machine),
+longest first. `--dist loadfile` hands each worker whole files in collection order, so these
+are collected first and the other files after them, most tests first: a long file handed out
+last would leave the other worker idle until it ends (pyproject.toml turns off xdist's own
+reordering, which sorts by number of tests alone)."""
+
+
+def _file_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` grouped by file: `LONGEST_FILES` first, then the others, most tests first."""
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def rank(path: str) -> tuple[int, int]:
+        if path in LONGEST_FILES:
+            return (LONGEST_FILES.index(path), 0)
+        return (len(LONGEST_FILES), -len(by_file[path]))
+
+    return [item for path in sorted(by_file, key=rank) for item in by_file[path]]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """In a mutation run, order the tests by the duration mutmut recorded for each."""
+    """Long files first (`LONGEST_FILES`); in a mutation run, the tests by the duration mutmut
+    recorded for each instead."""
     stats = pathlib.Path("mutmut-stats.json")
     if not MUTATION_RUN or not stats.exists():
+        items[:] = _file_order(items)
         return
     durations = json.loads(stats.read_text())["duration_by_test"]
     items.sort(key=lambda item: durations.get(item.nodeid, float("inf")))
