@@ -24,8 +24,10 @@ class AbstractVariables(eqx.Module):
 
     Each objective's `init` returns its own concrete variables, whose fields say what they
     hold (`FlowGRPOVariables`: the policy and its KL reference; `NFTVariables`: the policy,
-    the old policy and the reference). The trainer's optimizer writes `policy` alone; every
-    other field is the objective's, kept or moved by the objective itself.
+    the old policy and the reference; `AWMVariables` and `DGPOVariables`: the policy, an EMA
+    and the reference). The trainer's optimizer writes `policy` alone; every other field is
+    the objective's, kept or moved by the objective itself (`AbstractReferenceVariables` and
+    `AbstractEMAVariables` give the policies those fields stand for).
     """
 
     policy: eqx.AbstractVar[Model]

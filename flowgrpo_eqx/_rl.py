@@ -46,7 +46,8 @@ class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT,
     (`training_batch`, which may ask the trainer to `Rescore` it), what changes in the
     variables once the epoch's updates are done (`end_epoch`), and which statistics of the
     batch the epoch reports (`batch_metrics`). `FlowGRPOObjective` (with or without
-    GRPO-Guard) and `DiffusionNFTObjective` implement it.
+    GRPO-Guard, and MixGRPO's window through a `MixSampler`), `DiffusionNFTObjective`,
+    `AWMObjective` and `DGPOObjective` implement it.
     """
 
     @abc.abstractmethod
