@@ -16,10 +16,6 @@ def baseline(tmp_path_factory, tiny_base):
     return distributed.run_baseline(tmp_path_factory, tiny_base)
 
 
-def test_four_simulated_devices_match_one_device(baseline, tmp_path):
-    distributed.test_four_simulated_devices_match_one_device(baseline, tmp_path, "fsdp")
-
-
 def test_two_processes_match_one_process(baseline, tmp_path):
     distributed.test_two_processes_match_one_process(baseline, tmp_path, "fsdp")
 
