@@ -60,6 +60,8 @@ from ._flow_base import (
     AbstractVariables as AbstractVariables,
     Evaluation as Evaluation,
     PolicyVariables as PolicyVariables,
+    evaluate_policy as evaluate_policy,
+    preview_policy as preview_policy,
 )
 from ._guided_flow import GuidedFlow as GuidedFlow, Precision as Precision
 from ._http_reward import HttpReward as HttpReward

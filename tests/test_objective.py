@@ -486,6 +486,23 @@ def test_evaluate_euler_matches_numpy():
         np.testing.assert_allclose(np.asarray(evaluation.latents[i]), x, rtol=1e-4, atol=1e-4)
 
 
+def test_evaluate_policy_samples_the_policy_it_is_given_on_any_flow():
+    # The flow's own model is another velocity: only its guidance, process and inputs count.
+    flow = make_objective(guidance=False).flow
+    policy = LinearVelocity(jax.random.key(3))
+    rows = jnp.asarray(np.random.default_rng(1).normal(size=(2, COND)).astype(np.float32))
+    evaluation = fg.evaluate_policy(flow, fg.Euler(), 6, policy, rows, STEP.key)
+    noise = np.asarray(jax.random.normal(STEP.key, (2, DIM)), np.float64)
+    grid = ref.grid(6, 3.0)
+    for i in range(2):
+        x = noise[i]
+        for a, b in zip(grid[:-1], grid[1:], strict=True):
+            x = x + policy.numpy(x, a, np.asarray(rows[i], np.float64)) * (b - a)
+        np.testing.assert_allclose(np.asarray(evaluation.latents[i]), x, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="`steps`"):
+        fg.evaluate_policy(flow, fg.Euler(), 1, policy, rows, STEP.key)
+
+
 def test_evaluate_prompt_only_needs_latent_shape():
     objective = fg.FlowGRPOObjective(
         LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), guidance=None

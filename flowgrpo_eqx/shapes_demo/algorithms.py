@@ -201,7 +201,7 @@ class NFT(AbstractAlgorithm):
         `min(0.001 step, nft_old_decay)` over the optimizer steps done."""
         config = job.config
         return DiffusionNFTObjective(
-            _flow(job, guidance=None),
+            job_flow(job, guidance=None),
             beta=config.objective.nft_beta,
             adv_max=config.objective.adv_clip_max,
             old_decay=RampedDecay(maximum=config.objective.nft_old_decay),
@@ -256,7 +256,7 @@ class AWM(AbstractAlgorithm):
         config = job.config
         start_times = config.rollout.rollout_steps - 1
         return AWMObjective(
-            _flow(job, guidance=None),
+            job_flow(job, guidance=None),
             kl_beta=config.objective.beta,
             clip_range=config.objective.clip_range,
             adv_clip_max=config.objective.adv_clip_max,
@@ -313,7 +313,7 @@ class DGPO(AbstractAlgorithm):
         config = job.config
         trunc_steps = max(0, int(0.7 * (config.rollout.rollout_steps - 1)) - 1)
         return DGPOObjective(
-            _flow(job, guidance=job.guidance),
+            job_flow(job, guidance=job.guidance),
             group_size=config.rollout.groups,
             kl_beta=config.objective.beta,
             clip_range=config.objective.clip_range,
@@ -440,8 +440,8 @@ def _refuse_shared_noise(config: Settings, algorithm: AlgorithmName) -> None:
 
 
 def flow_grpo_objective(job: JobPieces, base: Any, old_log_probs: OldLogProbs) -> FlowGRPOObjective:
-    """Flow-GRPO's objective from `base` with the job's SDE: what `FlowGRPO` trains, and what
-    the job measures and previews with whatever the algorithm."""
+    """Flow-GRPO's objective from `base` with the job's SDE: what `FlowGRPO` and `MixGRPO`
+    train, and what their policy-ratio histograms rescore with."""
     config = job.config
     algorithm = config.objective
     return FlowGRPOObjective(
@@ -461,7 +461,7 @@ def flow_grpo_objective(job: JobPieces, base: Any, old_log_probs: OldLogProbs) -
     )
 
 
-def _flow(job: JobPieces, guidance: CFG | None) -> GuidedFlow:
+def job_flow(job: JobPieces, guidance: CFG | None) -> GuidedFlow:
     """The job's model, process and inputs with `guidance`, in the job's precision."""
     precision = job.config.model.precision
     return GuidedFlow(job.model, RectifiedFlow(), job.inputs, guidance, precision=precision)

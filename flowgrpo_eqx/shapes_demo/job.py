@@ -48,8 +48,7 @@ def run_pretrain(
     model = job.pretrain(log)
     path = job.base_paths()[0]
     save_model(path, model)
-    objective = job.objective(model)
-    measured = job.measure(objective, objective.init(jax.random.key(0)))
+    measured = job.measure(model)
     log(
         f"Wrote {path}: held-out accuracy {measured['accuracy']:.3f}, "
         f"reward {measured['reward']:.3f}, diversity {measured['diversity']:.3f}"
@@ -101,13 +100,10 @@ def run_eval(
             "it was trained with: `--run RUN_FOLDER` (reads its config.toml), or flags such as "
             "`--preset tiny` or `--width W --depth D --heads H --patch P`."
         ) from error
-    objective = job.objective(policy)
-    variables = objective.init(jax.random.key(0))
-    measured = job.measure(objective, variables)
+    measured = job.measure(policy)
     pathlib.Path(out).mkdir(parents=True, exist_ok=True)
     job.preview(
-        objective,
-        variables,
+        policy,
         pathlib.Path(out) / "samples_eval.png",
         f"{path.name}: held-out accuracy {measured['accuracy']:.2f}",
     )

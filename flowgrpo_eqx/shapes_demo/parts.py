@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from .. import (
     CFG,
     AbstractRLObjective,
-    AbstractVariables,
+    Euler,
     FlowGRPOObjective,
     FlowReward,
     FlowRollout,
@@ -24,11 +24,12 @@ from .. import (
     JpegCompressibility,
     JpegIncompressibility,
     RectifiedFlow,
-    Step,
     WeightedReward,
+    evaluate_policy,
     load_reward,
     local_copy,
     lora,
+    preview_policy,
 )
 from ..models import DiT
 from ..train import (
@@ -44,7 +45,7 @@ from ..train import (
     supervised_steps,
 )
 from ._progress import Progress
-from .algorithms import AbstractAlgorithm, JobPieces, flow_grpo_objective
+from .algorithms import AbstractAlgorithm, JobPieces, flow_grpo_objective, job_flow
 from .config import JobConfig
 from .settings import RewardSettings, parse_reward_weights
 from .task import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
@@ -271,8 +272,8 @@ class ShapesJob:
         return JobPieces(self.config, self.model, self.inputs, self.guidance, self.reward)
 
     def objective(self, base: Any) -> FlowGRPOObjective:
-        """Flow-GRPO's objective from `base`: what `flow_grpo` trains, and what the job
-        measures and previews with whatever the algorithm (`algorithms.flow_grpo_objective`)."""
+        """Flow-GRPO's objective from `base` (`algorithms.flow_grpo_objective`): what
+        `flow_grpo` trains, and what the policy-ratio histograms rescore with."""
         return flow_grpo_objective(self.pieces(), base, self.algorithm.old_log_probs(self.config))
 
     def train_objective(self, base: Any) -> AbstractRLObjective[Any, Any]:
@@ -315,14 +316,26 @@ class ShapesJob:
 
     # -- measurement ------------------------------------------------------------------
 
-    def measure(self, objective: FlowGRPOObjective, variables: AbstractVariables) -> dict[str, Any]:
-        """Held-out strict accuracy, reward and diversity, with fixed noise (ODE sampling)."""
+    def evaluation_flow(self) -> GuidedFlow:
+        """What the job measures and previews every policy with, whatever the algorithm:
+        the job's model, process, inputs, guidance and precision."""
+        return job_flow(self.pieces(), self.guidance)
+
+    def measure(self, policy: Any) -> dict[str, Any]:
+        """Held-out strict accuracy, reward and diversity of `policy`, with fixed noise (ODE
+        sampling: `Euler` on `eval_steps` points)."""
         per_prompt = self.config.evaluation.eval_samples_per_prompt
         rows = self.task.rows("heldout")
         tokens = np.repeat(rows["tokens"], per_prompt, axis=0)
-        step = Step(index=0, key=jax.random.key(10_000 + self.config.evaluation.eval_seed))
-        variables = local_copy(variables)
-        evaluation = objective.evaluate(variables, {"tokens": jnp.asarray(tokens)}, step)
+        key = jax.random.key(10_000 + self.config.evaluation.eval_seed)
+        evaluation = evaluate_policy(
+            self.evaluation_flow(),
+            Euler(),
+            self.config.evaluation.eval_steps,
+            local_copy(policy),
+            {"tokens": jnp.asarray(tokens)},
+            key,
+        )
         samples = np.asarray(evaluation.samples, np.float64)
         check = self.task.check(samples, tokens)
         grouped = samples.reshape(len(rows["tokens"]), per_prompt, -1)
@@ -338,24 +351,21 @@ class ShapesJob:
             "diversity": float(np.mean(distances)) if distances else 0.0,
         }
 
-    def preview(
-        self,
-        objective: FlowGRPOObjective,
-        variables: AbstractVariables,
-        path: pathlib.Path,
-        title: str,
-    ) -> None:
-        """Samples for the first held-out prompts with fixed noise, captioned with their
-        partial scores, written by process 0 (every process takes part in gathering sharded
-        parameters)."""
-        variables = local_copy(variables)
+    def preview(self, policy: Any, path: pathlib.Path, title: str) -> None:
+        """Samples of `policy` for the first held-out prompts with fixed noise, captioned
+        with their partial scores, written by process 0 (every process takes part in
+        gathering sharded parameters)."""
+        policy = local_copy(policy)
         if jax.process_index() != 0:
             return
         tokens = self.task.rows("heldout")["tokens"][: self.config.evaluation.preview_prompts]
-        objective.preview(
-            variables,
+        preview_policy(
+            self.evaluation_flow(),
+            Euler(),
+            self.config.evaluation.eval_steps,
+            policy,
             {"tokens": jnp.asarray(tokens)},
-            Step(index=0, key=jax.random.key(20_000 + self.config.evaluation.eval_seed)),
+            jax.random.key(20_000 + self.config.evaluation.eval_seed),
             scored=ShapesReward(self.task, kind="partial"),
             path=str(path),
             title=title,

@@ -252,7 +252,7 @@ class _Run:
     checkpoints, the previews and the final files (process 0 alone writes files)."""
 
     job: ShapesJob
-    objective: FlowGRPOObjective
+    ratio_objective: FlowGRPOObjective | None
     rollout: FlowRollout
     trainer: Trainer
     checkpoints: Checkpointer
@@ -287,7 +287,7 @@ class _Run:
         writers = make_writers(logs, out, config=config.settings()) if root and logs else None
         return cls(
             job=job,
-            objective=job.objective(policy),
+            ratio_objective=job.objective(policy) if job.algorithm.trains_on_ratios else None,
             rollout=job.rollout(trained, mesh),
             trainer=job.trainer(trained),
             checkpoints=Checkpointer(out / "checkpoints", keep=config.logging.keep_checkpoints),
@@ -381,10 +381,9 @@ class _Run:
             return job.from_checkpoint(stored, state, meta, path), first_epoch, meta["base"]
         self.metrics.clear()
         self.placement.clear()
-        base_measure = job.measure(self.objective, state.variables)
+        base_measure = job.measure(state.variables.policy)
         job.preview(
-            self.objective,
-            state.variables,
+            state.variables.policy,
             out / "samples_before.png",
             f"base model: held-out accuracy {base_measure['accuracy']:.2f}",
         )
@@ -404,7 +403,7 @@ class _Run:
     def epoch(self, state: TrainState, epoch: int, key: Any) -> tuple[TrainState, dict[str, Any]]:
         """One RL epoch, its placement record, its held-out measure when due, and its metrics."""
         job, config, out = self.job, self.job.config, self.job.out
-        logs_ratios = config.logging.log and job.algorithm.trains_on_ratios
+        ratios = self.ratio_objective if config.logging.log else None
         state, summary, info = rl_epoch(
             self.trainer,
             state,
@@ -415,7 +414,7 @@ class _Run:
             inner_epochs=config.training.inner_epochs,
             minibatch_rows=config.training.minibatch_rows,
             after_updates=(
-                _log_distributions(self.writers, self.objective, epoch) if logs_ratios else None
+                None if ratios is None else _log_distributions(self.writers, ratios, epoch)
             ),
         )
         self.placement.write(
@@ -433,7 +432,7 @@ class _Run:
         record: dict[str, Any] = {"epoch": epoch, **summary}
         if epoch % config.evaluation.eval_every == 0 or epoch == config.training.epochs:
             measuring = time.perf_counter()
-            measured = job.measure(self.objective, state.variables)
+            measured = job.measure(state.variables.policy)
             record.update(
                 heldout_accuracy=measured["accuracy"],
                 heldout_reward=measured["reward"],
@@ -442,7 +441,7 @@ class _Run:
             )
             if config.logging.log:
                 picture = out / "previews" / f"epoch_{epoch:05d}.png"
-                job.preview(self.objective, state.variables, picture, f"epoch {epoch}")
+                job.preview(state.variables.policy, picture, f"epoch {epoch}")
                 if self.writers is not None:
                     self.writers.image(epoch, "heldout_samples", picture)
         record["seconds_elapsed"] = time.perf_counter() - self.started
@@ -469,13 +468,12 @@ class _Run:
     ) -> dict[str, Any]:
         """The final measure, preview, policy, reward curve and `summary.json`."""
         job, config, out = self.job, self.job.config, self.job.out
-        final = job.measure(self.objective, state.variables)
+        final = job.measure(state.variables.policy)
         final_variables = local_copy(state.variables)
         if jax.process_index() != 0:
             return {"process_index": jax.process_index()}
         job.preview(
-            self.objective,
-            final_variables,
+            final_variables.policy,
             out / "samples_after.png",
             f"after Flow-GRPO: held-out accuracy {final['accuracy']:.2f}",
         )
