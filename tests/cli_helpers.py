@@ -8,8 +8,10 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import traceback
 
 import jax
@@ -128,6 +130,29 @@ def run_cli(*args, **extra_env):
     )
 
 
+class RewardServer:
+    """A `flowgrpo-eqx serve-reward REWARD` process on a free loopback port (`url`), with
+    `extra_env` added to its environment; `stop()` ends it."""
+
+    def __init__(self, reward, **extra_env):
+        self.process = subprocess.Popen(
+            command("serve-reward", reward, "--port", "0"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=environment(**extra_env),
+        )  # fmt: skip
+        line = self.process.stdout.readline()
+        assert line.startswith("serving "), line
+        self.url = line.split(" on ")[1].strip()
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+        self.process.stdout.close()
+
+
 def with_base(reference, folder):
     """`folder`, created, holding copies of `reference`'s base model files (no pretraining)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -179,6 +204,25 @@ def metrics_of(folder):
         {name: value for name, value in record.items() if not name.startswith("seconds_")}
         for record in MetricsLog(folder / "metrics.jsonl").read()
     ]
+
+
+def epochs_done(folder):
+    """The last epoch a run folder's `metrics.jsonl` records (0 before the first)."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((r.get("epoch", 0) for r in MetricsLog(path).read()), default=0)
+
+
+def started_past_first_epoch(out, *args):
+    """`flowgrpo-eqx ARGS` started, returned once the run in `out` has finished an epoch."""
+    process = subprocess.Popen(
+        command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=environment(),
+    )  # fmt: skip
+    while epochs_done(out) < 1 and process.poll() is None:
+        time.sleep(0.05)
+    return process
 
 
 def assert_close_metrics(folder, reference):

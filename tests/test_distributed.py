@@ -4,7 +4,9 @@ Every run is `flowgrpo-eqx` on the tiny preset with the same seed and global bat
 share the session's tiny base model (copied into each run folder) so that only the Flow-GRPO
 part differs. The one-device baseline runs in the test process (`cli.main`); the others are
 processes, since they need another XLA device count (fixed when JAX starts), several
-processes, or a kill.
+processes, or a kill. The two-process run takes its reward from a real `flowgrpo-eqx
+serve-reward` process on 127.0.0.1, as data-parallel jobs with a reward model on its own
+machine do.
 """
 
 import json
@@ -23,6 +25,7 @@ from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
 from flowgrpo_eqx.train import load_model
 from tests.cli_helpers import (
     TIMEOUT,
+    RewardServer,
     assert_close_metrics,
     command,
     environment,
@@ -89,45 +92,44 @@ def assert_same_run(folder, baseline):
 
 
 # Parameters, the held slot and AdamW's moments replicated here; split over the devices with
-# FSDP (`--param-sharding fsdp`) by the same two tests in tests/test_distributed_fsdp.py,
-# a file of their own so that `pytest -n 2 --dist loadfile` runs them beside these (their
-# processes compile programs no other test does: over a minute each on a cold compilation
-# cache of a 2-core machine).
-LAYOUTS = ["replicated"]
+# FSDP (`--param-sharding fsdp`) in tests/test_distributed_fsdp.py, a file of its own so that
+# `pytest -n 2 --dist loadfile` runs it beside these (its processes compile programs no other
+# test does).
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_two_processes_match_one_process(baseline, tmp_path, layout):
-    # With FSDP, previews and the saved policy gather the shards from both processes; each
-    # process writes its own shards of a checkpoint.
-    out = with_base(baseline, tmp_path / "two")
-    flags = [*COMMON, "--param-sharding", layout]
-    result = run_process("launch", "--local", "2", "--", "train", *flags, "--out", str(out))
+def test_two_processes_match_one_process(baseline, tmp_path):
+    # The reward comes from a `serve-reward` process scoring what the baseline scores in
+    # process, counting the requests it gets.
+    calls = tmp_path / "calls.txt"
+    server = RewardServer(
+        "tests.cli_rewards:CountedJpegIncompressibility", REWARD_CALLS_FILE=str(calls)
+    )
+    try:
+        out = with_base(baseline, tmp_path / "two")
+        result = run_process(
+            "launch", "--local", "2", "--", "train", *COMMON, "--out", str(out),
+            "--reward-url", server.url,
+        )  # fmt: skip
+    finally:
+        server.stop()
     assert result.returncode == 0, result.stdout[-3000:]
+    config = make_config("tiny")
+    # One request per collect (epoch), each scoring every row of the global batch.
+    assert calls.read_text().split() == [str(config.rollout.rollout_rows)] * config.training.epochs
     for placement in placements(out):
         assert placement["processes"] == 2 and placement["devices"] == 2
         # The reward ran once per collect in total, on process 0.
         assert placement["reward_calls_per_process"] == [1, 0]
         # Each process held half of the rows of each batch.
         assert placement["rows_per_process"] == [placement["rows_total"] // 2] * 2
-        if layout == "fsdp":
-            assert placement["state_fraction_per_device"] < 0.9
-    if layout == "fsdp":
-        # Each process wrote its own shards of the checkpoint; nothing was gathered to save it.
-        meta = json.loads((out / "checkpoints" / "ckpt_00000004" / "meta.json").read_text())
-        for process in (0, 1):
-            assert any(
-                name.startswith(f"ocdbt.process_{process}/d/") for name in meta["state_files"]
-            )
     assert_same_run(out, baseline)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline, tmp_path, layout):
-    # Each process writes its own shards of the checkpoint; the resumed run reads them onto
-    # a mesh of another size.
+def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline, tmp_path):
+    # Each process writes its own checkpoint; the resumed run reads it onto a mesh of another
+    # size.
     out = with_base(baseline, tmp_path / "killed")
-    flags = ["train", *COMMON, "--param-sharding", layout, "--out", str(out)]
+    flags = ["train", *COMMON, "--out", str(out)]
     crashing = subprocess.Popen(
         command(*flags),
         stdout=subprocess.DEVNULL,
@@ -150,12 +152,8 @@ def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline
     assert {p["devices"] for p in placements(out)} == {4, 2}
     for placement in placements(out):
         assert placement["processes"] == 1 and placement["reward_calls_per_process"] == [1]
-        assert placement["param_sharding"] == layout
-        if layout == "fsdp" and placement["devices"] == 4:
-            # The tiny DiT's large matrices are split in four; its small arrays stay whole.
-            assert 0.25 < placement["state_fraction_per_device"] < 0.75
-        elif layout == "replicated":
-            assert placement["state_fraction_per_device"] == 1.0
+        assert placement["param_sharding"] == "replicated"
+        assert placement["state_fraction_per_device"] == 1.0
     # Every epoch's metrics and the final policy: the epochs on four devices and those on two
     # computed what one device did.
     assert_same_run(out, baseline)

@@ -1,13 +1,11 @@
 """How people drive a run: a reward server, metrics in TensorBoard, config files, seeds.
 
 Every run here is `flowgrpo-eqx` on the tiny preset, run in the test process (`cli.main`) on
-the session's tiny base model, except `launch`'s ranks; reward servers are real
-`flowgrpo-eqx serve-reward` processes on 127.0.0.1 (one is killed mid-run).
+the session's tiny base model; reward servers are real `flowgrpo-eqx serve-reward` processes on
+127.0.0.1 (one is killed mid-run; tests/test_distributed.py has two processes share one).
 """
 
 import json
-import signal
-import subprocess
 import threading
 import time
 
@@ -19,12 +17,10 @@ from flowgrpo_eqx.shapes_demo.config import config_to_toml
 from flowgrpo_eqx.shapes_demo.job import ShapesJob
 from flowgrpo_eqx.train import MetricsLog
 from tests.cli_helpers import (
-    command,
-    environment,
+    RewardServer,
     metrics_of,
     result_of,
     run_cli,
-    run_process,
     with_base,
 )
 
@@ -34,28 +30,6 @@ COMMON = ["--preset", "tiny", "--quiet", "--seed", "6"]
 
 def cli(*args, **extra_env):
     return run_cli(*args, **extra_env)
-
-
-class Server:
-    """A `flowgrpo-eqx serve-reward` process on a free loopback port."""
-
-    def __init__(self, reward, **extra_env):
-        self.process = subprocess.Popen(
-            command("serve-reward", reward, "--port", "0"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=environment(**extra_env),
-        )  # fmt: skip
-        line = self.process.stdout.readline()
-        assert line.startswith("serving "), line
-        self.url = line.split(" on ")[1].strip()
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
-        self.process.stdout.close()
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +55,7 @@ def test_every_epoch_says_where_its_time_went(in_process):
 
 
 def test_training_through_a_reward_server_matches_in_process(in_process, tmp_path):
-    server = Server("jpeg_incompressibility")
+    server = RewardServer("jpeg_incompressibility")
     try:
         out = with_base(in_process, tmp_path / "served")
         result = cli("train", *COMMON, "--out", str(out), "--reward-url", server.url)
@@ -94,7 +68,7 @@ def test_training_through_a_reward_server_matches_in_process(in_process, tmp_pat
 
 def test_server_killed_mid_run_is_a_named_error_and_resume_finishes(in_process, tmp_path):
     out = with_base(in_process, tmp_path / "outage")
-    server = Server("jpeg_incompressibility")
+    server = RewardServer("jpeg_incompressibility")
     options = ["--reward-timeout", "2", "--reward-retries", "1"]
     metrics = out / "metrics.jsonl"
     run_over = threading.Event()
@@ -119,7 +93,7 @@ def test_server_killed_mid_run_is_a_named_error_and_resume_finishes(in_process, 
     assert run.returncode == 1, err[-3000:]
     assert f"flowgrpo-eqx: error on process 0: Reward 'http:{server.url}'" in err
     assert server.url in err and "Traceback" not in err
-    restarted = Server("jpeg_incompressibility")
+    restarted = RewardServer("jpeg_incompressibility")
     try:
         resumed = cli(
             "train", *COMMON, *options, "--out", str(out), "--reward-url", restarted.url,
@@ -130,28 +104,6 @@ def test_server_killed_mid_run_is_a_named_error_and_resume_finishes(in_process, 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert result_of(out) == result_of(in_process)
     assert (out / "policy.eqx").read_bytes() == (in_process / "policy.eqx").read_bytes()
-
-
-def test_two_processes_send_one_request_per_collect(in_process, tmp_path):
-    calls = tmp_path / "calls.txt"
-    server = Server("tests.cli_rewards:CountedJpegIncompressibility", REWARD_CALLS_FILE=str(calls))
-    try:
-        out = with_base(in_process, tmp_path / "two")
-        # A process (not `cli.main` here): under the test's beartype import hook, `launch`'s
-        # `_pump(stream: IO[str])` rejects the pipe's TextIOWrapper (a library annotation bug).
-        result = run_process(
-            "launch", "--local", "2", "--", "train", *COMMON, "--epochs", "2", "--out", str(out),
-            "--reward-url", server.url,
-        )  # fmt: skip
-    finally:
-        server.stop()
-    assert result.returncode == 0, result.stdout[-3000:]
-    epochs = 2
-    rows = make_config("tiny").rollout.rollout_rows
-    # One request per collect (epoch), each scoring every row of the global batch.
-    assert calls.read_text().split() == [str(rows)] * epochs
-    for placement in MetricsLog(out / "distributed.jsonl").read():
-        assert placement["reward_calls_per_process"] == [1, 0]
 
 
 def test_tensorboard_log_holds_scalars_images_and_histograms(in_process, tmp_path):

@@ -1,7 +1,6 @@
 """The trainer: reference and EMA, filters, flow matching, checkpoints, and crash recovery."""
 
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -29,7 +28,7 @@ from flowgrpo_eqx.train import (
     rl_epoch,
     save_model,
 )
-from tests.cli_helpers import metrics_of, with_base
+from tests.cli_helpers import command, environment, metrics_of, run_cli, with_base
 from tests.cli_rewards import brightness
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
@@ -299,18 +298,10 @@ def test_killed_run_resumes_to_identical_result(tmp_path, tiny_base):
     whole = with_base(tiny_base, tmp_path / "whole")
     killed = with_base(tiny_base, tmp_path / "killed")
     common = ["train", "--preset", "tiny", "--quiet", "--seed", "3", "--epochs", "8"]
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    first = subprocess.Popen(
-        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *common, "--out", str(whole)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    # The crash: start the same run, wait for epoch 2's checkpoint, then SIGKILL it.
+    # The crash: a process of the run, killed with SIGKILL once epoch 2's checkpoint is there.
     crashing = subprocess.Popen(
-        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *common, "--out", str(killed)],
-        env=env,
+        command(*common, "--out", str(killed)),
+        env=environment(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -320,12 +311,13 @@ def test_killed_run_resumes_to_identical_result(tmp_path, tiny_base):
         time.sleep(0.02)
     crashing.send_signal(signal.SIGKILL)
     _, crash_err = crashing.communicate(timeout=600)
-    out, err = first.communicate(timeout=600)
-    assert first.returncode == 0, err
+    # The uninterrupted run and the resumed one run in this process.
+    first = run_cli(*common, "--out", str(whole))
+    assert first.returncode == 0, first.stderr[-3000:]
     assert crashing.returncode == -9, crash_err
     assert checkpoint.exists()
     assert not (killed / "summary.json").exists()
-    resumed = _cli(*common, "--out", str(killed), "--resume", cwd=tmp_path)
+    resumed = run_cli(*common, "--out", str(killed), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "Continuing from checkpoint" in resumed.stdout
     assert (whole / "policy.eqx").read_bytes() == (killed / "policy.eqx").read_bytes()
