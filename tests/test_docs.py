@@ -92,9 +92,13 @@ def _page_id(page: pathlib.Path) -> str:
     return str(page.relative_to(DOCS))
 
 
-@pytest.mark.parametrize("page", pages_with_python(), ids=_page_id)
-def test_page_python_blocks_run(page, tmp_path, monkeypatch, capsys):
-    """All of a page's runnable Python blocks run, in order, in one namespace."""
+RUN_ELSEWHERE = {"guides/lora.md": "tests/test_lora.py::test_docs_example_runs"}
+"""Pages whose blocks a test of their own runs (with `run_page`) and checks further."""
+
+
+def run_page(page, tmp_path, monkeypatch):
+    """Run all of `page`'s runnable Python blocks, in order, in one namespace, in `tmp_path`;
+    returns the namespace."""
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     runnable = [b for b in fenced_blocks(page) if b.language == "python" and not b.no_run]
@@ -106,7 +110,20 @@ def test_page_python_blocks_run(page, tmp_path, monkeypatch, capsys):
         # (optax's own arithmetic mixes Python floats with its int32 step count).
         with jax.numpy_dtype_promotion("standard"):
             exec(compile(source, str(block.page), "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in pages_with_python() if _page_id(p) not in RUN_ELSEWHERE], ids=_page_id
+)
+def test_page_python_blocks_run(page, tmp_path, monkeypatch, capsys):
+    """All of a page's runnable Python blocks run, in order, in one namespace."""
+    run_page(page, tmp_path, monkeypatch)
     capsys.readouterr()
+
+
+def test_pages_run_elsewhere_have_python_blocks():
+    assert set(RUN_ELSEWHERE) <= {_page_id(p) for p in pages_with_python()}
 
 
 def test_no_run_blocks_say_why():

@@ -6,8 +6,6 @@ with NumPy and passed to jitted calls (eager ops compile once per shape on a sma
 
 import math
 import os
-import pathlib
-import re
 from typing import Any
 
 import equinox as eqx
@@ -19,6 +17,7 @@ import pytest
 
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import DiT, MLPVelocity
+from tests.test_docs import DOCS, run_page
 
 
 RNG = np.random.default_rng(0)
@@ -504,13 +503,8 @@ def test_adding_twice_and_misusing_the_functions_name_the_argument() -> None:
 
 
 def test_docs_example_runs(tmp_path: Any, monkeypatch: Any) -> None:
-    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "lora.md"
-    (example,) = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-    monkeypatch.chdir(tmp_path)
-    namespace: dict[str, Any] = {"__name__": "lora_docs_example"}
-    # Run as a user runs it: under JAX's default (standard) dtype promotion.
-    with jax.numpy_dtype_promotion("standard"):
-        exec(compile(example, str(page), "exec"), namespace)
+    # The guide's blocks as tests/test_docs.py runs every page's (which leaves this one here).
+    namespace = run_page(DOCS / "guides" / "lora.md", tmp_path, monkeypatch)
     policy, base = namespace["policy"], namespace["base"]
     assert policy.layer_paths == (
         ".blocks[0].qkv",
