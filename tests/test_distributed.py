@@ -29,6 +29,7 @@ from tests.cli_helpers import (
     assert_close_metrics,
     command,
     environment,
+    made_once,
     run_cli,
     run_process,
     simulated_devices,
@@ -36,7 +37,9 @@ from tests.cli_helpers import (
 )
 
 
-COMMON = ["--preset", "tiny", "--quiet", "--seed", "5"]
+# At the main job's learning rate: the tiny preset's, a hundred times larger, makes updates
+# that carry float32 round-off differences of the processes' summation order past 1e-5.
+COMMON = ["--preset", "tiny", "--quiet", "--seed", "5", "--learning-rate", "1e-4"]
 
 
 def process_with_arguments(*needles):
@@ -57,11 +60,15 @@ def process_with_arguments(*needles):
 
 
 def run_baseline(tmp_path_factory, tiny_base):
-    """The one-process, one-device run every other run must reproduce (in this process)."""
-    out = with_base(tiny_base, tmp_path_factory.mktemp("baseline"))
-    result = run_cli("train", *COMMON, "--out", str(out), "--devices", "1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    """The one-process, one-device run every other run must reproduce (in the test process,
+    once per session: tests/test_distributed_fsdp.py compares with it too)."""
+
+    def train(folder):
+        with_base(tiny_base, folder)
+        result = run_cli("train", *COMMON, "--out", str(folder), "--devices", "1")
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    return made_once(tmp_path_factory, "distributed_baseline", train)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +81,8 @@ def placements(folder):
         return [json.loads(line) for line in handle]
 
 
-def assert_same_run(folder, baseline):
-    assert_close_metrics(folder, baseline)
+def assert_same_run(folder, baseline, *, unmeasured=()):
+    assert_close_metrics(folder, baseline, unmeasured=unmeasured)
     job = ShapesJob(make_config("tiny", seed=5), baseline, quiet=True)
     policy_want = load_model(baseline / "policy.eqx", job.model)
     policy_got = load_model(folder / "policy.eqx", job.model)
@@ -122,7 +129,9 @@ def test_two_processes_match_one_process(baseline, tmp_path):
         assert placement["reward_calls_per_process"] == [1, 0]
         # Each process held half of the rows of each batch.
         assert placement["rows_per_process"] == [placement["rows_total"] // 2] * 2
-    assert_same_run(out, baseline)
+    # The held-out measure scores its samples with the run's reward only where that is built
+    # in, never through a reward server.
+    assert_same_run(out, baseline, unmeasured=("heldout_train_reward",))
 
 
 def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline, tmp_path):

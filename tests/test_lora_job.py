@@ -95,7 +95,7 @@ def test_lora_run_stores_adapters_optimizer_state_and_base_fingerprint(baseline)
 
     # `eval` measures the exported adapters on the base beside them.
     measured = run_eval(config(), policy_file, baseline / "eval", log=lambda _: None)
-    assert set(measured) == {"accuracy", "reward", "diversity"}
+    assert set(measured) == {"accuracy", "reward", "diversity", "train_reward"}
     assert (baseline / "eval" / "samples_eval.png").stat().st_size > 0
 
 

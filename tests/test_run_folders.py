@@ -68,7 +68,7 @@ def test_training_into_a_folder_that_holds_a_run_is_refused(finished_run, tmp_pa
 @pytest.mark.parametrize(
     "flag, value, recorded",
     [
-        ("--learning-rate", "0.003", "0.0001"),
+        ("--learning-rate", "0.003", "0.01"),
         ("--groups", "2", "4"),
         ("--reward", "strict", "'jpeg_incompressibility'"),
         ("--seed", "5", "0"),

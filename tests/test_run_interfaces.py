@@ -15,6 +15,7 @@ import pytest
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.shapes_demo.config import config_to_toml
 from flowgrpo_eqx.shapes_demo.job import ShapesJob
+from flowgrpo_eqx.shapes_demo.parts import measures_train_reward
 from flowgrpo_eqx.train import MetricsLog
 from tests.cli_helpers import (
     RewardServer,
@@ -37,7 +38,44 @@ def in_process(tmp_path_factory, tiny_base):
     out = with_base(tiny_base, tmp_path_factory.mktemp("in_process"))
     result = cli("train", *COMMON, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
+    # What the run printed, for the tests that read it.
+    (out / "printed.txt").write_text(result.stdout)
     return out
+
+
+def test_the_tiny_run_reports_held_out_figures_that_move(in_process):
+    summary = json.loads((in_process / "summary.json").read_text())
+    # A width-16 model pretrained for 20 steps draws no shape, so accuracy and the checker's
+    # score stay 0; the run's own reward (JPEG incompressibility) on the held-out samples and
+    # their diversity (two samples per prompt) are measured, and training moves them.
+    assert summary["final_accuracy"] == summary["base_accuracy"] == 0.0
+    base, final = summary["base_heldout_train_reward"], summary["final_heldout_train_reward"]
+    assert base > 0 and final > 0 and final != base
+    assert summary["base_diversity"] > 0 and summary["final_diversity"] != summary["base_diversity"]
+    records = MetricsLog(in_process / "metrics.jsonl").read()
+    measured = [r["epoch"] for r in records if "heldout_train_reward" in r]
+    assert measured == [r["epoch"] for r in records if "heldout_accuracy" in r] == [0, 2, 4]
+    printed = (in_process / "printed.txt").read_text()
+    assert f"held-out jpeg_incompressibility {final:.3f} (base {base:.3f})." in printed
+
+
+@pytest.mark.parametrize(
+    "settings, measured",
+    [
+        ({}, False),
+        ({"reward": "partial"}, False),
+        ({"reward": "jpeg_incompressibility"}, True),
+        ({"reward_weights": "partial=1,jpeg_incompressibility=0.5"}, True),
+        ({"reward_url": "http://127.0.0.1:1"}, False),
+        ({"custom_reward": "tests.cli_rewards:brightness"}, False),
+    ],
+)
+def test_the_held_out_measure_scores_with_the_train_reward_only_when_built_in(settings, measured):
+    # The main job's default (the checker's partial and strict scores) is measured anyway; a
+    # reward server or the user's own reward is never called for it.
+    if "reward_weights" not in settings and settings:
+        settings = {**settings, "reward_weights": None, "reward_combination": "sum"}
+    assert measures_train_reward(make_config(**settings).rewards) is measured
 
 
 def test_every_epoch_says_where_its_time_went(in_process):
@@ -179,6 +217,7 @@ def test_config_file_errors_name_the_key_and_file(tmp_path, text, named):
 def test_eval_reads_the_run_folders_settings(in_process, tmp_path):
     summary = json.loads((in_process / "summary.json").read_text())
     final = {name: summary[f"final_{name}"] for name in ("accuracy", "reward", "diversity")}
+    final["train_reward"] = summary["final_heldout_train_reward"]
     last = sorted((in_process / "checkpoints").glob("ckpt_*"))[-1]
     # No settings flag: `--run` (its policy.eqx), or a policy or checkpoint inside the run,
     # is measured with the run's config.toml, as the run measured its final policy.

@@ -74,7 +74,9 @@ def run_eval(
 
     **Returns:**
 
-    `{"accuracy", "reward", "diversity"}`, as `summary.json` reports them.
+    `{"accuracy", "reward", "diversity"}`, as `summary.json` reports them, and
+    `"train_reward"` (the run's own reward on the same samples) where `ShapesJob.measure`
+    reports it.
 
     **Raises:**
 

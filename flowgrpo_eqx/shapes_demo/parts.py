@@ -60,6 +60,33 @@ BUILTIN_REWARDS: dict[str, Callable[[], FlowReward]] = {
 }
 """The rewards `--reward` and `flowgrpo-eqx serve-reward` know by name."""
 
+CHECKER_REWARDS: frozenset[str] = frozenset({"partial", "strict"})
+"""The built-in rewards that are the task checker's own scores, which the held-out measure
+reports anyway (`reward` and `accuracy`)."""
+
+
+def measures_train_reward(settings: RewardSettings) -> bool:
+    """Whether the held-out measure also scores its samples with the run's own train reward:
+    when that reward is built in (computed in this process, cheaply, and never a request to
+    a reward server) and is more than the checker's scores, as the tiny preset's JPEG reward.
+
+    **Arguments:**
+
+    - `settings`: the reward settings.
+
+    **Returns:**
+
+    `True` for built-in rewards other than `partial` and `strict` alone.
+    """
+    if settings.custom_reward is not None or settings.reward_url is not None:
+        return False
+    if settings.reward_weights is not None:
+        names = set(parse_reward_weights(settings.reward_weights))
+    else:
+        names = {settings.reward}
+    return not names <= CHECKER_REWARDS
+
+
 SHIPPED_DIR = pathlib.Path(__file__).resolve().parent / "checkpoints"
 """Where the shipped base models live, named `base_<fingerprint>.eqx`."""
 
@@ -123,6 +150,8 @@ class ShapesJob:
         self.reward_name: str
         """What the train reward is, in the words of the settings (for pictures)."""
         self.reward, self.reward_name = train_reward(config.rewards, reward_token)
+        self.measures_train_reward = measures_train_reward(config.rewards)
+        """Whether `measure` reports `train_reward` (`measures_train_reward`)."""
         self.inputs = InputSpec(
             select="tokens",
             null=jnp.full((PROMPT_LENGTH,), NULL_TOKEN, jnp.int32),
@@ -323,7 +352,8 @@ class ShapesJob:
 
     def measure(self, policy: Any) -> dict[str, Any]:
         """Held-out strict accuracy, reward and diversity of `policy`, with fixed noise (ODE
-        sampling: `Euler` on `eval_steps` points)."""
+        sampling: `Euler` on `eval_steps` points), and the mean of the run's own train reward
+        on the same samples (`train_reward`) when `measures_train_reward`."""
         per_prompt = self.config.evaluation.eval_samples_per_prompt
         rows = self.task.rows("heldout")
         tokens = np.repeat(rows["tokens"], per_prompt, axis=0)
@@ -345,11 +375,15 @@ class ShapesJob:
             for i in range(per_prompt)
             for j in range(i + 1, per_prompt)
         ]
-        return {
+        measured = {
             "accuracy": float(check.strict.mean()),
             "reward": float(check.partial.mean()),
             "diversity": float(np.mean(distances)) if distances else 0.0,
         }
+        if self.measures_train_reward:
+            scores = self.reward(np.asarray(evaluation.samples), {"tokens": tokens})
+            measured["train_reward"] = float(np.mean(np.asarray(scores, np.float64)))
+        return measured
 
     def preview(self, policy: Any, path: pathlib.Path, title: str) -> None:
         """Samples of `policy` for the first held-out prompts with fixed noise, captioned
