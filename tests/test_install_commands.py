@@ -2,15 +2,21 @@
 from what a user has: the checkout (`pip install -e ".[extras]"`, the form `.ci/run` runs),
 the built wheel (`dist/flowgrpo_eqx-<version>-py3-none-any.whl[extras]`, the form `.ci/wheel`
 installs), or a package this project itself depends on. `flowgrpo_eqx` is not on a package
-index, so `pip install 'flowgrpo_eqx[server]'` fails: it is refused here.
+index, so `pip install 'flowgrpo_eqx[server]'` fails: it is refused here. Also what the
+README and the guides tell newcomers: no `huggingface-cli` (gone from huggingface_hub), and why
+the library's `clip_range` default differs from the demo's.
 """
 
+import inspect
 import pathlib
 import re
 import shlex
 import tomllib
 
 import pytest
+
+import flowgrpo_eqx as fg
+from flowgrpo_eqx.shapes_demo import make_config
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -111,3 +117,18 @@ def test_every_install_command_works_from_a_checkout_or_the_wheel(where, argumen
 )
 def test_commands_that_would_fail_are_named(arguments, wrong):
     assert wrong in problem(arguments)
+
+
+def test_no_page_names_the_removed_huggingface_cli():
+    # huggingface_hub replaced `huggingface-cli download` with `hf download`.
+    for path in _sources():
+        assert "huggingface-cli" not in path.read_text(), path
+
+
+def test_the_readme_says_why_the_library_and_the_demo_clip_differently():
+    library = inspect.signature(fg.FlowGRPOObjective).parameters["clip_range"].default
+    demo = make_config().objective.clip_range
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert (library, demo) == (1e-4, 0.2)
+    assert "The library's `clip_range` default, 1e-4, is the Flow-GRPO release's" in text
+    assert "the demo and the example pass 0.2" in text
