@@ -135,8 +135,7 @@ def test_two_processes_match_one_process(baseline, tmp_path):
 
 
 def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline, tmp_path):
-    # Each process writes its own checkpoint; the resumed run reads it onto a mesh of another
-    # size.
+    # The checkpoint written on four devices is read onto a mesh of two.
     out = with_base(baseline, tmp_path / "killed")
     flags = ["train", *COMMON, "--out", str(out)]
     crashing = subprocess.Popen(
