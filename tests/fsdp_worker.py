@@ -1,15 +1,14 @@
-"""`python -m tests.fsdp_worker [mmdit]` with 4 simulated devices: one device replicated vs 4
-with FSDP.
+"""`python -m tests.fsdp_worker` with 4 simulated devices: one device replicated vs 4 with FSDP.
 
 Run by `tests/test_fsdp.py` in a fresh interpreter (the device count is fixed at JAX's start);
-prints one JSON object with both runs' metrics, the largest parameter difference and how the
-FSDP state lies on the devices. With `mmdit`: a small stacked `MMDiT` with CFG and a KL
-reference, and the all-gathers of the compiled FSDP step, split into weights and activations.
+prints one JSON object with a report for each model: both runs' metrics, the largest parameter
+difference and how the FSDP state lies on the devices. `mlp`: the MLP velocity; `mmdit`: a
+small stacked `MMDiT` with CFG and a KL reference, and the all-gathers of the compiled FSDP
+step, split into weights and activations.
 """
 
 import json
 import re
-import sys
 
 import equinox as eqx
 import jax
@@ -83,7 +82,7 @@ def largest_difference(a, b):
     )
 
 
-def main():
+def mlp_report():
     model = MLPVelocity(LATENT, COND, hidden=64, depth=2, key=jax.random.key(0))
     objective = fg.FlowGRPOObjective(
         model, fg.RectifiedFlow(), fg.InputSpec(), guidance=None, beta=0.1, clip_range=0.2
@@ -126,26 +125,20 @@ def main():
         for leaf in jax.tree.leaves(eqx.filter(part, eqx.is_inexact_array))
         if leaf.size >= MIN_ELEMENTS
     ]
-    print(
-        json.dumps(
-            {
-                "bfloat16_first_update": {name: float(v) for name, v in first.items()},
-                "replicated": replicated,
-                "fsdp": sharded,
-                "moved": moved,
-                "largest_difference": difference,
-                "large_arrays": len(large),
-                "large_sharded": sum(
-                    not leaf.sharding.is_fully_replicated
-                    and leaf.addressable_shards[0].data.size * 4 == leaf.size
-                    for leaf in large
-                ),
-                "device_fraction": fg.device_fraction(
-                    (sharded_state.variables, sharded_state.opt_state)
-                ),
-            }
-        )
-    )
+    return {
+        "bfloat16_first_update": {name: float(v) for name, v in first.items()},
+        "replicated": replicated,
+        "fsdp": sharded,
+        "moved": moved,
+        "largest_difference": difference,
+        "large_arrays": len(large),
+        "large_sharded": sum(
+            not leaf.sharding.is_fully_replicated
+            and leaf.addressable_shards[0].data.size * 4 == leaf.size
+            for leaf in large
+        ),
+        "device_fraction": fg.device_fraction((sharded_state.variables, sharded_state.opt_state)),
+    }
 
 
 def weight_shapes(tree):
@@ -169,14 +162,14 @@ def all_gathers(hlo_text, shapes):
     return len(results) - len(activations), activations
 
 
-def main_mmdit():
+def mmdit_report():
     from flowgrpo_eqx.models import MMDiT
     from flowgrpo_eqx.train._trainer import _mesh_context, _update_donating
 
     rows = 8
     sizes = dict(image_size=8, channels=4, patch=2, width=32, heads=4, context_length=3)
     sizes.update(context_dim=12, pooled_dim=16, depth=3, qk_norm="rms_norm")
-    model = MMDiT(**sizes, dual_attention_layers=(0,), remat="dots", key=jax.random.key(0))
+    model = MMDiT(**sizes, remat="dots", key=jax.random.key(0))
     rng = np.random.default_rng(0)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     params = jax.tree.map(
@@ -221,26 +214,17 @@ def main_mmdit():
     sharded_state, sharded = train(trainer, sharded_start, four_rows)
     difference = largest_difference(replicated_state, sharded_state)
     moved = largest_difference(host_state.variables.policy, replicated_state.variables.policy)
-    print(
-        json.dumps(
-            {
-                "replicated": replicated,
-                "fsdp": sharded,
-                "moved": moved,
-                "largest_difference": difference,
-                "weight_gathers": weights,
-                "activation_gathers": [list(shape) for shape in activations],
-                "reduce_scatters": len(re.findall(r" reduce-scatter\(", hlo)),
-                "device_fraction": fg.device_fraction(
-                    (sharded_state.variables, sharded_state.opt_state)
-                ),
-            }
-        )
-    )
+    return {
+        "replicated": replicated,
+        "fsdp": sharded,
+        "moved": moved,
+        "largest_difference": difference,
+        "weight_gathers": weights,
+        "activation_gathers": [list(shape) for shape in activations],
+        "reduce_scatters": len(re.findall(r" reduce-scatter\(", hlo)),
+        "device_fraction": fg.device_fraction((sharded_state.variables, sharded_state.opt_state)),
+    }
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["mmdit"]:
-        main_mmdit()
-    else:
-        main()
+    print(json.dumps({"mlp": mlp_report(), "mmdit": mmdit_report()}))

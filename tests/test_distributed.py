@@ -134,8 +134,16 @@ def test_two_processes_match_one_process(baseline, tmp_path):
     assert_same_run(out, baseline, unmeasured=("heldout_train_reward",))
 
 
+RESUMED_SUMMARY_FIELDS = (
+    "base_accuracy", "final_accuracy", "base_reward", "final_reward", "base_diversity",
+    "final_diversity", "epochs", "wall_seconds",
+)  # fmt: skip
+
+
 def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline, tmp_path):
-    # The checkpoint written on four devices is read onto a mesh of two.
+    # A SIGKILL (no handler runs) after epoch 2's checkpoint; the resumed run writes every
+    # output an uninterrupted one does. The checkpoint written on four devices is read onto a
+    # mesh of two.
     out = with_base(baseline, tmp_path / "killed")
     flags = ["train", *COMMON, "--out", str(out)]
     crashing = subprocess.Popen(
@@ -157,6 +165,10 @@ def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline
     assert "Continuing from checkpoint" in resumed.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["devices"] == 2 and summary["resumed"]
+    for name in RESUMED_SUMMARY_FIELDS:
+        assert name in summary, name
+    for picture in ("reward_curve.png", "samples_before.png", "samples_after.png"):
+        assert (out / picture).stat().st_size > 0
     assert {p["devices"] for p in placements(out)} == {4, 2}
     for placement in placements(out):
         assert placement["processes"] == 1 and placement["reward_calls_per_process"] == [1]

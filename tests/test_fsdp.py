@@ -15,23 +15,28 @@ from tests.cli_helpers import REPO, simulated_devices
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
-# A fresh interpreter: the device count is fixed when JAX starts. Its programs come from the
-# persistent compilation cache the test processes share (conftest.py) after the first run.
-def four_device_report(*arguments):
-    """Run `tests.fsdp_worker ARGUMENTS` on 4 simulated devices; its JSON report, after
-    checking that its updates moved the policy and that FSDP on four devices computed what
-    one device did (every metric of every update, and the state after them)."""
+# A fresh interpreter: the device count is fixed when JAX starts. One for both models, which
+# share its start.
+@pytest.fixture(scope="module")
+def four_device_reports():
+    """`tests.fsdp_worker`'s reports, run on 4 simulated devices."""
     environment = {
         **os.environ,
         "PYTHONPATH": str(REPO),
         **simulated_devices(4),
     }
     result = subprocess.run(
-        [sys.executable, "-m", "tests.fsdp_worker", *arguments],
+        [sys.executable, "-m", "tests.fsdp_worker"],
         capture_output=True, text=True, env=environment, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def checked(report):
+    """`report`, after checking that its updates moved the policy and that FSDP on four
+    devices computed what one device did (every metric of every update, and the state after
+    them)."""
     assert report["moved"] > 1e-5, "the updates changed nothing; the comparison is vacuous"
     for one, four in zip(report["replicated"], report["fsdp"], strict=True):
         assert one.keys() == four.keys()
@@ -41,8 +46,8 @@ def four_device_report(*arguments):
     return report
 
 
-def test_four_devices_fsdp_match_one_device_and_stay_sharded():
-    report = four_device_report()
+def test_four_devices_fsdp_match_one_device_and_stay_sharded(four_device_reports):
+    report = checked(four_device_reports["mlp"])
     # Every large array of the policy, the held reference and AdamW's moments is still split in
     # four after the updates, and one device holds about a quarter of the state.
     assert report["large_arrays"] >= 9 and report["large_sharded"] == report["large_arrays"]
@@ -51,8 +56,8 @@ def test_four_devices_fsdp_match_one_device_and_stay_sharded():
     assert first["approx_kl"] == 0.0 and first["ratio"] == 1.0
 
 
-def test_four_devices_fsdp_mmdit_gathers_weights_not_activations():
-    report = four_device_report("mmdit")
+def test_four_devices_fsdp_mmdit_gathers_weights_not_activations(four_device_reports):
+    report = checked(four_device_reports["mmdit"])
     # The step gathers weights (each block's as the scan reaches it), never activations.
     assert report["weight_gathers"] > 0
     assert report["activation_gathers"] == []

@@ -79,18 +79,6 @@ def test_sigterm_checkpoints_the_epoch_and_resume_matches(uninterrupted, tmp_pat
     assert_same_result(out, uninterrupted)
 
 
-def test_second_signal_stops_at_once(uninterrupted, tmp_path):
-    out = with_base(uninterrupted, tmp_path / "impatient")
-    process = started_past_first_epoch(out, "train", *COMMON, "--out", str(out))
-    process.send_signal(signal.SIGINT)
-    time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
-    output, _ = process.communicate(timeout=TIMEOUT)
-    # Either the second signal ended the run at once, or the run had already stopped itself.
-    assert process.returncode in (-signal.SIGINT, PREEMPTED_EXIT_STATUS), output[-3000:]
-    assert "Traceback" not in output
-
-
 def _damage(checkpoint, how):
     state = max(
         (p for p in (checkpoint / "state").rglob("*") if p.is_file()),
@@ -235,21 +223,27 @@ def test_a_signal_before_the_first_epoch_exits_75_with_a_checkpoint_kept(
         "ckpt_00000002",
     ]
     assert (out / "metrics.jsonl").read_bytes() == metrics
-    resumed = run("train", *COMMON, "--out", str(out), "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_result(out, uninterrupted)
+    if signals == 1:  # two leave what one leaves, checked above; the resume once suffices
+        resumed = run("train", *COMMON, "--out", str(out), "--resume")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert_same_result(out, uninterrupted)
 
 
-def test_a_second_signal_exits_75_once_a_checkpoint_is_kept(uninterrupted, tmp_path):
+def test_a_second_signal_of_either_kind_stops_at_once_and_exits_75_once_a_checkpoint_is_kept(
+    uninterrupted, tmp_path
+):
     out = with_base(uninterrupted, tmp_path / "twice")
     process = started_past_first_epoch(
         out, "train", *COMMON, "--checkpoint-every", "1", "--out", str(out)
     )
     while not (out / "checkpoints" / "ckpt_00000001").exists() and process.poll() is None:
         time.sleep(0.02)
-    process.send_signal(signal.SIGTERM)
+    # Ctrl-C asks for a stop after the epoch; the scheduler's SIGTERM then ends it at once.
+    process.send_signal(signal.SIGINT)
     time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=TIMEOUT)
     assert process.returncode == PREEMPTED_EXIT_STATUS, output[-3000:]
+    assert "received SIGINT" in output
     assert "Traceback" not in output
+    assert not (out / "summary.json").exists()

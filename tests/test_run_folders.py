@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import flowgrpo_eqx.train as fg_train
@@ -279,8 +280,10 @@ def test_a_failed_resume_leaves_config_toml_as_it_was(finished_run, tmp_path):
 
 
 def test_a_sweep_resumes_each_seed(tiny_base, tmp_path):
-    """`--seeds` could not be resumed, yet its refusal said "continue it with --resume"."""
+    """`--seeds` could not be resumed, yet its refusal said "continue it with --resume".
+    The sweep's summary holds each figure's statistics over the seeds' runs."""
     out = tmp_path / "sweep"
+    # The first seed finds the session's base model in its folder; the second copies it.
     with_base(tiny_base, out / "seed_0")
     sweep = (*TINY, "--seeds", "0,1", "--epochs", "1", "--out", out)
     first = run_cli(*sweep)
@@ -295,4 +298,15 @@ def test_a_sweep_resumes_each_seed(tiny_base, tmp_path):
     for seed in (0, 1):
         assert f"Continuing from checkpoint {out / f'seed_{seed}' / 'checkpoints'}" in longer.stdout
         assert json.loads((out / f"seed_{seed}" / "summary.json").read_text())["epochs"] == 2
-    assert json.loads((out / "seeds_summary.json").read_text())["seeds"] == [0, 1]
+    summary = json.loads((out / "seeds_summary.json").read_text())
+    assert summary["seeds"] == [0, 1]
+    runs = [json.loads((out / f"seed_{s}" / "summary.json").read_text()) for s in (0, 1)]
+    for name in ("final_accuracy", "train_reward_last_epoch", "wall_seconds"):
+        values = np.asarray([run[name] for run in runs], np.float64)
+        figure = summary[name]
+        assert figure["mean"] == pytest.approx(values.mean())
+        assert figure["std"] == pytest.approx(values.std())
+        assert figure["worst"] == values.min() and figure["best"] == values.max()
+    base_files = [sorted((out / f"seed_{s}").glob("base_*.eqx")) for s in (0, 1)]
+    assert base_files[0][0].read_bytes() == base_files[1][0].read_bytes()
+    assert (out / "seeds_accuracy.png").stat().st_size > 0

@@ -275,27 +275,6 @@ def test_training_seeds_share_the_base_and_differ_only_in_the_run(in_process, tm
     assert second["train_reward_first_epoch"] != first["train_reward_first_epoch"]
 
 
-def test_several_seeds_in_one_command(tmp_path, tiny_base):
-    out = tmp_path / "seeds"
-    # The first seed finds the session's base model in its folder; the second copies it.
-    with_base(tiny_base, out / "seed_0")
-    result = cli("train", "--preset", "tiny", "--quiet", "--epochs", "2", "--seeds", "0,1",
-                 "--out", str(out))  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((out / "seeds_summary.json").read_text())
-    assert summary["seeds"] == [0, 1]
-    runs = [json.loads((out / f"seed_{s}" / "summary.json").read_text()) for s in (0, 1)]
-    for name in ("final_accuracy", "train_reward_last_epoch", "wall_seconds"):
-        values = np.asarray([run[name] for run in runs], np.float64)
-        figure = summary[name]
-        assert figure["mean"] == pytest.approx(values.mean())
-        assert figure["std"] == pytest.approx(values.std())
-        assert figure["worst"] == values.min() and figure["best"] == values.max()
-    base_files = [sorted((out / f"seed_{s}").glob("base_*.eqx")) for s in (0, 1)]
-    assert base_files[0][0].read_bytes() == base_files[1][0].read_bytes()
-    assert (out / "seeds_accuracy.png").stat().st_size > 0
-
-
 def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tmp_path):
     out = with_base(in_process, tmp_path / "sliding")
     flags = ["--window-schedule", "sliding", "--window-shift-every", "1", "--shared-noise", "true",

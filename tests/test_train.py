@@ -1,12 +1,5 @@
 """The trainer: reference and EMA, filters, flow matching, checkpoints, and crash recovery."""
 
-import json
-import pathlib
-import signal
-import subprocess
-import sys
-import time
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -28,7 +21,7 @@ from flowgrpo_eqx.train import (
     rl_epoch,
     save_model,
 )
-from tests.cli_helpers import command, environment, metrics_of, run_cli, with_base
+from tests.cli_helpers import run_cli
 from tests.cli_rewards import brightness
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
@@ -284,65 +277,8 @@ def test_metrics_log_keep_only(tmp_path):
     assert [r["epoch"] for r in log.read()] == [0, 1, 2]
 
 
-def _cli(*args, cwd):
-    return subprocess.run(
-        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def test_killed_run_resumes_to_identical_result(tmp_path, tiny_base):
-    whole = with_base(tiny_base, tmp_path / "whole")
-    killed = with_base(tiny_base, tmp_path / "killed")
-    common = ["train", "--preset", "tiny", "--quiet", "--seed", "3", "--epochs", "8"]
-    # The crash: a process of the run, killed with SIGKILL once epoch 2's checkpoint is there.
-    crashing = subprocess.Popen(
-        command(*common, "--out", str(killed)),
-        env=environment(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    checkpoint = killed / "checkpoints" / "ckpt_00000002"
-    while not checkpoint.exists() and crashing.poll() is None:
-        time.sleep(0.02)
-    crashing.send_signal(signal.SIGKILL)
-    _, crash_err = crashing.communicate(timeout=600)
-    # The uninterrupted run and the resumed one run in this process.
-    first = run_cli(*common, "--out", str(whole))
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert crashing.returncode == -9, crash_err
-    assert checkpoint.exists()
-    assert not (killed / "summary.json").exists()
-    resumed = run_cli(*common, "--out", str(killed), "--resume")
-    assert resumed.returncode == 0, resumed.stderr
-    assert "Continuing from checkpoint" in resumed.stdout
-    assert (whole / "policy.eqx").read_bytes() == (killed / "policy.eqx").read_bytes()
-    assert metrics_of(whole) == metrics_of(killed)
-    summary = json.loads((killed / "summary.json").read_text())
-    for name in (
-        "base_accuracy",
-        "final_accuracy",
-        "base_reward",
-        "final_reward",
-        "base_diversity",
-        "final_diversity",
-        "epochs",
-        "wall_seconds",
-    ):
-        assert name in summary
-    for picture in ("reward_curve.png", "samples_before.png", "samples_after.png"):
-        assert (killed / picture).stat().st_size > 0
-    # Flow-GRPO really changed the policy in these runs (else equality would be vacuous).
-    base = next(pathlib.Path(whole).glob("base_*.eqx"))
-    assert base.read_bytes() != (whole / "policy.eqx").read_bytes()
-
-
 def test_cli_rejects_unknown_preset(tmp_path):
-    result = _cli("train", "--preset", "huge", "--out", str(tmp_path), cwd=tmp_path)
+    result = run_cli("train", "--preset", "huge", "--out", str(tmp_path))
     assert result.returncode == 2 and "preset" in result.stderr
 
 
@@ -401,12 +337,7 @@ def test_every_setting_has_a_described_flag():
 
     names = set(SETTINGS)
     assert all(len(setting_help(name)) > 5 for name in names)
-    train = subprocess.run(
-        [sys.executable, "-m", "flowgrpo_eqx.shapes_demo.cli", "train", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    train = run_cli("train", "--help")
     assert train.returncode == 0
     for name in names:
         assert "--" + name.replace("_", "-") in train.stdout
