@@ -40,6 +40,8 @@ def test_two_processes_stop_together_and_four_devices_resume_to_the_same_result(
     assert launcher.returncode == PREEMPTED_EXIT_STATUS, output[-3000:]
     stopped = epochs_done(out)
     assert 1 <= stopped < 4
+    # Process 0 reports the stop; both processes stopped after the same epoch.
+    assert f"[rank 0] Stopped after epoch {stopped}" in output
     assert "every rank stopped after a signal and checkpointed" in output
     # Each process wrote its own shards of the checkpoint; nothing was gathered to save it.
     meta = json.loads((out / "checkpoints" / f"ckpt_{stopped:08d}" / "meta.json").read_text())

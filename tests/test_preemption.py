@@ -5,7 +5,8 @@ A scheduler's SIGTERM stops a run after the epoch in progress with a checkpoint,
 path and skipped, and a folder with none intact is a named error, never a raw traceback.
 
 Runs that are signalled are `flowgrpo-eqx` processes; the others run in the test process
-(`cli.main`). Every run starts from the session's tiny base model.
+(`cli.main`). Every run starts from the session's tiny base model. Two processes stopped by
+one SIGTERM, after the same epoch, are in tests/test_distributed_fsdp.py.
 """
 
 import shutil
@@ -19,7 +20,6 @@ from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
 from flowgrpo_eqx.train import MetricsLog, save_model
 from flowgrpo_eqx.train._preemption import PREEMPTED_EXIT_STATUS
 from tests.cli_helpers import (
-    RESULT_FIELDS,
     TIMEOUT,
     command,
     environment,
@@ -157,33 +157,6 @@ def test_no_intact_checkpoint_is_a_named_error(uninterrupted, tmp_path):
     assert "Traceback" not in result.stderr
     assert f"{out / 'checkpoints'}: none of its 2 checkpoints is usable" in result.stderr
     assert not (out / "summary.json").exists()
-
-
-def test_two_processes_stop_together_and_one_process_resumes_to_the_same_result(
-    uninterrupted, tmp_path
-):
-    out = with_base(uninterrupted, tmp_path / "two")
-    launcher = started_past_first_epoch(
-        out, "launch", "--local", "2", "--", "train", *COMMON, "--out", str(out)
-    )
-    launcher.send_signal(signal.SIGTERM)
-    output, _ = launcher.communicate(timeout=TIMEOUT)
-    assert launcher.returncode == PREEMPTED_EXIT_STATUS, output[-3000:]
-    stopped = epochs_done(out)
-    # Process 0 reports the stop; both processes stopped after the same epoch.
-    assert f"[rank 0] Stopped after epoch {stopped}" in output
-    assert "every rank stopped after a signal and checkpointed" in output
-    # The checkpoint both processes wrote resumes in one (this one): a stopped job may come
-    # back on fewer machines.
-    resumed = run("train", *COMMON, "--out", str(out), "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Continuing from checkpoint {out / 'checkpoints' / f'ckpt_{stopped:08d}'}" in (
-        resumed.stdout
-    )
-    got, want = result_of(out), result_of(uninterrupted)
-    # Two processes match one to float32 round-off (tests/test_distributed.py).
-    for name in RESULT_FIELDS:
-        assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), name
 
 
 def started_and_locked(out, *args):
