@@ -656,7 +656,7 @@ def test_beyond_max_connections_the_longest_idle_are_closed(hardened_url):
         sock.close()
 
 
-def test_off_loopback_without_a_token_is_refused(tmp_path, monkeypatch):
+def test_off_loopback_without_a_token_is_refused(monkeypatch, capsys):
     def no_binding(host, port):
         raise AssertionError(f"bound {host}:{port}")
 
@@ -664,22 +664,19 @@ def test_off_loopback_without_a_token_is_refused(tmp_path, monkeypatch):
     for host in ("0.0.0.0", "::", "192.168.0.10", "example.com"):
         with pytest.raises(ValueError, match="`host`.*no `token`.*--allow-unauthenticated"):
             reward_server.serve(reward_fixtures.brightness, host=host, port=0)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("FLOWGRPO_REWARD_TOKEN", None)
-    for command in (
-        ["flowgrpo_eqx.reward_server", "tests.reward_fixtures:brightness"],
-        ["flowgrpo_eqx.shapes_demo.cli", "serve-reward", "tests.reward_fixtures:brightness"],
-    ):
-        finished = subprocess.run(
-            [sys.executable, "-m", *command, "--host", "0.0.0.0", "--port", "0"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=START_SECONDS,
-        )
-        assert finished.returncode == 2, finished.stderr
-        assert "no `token`" in finished.stderr and "serving" not in finished.stdout
+    # The command lines refuse it too (a usage error), in this process: nothing is bound.
+    from tests.cli_helpers import run_cli
+
+    monkeypatch.delenv("FLOWGRPO_REWARD_TOKEN", raising=False)
+    off_loopback = ["tests.reward_fixtures:brightness", "--host", "0.0.0.0", "--port", "0"]
+    with pytest.raises(SystemExit) as stopped:
+        reward_server.main(off_loopback)
+    assert stopped.value.code == 2
+    printed = capsys.readouterr()
+    assert "no `token`" in printed.err and "serving" not in printed.out
+    refused = run_cli("serve-reward", *off_loopback)
+    assert refused.returncode == 2, refused.stderr
+    assert "no `token`" in refused.stderr and "serving" not in refused.stdout
 
 
 @pytest.mark.parametrize(
