@@ -93,7 +93,11 @@ from ._objective import (
     step_weights as step_weights,
 )
 from ._preview import preview_grid as preview_grid
-from ._process import AbstractProcess as AbstractProcess, RectifiedFlow as RectifiedFlow
+from ._process import (
+    AbstractProcess as AbstractProcess,
+    RectifiedFlow as RectifiedFlow,
+    flux_shift as flux_shift,
+)
 from ._reward import (
     FlowReward as FlowReward,
     JpegCompressibility as JpegCompressibility,

@@ -1,6 +1,7 @@
 """The rectified-flow process: interpolation, velocity target and the sampling time grid."""
 
 import abc
+import math
 from typing import Literal, final
 
 import equinox as eqx
@@ -78,22 +79,26 @@ class RectifiedFlow(AbstractProcess):
         `FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(steps - 1)`: `steps - 1`
         points evenly from 1 to `s_min`, the shift of `1/1000`, each shifted (so `s_min` is
         shifted twice), then a final 0. With `shift=3.0` and 11 points: 1, 0.96013, ...,
-        0.27805, 0.00893, 0.
+        0.27805, 0.00893, 0. `"flux"`: the grid of diffusers' `FluxPipeline`: `steps - 1`
+        points evenly from 1 to `1 / (steps - 1)`, each shifted, then a final 0; FLUX.1-dev's
+        scheduler shifts by `exp(mu)` with `mu` from the image's token count (its
+        exponential time shift `e^mu / (e^mu + 1/u - 1)` is this shift with `s = e^mu`):
+        `shift=flux_shift(tokens)`; FLUX.1-schnell's by 1.
 
     **Raises:**
 
-    - `ValueError`: if `shift <= 0`, or `grid` is not `"uniform"` or `"diffusers"`; or,
-        from `timesteps`, if `steps` is not an int >= 2.
+    - `ValueError`: if `shift <= 0`, or `grid` is not one of its values; or, from
+        `timesteps`, if `steps` is not an int >= 2.
     """
 
     shift: float = 1.0
-    grid: Literal["uniform", "diffusers"] = "uniform"
+    grid: Literal["uniform", "diffusers", "flux"] = "uniform"
 
     def __check_init__(self) -> None:
         if not self.shift > 0:
             raise ValueError(f"`shift` must be positive, got {self.shift}.")
-        if self.grid not in ("uniform", "diffusers"):
-            raise ValueError(f"`grid` must be 'uniform' or 'diffusers', got {self.grid!r}.")
+        if self.grid not in ("uniform", "diffusers", "flux"):
+            raise ValueError(f"`grid` must be 'uniform', 'diffusers' or 'flux', got {self.grid!r}.")
 
     def interpolate(self, data: Latent, noise: Latent, t: ScalarLike) -> Latent:
         time = jnp.asarray(t, data.dtype)
@@ -112,9 +117,53 @@ class RectifiedFlow(AbstractProcess):
             u = np.linspace(1.0, s_min, steps - 1)
             sigmas = np.append(s * u / (1 + (s - 1) * u), 0.0)
             return jnp.asarray(sigmas, dtype=jnp.float32)
+        if self.grid == "flux":
+            # As the pipeline and scheduler compute it: the evenly spaced sigmas in float32.
+            s = float(self.shift)
+            u = np.linspace(1.0, 1.0 / (steps - 1), steps - 1).astype(np.float32)
+            u64 = u.astype(np.float64)
+            return jnp.asarray(np.append(s * u64 / (1 + (s - 1) * u64), 0.0), dtype=jnp.float32)
         uniform = jnp.linspace(1.0, 0.0, steps, dtype=jnp.float32)
         # s u / (s u + 1 - u) equals s u / (1 + (s - 1) u) but is exact at u = 1 and u = 0
         # in float32, so the grid starts at exactly 1 (the SDE's first-step guard needs it).
         scaled = self.shift * uniform
         shifted: Float[Array, " steps"] = scaled / (scaled + (1 - uniform))
         return shifted
+
+
+def flux_shift(
+    image_tokens: int,
+    base_tokens: int = 256,
+    max_tokens: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
+    """The time shift FLUX.1-dev's pipeline gives an image of `image_tokens` packed tokens.
+
+    diffusers' `calculate_shift`: `mu` linear in the token count, `base_shift` at
+    `base_tokens` and `max_shift` at `max_tokens` (FLUX.1-dev's scheduler config), and the
+    shift is `exp(mu)`: `RectifiedFlow(shift=flux_shift(tokens), grid="flux")` is its grid.
+    A 512 x 512 image has `(512 / 16) ** 2 = 1024` tokens (shift about 1.87), 1024 x 1024 has
+    4096 (shift `e^1.15`, about 3.16).
+
+    **Arguments:**
+
+    - `image_tokens`: the packed image's token count, `(H / 2) (W / 2)` of the latent.
+    - `base_tokens`, `max_tokens`, `base_shift`, `max_shift`: the scheduler config's
+        `base_image_seq_len`, `max_image_seq_len`, `base_shift`, `max_shift`.
+
+    **Returns:**
+
+    `exp(mu)`, a positive float.
+
+    **Raises:**
+
+    - `ValueError`: if `image_tokens` is not a positive int or `max_tokens == base_tokens`.
+    """
+    if isinstance(image_tokens, bool) or not isinstance(image_tokens, int) or image_tokens < 1:
+        raise ValueError(f"`image_tokens` must be a positive int, got {image_tokens!r}.")
+    if max_tokens == base_tokens:
+        raise ValueError(f"`max_tokens` must differ from `base_tokens`, both {base_tokens}.")
+    slope = (max_shift - base_shift) / (max_tokens - base_tokens)
+    mu = image_tokens * slope + (base_shift - slope * base_tokens)
+    return math.exp(mu)

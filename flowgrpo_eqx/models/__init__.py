@@ -1,11 +1,13 @@
 """Small conditional velocity networks `model(x, t, cond) -> v` on one unbatched example."""
 
 from ._diffusers import (
+    DiffusersTransformer as DiffusersTransformer,
     load_diffusers as load_diffusers,
     save_diffusers as save_diffusers,
     save_diffusers_lora as save_diffusers_lora,
 )
 from ._dit import DiT as DiT
+from ._flux import Flux as Flux, FluxCondition as FluxCondition
 from ._mlp import (
     MLPVelocity as MLPVelocity,
     silu as silu,

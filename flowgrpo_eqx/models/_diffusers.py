@@ -1,19 +1,21 @@
-"""`MMDiT` in diffusers' `SD3Transformer2DModel` format: weights, config and LoRA adapters.
+"""The transformers in diffusers' format: weights, config and LoRA adapters.
 
-Every parameter of diffusers' SD3 (and SD3.5) transformer maps to one leaf of an `MMDiT`
-(`_layout`), with a reshape only for the patch embedding (diffusers' strided convolution,
-`[width, channels, patch, patch]`, is our linear map of `patch x patch x channels` patches)
-and a crop for the position buffer. The files are read and written with `safetensors` into
-NumPy arrays; torch is never imported.
+`MMDiT` is diffusers' `SD3Transformer2DModel` (SD3 and SD3.5), `Flux` its
+`FluxTransformer2DModel` (FLUX.1-dev and -schnell); a format class per model says which key
+fills which leaf. Every parameter maps to one leaf (`_layout`), with a reshape only for SD3's
+patch embedding (diffusers' strided convolution, `[width, channels, patch, patch]`, is our
+linear map of `patch x patch x channels` patches) and a crop for its position buffer. The
+files are read and written with `safetensors` into NumPy arrays; torch is never imported.
 """
 
+import abc
 import dataclasses
 import json
 import os
 import pathlib
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias, final
 
 import equinox as eqx
 import jax
@@ -24,13 +26,16 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ..lora import LoraModel
+from ._flux import Flux
 from ._mmdit import MMDiT, _pos_crop
 
+
+DiffusersTransformer: TypeAlias = MMDiT | Flux
+"""A model that diffusers' format holds: `MMDiT` (SD3, SD3.5) or `Flux` (FLUX.1)."""
 
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 _INDEX = "diffusion_pytorch_model.safetensors.index.json"
 _LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
-_CLASS = "SD3Transformer2DModel"
 _NpArray = npt.NDArray[Any]
 
 
@@ -38,24 +43,24 @@ def _identity(array: _NpArray) -> _NpArray:
     return array
 
 
-def _weight(get: Callable[[MMDiT], eqx.nn.Linear]) -> Callable[[MMDiT], Any]:
+def _weight(get: Callable[[Any], eqx.nn.Linear]) -> Callable[[Any], Any]:
     return lambda m: get(m).weight
 
 
-def _bias(get: Callable[[MMDiT], eqx.nn.Linear]) -> Callable[[MMDiT], Any]:
+def _bias(get: Callable[[Any], eqx.nn.Linear]) -> Callable[[Any], Any]:
     return lambda m: get(m).bias
 
 
-def _in_block(i: int, get: Callable[[Any], Any]) -> Callable[[MMDiT], Any]:
+def _in_block(i: int, get: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda m: get(m.blocks[i])
 
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One diffusers key: the `MMDiT` leaf it fills, its diffusers shape and the conversions."""
+    """One diffusers key: the leaf it fills, its diffusers shape and the conversions."""
 
     key: str
-    where: Callable[[MMDiT], Any]
+    where: Callable[[Any], Any]
     shape: tuple[int, ...]
     to_ours: Callable[[_NpArray], _NpArray] = _identity
     to_theirs: Callable[[_NpArray], _NpArray] = _identity
@@ -63,117 +68,383 @@ class _Entry:
 
 @dataclasses.dataclass(frozen=True)
 class _Module:
-    """One diffusers `nn.Linear` (or the patch convolution) and the `eqx.nn.Linear` it is."""
+    """One diffusers `nn.Linear` (or SD3's patch convolution, `conv` its diffusers shape
+    `[out, channels, patch, patch]`) and the `eqx.nn.Linear` it is."""
 
     name: str
-    where: Callable[[MMDiT], eqx.nn.Linear]
-    conv: bool = False
+    where: Callable[[Any], eqx.nn.Linear]
+    conv: tuple[int, int, int, int] | None = None
+
+    def to_ours(self, array: _NpArray) -> _NpArray:
+        """A convolution weight (or its LoRA `A`) as our linear map of flattened patches."""
+        return array.transpose(0, 2, 3, 1).reshape(array.shape[0], -1)
+
+    def to_theirs(self, array: _NpArray) -> _NpArray:
+        """Our linear map of flattened patches as the convolution's weight layout."""
+        assert self.conv is not None
+        _, channels, patch, _ = self.conv
+        return array.reshape(array.shape[0], patch, patch, channels).transpose(0, 3, 1, 2)
 
 
-def _modules(model: MMDiT) -> list[_Module]:
-    """Every linear module of diffusers' SD3 transformer, by its name there, in its order."""
-    modules = [
-        _Module("pos_embed.proj", lambda m: m.patch_embed, conv=True),
-        _Module("time_text_embed.timestep_embedder.linear_1", lambda m: m.time_mlp[0]),
-        _Module("time_text_embed.timestep_embedder.linear_2", lambda m: m.time_mlp[1]),
-        _Module("time_text_embed.text_embedder.linear_1", lambda m: m.pooled_mlp[0]),
-        _Module("time_text_embed.text_embedder.linear_2", lambda m: m.pooled_mlp[1]),
-        _Module("context_embedder", lambda m: m.context_embed),
+def _linear_pairs(prefix: str, i: int, pairs: list[tuple[str, Any]]) -> list[_Module]:
+    return [_Module(f"{prefix}.{name}", _in_block(i, get)) for name, get in pairs]
+
+
+def _norm_entries(prefix: str, i: int, head_dim: int, pairs: list[tuple[str, Any]]) -> list[_Entry]:
+    return [
+        _Entry(f"{prefix}.{name}.weight", _in_block(i, get), (head_dim,)) for name, get in pairs
     ]
-    for i, block in enumerate(model.blocks):
-        prefix = f"transformer_blocks.{i}"
 
-        pairs: list[tuple[str, Callable[[Any], Any]]] = [
-            ("norm1.linear", lambda b: b.image.modulation),
-            ("norm1_context.linear", lambda b: b.context.modulation),
-            ("attn.to_q", lambda b: b.image.attn.q),
-            ("attn.to_k", lambda b: b.image.attn.k),
-            ("attn.to_v", lambda b: b.image.attn.v),
-            ("attn.to_out.0", lambda b: b.image.attn.out),
-            ("attn.add_q_proj", lambda b: b.context.attn.q),
-            ("attn.add_k_proj", lambda b: b.context.attn.k),
-            ("attn.add_v_proj", lambda b: b.context.attn.v),
-        ]
-        if not block.context.pre_only:
-            pairs.append(("attn.to_add_out", lambda b: b.context.attn.out))
-        if block.attn2 is not None:
-            pairs += [
-                ("attn2.to_q", lambda b: b.attn2.q),
-                ("attn2.to_k", lambda b: b.attn2.k),
-                ("attn2.to_v", lambda b: b.attn2.v),
-                ("attn2.to_out.0", lambda b: b.attn2.out),
+
+# A double-stream block's two streams, as SD3's and FLUX's blocks name them.
+_JOINT_ATTENTION: list[tuple[str, Callable[[Any], Any]]] = [
+    ("norm1.linear", lambda b: b.image.modulation),
+    ("norm1_context.linear", lambda b: b.context.modulation),
+    ("attn.to_q", lambda b: b.image.attn.q),
+    ("attn.to_k", lambda b: b.image.attn.k),
+    ("attn.to_v", lambda b: b.image.attn.v),
+    ("attn.to_out.0", lambda b: b.image.attn.out),
+    ("attn.add_q_proj", lambda b: b.context.attn.q),
+    ("attn.add_k_proj", lambda b: b.context.attn.k),
+    ("attn.add_v_proj", lambda b: b.context.attn.v),
+]
+_CONTEXT_OUT: list[tuple[str, Callable[[Any], Any]]] = [
+    ("attn.to_add_out", lambda b: b.context.attn.out)
+]
+_IMAGE_FF: list[tuple[str, Callable[[Any], Any]]] = [
+    ("ff.net.0.proj", lambda b: b.image.fc1),
+    ("ff.net.2", lambda b: b.image.fc2),
+]
+_CONTEXT_FF: list[tuple[str, Callable[[Any], Any]]] = [
+    ("ff_context.net.0.proj", lambda b: b.context.fc1),
+    ("ff_context.net.2", lambda b: b.context.fc2),
+]
+_JOINT_NORMS: list[tuple[str, Callable[[Any], Any]]] = [
+    ("attn.norm_q", lambda b: b.image.attn.norm_q),
+    ("attn.norm_k", lambda b: b.image.attn.norm_k),
+    ("attn.norm_added_q", lambda b: b.context.attn.norm_q),
+    ("attn.norm_added_k", lambda b: b.context.attn.norm_k),
+]
+_TIME_AND_TEXT: list[_Module] = [
+    _Module("time_text_embed.timestep_embedder.linear_1", lambda m: m.time_mlp[0]),
+    _Module("time_text_embed.timestep_embedder.linear_2", lambda m: m.time_mlp[1]),
+    _Module("time_text_embed.text_embedder.linear_1", lambda m: m.pooled_mlp[0]),
+    _Module("time_text_embed.text_embedder.linear_2", lambda m: m.pooled_mlp[1]),
+    _Module("context_embedder", lambda m: m.context_embed),
+]
+_FINAL: list[_Module] = [
+    _Module("norm_out.linear", lambda m: m.final_modulation),
+    _Module("proj_out", lambda m: m.final_proj),
+]
+
+
+def _config_value(config: dict[str, Any], name: str, default: Any) -> Any:
+    """`config[name]`, or diffusers' default for a key an older config lacks."""
+    return config.get(name, default)
+
+
+def _check_out_channels(config: dict[str, Any], channels: int) -> None:
+    out_channels = config.get("out_channels") or channels
+    if out_channels != channels:
+        raise ValueError(
+            f"config `out_channels` ({out_channels}) must equal `in_channels` ({channels}): "
+            "the velocity has the latent's shape."
+        )
+
+
+class _AbstractFormat(eqx.Module):
+    """How one model class is held in diffusers' format: its class name there, its config,
+    and the key of every leaf."""
+
+    class_name: eqx.AbstractClassVar[str]
+    model_type: eqx.AbstractClassVar[type[DiffusersTransformer]]
+    default_context_length: eqx.AbstractClassVar[int]
+
+    @abc.abstractmethod
+    def model_kwargs(
+        self, config: dict[str, Any], image_size: Any, context_length: int
+    ) -> dict[str, Any]:
+        """The model's arguments for a diffusers config (`ValueError` if it cannot hold it)."""
+
+    @abc.abstractmethod
+    def config(self, model: Any) -> dict[str, Any]:
+        """The diffusers config of `model`."""
+
+    @abc.abstractmethod
+    def modules(self, model: Any) -> list[_Module]:
+        """Every linear module of the diffusers model, by its name there, in its order."""
+
+    @abc.abstractmethod
+    def other_entries(self, model: Any) -> list[_Entry]:
+        """The keys that are not linear modules' (norm weights, buffers)."""
+
+    @abc.abstractmethod
+    def computed(self, model: Any) -> list[tuple[Callable[[Any], Any], _NpArray]]:
+        """The leaves no checkpoint holds, with their values (fixed buffers)."""
+
+    @abc.abstractmethod
+    def check_exportable(self, model: Any) -> None:
+        """Raise a `ValueError` naming `model` if diffusers' model cannot hold it."""
+
+
+@final
+class _SD3Format(_AbstractFormat):
+    """`MMDiT` as diffusers' `SD3Transformer2DModel`."""
+
+    class_name = "SD3Transformer2DModel"
+    model_type = MMDiT
+    default_context_length = 333
+
+    def model_kwargs(
+        self, config: dict[str, Any], image_size: Any, context_length: int
+    ) -> dict[str, Any]:
+        heads = _config_value(config, "num_attention_heads", 18)
+        width = heads * _config_value(config, "attention_head_dim", 64)
+        caption = _config_value(config, "caption_projection_dim", 1152)
+        if caption != width:
+            raise ValueError(
+                f"config `caption_projection_dim` ({caption}) must equal the attention width "
+                f"`num_attention_heads * attention_head_dim` ({width})."
+            )
+        channels = _config_value(config, "in_channels", 16)
+        _check_out_channels(config, channels)
+        sample_size = _config_value(config, "sample_size", 128)
+        return dict(
+            image_size=sample_size if image_size is None else image_size,
+            channels=channels,
+            patch=_config_value(config, "patch_size", 2),
+            depth=_config_value(config, "num_layers", 18),
+            width=width,
+            heads=heads,
+            mlp_ratio=4,
+            context_length=context_length,
+            context_dim=_config_value(config, "joint_attention_dim", 4096),
+            pooled_dim=_config_value(config, "pooled_projection_dim", 2048),
+            vocab_size=None,
+            qk_norm=config.get("qk_norm"),
+            dual_attention_layers=tuple(config.get("dual_attention_layers", ())),
+            pos_embed_max_size=_config_value(config, "pos_embed_max_size", 96),
+            sample_size=sample_size,
+        )
+
+    def config(self, model: MMDiT) -> dict[str, Any]:
+        return {
+            "_class_name": self.class_name,
+            "_diffusers_version": "0.31.0",
+            "sample_size": model.sample_size,
+            "patch_size": model.patch,
+            "in_channels": model.channels,
+            "num_layers": model.depth,
+            "attention_head_dim": model.width // model.heads,
+            "num_attention_heads": model.heads,
+            "joint_attention_dim": model.context_dim,
+            "caption_projection_dim": model.width,
+            "pooled_projection_dim": model.pooled_dim,
+            "out_channels": model.channels,
+            "pos_embed_max_size": model.pos_embed_max_size,
+            "dual_attention_layers": list(model.dual_attention_layers),
+            "qk_norm": model.qk_norm,
+        }
+
+    def modules(self, model: MMDiT) -> list[_Module]:
+        conv = (model.width, model.channels, model.patch, model.patch)
+        modules = [_Module("pos_embed.proj", lambda m: m.patch_embed, conv=conv), *_TIME_AND_TEXT]
+        for i, block in enumerate(model.blocks):
+            pairs = list(_JOINT_ATTENTION)
+            if not block.context.pre_only:
+                pairs += _CONTEXT_OUT
+            if block.attn2 is not None:
+                pairs += [
+                    ("attn2.to_q", lambda b: b.attn2.q),
+                    ("attn2.to_k", lambda b: b.attn2.k),
+                    ("attn2.to_v", lambda b: b.attn2.v),
+                    ("attn2.to_out.0", lambda b: b.attn2.out),
+                ]
+            pairs += _IMAGE_FF
+            if not block.context.pre_only:
+                pairs += _CONTEXT_FF
+            modules += _linear_pairs(f"transformer_blocks.{i}", i, pairs)
+        return modules + _FINAL
+
+    def other_entries(self, model: MMDiT) -> list[_Entry]:
+        entries = [] if model.pos_embed_max_size is None else [_pos_entry(model)]
+        if model.qk_norm is not None:
+            head_dim = model.width // model.heads
+            for i, block in enumerate(model.blocks):
+                names = list(_JOINT_NORMS)
+                if block.attn2 is not None:
+                    names += [
+                        ("attn2.norm_q", lambda b: b.attn2.norm_q),
+                        ("attn2.norm_k", lambda b: b.attn2.norm_k),
+                    ]
+                entries += _norm_entries(f"transformer_blocks.{i}", i, head_dim, names)
+        return entries
+
+    def computed(self, model: MMDiT) -> list[tuple[Callable[[Any], Any], _NpArray]]:
+        if model.pos_embed_max_size is not None:
+            return []
+        # No buffer in the checkpoint (diffusers keeps it out): computed as diffusers does.
+        return [(lambda m: m.pos_embed.value, model.position_table())]
+
+    def check_exportable(self, model: MMDiT) -> None:
+        if model.vocab_size is not None:
+            raise ValueError(
+                "`model` has token-id conditioning (`vocab_size` set), which diffusers' SD3 "
+                "transformer does not have."
+            )
+        if model.mlp_ratio != 4:
+            raise ValueError(
+                f"diffusers' SD3 transformer has `mlp_ratio` 4, got {model.mlp_ratio}."
+            )
+
+
+@final
+class _FluxFormat(_AbstractFormat):
+    """`Flux` as diffusers' `FluxTransformer2DModel` (the pipelines pack the latents 2 x 2, so
+    diffusers' `in_channels` is 4 times the latent's channels and `patch_size` is 1)."""
+
+    class_name = "FluxTransformer2DModel"
+    model_type = Flux
+    default_context_length = 512
+
+    def model_kwargs(
+        self, config: dict[str, Any], image_size: Any, context_length: int
+    ) -> dict[str, Any]:
+        patch = _config_value(config, "patch_size", 1)
+        if patch != 1:
+            raise ValueError(f"config `patch_size` must be 1 (FLUX's), got {patch}.")
+        in_channels = _config_value(config, "in_channels", 64)
+        _check_out_channels(config, in_channels)
+        if in_channels % 4:
+            raise ValueError(
+                f"config `in_channels` ({in_channels}) must be 4 latent channels per token "
+                "times the latent's channels (2 x 2 packing)."
+            )
+        heads = _config_value(config, "num_attention_heads", 24)
+        return dict(
+            image_size=128 if image_size is None else image_size,
+            channels=in_channels // 4,
+            double_depth=_config_value(config, "num_layers", 19),
+            single_depth=_config_value(config, "num_single_layers", 38),
+            width=heads * _config_value(config, "attention_head_dim", 128),
+            heads=heads,
+            mlp_ratio=4,
+            context_length=context_length,
+            context_dim=_config_value(config, "joint_attention_dim", 4096),
+            pooled_dim=_config_value(config, "pooled_projection_dim", 768),
+            guidance_embeds=bool(_config_value(config, "guidance_embeds", False)),
+            axes_dims=tuple(_config_value(config, "axes_dims_rope", (16, 56, 56))),
+        )
+
+    def config(self, model: Flux) -> dict[str, Any]:
+        return {
+            "_class_name": self.class_name,
+            "_diffusers_version": "0.35.0",
+            "patch_size": 1,
+            "in_channels": 4 * model.channels,
+            "out_channels": None,
+            "num_layers": model.double_depth,
+            "num_single_layers": model.single_depth,
+            "attention_head_dim": model.width // model.heads,
+            "num_attention_heads": model.heads,
+            "joint_attention_dim": model.context_dim,
+            "pooled_projection_dim": model.pooled_dim,
+            "guidance_embeds": model.guidance_embeds,
+            "axes_dims_rope": list(model.axes_dims),
+        }
+
+    def modules(self, model: Flux) -> list[_Module]:
+        modules = [_Module("x_embedder", lambda m: m.x_embed), *_TIME_AND_TEXT]
+        if model.guidance_embeds:
+            modules += [
+                _Module("time_text_embed.guidance_embedder.linear_1", lambda m: m.guidance_mlp[0]),
+                _Module("time_text_embed.guidance_embedder.linear_2", lambda m: m.guidance_mlp[1]),
             ]
-        pairs += [
-            ("ff.net.0.proj", lambda b: b.image.fc1),
-            ("ff.net.2", lambda b: b.image.fc2),
+        double = _JOINT_ATTENTION + _CONTEXT_OUT + _IMAGE_FF + _CONTEXT_FF
+        single: list[tuple[str, Callable[[Any], Any]]] = [
+            ("norm.linear", lambda b: b.modulation),
+            ("attn.to_q", lambda b: b.attn.q),
+            ("attn.to_k", lambda b: b.attn.k),
+            ("attn.to_v", lambda b: b.attn.v),
+            ("proj_mlp", lambda b: b.proj_mlp),
+            ("proj_out", lambda b: b.proj_out),
         ]
-        if not block.context.pre_only:
-            pairs += [
-                ("ff_context.net.0.proj", lambda b: b.context.fc1),
-                ("ff_context.net.2", lambda b: b.context.fc2),
-            ]
-        modules += [_Module(f"{prefix}.{name}", _in_block(i, get)) for name, get in pairs]
-    modules += [
-        _Module("norm_out.linear", lambda m: m.final_modulation),
-        _Module("proj_out", lambda m: m.final_proj),
-    ]
-    return modules
+        for i in range(model.double_depth + model.single_depth):
+            modules += _linear_pairs(
+                *self._prefix(model, i), double if i < model.double_depth else single
+            )
+        return modules + _FINAL
+
+    def _prefix(self, model: Flux, i: int) -> tuple[str, int]:
+        if i < model.double_depth:
+            return f"transformer_blocks.{i}", i
+        return f"single_transformer_blocks.{i - model.double_depth}", i
+
+    def other_entries(self, model: Flux) -> list[_Entry]:
+        head_dim = model.width // model.heads
+        single: list[tuple[str, Callable[[Any], Any]]] = [
+            ("attn.norm_q", lambda b: b.attn.norm_q),
+            ("attn.norm_k", lambda b: b.attn.norm_k),
+        ]
+        entries: list[_Entry] = []
+        for i in range(model.double_depth + model.single_depth):
+            names = _JOINT_NORMS if i < model.double_depth else single
+            entries += _norm_entries(*self._prefix(model, i), head_dim, names)
+        return entries
+
+    def computed(self, model: Flux) -> list[tuple[Callable[[Any], Any], _NpArray]]:
+        return []
+
+    def check_exportable(self, model: Flux) -> None:
+        if model.mlp_ratio != 4:
+            raise ValueError(
+                f"diffusers' FLUX transformer has `mlp_ratio` 4, got {model.mlp_ratio}."
+            )
 
 
-def _layout(model: MMDiT) -> list[_Entry]:
-    """Every key of diffusers' SD3 transformer state dict for `model`'s configuration."""
-    width, patch, channels = model.width, model.patch, model.channels
+_FORMATS: tuple[_AbstractFormat, ...] = (_SD3Format(), _FluxFormat())
+
+
+def _format_of(model: Any) -> _AbstractFormat:
+    """The format of `model`'s class (`ValueError` naming `model` if none)."""
+    for fmt in _FORMATS:
+        if type(model) is fmt.model_type:
+            return fmt
+    names = ", ".join(fmt.model_type.__name__ for fmt in _FORMATS)
+    raise ValueError(f"`model` must be one of {names}, got {type(model).__name__}.")
+
+
+def _format_named(name: str) -> _AbstractFormat:
+    for fmt in _FORMATS:
+        if fmt.class_name == name:
+            return fmt
+    names = ", ".join(fmt.class_name for fmt in _FORMATS)
+    raise ValueError(f"`path` holds a {name}, not one of {names}.")
+
+
+def _layout(model: Any) -> list[_Entry]:
+    """Every key of the diffusers model's state dict for `model`'s configuration."""
+    fmt = _format_of(model)
     entries: list[_Entry] = []
-    for module in _modules(model):
+    for module in fmt.modules(model):
         get = module.where
         out_features, in_features = get(model).weight.shape
-        if module.conv:
-            conv_shape = (width, channels, patch, patch)
+        if module.conv is not None:
             entries.append(
                 _Entry(
                     f"{module.name}.weight",
                     _weight(get),
-                    conv_shape,
-                    to_ours=lambda a: a.transpose(0, 2, 3, 1).reshape(a.shape[0], -1),
-                    to_theirs=lambda a: a.reshape(width, patch, patch, channels).transpose(
-                        0, 3, 1, 2
-                    ),
+                    module.conv,
+                    module.to_ours,
+                    module.to_theirs,
                 )
             )
         else:
             entries.append(
-                _Entry(
-                    f"{module.name}.weight",
-                    _weight(get),
-                    (out_features, in_features),
-                )
+                _Entry(f"{module.name}.weight", _weight(get), (out_features, in_features))
             )
         entries.append(_Entry(f"{module.name}.bias", _bias(get), (out_features,)))
-        if module.name == "pos_embed.proj" and model.pos_embed_max_size is not None:
-            entries.append(_pos_entry(model))
-    if model.qk_norm is not None:
-        head_dim = width // model.heads
-        for i, block in enumerate(model.blocks):
-            names: list[tuple[str, Callable[[Any], Any]]] = [
-                ("attn.norm_q", lambda b: b.image.attn.norm_q),
-                ("attn.norm_k", lambda b: b.image.attn.norm_k),
-                ("attn.norm_added_q", lambda b: b.context.attn.norm_q),
-                ("attn.norm_added_k", lambda b: b.context.attn.norm_k),
-            ]
-            if block.attn2 is not None:
-                names += [
-                    ("attn2.norm_q", lambda b: b.attn2.norm_q),
-                    ("attn2.norm_k", lambda b: b.attn2.norm_k),
-                ]
-            entries += [
-                _Entry(
-                    f"transformer_blocks.{i}.{name}.weight",
-                    _in_block(i, get),
-                    (head_dim,),
-                )
-                for name, get in names
-            ]
-    return entries
+    return entries + fmt.other_entries(model)
 
 
 def _pos_entry(model: MMDiT) -> _Entry:
@@ -238,129 +509,70 @@ def _read_folder(folder: pathlib.Path) -> dict[str, _NpArray]:
     raise ValueError(f"`path` ({folder}) holds neither {_WEIGHTS} nor {_INDEX}.")
 
 
-def _config_kwargs(
-    config: dict[str, Any], image_size: int | None, context_length: int
-) -> dict[str, Any]:
-    """`MMDiT`'s arguments for a diffusers `SD3Transformer2DModel` config."""
-    name = config.get("_class_name", _CLASS)
-    if name != _CLASS:
-        raise ValueError(f"`path` holds a {name}, not an {_CLASS}.")
-    # diffusers' defaults, for keys an older config may lack.
-    heads = config.get("num_attention_heads", 18)
-    width = heads * config.get("attention_head_dim", 64)
-    caption = config.get("caption_projection_dim", 1152)
-    if caption != width:
-        raise ValueError(
-            f"config `caption_projection_dim` ({caption}) must equal the attention width "
-            f"`num_attention_heads * attention_head_dim` ({width})."
-        )
-    channels = config.get("in_channels", 16)
-    out_channels = config.get("out_channels") or channels
-    if out_channels != channels:
-        raise ValueError(
-            f"config `out_channels` ({out_channels}) must equal `in_channels` ({channels}): "
-            "the velocity has the latent's shape."
-        )
-    sample_size = config.get("sample_size", 128)
-    return dict(
-        image_size=sample_size if image_size is None else image_size,
-        channels=channels,
-        patch=config.get("patch_size", 2),
-        depth=config.get("num_layers", 18),
-        width=width,
-        heads=heads,
-        mlp_ratio=4,
-        context_length=context_length,
-        context_dim=config.get("joint_attention_dim", 4096),
-        pooled_dim=config.get("pooled_projection_dim", 2048),
-        vocab_size=None,
-        qk_norm=config.get("qk_norm"),
-        dual_attention_layers=tuple(config.get("dual_attention_layers", ())),
-        pos_embed_max_size=config.get("pos_embed_max_size", 96),
-        sample_size=sample_size,
-    )
-
-
-def _config(model: MMDiT) -> dict[str, Any]:
-    """The diffusers `SD3Transformer2DModel` config of `model`."""
-    return {
-        "_class_name": _CLASS,
-        "_diffusers_version": "0.31.0",
-        "sample_size": model.sample_size,
-        "patch_size": model.patch,
-        "in_channels": model.channels,
-        "num_layers": model.depth,
-        "attention_head_dim": model.width // model.heads,
-        "num_attention_heads": model.heads,
-        "joint_attention_dim": model.context_dim,
-        "caption_projection_dim": model.width,
-        "pooled_projection_dim": model.pooled_dim,
-        "out_channels": model.channels,
-        "pos_embed_max_size": model.pos_embed_max_size,
-        "dual_attention_layers": list(model.dual_attention_layers),
-        "qk_norm": model.qk_norm,
-    }
-
-
-def _abstract(kwargs: dict[str, Any]) -> MMDiT:
+def _abstract(fmt: _AbstractFormat, kwargs: dict[str, Any]) -> Any:
     """The model of `kwargs`, shape-evaluated, with one module per block (as diffusers)."""
-    model: MMDiT = eqx.filter_eval_shape(
-        lambda key: MMDiT(**kwargs, stacked=False, key=key), jax.random.key(0)
+    return eqx.filter_eval_shape(
+        lambda key: fmt.model_type(**kwargs, stacked=False, key=key), jax.random.key(0)
     )
-    return model
 
 
-def _on_host(model: MMDiT) -> MMDiT:
+def _on_host(model: Any) -> Any:
     """`model` with its arrays as NumPy arrays, one module per block (views of the stacks)."""
-    host: MMDiT = jax.tree.map(lambda leaf: np.asarray(leaf) if eqx.is_array(leaf) else leaf, model)
+    host = jax.tree.map(lambda leaf: np.asarray(leaf) if eqx.is_array(leaf) else leaf, model)
     return host.with_settings(stacked=False)
 
 
 def load_diffusers(
     path: str | os.PathLike[str],
     *,
-    image_size: int | None = None,
-    context_length: int = 333,
+    image_size: int | tuple[int, int] | None = None,
+    context_length: int | None = None,
     dtype: Any = None,
     stacked: bool = True,
-) -> MMDiT:
-    """Read a diffusers `SD3Transformer2DModel` folder (SD3 or SD3.5) into an `MMDiT`.
+) -> DiffusersTransformer:
+    """Read a diffusers transformer folder into an `MMDiT` (SD3, SD3.5) or a `Flux` (FLUX.1).
 
     The folder holds `config.json` and `diffusion_pytorch_model.safetensors` (or the
-    shards a `diffusion_pytorch_model.safetensors.index.json` lists), as
-    `SD3Transformer2DModel.save_pretrained` writes them: a pipeline's `transformer/`
-    subfolder. Read with `safetensors` into NumPy; torch is not needed. The model computes
-    what diffusers' does, on our conventions: one unbatched channels-last latent, `t` in
-    [0, 1] (diffusers' timestep is `1000 t`), an `MMDiTCondition`, the velocity out.
+    shards a `diffusion_pytorch_model.safetensors.index.json` lists), as diffusers'
+    `save_pretrained` writes them: a pipeline's `transformer/` subfolder. Its config's
+    `_class_name` chooses the model: `SD3Transformer2DModel` gives an `MMDiT`,
+    `FluxTransformer2DModel` a `Flux`. Read with `safetensors` into NumPy; torch is not
+    needed. The model computes what diffusers' does, on our conventions: one unbatched
+    channels-last latent, `t` in [0, 1] (diffusers' timestep is `1000 t`), the condition
+    dict (`MMDiTCondition`, `FluxCondition`), the velocity out.
 
     **Arguments:**
 
     - `path`: the folder.
-    - `image_size`: the latent size to run at (the position features are cropped for
-        it); `None` means the config's `sample_size`.
-    - `context_length`: the number of text tokens of `cond["context"]`; diffusers'
-        SD3 pipelines give 77 CLIP + 256 T5 = 333.
+    - `image_size`: the latent size to run at. SD3: an int (the position features are
+        cropped for it), `None` for the config's `sample_size`. FLUX: an int or `(height,
+        width)`, both even, `None` for 128 (a 1024 x 1024 image).
+    - `context_length`: the number of text tokens of `cond["context"]`; `None` for the
+        pipelines' default: 77 CLIP + 256 T5 = 333 for SD3, 512 T5 tokens for FLUX.
     - `dtype`: the parameters' dtype, e.g. `jnp.bfloat16`; `None` keeps the
         checkpoint's (float32 for a float32 checkpoint).
     - `stacked`: the block layout (see `MMDiT`): stacked per group of one structure
         (the default) or one module per block. The arrays are stacked on the host, so
-        the device holds each once. Other settings: `MMDiT.with_settings`.
+        the device holds each once. Other settings: `with_settings`.
 
     **Returns:**
 
-    The `MMDiT`.
+    The `MMDiT` or `Flux`.
 
     **Raises:**
 
-    - `ValueError`: when the config is not an SD3 transformer's that `MMDiT` can hold, or
-        a key of the checkpoint maps to no leaf (all such keys listed), or a leaf has no
-        key (all listed), or a tensor's shape is wrong.
+    - `ValueError`: when the config is not one of those classes' or not one the model can
+        hold, or a key of the checkpoint maps to no leaf (all such keys listed), or a leaf
+        has no key (all listed), or a tensor's shape is wrong.
     """
     folder = pathlib.Path(path)
     if not (folder / "config.json").exists():
         raise ValueError(f"`path` ({folder}) has no config.json.")
     config = json.loads((folder / "config.json").read_text())
-    model = _abstract(_config_kwargs(config, image_size, context_length))
+    fmt = _format_named(config.get("_class_name", _SD3Format.class_name))
+    length = fmt.default_context_length if context_length is None else context_length
+    model = _abstract(fmt, fmt.model_kwargs(config, image_size, length))
+    kind = type(model).__name__
     tensors = _read_folder(folder)
     entries = _layout(model)
     paths = _leaf_paths(model)
@@ -369,17 +581,18 @@ def load_diffusers(
     missing = [e for e in entries if e.key not in tensors]
     problems = []
     if unused:
-        problems.append(f"{len(unused)} keys map to no leaf of the MMDiT: {', '.join(unused)}")
+        problems.append(f"{len(unused)} keys map to no leaf of the {kind}: {', '.join(unused)}")
     if missing:
         left = ", ".join(f"{paths[id(e.where(model))]} (key {e.key})" for e in missing)
         problems.append(f"{len(missing)} leaves have no key in the checkpoint: {left}")
     if problems:
         raise ValueError(
-            f"`path` ({folder}) does not fit the MMDiT of its config: " + "; ".join(problems) + "."
+            f"`path` ({folder}) does not fit the {kind} of its config: " + "; ".join(problems) + "."
         )
 
     if dtype is None:
         dtype = tensors["proj_out.weight"].dtype
+    wheres = []
     values = []
     for entry in entries:
         array = tensors[entry.key]
@@ -389,66 +602,63 @@ def load_diffusers(
                 f"the config gives {entry.shape}."
             )
         # On the host until the blocks are stacked: the device sees each array once.
+        wheres.append(entry.where)
         values.append(np.asarray(entry.to_ours(array)).astype(np.dtype(dtype)))
-    if model.pos_embed_max_size is None:
-        # No buffer in the checkpoint (diffusers keeps it out): computed as diffusers does.
-        entries = entries + [_Entry("", lambda m: m.pos_embed.value, ())]
-        values.append(model.position_table().astype(np.dtype(dtype)))
-    filled: MMDiT = eqx.tree_at(lambda m: [entry.where(m) for entry in entries], model, values)
+    for where, value in fmt.computed(model):
+        wheres.append(where)
+        values.append(value.astype(np.dtype(dtype)))
+    filled = eqx.tree_at(lambda m: [where(m) for where in wheres], model, values)
     unfilled = [
         jax.tree_util.keystr(p)
         for p, leaf in jax.tree_util.tree_flatten_with_path(filled)[0]
         if isinstance(leaf, jax.ShapeDtypeStruct)
     ]
     if unfilled:
-        raise ValueError(f"`path` ({folder}) left these MMDiT leaves unfilled: {unfilled}.")
+        raise ValueError(f"`path` ({folder}) left these {kind} leaves unfilled: {unfilled}.")
     if stacked:
         filled = filled.with_settings(stacked=True)
-    placed: MMDiT = jax.tree.map(
+    placed: DiffusersTransformer = jax.tree.map(
         lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, filled
     )
     return placed
 
 
-def _leaf_paths(model: MMDiT) -> dict[int, str]:
+def _leaf_paths(model: Any) -> dict[int, str]:
     """`keystr` of every array leaf of `model`, by the leaf's `id`."""
     leaves = jax.tree_util.tree_flatten_with_path(model)[0]
     return {id(leaf): jax.tree_util.keystr(path) for path, leaf in leaves}
 
 
-def _check_exportable(model: MMDiT) -> None:
-    if not isinstance(model, MMDiT):
-        raise ValueError(f"`model` must be an MMDiT, got {type(model).__name__}.")
-    if model.vocab_size is not None:
-        raise ValueError(
-            "`model` has token-id conditioning (`vocab_size` set), which diffusers' SD3 "
-            "transformer does not have."
-        )
-    if model.mlp_ratio != 4:
-        raise ValueError(f"diffusers' SD3 transformer has `mlp_ratio` 4, got {model.mlp_ratio}.")
+def _exportable_format(model: Any) -> _AbstractFormat:
+    fmt = _format_of(model)
+    fmt.check_exportable(model)
+    return fmt
 
 
-def save_diffusers(path: str | os.PathLike[str], model: MMDiT, *, dtype: Any = None) -> None:
-    """Write an `MMDiT` as a diffusers `SD3Transformer2DModel` folder.
+def save_diffusers(
+    path: str | os.PathLike[str], model: DiffusersTransformer, *, dtype: Any = None
+) -> None:
+    """Write an `MMDiT` or a `Flux` as a diffusers transformer folder.
 
     `config.json` and `diffusion_pytorch_model.safetensors`, which
-    `SD3Transformer2DModel.from_pretrained(path)` reads (the position buffer written in
-    full, with this model's features at its centre); stacked blocks are written one per
-    block, as diffusers holds them. For a LoRA policy, save `lora.merge(policy)`;
-    `save_diffusers_lora` writes the adapters alone.
+    `SD3Transformer2DModel.from_pretrained(path)` (for an `MMDiT`; the position buffer written
+    in full, with this model's features at its centre) or
+    `FluxTransformer2DModel.from_pretrained(path)` (for a `Flux`) reads; stacked blocks are
+    written one per block, as diffusers holds them. For a LoRA policy, save
+    `lora.merge(policy)`; `save_diffusers_lora` writes the adapters alone.
 
     **Arguments:**
 
     - `path`: the folder, created if missing; existing files of those names are replaced.
-    - `model`: the `MMDiT`.
+    - `model`: the `MMDiT` or `Flux`.
     - `dtype`: the dtype to write, e.g. `jnp.bfloat16`; `None` keeps the parameters'.
 
     **Raises:**
 
-    - `ValueError`: when `model` is not an `MMDiT` or has no diffusers counterpart
-        (token-id conditioning, an MLP ratio other than 4).
+    - `ValueError`: when `model` is neither or has no diffusers counterpart (token-id
+        conditioning, an MLP ratio other than 4).
     """
-    _check_exportable(model)
+    fmt = _exportable_format(model)
     model = _on_host(model)
     folder = pathlib.Path(path)
     folder.mkdir(parents=True, exist_ok=True)
@@ -459,22 +669,22 @@ def save_diffusers(path: str | os.PathLike[str], model: MMDiT, *, dtype: Any = N
             leaf = leaf.astype(np.dtype(dtype))
         tensors[entry.key] = np.ascontiguousarray(entry.to_theirs(leaf))
     save_file(tensors, str(folder / _WEIGHTS), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(_config(model), indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(fmt.config(model), indent=2) + "\n")
 
 
 def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
-    """Write the LoRA adapters of an `MMDiT` policy alone, as diffusers' SD3 LoRA loaders read them.
+    """Write the LoRA adapters of an `MMDiT` or `Flux` policy alone, as diffusers' LoRA loaders
+    read them.
 
     Writes `path/pytorch_lora_weights.safetensors` with, for each adapted layer, the keys
     `transformer.<module>.lora_A.weight` (our `a`, `[rank, in]`) and `...lora_B.weight`
     (our `b` times `alpha / rank`, `[out, rank]`: diffusers' loaders read a PEFT state dict
-    without alphas at scale 1), `<module>` the layer's name in diffusers'
-    `SD3Transformer2DModel` (e.g. `transformer_blocks.0.attn.to_q`; an adapted patch
-    embedding becomes the convolution LoRA of `pos_embed.proj`). diffusers loads them onto
-    the pipeline's transformer with
+    without alphas at scale 1), `<module>` the layer's name in diffusers' transformer (e.g.
+    `transformer_blocks.0.attn.to_q`; an adapted SD3 patch embedding becomes the convolution
+    LoRA of `pos_embed.proj`). diffusers loads them onto the pipeline's transformer with
 
     ```text
-    pipe.load_lora_weights("PATH")  # pipe: a StableDiffusion3Pipeline of the same base model
+    pipe.load_lora_weights("PATH")  # a StableDiffusion3Pipeline or FluxPipeline of the base
     ```
 
     and the pipeline then computes what `lora.merge(model)` computes.
@@ -483,20 +693,20 @@ def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
 
     - `path`: the folder, created if missing.
     - `model`: a `LoraModel` (from `lora.add` or `lora.load_adapters`) whose base is an
-        `MMDiT`.
+        `MMDiT` or a `Flux`.
 
     **Raises:**
 
-    - `ValueError`: when `model` is not a `LoraModel` of an `MMDiT` that diffusers can hold,
+    - `ValueError`: when `model` is not a `LoraModel` of a model that diffusers can hold,
         or one of its adapted layers has no diffusers counterpart.
     """
     if not isinstance(model, LoraModel):
         raise ValueError(f"`model` must be a LoraModel, got {type(model).__name__}.")
-    _check_exportable(model.base)
+    fmt = _exportable_format(model.base)
     base, layers = _unstacked_adapters(model)
     names = {}
     linears = _linear_paths(base)
-    for module in _modules(base):
+    for module in fmt.modules(base):
         names[linears[id(module.where(base))]] = module
     scale = model.alpha / model.rank
     tensors: dict[str, _NpArray] = {}
@@ -505,9 +715,8 @@ def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
             raise ValueError(f"`model` adapts {layer_path}, which has no diffusers counterpart.")
         module = names[layer_path]
         b = (b.astype(np.float32) * scale).astype(b.dtype)
-        if module.conv:
-            patch, channels = base.patch, base.channels
-            a = a.reshape(a.shape[0], patch, patch, channels).transpose(0, 3, 1, 2)
+        if module.conv is not None:
+            a = module.to_theirs(a)
             b = b[:, :, None, None]
         tensors[f"transformer.{module.name}.lora_A.weight"] = np.ascontiguousarray(a)
         tensors[f"transformer.{module.name}.lora_B.weight"] = np.ascontiguousarray(b)
@@ -516,7 +725,7 @@ def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
     save_file(tensors, str(folder / _LORA_WEIGHTS), metadata={"format": "pt"})
 
 
-def _linear_paths(model: MMDiT) -> dict[int, str]:
+def _linear_paths(model: Any) -> dict[int, str]:
     """`keystr` of every `eqx.nn.Linear` of `model` (as `LoraModel.layer_paths`), by `id`."""
 
     def is_linear(node: Any) -> bool:
@@ -527,8 +736,8 @@ def _linear_paths(model: MMDiT) -> dict[int, str]:
 
 
 def _unstacked_adapters(
-    model: LoraModel[MMDiT],
-) -> tuple[MMDiT, list[tuple[str, _NpArray, _NpArray]]]:
+    model: LoraModel[Any],
+) -> tuple[Any, list[tuple[str, _NpArray, _NpArray]]]:
     """The base with one module per block (on the host) and each block's `(path, a, b)`.
 
     An adapter of a stacked group's layer (`.blocks[g]...`, `a` `[n, rank, in]`) becomes

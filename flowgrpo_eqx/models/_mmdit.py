@@ -25,7 +25,7 @@ from ._layers import (
     unpatchify,
 )
 from ._mlp import _init_linears, _uniform_arrays, _zero_linear
-from ._stacked import AbstractBlockLayout, AbstractLayeredModel, Remat, block_layout
+from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
 
 
 _TIME_FEATURES = 256
@@ -392,7 +392,7 @@ def _token_tables(
 
 
 @final
-class MMDiT(AbstractLayeredModel):
+class MMDiT(AbstractAttentionModel):
     """The multimodal diffusion transformer of SD3 and SD3.5 as a velocity network `v(x, t, cond)`.
 
     The MMDiT of Stable Diffusion 3 (Esser et al. 2024, arXiv:2403.03206) and 3.5 on one
@@ -624,61 +624,9 @@ class MMDiT(AbstractLayeredModel):
         self.final_proj = _zero_linear(width, patch_dim, key=k_final)
 
     @property
-    def attention(self) -> Attention:
-        """How attention is computed (`Attention`)."""
-        return self.attention_settings.kind
-
-    @property
-    def attention_chunk(self) -> int:
-        """The queries per chunk of `"chunked"` attention."""
-        return self.attention_settings.chunk
-
-    @property
     def block_groups(self) -> tuple[tuple[int, int], ...]:
         """The `[start, stop)` block indices of each group of one structure (see `stacked`)."""
         return block_groups(self.depth, self.dual_attention_layers)
-
-    def unstacked_blocks(self) -> tuple[_MMDiTBlock, ...]:
-        """Every block as its own module, in order, whatever the layout.
-
-        **Returns:**
-
-        A tuple of `depth` blocks (views of the stacked arrays' slices when `stacked`).
-        """
-        return self.block_layout.every_block(self.blocks)
-
-    def with_settings(
-        self,
-        *,
-        stacked: bool | None = None,
-        remat: Remat | Literal["keep"] = "keep",
-        attention: Attention | None = None,
-        attention_chunk: int | None = None,
-    ) -> "MMDiT":
-        """The same model (the same function of the same weights) with other settings.
-
-        **Arguments:**
-
-        - `stacked`: the block layout; `None` keeps it.
-        - `remat`: the rematerialisation policy; `"keep"` keeps it.
-        - `attention`: the attention implementation; `None` keeps it.
-        - `attention_chunk`: the query chunk of chunked attention; `None` keeps it.
-
-        **Returns:**
-
-        A new `MMDiT`; restacking copies the blocks' arrays.
-
-        **Raises:**
-
-        - `ValueError`: naming the setting, when it is not one of its values.
-        """
-        settings = AttentionSettings(
-            self.attention if attention is None else attention,
-            self.attention_chunk if attention_chunk is None else attention_chunk,
-        )
-        relaid = self.relaid(stacked, remat, self.block_groups)
-        new: MMDiT = eqx.tree_at(lambda m: m.attention_settings, relaid, settings)
-        return new
 
     def position_table(self, full: bool = False) -> npt.NDArray[np.float32]:
         """The fixed position features, as diffusers' `PatchEmbed` computes them.

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._distributed import gather_weights
+from ._layers import Attention, AttentionSettings
 
 
 Remat: TypeAlias = Literal["nothing", "dots"] | None
@@ -30,6 +31,7 @@ _Block = TypeVar("_Block")
 _Carry = TypeVar("_Carry")
 _Step: TypeAlias = Callable[[_Block, _Carry], _Carry]
 _Model = TypeVar("_Model", bound="AbstractLayeredModel")
+_AttentionModel = TypeVar("_AttentionModel", bound="AbstractAttentionModel")
 
 
 def check_remat(remat: Any) -> None:
@@ -332,4 +334,73 @@ class AbstractLayeredModel(eqx.Module):
         )
         blocks = relayout(self.blocks, self.block_layout, layout)
         new: _Model = eqx.tree_at(lambda m: (m.blocks, m.block_layout), self, (blocks, layout))
+        return new
+
+
+class AbstractAttentionModel(AbstractLayeredModel):
+    """A layered transformer whose attention an `AttentionSettings` chooses (`MMDiT`, `Flux`).
+
+    Concrete models give `attention_settings` and `block_groups` (the `[start, stop)` runs of
+    blocks of one structure); `with_settings` changes the layout and the attention on a
+    built model without changing what it computes.
+    """
+
+    attention_settings: eqx.AbstractVar[AttentionSettings]
+
+    @property
+    @abc.abstractmethod
+    def block_groups(self) -> tuple[tuple[int, int], ...]:
+        """The `[start, stop)` block indices of each group of one structure."""
+
+    @property
+    def attention(self) -> Attention:
+        """How attention is computed (`Attention`)."""
+        return self.attention_settings.kind
+
+    @property
+    def attention_chunk(self) -> int:
+        """The queries per chunk of `"chunked"` attention."""
+        return self.attention_settings.chunk
+
+    def unstacked_blocks(self) -> tuple[Any, ...]:
+        """Every block as its own module, in order, whatever the layout.
+
+        **Returns:**
+
+        A tuple with one module per block (views of the stacked arrays' slices when
+        `stacked`).
+        """
+        return self.block_layout.every_block(self.blocks)
+
+    def with_settings(
+        self: _AttentionModel,
+        *,
+        stacked: bool | None = None,
+        remat: Remat | Literal["keep"] = "keep",
+        attention: Attention | None = None,
+        attention_chunk: int | None = None,
+    ) -> _AttentionModel:
+        """The same model (the same function of the same weights) with other settings.
+
+        **Arguments:**
+
+        - `stacked`: the block layout; `None` keeps it.
+        - `remat`: the rematerialisation policy; `"keep"` keeps it.
+        - `attention`: the attention implementation; `None` keeps it.
+        - `attention_chunk`: the query chunk of chunked attention; `None` keeps it.
+
+        **Returns:**
+
+        A new model of the same type; restacking copies the blocks' arrays.
+
+        **Raises:**
+
+        - `ValueError`: naming the setting, when it is not one of its values.
+        """
+        settings = AttentionSettings(
+            self.attention if attention is None else attention,
+            self.attention_chunk if attention_chunk is None else attention_chunk,
+        )
+        relaid = self.relaid(stacked, remat, self.block_groups)
+        new: _AttentionModel = eqx.tree_at(lambda m: m.attention_settings, relaid, settings)
         return new

@@ -1,0 +1,586 @@
+"""The FLUX.1 transformer (Black Forest Labs), as diffusers' `FluxTransformer2DModel` computes."""
+
+from typing import Any, NotRequired, TypedDict, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpy.typing as npt
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._distributed import gather_weights
+from .._misc import check_int
+from ._layers import Attention, AttentionSettings, attend, dense, layer_norm, modulate
+from ._mlp import _init_linears, _zero_linear
+from ._mmdit import _TIME_FEATURES, _Attention, _BlockShape, _sd3_time_features, _Stream
+from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
+
+
+_ROPE_THETA = 10_000.0
+_PACK = 2  # FLUX's pipelines pack 2 x 2 latent pixels into one token
+_PLAIN_ATTENTION = AttentionSettings("xla", 512)
+
+
+class FluxCondition(TypedDict):
+    """The conditioning of one example for `Flux`, as FLUX's text encoders give it.
+
+    A plain `dict` at runtime, so a batch of them is a dict of arrays with a leading row axis.
+
+    - `context`: T5-XXL's per-token states, `[context_length, context_dim]` (512 tokens of
+        width 4096 in diffusers' FLUX.1-dev pipeline, 256 in FLUX.1-schnell's).
+    - `pooled`: CLIP-L's pooled output, `[pooled_dim]` (768).
+    - `guidance`: the guidance scale, a scalar, for a guidance-distilled model
+        (`guidance_embeds=True`, FLUX.1-dev) only: such a model takes the scale as an input
+        (embedded as the time is) instead of running twice as classifier-free guidance does.
+    """
+
+    context: Float[Array, "context_length context_dim"]
+    pooled: Float[Array, " pooled_dim"]
+    guidance: NotRequired[Float[Array, ""]]
+
+
+def rope_tables(
+    ids: npt.NDArray[np.floating[Any]], axes_dims: tuple[int, ...], theta: float = _ROPE_THETA
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """The rotary position features of `ids`, as diffusers' `FluxPosEmbed` computes them.
+
+    For each position axis `i` of width `d_i`, the angles `ids[:, i] * theta ** (-2k / d_i)`
+    for `k < d_i / 2` in float64, their cosines and sines each repeated twice in place (the
+    pairs `(2k, 2k + 1)` share an angle), then float32; the axes are concatenated.
+
+    **Arguments:**
+
+    - `ids`: the positions, `[S, len(axes_dims)]`.
+    - `axes_dims`: the feature width of each position axis (even), summing to the head
+        width.
+    - `theta`: the base of the frequencies.
+
+    **Returns:**
+
+    `(cos, sin)`, each `[S, sum(axes_dims)]` float32.
+    """
+    cos, sin = [], []
+    for axis, dim in enumerate(axes_dims):
+        freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        angles = np.outer(ids[:, axis].astype(np.float32).astype(np.float64), freqs)
+        cos.append(np.repeat(np.cos(angles), 2, axis=1))
+        sin.append(np.repeat(np.sin(angles), 2, axis=1))
+    return (
+        np.concatenate(cos, axis=1).astype(np.float32),
+        np.concatenate(sin, axis=1).astype(np.float32),
+    )
+
+
+def flux_position_ids(context_length: int, rows: int, cols: int) -> npt.NDArray[np.float32]:
+    """The position ids of FLUX's token sequence, text first, as diffusers' pipelines build them.
+
+    Every text token is at `(0, 0, 0)` (`txt_ids` are zeros); the image token of packed row
+    `r` and column `c` is at `(0, r, c)` (`_prepare_latent_image_ids`).
+
+    **Arguments:**
+
+    - `context_length`: the number of text tokens.
+    - `rows`, `cols`: the packed image grid (the latent's height and width over 2).
+
+    **Returns:**
+
+    `[context_length + rows * cols, 3]` float32.
+    """
+    image = np.zeros((rows, cols, 3), dtype=np.float32)
+    image[..., 1] = np.arange(rows, dtype=np.float32)[:, None]
+    image[..., 2] = np.arange(cols, dtype=np.float32)[None, :]
+    text = np.zeros((context_length, 3), dtype=np.float32)
+    return np.concatenate([text, image.reshape(rows * cols, 3)])
+
+
+def _apply_rope(
+    qkv: Float[Array, "3 S heads head_dim"],
+    cos: Float[Array, "S head_dim"],
+    sin: Float[Array, "S head_dim"],
+) -> Float[Array, "3 S heads head_dim"]:
+    """The queries and keys rotated by their positions (diffusers' `apply_rotary_emb`, in
+    float32: each pair `(x_2k, x_2k+1)` becomes `x * cos + (-x_2k+1, x_2k) * sin`); the values
+    as they are."""
+
+    def rotate(x: Float[Array, "S heads head_dim"]) -> Float[Array, "S heads head_dim"]:
+        pairs = x.reshape(*x.shape[:-1], -1, 2)
+        turned = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+        out = x.astype(jnp.float32) * cos[:, None, :] + turned.astype(jnp.float32) * sin[:, None, :]
+        return out.astype(x.dtype)
+
+    return jnp.stack([rotate(qkv[0]), rotate(qkv[1]), qkv[2]])
+
+
+@final
+class _FluxDoubleBlock(eqx.Module):
+    """One double-stream block (diffusers' `FluxTransformerBlock`).
+
+    Each stream (text and image) has its own adaLN-Zero, attention weights with RMS
+    qk-norm and tanh-GELU feed-forward, as an SD3.5 block's; one attention over the text
+    tokens then the image tokens, with rotary positions.
+
+    **Arguments:**
+
+    - `shape`: the block's dimensions.
+    - `key`: a JAX PRNG key for the initialisation.
+    """
+
+    context: _Stream
+    image: _Stream
+
+    def __init__(self, shape: _BlockShape, *, key: PRNGKeyArray) -> None:
+        k_context, k_image = jax.random.split(key)
+        self.context = _Stream(shape, False, key=k_context)
+        self.image = _Stream(shape, False, key=k_image)
+
+    def __call__(
+        self,
+        context: Float[Array, "L D"],
+        image: Float[Array, "N D"],
+        c: Float[Array, " D"],
+        rope: tuple[Float[Array, "S head_dim"], Float[Array, "S head_dim"]],
+        attention: AttentionSettings,
+    ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+        width = c.shape[0]
+        silu_c = jax.nn.silu(c)
+        mod_context = dense(self.context.modulation, silu_c[None])[0].reshape(-1, width)
+        mod_image = dense(self.image.modulation, silu_c[None])[0].reshape(-1, width)
+        qkv = jnp.concatenate(
+            [
+                self.context.attn.qkv(self.context.attention_input(context, mod_context)),
+                self.image.attn.qkv(self.image.attention_input(image, mod_image)),
+            ],
+            axis=1,
+        )
+        attended = attend(_apply_rope(qkv, *rope), attention)
+        length = context.shape[0]
+        new_image = self.image.feed_forward(
+            self.image.residual(image, attended[length:], mod_image), mod_image
+        )
+        new_context = self.context.feed_forward(
+            self.context.residual(context, attended[:length], mod_context), mod_context
+        )
+        return new_context, new_image
+
+
+@final
+class _FluxSingleBlock(eqx.Module):
+    """One single-stream block (diffusers' `FluxSingleTransformerBlock`) over text and image.
+
+    One adaLN-Zero (shift, scale, gate), then from the same modulated tokens an attention
+    (RMS qk-norm, rotary positions, no output projection of its own) and a tanh-GELU
+    hidden layer, concatenated and projected together (`proj_out`), gated, added.
+
+    **Arguments:**
+
+    - `shape`: the block's dimensions.
+    - `key`: a JAX PRNG key for the initialisation.
+    """
+
+    modulation: eqx.nn.Linear
+    attn: _Attention
+    proj_mlp: eqx.nn.Linear
+    proj_out: eqx.nn.Linear
+
+    def __init__(self, shape: _BlockShape, *, key: PRNGKeyArray) -> None:
+        width, hidden = shape.width, shape.mlp_ratio * shape.width
+        k_attn, k_mlp = jax.random.split(key)
+        self.modulation = _zero_linear(width, 3 * width, key=key)
+        self.attn = _Attention(width, shape.heads, shape.qk_norm, False, key=k_attn)
+        self.proj_mlp, self.proj_out = _init_linears(
+            [(width, hidden), (width + hidden, width)], key=k_mlp
+        )
+
+    def __call__(
+        self,
+        context: Float[Array, "L D"],
+        image: Float[Array, "N D"],
+        c: Float[Array, " D"],
+        rope: tuple[Float[Array, "S head_dim"], Float[Array, "S head_dim"]],
+        attention: AttentionSettings,
+    ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+        width, length = c.shape[0], context.shape[0]
+        tokens = jnp.concatenate([context, image])
+        mod = dense(self.modulation, jax.nn.silu(c)[None])[0].reshape(3, width)
+        normed = modulate(layer_norm(tokens), mod[0], mod[1])
+        hidden = jax.nn.gelu(dense(self.proj_mlp, normed), approximate=True)
+        attended = attend(_apply_rope(self.attn.qkv(normed), *rope), attention)
+        out = tokens + mod[2][None, :] * dense(
+            self.proj_out, jnp.concatenate([attended, hidden], axis=1)
+        )
+        return out[:length], out[length:]
+
+
+def _flux_groups(double_depth: int, single_depth: int) -> tuple[tuple[int, int], ...]:
+    groups = [(0, double_depth), (double_depth, double_depth + single_depth)]
+    return tuple((start, stop) for start, stop in groups if stop > start)
+
+
+def _check_sizes(sizes: dict[str, Any], axes_dims: tuple[int, ...]) -> None:
+    """Raise a `ValueError` naming the `Flux` argument that does not fit the others."""
+    for name, value in sizes.items():
+        check_int(name, value, 0 if name.endswith("depth") else 1)
+    if sizes["double_depth"] + sizes["single_depth"] == 0:
+        raise ValueError("`double_depth` and `single_depth` must not both be 0.")
+    if sizes["height"] % _PACK or sizes["width_latent"] % _PACK:
+        raise ValueError(
+            "`image_size` must be even in both axes (FLUX packs 2 x 2 latent pixels into a "
+            f"token), got {(sizes['height'], sizes['width_latent'])}."
+        )
+    width, heads = sizes["width"], sizes["heads"]
+    if width % heads != 0:
+        raise ValueError(f"`heads` ({heads}) must divide `width` ({width}).")
+    if len(axes_dims) != 3 or any(
+        isinstance(d, bool) or not isinstance(d, int) or d <= 0 or d % 2 for d in axes_dims
+    ):
+        raise ValueError(f"`axes_dims` must be three positive even ints, got {axes_dims!r}.")
+    if sum(axes_dims) != width // heads:
+        raise ValueError(
+            f"`axes_dims` ({axes_dims!r}) must sum to the head width `width // heads` "
+            f"({width // heads})."
+        )
+
+
+@final
+class Flux(AbstractAttentionModel):
+    """The FLUX.1 transformer as a velocity network `v(x, t, cond)`.
+
+    FLUX.1 (Black Forest Labs, 2024) on one unbatched channels-last latent, computing what
+    diffusers' `FluxTransformer2DModel` computes with the inputs its pipelines give it
+    (`load_diffusers` loads its weights, `save_diffusers` writes them back):
+
+    - the latent `[H, W, C]` packed into `(H / 2) (W / 2)` tokens of `4 C` features, each
+        token's features channel-major over its 2 x 2 pixels (the pipelines'
+        `_pack_latents`), linearly embedded (`x_embedder`);
+    - the text tokens linearly embedded (`context_embedder`);
+    - the conditioning vector `c = time_mlp(features(1000 t)) [+ guidance_mlp(features(1000
+        g))] + pooled_mlp(pooled)`, with SD3's 256 sinusoidal features, the guidance term
+        only in a guidance-distilled model (`guidance_embeds`, FLUX.1-dev);
+    - rotary positions over three axes (`axes_dims`, 16 + 56 + 56 in FLUX.1): every text
+        token at `(0, 0, 0)`, the image token of packed row `r` and column `c` at
+        `(0, r, c)`;
+    - `double_depth` double-stream blocks (per-stream adaLN-Zero, RMS qk-norm and
+        feed-forward, one attention over text then image), then `single_depth`
+        single-stream blocks over the concatenated tokens (attention and feed-forward in
+        parallel from one modulation), then a continuous adaLN (scale, shift) on the image
+        tokens, a linear map to `4 C` features per token and the unpacking.
+
+    A fresh model's adaLN modulations and final projection are zero, so the initial velocity
+    is exactly 0. The blocks are held as `MMDiT` holds them (`stacked`, `remat`, `attention`;
+    `with_settings` changes them on a built model): the double and the single blocks are
+    the two groups of `block_groups`. Computes in the dtype of its parameters and returns
+    the dtype of `x`.
+
+    `Flux.dev_config()` and `Flux.schnell_config()` give FLUX.1-dev and FLUX.1-schnell.
+
+    **Arguments:**
+
+    - `image_size`: the latent's height and width (an int for a square); both even.
+    - `channels`: the latent channels (16 in FLUX.1).
+    - `double_depth`: the number of double-stream blocks (diffusers' `num_layers`).
+    - `single_depth`: the number of single-stream blocks (`num_single_layers`).
+    - `width`: the token width (`num_attention_heads * attention_head_dim`).
+    - `heads`: the number of attention heads, dividing `width`.
+    - `mlp_ratio`: the feed-forward hidden width over `width` (4 in diffusers).
+    - `context_length`: the number of text tokens.
+    - `context_dim`: the width of the text token states (`joint_attention_dim`).
+    - `pooled_dim`: the width of the pooled text embedding (`pooled_projection_dim`).
+    - `guidance_embeds`: whether the model takes a guidance scale as an input
+        (`cond["guidance"]`).
+    - `axes_dims`: the rotary feature width of each position axis, even, summing to the
+        head width (`axes_dims_rope`).
+    - `stacked`, `remat`, `attention`, `attention_chunk`: as `MMDiT`'s.
+    - `key`: a JAX PRNG key for the initialisation.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, when a size is not a positive int (a depth may be
+        0, not both), a side of `image_size` is odd, `heads` does not divide `width`,
+        `axes_dims` are not three positive even ints summing to the head width, or a layout
+        or attention setting is not one of its values.
+    """
+
+    x_embed: eqx.nn.Linear
+    context_embed: eqx.nn.Linear
+    time_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear]
+    guidance_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear] | None
+    pooled_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear]
+    blocks: tuple[_FluxDoubleBlock | _FluxSingleBlock, ...]  # as `block_layout` holds them
+    block_layout: AbstractBlockLayout
+    attention_settings: AttentionSettings
+    final_modulation: eqx.nn.Linear
+    final_proj: eqx.nn.Linear
+    image_size: tuple[int, int] = eqx.field(static=True)
+    channels: int = eqx.field(static=True)
+    double_depth: int = eqx.field(static=True)
+    single_depth: int = eqx.field(static=True)
+    width: int = eqx.field(static=True)
+    heads: int = eqx.field(static=True)
+    mlp_ratio: int = eqx.field(static=True)
+    context_length: int = eqx.field(static=True)
+    context_dim: int = eqx.field(static=True)
+    pooled_dim: int = eqx.field(static=True)
+    guidance_embeds: bool = eqx.field(static=True)
+    axes_dims: tuple[int, int, int] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        image_size: int | tuple[int, int] = 16,
+        channels: int = 4,
+        double_depth: int = 1,
+        single_depth: int = 1,
+        width: int = 64,
+        heads: int = 2,
+        mlp_ratio: int = 4,
+        context_length: int = 8,
+        context_dim: int = 32,
+        pooled_dim: int = 32,
+        guidance_embeds: bool = False,
+        axes_dims: tuple[int, int, int] = (8, 12, 12),
+        stacked: bool = True,
+        remat: Remat = None,
+        attention: Attention = "xla",
+        attention_chunk: int = 512,
+        *,
+        key: PRNGKeyArray,
+    ) -> None:
+        height, latent_width = (
+            (image_size, image_size) if isinstance(image_size, int) else image_size
+        )
+        axes = tuple(axes_dims)
+        _check_sizes(
+            dict(
+                height=height,
+                width_latent=latent_width,
+                channels=channels,
+                double_depth=double_depth,
+                single_depth=single_depth,
+                width=width,
+                heads=heads,
+                mlp_ratio=mlp_ratio,
+                context_length=context_length,
+                context_dim=context_dim,
+                pooled_dim=pooled_dim,
+            ),
+            axes,
+        )
+        if not isinstance(guidance_embeds, bool):
+            raise ValueError(f"`guidance_embeds` must be a bool, got {guidance_embeds!r}.")
+        self.block_layout = block_layout(stacked, remat, _flux_groups(double_depth, single_depth))
+        self.attention_settings = AttentionSettings(attention, attention_chunk)
+        self.image_size = (height, latent_width)
+        self.channels = channels
+        self.double_depth = double_depth
+        self.single_depth = single_depth
+        self.width = width
+        self.heads = heads
+        self.mlp_ratio = mlp_ratio
+        self.context_length = context_length
+        self.context_dim = context_dim
+        self.pooled_dim = pooled_dim
+        self.guidance_embeds = guidance_embeds
+        self.axes_dims = (axes[0], axes[1], axes[2])
+        self._init_arrays(key)
+
+    def _init_arrays(self, key: PRNGKeyArray) -> None:
+        """Draw every array of a fresh model (called once, from `__init__`)."""
+        width, token_dim = self.width, _PACK * _PACK * self.channels
+        depth = self.double_depth + self.single_depth
+        k_lin, k_final, *k_blocks = (jax.random.fold_in(key, i) for i in range(2 + depth))
+        linears = _init_linears(
+            [
+                (token_dim, width),
+                (self.context_dim, width),
+                (_TIME_FEATURES, width),
+                (width, width),
+                (self.pooled_dim, width),
+                (width, width),
+                (_TIME_FEATURES, width),
+                (width, width),
+            ],
+            key=k_lin,
+        )
+        self.x_embed, self.context_embed = linears[0], linears[1]
+        self.time_mlp = (linears[2], linears[3])
+        self.pooled_mlp = (linears[4], linears[5])
+        self.guidance_mlp = (linears[6], linears[7]) if self.guidance_embeds else None
+        shape = _BlockShape(width, self.heads, self.mlp_ratio, True)
+        blocks: list[_FluxDoubleBlock | _FluxSingleBlock] = [
+            _FluxDoubleBlock(shape, key=k) for k in k_blocks[: self.double_depth]
+        ]
+        blocks += [_FluxSingleBlock(shape, key=k) for k in k_blocks[self.double_depth :]]
+        self.blocks = self.block_layout.hold(blocks)
+        self.final_modulation = _zero_linear(width, 2 * width, key=k_final)
+        self.final_proj = _zero_linear(width, token_dim, key=k_final)
+
+    @property
+    def block_groups(self) -> tuple[tuple[int, int], ...]:
+        """The `[start, stop)` block indices of the double-stream and the single-stream blocks."""
+        return _flux_groups(self.double_depth, self.single_depth)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The packed token grid, `(height // 2, width // 2)` of the latent."""
+        return self.image_size[0] // _PACK, self.image_size[1] // _PACK
+
+    @classmethod
+    def dev_config(cls) -> dict[str, Any]:
+        """The constructor arguments of FLUX.1-dev's transformer at 1024 x 1024.
+
+        diffusers' `black-forest-labs/FLUX.1-dev` transformer `config.json`: `num_layers 19,
+        num_single_layers 38, attention_head_dim 128, num_attention_heads 24,
+        joint_attention_dim 4096, pooled_projection_dim 768, in_channels 64 (16 latent
+        channels packed 2 x 2), guidance_embeds true, axes_dims_rope [16, 56, 56]`; the
+        128 x 128 x 16 latent of a 1024 x 1024 image; 512 T5 tokens (the pipeline's
+        `max_sequence_length`). Use as `Flux(**Flux.dev_config(), key=key)`, or under
+        `eqx.filter_eval_shape`; pass another `image_size` for other resolutions.
+
+        **Returns:**
+
+        A dict of keyword arguments for `Flux`.
+        """
+        return dict(
+            image_size=(128, 128),
+            channels=16,
+            double_depth=19,
+            single_depth=38,
+            width=3072,
+            heads=24,
+            mlp_ratio=4,
+            context_length=512,
+            context_dim=4096,
+            pooled_dim=768,
+            guidance_embeds=True,
+            axes_dims=(16, 56, 56),
+        )
+
+    @classmethod
+    def schnell_config(cls) -> dict[str, Any]:
+        """The constructor arguments of FLUX.1-schnell's transformer at 1024 x 1024.
+
+        FLUX.1-dev's architecture without the guidance embedding (`guidance_embeds false`),
+        with 256 T5 tokens (its pipeline's `max_sequence_length` limit).
+
+        **Returns:**
+
+        A dict of keyword arguments for `Flux`.
+        """
+        return {**cls.dev_config(), "guidance_embeds": False, "context_length": 256}
+
+    def rope(self) -> tuple[Float[Array, "S head_dim"], Float[Array, "S head_dim"]]:
+        """The rotary features `(cos, sin)` of the whole sequence (text, then image)."""
+        ids = flux_position_ids(self.context_length, *self.grid)
+        cos, sin = rope_tables(ids, self.axes_dims)
+        return jnp.asarray(cos), jnp.asarray(sin)
+
+    def _blocks(
+        self,
+        context: Float[Array, "L D"],
+        image: Float[Array, "N D"],
+        c: Float[Array, " D"],
+    ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+        """Every block in turn, as `block_layout` runs them."""
+        rope = self.rope()
+
+        def step(
+            block: _FluxDoubleBlock | _FluxSingleBlock,
+            carry: tuple[Float[Array, "L D"], Float[Array, "N D"]],
+        ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+            return block(*carry, c, rope, self.attention_settings)
+
+        return self.block_layout.run(self.blocks, step, (context, image))
+
+    def _pack(self, x: Float[Array, "H W C"]) -> Float[Array, "N P"]:
+        rows, cols = self.grid
+        packed = x.reshape(rows, _PACK, cols, _PACK, self.channels).transpose(0, 2, 4, 1, 3)
+        return packed.reshape(rows * cols, self.channels * _PACK * _PACK)
+
+    def _unpack(self, tokens: Float[Array, "N P"]) -> Float[Array, "H W C"]:
+        rows, cols = self.grid
+        x = tokens.reshape(rows, cols, self.channels, _PACK, _PACK).transpose(0, 3, 1, 4, 2)
+        return x.reshape(*self.image_size, self.channels)
+
+    def _text(
+        self, cond: FluxCondition
+    ) -> tuple[
+        Float[Array, "context_length context_dim"],
+        Float[Array, " pooled_dim"],
+        Float[Array, ""] | None,
+    ]:
+        """The context, pooled vector and guidance scale of `cond`, checked, in the parameters'
+        dtype."""
+        dtype = self.x_embed.weight.dtype
+        keys = {"context", "pooled"} | ({"guidance"} if self.guidance_embeds else set())
+        if not isinstance(cond, dict) or set(cond) != keys:
+            raise ValueError(
+                f"`cond` must be a dict with keys {sorted(keys)} (a FluxCondition"
+                f"{', with guidance: guidance_embeds is set' if self.guidance_embeds else ''}), "
+                f"got {jax.tree_util.tree_structure(cond)}."
+            )
+        want = (self.context_length, self.context_dim)
+        if cond["context"].shape != want:
+            raise ValueError(
+                f"`cond['context']` must have shape {want}, got {cond['context'].shape}."
+            )
+        if cond["pooled"].shape != (self.pooled_dim,):
+            raise ValueError(
+                f"`cond['pooled']` must have shape ({self.pooled_dim},), "
+                f"got {cond['pooled'].shape}."
+            )
+        guidance = None
+        if self.guidance_embeds:
+            if jnp.shape(cond["guidance"]) != ():
+                raise ValueError(
+                    f"`cond['guidance']` must be a scalar, got shape {jnp.shape(cond['guidance'])}."
+                )
+            guidance = jnp.asarray(cond["guidance"]).astype(dtype)
+        return cond["context"].astype(dtype), cond["pooled"].astype(dtype), guidance
+
+    def __call__(
+        self, x: Float[Array, "H W C"], t: Float[Array, ""], cond: FluxCondition
+    ) -> Float[Array, "H W C"]:
+        """The velocity at one unbatched example.
+
+        **Arguments:**
+
+        - `x`: the latent, `[*image_size, channels]`, channels-last.
+        - `t`: the time, a scalar in `[0, 1]` (`t = 1` is noise; diffusers' timestep is
+            `1000 t`).
+        - `cond`: a `FluxCondition`: `context` `[context_length, context_dim]`, `pooled`
+            `[pooled_dim]`, and `guidance` (a scalar) exactly when `guidance_embeds`.
+
+        **Returns:**
+
+        The velocity, `[*image_size, channels]`, in the dtype of `x`.
+
+        **Raises:**
+
+        - `ValueError`: naming `x`, `t` or `cond` when its shape or structure is wrong.
+        """
+        want = (*self.image_size, self.channels)
+        if x.shape != want:
+            raise ValueError(f"`x` must have shape {want}, got {x.shape}.")
+        if t.shape != ():
+            raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
+        outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
+        context_in, pooled, guidance = outer._text(cond)
+        dtype = outer.x_embed.weight.dtype
+
+        def embed(
+            mlp: tuple[eqx.nn.Linear, eqx.nn.Linear], h: Float[Array, " I"]
+        ) -> Float[Array, "1 D"]:
+            return dense(mlp[1], jax.nn.silu(dense(mlp[0], h[None])))
+
+        c = embed(outer.time_mlp, _sd3_time_features(t).astype(dtype))
+        if outer.guidance_mlp is not None and guidance is not None:
+            c = c + embed(outer.guidance_mlp, _sd3_time_features(guidance).astype(dtype))
+        c = (c + embed(outer.pooled_mlp, pooled))[0]
+
+        image = dense(outer.x_embed, outer._pack(x.astype(dtype)))
+        context = dense(outer.context_embed, context_in)
+        _, image = self._blocks(context, image, c)
+
+        scale, shift = jnp.split(dense(outer.final_modulation, jax.nn.silu(c)[None])[0], 2)
+        out = dense(outer.final_proj, modulate(layer_norm(image), shift, scale))
+        return self._unpack(out).astype(x.dtype)
