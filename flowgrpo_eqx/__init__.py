@@ -68,6 +68,8 @@ from ._http_reward import HttpReward as HttpReward
 from ._inputs import (
     CFG as CFG,
     AbstractAutoEncoder as AbstractAutoEncoder,
+    AbstractGuidance as AbstractGuidance,
+    EmbeddedGuidance as EmbeddedGuidance,
     IdentityAutoEncoder as IdentityAutoEncoder,
     InputSpec as InputSpec,
 )

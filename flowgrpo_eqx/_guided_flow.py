@@ -13,7 +13,14 @@ from jaxtyping import Array, Bool, Float, PyTree
 
 from ._custom_types import Latents, Model, Scalar, Times
 from ._distributed import DATA_AXIS
-from ._inputs import CFG, AbstractAutoEncoder, IdentityAutoEncoder, InputSpec
+from ._inputs import (
+    CFG,
+    AbstractAutoEncoder,
+    AbstractGuidance,
+    EmbeddedGuidance,
+    IdentityAutoEncoder,
+    InputSpec,
+)
 from ._process import AbstractProcess
 from ._sde import AbstractSDE, compute_dtype
 from ._solver import AbstractSolver
@@ -62,7 +69,8 @@ class GuidedFlow(eqx.Module):
         structure (and, unless an objective is given other weights, its initial weights).
     - `process`: the generative process (`RectifiedFlow`), which supplies the time grid.
     - `inputs`: an `InputSpec`: which row fields condition the model, and the null condition.
-    - `guidance`: classifier-free guidance, or `None`.
+    - `guidance`: classifier-free guidance (`CFG`), a guidance-distilled model's guidance
+        input (`EmbeddedGuidance`), or `None`.
     - `autoencoder`: decodes latents to samples in [-1, 1] (identity by default).
     - `precision`: `"float32"` (default) or `"bfloat16"`: the dtype the model computes in
         (`Precision`). The cast happens inside each call, so gradients reach the float32
@@ -77,7 +85,7 @@ class GuidedFlow(eqx.Module):
     model: Model
     process: AbstractProcess
     inputs: InputSpec
-    guidance: CFG | None = CFG(3.0)
+    guidance: AbstractGuidance | None = CFG(3.0)
     autoencoder: AbstractAutoEncoder = IdentityAutoEncoder()
     precision: Precision = "float32"
 
@@ -88,9 +96,11 @@ class GuidedFlow(eqx.Module):
             raise ValueError(f"`process` must be an AbstractProcess, got {self.process!r}.")
         if not isinstance(self.inputs, InputSpec):
             raise ValueError(f"`inputs` must be an InputSpec, got {self.inputs!r}.")
-        if self.guidance is not None and not isinstance(self.guidance, CFG):
-            raise ValueError(f"`guidance` must be a CFG or None, got {self.guidance!r}.")
-        if self.guidance is not None and not self.inputs.has_null:
+        if self.guidance is not None and not isinstance(self.guidance, AbstractGuidance):
+            raise ValueError(
+                f"`guidance` must be a CFG, an EmbeddedGuidance or None, got {self.guidance!r}."
+            )
+        if isinstance(self.guidance, CFG) and not self.inputs.has_null:
             raise ValueError(
                 "`guidance` needs a null condition, but `inputs` has none: pass "
                 "InputSpec(null=...) or guidance=None."
@@ -191,7 +201,9 @@ class GuidedFlow(eqx.Module):
             conditioning does not match the null condition.
         """
         conditioning = self.inputs.condition(cond)
-        if self.guidance is None:
+        if isinstance(self.guidance, EmbeddedGuidance):
+            conditioning = self.guidance.condition(conditioning, x.shape[0])
+        if not isinstance(self.guidance, CFG):
             return self.call_model(model, x, t, conditioning)
         null = self.null_like(conditioning)
         rows = x.shape[0]
@@ -307,7 +319,7 @@ def flow_from(
     model: Model,
     process: AbstractProcess,
     inputs: InputSpec,
-    guidance: CFG | None,
+    guidance: AbstractGuidance | None,
     autoencoder: AbstractAutoEncoder | None,
     precision: Precision = "float32",
 ) -> GuidedFlow:

@@ -132,8 +132,16 @@ class InputSpec(eqx.Module):
         return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (num_rows, *leaf.shape)), null)
 
 
+_GUIDANCE_KEY = "guidance"
+
+
+class AbstractGuidance(eqx.Module):
+    """How the velocity is guided: classifier-free guidance (`CFG`, two branches per row) or
+    a guidance-distilled model's own guidance input (`EmbeddedGuidance`, one)."""
+
+
 @final
-class CFG(eqx.Module):
+class CFG(AbstractGuidance):
     """Classifier-free guidance: `v = v_null + scale (v_cond - v_null)`.
 
     Both branches run through the same model (the live policy, or the frozen reference for
@@ -168,6 +176,56 @@ class CFG(eqx.Module):
         The guided velocity, same shape.
         """
         return unconditional + self.scale * (conditional - unconditional)
+
+
+@final
+class EmbeddedGuidance(AbstractGuidance):
+    """The guidance scale as a model input, for guidance-distilled models such as FLUX.1-dev.
+
+    Such a model was distilled from its classifier-free-guided teacher and takes the scale as
+    part of its condition (FLUX.1-dev embeds it as it embeds the time), so the guided
+    velocity is one call per row, not two, and needs no null condition. Each row's
+    conditioning (after `InputSpec`, a dict) gets the scale under the key `"guidance"`, where
+    the models read it (`Flux` reads `cond["guidance"]`): what diffusers' `FluxPipeline`
+    passes for its `guidance_scale` (3.5 by default).
+
+    **Arguments:**
+
+    - `scale`: the guidance scale given to the model (3.5 in FLUX.1-dev's pipeline).
+
+    **Raises:**
+
+    - `ValueError`: naming `scale` if it is not a finite number >= 0.
+    """
+
+    scale: float = 3.5
+
+    def __check_init__(self) -> None:
+        check_number("scale", self.scale, minimum=0)
+
+    def condition(self, conditioning: PyTree[Any], rows: int) -> dict[str, Any]:
+        """The rows' conditioning with the scale added under `"guidance"`.
+
+        **Arguments:**
+
+        - `conditioning`: the rows' conditioning, a dict of arrays with a leading axis.
+        - `rows`: the number of rows.
+
+        **Returns:**
+
+        A new dict: `conditioning` and `"guidance"` -> `[rows]` float32 scales.
+
+        **Raises:**
+
+        - `ValueError`: when `conditioning` is not a dict, or already has `"guidance"`.
+        """
+        if not isinstance(conditioning, dict) or _GUIDANCE_KEY in conditioning:
+            raise ValueError(
+                f"EmbeddedGuidance adds {_GUIDANCE_KEY!r} to a dict conditioning without it, got "
+                f"{jax.tree_util.tree_structure(conditioning)}: select the condition's fields "
+                "with InputSpec(select=(...))."
+            )
+        return {**conditioning, _GUIDANCE_KEY: jnp.full((rows,), self.scale, jnp.float32)}
 
 
 class AbstractAutoEncoder(eqx.Module):

@@ -25,7 +25,7 @@ from ._custom_types import (
 )
 from ._flow_base import AbstractVariables
 from ._guided_flow import GuidedFlow, Precision, flow_from
-from ._inputs import CFG, AbstractAutoEncoder, InputSpec
+from ._inputs import CFG, AbstractAutoEncoder, AbstractGuidance, InputSpec
 from ._misc import check_int, check_number, stop_gradient_arrays, tile_rows, zero_rows_unless
 from ._process import AbstractProcess
 from ._rl import AbstractRLObjective, Rescore
@@ -344,7 +344,8 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     - `clip_range`: the ratio clip `epsilon` (1e-4 by default, as Flow-GRPO).
     - `adv_clip_max`: advantages are clipped to `[-adv_clip_max, adv_clip_max]`.
     - `autoencoder`: decodes latents to samples in [-1, 1]; identity (with clipping) if `None`.
-    - `guidance`: classifier-free guidance used in rollout, rescoring and evaluation, or `None`.
+    - `guidance`: the guidance used in rollout, rescoring and evaluation: classifier-free
+        (`CFG`), a guidance-distilled model's input (`EmbeddedGuidance`), or `None`.
     - `sampler`: the ODE solver for evaluation and previews.
     - `steps`: the number of time points of the evaluation grid.
     - `pretrained`: initial policy weights (a model of the same structure), or `None` to
@@ -403,7 +404,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         clip_range: float = 1e-4,
         adv_clip_max: float = 5.0,
         autoencoder: AbstractAutoEncoder | None = None,
-        guidance: CFG | None = CFG(3.0),
+        guidance: AbstractGuidance | None = CFG(3.0),
         sampler: AbstractSolver = Euler(),
         steps: int = 41,
         pretrained: Model | None = None,

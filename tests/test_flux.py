@@ -205,3 +205,34 @@ def test_lora_adapters_export_in_diffusers_names(tiny: Flux, tmp_path: pathlib.P
         np.testing.assert_allclose(
             base[f"{module}.weight"] + b @ a, merged[f"{module}.weight"], atol=1e-5
         )
+
+
+def test_an_nft_epoch_trains_the_adapters_of_tiny_flux(tiny: Flux) -> None:
+    # The Flow-GRPO epoch is the FLUX guide's (docs/guides/flux.md), run by the docs tests.
+    from flowgrpo_eqx.train import Trainer, default_optimizer, rl_epoch
+
+    rng = np.random.default_rng(0)
+    rows = {
+        "context": rng.standard_normal((2, 5, 12)).astype(np.float32),
+        "pooled": rng.standard_normal((2, 10)).astype(np.float32),
+    }
+    flow = fg.GuidedFlow(
+        tiny,
+        fg.RectifiedFlow(shift=fg.flux_shift(12), grid="flux"),
+        fg.InputSpec(select=("context", "pooled"), latent_shape=(*IMAGE, 4)),
+        guidance=fg.EmbeddedGuidance(3.5),
+    )
+
+    def reward(samples: Any, rows: Any) -> np.ndarray:
+        return -np.mean(np.asarray(samples) ** 2, axis=(1, 2, 3)).astype(np.float64)
+
+    policy = lora.add(tiny, 2, key=jax.random.key(0))
+    objective = fg.DiffusionNFTObjective(flow, steps=3, pretrained=policy)
+    rollout = fg.FlowRollout(objective, reward, groups=2, steps=3)
+    trainer = Trainer(objective, default_optimizer(learning_rate=1e-3))
+    state = trainer.init(jax.random.key(1))
+    before = jax.tree.leaves(state.variables.policy.adapters)
+    state, metrics, _ = rl_epoch(trainer, state, rollout, rows, jax.random.key(2))
+    assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["reward_mean"])
+    after = jax.tree.leaves(state.variables.policy.adapters)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
-from tests.errors import exact_message, raises_named
+from tests.errors import NAMED_ARGUMENT_ERRORS, exact_message, raises_named
 
 
 # --------------------------------------------------------------------------------------
@@ -37,6 +37,38 @@ def test_decode_clips_to_minus_one_and_one():
     np.testing.assert_array_equal(
         np.asarray(flow.decode(latents)), [[-1.0, -1.0, -0.25], [0.75, 1.0, 1.0]]
     )
+
+
+def test_embedded_guidance_gives_the_model_the_scale_in_one_call():
+    calls = []
+
+    def model(x, t, cond):
+        calls.append(sorted(cond))
+        return x * cond["guidance"] + cond["label"]
+
+    # No null condition: a guidance-distilled model has no unconditional branch.
+    flow = fg.GuidedFlow(
+        model,
+        fg.RectifiedFlow(),
+        fg.InputSpec(select=("label",)),
+        guidance=fg.EmbeddedGuidance(2.5),
+    )
+    x = jnp.asarray([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], jnp.float32)
+    rows = {"label": jnp.asarray([0.5, 1.0, 2.0], jnp.float32), "id": jnp.arange(3)}
+    v = flow.velocity(model, x, jnp.full((3,), 0.5, jnp.float32), rows)
+    np.testing.assert_allclose(np.asarray(v), 2.5 * np.asarray(x) + [[0.5], [1.0], [2.0]])
+    assert calls == [["guidance", "label"]]  # one traced call over the three rows
+    both = fg.InputSpec(select=("label", "guidance"))
+    clash = fg.GuidedFlow(model, fg.RectifiedFlow(), both, fg.EmbeddedGuidance())
+    with pytest.raises(ValueError, match="EmbeddedGuidance adds 'guidance'"):
+        clash.velocity(
+            model, x, jnp.ones((3,)), {"label": rows["label"], "guidance": rows["label"]}
+        )
+    unselected = fg.GuidedFlow(model, fg.RectifiedFlow(), fg.InputSpec(), fg.EmbeddedGuidance())
+    with pytest.raises(ValueError, match="InputSpec"):
+        unselected.velocity(model, x, jnp.ones((3,)), rows["label"])
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="`?scale`?"):
+        fg.EmbeddedGuidance(-1.0)
 
 
 def test_bfloat16_precision_casts_only_wide_floats_for_the_model():
