@@ -1,7 +1,8 @@
 """The one module of type aliases and small data modules shared by the whole library.
 
 Shapes use jaxtyping's notation: `N` rows (samples), `K` selected transitions, `P` source rows
-(prompts), `*latent` the shape of one latent.
+(prompts), `*latent` the shape of one latent, any rank: `[H, W, C]` for an image, `[F, H, W, C]`
+for a video (`Wan`), so a trajectory of video latents is `[N, K, F, H, W, C]`.
 """
 
 from typing import Any, TypeAlias, final

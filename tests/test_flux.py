@@ -1,6 +1,6 @@
 """`Flux` against diffusers' `FluxTransformer2DModel` and FLUX's time grid, without torch.
 
-The fixtures under `tests/data/` were made by diffusers itself (`tools/make_flux_fixtures.py
+The fixtures under `tests/data/` were made by diffusers itself (`tools/make_flux_wan_fixtures.py
 make`, run by hand with torch and diffusers): a tiny random FLUX.1-dev-style transformer
 (guidance embedding, double- and single-stream blocks) with inputs and diffusers' outputs on a
 non-square latent, the key layout and parameter counts of the full-size FLUX.1-dev and

@@ -14,3 +14,4 @@ from ._mlp import (
     sinusoidal_time_features as sinusoidal_time_features,
 )
 from ._mmdit import MMDiT as MMDiT, MMDiTCondition as MMDiTCondition
+from ._wan import Wan as Wan

@@ -28,10 +28,12 @@ from safetensors.numpy import save_file
 from ..lora import LoraModel
 from ._flux import Flux
 from ._mmdit import MMDiT, _pos_crop
+from ._wan import Wan
 
 
-DiffusersTransformer: TypeAlias = MMDiT | Flux
-"""A model that diffusers' format holds: `MMDiT` (SD3, SD3.5) or `Flux` (FLUX.1)."""
+DiffusersTransformer: TypeAlias = MMDiT | Flux | Wan
+"""A model that diffusers' format holds: `MMDiT` (SD3, SD3.5), `Flux` (FLUX.1) or `Wan`
+(Wan 2.1)."""
 
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 _INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -68,22 +70,30 @@ class _Entry:
 
 @dataclasses.dataclass(frozen=True)
 class _Module:
-    """One diffusers `nn.Linear` (or SD3's patch convolution, `conv` its diffusers shape
-    `[out, channels, patch, patch]`) and the `eqx.nn.Linear` it is."""
+    """One diffusers `nn.Linear` (or a patch convolution, `conv` its diffusers shape
+    `[out, channels, *kernel]`: SD3's 2D, Wan's 3D) and the `eqx.nn.Linear` it is."""
 
     name: str
     where: Callable[[Any], eqx.nn.Linear]
-    conv: tuple[int, int, int, int] | None = None
+    conv: tuple[int, ...] | None = None
 
     def to_ours(self, array: _NpArray) -> _NpArray:
-        """A convolution weight (or its LoRA `A`) as our linear map of flattened patches."""
-        return array.transpose(0, 2, 3, 1).reshape(array.shape[0], -1)
+        """A convolution weight (or its LoRA `A`) as our linear map of flattened channels-last
+        patches."""
+        return np.moveaxis(array, 1, -1).reshape(array.shape[0], -1)
 
     def to_theirs(self, array: _NpArray) -> _NpArray:
         """Our linear map of flattened patches as the convolution's weight layout."""
         assert self.conv is not None
-        _, channels, patch, _ = self.conv
-        return array.reshape(array.shape[0], patch, patch, channels).transpose(0, 3, 1, 2)
+        channels, kernel = self.conv[1], self.conv[2:]
+        return np.moveaxis(array.reshape(array.shape[0], *kernel, channels), -1, 1)
+
+    def lora_b(self, b: _NpArray) -> _NpArray:
+        """A LoRA `B` (`[out, rank]`) as diffusers holds it: a 1 x ... x 1 convolution's
+        weight for a patch convolution."""
+        if self.conv is None:
+            return b
+        return b.reshape(*b.shape, *(1,) * (len(self.conv) - 2))
 
 
 def _linear_pairs(prefix: str, i: int, pairs: list[tuple[str, Any]]) -> list[_Module]:
@@ -402,7 +412,135 @@ class _FluxFormat(_AbstractFormat):
             )
 
 
-_FORMATS: tuple[_AbstractFormat, ...] = (_SD3Format(), _FluxFormat())
+@final
+class _WanFormat(_AbstractFormat):
+    """`Wan` as diffusers' `WanTransformer3DModel` (Wan 2.1 text-to-video: no image
+    conditioning)."""
+
+    class_name = "WanTransformer3DModel"
+    model_type = Wan
+    default_context_length = 512
+
+    def model_kwargs(
+        self, config: dict[str, Any], image_size: Any, context_length: int
+    ) -> dict[str, Any]:
+        checks = {
+            "freq_dim": (256, "Wan's 256 time features"),
+            "qk_norm": ("rms_norm_across_heads", "Wan 2.1's"),
+            "cross_attn_norm": (True, "Wan 2.1's"),
+            "image_dim": (None, "image conditioning (image-to-video) is not built"),
+            "added_kv_proj_dim": (None, "image conditioning (image-to-video) is not built"),
+            "eps": (1e-6, "Wan 2.1's"),
+        }
+        for name, (want, why) in checks.items():
+            if config.get(name, want) != want:
+                raise ValueError(f"config `{name}` must be {want!r} ({why}), got {config[name]!r}.")
+        channels = _config_value(config, "in_channels", 16)
+        _check_out_channels(config, channels)
+        heads = _config_value(config, "num_attention_heads", 40)
+        return dict(
+            latent_size=(21, 60, 104) if image_size is None else tuple(image_size),
+            channels=channels,
+            patch=tuple(_config_value(config, "patch_size", (1, 2, 2))),
+            depth=_config_value(config, "num_layers", 40),
+            width=heads * _config_value(config, "attention_head_dim", 128),
+            heads=heads,
+            ffn_dim=_config_value(config, "ffn_dim", 13824),
+            context_length=context_length,
+            text_dim=_config_value(config, "text_dim", 4096),
+        )
+
+    def config(self, model: Wan) -> dict[str, Any]:
+        return {
+            "_class_name": self.class_name,
+            "_diffusers_version": "0.35.0",
+            "patch_size": list(model.patch),
+            "num_attention_heads": model.heads,
+            "attention_head_dim": model.width // model.heads,
+            "in_channels": model.channels,
+            "out_channels": model.channels,
+            "text_dim": model.text_dim,
+            "freq_dim": 256,
+            "ffn_dim": model.ffn_dim,
+            "num_layers": model.depth,
+            "cross_attn_norm": True,
+            "qk_norm": "rms_norm_across_heads",
+            "eps": 1e-6,
+            "image_dim": None,
+            "added_kv_proj_dim": None,
+            "rope_max_seq_len": 1024,
+            "pos_embed_seq_len": None,
+        }
+
+    def modules(self, model: Wan) -> list[_Module]:
+        conv = (model.width, model.channels, *model.patch)
+        modules = [
+            _Module("patch_embedding", lambda m: m.patch_embed, conv=conv),
+            _Module("condition_embedder.time_embedder.linear_1", lambda m: m.time_mlp[0]),
+            _Module("condition_embedder.time_embedder.linear_2", lambda m: m.time_mlp[1]),
+            _Module("condition_embedder.time_proj", lambda m: m.time_proj),
+            _Module("condition_embedder.text_embedder.linear_1", lambda m: m.text_mlp[0]),
+            _Module("condition_embedder.text_embedder.linear_2", lambda m: m.text_mlp[1]),
+        ]
+        pairs: list[tuple[str, Callable[[Any], Any]]] = [
+            ("attn1.to_q", lambda b: b.self_attn.q),
+            ("attn1.to_k", lambda b: b.self_attn.k),
+            ("attn1.to_v", lambda b: b.self_attn.v),
+            ("attn1.to_out.0", lambda b: b.self_attn.out),
+            ("attn2.to_q", lambda b: b.cross_attn.q),
+            ("attn2.to_k", lambda b: b.cross_attn.k),
+            ("attn2.to_v", lambda b: b.cross_attn.v),
+            ("attn2.to_out.0", lambda b: b.cross_attn.out),
+        ]
+        pairs += [("ffn.net.0.proj", lambda b: b.fc1), ("ffn.net.2", lambda b: b.fc2)]
+        for i in range(model.depth):
+            modules += _linear_pairs(f"blocks.{i}", i, pairs)
+        return modules + [_Module("proj_out", lambda m: m.final_proj)]
+
+    def other_entries(self, model: Wan) -> list[_Entry]:
+        width = model.width
+
+        def table(a: _NpArray) -> _NpArray:
+            return a.reshape(a.shape[1:])
+
+        def batched(a: _NpArray) -> _NpArray:
+            return a.reshape(1, *a.shape)
+
+        entries = [
+            _Entry("scale_shift_table", lambda m: m.final_table, (1, 2, width), table, batched)
+        ]
+        for i in range(model.depth):
+            prefix = f"blocks.{i}"
+            entries.append(
+                _Entry(
+                    f"{prefix}.scale_shift_table",
+                    _in_block(i, lambda b: b.table),
+                    (1, 6, width),
+                    table,
+                    batched,
+                )
+            )
+            names: list[tuple[str, Callable[[Any], Any]]] = [
+                ("attn1.norm_q.weight", lambda b: b.self_attn.norm_q),
+                ("attn1.norm_k.weight", lambda b: b.self_attn.norm_k),
+                ("attn2.norm_q.weight", lambda b: b.cross_attn.norm_q),
+                ("attn2.norm_k.weight", lambda b: b.cross_attn.norm_k),
+                ("norm2.weight", lambda b: b.cross_norm_weight),
+                ("norm2.bias", lambda b: b.cross_norm_bias),
+            ]
+            entries += [
+                _Entry(f"{prefix}.{name}", _in_block(i, get), (width,)) for name, get in names
+            ]
+        return entries
+
+    def computed(self, model: Wan) -> list[tuple[Callable[[Any], Any], _NpArray]]:
+        return []
+
+    def check_exportable(self, model: Wan) -> None:
+        return None
+
+
+_FORMATS: tuple[_AbstractFormat, ...] = (_SD3Format(), _FluxFormat(), _WanFormat())
 
 
 def _format_of(model: Any) -> _AbstractFormat:
@@ -525,30 +663,33 @@ def _on_host(model: Any) -> Any:
 def load_diffusers(
     path: str | os.PathLike[str],
     *,
-    image_size: int | tuple[int, int] | None = None,
+    image_size: int | tuple[int, ...] | None = None,
     context_length: int | None = None,
     dtype: Any = None,
     stacked: bool = True,
 ) -> DiffusersTransformer:
-    """Read a diffusers transformer folder into an `MMDiT` (SD3, SD3.5) or a `Flux` (FLUX.1).
+    """Read a diffusers transformer folder into an `MMDiT` (SD3, SD3.5), a `Flux` (FLUX.1) or a
+    `Wan` (Wan 2.1).
 
     The folder holds `config.json` and `diffusion_pytorch_model.safetensors` (or the
     shards a `diffusion_pytorch_model.safetensors.index.json` lists), as diffusers'
     `save_pretrained` writes them: a pipeline's `transformer/` subfolder. Its config's
     `_class_name` chooses the model: `SD3Transformer2DModel` gives an `MMDiT`,
-    `FluxTransformer2DModel` a `Flux`. Read with `safetensors` into NumPy; torch is not
-    needed. The model computes what diffusers' does, on our conventions: one unbatched
-    channels-last latent, `t` in [0, 1] (diffusers' timestep is `1000 t`), the condition
-    dict (`MMDiTCondition`, `FluxCondition`), the velocity out.
+    `FluxTransformer2DModel` a `Flux`, `WanTransformer3DModel` a `Wan`. Read with
+    `safetensors` into NumPy; torch is not needed. The model computes what diffusers' does,
+    on our conventions: one unbatched channels-last latent (a video's `[F, H, W, C]` for
+    Wan), `t` in [0, 1] (diffusers' timestep is `1000 t`), the condition (`MMDiTCondition`,
+    `FluxCondition`, Wan's text states), the velocity out.
 
     **Arguments:**
 
     - `path`: the folder.
     - `image_size`: the latent size to run at. SD3: an int (the position features are
         cropped for it), `None` for the config's `sample_size`. FLUX: an int or `(height,
-        width)`, both even, `None` for 128 (a 1024 x 1024 image).
-    - `context_length`: the number of text tokens of `cond["context"]`; `None` for the
-        pipelines' default: 77 CLIP + 256 T5 = 333 for SD3, 512 T5 tokens for FLUX.
+        width)`, both even, `None` for 128 (a 1024 x 1024 image). Wan: `(frames, height,
+        width)`, `None` for `(21, 60, 104)` (81 frames at 480 x 832).
+    - `context_length`: the number of text tokens of the condition; `None` for the
+        pipelines' default: 77 CLIP + 256 T5 = 333 for SD3, 512 T5 tokens for FLUX and Wan.
     - `dtype`: the parameters' dtype, e.g. `jnp.bfloat16`; `None` keeps the
         checkpoint's (float32 for a float32 checkpoint).
     - `stacked`: the block layout (see `MMDiT`): stacked per group of one structure
@@ -557,7 +698,7 @@ def load_diffusers(
 
     **Returns:**
 
-    The `MMDiT` or `Flux`.
+    The `MMDiT`, `Flux` or `Wan`.
 
     **Raises:**
 
@@ -638,19 +779,20 @@ def _exportable_format(model: Any) -> _AbstractFormat:
 def save_diffusers(
     path: str | os.PathLike[str], model: DiffusersTransformer, *, dtype: Any = None
 ) -> None:
-    """Write an `MMDiT` or a `Flux` as a diffusers transformer folder.
+    """Write an `MMDiT`, a `Flux` or a `Wan` as a diffusers transformer folder.
 
     `config.json` and `diffusion_pytorch_model.safetensors`, which
     `SD3Transformer2DModel.from_pretrained(path)` (for an `MMDiT`; the position buffer written
     in full, with this model's features at its centre) or
-    `FluxTransformer2DModel.from_pretrained(path)` (for a `Flux`) reads; stacked blocks are
+    `FluxTransformer2DModel.from_pretrained(path)` (for a `Flux`) or
+    `WanTransformer3DModel.from_pretrained(path)` (for a `Wan`) reads; stacked blocks are
     written one per block, as diffusers holds them. For a LoRA policy, save
     `lora.merge(policy)`; `save_diffusers_lora` writes the adapters alone.
 
     **Arguments:**
 
     - `path`: the folder, created if missing; existing files of those names are replaced.
-    - `model`: the `MMDiT` or `Flux`.
+    - `model`: the `MMDiT`, `Flux` or `Wan`.
     - `dtype`: the dtype to write, e.g. `jnp.bfloat16`; `None` keeps the parameters'.
 
     **Raises:**
@@ -673,8 +815,8 @@ def save_diffusers(
 
 
 def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
-    """Write the LoRA adapters of an `MMDiT` or `Flux` policy alone, as diffusers' LoRA loaders
-    read them.
+    """Write the LoRA adapters of an `MMDiT`, `Flux` or `Wan` policy alone, as diffusers' LoRA
+    loaders read them.
 
     Writes `path/pytorch_lora_weights.safetensors` with, for each adapted layer, the keys
     `transformer.<module>.lora_A.weight` (our `a`, `[rank, in]`) and `...lora_B.weight`
@@ -684,7 +826,7 @@ def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
     LoRA of `pos_embed.proj`). diffusers loads them onto the pipeline's transformer with
 
     ```text
-    pipe.load_lora_weights("PATH")  # a StableDiffusion3Pipeline or FluxPipeline of the base
+    pipe.load_lora_weights("PATH")  # the StableDiffusion3, Flux or Wan pipeline of the base
     ```
 
     and the pipeline then computes what `lora.merge(model)` computes.
@@ -693,7 +835,7 @@ def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
 
     - `path`: the folder, created if missing.
     - `model`: a `LoraModel` (from `lora.add` or `lora.load_adapters`) whose base is an
-        `MMDiT` or a `Flux`.
+        `MMDiT`, a `Flux` or a `Wan`.
 
     **Raises:**
 
@@ -717,7 +859,7 @@ def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
         b = (b.astype(np.float32) * scale).astype(b.dtype)
         if module.conv is not None:
             a = module.to_theirs(a)
-            b = b[:, :, None, None]
+            b = module.lora_b(b)
         tensors[f"transformer.{module.name}.lora_A.weight"] = np.ascontiguousarray(a)
         tensors[f"transformer.{module.name}.lora_B.weight"] = np.ascontiguousarray(b)
     folder = pathlib.Path(path)

@@ -1,5 +1,6 @@
 """The layers the transformers share: dense maps, adaLN, patches and attention."""
 
+import math
 from typing import Any, Literal, TypeAlias, final, get_args
 
 import equinox as eqx
@@ -26,6 +27,17 @@ def layer_norm(h: Float[Array, "S D"]) -> Float[Array, "S D"]:
     mean = jnp.mean(h, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
     return (h - mean) * jax.lax.rsqrt(var + _LN_EPS)
+
+
+def time_features(t: Float[Array, ""], dim: int) -> Float[Array, " dim"]:
+    """diffusers' `Timesteps(dim, flip_sin_to_cos=True, downscale_freq_shift=0)` of the timestep
+    `1000 t` for `t` in [0, 1], in float32: `[cos(1000 t f_k), sin(1000 t f_k)]` with
+    `f_k = exp(-log(10^4) k / (dim / 2))`, each operation in diffusers' order, so the features
+    agree to the last bit or so (SD3's, FLUX's and Wan's time embeddings start with them)."""
+    half = dim // 2
+    exponent = -math.log(10_000.0) * jnp.arange(half, dtype=jnp.float32) / half
+    args = (1000.0 * t.astype(jnp.float32)) * jnp.exp(exponent)
+    return jnp.concatenate([jnp.cos(args), jnp.sin(args)])
 
 
 def modulate(
@@ -99,7 +111,20 @@ def attend(
 
     `settings` chooses the implementation (`Attention`); all compute the same function.
     """
-    q, k, v = qkv[0], qkv[1], qkv[2]
+    return attend_to(qkv[0], qkv[1], qkv[2], settings)
+
+
+def attend_to(
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "K heads head_dim"],
+    v: Float[Array, "K heads head_dim"],
+    settings: AttentionSettings,
+) -> Float[Array, "S D"]:
+    """Multi-head attention of `S` queries over `K` keys and values (a cross-attention when
+    they come from another sequence), heads merged back, `[S, D]`.
+
+    `settings` chooses the implementation (`Attention`); all compute the same function.
+    """
     # jax's attention mixes a half-precision query with its float32 logits internally, which
     # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
     with jax.numpy_dtype_promotion("standard"):
@@ -113,8 +138,8 @@ def attend(
 
 def _chunked_attention(
     q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "S heads head_dim"],
-    v: Float[Array, "S heads head_dim"],
+    k: Float[Array, "K heads head_dim"],
+    v: Float[Array, "K heads head_dim"],
     chunk: int,
 ) -> Float[Array, "S heads head_dim"]:
     """Attention over all keys for `chunk` queries at a time, each chunk rematerialised.

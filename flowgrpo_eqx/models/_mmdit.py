@@ -22,6 +22,7 @@ from ._layers import (
     layer_norm,
     modulate,
     patchify,
+    time_features,
     unpatchify,
 )
 from ._mlp import _init_linears, _uniform_arrays, _zero_linear
@@ -51,16 +52,8 @@ class MMDiTCondition(TypedDict):
 
 
 def _sd3_time_features(t: Float[Array, ""]) -> Float[Array, " 256"]:
-    """SD3's time features of `t` in [0, 1], in float32, as diffusers computes them.
-
-    diffusers' `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` of the timestep
-    `1000 t`: `[cos(1000 t f_k), sin(1000 t f_k)]` with `f_k = exp(-log(10^4) k / 128)`, each
-    operation in diffusers' order, so the features agree to the last bit or so.
-    """
-    half = _TIME_FEATURES // 2
-    exponent = -math.log(10_000.0) * jnp.arange(half, dtype=jnp.float32) / half
-    args = (1000.0 * t.astype(jnp.float32)) * jnp.exp(exponent)
-    return jnp.concatenate([jnp.cos(args), jnp.sin(args)])
+    """SD3's 256 time features of `t` in [0, 1] (`time_features` of the timestep `1000 t`)."""
+    return time_features(t, _TIME_FEATURES)
 
 
 def _pos_table(

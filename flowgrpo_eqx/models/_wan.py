@@ -1,0 +1,440 @@
+"""The Wan 2.1 video transformer, as diffusers' `WanTransformer3DModel` computes it."""
+
+import math
+from typing import Any, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._distributed import gather_weights
+from .._misc import check_int
+from ._flux import _apply_rope, rope_tables
+from ._layers import (
+    Attention,
+    AttentionSettings,
+    attend_to,
+    dense,
+    layer_norm,
+    modulate,
+    time_features,
+)
+from ._mlp import _init_linears, _zero_linear
+from ._mmdit import _rms_norm
+from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
+
+
+_FREQ_DIM = 256
+
+
+def wan_rope_dims(head_dim: int) -> tuple[int, int, int]:
+    """The rotary feature widths of Wan's frame, row and column axes for a head width.
+
+    diffusers' `WanRotaryPosEmbed`: rows and columns get `2 * (head_dim // 6)` each, frames
+    the rest (44, 42, 42 for Wan 2.1's head width 128).
+    """
+    side = 2 * (head_dim // 6)
+    return head_dim - 2 * side, side, side
+
+
+def wan_position_ids(frames: int, rows: int, cols: int) -> np.ndarray:
+    """`(frame, row, column)` of each patch token, frame-major then row-major (the order of
+    diffusers' `patch_embedding(...).flatten(2)`), `[frames * rows * cols, 3]` float32."""
+    grid = np.stack(
+        np.meshgrid(np.arange(frames), np.arange(rows), np.arange(cols), indexing="ij"), axis=-1
+    )
+    return grid.reshape(-1, 3).astype(np.float32)
+
+
+@final
+class _WanAttention(eqx.Module):
+    """One attention's weights (diffusers' `WanAttention`): queries, keys, values, the output
+    projection, and RMS norms of the queries and the keys across all heads at once.
+
+    **Arguments:**
+
+    - `width`: the token width.
+    - `key`: a JAX PRNG key for the initialisation.
+    """
+
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    out: eqx.nn.Linear
+    norm_q: Float[Array, " D"]
+    norm_k: Float[Array, " D"]
+
+    def __init__(self, width: int, *, key: PRNGKeyArray) -> None:
+        self.q, self.k, self.v, self.out = _init_linears([(width, width)] * 4, key=key)
+        self.norm_q = jax.device_put(np.ones((width,), np.float32))
+        self.norm_k = jax.device_put(np.ones((width,), np.float32))
+
+    def __call__(
+        self,
+        h: Float[Array, "S D"],
+        source: Float[Array, "K D"],
+        heads: int,
+        rope: tuple[Float[Array, "S hd"], Float[Array, "S hd"]] | None,
+        attention: AttentionSettings,
+    ) -> Float[Array, "S D"]:
+        """Attention of `h`'s tokens over `source`'s (itself for self-attention), with the
+        rotary positions on queries and keys when `rope` is given."""
+
+        def split(x: Float[Array, "N D"]) -> Float[Array, "N heads hd"]:
+            return x.reshape(x.shape[0], heads, -1)
+
+        q = split(_rms_norm(dense(self.q, h), self.norm_q))
+        k = split(_rms_norm(dense(self.k, source), self.norm_k))
+        v = split(dense(self.v, source))
+        if rope is not None:
+            q, k, v = _apply_rope(jnp.stack([q, k, v]), *rope)
+        out: Float[Array, "S D"] = dense(self.out, attend_to(q, k, v, attention))
+        return out
+
+
+@final
+class _WanBlock(eqx.Module):
+    """One Wan transformer block (diffusers' `WanTransformerBlock`).
+
+    A learned `[6, D]` table plus the time projection gives shift, scale and gate of the
+    self-attention and of the feed-forward; the self-attention has rotary positions; the
+    cross-attention to the text tokens follows an affine LayerNorm (`cross_attn_norm`) and is
+    added without a gate; the feed-forward is tanh-GELU.
+
+    **Arguments:**
+
+    - `width`: the token width.
+    - `ffn_dim`: the feed-forward hidden width.
+    - `key`: a JAX PRNG key for the initialisation.
+    """
+
+    table: Float[Array, "6 D"]
+    self_attn: _WanAttention
+    cross_norm_weight: Float[Array, " D"]
+    cross_norm_bias: Float[Array, " D"]
+    cross_attn: _WanAttention
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, width: int, ffn_dim: int, *, key: PRNGKeyArray) -> None:
+        k_table, k_self, k_cross, k_ff = jax.random.split(key, 4)
+        self.table = jax.random.normal(k_table, (6, width), jnp.float32) / math.sqrt(width)
+        self.self_attn = _WanAttention(width, key=k_self)
+        self.cross_norm_weight = jax.device_put(np.ones((width,), np.float32))
+        self.cross_norm_bias = jax.device_put(np.zeros((width,), np.float32))
+        self.cross_attn = _WanAttention(width, key=k_cross)
+        self.fc1, self.fc2 = _init_linears([(width, ffn_dim), (ffn_dim, width)], key=k_ff)
+
+    def __call__(
+        self,
+        h: Float[Array, "S D"],
+        context: Float[Array, "L D"],
+        time: Float[Array, "6 D"],
+        heads: int,
+        rope: tuple[Float[Array, "S hd"], Float[Array, "S hd"]],
+        attention: AttentionSettings,
+    ) -> Float[Array, "S D"]:
+        mod = self.table.astype(time.dtype) + time
+        h = h + mod[2][None, :] * self._self_attention(h, mod, heads, rope, attention)
+        normed = layer_norm(h) * self.cross_norm_weight[None, :] + self.cross_norm_bias[None, :]
+        h = h + self.cross_attn(normed, context, heads, None, attention)
+        hidden = jax.nn.gelu(
+            dense(self.fc1, modulate(layer_norm(h), mod[3], mod[4])), approximate=True
+        )
+        out: Float[Array, "S D"] = h + mod[5][None, :] * dense(self.fc2, hidden)
+        return out
+
+    def _self_attention(
+        self,
+        h: Float[Array, "S D"],
+        mod: Float[Array, "6 D"],
+        heads: int,
+        rope: tuple[Float[Array, "S hd"], Float[Array, "S hd"]],
+        attention: AttentionSettings,
+    ) -> Float[Array, "S D"]:
+        normed = modulate(layer_norm(h), mod[0], mod[1])
+        return self.self_attn(normed, normed, heads, rope, attention)
+
+
+def _check_wan(sizes: dict[str, Any], patch: tuple[int, ...], latent: tuple[int, ...]) -> None:
+    """Raise a `ValueError` naming the `Wan` argument that does not fit the others."""
+    for name, value in sizes.items():
+        check_int(name, value, 1)
+    if len(patch) != 3 or any(
+        isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in patch
+    ):
+        raise ValueError(f"`patch` must be three positive ints, got {patch!r}.")
+    if len(latent) != 3 or any(
+        isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in latent
+    ):
+        raise ValueError(f"`latent_size` must be three positive ints, got {latent!r}.")
+    if any(d % p for d, p in zip(latent, patch, strict=True)):
+        raise ValueError(f"`patch` ({patch}) must divide `latent_size` ({latent}) on each axis.")
+    if sizes["width"] % sizes["heads"]:
+        raise ValueError(f"`heads` ({sizes['heads']}) must divide `width` ({sizes['width']}).")
+    head_dim = sizes["width"] // sizes["heads"]
+    if head_dim % 2 or min(wan_rope_dims(head_dim)) < 2:
+        raise ValueError(
+            f"the head width `width // heads` ({head_dim}) must be even and at least 6 "
+            "(three rotary axes)."
+        )
+
+
+@final
+class Wan(AbstractAttentionModel):
+    """The Wan 2.1 text-to-video transformer as a velocity network `v(x, t, cond)`.
+
+    Wan 2.1 (Alibaba, 2025) on one unbatched channels-last video latent `[F, H, W, C]`,
+    computing what diffusers' `WanTransformer3DModel` computes (`load_diffusers` loads its
+    weights, `save_diffusers` writes them back):
+
+    - the latent cut into `patch = (1, 2, 2)` patches (frames, rows, columns), each linearly
+        embedded (diffusers' strided 3D convolution), frame-major then row-major;
+    - the text tokens (umT5-XXL's states) through a tanh-GELU MLP (`text_embedder`);
+    - the time: 256 sinusoidal features of `1000 t`, an MLP (`temb`), and a linear map of
+        `silu(temb)` to six vectors that every block adds to its own learned `[6, D]` table
+        (shift, scale, gate of the self-attention, then of the feed-forward);
+    - `depth` blocks: self-attention with RMS qk-norm across heads and rotary positions
+        over frames, rows and columns (`wan_rope_dims` of the head width), a cross-attention
+        to the text after an affine LayerNorm, a tanh-GELU feed-forward;
+    - a final LayerNorm modulated by a learned `[2, D]` table plus `temb` (shift, scale),
+        a linear map to each patch's values, and the unpatching.
+
+    A fresh model's time projection and final projection are zero (velocity 0); its tables are
+    drawn as diffusers draws them (`N(0, 1) / sqrt(D)`). The blocks are held as `MMDiT`'s are
+    (`stacked`, `remat`, `attention`, `with_settings`), in one group. Computes in the dtype of
+    its parameters and returns the dtype of `x`. `Wan.t2v_1_3b_config()` and
+    `Wan.t2v_14b_config()` give Wan 2.1's two text-to-video sizes.
+
+    `cond` is the text's per-token states, `[context_length, text_dim]` (512 tokens of width
+    4096 from umT5-XXL in diffusers' `WanPipeline`).
+
+    **Arguments:**
+
+    - `latent_size`: the latent's `(frames, height, width)`; `patch` divides each.
+    - `channels`: the latent channels (16 in Wan 2.1).
+    - `patch`: the patch's `(frames, rows, columns)`, `(1, 2, 2)` in Wan 2.1.
+    - `depth`: the number of blocks (`num_layers`).
+    - `width`: the token width (`num_attention_heads * attention_head_dim`).
+    - `heads`: the number of attention heads, dividing `width`.
+    - `ffn_dim`: the feed-forward hidden width.
+    - `context_length`: the number of text tokens.
+    - `text_dim`: the width of the text states.
+    - `stacked`, `remat`, `attention`, `attention_chunk`: as `MMDiT`'s.
+    - `key`: a JAX PRNG key for the initialisation.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, when a size is not a positive int, `patch` does not
+        divide `latent_size`, `heads` does not divide `width`, the head width is odd or below
+        6, or a layout or attention setting is not one of its values.
+    """
+
+    patch_embed: eqx.nn.Linear
+    time_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear]
+    time_proj: eqx.nn.Linear
+    text_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear]
+    blocks: tuple[_WanBlock, ...]  # as `block_layout` holds them
+    block_layout: AbstractBlockLayout
+    attention_settings: AttentionSettings
+    final_table: Float[Array, "2 D"]
+    final_proj: eqx.nn.Linear
+    latent_size: tuple[int, int, int] = eqx.field(static=True)
+    channels: int = eqx.field(static=True)
+    patch: tuple[int, int, int] = eqx.field(static=True)
+    depth: int = eqx.field(static=True)
+    width: int = eqx.field(static=True)
+    heads: int = eqx.field(static=True)
+    ffn_dim: int = eqx.field(static=True)
+    context_length: int = eqx.field(static=True)
+    text_dim: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        latent_size: tuple[int, int, int] = (3, 8, 8),
+        channels: int = 4,
+        patch: tuple[int, int, int] = (1, 2, 2),
+        depth: int = 2,
+        width: int = 48,
+        heads: int = 2,
+        ffn_dim: int = 96,
+        context_length: int = 8,
+        text_dim: int = 32,
+        stacked: bool = True,
+        remat: Remat = None,
+        attention: Attention = "xla",
+        attention_chunk: int = 512,
+        *,
+        key: PRNGKeyArray,
+    ) -> None:
+        sizes = dict(
+            channels=channels,
+            depth=depth,
+            width=width,
+            heads=heads,
+            ffn_dim=ffn_dim,
+            context_length=context_length,
+            text_dim=text_dim,
+        )
+        _check_wan(sizes, tuple(patch), tuple(latent_size))
+        self.block_layout = block_layout(stacked, remat, ((0, depth),))
+        self.attention_settings = AttentionSettings(attention, attention_chunk)
+        self.latent_size = (latent_size[0], latent_size[1], latent_size[2])
+        self.channels = channels
+        self.patch = (patch[0], patch[1], patch[2])
+        self.depth = depth
+        self.width = width
+        self.heads = heads
+        self.ffn_dim = ffn_dim
+        self.context_length = context_length
+        self.text_dim = text_dim
+        patch_dim = math.prod(self.patch) * channels
+        k_lin, k_table, k_final, *k_blocks = (jax.random.fold_in(key, i) for i in range(3 + depth))
+        # As diffusers draws its modulation tables: N(0, 1) / sqrt(width).
+        self.final_table = jax.random.normal(k_table, (2, width), jnp.float32) / math.sqrt(width)
+        embed, time_0, time_1, text_0, text_1 = _init_linears(
+            [
+                (patch_dim, width),
+                (_FREQ_DIM, width),
+                (width, width),
+                (text_dim, width),
+                (width, width),
+            ],
+            key=k_lin,
+        )
+        self.patch_embed = embed
+        self.time_mlp = (time_0, time_1)
+        self.text_mlp = (text_0, text_1)
+        self.time_proj = _zero_linear(width, 6 * width, key=k_final)
+        self.blocks = self.block_layout.hold([_WanBlock(width, ffn_dim, key=k) for k in k_blocks])
+        self.final_proj = _zero_linear(width, patch_dim, key=k_final)
+
+    @property
+    def block_groups(self) -> tuple[tuple[int, int], ...]:
+        """One group: every block has one structure."""
+        return ((0, self.depth),)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """The patch grid: `latent_size` over `patch`, axis by axis."""
+        f, h, w = self.latent_size
+        pf, ph, pw = self.patch
+        return f // pf, h // ph, w // pw
+
+    @classmethod
+    def t2v_1_3b_config(cls) -> dict[str, Any]:
+        """The constructor arguments of Wan 2.1-T2V-1.3B at 480 x 832, 81 frames.
+
+        diffusers' `Wan-AI/Wan2.1-T2V-1.3B-Diffusers` transformer `config.json`: `num_layers
+        30, num_attention_heads 12, attention_head_dim 128, ffn_dim 8960, text_dim 4096,
+        freq_dim 256, patch_size [1, 2, 2], in_channels 16, qk_norm rms_norm_across_heads,
+        cross_attn_norm true`; the latent of 81 frames at 480 x 832 (the VAE's 4x temporal
+        and 8x spatial compression: 21 x 60 x 104 x 16); 512 text tokens.
+
+        **Returns:**
+
+        A dict of keyword arguments for `Wan`.
+        """
+        return dict(
+            latent_size=(21, 60, 104),
+            channels=16,
+            patch=(1, 2, 2),
+            depth=30,
+            width=1536,
+            heads=12,
+            ffn_dim=8960,
+            context_length=512,
+            text_dim=4096,
+        )
+
+    @classmethod
+    def t2v_14b_config(cls) -> dict[str, Any]:
+        """The constructor arguments of Wan 2.1-T2V-14B at 720 x 1280, 81 frames.
+
+        `Wan-AI/Wan2.1-T2V-14B-Diffusers`: `num_layers 40, num_attention_heads 40,
+        attention_head_dim 128, ffn_dim 13824`, otherwise as the 1.3B; the latent of 81
+        frames at 720 x 1280 is 21 x 90 x 160 x 16.
+
+        **Returns:**
+
+        A dict of keyword arguments for `Wan`.
+        """
+        return {
+            **cls.t2v_1_3b_config(),
+            "latent_size": (21, 90, 160),
+            "depth": 40,
+            "width": 5120,
+            "heads": 40,
+            "ffn_dim": 13824,
+        }
+
+    def rope(self) -> tuple[Float[Array, "S hd"], Float[Array, "S hd"]]:
+        """The rotary features `(cos, sin)` of every patch token."""
+        cos, sin = rope_tables(
+            wan_position_ids(*self.grid), wan_rope_dims(self.width // self.heads)
+        )
+        return jnp.asarray(cos), jnp.asarray(sin)
+
+    def _patchify(self, x: Float[Array, "F H W C"]) -> Float[Array, "N P"]:
+        (gf, gh, gw), (pf, ph, pw) = self.grid, self.patch
+        patches = x.reshape(gf, pf, gh, ph, gw, pw, self.channels).transpose(0, 2, 4, 1, 3, 5, 6)
+        return patches.reshape(gf * gh * gw, pf * ph * pw * self.channels)
+
+    def _unpatchify(self, tokens: Float[Array, "N P"]) -> Float[Array, "F H W C"]:
+        (gf, gh, gw), (pf, ph, pw) = self.grid, self.patch
+        x = tokens.reshape(gf, gh, gw, pf, ph, pw, self.channels).transpose(0, 3, 1, 4, 2, 5, 6)
+        return x.reshape(*self.latent_size, self.channels)
+
+    def __call__(
+        self,
+        x: Float[Array, "F H W C"],
+        t: Float[Array, ""],
+        cond: Float[Array, "context_length text_dim"],
+    ) -> Float[Array, "F H W C"]:
+        """The velocity at one unbatched video latent.
+
+        **Arguments:**
+
+        - `x`: the latent, `[*latent_size, channels]`, channels-last.
+        - `t`: the time, a scalar in `[0, 1]` (`t = 1` is noise; diffusers' timestep is
+            `1000 t`).
+        - `cond`: the text states, `[context_length, text_dim]`.
+
+        **Returns:**
+
+        The velocity, `[*latent_size, channels]`, in the dtype of `x`.
+
+        **Raises:**
+
+        - `ValueError`: naming `x`, `t` or `cond` when its shape is wrong.
+        """
+        want = (*self.latent_size, self.channels)
+        if x.shape != want:
+            raise ValueError(f"`x` must have shape {want}, got {x.shape}.")
+        if t.shape != ():
+            raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
+        if cond.shape != (self.context_length, self.text_dim):
+            raise ValueError(
+                f"`cond` must have shape {(self.context_length, self.text_dim)}, got {cond.shape}."
+            )
+        outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
+        dtype = outer.patch_embed.weight.dtype
+        temb = dense(
+            outer.time_mlp[1],
+            jax.nn.silu(dense(outer.time_mlp[0], time_features(t, _FREQ_DIM).astype(dtype)[None])),
+        )
+        time = dense(outer.time_proj, jax.nn.silu(temb))[0].reshape(6, self.width)
+        hidden = jax.nn.gelu(dense(outer.text_mlp[0], cond.astype(dtype)), approximate=True)
+        context = dense(outer.text_mlp[1], hidden)
+        h = dense(outer.patch_embed, outer._patchify(x.astype(dtype)))
+        rope = self.rope()
+
+        def step(block: _WanBlock, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
+            return block(h, context, time, self.heads, rope, self.attention_settings)
+
+        h = self.block_layout.run(self.blocks, step, h)
+        mod = outer.final_table.astype(dtype) + temb
+        out = dense(outer.final_proj, modulate(layer_norm(h), mod[0], mod[1]))
+        return self._unpatchify(out).astype(x.dtype)
