@@ -1,8 +1,15 @@
-"""`python -m bench.scale [--size sd35_medium|sd3_medium|small] [--resolution 512|1024]
-[--rows-per-device R] [--devices 8] [--modes a,b]`: the memory and compile plan of a step.
+"""`python -m bench.scale [--size sd35_medium|sd3_medium|flux_dev|wan_1_3b|small]
+[--resolution 512|1024 | --height H --width W --frames F] [--rows-per-device R] [--devices 8]
+[--modes a,b]`: the memory and compile plan of a step.
 
 Builds the Flow-GRPO training step (`FlowGRPOObjective` with a KL reference, `beta = 0.04`,
-classifier-free guidance 4.5, AdamW) of the `MMDiT` for `--devices` simulated CPU devices
+AdamW) of the model for `--devices` simulated CPU devices, with each release's guidance:
+classifier-free 4.5 for SD3 (the Flow-GRPO release), the embedded guidance 3.5 of FLUX.1-dev
+(flow_grpo's FLUX recipes; its grid `RectifiedFlow(shift=flux_shift(tokens), grid="flux")`),
+none for Wan 2.1 (DanceGRPO's Wan trainer runs with `--cfg 0`). Sizes: SD3.5-Medium and
+SD3-Medium (`MMDiT`) at `--resolution`, FLUX.1-dev (`Flux`) at `--resolution`, Wan
+2.1-T2V-1.3B (`Wan`) at `--height` x `--width` (default 480 x 832) and `--frames` (default 81;
+the VAE keeps `1 + (frames - 1) / 4` latent frames). The step is built on simulated devices
 (`--xla_force_host_platform_device_count`), abstractly: the model and the training state are
 `eqx.filter_eval_shape`d, the step is lowered and compiled for the mesh (under the mesh, as
 `Trainer.update` runs it), nothing is executed and no parameter is materialised. `R` rows per
@@ -51,10 +58,15 @@ def _force_devices(count: int) -> None:
 
 
 def attention_layers(model: Any) -> list[Any]:
-    """Every attention projection of an `MMDiT`: the layers the Flow-GRPO release adapts."""
+    """Every attention projection (queries, keys, values, output) of an `MMDiT`, a `Flux` or a
+    `Wan`: the layers the Flow-GRPO release adapts (`to_q`, `to_k`, `to_v`, `to_out.0` and the
+    text stream's)."""
     layers = []
     for block in model.blocks:
-        for attn in (block.image.attn, block.context.attn, block.attn2):
+        attentions = [
+            getattr(block, name, None) for name in ("attn", "attn2", "self_attn", "cross_attn")
+        ] + [getattr(getattr(block, stream, None), "attn", None) for stream in ("image", "context")]
+        for attn in attentions:
             if attn is not None:
                 layers += [attn.q, attn.k, attn.v] + ([] if attn.out is None else [attn.out])
     return layers
@@ -85,9 +97,14 @@ def all_gathers(hlo_text: str, shapes: set[tuple[int, ...]]) -> tuple[int, list[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
     parser.add_argument(
-        "--size", choices=("sd35_medium", "sd3_medium", "small"), default="sd35_medium"
+        "--size",
+        choices=("sd35_medium", "sd3_medium", "flux_dev", "wan_1_3b", "small"),
+        default="sd35_medium",
     )
     parser.add_argument("--resolution", type=int, choices=(512, 1024), default=512)
+    parser.add_argument("--height", type=int, default=480, help="Wan: the video's height")
+    parser.add_argument("--width", type=int, default=832, help="Wan: the video's width")
+    parser.add_argument("--frames", type=int, default=81, help="Wan: the video's frames")
     parser.add_argument("--rows-per-device", type=int, default=9)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--remat", choices=("nothing", "dots", "none"), default="nothing")
@@ -110,27 +127,38 @@ def main(argv: list[str] | None = None) -> int:
     import flowgrpo_eqx as fg
     from flowgrpo_eqx import lora
     from flowgrpo_eqx._distributed import DATA_AXIS, fsdp_spec
-    from flowgrpo_eqx.models import MMDiT
+    from flowgrpo_eqx.models import Flux, MMDiT, Wan
     from flowgrpo_eqx.train import Trainer
 
-    settings: dict[str, Any]
-    if arguments.size == "sd35_medium":
-        settings = MMDiT.sd35_medium_config()
-    elif arguments.size == "sd3_medium":
-        settings = MMDiT.sd3_medium_config()
-    else:
-        settings = dict(
-            image_size=16, channels=4, patch=2, depth=3, context_length=8, context_dim=32,
-            pooled_dim=32, qk_norm="rms_norm", dual_attention_layers=(0,),
-        )  # fmt: skip
-    if arguments.size != "small":
-        settings["image_size"] = arguments.resolution // 8  # the VAE's 8x downsampling
-    settings.update(
+    layout = dict(
         stacked=True,
         remat=None if arguments.remat == "none" else arguments.remat,
         attention=arguments.attention,
         attention_chunk=arguments.attention_chunk,
     )
+    settings: dict[str, Any]
+    model_class: Any = MMDiT
+    if arguments.size == "sd35_medium":
+        settings = MMDiT.sd35_medium_config()
+    elif arguments.size == "sd3_medium":
+        settings = MMDiT.sd3_medium_config()
+    elif arguments.size == "flux_dev":
+        model_class = Flux
+        side = arguments.resolution // 8  # the VAE's 8x downsampling
+        settings = {**Flux.dev_config(), "image_size": (side, side)}
+    elif arguments.size == "wan_1_3b":
+        model_class = Wan
+        frames = 1 + (arguments.frames - 1) // 4  # the VAE's 4x in time, the first frame kept
+        latent = (frames, arguments.height // 8, arguments.width // 8)
+        settings = {**Wan.t2v_1_3b_config(), "latent_size": latent}
+    else:
+        settings = dict(
+            image_size=16, channels=4, patch=2, depth=3, context_length=8, context_dim=32,
+            pooled_dim=32, qk_norm="rms_norm", dual_attention_layers=(0,),
+        )  # fmt: skip
+    if arguments.size in ("sd35_medium", "sd3_medium"):
+        settings["image_size"] = arguments.resolution // 8
+    settings.update(layout)
     devices = arguments.devices
     mesh = fg.data_mesh(devices)
     rows = devices * arguments.rows_per_device
@@ -166,15 +194,35 @@ def main(argv: list[str] | None = None) -> int:
             lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), tree
         )
 
-    model = eqx.filter_eval_shape(lambda key: MMDiT(**settings, key=key), jax.random.key(0))
-    latent = (model.image_size, model.image_size, model.channels)
-    null = {
-        "context": jnp.zeros((model.context_length, model.context_dim), jnp.float32),
-        "pooled": jnp.zeros((model.pooled_dim,), jnp.float32),
-    }
+    model = eqx.filter_eval_shape(lambda key: model_class(**settings, key=key), jax.random.key(0))
     parameters = sum(
         leaf.size for leaf in jax.tree.leaves(model) if isinstance(leaf, jax.ShapeDtypeStruct)
     )
+    guidance: Any
+    if isinstance(model, Wan):
+        latent = (*model.latent_size, model.channels)
+        input_spec = fg.InputSpec(latent_shape=latent)
+        cond: Any = jax.ShapeDtypeStruct((rows, model.context_length, model.text_dim), jnp.float32)
+        flow = fg.RectifiedFlow(shift=3.0)
+        guidance = None
+    else:
+        latent = (
+            (*model.image_size, model.channels)
+            if isinstance(model, Flux)
+            else (model.image_size, model.image_size, model.channels)
+        )
+        text = {"context": (model.context_length, model.context_dim), "pooled": (model.pooled_dim,)}
+        cond = {k: jax.ShapeDtypeStruct((rows, *shape), jnp.float32) for k, shape in text.items()}
+        if isinstance(model, Flux):
+            input_spec = fg.InputSpec(select=("context", "pooled"), latent_shape=latent)
+            tokens = (latent[0] // 2) * (latent[1] // 2)
+            flow = fg.RectifiedFlow(shift=fg.flux_shift(tokens), grid="flux")
+            guidance = fg.EmbeddedGuidance(3.5)
+        else:
+            null = {k: jnp.zeros(shape, jnp.float32) for k, shape in text.items()}
+            input_spec = fg.InputSpec(select=("context", "pooled"), null=null, latent_shape=latent)
+            flow = fg.RectifiedFlow(shift=3.0)
+            guidance = fg.CFG(4.5)
     batch = fg.Transitions(
         latents=jax.ShapeDtypeStruct((rows, 1, *latent), jnp.float32),
         next_latents=jax.ShapeDtypeStruct((rows, 1, *latent), jnp.float32),
@@ -183,12 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         old_log_probs=jax.ShapeDtypeStruct((rows, 1), jnp.float32),
         transition_mask=jax.ShapeDtypeStruct((rows, 1), jnp.bool_),
         advantages=jax.ShapeDtypeStruct((rows,), jnp.float32),
-        cond={
-            "context": jax.ShapeDtypeStruct(
-                (rows, model.context_length, model.context_dim), jnp.float32
-            ),
-            "pooled": jax.ShapeDtypeStruct((rows, model.pooled_dim), jnp.float32),
-        },
+        cond=cond,
     )
     results: dict[str, Any] = {}
     for mode in modes:
@@ -204,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         objective = fg.FlowGRPOObjective(
             policy,
-            fg.RectifiedFlow(shift=3.0),
-            fg.InputSpec(select=("context", "pooled"), null=null, latent_shape=latent),
-            guidance=fg.CFG(4.5),
+            flow,
+            input_spec,
+            guidance=guidance,
             beta=BETA,
             clip_range=1e-4,
             precision="bfloat16" if mode.endswith("bfloat16") else "float32",
@@ -254,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "size": arguments.size,
         "settings": {k: v for k, v in settings.items() if not callable(v)},
         "parameters": int(parameters),
-        "resolution": arguments.resolution if arguments.size != "small" else None,
+        "latent": list(latent),
         "devices": devices,
         "rows_per_device": rows // devices,
         "microbatches": arguments.microbatches,

@@ -23,6 +23,7 @@ import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import Flux, load_diffusers, save_diffusers, save_diffusers_lora
 from flowgrpo_eqx.models._diffusers import _layout
+from tests.diffusers_helpers import count, random_lora, relative, vcall
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -44,29 +45,19 @@ def io() -> dict[str, np.ndarray]:
     return dict(np.load(TINY / "io.npz"))
 
 
-@eqx.filter_jit
-def _vcall(model: Any, x: Any, t: Any, cond: Any) -> jax.Array:
-    out: jax.Array = jax.vmap(model)(x, t, cond)
-    return out
-
-
 def _velocity(model: Any, io: dict[str, np.ndarray]) -> np.ndarray:
     cond = {"context": io["context"], "pooled": io["pooled"], "guidance": io["guidance"]}
-    return np.asarray(_vcall(model, io["x"], io["t"], cond), np.float32)
-
-
-def _relative(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    return np.asarray(vcall(model, io["x"], io["t"], cond), np.float32)
 
 
 def test_load_diffusers_matches_diffusers(tiny: Flux, io: dict[str, np.ndarray]) -> None:
     assert tiny.guidance_embeds and tiny.guidance_mlp is not None
     assert (tiny.double_depth, tiny.single_depth, tiny.channels) == (2, 2, 4)
     assert tiny.stacked and tiny.block_groups == ((0, 2), (2, 4))
-    assert _relative(_velocity(tiny, io), io["v"]) < 1e-4
+    assert relative(_velocity(tiny, io), io["v"]) < 1e-4
     # The guidance scale is an input: another scale, another velocity.
     other = dict(io, guidance=io["guidance"] + 2.0)
-    assert _relative(_velocity(tiny, other), io["v"]) > 1e-3
+    assert relative(_velocity(tiny, other), io["v"]) > 1e-3
 
 
 def test_every_layout_and_attention_computes_the_same(
@@ -114,10 +105,6 @@ def test_unused_and_missing_keys_are_listed(tmp_path: pathlib.Path) -> None:
     assert ".blocks[3].attn.norm_k (key single_transformer_blocks.1.attn.norm_k.weight)" in message
 
 
-def _count(model: Any) -> int:
-    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(model))
-
-
 def test_full_size_configs_have_diffusers_parameter_counts_and_keys() -> None:
     record = json.loads((DATA / "flux_keys.json").read_text())
     dev = eqx.filter_eval_shape(
@@ -126,8 +113,8 @@ def test_full_size_configs_have_diffusers_parameter_counts_and_keys() -> None:
     schnell = eqx.filter_eval_shape(
         lambda key: Flux(**Flux.schnell_config(), key=key), jax.random.key(0)
     )
-    assert _count(dev) == record["dev_parameters"] == 11_901_408_320
-    assert _count(schnell) == record["schnell_parameters"] == 11_891_178_560
+    assert count(dev) == record["dev_parameters"] == 11_901_408_320
+    assert count(schnell) == record["schnell_parameters"] == 11_891_178_560
     layout = {entry.key: entry for entry in _layout(dev)}
     assert set(layout) == set(record["keys"])
     for key, shape in record["keys"].items():
@@ -184,13 +171,7 @@ def test_a_fresh_model_is_zero_and_its_arguments_are_checked() -> None:
 
 
 def test_lora_adapters_export_in_diffusers_names(tiny: Flux, tmp_path: pathlib.Path) -> None:
-    policy = lora.add(tiny, 2, key=jax.random.key(1), alpha=3.0)
-    rng = np.random.default_rng(1)
-    policy = eqx.tree_at(
-        lambda p: [a.b for a in p.adapters],
-        policy,
-        [jnp.asarray(rng.standard_normal(a.b.shape), jnp.float32) for a in policy.adapters],
-    )
+    policy = random_lora(tiny)
     save_diffusers_lora(tmp_path / "lora", policy)
     save_diffusers(tmp_path / "merged", lora.merge(policy))
     adapters = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")

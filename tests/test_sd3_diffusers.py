@@ -24,6 +24,7 @@ import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import MMDiT, load_diffusers, save_diffusers, save_diffusers_lora
 from flowgrpo_eqx.models._diffusers import _layout
+from tests.diffusers_helpers import count, random_lora, relative, vcall
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -41,19 +42,9 @@ def _io(name: str) -> dict[str, np.ndarray]:
     return dict(np.load(DATA / name / "io.npz"))
 
 
-@eqx.filter_jit
-def _vcall(model: Any, x: Any, t: Any, cond: Any) -> jax.Array:
-    out: jax.Array = jax.vmap(model)(x, t, cond)
-    return out
-
-
 def _velocity(model: Any, io: dict[str, np.ndarray]) -> np.ndarray:
     cond = {"context": io["context"], "pooled": io["pooled"]}
-    return np.asarray(_vcall(model, io["x"], io["t"], cond), np.float32)
-
-
-def _relative(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    return np.asarray(vcall(model, io["x"], io["t"], cond), np.float32)
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -61,7 +52,7 @@ def test_load_diffusers_matches_diffusers(name: str) -> None:
     model = _model(name)
     io = _io(name)
     assert model.pos_embed.value.dtype == jnp.float32
-    assert _relative(_velocity(model, io), io["v"]) < 1e-4
+    assert relative(_velocity(model, io), io["v"]) < 1e-4
     if name == "sd35_tiny":
         assert model.qk_norm == "rms_norm" and model.dual_attention_layers == (0,)
         assert model.blocks[0].attn2 is not None and model.blocks[1].attn2 is None
@@ -89,7 +80,7 @@ def test_save_diffusers_round_trip(name: str, tmp_path: pathlib.Path) -> None:
             assert config[key] == want, key
     again = load_diffusers(tmp_path, context_length=5)
     io = _io(name)
-    assert _relative(_velocity(again, io), _velocity(model, io)) < 1e-5
+    assert relative(_velocity(again, io), _velocity(model, io)) < 1e-5
 
 
 def _copy(name: str, tmp_path: pathlib.Path) -> pathlib.Path:
@@ -165,7 +156,7 @@ def test_bfloat16(tmp_path: pathlib.Path) -> None:
     dtypes = {leaf.dtype for leaf in jax.tree.leaves(eqx.filter(half, eqx.is_inexact_array))}
     assert dtypes == {jnp.dtype(jnp.bfloat16)}
     io = _io(name)
-    assert _relative(_velocity(half, io), io["v"]) < 0.1
+    assert relative(_velocity(half, io), io["v"]) < 0.1
     # A bfloat16 checkpoint (safetensors' NumPy reader has no bfloat16) loads in bfloat16.
     save_diffusers(tmp_path, half)
     with safe_open(str(tmp_path / WEIGHTS), framework="numpy") as f:
@@ -176,19 +167,13 @@ def test_bfloat16(tmp_path: pathlib.Path) -> None:
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def _count(model: MMDiT) -> int:
-    leaves = jax.tree.leaves(model)
-    assert all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves)
-    return sum(int(np.prod(leaf.shape)) for leaf in leaves)
-
-
 def test_sd35_medium_from_its_config_alone() -> None:
     record = json.loads((DATA / "sd35_medium_keys.json").read_text())
     config = {**MMDiT.sd35_medium_config(), "stacked": False}
     model = eqx.filter_eval_shape(lambda key: MMDiT(**config, key=key), jax.random.key(0))
     grid_table = 64 * 64 * 1536
     assert record["parameters"] == 2_243_171_520
-    assert _count(model) - grid_table == record["parameters"]
+    assert count(model) - grid_table == record["parameters"]
     # Every key of the published layout maps to a leaf, with diffusers' shape.
     layout = {entry.key: entry for entry in _layout(model)}
     assert set(layout) == set(record["keys"])
@@ -203,12 +188,12 @@ def test_sd35_medium_from_its_config_alone() -> None:
     sd3 = eqx.filter_eval_shape(
         lambda key: MMDiT(**MMDiT.sd3_medium_config(), key=key), jax.random.key(0)
     )
-    assert _count(sd3) - grid_table == record["sd3_medium_parameters"] == 2_028_328_000
+    assert count(sd3) - grid_table == record["sd3_medium_parameters"] == 2_028_328_000
     # Stacked (the default) holds the same arrays in three groups.
     stacked = eqx.filter_eval_shape(
         lambda key: MMDiT(**MMDiT.sd35_medium_config(), key=key), jax.random.key(0)
     )
-    assert stacked.stacked and _count(stacked) == _count(model)
+    assert stacked.stacked and count(stacked) == count(model)
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -229,13 +214,7 @@ def test_stacked_and_unstacked_loads_compute_the_same(name: str, tmp_path: pathl
 
 def test_lora_adapters_export(tmp_path: pathlib.Path) -> None:
     model = _model("sd35_tiny")
-    policy = lora.add(model, 2, key=jax.random.key(1), alpha=3.0)
-    rng = np.random.default_rng(1)
-    policy = eqx.tree_at(
-        lambda p: [a.b for a in p.adapters],
-        policy,
-        [jnp.asarray(rng.standard_normal(a.b.shape), jnp.float32) for a in policy.adapters],
-    )
+    policy = random_lora(model)
     save_diffusers_lora(tmp_path / "lora", policy)
     save_diffusers(tmp_path / "merged", lora.merge(policy))
     adapters = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")

@@ -22,6 +22,7 @@ import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import Wan, load_diffusers, save_diffusers, save_diffusers_lora
 from flowgrpo_eqx.models._diffusers import _layout
+from tests.diffusers_helpers import count, relative, vcall
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -43,24 +44,14 @@ def io() -> dict[str, np.ndarray]:
     return dict(np.load(TINY / "io.npz"))
 
 
-@eqx.filter_jit
-def _vcall(model: Any, x: Any, t: Any, cond: Any) -> jax.Array:
-    out: jax.Array = jax.vmap(model)(x, t, cond)
-    return out
-
-
 def _velocity(model: Any, io: dict[str, np.ndarray]) -> np.ndarray:
-    return np.asarray(_vcall(model, io["x"], io["t"], io["context"]), np.float32)
-
-
-def _relative(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    return np.asarray(vcall(model, io["x"], io["t"], io["context"]), np.float32)
 
 
 def test_load_diffusers_matches_diffusers_on_video(tiny: Wan, io: dict[str, np.ndarray]) -> None:
     assert io["x"].shape == (2, *LATENT, 4) and tiny.grid == (3, 2, 3)
     assert (tiny.depth, tiny.heads, tiny.width, tiny.patch) == (2, 2, 24, (1, 2, 2))
-    assert _relative(_velocity(tiny, io), io["v"]) < 1e-4
+    assert relative(_velocity(tiny, io), io["v"]) < 1e-4
 
 
 def test_every_layout_and_attention_computes_the_same(tiny: Wan, io: dict[str, np.ndarray]) -> None:
@@ -105,10 +96,6 @@ def test_unused_missing_keys_and_unsupported_configs_are_named(tmp_path: pathlib
         load_diffusers(folder, image_size=LATENT, context_length=5)
 
 
-def _count(model: Any) -> int:
-    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(model))
-
-
 def test_full_size_configs_have_diffusers_parameter_counts_and_keys() -> None:
     record = json.loads((DATA / "wan_keys.json").read_text())
     small = eqx.filter_eval_shape(
@@ -117,8 +104,8 @@ def test_full_size_configs_have_diffusers_parameter_counts_and_keys() -> None:
     large = eqx.filter_eval_shape(
         lambda key: Wan(**Wan.t2v_14b_config(), key=key), jax.random.key(0)
     )
-    assert _count(small) == record["t2v_1_3b_parameters"] == 1_418_996_800
-    assert _count(large) == record["t2v_14b_parameters"] == 14_288_491_584
+    assert count(small) == record["t2v_1_3b_parameters"] == 1_418_996_800
+    assert count(large) == record["t2v_14b_parameters"] == 14_288_491_584
     layout = {entry.key: entry for entry in _layout(small)}
     assert set(layout) == set(record["keys"])
     for key, shape in record["keys"].items():

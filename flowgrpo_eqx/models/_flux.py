@@ -13,7 +13,14 @@ from .._distributed import gather_weights
 from .._misc import check_int
 from ._layers import Attention, AttentionSettings, attend, dense, layer_norm, modulate
 from ._mlp import _init_linears, _zero_linear
-from ._mmdit import _TIME_FEATURES, _Attention, _BlockShape, _sd3_time_features, _Stream
+from ._mmdit import (
+    _TIME_FEATURES,
+    _Attention,
+    _BlockShape,
+    _sd3_time_features,
+    _Stream,
+    check_text_shapes,
+)
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
 
 
@@ -518,16 +525,7 @@ class Flux(AbstractAttentionModel):
                 f"{', with guidance: guidance_embeds is set' if self.guidance_embeds else ''}), "
                 f"got {jax.tree_util.tree_structure(cond)}."
             )
-        want = (self.context_length, self.context_dim)
-        if cond["context"].shape != want:
-            raise ValueError(
-                f"`cond['context']` must have shape {want}, got {cond['context'].shape}."
-            )
-        if cond["pooled"].shape != (self.pooled_dim,):
-            raise ValueError(
-                f"`cond['pooled']` must have shape ({self.pooled_dim},), "
-                f"got {cond['pooled'].shape}."
-            )
+        check_text_shapes(dict(cond), self.context_length, self.context_dim, self.pooled_dim)
         guidance = None
         if self.guidance_embeds:
             if jnp.shape(cond["guidance"]) != ():

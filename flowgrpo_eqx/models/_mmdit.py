@@ -56,6 +56,20 @@ def _sd3_time_features(t: Float[Array, ""]) -> Float[Array, " 256"]:
     return time_features(t, _TIME_FEATURES)
 
 
+def check_text_shapes(
+    cond: dict[str, Any], context_length: int, context_dim: int, pooled_dim: int
+) -> None:
+    """Raise a `ValueError` naming `cond['context']` or `cond['pooled']` unless their shapes
+    are `[context_length, context_dim]` and `[pooled_dim]`."""
+    want = (context_length, context_dim)
+    if cond["context"].shape != want:
+        raise ValueError(f"`cond['context']` must have shape {want}, got {cond['context'].shape}.")
+    if cond["pooled"].shape != (pooled_dim,):
+        raise ValueError(
+            f"`cond['pooled']` must have shape ({pooled_dim},), got {cond['pooled'].shape}."
+        )
+
+
 def _pos_table(
     table: int, base: int, width: int, first: int = 0, size: int | None = None
 ) -> npt.NDArray[np.float32]:
@@ -729,16 +743,7 @@ class MMDiT(AbstractAttentionModel):
                     "`cond` must be a dict with keys 'context' and 'pooled' (an MMDiTCondition), "
                     f"got {jax.tree_util.tree_structure(cond)}."
                 )
-            want = (self.context_length, self.context_dim)
-            if cond["context"].shape != want:
-                raise ValueError(
-                    f"`cond['context']` must have shape {want}, got {cond['context'].shape}."
-                )
-            if cond["pooled"].shape != (self.pooled_dim,):
-                raise ValueError(
-                    f"`cond['pooled']` must have shape ({self.pooled_dim},), "
-                    f"got {cond['pooled'].shape}."
-                )
+            check_text_shapes(dict(cond), self.context_length, self.context_dim, self.pooled_dim)
             return cond["context"].astype(dtype), cond["pooled"].astype(dtype)
         assert self.token_embed is not None and self.token_pos_embed is not None
         assert self.pooled_token_embed is not None

@@ -1,0 +1,43 @@
+"""What the tests against diffusers' fixtures share: the batched call, the relative error, the
+parameter count, and a LoRA policy whose adapters all do something."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flowgrpo_eqx import lora
+
+
+@eqx.filter_jit
+def vcall(model: Any, x: Any, t: Any, cond: Any) -> jax.Array:
+    """The model's velocity on a batch: one compiled program per model structure."""
+    out: jax.Array = jax.vmap(model)(x, t, cond)
+    return out
+
+
+def relative(got: np.ndarray, want: np.ndarray) -> float:
+    """The largest absolute error over the largest `|want|`."""
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def count(model: Any) -> int:
+    """The number of parameters (array elements) of a model, abstract or not; every one a
+    float."""
+    leaves = jax.tree.leaves(model)
+    assert all(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves)
+    return sum(int(np.prod(leaf.shape)) for leaf in leaves)
+
+
+def random_lora(model: Any) -> Any:
+    """Rank-2 adapters (alpha 3) on every layer `lora.add` adapts, each `b` drawn at random
+    (a fresh `b` is zero, which would hide a wrong layout)."""
+    policy = lora.add(model, 2, key=jax.random.key(1), alpha=3.0)
+    rng = np.random.default_rng(1)
+    return eqx.tree_at(
+        lambda p: [a.b for a in p.adapters],
+        policy,
+        [jnp.asarray(rng.standard_normal(a.b.shape), jnp.float32) for a in policy.adapters],
+    )
