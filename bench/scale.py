@@ -19,8 +19,9 @@ blocks), rematerialised per block (`--remat`, default `nothing`) with chunked at
 
 Modes (`--modes`, all by default):
 
-- `lora_bfloat16`: rank-32 LoRA adapters (alpha 64) on every attention projection, as the
-  Flow-GRPO release; the reference is the policy with its adapters off; the base replicated;
+- `lora_bfloat16`: rank-32 LoRA adapters (alpha 64, float32) on every attention projection,
+  as the Flow-GRPO release; the reference is the policy with its adapters off; the base
+  replicated and held in bfloat16, as the releases hold their frozen base;
 - `fsdp_bfloat16`: full fine-tuning, the policy, its reference and AdamW's moments split with
   `shard_parameters`'s FSDP layout, the model computing in bfloat16 (float32 master weights);
 - `fsdp_float32`: the same in float32;
@@ -245,6 +246,18 @@ def main(argv: list[str] | None = None) -> int:
                 model,
                 jax.random.key(1),
             )
+            # The frozen base as the releases hold it (diffusers' `transformer.to(bfloat16)`,
+            # the adapters cast back to float32 for training): adapted layers then merge into
+            # bfloat16 weights, and no float32 copy of the base exists.
+            base = jax.tree.map(
+                lambda leaf: (
+                    jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16)
+                    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.dtype == jnp.float32
+                    else leaf
+                ),
+                policy.base,
+            )
+            policy = eqx.tree_at(lambda p: p.base, policy, base)
         objective = fg.FlowGRPOObjective(
             policy,
             flow,
