@@ -41,3 +41,18 @@ def random_lora(model: Any) -> Any:
         policy,
         [jnp.asarray(rng.standard_normal(a.b.shape), jnp.float32) for a in policy.adapters],
     )
+
+
+def assert_layout_is(model: Any, keys: dict[str, list[int]]) -> None:
+    """Every key of a published checkpoint layout (`{key: shape}`) maps to a leaf of `model` of
+    that shape (through the key's conversion), and every leaf has exactly one key."""
+    from flowgrpo_eqx.models._diffusers import _layout
+
+    layout = {entry.key: entry for entry in _layout(model)}
+    assert set(layout) == set(keys)
+    for key, shape in keys.items():
+        entry = layout[key]
+        assert entry.shape == tuple(shape), key
+        assert entry.to_ours(np.empty(shape, np.float32)).shape == entry.where(model).shape, key
+    reached = {id(entry.where(model)) for entry in layout.values()}
+    assert reached == {id(leaf) for leaf in jax.tree.leaves(model)}

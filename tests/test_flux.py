@@ -22,8 +22,7 @@ from safetensors.numpy import load_file, save_file
 import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import Flux, load_diffusers, save_diffusers, save_diffusers_lora
-from flowgrpo_eqx.models._diffusers import _layout
-from tests.diffusers_helpers import count, random_lora, relative, vcall
+from tests.diffusers_helpers import assert_layout_is, count, random_lora, relative, vcall
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -115,13 +114,7 @@ def test_full_size_configs_have_diffusers_parameter_counts_and_keys() -> None:
     )
     assert count(dev) == record["dev_parameters"] == 11_901_408_320
     assert count(schnell) == record["schnell_parameters"] == 11_891_178_560
-    layout = {entry.key: entry for entry in _layout(dev)}
-    assert set(layout) == set(record["keys"])
-    for key, shape in record["keys"].items():
-        entry = layout[key]
-        assert entry.shape == tuple(shape) == entry.where(dev).shape, key
-    reached = {id(entry.where(dev)) for entry in layout.values()}
-    assert reached == {id(leaf) for leaf in jax.tree.leaves(dev)}
+    assert_layout_is(dev, record["keys"])
 
 
 def test_flux_grid_is_the_pipelines_sigmas() -> None:

@@ -23,8 +23,7 @@ from safetensors.numpy import load_file, save_file
 import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import MMDiT, load_diffusers, save_diffusers, save_diffusers_lora
-from flowgrpo_eqx.models._diffusers import _layout
-from tests.diffusers_helpers import count, random_lora, relative, vcall
+from tests.diffusers_helpers import assert_layout_is, count, random_lora, relative, vcall
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -174,17 +173,8 @@ def test_sd35_medium_from_its_config_alone() -> None:
     grid_table = 64 * 64 * 1536
     assert record["parameters"] == 2_243_171_520
     assert count(model) - grid_table == record["parameters"]
-    # Every key of the published layout maps to a leaf, with diffusers' shape.
-    layout = {entry.key: entry for entry in _layout(model)}
-    assert set(layout) == set(record["keys"])
-    for key, shape in record["keys"].items():
-        entry = layout[key]
-        assert entry.shape == tuple(shape), key
-        leaf = entry.where(model)
-        assert entry.to_ours(np.empty(shape, np.float32)).shape == leaf.shape, key
-    # ... and every leaf has a key: the layout reaches each array of the model once.
-    reached = {id(entry.where(model)) for entry in layout.values()}
-    assert reached == {id(leaf) for leaf in jax.tree.leaves(model)}
+    # Every key of the published layout maps to a leaf with diffusers' shape, and back.
+    assert_layout_is(model, record["keys"])
     sd3 = eqx.filter_eval_shape(
         lambda key: MMDiT(**MMDiT.sd3_medium_config(), key=key), jax.random.key(0)
     )

@@ -21,8 +21,7 @@ from safetensors.numpy import load_file, save_file
 import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import Wan, load_diffusers, save_diffusers, save_diffusers_lora
-from flowgrpo_eqx.models._diffusers import _layout
-from tests.diffusers_helpers import count, relative, vcall
+from tests.diffusers_helpers import assert_layout_is, count, relative, vcall
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -106,14 +105,7 @@ def test_full_size_configs_have_diffusers_parameter_counts_and_keys() -> None:
     )
     assert count(small) == record["t2v_1_3b_parameters"] == 1_418_996_800
     assert count(large) == record["t2v_14b_parameters"] == 14_288_491_584
-    layout = {entry.key: entry for entry in _layout(small)}
-    assert set(layout) == set(record["keys"])
-    for key, shape in record["keys"].items():
-        entry = layout[key]
-        assert entry.shape == tuple(shape), key
-        assert entry.to_ours(np.empty(shape, np.float32)).shape == entry.where(small).shape, key
-    reached = {id(entry.where(small)) for entry in layout.values()}
-    assert reached == {id(leaf) for leaf in jax.tree.leaves(small)}
+    assert_layout_is(small, record["keys"])
 
 
 def test_dancegrpo_wan_grid_is_the_shifted_uniform_grid() -> None:

@@ -149,10 +149,9 @@ class _FluxDoubleBlock(eqx.Module):
         rope: tuple[Float[Array, "S head_dim"], Float[Array, "S head_dim"]],
         attention: AttentionSettings,
     ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
-        width = c.shape[0]
         silu_c = jax.nn.silu(c)
-        mod_context = dense(self.context.modulation, silu_c[None])[0].reshape(-1, width)
-        mod_image = dense(self.image.modulation, silu_c[None])[0].reshape(-1, width)
+        mod_context = self.context.modulations(silu_c)
+        mod_image = self.image.modulations(silu_c)
         qkv = jnp.concatenate(
             [
                 self.context.attn.qkv(self.context.attention_input(context, mod_context)),

@@ -217,6 +217,13 @@ class _Stream(eqx.Module):
                 [(width, mlp_ratio * width), (mlp_ratio * width, width)], key=k_mlp
             )
 
+    def modulations(self, silu_c: Float[Array, " D"]) -> Float[Array, "M D"]:
+        """The stream's modulation vectors (rows in diffusers' chunk order) of `silu(c)`."""
+        out: Float[Array, "M D"] = dense(self.modulation, silu_c[None])[0].reshape(
+            -1, silu_c.shape[0]
+        )
+        return out
+
     def attention_input(
         self, h: Float[Array, "S D"], mod: Float[Array, "M D"]
     ) -> Float[Array, "S D"]:
@@ -295,10 +302,9 @@ class _MMDiTBlock(eqx.Module):
         The updated `(context, image)` tokens; `context` is returned unchanged by a block whose
         text stream is pre-only.
         """
-        width = c.shape[0]
         silu_c = jax.nn.silu(c)
-        mod_context = dense(self.context.modulation, silu_c[None])[0].reshape(-1, width)
-        mod_image = dense(self.image.modulation, silu_c[None])[0].reshape(-1, width)
+        mod_context = self.context.modulations(silu_c)
+        mod_image = self.image.modulations(silu_c)
         # diffusers' order, image tokens first: the same attention, the same rounding.
         qkv = jnp.concatenate(
             [
