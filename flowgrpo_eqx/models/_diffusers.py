@@ -148,11 +148,6 @@ _FINAL: list[_Module] = [
 ]
 
 
-def _config_value(config: dict[str, Any], name: str, default: Any) -> Any:
-    """`config[name]`, or diffusers' default for a key an older config lacks."""
-    return config.get(name, default)
-
-
 def _check_out_channels(config: dict[str, Any], channels: int) -> None:
     out_channels = config.get("out_channels") or channels
     if out_channels != channels:
@@ -174,7 +169,8 @@ class _AbstractFormat(eqx.Module):
     def model_kwargs(
         self, config: dict[str, Any], image_size: Any, context_length: int
     ) -> dict[str, Any]:
-        """The model's arguments for a diffusers config (`ValueError` if it cannot hold it)."""
+        """The model's arguments for a diffusers config (`ValueError` if it cannot hold it);
+        a key an older config lacks takes diffusers' default."""
 
     @abc.abstractmethod
     def config(self, model: Any) -> dict[str, Any]:
@@ -208,32 +204,32 @@ class _SD3Format(_AbstractFormat):
     def model_kwargs(
         self, config: dict[str, Any], image_size: Any, context_length: int
     ) -> dict[str, Any]:
-        heads = _config_value(config, "num_attention_heads", 18)
-        width = heads * _config_value(config, "attention_head_dim", 64)
-        caption = _config_value(config, "caption_projection_dim", 1152)
+        heads = config.get("num_attention_heads", 18)
+        width = heads * config.get("attention_head_dim", 64)
+        caption = config.get("caption_projection_dim", 1152)
         if caption != width:
             raise ValueError(
                 f"config `caption_projection_dim` ({caption}) must equal the attention width "
                 f"`num_attention_heads * attention_head_dim` ({width})."
             )
-        channels = _config_value(config, "in_channels", 16)
+        channels = config.get("in_channels", 16)
         _check_out_channels(config, channels)
-        sample_size = _config_value(config, "sample_size", 128)
+        sample_size = config.get("sample_size", 128)
         return dict(
             image_size=sample_size if image_size is None else image_size,
             channels=channels,
-            patch=_config_value(config, "patch_size", 2),
-            depth=_config_value(config, "num_layers", 18),
+            patch=config.get("patch_size", 2),
+            depth=config.get("num_layers", 18),
             width=width,
             heads=heads,
             mlp_ratio=4,
             context_length=context_length,
-            context_dim=_config_value(config, "joint_attention_dim", 4096),
-            pooled_dim=_config_value(config, "pooled_projection_dim", 2048),
+            context_dim=config.get("joint_attention_dim", 4096),
+            pooled_dim=config.get("pooled_projection_dim", 2048),
             vocab_size=None,
             qk_norm=config.get("qk_norm"),
             dual_attention_layers=tuple(config.get("dual_attention_layers", ())),
-            pos_embed_max_size=_config_value(config, "pos_embed_max_size", 96),
+            pos_embed_max_size=config.get("pos_embed_max_size", 96),
             sample_size=sample_size,
         )
 
@@ -320,30 +316,30 @@ class _FluxFormat(_AbstractFormat):
     def model_kwargs(
         self, config: dict[str, Any], image_size: Any, context_length: int
     ) -> dict[str, Any]:
-        patch = _config_value(config, "patch_size", 1)
+        patch = config.get("patch_size", 1)
         if patch != 1:
             raise ValueError(f"config `patch_size` must be 1 (FLUX's), got {patch}.")
-        in_channels = _config_value(config, "in_channels", 64)
+        in_channels = config.get("in_channels", 64)
         _check_out_channels(config, in_channels)
         if in_channels % 4:
             raise ValueError(
                 f"config `in_channels` ({in_channels}) must be 4 latent channels per token "
                 "times the latent's channels (2 x 2 packing)."
             )
-        heads = _config_value(config, "num_attention_heads", 24)
+        heads = config.get("num_attention_heads", 24)
         return dict(
             image_size=128 if image_size is None else image_size,
             channels=in_channels // 4,
-            double_depth=_config_value(config, "num_layers", 19),
-            single_depth=_config_value(config, "num_single_layers", 38),
-            width=heads * _config_value(config, "attention_head_dim", 128),
+            double_depth=config.get("num_layers", 19),
+            single_depth=config.get("num_single_layers", 38),
+            width=heads * config.get("attention_head_dim", 128),
             heads=heads,
             mlp_ratio=4,
             context_length=context_length,
-            context_dim=_config_value(config, "joint_attention_dim", 4096),
-            pooled_dim=_config_value(config, "pooled_projection_dim", 768),
-            guidance_embeds=bool(_config_value(config, "guidance_embeds", False)),
-            axes_dims=tuple(_config_value(config, "axes_dims_rope", (16, 56, 56))),
+            context_dim=config.get("joint_attention_dim", 4096),
+            pooled_dim=config.get("pooled_projection_dim", 768),
+            guidance_embeds=bool(config.get("guidance_embeds", False)),
+            axes_dims=tuple(config.get("axes_dims_rope", (16, 56, 56))),
         )
 
     def config(self, model: Flux) -> dict[str, Any]:
@@ -435,19 +431,19 @@ class _WanFormat(_AbstractFormat):
         for name, (want, why) in checks.items():
             if config.get(name, want) != want:
                 raise ValueError(f"config `{name}` must be {want!r} ({why}), got {config[name]!r}.")
-        channels = _config_value(config, "in_channels", 16)
+        channels = config.get("in_channels", 16)
         _check_out_channels(config, channels)
-        heads = _config_value(config, "num_attention_heads", 40)
+        heads = config.get("num_attention_heads", 40)
         return dict(
             latent_size=(21, 60, 104) if image_size is None else tuple(image_size),
             channels=channels,
-            patch=tuple(_config_value(config, "patch_size", (1, 2, 2))),
-            depth=_config_value(config, "num_layers", 40),
-            width=heads * _config_value(config, "attention_head_dim", 128),
+            patch=tuple(config.get("patch_size", (1, 2, 2))),
+            depth=config.get("num_layers", 40),
+            width=heads * config.get("attention_head_dim", 128),
             heads=heads,
-            ffn_dim=_config_value(config, "ffn_dim", 13824),
+            ffn_dim=config.get("ffn_dim", 13824),
             context_length=context_length,
-            text_dim=_config_value(config, "text_dim", 4096),
+            text_dim=config.get("text_dim", 4096),
         )
 
     def config(self, model: Wan) -> dict[str, Any]:
