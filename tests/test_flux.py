@@ -68,7 +68,8 @@ def test_every_layout_and_attention_computes_the_same(
         tiny.with_settings(remat="nothing", attention="chunked", attention_chunk=7),
     ]
     for variant in variants:
-        np.testing.assert_allclose(_velocity(variant, io), want, rtol=0, atol=1e-5)
+        # The same function; chunks of queries round in another order (outputs reach ~30).
+        np.testing.assert_allclose(_velocity(variant, io), want, rtol=1e-6, atol=1e-5)
     assert len(variants[0].blocks) == 4 and variants[0].unstacked_blocks()[3] is not None
 
 

@@ -59,7 +59,8 @@ def test_every_layout_and_attention_computes_the_same(tiny: Wan, io: dict[str, n
         tiny.with_settings(stacked=False),
         tiny.with_settings(remat="dots", attention="chunked", attention_chunk=4),
     ):
-        np.testing.assert_allclose(_velocity(variant, io), want, rtol=0, atol=1e-5)
+        # The same function; chunks of queries round in another order (outputs reach ~30).
+        np.testing.assert_allclose(_velocity(variant, io), want, rtol=1e-6, atol=1e-5)
 
 
 def test_save_diffusers_round_trip(

@@ -14,10 +14,11 @@ from .._misc import check_int
 _LN_EPS = 1e-6
 
 Attention: TypeAlias = Literal["xla", "cudnn", "chunked"]
-"""How attention is computed: `"xla"`, `jax.nn.dot_product_attention`'s plain form (the
-scores materialised); `"cudnn"`, its cuDNN fused kernel (GPU only, float16/bfloat16); or
-`"chunked"`, a memory-efficient form in JAX that materialises the scores of
-`attention_chunk` queries at a time (forward and backward)."""
+"""How attention is computed: `"xla"`, the plain form in XLA (`plain_attention`: the scores
+materialised, as `jax.nn.dot_product_attention`'s `"xla"` form computes them); `"cudnn"`,
+`jax.nn.dot_product_attention`'s cuDNN fused kernel (GPU only, float16/bfloat16); or
+`"chunked"`, a memory-efficient form in JAX that materialises the scores of `attention_chunk`
+queries at a time (forward and backward)."""
 
 ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
 
@@ -128,12 +129,44 @@ def attend_to(
     # jax's attention mixes a half-precision query with its float32 logits internally, which
     # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
     with jax.numpy_dtype_promotion("standard"):
-        if settings.kind == "chunked" and q.shape[0] > settings.chunk:
+        if settings.kind == "cudnn":
+            attended = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+        elif settings.kind == "chunked" and q.shape[0] > settings.chunk:
             attended = _chunked_attention(q, k, v, settings.chunk)
         else:
-            implementation: Literal["xla", "cudnn"] = "cudnn" if settings.kind == "cudnn" else "xla"
-            attended = jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+            attended = plain_attention(q, k, v)
     return attended.reshape(attended.shape[0], -1)
+
+
+def plain_attention(
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "K heads head_dim"],
+    v: Float[Array, "K heads head_dim"],
+) -> Float[Array, "S heads head_dim"]:
+    """Softmax attention with every score materialised, `[S, heads, head_dim]`.
+
+    What `jax.nn.dot_product_attention(q, k, v, implementation="xla")` computes, operation for
+    operation: scores in float32 (bfloat16 products accumulated in float32), scaled by
+    `1 / sqrt(head_dim)`, softmax in float32, cast to the values' dtype, weighted sum of the
+    values. The heads are moved to the front once, so each product is a plain batched matmul
+    over heads; `jax.nn.dot_product_attention`'s grouped-query layout makes XLA's CPU backend
+    run the same products about a third slower (`docs/performance.md`).
+    """
+    scale = jnp.asarray(1.0 / math.sqrt(q.shape[-1]), jnp.float32)
+    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
+    heads_first = (1, 0, 2)
+    scores = jnp.einsum(
+        "nqh,nkh->nqk",
+        jnp.transpose(q, heads_first),
+        jnp.transpose(k, heads_first),
+        precision=precision,
+        preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+    )
+    weights = jax.nn.softmax((scores * scale).astype(jnp.float32), axis=-1).astype(k.dtype)
+    out: Float[Array, "S heads head_dim"] = jnp.einsum(
+        "nqk,nkh->qnh", weights, jnp.transpose(v, heads_first)
+    )
+    return out
 
 
 def _chunked_attention(
@@ -155,8 +188,7 @@ def _chunked_attention(
 
     @jax.checkpoint
     def one(queries: Float[Array, "chunk heads head_dim"]) -> Float[Array, "chunk heads hd"]:
-        out: Float[Array, "chunk heads hd"] = jax.nn.dot_product_attention(queries, k, v)
-        return out
+        return plain_attention(queries, k, v)
 
     out = jax.lax.map(one, padded.reshape(pieces, chunk, *q.shape[1:]))
     attended: Float[Array, "S heads head_dim"] = out.reshape(pieces * chunk, *q.shape[1:])
