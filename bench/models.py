@@ -101,7 +101,7 @@ def _in_layout(model: Any, settings: dict[str, Any]) -> Any:
     settings = dict(settings)
     dtype = settings.pop("dtype", "float32")
     if isinstance(model, DiT):
-        model = model.relaid(settings["stacked"], settings["remat"], model.block_groups)
+        model = model.with_settings(stacked=settings["stacked"], remat=settings["remat"])
     else:
         model = model.with_settings(**settings)
     if dtype != "float32":
@@ -656,6 +656,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         every = (name == "mmdit" or args.all_layouts) and not args.quick
         report[name] = measure_case(CASES[name](not every), rounds)
+        log(f"{name}: {json.dumps(report[name])}")
     if args.rollout:
         report["rollout"] = measure_rollout(rounds)
     report["seconds"] = round(time.perf_counter() - started, 1)
