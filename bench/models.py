@@ -196,7 +196,10 @@ def wan_case(quick: bool) -> Case:
         f"(256 tokens), 64 text tokens of width 256, batch {BATCH}, float32",
         build=lambda settings: _in_layout(base, settings),
         layouts=_attention_layouts(quick),
-        inputs=lambda: (*_latents((4, 16, 16, 16)), _text(jax.random.key(13), 64, 256, None)),
+        inputs=lambda: (
+            *_latents((4, 16, 16, 16)),
+            _text(jax.random.key(13), 64, 256, None)["context"],
+        ),
     )
 
 

@@ -67,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--layouts", default=None, help="comma-separated; default every one")
+    parser.add_argument("--layouts", default=None, help="separated by ';'; default every one")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def main() -> None:
     layouts = _attention_layouts(quick=False)
     layouts = {name: s for name, s in layouts.items() if s.get("dtype", "float32") == "float32"}
     if args.layouts is not None:
-        wanted = [name.strip() for name in args.layouts.split(",")]
+        wanted = [name.strip() for name in args.layouts.split(";")]
         layouts = {name: layouts[name] for name in wanted}
     reference = peer_forward().permute(0, 2, 3, 1).numpy()
     x_grad_torch = x_torch.clone().requires_grad_(True)
