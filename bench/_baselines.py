@@ -125,8 +125,12 @@ def model_work(
     return (lambda: compiled(*args)), compiled
 
 
-def model_rollout(rollout: fg.FlowRollout, policy: Any, device_rows: Any) -> Callable[[], Any]:
-    """(steps - 1) guided forwards over the N rows, chained by a plain Euler update."""
+def model_rollout(
+    rollout: fg.FlowRollout, policy: Any, device_rows: Any, batched_guidance: bool = True
+) -> Callable[[], Any]:
+    """(steps - 1) guided forwards over the N rows, chained by a plain Euler update; with
+    guidance, both branches in one batched model call, or (`batched_guidance=False`) the
+    conditional and the null branch in two calls."""
     flow = rollout.flow
     latent_shape = flow.inputs.latent_shape
     assert latent_shape is not None
@@ -140,10 +144,16 @@ def model_rollout(rollout: fg.FlowRollout, policy: Any, device_rows: Any) -> Cal
 
         def body(x: jax.Array, times: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
             t, t_next = times
-            mx, mt, mc = _guided(flow, x, jnp.full((n,), t, x.dtype), rows)
-            v = jax.vmap(model)(mx, mt, mc).astype(x.dtype)
-            if flow.guidance is not None:
-                v = flow.guidance.combine(v[:n], v[n:])
+            times_n = jnp.full((n,), t, x.dtype)
+            if flow.guidance is not None and not batched_guidance:
+                conditional = jax.vmap(model)(x, times_n, flow.inputs.condition(rows))
+                null = jax.vmap(model)(x, times_n, flow.inputs.null_condition(n))
+                v = flow.guidance.combine(conditional.astype(x.dtype), null.astype(x.dtype))
+            else:
+                mx, mt, mc = _guided(flow, x, times_n, rows)
+                v = jax.vmap(model)(mx, mt, mc).astype(x.dtype)
+                if flow.guidance is not None:
+                    v = flow.guidance.combine(v[:n], v[n:])
             return x + (t_next - t) * v, None
 
         final, _ = jax.lax.scan(body, start, (grid[:-1], grid[1:]))

@@ -42,6 +42,7 @@ import flowgrpo_eqx as fg
 from flowgrpo_eqx.models import DiT, Flux, MMDiT, Wan
 
 from . import _baselines
+from ._measure import temp_bytes, xla_flops
 from ._setups import _perturb_zero_leaves
 from ._timing import interleave, log, median, summary
 
@@ -385,13 +386,6 @@ def matmul_ceiling(function: Callable[..., Any], args: tuple) -> tuple[Callable[
 # -- measuring ----------------------------------------------------------------------------
 
 
-def xla_flops(compiled: Any) -> float:
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, list):
-        analysis = analysis[0]
-    return float(analysis.get("flops", 0.0))
-
-
 def measure_case(case: Case, rounds: int) -> dict[str, Any]:
     """Every layout's three programs and their ceilings, timed in interleaved rounds."""
     x, t, cond = case.inputs()
@@ -409,11 +403,10 @@ def measure_case(case: Case, rounds: int) -> dict[str, Any]:
             log(f"{case.name}: compiled {name} in {seconds:.1f}s")
             variants[name] = lambda compiled=compiled, args=args: compiled(*args)
             variants[f"{name} | ceiling"] = ceiling
-            memory = compiled.memory_analysis()
             info[name] = {
                 "xla_flops": xla_flops(compiled),
                 "ceiling": ceiling_info,
-                "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
+                "temp_bytes": temp_bytes(compiled),
                 "compile_seconds": round(seconds, 2),
             }
             if program == "forward":
@@ -557,7 +550,7 @@ def measure_rollout(rounds: int) -> dict[str, Any]:
     device_rows = jax.tree.map(jnp.asarray, rows)
     keys = iter(jax.random.split(jax.random.key(3), 10_000))
     bare = _baselines.model_rollout(rollout, model, device_rows)
-    split = _two_call_rollout(rollout, model, device_rows)
+    split = _baselines.model_rollout(rollout, model, device_rows, batched_guidance=False)
     variants = {
         "generate": lambda: rollout.generate(model, device_rows, next(keys)),
         "bare_euler_cfg_one_call": bare,
@@ -581,33 +574,6 @@ class _NoReward:
 
     def __call__(self, samples: Any, rows: Any) -> Any:
         return np.zeros(samples.shape[0])
-
-
-def _two_call_rollout(rollout: fg.FlowRollout, policy: Any, rows: Any) -> Callable[[], Any]:
-    """As `_baselines.model_rollout`, with the conditional and the null branch in two calls."""
-    flow = rollout.flow
-    assert flow.guidance is not None and flow.inputs.latent_shape is not None
-    params, static = eqx.partition(policy, eqx.is_inexact_array)
-    grid = rollout.timesteps()
-    n = BATCH
-    start = jax.random.normal(jax.random.key(7), (n, *flow.inputs.latent_shape), jnp.float32)
-
-    def run(params: Any, start: Any, rows: Any) -> Any:
-        model = jax.vmap(eqx.combine(params, static))
-        conditioning = flow.inputs.condition(rows)
-        null = flow.inputs.null_condition(n)
-
-        def body(x: jax.Array, times: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
-            now, later = times
-            t = jnp.full((n,), now, x.dtype)
-            v = flow.guidance.combine(model(x, t, conditioning), model(x, t, null))
-            return x + (later - now) * v, None
-
-        final, _ = jax.lax.scan(body, start, (grid[:-1], grid[1:]))
-        return final
-
-    compiled = jax.jit(run).lower(params, start, rows).compile()
-    return lambda: compiled(params, start, rows)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -138,6 +138,10 @@ def attend_to(
     return attended.reshape(attended.shape[0], -1)
 
 
+HEADS_FIRST = (1, 0, 2)
+"""The axis order that moves the heads of `[S, heads, head_dim]` to the front."""
+
+
 def plain_attention(
     q: Float[Array, "S heads head_dim"],
     k: Float[Array, "K heads head_dim"],
@@ -152,21 +156,29 @@ def plain_attention(
     over heads; `jax.nn.dot_product_attention`'s grouped-query layout makes XLA's CPU backend
     run the same products about a third slower (`docs/performance.md`).
     """
+    weights = jax.nn.softmax(attention_scores(q, k), axis=-1).astype(k.dtype)
+    out: Float[Array, "S heads head_dim"] = jnp.einsum(
+        "nqk,nkh->qnh", weights, jnp.transpose(v, HEADS_FIRST)
+    )
+    return out
+
+
+def attention_scores(
+    q: Float[Array, "S heads head_dim"], k: Float[Array, "K heads head_dim"]
+) -> Float[Array, "heads S K"]:
+    """The scaled attention scores `q k^T / sqrt(head_dim)` per head, in float32 (bfloat16
+    products accumulated in float32), heads first: `plain_attention`'s and the ring's."""
     scale = jnp.asarray(1.0 / math.sqrt(q.shape[-1]), jnp.float32)
     precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
-    heads_first = (1, 0, 2)
     scores = jnp.einsum(
         "nqh,nkh->nqk",
-        jnp.transpose(q, heads_first),
-        jnp.transpose(k, heads_first),
+        jnp.transpose(q, HEADS_FIRST),
+        jnp.transpose(k, HEADS_FIRST),
         precision=precision,
         preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
     )
-    weights = jax.nn.softmax((scores * scale).astype(jnp.float32), axis=-1).astype(k.dtype)
-    out: Float[Array, "S heads head_dim"] = jnp.einsum(
-        "nqk,nkh->qnh", weights, jnp.transpose(v, heads_first)
-    )
-    return out
+    scaled: Float[Array, "heads S K"] = (scores * scale).astype(jnp.float32)
+    return scaled
 
 
 def _chunked_attention(

@@ -12,7 +12,6 @@ The two strategies of the systems that split a sample's tokens over devices:
 Both compute `plain_attention`'s function; the sequence must split evenly over the axis.
 """
 
-import math
 from typing import Literal, TypeAlias, get_args
 
 import jax
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float
 
-from ._layers import plain_attention
+from ._layers import HEADS_FIRST, attention_scores, plain_attention
 
 
 SequenceStrategy: TypeAlias = Literal["ulysses", "ring"]
@@ -62,33 +61,24 @@ def ring_attention(
     """Attention of this device's `s` queries over the whole sequence, inside `shard_map`:
     the `size` devices of `axis` pass their blocks of keys and values round the ring, and each
     block is folded into an online softmax in float32."""
-    scale = jnp.asarray(1.0 / math.sqrt(q.shape[-1]), jnp.float32)
-    heads_first = (1, 0, 2)
-    queries = jnp.transpose(q, heads_first)
-    heads, length = queries.shape[:2]
+    heads, length = q.shape[1], q.shape[0]
     running_max = jnp.full((heads, length), -jnp.inf, jnp.float32)
     running_sum = jnp.zeros((heads, length), jnp.float32)
     weighted = jnp.zeros((heads, length, v.shape[-1]), jnp.float32)
     ring = [(i, (i + 1) % size) for i in range(size)]
     for step in range(size):
-        scores = jnp.einsum(
-            "hqd,hkd->hqk",
-            queries,
-            jnp.transpose(k, heads_first),
-            preferred_element_type=jnp.float32,
-        )
-        scores = scores * scale
+        scores = attention_scores(q, k)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
         weights = jnp.exp(scores - new_max[..., None])
         correction = jnp.exp(running_max - new_max)
         running_sum = running_sum * correction + jnp.sum(weights, axis=-1)
-        values = jnp.transpose(v, heads_first).astype(jnp.float32)
+        values = jnp.transpose(v, HEADS_FIRST).astype(jnp.float32)
         weighted = weighted * correction[..., None] + jnp.einsum("hqk,hkd->hqd", weights, values)
         running_max = new_max
         if step + 1 < size:
             k, v = jax.lax.ppermute((k, v), axis, ring)  # type: ignore[no-untyped-call]
     out = (weighted / running_sum[..., None]).astype(v.dtype)
-    result: Float[Array, "s heads head_dim"] = jnp.transpose(out, heads_first)
+    result: Float[Array, "s heads head_dim"] = jnp.transpose(out, HEADS_FIRST)
     return result
 
 
