@@ -1,12 +1,14 @@
 """Scale out on JAX's own multi-controller runtime: a data mesh, sharded rows, rank-0 rewards.
 
-One process with many devices shards rows over a `Mesh` data axis and replicates parameters.
+One process with many devices shards rows over a `Mesh` data axis and replicates parameters
+(or shards them, FSDP); a second mesh axis, `"sequence"`, splits each sample's tokens.
 Many processes (`jax.distributed.initialize`; gloo collectives on CPU) run the same program:
 the trainer supplies global arrays on every process, generation is collective, the reward
 runs once on process 0, its float64 scores reach every process as bytes, and each process
 keeps only the rows it owns.
 """
 
+import contextlib
 import itertools
 import math
 import os
@@ -28,6 +30,7 @@ from ._reward import FlowReward, RewardError, reward_name, score
 _T = TypeVar("_T")
 
 DATA_AXIS = "data"
+SEQUENCE_AXIS = "sequence"
 _MESSAGE_BYTES = 4096
 
 
@@ -85,30 +88,66 @@ def initialize(
     )
 
 
-def data_mesh(devices: int | None = None) -> Mesh:
-    """A one-axis mesh (`"data"`) over the first `devices` global devices (default: all).
+def data_mesh(devices: int | None = None, *, sequence: int = 1) -> Mesh:
+    """A mesh over the first `devices` global devices (default: all): one axis, `"data"`, or
+    with `sequence > 1` two, `("data", "sequence")` of sizes `devices / sequence` and
+    `sequence`.
+
+    Rows are split over `"data"`; the `sequence` devices of one data slot hold the same rows
+    and split each sample's tokens between the models' blocks (sequence parallelism, in the
+    models that support it: `MMDiT`, `Flux`, `Wan`). FSDP (`shard_parameters`) splits the
+    parameters over every device of the mesh.
 
     **Arguments:**
 
     - `devices`: how many of `jax.devices()` (in their order) the mesh spans; `None` for all.
+    - `sequence`: the size of the sequence axis, dividing `devices`; 1 for none.
 
     **Returns:**
 
-    A `jax.sharding.Mesh` with the one axis `"data"`.
+    A `jax.sharding.Mesh` with the axis `"data"`, and `"sequence"` when `sequence > 1`.
 
     **Raises:**
 
-    - `ValueError`: naming `devices`, when it is not in `1..len(jax.devices())`.
+    - `ValueError`: naming `devices`, when it is not in `1..len(jax.devices())`, or
+        `sequence`, when it is not a positive int dividing `devices`.
     """
     available = jax.devices()
     count = len(available) if devices is None else devices
     if not 1 <= count <= len(available):
         raise ValueError(f"`devices`={devices} must be in 1..{len(available)}.")
-    return Mesh(np.asarray(available[:count]), (DATA_AXIS,))
+    check_int("sequence", sequence, 1)
+    if count % sequence != 0:
+        raise ValueError(f"`sequence` ({sequence}) must divide the device count ({count}).")
+    if sequence == 1:
+        return Mesh(np.asarray(available[:count]), (DATA_AXIS,))
+    grid = np.asarray(available[:count]).reshape(count // sequence, sequence)
+    return Mesh(grid, (DATA_AXIS, SEQUENCE_AXIS))
+
+
+def data_size(mesh: Mesh) -> int:
+    """The size of the mesh's data axis: how many slots the rows are split over."""
+    return int(mesh.shape[DATA_AXIS])
+
+
+def sequence_size(mesh: Mesh | None) -> int:
+    """The size of the mesh's sequence axis (1 without a mesh or without the axis)."""
+    if mesh is None or SEQUENCE_AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[SEQUENCE_AXIS])
+
+
+def sequence_context(mesh: Mesh | None) -> contextlib.AbstractContextManager[Any]:
+    """`jax.set_mesh(mesh)` when `mesh` splits tokens (a sequence axis larger than 1), so
+    that the models traced inside see the axis; otherwise a context that does nothing."""
+    if mesh is None or sequence_size(mesh) == 1:
+        return contextlib.nullcontext()
+    context: contextlib.AbstractContextManager[Any] = jax.set_mesh(mesh)
+    return context
 
 
 def row_sharding(mesh: Mesh) -> NamedSharding:
-    """Rows split along the mesh's data axis."""
+    """Rows split along the mesh's data axis (and whole along a sequence axis)."""
     return NamedSharding(mesh, PartitionSpec(DATA_AXIS))  # type: ignore[no-untyped-call]
 
 
@@ -133,17 +172,17 @@ def shard_batch(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
 
     **Raises:**
 
-    - `ValueError`: if a leaf's row count is not a multiple of the mesh size.
+    - `ValueError`: if a leaf's row count is not a multiple of the data axis's size.
     """
     sharding = row_sharding(mesh)
-    size = mesh.devices.size
+    size = data_size(mesh)
 
     def place(leaf: Any) -> jax.Array:
         host = np.asarray(leaf)
         if host.ndim == 0 or host.shape[0] % size != 0:
             raise ValueError(
                 f"Cannot shard an array of shape {host.shape} by rows over {size} devices: "
-                "the row count must be a multiple of the device count."
+                "the row count must be a multiple of the data axis's size."
             )
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -192,20 +231,28 @@ fully sharded data parallel (each large array split along one axis over the devi
 PARAM_SHARDINGS: tuple[ParamSharding, ...] = get_args(ParamSharding)
 
 
-def fsdp_spec(shape: tuple[int, ...], devices: int, min_elements: int) -> PartitionSpec:
+def fsdp_spec(
+    shape: tuple[int, ...],
+    devices: int,
+    min_elements: int,
+    mesh_axes: str | tuple[str, ...] = DATA_AXIS,
+) -> PartitionSpec:
     """The FSDP partition of an array: its largest axis divisible by `devices` goes over the
-    data axis; an array smaller than `min_elements`, or with no such axis, is replicated.
+    mesh axes `mesh_axes`; an array smaller than `min_elements`, or with no such axis, is
+    replicated.
 
     **Arguments:**
 
     - `shape`: the array's shape.
-    - `devices`: the size of the data axis.
+    - `devices`: the number of devices `mesh_axes` span.
     - `min_elements`: arrays with fewer elements stay replicated (biases, norms, scalars:
         splitting them saves little and costs a gather each).
+    - `mesh_axes`: the mesh axis, or axes, the array is split over: `"data"`, or
+        `("data", "sequence")` on a mesh with a sequence axis.
 
     **Returns:**
 
-    A `PartitionSpec`: `PartitionSpec()` (replicated) or `"data"` at one axis.
+    A `PartitionSpec`: `PartitionSpec()` (replicated) or `mesh_axes` at one axis.
     """
     if math.prod(shape) < min_elements or devices == 1:
         return PartitionSpec()  # type: ignore[no-untyped-call]
@@ -213,8 +260,8 @@ def fsdp_spec(shape: tuple[int, ...], devices: int, min_elements: int) -> Partit
     if not divisible:
         return PartitionSpec()  # type: ignore[no-untyped-call]
     axis = max(divisible, key=lambda a: (shape[a], -a))
-    spec: list[str | None] = [None] * len(shape)
-    spec[axis] = DATA_AXIS
+    spec: list[str | tuple[str, ...] | None] = [None] * len(shape)
+    spec[axis] = mesh_axes
     return PartitionSpec(*spec)  # type: ignore[no-untyped-call]
 
 
@@ -229,7 +276,8 @@ def shard_parameters(
     or FSDP.
 
     With `"fsdp"` every array of at least `min_elements` elements is split along one axis
-    over the data axis (`fsdp_spec`), so each device holds about `1 / devices` of it; the
+    over every device of the mesh (`fsdp_spec`: the data axis, and the sequence axis too on a
+    mesh with one), so each device holds about `1 / devices` of it; the
     trainer's updates keep these shardings (XLA's GSPMD gathers a weight where a computation
     needs it whole). Every process passes the same host values. PRNG keys and arrays too small
     to split are replicated; leaves that are not arrays are returned as they are.
@@ -255,13 +303,15 @@ def shard_parameters(
         )
     check_int("min_elements", min_elements, 1)
     size = int(mesh.devices.size)
+    names = tuple(mesh.axis_names)
+    mesh_axes = names[0] if len(names) == 1 else names
 
     def place(leaf: Any) -> Any:
         if not isinstance(leaf, (jax.Array, np.ndarray)):
             return leaf
         host = np.asarray(leaf)
         spec = (
-            fsdp_spec(host.shape, size, min_elements)
+            fsdp_spec(host.shape, size, min_elements, mesh_axes)
             if param_sharding == "fsdp" and host.ndim > 0
             else PartitionSpec()  # type: ignore[no-untyped-call]
         )

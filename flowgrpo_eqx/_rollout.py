@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._advantages import AdvantageStd, RewardCombination, group_advantages, per_reward_advantages
 from ._custom_types import FinalSamples, Model, RolloutInfo, Transitions
-from ._distributed import host_samples, place_rows, score_on_root
+from ._distributed import host_samples, place_rows, score_on_root, sequence_context
 from ._guided_flow import GuidedFlow
 from ._misc import check_int, leading_rows, repeat_rows
 from ._reward import FlowReward, WeightedReward
@@ -63,7 +63,9 @@ class FlowRollout(eqx.Module):
     - `mesh`: a data mesh (`flowgrpo_eqx.data_mesh()`) to shard rows over, or `None` for the
         default device. With many processes, every process calls `collect` with the same
         global rows; generation is collective, the reward runs on process 0 only, and the
-        returned batch holds global arrays of which each process owns its rows.
+        returned batch holds global arrays of which each process owns its rows. On a mesh
+        with a sequence axis (`data_mesh(sequence=n)`) the samples are generated under it
+        (`jax.set_mesh`), so the models that support it split each sample's tokens.
 
     **Raises:**
 
@@ -211,7 +213,9 @@ class FlowRollout(eqx.Module):
         - `ValueError`: as `draw`.
         """
         starts_per_group = self.groups if self.shared_noise else 1
-        return _generate(self.active_sampler, self.draw(policy, rows, first), starts_per_group, key)
+        draw = self.draw(policy, rows, first)
+        with sequence_context(self.mesh):
+            return _generate(self.active_sampler, draw, starts_per_group, key)
 
     def collect(
         self, policy: Model, rows: PyTree[Any], key: PRNGKeyArray, epoch: int = 1
@@ -241,7 +245,8 @@ class FlowRollout(eqx.Module):
         first = self.window_start(epoch, key)
         draw = self.draw(policy, place_rows(host_rows, self.mesh), first)
         starts_per_group = self.groups if self.shared_noise else 1
-        generated = _generate(self.active_sampler, draw, starts_per_group, key)
+        with sequence_context(self.mesh):
+            generated = _generate(self.active_sampler, draw, starts_per_group, key)
         jax.block_until_ready(generated)  # type: ignore[no-untyped-call]
         generated_at = time.perf_counter()
         samples = host_samples(generated.samples)

@@ -8,6 +8,7 @@ from ._diffusers import (
 )
 from ._dit import DiT as DiT
 from ._flux import Flux as Flux, FluxCondition as FluxCondition
+from ._layers import SequenceStrategy as SequenceStrategy
 from ._mlp import (
     MLPVelocity as MLPVelocity,
     silu as silu,

@@ -1,6 +1,6 @@
 """The FLUX.1 transformer (Black Forest Labs), as diffusers' `FluxTransformer2DModel` computes."""
 
-from typing import Any, NotRequired, TypedDict, final
+from typing import Any, NotRequired, TypeAlias, TypedDict, final
 
 import equinox as eqx
 import jax
@@ -11,7 +11,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._distributed import gather_weights
 from .._misc import check_int
-from ._layers import Attention, AttentionSettings, attend, dense, layer_norm, modulate
+from ._layers import Attention, AttentionSettings, SequenceStrategy, dense, layer_norm, modulate
 from ._mlp import _init_linears, _zero_linear
 from ._mmdit import (
     _TIME_FEATURES,
@@ -21,6 +21,7 @@ from ._mmdit import (
     _Stream,
     check_text_shapes,
 )
+from ._sequence import attend_joint, split_tokens
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
 
 
@@ -101,6 +102,13 @@ def flux_position_ids(context_length: int, rows: int, cols: int) -> npt.NDArray[
     return np.concatenate([text, image.reshape(rows * cols, 3)])
 
 
+_Rope: TypeAlias = tuple[
+    tuple[Float[Array, "L head_dim"], Float[Array, "L head_dim"]],
+    tuple[Float[Array, "N head_dim"], Float[Array, "N head_dim"]],
+]
+"""The rotary features `(cos, sin)` of the text tokens, then of the image tokens."""
+
+
 def _apply_rope(
     qkv: Float[Array, "3 S heads head_dim"],
     cos: Float[Array, "S head_dim"],
@@ -146,26 +154,29 @@ class _FluxDoubleBlock(eqx.Module):
         context: Float[Array, "L D"],
         image: Float[Array, "N D"],
         c: Float[Array, " D"],
-        rope: tuple[Float[Array, "S head_dim"], Float[Array, "S head_dim"]],
+        rope: _Rope,
         attention: AttentionSettings,
     ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
         silu_c = jax.nn.silu(c)
         mod_context = self.context.modulations(silu_c)
         mod_image = self.image.modulations(silu_c)
-        qkv = jnp.concatenate(
-            [
+        text_rope, image_rope = rope
+        attended_image, attended_context = attend_joint(
+            _apply_rope(
+                self.image.attn.qkv(self.image.attention_input(image, mod_image)), *image_rope
+            ),
+            _apply_rope(
                 self.context.attn.qkv(self.context.attention_input(context, mod_context)),
-                self.image.attn.qkv(self.image.attention_input(image, mod_image)),
-            ],
-            axis=1,
+                *text_rope,
+            ),
+            attention,
+            text_first=True,
         )
-        attended = attend(_apply_rope(qkv, *rope), attention)
-        length = context.shape[0]
         new_image = self.image.feed_forward(
-            self.image.residual(image, attended[length:], mod_image), mod_image
+            self.image.residual(image, attended_image, mod_image), mod_image
         )
         new_context = self.context.feed_forward(
-            self.context.residual(context, attended[:length], mod_context), mod_context
+            self.context.residual(context, attended_context, mod_context), mod_context
         )
         return new_context, new_image
 
@@ -203,19 +214,34 @@ class _FluxSingleBlock(eqx.Module):
         context: Float[Array, "L D"],
         image: Float[Array, "N D"],
         c: Float[Array, " D"],
-        rope: tuple[Float[Array, "S head_dim"], Float[Array, "S head_dim"]],
+        rope: _Rope,
         attention: AttentionSettings,
     ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
-        width, length = c.shape[0], context.shape[0]
-        tokens = jnp.concatenate([context, image])
-        mod = dense(self.modulation, jax.nn.silu(c)[None])[0].reshape(3, width)
-        normed = modulate(layer_norm(tokens), mod[0], mod[1])
-        hidden = jax.nn.gelu(dense(self.proj_mlp, normed), approximate=True)
-        attended = attend(_apply_rope(self.attn.qkv(normed), *rope), attention)
-        out = tokens + mod[2][None, :] * dense(
-            self.proj_out, jnp.concatenate([attended, hidden], axis=1)
+        # Each stream's token-wise layers apart (the same weights), so that a sequence axis
+        # can split the image tokens while the text stays whole.
+        mod = dense(self.modulation, jax.nn.silu(c)[None])[0].reshape(3, c.shape[0])
+        normed_context = modulate(layer_norm(context), mod[0], mod[1])
+        normed_image = modulate(layer_norm(image), mod[0], mod[1])
+        text_rope, image_rope = rope
+        attended_image, attended_context = attend_joint(
+            _apply_rope(self.attn.qkv(normed_image), *image_rope),
+            _apply_rope(self.attn.qkv(normed_context), *text_rope),
+            attention,
+            text_first=True,
         )
-        return out[:length], out[length:]
+
+        def out(
+            tokens: Float[Array, "S D"], normed: Float[Array, "S D"], attended: Float[Array, "S D"]
+        ) -> Float[Array, "S D"]:
+            hidden = jax.nn.gelu(dense(self.proj_mlp, normed), approximate=True)
+            added: Float[Array, "S D"] = tokens + mod[2][None, :] * dense(
+                self.proj_out, jnp.concatenate([attended, hidden], axis=1)
+            )
+            return added
+
+        return out(context, normed_context, attended_context), out(
+            image, normed_image, attended_image
+        )
 
 
 def _flux_groups(double_depth: int, single_depth: int) -> tuple[tuple[int, int], ...]:
@@ -296,7 +322,8 @@ class Flux(AbstractAttentionModel):
         (`cond["guidance"]`).
     - `axes_dims`: the rotary feature width of each position axis, even, summing to the
         head width (`axes_dims_rope`).
-    - `stacked`, `remat`, `attention`, `attention_chunk`: as `MMDiT`'s.
+    - `stacked`, `remat`, `attention`, `attention_chunk`, `sequence_strategy`: as `MMDiT`'s
+        (a sequence axis splits the image tokens; the text stays whole).
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
@@ -348,6 +375,7 @@ class Flux(AbstractAttentionModel):
         remat: Remat = None,
         attention: Attention = "xla",
         attention_chunk: int = 512,
+        sequence_strategy: SequenceStrategy = "ulysses",
         *,
         key: PRNGKeyArray,
     ) -> None:
@@ -374,7 +402,7 @@ class Flux(AbstractAttentionModel):
         if not isinstance(guidance_embeds, bool):
             raise ValueError(f"`guidance_embeds` must be a bool, got {guidance_embeds!r}.")
         self.block_layout = block_layout(stacked, remat, _flux_groups(double_depth, single_depth))
-        self.attention_settings = AttentionSettings(attention, attention_chunk)
+        self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
         self.image_size = (height, latent_width)
         self.channels = channels
         self.double_depth = double_depth
@@ -487,13 +515,16 @@ class Flux(AbstractAttentionModel):
         c: Float[Array, " D"],
     ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
         """Every block in turn, as `block_layout` runs them."""
-        rope = self.rope()
+        cos, sin = self.rope()
+        length = self.context_length
+        rope = ((cos[:length], sin[:length]), (cos[length:], sin[length:]))
 
         def step(
             block: _FluxDoubleBlock | _FluxSingleBlock,
             carry: tuple[Float[Array, "L D"], Float[Array, "N D"]],
         ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
-            return block(*carry, c, rope, self.attention_settings)
+            context, image = carry
+            return block(context, split_tokens(image), c, rope, self.attention_settings)
 
         return self.block_layout.run(self.blocks, step, (context, image))
 

@@ -22,6 +22,13 @@ queries at a time (forward and backward)."""
 
 ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
 
+SequenceStrategy: TypeAlias = Literal["ulysses", "ring"]
+"""How attention runs when a mesh's `"sequence"` axis splits a sample's tokens:
+`"ulysses"` (all-to-all from token-split to head-split and back; the axis must divide the
+heads) or `"ring"` (keys and values passed round the devices, online softmax)."""
+
+SEQUENCE_STRATEGIES: tuple[SequenceStrategy, ...] = get_args(SequenceStrategy)
+
 
 def layer_norm(h: Float[Array, "S D"]) -> Float[Array, "S D"]:
     """LayerNorm over the last axis, without an affine part (adaLN supplies scale and shift)."""
@@ -76,11 +83,16 @@ def unpatchify(
     return x.reshape(image_size, image_size, channels)
 
 
-def check_attention(attention: Any, attention_chunk: Any) -> None:
-    """Raise a `ValueError` naming `attention` or `attention_chunk` if invalid."""
+def check_attention(attention: Any, attention_chunk: Any, sequence_strategy: Any) -> None:
+    """Raise a `ValueError` naming `attention`, `attention_chunk` or `sequence_strategy` if
+    invalid."""
     if attention not in ATTENTIONS:
         raise ValueError(f"`attention` must be one of {ATTENTIONS}, got {attention!r}.")
     check_int("attention_chunk", attention_chunk, 1)
+    if sequence_strategy not in SEQUENCE_STRATEGIES:
+        raise ValueError(
+            f"`sequence_strategy` must be one of {SEQUENCE_STRATEGIES}, got {sequence_strategy!r}."
+        )
 
 
 @final
@@ -91,18 +103,22 @@ class AttentionSettings(eqx.Module):
 
     - `kind`: `"xla"`, `"cudnn"` or `"chunked"` (`Attention`).
     - `chunk`: the queries per chunk of `"chunked"` attention.
+    - `sequence`: how attention runs over tokens split by a mesh's `"sequence"` axis
+        (`SequenceStrategy`); unused without one.
 
     **Raises:**
 
-    - `ValueError`: naming `attention` (for `kind`) or `attention_chunk` (for `chunk`), as
-        the models call them, when it is not one of its values.
+    - `ValueError`: naming `attention` (for `kind`), `attention_chunk` (for `chunk`) or
+        `sequence_strategy` (for `sequence`), as the models call them, when it is not one of
+        its values.
     """
 
     kind: Attention = eqx.field(static=True)
     chunk: int = eqx.field(static=True)
+    sequence: SequenceStrategy = eqx.field(default="ulysses", static=True)
 
     def __check_init__(self) -> None:
-        check_attention(self.kind, self.chunk)
+        check_attention(self.kind, self.chunk, self.sequence)
 
 
 def attend(
@@ -126,16 +142,30 @@ def attend_to(
 
     `settings` chooses the implementation (`Attention`); all compute the same function.
     """
+    attended = local_attention(q, k, v, settings)
+    return attended.reshape(attended.shape[0], -1)
+
+
+def local_attention(
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "K heads head_dim"],
+    v: Float[Array, "K heads head_dim"],
+    settings: AttentionSettings,
+) -> Float[Array, "S heads head_dim"]:
+    """Multi-head attention of `S` queries over `K` keys and values held on one device,
+    heads kept apart, `[S, heads, head_dim]`, as `settings.kind` chooses to compute it."""
     # jax's attention mixes a half-precision query with its float32 logits internally, which
     # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
     with jax.numpy_dtype_promotion("standard"):
         if settings.kind == "cudnn":
-            attended = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+            attended: Float[Array, "S heads head_dim"] = jax.nn.dot_product_attention(
+                q, k, v, implementation="cudnn"
+            )
         elif settings.kind == "chunked" and q.shape[0] > settings.chunk:
             attended = _chunked_attention(q, k, v, settings.chunk)
         else:
             attended = plain_attention(q, k, v)
-    return attended.reshape(attended.shape[0], -1)
+    return attended
 
 
 HEADS_FIRST = (1, 0, 2)

@@ -17,7 +17,7 @@ from .._misc import check_int
 from ._layers import (
     Attention,
     AttentionSettings,
-    attend,
+    SequenceStrategy,
     dense,
     layer_norm,
     modulate,
@@ -26,6 +26,7 @@ from ._layers import (
     unpatchify,
 )
 from ._mlp import _init_linears, _uniform_arrays, _zero_linear
+from ._sequence import attend_joint, attend_self, split_tokens
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
 
 
@@ -306,26 +307,21 @@ class _MMDiTBlock(eqx.Module):
         mod_context = self.context.modulations(silu_c)
         mod_image = self.image.modulations(silu_c)
         # diffusers' order, image tokens first: the same attention, the same rounding.
-        qkv = jnp.concatenate(
-            [
-                self.image.attn.qkv(self.image.attention_input(image, mod_image)),
-                self.context.attn.qkv(self.context.attention_input(context, mod_context)),
-            ],
-            axis=1,
+        attended_image, attended_context = attend_joint(
+            self.image.attn.qkv(self.image.attention_input(image, mod_image)),
+            self.context.attn.qkv(self.context.attention_input(context, mod_context)),
+            attention,
+            text_first=False,
         )
-        attended = attend(qkv, attention)
-        length = image.shape[0]
-        new_image = self.image.residual(image, attended[:length], mod_image)
+        new_image = self.image.residual(image, attended_image, mod_image)
         if self.attn2 is not None and self.attn2.out is not None:
             image_in2 = modulate(layer_norm(image), mod_image[6], mod_image[7])
-            second = dense(
-                self.attn2.out,
-                attend(self.attn2.qkv(image_in2), attention),
-            )
+            q, k, v = self.attn2.qkv(image_in2)
+            second = dense(self.attn2.out, attend_self(q, k, v, attention))
             new_image = new_image + mod_image[8][None, :] * second
         new_image = self.image.feed_forward(new_image, mod_image)
         new_context = self.context.feed_forward(
-            self.context.residual(context, attended[length:], mod_context), mod_context
+            self.context.residual(context, attended_context, mod_context), mod_context
         )
         return new_context, new_image
 
@@ -455,6 +451,12 @@ class MMDiT(AbstractAttentionModel):
     block's weights are gathered whole as the scan reaches them (`gather_weights`), the FSDP
     pattern: the rows stay split and only weights travel.
 
+    **Sequence parallelism.** Inside a step on a mesh with a `"sequence"` axis
+    (`data_mesh(sequence=n)`; `Trainer.update` and `FlowRollout` set it), the image tokens
+    are split over that axis between the blocks and the text tokens are whole on each of its
+    devices; the joint attention runs as `sequence_strategy` says (`attend_joint`). The
+    function computed is the same.
+
     `MMDiT.sd3_medium_config()` gives SD3-Medium (2,034,619,456 parameters with the cropped
     position table), `MMDiT.sd35_medium_config()` SD3.5-Medium. Computes in the dtype of its
     parameters and returns the dtype of `x`.
@@ -489,6 +491,9 @@ class MMDiT(AbstractAttentionModel):
         pass (`Remat`).
     - `attention`: `"xla"`, `"cudnn"` or `"chunked"` (`Attention`).
     - `attention_chunk`: the queries per chunk of `"chunked"` attention.
+    - `sequence_strategy`: `"ulysses"` or `"ring"` (`SequenceStrategy`): how attention runs
+        when the current mesh's `"sequence"` axis splits the image tokens (see **Sequence
+        parallelism**); unused without one.
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
@@ -497,8 +502,8 @@ class MMDiT(AbstractAttentionModel):
         not divide `image_size` or `sample_size`, or `heads` does not divide `width`, or
         `width` is not a multiple of 4, or `qk_norm` is not `None` or `"rms_norm"`, or a
         dual attention layer is not a block index, or `pos_embed_max_size` is less than
-        `image_size // patch`, or `stacked`, `remat`, `attention` or `attention_chunk` is
-        not one of its values.
+        `image_size // patch`, or `stacked`, `remat`, `attention`, `attention_chunk` or
+        `sequence_strategy` is not one of its values.
     """
 
     patch_embed: eqx.nn.Linear
@@ -551,13 +556,14 @@ class MMDiT(AbstractAttentionModel):
         remat: Remat = None,
         attention: Attention = "xla",
         attention_chunk: int = 512,
+        sequence_strategy: SequenceStrategy = "ulysses",
         *,
         key: PRNGKeyArray,
     ) -> None:
         check_int("depth", depth, 1)
         dual = tuple(dual_attention_layers)
         self.block_layout = block_layout(stacked, remat, block_groups(depth, dual))
-        self.attention_settings = AttentionSettings(attention, attention_chunk)
+        self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
         width = 64 * depth if width is None else width
         heads = depth if heads is None else heads
         sample_size = image_size if sample_size is None else sample_size
@@ -728,7 +734,8 @@ class MMDiT(AbstractAttentionModel):
         def step(
             block: _MMDiTBlock, carry: tuple[Float[Array, "L D"], Float[Array, "N D"]]
         ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
-            return block(*carry, c, self.attention_settings)
+            context, image = carry
+            return block(context, split_tokens(image), c, self.attention_settings)
 
         return self.block_layout.run(self.blocks, step, (context, image))
 

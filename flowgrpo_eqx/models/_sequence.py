@@ -1,4 +1,4 @@
-"""Attention over a sequence split across the devices of one mesh axis.
+"""Attention over a sample's tokens split across the devices of the mesh's `"sequence"` axis.
 
 The two strategies of the systems that split a sample's tokens over devices:
 
@@ -9,46 +9,101 @@ The two strategies of the systems that split a sample's tokens over devices:
     round the ring (`ppermute`), `n` steps, each folded into an online softmax (running maximum,
     running sum, running weighted values), so no device ever holds all keys or all scores.
 
-Both compute `plain_attention`'s function; the sequence must split evenly over the axis.
+Both compute `plain_attention`'s function. The models split their image (or video) tokens
+over the axis between blocks (`split_tokens`) and keep the text tokens whole on every device
+of the axis, as DanceGRPO's sequence parallelism (FastVideo's `parallel_attention`) and
+xDiT's USP (`joint_strategy`) do: in a joint attention (`attend_joint`, MMDiT and FLUX) each
+device takes its own heads of the text's queries, keys and values under Ulysses, and every
+device folds the whole text's keys and values into its online softmax under ring; a
+cross-attention to the text (Wan) needs no communication. Only the sequence axis is manual
+inside these `shard_map`s; the data axis (rows, FSDP) stays with XLA's partitioner.
 """
 
-from typing import Literal, TypeAlias, get_args
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float
 
-from ._layers import HEADS_FIRST, attention_scores, plain_attention
+from .._distributed import SEQUENCE_AXIS
+from ._layers import (
+    HEADS_FIRST,
+    SEQUENCE_STRATEGIES,
+    AttentionSettings,
+    SequenceStrategy,
+    attend,
+    attend_to,
+    attention_scores,
+    local_attention,
+)
 
 
-SequenceStrategy: TypeAlias = Literal["ulysses", "ring"]
-"""How attention runs over a split sequence: `"ulysses"` (all-to-all to split heads) or
-`"ring"` (keys and values passed round the devices, online softmax)."""
-
-SEQUENCE_STRATEGIES: tuple[SequenceStrategy, ...] = get_args(SequenceStrategy)
+_PLAIN = AttentionSettings("xla", 512)
+_MODEL_NAMES = ("x", "sequence_strategy")  # what a model's user passes: its input, its setting
 
 
-def ulysses_attention(
-    q: Float[Array, "s heads head_dim"],
-    k: Float[Array, "s heads head_dim"],
-    v: Float[Array, "s heads head_dim"],
-    axis: str,
-) -> Float[Array, "s heads head_dim"]:
-    """Attention of this device's `s` queries over the whole sequence, inside `shard_map`.
+def sequence_devices() -> int:
+    """How many devices split a sample's tokens: the size of the `"sequence"` axis of the
+    current mesh (`jax.set_mesh`), or 1 outside a mesh or on a mesh without that axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or SEQUENCE_AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[SEQUENCE_AXIS])
 
-    Each device holds a contiguous `s = S / n` tokens of every head; `n`, the size of `axis`,
-    divides the heads.
-    """
-    whole = [
-        jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=0, tiled=True)  # type: ignore[no-untyped-call]
-        for x in (q, k, v)
-    ]
-    attended = plain_attention(*whole)
-    out: Float[Array, "s heads head_dim"] = jax.lax.all_to_all(  # type: ignore[no-untyped-call]
-        attended, axis, split_axis=0, concat_axis=1, tiled=True
+
+def split_tokens(tokens: Float[Array, "S D"]) -> Float[Array, "S D"]:
+    """`tokens` (one sample's, between two blocks) constrained to be split over the mesh's
+    sequence axis; unchanged when no sequence axis splits them. Every token-wise layer (norms,
+    modulation, projections, feed-forward) then runs on each device's own tokens."""
+    if sequence_devices() == 1:
+        return tokens
+    spec = PartitionSpec(SEQUENCE_AXIS, *([None] * (tokens.ndim - 1)))  # type: ignore[no-untyped-call]
+    split: Float[Array, "S D"] = jax.lax.with_sharding_constraint(tokens, spec)  # type: ignore[no-untyped-call]
+    return split
+
+
+class _Softmax(NamedTuple):
+    """An online softmax's running state per head and query, in float32."""
+
+    maximum: Float[Array, "heads S"]
+    total: Float[Array, "heads S"]
+    weighted: Float[Array, "heads S head_dim"]
+
+
+def _start(q: Float[Array, "S heads head_dim"]) -> _Softmax:
+    length, heads, head_dim = q.shape
+    return _Softmax(
+        jnp.full((heads, length), -jnp.inf, jnp.float32),
+        jnp.zeros((heads, length), jnp.float32),
+        jnp.zeros((heads, length, head_dim), jnp.float32),
     )
-    return out
+
+
+def _fold(
+    state: _Softmax,
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "K heads head_dim"],
+    v: Float[Array, "K heads head_dim"],
+) -> _Softmax:
+    """The state after one more block of keys and values."""
+    scores = attention_scores(q, k)
+    maximum = jnp.maximum(state.maximum, jnp.max(scores, axis=-1))
+    weights = jnp.exp(scores - maximum[..., None])
+    correction = jnp.exp(state.maximum - maximum)
+    values = jnp.transpose(v, HEADS_FIRST).astype(jnp.float32)
+    return _Softmax(
+        maximum,
+        state.total * correction + jnp.sum(weights, axis=-1),
+        state.weighted * correction[..., None] + jnp.einsum("hqk,hkd->hqd", weights, values),
+    )
+
+
+def _finish(state: _Softmax, dtype: jnp.dtype) -> Float[Array, "S heads head_dim"]:
+    out = (state.weighted / state.total[..., None]).astype(dtype)
+    result: Float[Array, "S heads head_dim"] = jnp.transpose(out, HEADS_FIRST)
+    return result
 
 
 def ring_attention(
@@ -57,38 +112,111 @@ def ring_attention(
     v: Float[Array, "s heads head_dim"],
     axis: str,
     size: int,
+    whole_kv: tuple[Float[Array, "L heads head_dim"], Float[Array, "L heads head_dim"]]
+    | None = None,
+    chunk: int | None = None,
 ) -> Float[Array, "s heads head_dim"]:
-    """Attention of this device's `s` queries over the whole sequence, inside `shard_map`:
-    the `size` devices of `axis` pass their blocks of keys and values round the ring, and each
-    block is folded into an online softmax in float32."""
-    heads, length = q.shape[1], q.shape[0]
-    running_max = jnp.full((heads, length), -jnp.inf, jnp.float32)
-    running_sum = jnp.zeros((heads, length), jnp.float32)
-    weighted = jnp.zeros((heads, length, v.shape[-1]), jnp.float32)
+    """Attention of this device's queries over the whole sequence, inside `shard_map`: the
+    `size` devices of `axis` pass their blocks of keys and values round the ring, and each
+    block is folded into an online softmax in float32. `whole_kv`, keys and values every
+    device holds whole (a joint attention's text), are folded in first. With `chunk`, each
+    block is folded `chunk` queries at a time, each chunk rematerialised in the backward pass
+    (as `"chunked"` attention), so only `[heads, chunk, block]` scores exist at once."""
+    length = q.shape[0]
+    pieces = 1 if chunk is None else -(-length // chunk)
+    if pieces > 1:
+        assert chunk is not None
+        padded = jnp.pad(q, ((0, pieces * chunk - length), (0, 0), (0, 0)))
+        queries = padded.reshape(pieces, chunk, *q.shape[1:])
+        one = jax.checkpoint(_fold)
+
+        def fold(state: _Softmax, k: jax.Array, v: jax.Array) -> _Softmax:
+            folded: _Softmax = jax.lax.map(
+                lambda part: one(part[0], part[1], k, v), (state, queries)
+            )
+            return folded
+
+        state = jax.vmap(_start)(queries)
+    else:
+        fold = functools.partial(_fold, q=q)
+        state = _start(q)
+    if whole_kv is not None:
+        state = fold(state, k=whole_kv[0], v=whole_kv[1])
     ring = [(i, (i + 1) % size) for i in range(size)]
-    for step in range(size):
-        scores = attention_scores(q, k)
-        new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
-        weights = jnp.exp(scores - new_max[..., None])
-        correction = jnp.exp(running_max - new_max)
-        running_sum = running_sum * correction + jnp.sum(weights, axis=-1)
-        values = jnp.transpose(v, HEADS_FIRST).astype(jnp.float32)
-        weighted = weighted * correction[..., None] + jnp.einsum("hqk,hkd->hqd", weights, values)
-        running_max = new_max
-        if step + 1 < size:
-            k, v = jax.lax.ppermute((k, v), axis, ring)  # type: ignore[no-untyped-call]
-    out = (weighted / running_sum[..., None]).astype(v.dtype)
-    result: Float[Array, "s heads head_dim"] = jnp.transpose(out, HEADS_FIRST)
+    for _ in range(size - 1):
+        # The next block is sent before this one is folded, so the two can overlap.
+        k_next, v_next = jax.lax.ppermute((k, v), axis, ring)  # type: ignore[no-untyped-call]
+        state = fold(state, k=k, v=v)
+        k, v = k_next, v_next
+    state = fold(state, k=k, v=v)
+    if pieces == 1:
+        return _finish(state, v.dtype)
+    out = jax.vmap(lambda part: _finish(part, v.dtype))(state)
+    result: Float[Array, "s heads head_dim"] = out.reshape(-1, *q.shape[1:])[:length]
     return result
+
+
+def _ring_chunk(settings: AttentionSettings) -> int | None:
+    """The queries folded at a time by the ring under `settings` (`None`: all at once)."""
+    return settings.chunk if settings.kind == "chunked" else None
+
+
+def ulysses_attention(
+    q: Float[Array, "s heads head_dim"],
+    k: Float[Array, "s heads head_dim"],
+    v: Float[Array, "s heads head_dim"],
+    axis: str,
+    settings: AttentionSettings = _PLAIN,
+) -> Float[Array, "s heads head_dim"]:
+    """Attention of this device's `s` queries over the whole sequence, inside `shard_map`.
+
+    Each device holds a contiguous `s = S / n` tokens of every head; `n`, the size of `axis`,
+    divides the heads. The attention of each device's heads runs as `settings` says.
+    """
+    whole = [
+        jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=0, tiled=True)  # type: ignore[no-untyped-call]
+        for x in (q, k, v)
+    ]
+    attended = local_attention(whole[0], whole[1], whole[2], settings)
+    out: Float[Array, "s heads head_dim"] = jax.lax.all_to_all(  # type: ignore[no-untyped-call]
+        attended, axis, split_axis=0, concat_axis=1, tiled=True
+    )
+    return out
+
+
+def _check_split(
+    strategy: SequenceStrategy,
+    axis: str,
+    size: int,
+    length: int,
+    heads: int,
+    names: tuple[str, str] = ("q", "strategy"),
+) -> None:
+    """Raise a `ValueError` unless `size` devices can split `length` tokens of `heads` heads
+    with `strategy`, naming `names[0]` (the tokens) or `names[1]` (the strategy)."""
+    tokens, setting = names
+    if strategy not in SEQUENCE_STRATEGIES:
+        raise ValueError(f"`{setting}` must be one of {SEQUENCE_STRATEGIES}, got {strategy!r}.")
+    if length % size != 0:
+        raise ValueError(
+            f"`{tokens}`: the sequence length ({length}) must be a multiple of the size of mesh "
+            f"axis {axis!r} ({size})."
+        )
+    if strategy == "ulysses" and heads % size != 0:
+        raise ValueError(
+            f"`{setting}`: Ulysses needs the number of heads ({heads}) to be a multiple of the "
+            f"size of mesh axis {axis!r} ({size}); the ring strategy splits tokens only."
+        )
 
 
 def sequence_parallel_attention(
     q: Float[Array, "S heads head_dim"],
     k: Float[Array, "S heads head_dim"],
     v: Float[Array, "S heads head_dim"],
-    mesh: Mesh,
+    mesh: Mesh | None,
     axis: str,
     strategy: SequenceStrategy,
+    settings: AttentionSettings = _PLAIN,
 ) -> Float[Array, "S heads head_dim"]:
     """Self-attention with the sequence split over `mesh`'s `axis`: what `plain_attention`
     computes, each device holding `S / n` of the tokens.
@@ -96,9 +224,11 @@ def sequence_parallel_attention(
     **Arguments:**
 
     - `q`, `k`, `v`: the queries, keys and values of the whole sequence.
-    - `mesh`: the device mesh.
+    - `mesh`: the device mesh; `None` for the current one (`jax.set_mesh`). Axes other than
+        `axis` are left to XLA's partitioner (rows may be split over a data axis).
     - `axis`: the name of the mesh axis the sequence is split over.
     - `strategy`: `"ulysses"` or `"ring"` (`SequenceStrategy`).
+    - `settings`: how each device's attention runs under Ulysses.
 
     **Returns:**
 
@@ -110,25 +240,136 @@ def sequence_parallel_attention(
         has no such axis, or `q` when the axis's size does not divide the sequence (or, for
         Ulysses, the heads).
     """
-    if strategy not in SEQUENCE_STRATEGIES:
-        raise ValueError(f"`strategy` must be one of {SEQUENCE_STRATEGIES}, got {strategy!r}.")
-    if axis not in mesh.shape:
-        raise ValueError(f"`axis` must name an axis of the mesh {dict(mesh.shape)}, got {axis!r}.")
-    size = mesh.shape[axis]
-    length, heads = q.shape[0], q.shape[1]
-    if length % size != 0 or (strategy == "ulysses" and heads % size != 0):
-        what = "sequence length" if length % size != 0 else "number of heads"
-        raise ValueError(
-            f"`q`: the {what} ({length if length % size != 0 else heads}) must be a multiple "
-            f"of the size of mesh axis {axis!r} ({size})."
-        )
+    shape = dict((mesh or jax.sharding.get_abstract_mesh()).shape)
+    if axis not in shape:
+        raise ValueError(f"`axis` must name an axis of the mesh {shape}, got {axis!r}.")
+    size = shape[axis]
+    _check_split(strategy, axis, size, q.shape[0], q.shape[1])
     spec = PartitionSpec(axis)  # type: ignore[no-untyped-call]
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         if strategy == "ulysses":
-            return ulysses_attention(q, k, v, axis)
-        return ring_attention(q, k, v, axis, size)
+            return ulysses_attention(q, k, v, axis, settings)
+        return ring_attention(q, k, v, axis, size, chunk=_ring_chunk(settings))
 
-    split = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    split = jax.shard_map(
+        local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names={axis}
+    )
     out: Float[Array, "S heads head_dim"] = split(q, k, v)
     return out
+
+
+def attend_self(
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "S heads head_dim"],
+    v: Float[Array, "S heads head_dim"],
+    settings: AttentionSettings,
+) -> Float[Array, "S D"]:
+    """Self-attention of one token stream, heads merged back, `[S, D]`: over the tokens
+    split by the current mesh's sequence axis (`settings.sequence`'s strategy), or on one
+    device as `attend_to` without one."""
+    size = sequence_devices()
+    if size == 1:
+        return attend_to(q, k, v, settings)
+    _check_split(settings.sequence, SEQUENCE_AXIS, size, q.shape[0], q.shape[1], _MODEL_NAMES)
+    out = sequence_parallel_attention(q, k, v, None, SEQUENCE_AXIS, settings.sequence, settings)
+    return out.reshape(out.shape[0], -1)
+
+
+def attend_joint(
+    image: Float[Array, "3 N heads head_dim"],
+    text: Float[Array, "3 L heads head_dim"],
+    settings: AttentionSettings,
+    text_first: bool,
+) -> tuple[Float[Array, "N D"], Float[Array, "L D"]]:
+    """One attention over two token streams (MMDiT's and FLUX's joint attention), each
+    stream's result apart, heads merged back.
+
+    Without a sequence axis the streams' queries, keys and values are concatenated (text
+    first when `text_first`, as FLUX; image first otherwise, as SD3) and attended as one
+    sequence. With one, the image tokens are split over it and the text tokens are whole on
+    every device (see the module's docstring).
+
+    **Arguments:**
+
+    - `image`: the image stream's stacked queries, keys and values.
+    - `text`: the text stream's.
+    - `settings`: how attention is computed (`AttentionSettings`).
+    - `text_first`: the order of the streams in the one-device sequence.
+
+    **Returns:**
+
+    `(image_out, text_out)`, `[N, D]` and `[L, D]`.
+
+    **Raises:**
+
+    - `ValueError`: when the sequence axis's size does not divide the image tokens (or, for
+        Ulysses, the heads).
+    """
+    length, count = text.shape[1], image.shape[1]
+    size = sequence_devices()
+    if size == 1:
+        parts = [text, image] if text_first else [image, text]
+        attended = attend(jnp.concatenate(parts, axis=1), settings)
+        if text_first:
+            return attended[length:], attended[:length]
+        return attended[:count], attended[count:]
+    strategy = settings.sequence
+    _check_split(strategy, SEQUENCE_AXIS, size, count, image.shape[2], _MODEL_NAMES)
+
+    # The whole text crosses into and out of the split region in float32: its gradient and
+    # result are summed over the axis there, and XLA's CPU backend fails to promote such a
+    # sum in bfloat16 (the round trip of a bfloat16 value through float32 is exact).
+    dtype = text.dtype
+
+    def local(image: jax.Array, text: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # Marked as differing between devices while in float32, so that the sum of its
+        # gradient over the axis (this mark's transpose) is taken in float32.
+        text = jax.lax.pcast(text, SEQUENCE_AXIS, to="varying").astype(dtype)
+        if strategy == "ulysses":
+            return _ulysses_joint(image, text, size, settings, text_first)
+        queries = jnp.concatenate([text[0], image[0]])
+        out = ring_attention(
+            queries, image[1], image[2], SEQUENCE_AXIS, size, (text[1], text[2]),
+            _ring_chunk(settings),
+        )  # fmt: skip
+        text_out = jax.lax.pmean(out[:length].astype(jnp.float32), SEQUENCE_AXIS)  # type: ignore[no-untyped-call]
+        return out[length:], text_out
+
+    split, whole = PartitionSpec(None, SEQUENCE_AXIS), PartitionSpec()  # type: ignore[no-untyped-call]
+    image_out, text_out = jax.shard_map(
+        local,
+        in_specs=(split, whole),
+        out_specs=(PartitionSpec(SEQUENCE_AXIS), whole),  # type: ignore[no-untyped-call]
+        axis_names={SEQUENCE_AXIS},
+    )(image, text.astype(jnp.float32))
+    return image_out.reshape(count, -1), text_out.astype(dtype).reshape(length, -1)
+
+
+def _ulysses_joint(
+    image: Float[Array, "3 n heads head_dim"],
+    text: Float[Array, "3 L heads head_dim"],
+    size: int,
+    settings: AttentionSettings,
+    text_first: bool,
+) -> tuple[Float[Array, "n heads head_dim"], Float[Array, "L heads head_dim"]]:
+    """Inside `shard_map`: every image token of this device's `heads / size` heads (one
+    all-to-all), the same heads of the whole text, one attention over both, and back."""
+    heads = text.shape[2] // size
+    whole = jax.lax.all_to_all(image, SEQUENCE_AXIS, split_axis=2, concat_axis=1, tiled=True)  # type: ignore[no-untyped-call]
+    start = jax.lax.axis_index(SEQUENCE_AXIS) * heads
+    mine = jax.lax.dynamic_slice_in_dim(text, start, heads, axis=2)
+    length, count = text.shape[1], whole.shape[1]
+    joined = jnp.concatenate([mine, whole] if text_first else [whole, mine], axis=1)
+    out = local_attention(joined[0], joined[1], joined[2], settings)
+    text_out, image_out = (out[:length], out[length:]) if text_first else (out[count:], out[:count])
+    image_back = jax.lax.all_to_all(
+        image_out, SEQUENCE_AXIS, split_axis=0, concat_axis=1, tiled=True
+    )  # type: ignore[no-untyped-call]
+    # Each device's heads of the text put in place and summed over the axis (in float32, as
+    # the text leaves the split region): an all-gather whose result JAX knows to be the same
+    # on every device, exact since all but one of the terms are zeros.
+    zeros = jnp.zeros(text.shape[1:], jnp.float32)
+    placed = jax.lax.dynamic_update_slice_in_dim(zeros, text_out.astype(jnp.float32), start, 1)
+    text_whole: Float[Array, "L heads head_dim"] = jax.lax.psum(placed, SEQUENCE_AXIS)  # type: ignore[no-untyped-call]
+    return image_back, text_whole

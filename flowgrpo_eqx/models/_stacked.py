@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._distributed import gather_weights
-from ._layers import Attention, AttentionSettings
+from ._layers import Attention, AttentionSettings, SequenceStrategy
 
 
 Remat: TypeAlias = Literal["nothing", "dots"] | None
@@ -362,6 +362,11 @@ class AbstractAttentionModel(AbstractLayeredModel):
         """The queries per chunk of `"chunked"` attention."""
         return self.attention_settings.chunk
 
+    @property
+    def sequence_strategy(self) -> SequenceStrategy:
+        """How attention runs over tokens split by a mesh's sequence axis."""
+        return self.attention_settings.sequence
+
     def unstacked_blocks(self) -> tuple[Any, ...]:
         """Every block as its own module, in order, whatever the layout.
 
@@ -379,6 +384,7 @@ class AbstractAttentionModel(AbstractLayeredModel):
         remat: Remat | Literal["keep"] = "keep",
         attention: Attention | None = None,
         attention_chunk: int | None = None,
+        sequence_strategy: SequenceStrategy | None = None,
     ) -> _AttentionModel:
         """The same model (the same function of the same weights) with other settings.
 
@@ -388,6 +394,8 @@ class AbstractAttentionModel(AbstractLayeredModel):
         - `remat`: the rematerialisation policy; `"keep"` keeps it.
         - `attention`: the attention implementation; `None` keeps it.
         - `attention_chunk`: the query chunk of chunked attention; `None` keeps it.
+        - `sequence_strategy`: how attention runs over tokens split by a sequence axis
+            (`SequenceStrategy`); `None` keeps it.
 
         **Returns:**
 
@@ -400,6 +408,7 @@ class AbstractAttentionModel(AbstractLayeredModel):
         settings = AttentionSettings(
             self.attention if attention is None else attention,
             self.attention_chunk if attention_chunk is None else attention_chunk,
+            self.sequence_strategy if sequence_strategy is None else sequence_strategy,
         )
         relaid = self.relaid(stacked, remat, self.block_groups)
         new: _AttentionModel = eqx.tree_at(lambda m: m.attention_settings, relaid, settings)

@@ -15,6 +15,7 @@ from ._flux import _apply_rope, rope_tables
 from ._layers import (
     Attention,
     AttentionSettings,
+    SequenceStrategy,
     attend_to,
     dense,
     layer_norm,
@@ -23,6 +24,7 @@ from ._layers import (
 )
 from ._mlp import _init_linears, _zero_linear
 from ._mmdit import _rms_norm
+from ._sequence import attend_self, split_tokens
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
 
 
@@ -79,8 +81,10 @@ class _WanAttention(eqx.Module):
         rope: tuple[Float[Array, "S hd"], Float[Array, "S hd"]] | None,
         attention: AttentionSettings,
     ) -> Float[Array, "S D"]:
-        """Attention of `h`'s tokens over `source`'s (itself for self-attention), with the
-        rotary positions on queries and keys when `rope` is given."""
+        """Attention of `h`'s tokens over `source`'s: with `rope`, a self-attention (`source`
+        is `h`) with the rotary positions on queries and keys, over the whole sequence even
+        when a sequence axis splits it (`attend_self`); without, a cross-attention to the
+        text, which every device holds whole, so each device's queries need no other's."""
 
         def split(x: Float[Array, "N D"]) -> Float[Array, "N heads hd"]:
             return x.reshape(x.shape[0], heads, -1)
@@ -88,9 +92,10 @@ class _WanAttention(eqx.Module):
         q = split(_rms_norm(dense(self.q, h), self.norm_q))
         k = split(_rms_norm(dense(self.k, source), self.norm_k))
         v = split(dense(self.v, source))
-        if rope is not None:
-            q, k, v = _apply_rope(jnp.stack([q, k, v]), *rope)
-        out: Float[Array, "S D"] = dense(self.out, attend_to(q, k, v, attention))
+        if rope is None:
+            return dense(self.out, attend_to(q, k, v, attention))
+        q, k, v = _apply_rope(jnp.stack([q, k, v]), *rope)
+        out: Float[Array, "S D"] = dense(self.out, attend_self(q, k, v, attention))
         return out
 
 
@@ -222,7 +227,8 @@ class Wan(AbstractAttentionModel):
     - `ffn_dim`: the feed-forward hidden width.
     - `context_length`: the number of text tokens.
     - `text_dim`: the width of the text states.
-    - `stacked`, `remat`, `attention`, `attention_chunk`: as `MMDiT`'s.
+    - `stacked`, `remat`, `attention`, `attention_chunk`, `sequence_strategy`: as `MMDiT`'s
+        (a sequence axis splits the video tokens; the text stays whole).
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
@@ -266,6 +272,7 @@ class Wan(AbstractAttentionModel):
         remat: Remat = None,
         attention: Attention = "xla",
         attention_chunk: int = 512,
+        sequence_strategy: SequenceStrategy = "ulysses",
         *,
         key: PRNGKeyArray,
     ) -> None:
@@ -280,7 +287,7 @@ class Wan(AbstractAttentionModel):
         )
         _check_wan(sizes, tuple(patch), tuple(latent_size))
         self.block_layout = block_layout(stacked, remat, ((0, depth),))
-        self.attention_settings = AttentionSettings(attention, attention_chunk)
+        self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
         self.latent_size = (latent_size[0], latent_size[1], latent_size[2])
         self.channels = channels
         self.patch = (patch[0], patch[1], patch[2])
@@ -432,7 +439,7 @@ class Wan(AbstractAttentionModel):
         rope = self.rope()
 
         def step(block: _WanBlock, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
-            return block(h, context, time, self.heads, rope, self.attention_settings)
+            return block(split_tokens(h), context, time, self.heads, rope, self.attention_settings)
 
         h = self.block_layout.run(self.blocks, step, h)
         mod = outer.final_table.astype(dtype) + temb
