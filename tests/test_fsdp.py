@@ -80,6 +80,12 @@ def test_fsdp_splits_the_largest_divisible_axis_of_large_arrays(shape, devices, 
     assert tuple(fsdp_spec(shape, devices, minimum)) == want
 
 
+def test_fsdp_on_a_mesh_with_a_sequence_axis_splits_over_both_axes():
+    both = ("data", "sequence")
+    assert tuple(fsdp_spec((6, 64), 8, 256, both)) == (None, both)
+    assert tuple(fsdp_spec((6, 12), 8, 1, both)) == ()
+
+
 def test_shard_parameters_names_bad_settings():
     mesh = fg.data_mesh(1)
     tree = {"w": np.ones((4, 4), np.float32), "key": jax.random.key(0), "static": "text"}

@@ -1,4 +1,6 @@
-"""Sequence-parallel attention (`flowgrpo_eqx.models._sequence`) on 4 simulated devices."""
+"""Sequence parallelism on 4 simulated devices against one device: the attention itself and
+the velocity and gradients of each model with each strategy (a Flow-GRPO epoch and
+checkpoints are in `tests/test_sequence_parallel_training.py`)."""
 
 import json
 import os
@@ -10,33 +12,50 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import flowgrpo_eqx as fg
+from flowgrpo_eqx.models import MMDiT
 from flowgrpo_eqx.models._sequence import sequence_parallel_attention
 from tests.cli_helpers import REPO, simulated_devices
+from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
-@pytest.fixture(scope="module")
-def four_device_report():
+def run_worker(*arguments: str) -> dict:
     """`tests.sequence_worker`'s report (a fresh interpreter: the device count is fixed when
     JAX starts)."""
     environment = {**os.environ, "PYTHONPATH": str(REPO), **simulated_devices(4)}
     result = subprocess.run(
-        [sys.executable, "-m", "tests.sequence_worker"],
-        capture_output=True, text=True, env=environment, timeout=300, check=False,
+        [sys.executable, "-m", "tests.sequence_worker", *arguments],
+        capture_output=True, text=True, env=environment, timeout=900, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
+@pytest.fixture(scope="module")
+def four_device_report():
+    return run_worker("models")
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "ring", "ring_chunked"])
 def test_split_attention_is_one_device_attention(four_device_report, strategy):
-    report = four_device_report[strategy]
+    report = four_device_report["attention"][strategy]
     assert report["values"] <= 1e-5
     assert max(report["gradients"]) <= 1e-5
 
 
 def test_a_sequence_the_axis_does_not_divide_is_named(four_device_report):
-    message = four_device_report["indivisible"]
+    message = four_device_report["attention"]["indivisible"]
     assert message.startswith("`q`: the sequence length (6)") and "'sequence' (4)" in message
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
+@pytest.mark.parametrize("model", ["mmdit", "flux", "wan"])
+def test_each_model_split_over_four_devices_is_the_one_device_model(
+    four_device_report, model, strategy
+):
+    report = four_device_report["models"][model][strategy]
+    assert report["values"] <= 1e-5, report
+    assert report["gradients"] <= 1e-5, report
 
 
 def test_an_axis_the_mesh_lacks_is_named():
@@ -44,3 +63,21 @@ def test_an_axis_the_mesh_lacks_is_named():
     q = jax.numpy.zeros((4, 2, 8), jax.numpy.float32)
     with pytest.raises(ValueError, match="`axis` must name an axis of the mesh"):
         sequence_parallel_attention(q, q, q, mesh, "tokens", "ring")
+
+
+def test_settings_and_meshes_are_checked_by_name():
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="sequence_strategy"):
+        MMDiT(sequence_strategy="tree", key=jax.random.key(0))  # type: ignore[arg-type]
+    model = MMDiT(key=jax.random.key(0))
+    assert model.with_settings(sequence_strategy="ring").sequence_strategy == "ring"
+    with pytest.raises(ValueError, match="`sequence` \\(2\\) must divide the device count"):
+        fg.data_mesh(1, sequence=2)
+    with pytest.raises(ValueError, match="`sequence`"):
+        fg.data_mesh(1, sequence=0)
+    assert fg.data_mesh(1).axis_names == ("data",)
+
+
+def test_ulysses_over_more_devices_than_heads_divide_is_named(four_device_report):
+    message = four_device_report["models"]["heads_not_divisible"]
+    assert message.startswith("`sequence_strategy`: Ulysses needs the number of heads (2)")
+    assert "mesh axis 'sequence' (4); the ring strategy splits tokens only" in message
