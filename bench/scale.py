@@ -1,21 +1,26 @@
-"""`python -m bench.scale [--size sd35_medium|sd3_medium|flux_dev|wan_1_3b|small]
-[--resolution 512|1024 | --height H --width W --frames F] [--rows-per-device R] [--devices 8]
-[--modes a,b]`: the memory and compile plan of a step.
+"""`python -m bench.scale [--size sd35_medium|sd3_medium|flux_dev|wan_1_3b|wan_14b|small]
+[--resolution 512|1024|2048 | --height H --width W --frames F] [--rows-per-device R]
+[--devices 8] [--sequence-parallel N [--sequence-strategy ulysses|ring]] [--modes a,b]`: the
+memory and compile plan of a step.
 
 Builds the Flow-GRPO training step (`FlowGRPOObjective` with a KL reference, `beta = 0.04`,
 AdamW) of the model for `--devices` simulated CPU devices, with each release's guidance:
 classifier-free 4.5 for SD3 (the Flow-GRPO release), the embedded guidance 3.5 of FLUX.1-dev
 (flow_grpo's FLUX recipes; its grid `RectifiedFlow(shift=flux_shift(tokens), grid="flux")`),
 none for Wan 2.1 (DanceGRPO's Wan trainer runs with `--cfg 0`). Sizes: SD3.5-Medium and
-SD3-Medium (`MMDiT`) at `--resolution`, FLUX.1-dev (`Flux`) at `--resolution`, Wan
-2.1-T2V-1.3B (`Wan`) at `--height` x `--width` (default 480 x 832) and `--frames` (default 81;
-the VAE keeps `1 + (frames - 1) / 4` latent frames). The step is built on simulated devices
+SD3-Medium (`MMDiT`) at `--resolution`, FLUX.1-dev (`Flux`) at `--resolution`, Wan 2.1-T2V-1.3B
+and 14B (`Wan`) at `--height` x `--width` (default 480 x 832) and `--frames` (default 81; the
+VAE keeps `1 + (frames - 1) / 4` latent frames). The step is built on simulated devices
 (`--xla_force_host_platform_device_count`), abstractly: the model and the training state are
 `eqx.filter_eval_shape`d, the step is lowered and compiled for the mesh (under the mesh, as
 `Trainer.update` runs it), nothing is executed and no parameter is materialised. `R` rows per
-device, one recorded transition per row. The model is stacked (a scan over each group of
-blocks), rematerialised per block (`--remat`, default `nothing`) with chunked attention
-(`--attention`, default `chunked`: CPU has no cuDNN); `--microbatches M` accumulates over M.
+device, one recorded transition per row. `--sequence-parallel N` makes the mesh `("data",
+"sequence")` of `devices / N` x `N` (`data_mesh(sequence=N)`): each row's image or video tokens
+are split over the N devices of its data slot (`--sequence-strategy`, default `ulysses`), `R`
+is then the rows per data slot, and FSDP splits over all the devices. The model is stacked (a
+scan over each group of blocks), rematerialised per block (`--remat`, default `nothing`) with
+chunked attention (`--attention`, default `chunked`: CPU has no cuDNN); `--microbatches M`
+accumulates over M.
 
 Modes (`--modes`, all by default):
 
@@ -29,9 +34,11 @@ Modes (`--modes`, all by default):
 
 Per mode and per device: the bytes of the variables and of the optimizer state (exact, from
 the arrays' shapes and shardings), XLA's temporaries of the compiled step
-(`memory_analysis().temp_size_in_bytes`), the compile time, and the all-gathers of the
-compiled program split into weights (a parameter's shape, whole or one layer of a stack) and
-activations (anything else). Prints one JSON object.
+(`memory_analysis().temp_size_in_bytes`), the compile time, the all-gathers of the compiled
+program split into weights (a parameter's shape, whole or one layer of a stack) and
+activations (anything else), and every collective of the program by kind (all-gather,
+all-reduce, reduce-scatter, all-to-all, collective-permute: each op once, a loop body's
+once). Prints one JSON object.
 """
 
 import argparse
@@ -95,19 +102,32 @@ def all_gathers(hlo_text: str, shapes: set[tuple[int, ...]]) -> tuple[int, list[
     return len(results) - len(activations), activations
 
 
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(hlo_text: str) -> dict[str, int]:
+    """How many ops of each collective kind a compiled HLO text holds (asynchronous pairs
+    counted once, by their start)."""
+    return {kind: len(re.findall(rf"\s{kind}(?:-start)?\(", hlo_text)) for kind in COLLECTIVES}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
     parser.add_argument(
         "--size",
-        choices=("sd35_medium", "sd3_medium", "flux_dev", "wan_1_3b", "small"),
+        choices=("sd35_medium", "sd3_medium", "flux_dev", "wan_1_3b", "wan_14b", "small"),
         default="sd35_medium",
     )
-    parser.add_argument("--resolution", type=int, choices=(512, 1024), default=512)
+    parser.add_argument("--resolution", type=int, choices=(512, 1024, 2048), default=512)
     parser.add_argument("--height", type=int, default=480, help="Wan: the video's height")
     parser.add_argument("--width", type=int, default=832, help="Wan: the video's width")
     parser.add_argument("--frames", type=int, default=81, help="Wan: the video's frames")
     parser.add_argument("--rows-per-device", type=int, default=9)
     parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument(
+        "--sequence-parallel", type=int, default=1, help="the size of the mesh's sequence axis"
+    )
+    parser.add_argument("--sequence-strategy", choices=("ulysses", "ring"), default="ulysses")
     parser.add_argument("--remat", choices=("nothing", "dots", "none"), default="nothing")
     parser.add_argument("--attention", choices=("chunked", "xla"), default="chunked")
     parser.add_argument("--attention-chunk", type=int, default=512)
@@ -118,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:
         parser.error(f"--modes names unknown modes {unknown}; known: {list(MODES)}")
+    if arguments.sequence_parallel < 1 or arguments.devices % arguments.sequence_parallel:
+        parser.error(
+            f"--sequence-parallel ({arguments.sequence_parallel}) must be a positive divisor "
+            f"of --devices ({arguments.devices})"
+        )
     _force_devices(arguments.devices)
 
     import equinox as eqx
@@ -136,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         remat=None if arguments.remat == "none" else arguments.remat,
         attention=arguments.attention,
         attention_chunk=arguments.attention_chunk,
+        sequence_strategy=arguments.sequence_strategy,
     )
     settings: dict[str, Any]
     model_class: Any = MMDiT
@@ -147,11 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         model_class = Flux
         side = arguments.resolution // 8  # the VAE's 8x downsampling
         settings = {**Flux.dev_config(), "image_size": (side, side)}
-    elif arguments.size == "wan_1_3b":
+    elif arguments.size in ("wan_1_3b", "wan_14b"):
         model_class = Wan
         frames = 1 + (arguments.frames - 1) // 4  # the VAE's 4x in time, the first frame kept
         latent = (frames, arguments.height // 8, arguments.width // 8)
-        settings = {**Wan.t2v_1_3b_config(), "latent_size": latent}
+        config = Wan.t2v_1_3b_config() if arguments.size == "wan_1_3b" else Wan.t2v_14b_config()
+        settings = {**config, "latent_size": latent}
     else:
         settings = dict(
             image_size=16, channels=4, patch=2, depth=3, context_length=8, context_dim=32,
@@ -160,14 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     if arguments.size in ("sd35_medium", "sd3_medium"):
         settings["image_size"] = arguments.resolution // 8
     settings.update(layout)
-    devices = arguments.devices
-    mesh = fg.data_mesh(devices)
-    rows = devices * arguments.rows_per_device
+    devices, sequence = arguments.devices, arguments.sequence_parallel
+    mesh = fg.data_mesh(devices, sequence=sequence)
+    fsdp_axes = tuple(mesh.axis_names) if sequence > 1 else DATA_AXIS
+    rows = devices // sequence * arguments.rows_per_device
 
     def array_bytes(leaf: Any, spec: PartitionSpec) -> int:
-        """Bytes of `leaf` on one device under `spec`."""
+        """Bytes of `leaf` on one device under `spec` (split over every device, or whole)."""
         size: int = leaf.size * jnp.dtype(leaf.dtype).itemsize
-        split = any(axis == DATA_AXIS for axis in spec)
+        split = any(axis is not None for axis in spec)
         return size // devices if split else size
 
     def place(tree: Any, fsdp: bool) -> tuple[Any, int]:
@@ -179,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(leaf, jax.ShapeDtypeStruct):
                 return leaf
             spec = (
-                fsdp_spec(leaf.shape, devices, MIN_ELEMENTS)
+                fsdp_spec(leaf.shape, devices, MIN_ELEMENTS, fsdp_axes)
                 if fsdp and leaf.ndim > 0
                 else PartitionSpec()  # type: ignore[no-untyped-call]
             )
@@ -304,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             "compile_seconds": round(seconds, 1),
             "weight_all_gathers": weights,
             "activation_all_gathers": len(activations),
+            "collectives": collectives(compiled.as_text()),
         }
         print(f"[scale] {mode}: {results[mode]}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {
@@ -312,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": int(parameters),
         "latent": list(latent),
         "devices": devices,
-        "rows_per_device": rows // devices,
+        "sequence_parallel": sequence,
+        "sequence_strategy": arguments.sequence_strategy if sequence > 1 else None,
+        "rows_per_data_slot": rows // (devices // sequence),
         "microbatches": arguments.microbatches,
         "lora_rank": LORA_RANK,
         "fsdp_min_elements": MIN_ELEMENTS,
