@@ -181,8 +181,8 @@ def shard_batch(tree: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
         host = np.asarray(leaf)
         if host.ndim == 0 or host.shape[0] % size != 0:
             raise ValueError(
-                f"Cannot shard an array of shape {host.shape} by rows over {size} devices: "
-                "the row count must be a multiple of the data axis's size."
+                f"Cannot shard an array of shape {host.shape} by rows over the data axis's "
+                f"{size} slots: the row count must be a multiple of {size}."
             )
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
