@@ -20,7 +20,7 @@ inside these `shard_map`s; the data axis (rows, FSDP) stays with XLA's partition
 """
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,11 +73,13 @@ class _Softmax(NamedTuple):
 
 
 def _start(q: Float[Array, "S heads head_dim"]) -> _Softmax:
-    length, heads, head_dim = q.shape
+    # Made "like" the queries, so that inside `shard_map` the state differs between devices
+    # as they do (a loop's carry must keep its type).
+    heads_first = jnp.transpose(q, HEADS_FIRST)
     return _Softmax(
-        jnp.full((heads, length), -jnp.inf, jnp.float32),
-        jnp.zeros((heads, length), jnp.float32),
-        jnp.zeros((heads, length, head_dim), jnp.float32),
+        jnp.full_like(heads_first[..., 0], -jnp.inf, jnp.float32),
+        jnp.zeros_like(heads_first[..., 0], jnp.float32),
+        jnp.zeros_like(heads_first, jnp.float32),
     )
 
 
@@ -143,11 +145,16 @@ def ring_attention(
     if whole_kv is not None:
         state = fold(state, k=whole_kv[0], v=whole_kv[1])
     ring = [(i, (i + 1) % size) for i in range(size)]
-    for _ in range(size - 1):
+
+    def step(_: Any, carry: tuple[_Softmax, jax.Array, jax.Array]) -> tuple[_Softmax, Any, Any]:
+        state, k, v = carry
         # The next block is sent before this one is folded, so the two can overlap.
         k_next, v_next = jax.lax.ppermute((k, v), axis, ring)  # type: ignore[no-untyped-call]
-        state = fold(state, k=k, v=v)
-        k, v = k_next, v_next
+        return fold(state, k=k, v=v), k_next, v_next
+
+    # One loop body whatever the ring's size; the last block is folded after the loop, so no
+    # block is sent that nobody reads.
+    state, k, v = jax.lax.fori_loop(0, size - 1, step, (state, k, v))
     state = fold(state, k=k, v=v)
     if pieces == 1:
         return _finish(state, v.dtype)
