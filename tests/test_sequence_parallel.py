@@ -81,3 +81,7 @@ def test_ulysses_over_more_devices_than_heads_divide_is_named(four_device_report
     message = four_device_report["models"]["heads_not_divisible"]
     assert message.startswith("`sequence_strategy`: Ulysses needs the number of heads (2)")
     assert "mesh axis 'sequence' (4); the ring strategy splits tokens only" in message
+
+
+def test_a_bfloat16_model_trains_split_over_the_axis(four_device_report):
+    assert four_device_report["models"]["bfloat16_gradient_finite"]
