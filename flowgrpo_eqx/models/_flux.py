@@ -11,7 +11,15 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._distributed import gather_weights
 from .._misc import check_int
-from ._layers import Attention, AttentionSettings, SequenceStrategy, dense, layer_norm, modulate
+from ._layers import (
+    Attention,
+    AttentionSettings,
+    SequenceStrategy,
+    attend,
+    dense,
+    layer_norm,
+    modulate,
+)
 from ._mlp import _init_linears, _zero_linear
 from ._mmdit import (
     _TIME_FEATURES,
@@ -21,7 +29,7 @@ from ._mmdit import (
     _Stream,
     check_text_shapes,
 )
-from ._sequence import attend_joint, split_tokens
+from ._sequence import attend_joint, sequence_devices, split_tokens
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
 
 
@@ -217,12 +225,22 @@ class _FluxSingleBlock(eqx.Module):
         rope: _Rope,
         attention: AttentionSettings,
     ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
-        # Each stream's token-wise layers apart (the same weights), so that a sequence axis
-        # can split the image tokens while the text stays whole.
         mod = dense(self.modulation, jax.nn.silu(c)[None])[0].reshape(3, c.shape[0])
+        text_rope, image_rope = rope
+        if sequence_devices() == 1:
+            # One sequence, text then image, as diffusers runs it: one matmul per layer.
+            tokens = jnp.concatenate([context, image])
+            normed = modulate(layer_norm(tokens), mod[0], mod[1])
+            whole_rope = [
+                jnp.concatenate(parts) for parts in zip(text_rope, image_rope, strict=True)
+            ]
+            attended = attend(_apply_rope(self.attn.qkv(normed), *whole_rope), attention)
+            added = self._added(tokens, normed, attended, mod[2])
+            return added[: context.shape[0]], added[context.shape[0] :]
+        # Split over a sequence axis: each stream's token-wise layers apart (the same
+        # weights), so that the image tokens stay split while the text stays whole.
         normed_context = modulate(layer_norm(context), mod[0], mod[1])
         normed_image = modulate(layer_norm(image), mod[0], mod[1])
-        text_rope, image_rope = rope
         attended_image, attended_context = attend_joint(
             _apply_rope(self.attn.qkv(normed_image), *image_rope),
             _apply_rope(self.attn.qkv(normed_context), *text_rope),
@@ -230,18 +248,24 @@ class _FluxSingleBlock(eqx.Module):
             text_first=True,
         )
 
-        def out(
-            tokens: Float[Array, "S D"], normed: Float[Array, "S D"], attended: Float[Array, "S D"]
-        ) -> Float[Array, "S D"]:
-            hidden = jax.nn.gelu(dense(self.proj_mlp, normed), approximate=True)
-            added: Float[Array, "S D"] = tokens + mod[2][None, :] * dense(
-                self.proj_out, jnp.concatenate([attended, hidden], axis=1)
-            )
-            return added
-
-        return out(context, normed_context, attended_context), out(
-            image, normed_image, attended_image
+        return (
+            self._added(context, normed_context, attended_context, mod[2]),
+            self._added(image, normed_image, attended_image, mod[2]),
         )
+
+    def _added(
+        self,
+        tokens: Float[Array, "S D"],
+        normed: Float[Array, "S D"],
+        attended: Float[Array, "S D"],
+        gate: Float[Array, " D"],
+    ) -> Float[Array, "S D"]:
+        """The tokens plus the gated projection of their attention and GELU hidden layer."""
+        hidden = jax.nn.gelu(dense(self.proj_mlp, normed), approximate=True)
+        added: Float[Array, "S D"] = tokens + gate[None, :] * dense(
+            self.proj_out, jnp.concatenate([attended, hidden], axis=1)
+        )
+        return added
 
 
 def _flux_groups(double_depth: int, single_depth: int) -> tuple[tuple[int, int], ...]:
