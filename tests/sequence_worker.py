@@ -19,6 +19,7 @@ Each difference is the largest absolute difference over the largest absolute val
 one-device result (per array for gradients and parameters).
 """
 
+import functools
 import json
 import pathlib
 import sys
@@ -34,7 +35,7 @@ import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import Flux, MMDiT, Wan
 from flowgrpo_eqx.models._layers import SEQUENCE_STRATEGIES, AttentionSettings, plain_attention
-from flowgrpo_eqx.models._sequence import sequence_parallel_attention
+from flowgrpo_eqx.models._sequence import join_streams, part_streams, sequence_parallel_attention
 from flowgrpo_eqx.train import Checkpointer, Trainer, default_optimizer, rl_epoch
 
 
@@ -102,10 +103,10 @@ def perturbed(model, seed: int):
     return eqx.combine(jax.tree.unflatten(tree, moved), static)
 
 
-def text(key, rows: int) -> dict:
+def text(key, rows: int, length: int = 8) -> dict:
     first, second = jax.random.split(key)
     return {
-        "context": jax.random.normal(first, (rows, 8, 32)),
+        "context": jax.random.normal(first, (rows, length, 32)),
         "pooled": jax.random.normal(second, (rows, 32)),
     }
 
@@ -120,6 +121,12 @@ def models_report() -> dict:
             text, (8, 8, 4),
         ),
         "flux": (Flux(8, width=64, heads=4, axes_dims=(4, 6, 6), key=key), text, (8, 8, 4)),
+        # 6 text tokens, which 4 devices do not divide: the single-stream block's text
+        # stays whole beside the split image tokens.
+        "flux_uneven_text": (
+            Flux(8, width=64, heads=4, axes_dims=(4, 6, 6), context_length=6, key=key),
+            functools.partial(text, length=6), (8, 8, 4),
+        ),
         "wan": (
             Wan((3, 4, 4), width=64, heads=4, ffn_dim=96, depth=1, key=key),
             lambda key, rows: jax.random.normal(key, (rows, 8, 32)), (3, 4, 4, 4),
@@ -274,11 +281,35 @@ def epoch_report(folder: pathlib.Path) -> dict:
     }
 
 
+def streams_report() -> dict:
+    """`join_streams` over 4 devices: the documented order (each device's own text tokens,
+    then its own image tokens), split over the axis, and `part_streams` undoing it."""
+    text_tokens = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)
+    image_tokens = -jnp.arange(1, 16 * 3 + 1, dtype=jnp.float32).reshape(16, 3)
+    with jax.set_mesh(fg.data_mesh(4, sequence=4)):
+        joined = jax.jit(join_streams)(text_tokens, image_tokens)
+        parted = jax.jit(part_streams, static_argnums=1)(joined, 8)
+    want = np.concatenate(
+        [np.concatenate([text_tokens[2 * d : 2 * d + 2], image_tokens[4 * d : 4 * d + 4]])
+         for d in range(4)]
+    )  # fmt: skip
+    return {
+        "order": bool(np.array_equal(np.asarray(joined), want)),
+        "split": [s.data.shape[0] for s in joined.addressable_shards],
+        "parted": [bool(np.array_equal(np.asarray(a), np.asarray(b)))
+                   for a, b in zip(parted, (text_tokens, image_tokens), strict=True)],
+    }  # fmt: skip
+
+
 def main() -> None:
     assert jax.device_count() == 4, jax.device_count()
     section = sys.argv[1]
     parts = {
-        "models": [("attention", attention_report), ("models", models_report)],
+        "models": [
+            ("attention", attention_report),
+            ("streams", streams_report),
+            ("models", models_report),
+        ],
         "training": [("epoch", lambda: epoch_report(pathlib.Path(sys.argv[2])))],
     }[section]
     report = {}

@@ -48,8 +48,15 @@ def test_a_sequence_the_axis_does_not_divide_is_named(four_device_report):
     assert message.startswith("`q`: the sequence length (6)") and "'sequence' (4)" in message
 
 
+def test_text_and_image_tokens_join_in_one_split_sequence(four_device_report):
+    report = four_device_report["streams"]
+    assert report["order"]
+    assert report["split"] == [6, 6, 6, 6]
+    assert report["parted"] == [True, True]
+
+
 @pytest.mark.parametrize("strategy", ["ulysses", "ring"])
-@pytest.mark.parametrize("model", ["mmdit", "flux", "wan"])
+@pytest.mark.parametrize("model", ["mmdit", "flux", "flux_uneven_text", "wan"])
 def test_each_model_split_over_four_devices_is_the_one_device_model(
     four_device_report, model, strategy
 ):

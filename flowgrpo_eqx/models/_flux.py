@@ -15,7 +15,6 @@ from ._layers import (
     Attention,
     AttentionSettings,
     SequenceStrategy,
-    attend,
     dense,
     layer_norm,
     modulate,
@@ -29,7 +28,15 @@ from ._mmdit import (
     _Stream,
     check_text_shapes,
 )
-from ._sequence import attend_joint, sequence_devices, split_tokens
+from ._sequence import (
+    attend_joint,
+    attend_self,
+    join_streams,
+    part_streams,
+    sequence_devices,
+    split_tokens,
+    streams_interleave,
+)
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
 
 
@@ -227,18 +234,18 @@ class _FluxSingleBlock(eqx.Module):
     ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
         mod = dense(self.modulation, jax.nn.silu(c)[None])[0].reshape(3, c.shape[0])
         text_rope, image_rope = rope
-        if sequence_devices() == 1:
-            # One sequence, text then image, as diffusers runs it: one matmul per layer.
-            tokens = jnp.concatenate([context, image])
+        if streams_interleave(sequence_devices(), context.shape[0]):
+            # One sequence, as diffusers runs it: one matmul per layer, and one weight
+            # gradient however many devices split the tokens.
+            tokens = join_streams(context, image)
             normed = modulate(layer_norm(tokens), mod[0], mod[1])
-            whole_rope = [
-                jnp.concatenate(parts) for parts in zip(text_rope, image_rope, strict=True)
-            ]
-            attended = attend(_apply_rope(self.attn.qkv(normed), *whole_rope), attention)
+            cos, sin = (join_streams(*parts) for parts in zip(text_rope, image_rope, strict=True))
+            qkv = _apply_rope(self.attn.qkv(normed), cos, sin)
+            attended = attend_self(qkv[0], qkv[1], qkv[2], attention)
             added = self._added(tokens, normed, attended, mod[2])
-            return added[: context.shape[0]], added[context.shape[0] :]
-        # Split over a sequence axis: each stream's token-wise layers apart (the same
-        # weights), so that the image tokens stay split while the text stays whole.
+            return part_streams(added, context.shape[0])
+        # A text the axis does not divide stays whole beside the split image tokens: each
+        # stream's token-wise layers apart (the same weights).
         normed_context = modulate(layer_norm(context), mod[0], mod[1])
         normed_image = modulate(layer_norm(image), mod[0], mod[1])
         attended_image, attended_context = attend_joint(
@@ -347,7 +354,8 @@ class Flux(AbstractAttentionModel):
     - `axes_dims`: the rotary feature width of each position axis, even, summing to the
         head width (`axes_dims_rope`).
     - `stacked`, `remat`, `attention`, `attention_chunk`, `sequence_strategy`: as `MMDiT`'s
-        (a sequence axis splits the image tokens; the text stays whole).
+        (a sequence axis splits the image tokens; the text stays whole, except in the
+        single-stream blocks, where it is split with them when the axis divides its length).
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**

@@ -15,8 +15,11 @@ of the axis, as DanceGRPO's sequence parallelism (FastVideo's `parallel_attentio
 xDiT's USP (`joint_strategy`) do: in a joint attention (`attend_joint`, MMDiT and FLUX) each
 device takes its own heads of the text's queries, keys and values under Ulysses, and every
 device folds the whole text's keys and values into its online softmax under ring; a
-cross-attention to the text (Wan) needs no communication. Only the sequence axis is manual
-inside these `shard_map`s; the data axis (rows, FSDP) stays with XLA's partitioner.
+cross-attention to the text (Wan) needs no communication. Where text and image tokens pass
+the same weights as one sequence (FLUX's single-stream blocks), the text is split with the
+image instead (`join_streams`), so each token's layers run on one device only. Only the
+sequence axis is manual inside these `shard_map`s; the data axis (rows, FSDP) stays with
+XLA's partitioner.
 """
 
 import functools
@@ -53,15 +56,50 @@ def sequence_devices() -> int:
     return int(mesh.shape[SEQUENCE_AXIS])
 
 
-def split_tokens(tokens: Float[Array, "S D"]) -> Float[Array, "S D"]:
+def split_tokens(tokens: Float[Array, " S *rest"]) -> Float[Array, " S *rest"]:
     """`tokens` (one sample's, between two blocks) constrained to be split over the mesh's
     sequence axis; unchanged when no sequence axis splits them. Every token-wise layer (norms,
     modulation, projections, feed-forward) then runs on each device's own tokens."""
     if sequence_devices() == 1:
         return tokens
     spec = PartitionSpec(SEQUENCE_AXIS, *([None] * (tokens.ndim - 1)))  # type: ignore[no-untyped-call]
-    split: Float[Array, "S D"] = jax.lax.with_sharding_constraint(tokens, spec)  # type: ignore[no-untyped-call]
+    split: Float[Array, " S *rest"] = jax.lax.with_sharding_constraint(tokens, spec)  # type: ignore[no-untyped-call]
     return split
+
+
+def streams_interleave(size: int, text_length: int) -> bool:
+    """Whether `join_streams` can put a text of `text_length` tokens in one sequence with
+    image tokens split over `size` devices: `size` divides it (or there is no split)."""
+    return size == 1 or text_length % size == 0
+
+
+def join_streams(text: Float[Array, "L D"], image: Float[Array, "N D"]) -> Float[Array, "S D"]:
+    """Text and image tokens as one sequence of `L + N` tokens for token-wise layers and
+    self-attention: text then image without a sequence axis; over `n` devices of one, each
+    device's contiguous `(L + N) / n` tokens are its `L / n` text tokens then its own `N / n`
+    image tokens, so that the text is split with the image at no cost and every token, text
+    included, passes each layer on one device only (one weight gradient, not one per device).
+    Attention is blind to the order of its keys, so only the result's order differs from
+    text-then-image; `part_streams` undoes it. Needs `streams_interleave`."""
+    size = sequence_devices()
+    rest = text.shape[1:]
+    both = [text.reshape(size, -1, *rest), split_tokens(image).reshape(size, -1, *rest)]
+    joined = split_tokens(jnp.concatenate(both, axis=1))
+    whole: Float[Array, "S D"] = split_tokens(joined.reshape(-1, *rest))
+    return whole
+
+
+def part_streams(
+    tokens: Float[Array, "S D"], text_length: int
+) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+    """The text and the image tokens of `join_streams`'s sequence, in their own orders."""
+    size = sequence_devices()
+    rest = tokens.shape[1:]
+    parts = split_tokens(tokens.reshape(size, -1, *rest))
+    own = text_length // size
+    text = parts[:, :own].reshape(text_length, *rest)
+    image = split_tokens(parts[:, own:].reshape(-1, *rest))
+    return text, image
 
 
 class _Softmax(NamedTuple):
