@@ -224,14 +224,26 @@ def _chunked_attention(
     (each chunk recomputed) in the backward pass. The queries are zero-padded to a multiple
     of `chunk` and the padding's outputs dropped.
     """
-    seq = q.shape[0]
-    pieces = -(-seq // chunk)
-    padded = jnp.pad(q, ((0, pieces * chunk - seq), (0, 0), (0, 0)))
 
     @jax.checkpoint
     def one(queries: Float[Array, "chunk heads head_dim"]) -> Float[Array, "chunk heads hd"]:
         return plain_attention(queries, k, v)
 
-    out = jax.lax.map(one, padded.reshape(pieces, chunk, *q.shape[1:]))
-    attended: Float[Array, "S heads head_dim"] = out.reshape(pieces * chunk, *q.shape[1:])
-    return attended[:seq]
+    return merge_chunks(jax.lax.map(one, chunk_queries(q, chunk)), q.shape[0])
+
+
+def chunk_queries(
+    q: Float[Array, "S heads head_dim"], chunk: int
+) -> Float[Array, "pieces chunk heads head_dim"]:
+    """The queries zero-padded to a multiple of `chunk` and cut into `chunk`-query pieces."""
+    pieces = -(-q.shape[0] // chunk)
+    padded = jnp.pad(q, ((0, pieces * chunk - q.shape[0]), (0, 0), (0, 0)))
+    return padded.reshape(pieces, chunk, *q.shape[1:])
+
+
+def merge_chunks(
+    out: Float[Array, "pieces chunk heads head_dim"], length: int
+) -> Float[Array, "S heads head_dim"]:
+    """The per-piece results of `chunk_queries`' pieces as one sequence, padding dropped."""
+    merged: Float[Array, "S heads head_dim"] = out.reshape(-1, *out.shape[2:])[:length]
+    return merged

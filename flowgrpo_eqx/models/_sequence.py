@@ -39,7 +39,9 @@ from ._layers import (
     attend,
     attend_to,
     attention_scores,
+    chunk_queries,
     local_attention,
+    merge_chunks,
 )
 
 
@@ -162,12 +164,10 @@ def ring_attention(
     device holds whole (a joint attention's text), are folded in first. With `chunk`, each
     block is folded `chunk` queries at a time, each chunk rematerialised in the backward pass
     (as `"chunked"` attention), so only `[heads, chunk, block]` scores exist at once."""
-    length = q.shape[0]
-    pieces = 1 if chunk is None else -(-length // chunk)
-    if pieces > 1:
+    chunked = chunk is not None and q.shape[0] > chunk
+    if chunked:
         assert chunk is not None
-        padded = jnp.pad(q, ((0, pieces * chunk - length), (0, 0), (0, 0)))
-        queries = padded.reshape(pieces, chunk, *q.shape[1:])
+        queries = chunk_queries(q, chunk)
         one = jax.checkpoint(_fold)
 
         def fold(state: _Softmax, k: jax.Array, v: jax.Array) -> _Softmax:
@@ -194,11 +194,9 @@ def ring_attention(
     # block is sent that nobody reads.
     state, k, v = jax.lax.fori_loop(0, size - 1, step, (state, k, v))
     state = fold(state, k=k, v=v)
-    if pieces == 1:
+    if not chunked:
         return _finish(state, v.dtype)
-    out = jax.vmap(lambda part: _finish(part, v.dtype))(state)
-    result: Float[Array, "s heads head_dim"] = out.reshape(-1, *q.shape[1:])[:length]
-    return result
+    return merge_chunks(jax.vmap(lambda part: _finish(part, v.dtype))(state), q.shape[0])
 
 
 def _ring_chunk(settings: AttentionSettings) -> int | None:
@@ -290,6 +288,20 @@ def sequence_parallel_attention(
         raise ValueError(f"`axis` must name an axis of the mesh {shape}, got {axis!r}.")
     size = shape[axis]
     _check_split(strategy, axis, size, q.shape[0], q.shape[1])
+    return _split_attention(q, k, v, mesh, axis, size, strategy, settings)
+
+
+def _split_attention(
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "S heads head_dim"],
+    v: Float[Array, "S heads head_dim"],
+    mesh: Mesh | None,
+    axis: str,
+    size: int,
+    strategy: SequenceStrategy,
+    settings: AttentionSettings,
+) -> Float[Array, "S heads head_dim"]:
+    """`sequence_parallel_attention` once its split is checked (`_check_split`)."""
     spec = PartitionSpec(axis)  # type: ignore[no-untyped-call]
 
     def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -317,7 +329,7 @@ def attend_self(
     if size == 1:
         return attend_to(q, k, v, settings)
     _check_split(settings.sequence, SEQUENCE_AXIS, size, q.shape[0], q.shape[1], _MODEL_NAMES)
-    out = sequence_parallel_attention(q, k, v, None, SEQUENCE_AXIS, settings.sequence, settings)
+    out = _split_attention(q, k, v, None, SEQUENCE_AXIS, size, settings.sequence, settings)
     return out.reshape(out.shape[0], -1)
 
 
