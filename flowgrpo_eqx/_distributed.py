@@ -58,13 +58,14 @@ def initialize(
 
     **Raises:**
 
-    - `ValueError`: if only some of the three settings are given, or they are inconsistent.
+    - `ValueError`: if only some of the three settings are given, they are inconsistent, or
+        `coordinator` is not `HOST:PORT`.
     """
     coordinator = coordinator or os.environ.get("FLOWGRPO_COORDINATOR")
     if num_processes is None and "FLOWGRPO_NUM_PROCESSES" in os.environ:
-        num_processes = int(os.environ["FLOWGRPO_NUM_PROCESSES"])
+        num_processes = _int_from_environment("FLOWGRPO_NUM_PROCESSES")
     if process_id is None and "FLOWGRPO_PROCESS_ID" in os.environ:
-        process_id = int(os.environ["FLOWGRPO_PROCESS_ID"])
+        process_id = _int_from_environment("FLOWGRPO_PROCESS_ID")
     given = [coordinator is not None, num_processes is not None, process_id is not None]
     if not any(given):
         return
@@ -76,6 +77,11 @@ def initialize(
     assert num_processes is not None and process_id is not None
     if not 0 <= process_id < num_processes:
         raise ValueError(f"`process_id`={process_id} must be in 0..{num_processes - 1}.")
+    host, colon, port = str(coordinator).rpartition(":")
+    if not (colon and host and port.isdecimal() and 1 <= int(port) <= 65535):
+        raise ValueError(
+            f"`coordinator` must be HOST:PORT (a port in 1..65535), got {coordinator!r}."
+        )
     if num_processes == 1:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
@@ -86,6 +92,14 @@ def initialize(
         heartbeat_timeout_seconds=heartbeat_timeout_seconds,
         initialization_timeout=initialization_timeout,
     )
+
+
+def _int_from_environment(name: str) -> int:
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"${name} must be an int, got {text!r}.") from None
 
 
 def data_mesh(devices: int | None = None, *, sequence: int = 1) -> Mesh:

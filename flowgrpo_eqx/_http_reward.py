@@ -41,7 +41,8 @@ class _Retryable(Exception):
 
 
 class _Rejected(Exception):
-    """The server refused the request itself (a 4xx); repeating it cannot help."""
+    """The server refused the request itself (a 4xx, or a redirect, which is not followed):
+    repeating it cannot help."""
 
 
 @final
@@ -60,8 +61,8 @@ class HttpReward:
         (the reply's status line and headers included, however slowly they arrive).
     - `retries`: further attempts after a failed one (connection refused or reset, timeout,
         HTTP 5xx, 408 or 429, or a reply that is not `[N]` finite float64 scores); other 4xx
-        replies (wrong token, bad request) are never repeated. Attempt `k` (from 0) is
-        followed by a pause of `backoff * 2**k` seconds.
+        replies (wrong token, bad request) and redirects (never followed) are not repeated.
+        Attempt `k` (from 0) is followed by a pause of `backoff * 2**k` seconds.
     - `token`: sent as `Authorization: Bearer <token>`; if None, the environment variable
         `FLOWGRPO_REWARD_TOKEN` is used when set.
     - `backoff`: the first pause in seconds.
@@ -134,7 +135,7 @@ class HttpReward:
         **Raises:**
 
         - `RewardError`: naming the URL and what happened: samples or rows that cannot be
-            sent (samples holding NaN or inf, naming their rows), a 4xx reply (at once), or
+            sent (samples holding NaN or inf, naming their rows), a 4xx or 3xx reply (at once), or
             the last failure after `retries + 1` attempts.
         """
         check_finite_samples(self.name, samples)
@@ -183,8 +184,10 @@ class HttpReward:
             connection.request("POST", self._path, body=body, headers=headers)
             _wait_at_most(sock, deadline)
             response = connection.getresponse()
-            limit = 8 * count + (1 << 16) if response.status == 200 else _ERROR_BODY_LIMIT
-            reply = _read_until(sock, response, deadline, limit)
+            if response.status == 200:
+                reply = _read_until(sock, response, deadline, 8 * count + (1 << 16))
+            else:  # only its start is shown: the status decides what happens next
+                reply = _read_until(sock, response, deadline, _ERROR_BODY_LIMIT, cut=True)
         except TimeoutError:
             raise _Retryable(f"timed out after {self.timeout:g} s") from None
         except ConnectionRefusedError:
@@ -199,6 +202,9 @@ class HttpReward:
                 sock.close()
         if response.status != 200:
             described = f"HTTP {response.status} {response.reason}: {_error_text(reply)}"
+            if 300 <= response.status < 400:
+                location = response.getheader("Location") or "none given"
+                raise _Rejected(f"{described} (redirects are not followed; Location: {location})")
             if 400 <= response.status < 500 and response.status not in _RETRIED_CLIENT_STATUSES:
                 raise _Rejected(described)
             raise _Retryable(described)
@@ -257,9 +263,15 @@ class _DeadlineReader(io.RawIOBase):
 
 
 def _read_until(
-    sock: socket.socket, response: http.client.HTTPResponse, deadline: float, limit: int
+    sock: socket.socket,
+    response: http.client.HTTPResponse,
+    deadline: float,
+    limit: int,
+    *,
+    cut: bool = False,
 ) -> bytes:
-    """The reply body, each read bounded by the attempt's deadline and the whole by `limit`."""
+    """The reply body, each read bounded by the attempt's deadline and the whole by `limit`
+    (beyond which it is an error, or with `cut` its first `limit` bytes)."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -270,6 +282,8 @@ def _read_until(
         chunks.append(chunk)
         size += len(chunk)
         if size > limit:
+            if cut:
+                return b"".join(chunks)[:limit]
             raise _Retryable(f"the reply exceeds {limit} bytes")
 
 

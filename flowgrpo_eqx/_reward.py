@@ -205,6 +205,18 @@ def _needs_no_arguments(function: Callable[..., Any]) -> bool:
 def _callable_reward(reward: Any, spec: str) -> FlowReward:
     if not callable(reward):
         raise ValueError(f"Reward {spec!r} gave {type(reward).__name__}, which is not callable.")
+    try:
+        signature = inspect.signature(reward)
+    except (TypeError, ValueError):
+        signature = None  # a callable without a signature to read is taken on trust
+    if signature is not None:
+        try:
+            signature.bind(None, None)
+        except TypeError as error:
+            raise ValueError(
+                f"Reward {spec!r} must be called as reward(samples, rows), but its signature "
+                f"{signature} cannot be: {error}."
+            ) from None
     loaded: FlowReward = reward
     return loaded
 

@@ -123,7 +123,9 @@ def _array_at(
         )
     follows = size - head.tell()
     if any(axis < 0 for axis in shape) or dtype.itemsize == 0 or dtype.subdtype is not None:
-        raise WireError("malformed_body", f"{what} has shape {shape} of dtype {dtype}.")
+        raise WireError(
+            "malformed_body", f"{what} has shape {_shape_text(shape)} of dtype {dtype}."
+        )
     if kinds is not None and dtype.kind not in kinds:
         raise WireError(
             "unsupported_dtype",
@@ -134,14 +136,15 @@ def _array_at(
         # Its axes are bounded by nothing: a reward would do per-row work for billions of
         # declared rows sent in zero bytes.
         raise WireError(
-            "malformed_body", f"{what} has shape {shape}, which holds no element; send one or more."
+            "malformed_body",
+            f"{what} has shape {_shape_text(shape)}, which holds no element; send one or more.",
         )
     claimed = math.prod(shape) * dtype.itemsize
     if claimed != follows:
         raise WireError(
             "malformed_body",
-            f"{what}'s .npy header claims shape {shape} of {dtype} ({claimed} bytes), but "
-            f"{follows} bytes follow it.",
+            f"{what}'s .npy header claims shape {_shape_text(shape)} of {dtype} "
+            f"({_number_text(claimed)} bytes), but {follows} bytes follow it.",
         )
     try:
         flat = blob[head.tell() :].view(dtype)
@@ -151,6 +154,18 @@ def _array_at(
     if not (array.flags.writeable and array.flags.aligned):
         array = array.copy(order="K")
     return array
+
+
+def _number_text(number: int) -> str:
+    """`number` as text, or its count of bits when it has over 20 digits (Python refuses to
+    print integers of over 4300 digits, and a client may declare one)."""
+    return str(number) if abs(number) < 10**20 else f"<a {number.bit_length()}-bit number>"
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    """`shape` as text, each axis as `_number_text` writes it."""
+    axes = [_number_text(axis) for axis in shape]
+    return "(" + ", ".join(axes) + ("," if len(axes) == 1 else "") + ")"
 
 
 _KIND_NAMES = {
@@ -286,8 +301,9 @@ def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:
         encoding = header["samples"]
         rows_kind = header["rows"]
         entries = [(str(name), int(size)) for name, size in header["arrays"]]
-    except (ValueError, KeyError, TypeError, OverflowError) as error:
-        raise WireError("malformed_body", f"the header is not valid: {error!r}") from error
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as error:
+        reason = "nested too deep" if isinstance(error, RecursionError) else repr(error)
+        raise WireError("malformed_body", f"the header is not valid: {reason}") from None
     offset += header_length
     if encoding not in ("float", "uint8") or rows_kind not in ("none", "array", "dict"):
         raise WireError(

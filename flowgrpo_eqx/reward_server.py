@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import hmac
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -47,7 +48,7 @@ from .reward_limits import (
 
 
 try:
-    from aiohttp import web
+    from aiohttp import http_exceptions, web
 except ModuleNotFoundError as _missing:
     raise ModuleNotFoundError(
         "flowgrpo_eqx.reward_server needs aiohttp: pip install aiohttp (in a checkout of "
@@ -79,6 +80,27 @@ def _authorized(header: str | None, token: str) -> bool:
 @final
 class _Truncated(Exception):
     """The body ended before its Content-Length."""
+
+
+_LOGGED_CLIENT_BYTES = 120
+
+
+class _OneLineProtocolErrors(logging.Filter):
+    """Logs a malformed HTTP message (aiohttp answers it with a 400 naming the problem) as one
+    line, without the parser's traceback and with at most `_LOGGED_CLIENT_BYTES` of what the
+    client sent: anyone who can connect could otherwise fill the server's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, http_exceptions.HttpProcessingError):
+            said = " ".join(str(error).split())
+            if len(said) > _LOGGED_CLIENT_BYTES:
+                said = said[:_LOGGED_CLIENT_BYTES] + "..."
+            record.msg = "refused a malformed HTTP request (%s: %s)"
+            record.args = (type(error).__name__, said)
+            record.exc_info = None
+            record.exc_text = None
+        return True
 
 
 async def _read_body(request: web.Request, length: int) -> npt.NDArray[np.uint8]:
@@ -233,7 +255,9 @@ class _Server:
             await response.write_eof()
             request.protocol.force_close()
             return response
-        except _Truncated:
+        except (_Truncated, ConnectionError):
+            # A connection lost mid-body (a reset, or a client that gave up) is answered as
+            # one that ended early, if its client can still read.
             return _refusal(400, "malformed_body", "the body ended before its Content-Length.")
         loop = asyncio.get_running_loop()
         try:
@@ -438,6 +462,9 @@ async def _serve(
         # A refused body is drained (so the client reads its reply) for at most this long.
         lingering_time=min(10.0, read_timeout),
     )
+    protocol_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _OneLineProtocolErrors) for f in protocol_log.filters):
+        protocol_log.addFilter(_OneLineProtocolErrors())
     connections = _Connections(read_timeout, max_connections)
     app.middlewares.append(connections.middleware)
     await runner.setup()

@@ -102,6 +102,17 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
         elif mode == "garbage":
             self._reply(200, b"not an npy array")
             return
+        elif mode == "redirect":
+            self.send_response(302)
+            self.send_header("Location", "http://127.0.0.1:9/score")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        elif mode == "long400":
+            message = "x" * (1 << 20)
+            body = json.dumps({"error": "malformed_body", "message": message}).encode()
+            self._reply(400, body, "application/json")
+            return
         else:
             raise ValueError(mode)
         buffer = io.BytesIO()

@@ -1,5 +1,6 @@
-"""Faults that once gave raw tracebacks, each a one-line named error before any work: settings no
-model or key can hold, a device count the machine lacks, and `--preset` before the
+"""Faults that once gave raw tracebacks or left a run folder behind, each a one-line named error
+before any work: settings no model or key can hold, a device count the machine lacks, a
+reward that cannot be called, a coordinator without a port, and `--preset` before the
 subcommand (which now works)."""
 
 import pytest
@@ -64,3 +65,34 @@ def test_preset_before_the_subcommand_works():
     assert disagree.returncode == 2 and "disagree" in disagree.stderr
     nowhere = run_cli("--preset", "tiny", "serve-reward", "partial")
     assert nowhere.returncode == 2 and "serve-reward takes no --preset" in nowhere.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--heads", "3"), "`heads` (3) must divide `width` (16)"),
+        (("--patch", "5"), "`patch` (5) must divide `image_size` (16)"),
+        (("--custom-reward", "json:no_such"), "Reward 'json:no_such' cannot be loaded"),
+        (("--custom-reward", "os:getcwd"), "Reward 'os:getcwd' must be called as reward(samples"),
+    ],
+    ids=["heads", "patch", "missing-reward", "uncallable-reward"],
+)
+def test_what_the_model_and_reward_refuse_leaves_no_run_folder(tmp_path, flags, named):
+    """The model's and the reward's own checks ran after the run folder was locked (leaving
+    `run.lock`), and `os:getcwd` as a reward failed only after pretraining, leaving a run
+    folder with a base model (the fault probe)."""
+    out = tmp_path / "run"
+    result = run_cli("train", "--preset", "tiny", "--quiet", *flags, "--out", out)
+    assert result.returncode == 1
+    assert named in one_line(result)
+    assert not out.exists()
+
+
+def test_a_coordinator_without_a_port_is_named():
+    """`--coordinator nohost` raised IndexError from deep inside jax.distributed."""
+    result = run_cli(
+        "train", "--preset", "tiny", "--num-processes", "2", "--process-id", "0",
+        "--coordinator", "nohost",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "`coordinator` must be HOST:PORT (a port in 1..65535), got 'nohost'" in one_line(result)

@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import select
 import socket
 import struct
@@ -824,3 +825,76 @@ def test_serve_reward_port_errors_are_one_line(capsys):
         reward_server.main(["tests.reward_fixtures:brightness", "--port", "99999"])
     assert stopped.value.code == 2
     assert "`port` must be an int in 0..65535" in capsys.readouterr().err
+
+
+# Faults the fault probe found (tools/fault_probe, docs/faults.md).
+
+
+def test_a_header_nested_too_deep_or_a_number_too_long_to_print_gets_400(hardened_url):
+    """A header nested 20000 deep raised RecursionError, and an axis of 4300 digits a
+    ValueError while its message was written: both gave 500 and a traceback."""
+    nested = b"[" * 20000 + b"]" * 20000
+    deep = _reward_wire.MAGIC + len(nested).to_bytes(4, "little") + nested
+    huge = container(
+        [("samples", npy_claiming((10**4299, 16, 16, 3), bytes(64), "<f4"))], rows="none"
+    )
+    for body, named in [(deep, "nested too deep"), (huge, "claims shape (<a 14281-bit number>")]:
+        with pytest.raises(_reward_wire.WireError, match=re.escape(named)):
+            decode_request(body)
+        status, reply = post(hardened_url + "/score", body)
+        assert status == 400 and json.loads(reply)["error"] == "malformed_body"
+        assert named in json.loads(reply)["message"]
+    assert get_json(hardened_url + "/health")["status"] == "ok"
+
+
+def test_malformed_http_and_a_lost_body_are_logged_in_one_line(tmp_path):
+    """aiohttp logged each malformed HTTP message with its parser's traceback and up to a
+    megabyte of what the client sent; a connection reset mid-body gave two chained
+    tracebacks. Now each is one line, and the server answers /health throughout."""
+    log = tmp_path / "stderr.txt"
+    process, url = start(reward_args("brightness", "--read-timeout", "2"), log)
+    try:
+        malformed = [
+            head(Content_Length="ten"),
+            b"POST /score HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+            head(X_Long="y" * (1 << 20)),
+        ]
+        for request in malformed:
+            with connect(url) as sock:
+                sock.sendall(request)
+                status, _ = status_and_error(until_closed(sock))
+                assert status == 400
+        with connect(url) as sock:  # a client that resets its connection halfway through
+            sock.sendall(head(Content_Length="100000") + bytes(5000))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        assert get_json(url + "/health")["status"] == "ok"
+    finally:
+        process.terminate()
+        process.wait(30)
+    logged = log.read_text()
+    assert "Traceback" not in logged, logged[:2000]
+    lines = [line for line in logged.splitlines() if line.strip()]
+    assert len(lines) == len(malformed), lines
+    assert all(line.startswith("refused a malformed HTTP request") for line in lines), lines
+    assert max(map(len, lines)) < 300
+    assert "y" * 200 not in logged
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("long400", "not retried.*HTTP 400"),
+        ("redirect", r"not retried.*HTTP 302.*not followed; Location: http://127.0.0.1:9/score"),
+    ],
+)
+def test_a_long_4xx_or_a_redirect_is_not_retried_and_keeps_its_status(
+    scripted_url, backoffs, mode, message
+):
+    """A 400 whose JSON message passed 64 KiB was retried as "the reply exceeds 65536
+    bytes", its status lost; a redirect was retried without a word of where it pointed."""
+    samples, rows = batch(count=2)
+    remote = fg.HttpReward(f"{scripted_url}/{mode}", **{**FAST, "retries": 2})
+    with pytest.raises(fg.RewardError, match=message):
+        remote(samples, rows)
+    assert backoffs == []
+    assert get_json(scripted_url + "/count")["posts"][mode] == 1

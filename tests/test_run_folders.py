@@ -254,16 +254,25 @@ def test_a_checkpoint_that_does_not_parse_is_named_and_cuts_nothing(
     assert snapshot(copy) == before
 
 
-def test_a_metrics_line_that_does_not_parse_is_named_and_cuts_nothing(finished_run, tmp_path):
-    """A mid-file `{"epoch": "x"}` raised a raw TypeError on resume."""
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [(b'{"epoch": "x"}', 'line 2 ({"epoch": "x"}) cannot be read'),
+     (b"\xff\xfe\x00 not text", "line 2 is not a JSON object")],
+    ids=["epoch-x", "not-utf8"],
+)  # fmt: skip
+def test_a_metrics_line_that_does_not_parse_is_named_and_cuts_nothing(
+    finished_run, tmp_path, line, named
+):
+    """A mid-file `{"epoch": "x"}` raised a raw TypeError on resume; bytes that are not
+    UTF-8 a raw UnicodeDecodeError (the fault probe)."""
     copy = copy_of(finished_run, tmp_path)
     metrics = copy / "metrics.jsonl"
-    lines = metrics.read_text().splitlines(keepends=True)
-    metrics.write_text("".join([lines[0], '{"epoch": "x"}\n', *lines[1:]]))
+    lines = metrics.read_bytes().splitlines(keepends=True)
+    metrics.write_bytes(b"".join([lines[0], line + b"\n", *lines[1:]]))
     before = snapshot(copy)
     result = run_cli(*TINY, "--epochs", "3", "--resume", "--out", copy)
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert f'{metrics}: line 2 ({{"epoch": "x"}}) cannot be read' in result.stderr
+    assert f"{metrics}: {named}" in result.stderr
     assert "nothing was cut" in result.stderr
     assert snapshot(copy) == before  # config.toml too: written only after loading
 

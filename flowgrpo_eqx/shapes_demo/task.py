@@ -537,6 +537,8 @@ class ShapesReward:
         array = np.asarray(samples)
         check_finite_samples(self.name, array)
         images = _check_images(array, "samples")
+        if not isinstance(rows, Mapping):
+            raise ValueError(f"`rows` must be a dict holding 'tokens', got {type(rows).__name__}.")
         if "tokens" not in rows:
             raise ValueError(f"`rows` must contain 'tokens', got keys {sorted(rows)}.")
         result = self.task.check(images, np.asarray(rows["tokens"]))

@@ -170,6 +170,9 @@ def run_train(
         quiet = True
     if resume and replace:
         raise RunFolderError("`resume` and `replace` exclude each other.")
+    # The job's parts (the DiT, the reward) are checked before the folder is touched: a
+    # setting they refuse leaves nothing behind.
+    job = ShapesJob(config, out, quiet, reward_token=reward_token)
     with lock_run_folder(out) if root else contextlib.nullcontext():
         finished = _claim_folder(out, config, resume=resume, replace=replace, root=root, log=log)
         if finished is not None:
@@ -184,7 +187,6 @@ def run_train(
             return PREEMPTED_EXIT_STATUS if checkpoints.paths() else None
 
         with GracefulStop(log, exit_status=kept_checkpoint) as stop:
-            job = ShapesJob(config, out, quiet, reward_token=reward_token)
             base, base_source = job.base_model(log)
             run = _Run.build(job, base, devices=devices, root=root, log=log, started=started)
             try:

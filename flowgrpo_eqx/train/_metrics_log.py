@@ -59,7 +59,8 @@ class MetricsLog:
         `None`)."""
         if self.path is None or not self.path.exists():
             return [], None
-        lines = self.path.read_text().splitlines()
+        # Bytes that are not UTF-8 spoil only their line, which is then named like any other.
+        lines = self.path.read_bytes().decode("utf-8", errors="replace").splitlines()
         records: list[tuple[int, dict[str, Any]]] = []
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -71,7 +72,10 @@ class MetricsLog:
             if not isinstance(record, dict):
                 if number == len(lines):
                     return records, number
-                raise ValueError(f"{self.path}: line {number} is not a JSON object.")
+                raise ValueError(
+                    f"{self.path}: line {number} is not a JSON object; nothing was cut. Mend "
+                    "or remove that line."
+                )
             records.append((number, record))
         return records, None
 
