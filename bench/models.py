@@ -545,7 +545,8 @@ def measure_rollout(rounds: int) -> dict[str, Any]:
     objective = fg.FlowGRPOObjective(
         model, fg.RectifiedFlow(), inputs, guidance=fg.CFG(4.5), beta=0.04, clip_range=0.2
     )
-    rollout = fg.FlowRollout(objective, reward=_NoReward(), groups=1, steps=11)
+    # `generate` samples the rows as given; `groups` (>= 2) only shapes `collect`.
+    rollout = fg.FlowRollout(objective, reward=_NoReward(), groups=2, steps=11)
     rows = {key: np.asarray(value) for key, value in cond.items()}
     device_rows = jax.tree.map(jnp.asarray, rows)
     keys = iter(jax.random.split(jax.random.key(3), 10_000))

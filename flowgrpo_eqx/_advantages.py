@@ -5,7 +5,7 @@ from typing import Literal, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from ._misc import check_int
+from ._misc import is_int
 
 
 AdvantageStd: TypeAlias = Literal["group", "global"]
@@ -15,6 +15,27 @@ RewardCombination: TypeAlias = Literal["sum", "normalize_each"]
 """How a `WeightedReward`'s terms become advantages: normalise their weighted sum within
 each group (`"sum"`), or normalise each term within its group and then take the weighted sum
 (`"normalize_each"`, Flow-Factory's per-reward normalisation)."""
+
+
+def check_groups(groups: int) -> None:
+    """Raise a `ValueError` naming `groups` unless it is an int `>= 2`.
+
+    A group of one sample is its own mean: its advantage is 0 by construction, so a group
+    size of 1 would train nothing.
+
+    **Arguments:**
+
+    - `groups`: the group size `G`.
+
+    **Raises:**
+
+    - `ValueError`: naming `groups`, and why, unless it is an int `>= 2`.
+    """
+    if not (is_int(groups) and groups >= 2):
+        raise ValueError(
+            f"`groups` must be an int >= 2, got {groups!r}: advantages are relative to the "
+            "group, and a group of one sample has advantage 0 (nothing would be learned)."
+        )
 
 
 def group_advantages(
@@ -34,7 +55,8 @@ def group_advantages(
     **Arguments:**
 
     - `rewards`: `[N]` scores; converted to float64 (pass float64 to keep full precision).
-    - `groups`: the group size `G`; `N` must be a multiple of it.
+    - `groups`: the group size `G`, >= 2 (a group of one sample has advantage 0); `N` must
+        be a multiple of it.
     - `eps`: added to the std, 1e-4 by default.
     - `std`: `"group"` (default) or `"global"`.
 
@@ -44,8 +66,8 @@ def group_advantages(
 
     **Raises:**
 
-    - `ValueError`: naming the argument, for a bad shape, group size, eps, std mode, or
-        non-finite rewards.
+    - `ValueError`: naming the argument, for a bad shape, a group size that is not an int
+        >= 2 or does not divide `N`, eps, std mode, or non-finite rewards.
     """
     result: npt.NDArray[np.float32] = _normalised(rewards, groups, eps, std).astype(np.float32)
     return result
@@ -58,7 +80,7 @@ def _normalised(
     values = np.asarray(rewards, dtype=np.float64)
     if values.ndim != 1:
         raise ValueError(f"`rewards` must have shape [N], got {values.shape}.")
-    check_int("groups", groups, 1)
+    check_groups(groups)
     if values.shape[0] % groups != 0:
         raise ValueError(
             f"`rewards` has {values.shape[0]} rows, not a multiple of `groups`={groups}."
@@ -102,7 +124,7 @@ def per_reward_advantages(
 
     - `components`: `[R, N]` scores, one row per reward.
     - `weights`: `[R]` finite weights.
-    - `groups`: the group size `G`; `N` must be a multiple of it.
+    - `groups`: the group size `G`, >= 2; `N` must be a multiple of it.
     - `eps`: added to each reward's std, 1e-4 by default.
     - `std`: `"group"` (default) or `"global"`.
 

@@ -8,6 +8,7 @@ for a video (`Wan`), so a trajectory of video latents is `[N, K, F, H, W, C]`.
 from typing import Any, TypeAlias, final
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
@@ -168,7 +169,10 @@ class Transitions(eqx.Module):
 
     **Raises:**
 
-    - `ValueError`: naming the field, when a field's shape disagrees with `[N, K, ...]`.
+    - `ValueError`: naming the field, when a field's shape or dtype disagrees with
+        `[N, K, ...]` (`N` and `K` from the `[N, K]` fields); naming `next_timesteps` and
+        `timesteps` when, with concrete (untraced) arrays, a transition the mask keeps does
+        not have `t_next < t`.
     """
 
     latents: Float[Array, " N K *latent"]
@@ -277,18 +281,55 @@ def _shape_error(field: str, expected: str, actual: tuple[int, ...]) -> ValueErr
     return ValueError(f"Transitions.{field} has shape {tuple(actual)}, expected {expected}.")
 
 
-def check_transitions(batch: Transitions) -> None:
-    """Check that every field of `batch` agrees with `[N, K, *latent]`.
+_PER_TRANSITION_FIELDS = ("timesteps", "next_timesteps", "old_log_probs", "transition_mask")
+
+
+def check_transitions(batch: Any, needed_by: str | None = None) -> None:
+    """Check that `batch` is a `Transitions` whose fields agree with `[N, K, *latent]`, and,
+    where its arrays are concrete (not traced), that time decreases along every transition
+    the mask keeps.
+
+    `N` and `K` are the shape the `[N, K]` fields (`timesteps`, `next_timesteps`,
+    `old_log_probs`, `transition_mask`) agree on, so a field of another shape is the one
+    named.
+
+    **Arguments:**
+
+    - `batch`: the batch to check.
+    - `needed_by`: the objective that needs `Transitions`, for the message; `None` for none.
 
     **Raises:**
 
-    - `ValueError`: naming the first field whose shape or dtype is wrong.
+    - `ValueError`: naming `batch`, the type it got and the type needed, if `batch` is not a
+        `Transitions` (say, the `FinalSamples` of an ODE rollout); naming the first field
+        whose shape or dtype is wrong; naming `next_timesteps` and `timesteps` if a kept
+        transition does not run from `t` down to `t_next < t`.
     """
+    if not isinstance(batch, Transitions):
+        user = "" if needed_by is None else f" for {needed_by}"
+        raise ValueError(
+            f"`batch` must be Transitions{user} (the recorded transitions of an SDESampler "
+            f"rollout), got {type(batch).__name__}."
+        )
+    shapes = {name: tuple(jnp.shape(getattr(batch, name))) for name in _PER_TRANSITION_FIELDS}
+    # The shape most [N, K] fields agree on (on a tie, that of `timesteps`).
+    counts = {shape: list(shapes.values()).count(shape) for shape in shapes.values()}
+    want_nk = max(shapes.values(), key=lambda shape: counts[shape])
+    for name, shape in shapes.items():
+        if len(shape) != 2:
+            raise _shape_error(name, "[N, K]", shape)
+    for name, shape in shapes.items():
+        if shape != want_nk:
+            raise _shape_error(name, f"[N, K] = {want_nk}", shape)
+    n, k = want_nk
+    agreed = ", ".join(name for name, shape in shapes.items() if shape == want_nk)
     latents = batch.latents
-    if jnp.ndim(latents) < 2:
-        raise _shape_error("latents", "[N, K, *latent]", jnp.shape(latents))
-    n, k = latents.shape[:2]
-    want_nk = (n, k)
+    if tuple(jnp.shape(latents))[:2] != want_nk:
+        raise _shape_error(
+            "latents",
+            f"[N, K, *latent] with [N, K] = {want_nk} (the shape of {agreed})",
+            jnp.shape(latents),
+        )
     if tuple(jnp.shape(batch.next_latents)) != tuple(latents.shape):
         raise _shape_error(
             "next_latents",
@@ -299,10 +340,6 @@ def check_transitions(batch: Transitions) -> None:
         raise _shape_error(
             "old_means", f"[N, K, *latent] = {tuple(latents.shape)}", jnp.shape(batch.old_means)
         )
-    for name in ("timesteps", "next_timesteps", "old_log_probs", "transition_mask"):
-        value = getattr(batch, name)
-        if tuple(jnp.shape(value)) != want_nk:
-            raise _shape_error(name, f"[N, K] = {want_nk}", jnp.shape(value))
     if jnp.result_type(batch.transition_mask) != jnp.bool_:
         raise ValueError(
             "Transitions.transition_mask must be a bool array, got dtype "
@@ -318,6 +355,34 @@ def check_transitions(batch: Transitions) -> None:
     if advantage_shape not in ((n,), want_nk):
         raise _shape_error("advantages", f"[N] = {(n,)} or [N, K] = {want_nk}", advantage_shape)
     check_leading_rows("Transitions", "cond", batch.cond, n)
+    _check_times_decrease(batch)
+
+
+def _on_host(value: Any) -> bool:
+    """Whether `value` can be read on the host here: not traced, and (for a JAX array) every
+    shard of it held by this process."""
+    if isinstance(value, jax.core.Tracer):
+        return False
+    return not isinstance(value, jax.Array) or value.is_fully_addressable
+
+
+def _check_times_decrease(batch: Transitions) -> None:
+    """Refuse a kept transition whose `next_timesteps` is not below its `timesteps` (one
+    NumPy comparison; skipped when the arrays are traced or not all on this process)."""
+    fields = (batch.timesteps, batch.next_timesteps, batch.transition_mask)
+    if not all(_on_host(value) for value in fields):
+        return
+    t, t_next, mask = (np.asarray(value) for value in fields)
+    wrong = mask & ~(t_next < t)
+    if not wrong.any():
+        return
+    row, step = (int(i) for i in np.argwhere(wrong)[0])
+    raise ValueError(
+        "Transitions.next_timesteps must be below Transitions.timesteps at every kept "
+        "transition (time runs from noise at t = 1 down to data at t = 0), but "
+        f"{int(wrong.sum())} kept transitions do not: at row {row}, transition {step}, "
+        f"`next_timesteps` is {t_next[row, step]} and `timesteps` {t[row, step]}."
+    )
 
 
 @final

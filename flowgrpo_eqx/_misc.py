@@ -123,6 +123,50 @@ def check_leading_rows(
             )
 
 
+def check_source_rows(name: str, rows: PyTree[Any]) -> int:
+    """Raise a `ValueError` naming `name` unless `rows` holds one or more rows: array leaves
+    that all share one non-zero leading size.
+
+    **Arguments:**
+
+    - `name`: the argument's name, for the message, e.g. `"rows"`.
+    - `rows`: a PyTree of `[P, ...]` arrays.
+
+    **Returns:**
+
+    `P`, the number of rows.
+
+    **Raises:**
+
+    - `ValueError`: naming `name`, if `rows` has no array leaves or a scalar one; naming
+        `name` and the leaf, if a leaf's leading size differs from the first leaf's; and if
+        the rows are empty (`P = 0`: sampling, scoring or training on no rows is always a
+        caller's mistake).
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(rows)
+    if not leaves:
+        raise ValueError(f"`{name}` has no array leaves; expected [P, ...] arrays of P rows.")
+    first_path, _ = leaves[0]
+    sizes = {}
+    for path, leaf in leaves:
+        shape = np.shape(leaf)
+        where = f"`{name}`{jax.tree_util.keystr(path)}"
+        if not shape:
+            raise ValueError(f"{where} is a scalar; expected a leading axis of P rows.")
+        sizes[where] = shape[0]
+    first = f"`{name}`{jax.tree_util.keystr(first_path)}"
+    count = sizes[first]
+    for where, size in sizes.items():
+        if size != count:
+            raise ValueError(
+                f"{where} has {size} rows on its leading axis, but {first} has {count}: "
+                f"every leaf of `{name}` must share one leading axis of P rows."
+            )
+    if count == 0:
+        raise ValueError(f"`{name}` is empty (every leaf has 0 rows); expected at least one row.")
+    return int(count)
+
+
 _RANDOM_CHUNK = 1 << 16
 
 

@@ -633,9 +633,10 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
 
         **Raises:**
 
-        - `ValueError`: naming the field, for a malformed batch.
+        - `ValueError`: naming `batch` if it is not `Transitions` (say, `FinalSamples`), or
+            the field, for a malformed batch (`check_transitions`).
         """
-        check_transitions(batch)
+        check_transitions(batch, type(self).__name__)
         policy = variables.policy
 
         def score(inputs: dict[str, Array], cond: PyTree[Any]) -> Float[Array, " B"]:
@@ -685,10 +686,12 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
 
         **Raises:**
 
-        - `ValueError`: naming the field, for a malformed batch, or naming `variables` when
-            `beta > 0` and a policy without adapters comes without its reference.
+        - `ValueError`: naming `batch` if it is not `Transitions` (say, the `FinalSamples`
+            of an ODE rollout), or the field, for a malformed batch (`check_transitions`);
+            or naming `variables` when `beta > 0` and a policy without adapters comes
+            without its reference.
         """
-        check_transitions(batch)
+        check_transitions(batch, type(self).__name__)
         reference = self.kl_reference(variables)
         needs_means = self.guard is not None and self.guard.needs_old_means
         if needs_means and batch.old_means is None:

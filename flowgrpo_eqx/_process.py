@@ -10,6 +10,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from ._custom_types import Latent, ScalarLike
+from ._misc import check_number
 
 
 class AbstractProcess(eqx.Module):
@@ -87,16 +88,15 @@ class RectifiedFlow(AbstractProcess):
 
     **Raises:**
 
-    - `ValueError`: if `shift <= 0`, or `grid` is not one of its values; or, from
-        `timesteps`, if `steps` is not an int >= 2.
+    - `ValueError`: naming `shift` if it is not a finite number `> 0`, or `grid` if it is
+        not one of its values; or, from `timesteps`, if `steps` is not an int >= 2.
     """
 
     shift: float = 1.0
     grid: Literal["uniform", "diffusers", "flux"] = "uniform"
 
     def __check_init__(self) -> None:
-        if not self.shift > 0:
-            raise ValueError(f"`shift` must be positive, got {self.shift}.")
+        check_number("shift", self.shift, minimum=0, include_minimum=False)
         if self.grid not in ("uniform", "diffusers", "flux"):
             raise ValueError(f"`grid` must be 'uniform', 'diffusers' or 'flux', got {self.grid!r}.")
 

@@ -10,11 +10,17 @@ import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._advantages import AdvantageStd, RewardCombination, group_advantages, per_reward_advantages
+from ._advantages import (
+    AdvantageStd,
+    RewardCombination,
+    check_groups,
+    group_advantages,
+    per_reward_advantages,
+)
 from ._custom_types import FinalSamples, Model, RolloutInfo, Transitions
 from ._distributed import host_samples, place_rows, score_on_root, sequence_context
 from ._guided_flow import GuidedFlow
-from ._misc import check_int, leading_rows, repeat_rows
+from ._misc import check_int, check_source_rows, leading_rows, repeat_rows
 from ._reward import FlowReward, WeightedReward
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, Draw, Generated
@@ -47,7 +53,8 @@ class FlowRollout(eqx.Module):
 
     - `objective`: the `AbstractRLObjective` the rollout collects for; its `flow` is sampled.
     - `reward`: a `FlowReward`.
-    - `groups`: samples per source row.
+    - `groups`: samples per source row, >= 2 (the group a sample's advantage is relative
+        to; a group of one sample has advantage 0).
     - `steps`: time points of the rollout grid; `steps=11` draws ten transitions.
     - `sampler`: an `AbstractSampler` (`SDESampler`, `ODESampler`), or `None` (default) for
         the objective's own (`objective.rollout_sampler(None)`).
@@ -72,7 +79,7 @@ class FlowRollout(eqx.Module):
     - `ValueError`: naming the argument, for an `objective` that is not an
         `AbstractRLObjective`, a `sampler` the objective refuses (for Flow-GRPO: anything but
         an `SDESampler` of its `sde`) or that refuses the rollout's settings (see
-        `SDESampler`, `ODESampler`), `groups < 1`, `steps < 2`, or a `normalize_each`
+        `SDESampler`, `ODESampler`), `groups < 2`, `steps < 2`, or a `normalize_each`
         combination without a `WeightedReward`.
     """
 
@@ -96,7 +103,7 @@ class FlowRollout(eqx.Module):
             raise ValueError(
                 f"`reward` must be callable as reward(samples, rows), got {self.reward!r}."
             )
-        check_int("groups", self.groups, 1)
+        check_groups(self.groups)
         check_int("steps", self.steps, 2)
         if self.reward_combination not in ("sum", "normalize_each"):
             raise ValueError(
@@ -238,8 +245,11 @@ class FlowRollout(eqx.Module):
 
         **Raises:**
 
+        - `ValueError`: naming `rows` (and the leaf), before sampling anything, if it has no
+            array leaves, its leaves differ in their leading size, or it holds no rows.
         - `RewardError`: naming the reward, if it raises or returns a wrong shape, NaN or inf.
         """
+        check_source_rows("rows", rows)
         host_rows = repeat_rows(rows, self.groups)
         started = time.perf_counter()
         first = self.window_start(epoch, key)

@@ -6,6 +6,7 @@ ones agree. `docs/mathematics.md` states every formula here.
 
 import abc
 import math
+import numbers
 from typing import Literal, TypeAlias, final
 
 import equinox as eqx
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float
 
 from ._custom_types import Latent, Scalar, ScalarLike
+from ._misc import check_number
 
 
 KLWeighting: TypeAlias = Literal["paper", "released"]
@@ -73,8 +75,8 @@ class AbstractSDE(eqx.Module):
 
     **Raises:**
 
-    - `ValueError`: naming the argument, for a negative `noise_level`, an unknown
-        `kl_weighting`, or a `window` outside the grid `[0, 1]` or empty.
+    - `ValueError`: naming the argument, for a `noise_level` that is not a finite number
+        `>= 0`, an unknown `kl_weighting`, or a `window` outside the grid `[0, 1]` or empty.
     """
 
     noise_level: eqx.AbstractVar[float]
@@ -82,12 +84,7 @@ class AbstractSDE(eqx.Module):
     kl_weighting: eqx.AbstractVar[KLWeighting]
 
     def __check_init__(self) -> None:
-        if not (
-            isinstance(self.noise_level, (int, float))
-            and not isinstance(self.noise_level, bool)
-            and self.noise_level >= 0
-        ):
-            raise ValueError(f"`noise_level` must be a number >= 0, got {self.noise_level!r}.")
+        check_number("noise_level", self.noise_level, minimum=0)
         if self.kl_weighting not in ("paper", "released"):
             raise ValueError(
                 f"`kl_weighting` must be 'paper' or 'released', got {self.kl_weighting!r}."
@@ -343,7 +340,7 @@ class CoefficientsPreservingSDE(AbstractSDE):
     kl_weighting: KLWeighting = "paper"
 
     def __check_init__(self) -> None:
-        if isinstance(self.noise_level, (int, float)) and self.noise_level > 1:
+        if isinstance(self.noise_level, numbers.Real) and self.noise_level > 1:
             raise ValueError(
                 "`noise_level` must be in [0, 1] for coefficients-preserving sampling, got "
                 f"{self.noise_level}."

@@ -12,7 +12,7 @@ from tests import numpy_reference as ref
 EPS = 1e-4
 Batch = tuple[np.ndarray, int]  # (rewards [P * G], group size G)
 
-_groups = st.integers(1, 6)
+_groups = st.integers(2, 6)  # a group of one sample is refused (advantage 0)
 _prompts = st.integers(1, 5)
 _rewards = st.floats(-100.0, 100.0, allow_nan=False, allow_infinity=False)
 
@@ -83,8 +83,6 @@ def test_constant_groups_are_exactly_zero(values: list[float], other: Batch, std
     got = fg.group_advantages(rewards, groups, std=std)
     constant = got[: len(values) * groups]
     assert np.all(constant == 0.0), constant
-    if groups == 1:  # every group of one is constant
-        assert np.all(got == 0.0)
 
 
 @T.property_settings(100)
@@ -121,7 +119,7 @@ def test_invariant_to_positive_affine_maps(batch: Batch, a: float, b: float) -> 
 
 @T.property_settings(150)
 @given(
-    first=hnp.arrays(np.float64, st.integers(1, 6), elements=st.floats(-10, 10)),
+    first=hnp.arrays(np.float64, st.integers(2, 6), elements=st.floats(-10, 10)),
     data=st.data(),
     std=st.just("group"),
 )

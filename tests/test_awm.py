@@ -340,7 +340,7 @@ def test_awm_trains_on_the_final_samples_of_an_sde_rollout():
         latents=jnp.zeros((N, K, DIM)),
         next_latents=jnp.zeros((N, K, DIM)),
         timesteps=batch.timesteps,
-        next_timesteps=batch.timesteps,
+        next_timesteps=batch.timesteps / 2,  # below `timesteps`, as `Transitions` requires
         old_log_probs=jnp.zeros((N, K)),
         transition_mask=jnp.ones((N, K), bool),
         advantages=batch.advantages,

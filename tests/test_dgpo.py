@@ -353,7 +353,7 @@ def test_the_training_batch_groups_runs_of_group_size_rows():
         latents=jnp.zeros((N, K, DIM)),
         next_latents=jnp.zeros((N, K, DIM)),
         timesteps=samples.timesteps,
-        next_timesteps=samples.timesteps,
+        next_timesteps=samples.timesteps / 2,  # below `timesteps`, as `Transitions` requires
         old_log_probs=jnp.zeros((N, K)),
         transition_mask=jnp.ones((N, K), bool),
         advantages=samples.advantages,

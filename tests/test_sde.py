@@ -273,7 +273,7 @@ def test_a_window_that_is_not_a_pair_is_named():
 
 
 def test_sde_messages_name_the_argument_first():
-    with pytest.raises(ValueError, match=r"^`noise_level` must be a number >= 0, got -0.5"):
+    with pytest.raises(ValueError, match=r"^`noise_level` must be a finite number >= 0, got -0.5"):
         fg.FlowSDE(-0.5)
     with pytest.raises(ValueError, match=r"^`noise_level` must be in \[0, 1\] for coeff"):
         fg.CoefficientsPreservingSDE(1.5)

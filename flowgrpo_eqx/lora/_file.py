@@ -91,6 +91,50 @@ def save_adapters(path: str | os.PathLike[str], model: LoraModel[Any]) -> None:
         eqx.tree_serialise_leaves(handle, model.adapters)
 
 
+_HEADER_KEYS: dict[str, type | tuple[type, ...]] = {
+    "format": str,
+    "fingerprint": str,
+    "rank": int,
+    "alpha": (int, float),
+    "layers": list,
+}
+_LAYER_KEYS: dict[str, type] = {"path": str, "a_shape": list, "b_shape": list, "dtype": str}
+
+# What a damaged adapter file makes equinox/numpy raise: `TreePathError` and the shape/dtype
+# checks are `RuntimeError`s, a short read is `EOFError` or `ValueError`.
+_LOAD_ERRORS = (RuntimeError, ValueError, TypeError, EOFError, OSError)
+
+
+def _header_problem(header: Any) -> str | None:
+    """What is wrong with an adapter file's JSON header (its keys and their types), or
+    `None` when it has every key `load_adapters` reads."""
+    if not isinstance(header, dict):
+        return "its first line is not a JSON object"
+    if header.get("format") != _FORMAT:
+        return f"its header's format is {header.get('format')!r}"
+    for key, kind in _HEADER_KEYS.items():
+        if key not in header:
+            return f"its header lacks {key!r}"
+        if not isinstance(header[key], kind) or isinstance(header[key], bool):
+            return f"its header's {key!r} is {header[key]!r}"
+    for index, layer in enumerate(header["layers"]):
+        if not isinstance(layer, dict):
+            return f"its header's layer {index} is {layer!r}"
+        for key, kind in _LAYER_KEYS.items():
+            if not isinstance(layer.get(key), kind):
+                return f"its header's layer {index} lacks {key!r} or has another type"
+        shapes = layer["a_shape"] + layer["b_shape"]
+        sizes_ok = all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shapes)
+        if not (sizes_ok and layer["a_shape"] and layer["b_shape"]):
+            shown = f"{layer['a_shape']}, {layer['b_shape']}"
+            return f"its header's layer {index} has the shapes {shown}"
+        try:
+            jnp.dtype(layer["dtype"])
+        except TypeError:
+            return f"its header's layer {index} has the unknown dtype {layer['dtype']!r}"
+    return None
+
+
 def load_adapters(path: str | os.PathLike[str], base_model: _Model) -> LoraModel[_Model]:
     """Put adapters written by `save_adapters` onto `base_model`.
 
@@ -107,23 +151,27 @@ def load_adapters(path: str | os.PathLike[str], base_model: _Model) -> LoraModel
 
     **Raises:**
 
-    - `ValueError`: naming the file when it is not an adapter file, or when `base_model`'s
-        fingerprint differs from the stored one (giving both), or a stored layer is missing
-        from `base_model` or has another shape; naming `base_model` when it holds adapters.
+    - `ValueError`: naming the file when it is not an adapter file (its JSON header is not
+        one, or lacks a key such as `"fingerprint"`), when its arrays do not load (truncated
+        or damaged) or it holds bytes after them, or when `base_model`'s fingerprint differs
+        from the stored one (giving both), or a stored layer is missing from `base_model` or
+        has another shape; naming `base_model` when it holds adapters.
     """
     if has_adapters(base_model):
         raise ValueError("`base_model` holds adapters; pass `lora.base(model)`.")
+    name = repr(os.fspath(path))
     with open(path, "rb") as handle:
         try:
             header = json.loads(handle.readline())
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{os.fspath(path)!r} is not a LoRA adapter file.") from error
-        if not isinstance(header, dict) or header.get("format") != _FORMAT:
-            raise ValueError(f"{os.fspath(path)!r} is not a LoRA adapter file ({_FORMAT}).")
+            raise ValueError(f"{name} is not a LoRA adapter file.") from error
+        problem = _header_problem(header)
+        if problem is not None:
+            raise ValueError(f"{name} is not a LoRA adapter file ({_FORMAT}): {problem}.")
         found = fingerprint(base_model)
         if header["fingerprint"] != found:
             raise ValueError(
-                f"The adapters in {os.fspath(path)!r} belong to the base model with fingerprint "
+                f"The adapters in {name} belong to the base model with fingerprint "
                 f"{header['fingerprint']}, but `base_model` has fingerprint {found}."
             )
         linears = linears_by_path(base_model)
@@ -134,12 +182,24 @@ def load_adapters(path: str | os.PathLike[str], base_model: _Model) -> LoraModel
             a_shape, b_shape = tuple(layer["a_shape"]), tuple(layer["b_shape"])
             if linear is None or (*b_shape[:-1], a_shape[-1]) != linear.weight.shape:
                 raise ValueError(
-                    f"{os.fspath(path)!r} holds an adapter for {layer['path']}, which is not an "
+                    f"{name} holds an adapter for {layer['path']}, which is not an "
                     "`eqx.nn.Linear` of that shape in `base_model`."
                 )
             dtype = jnp.dtype(layer["dtype"])
             like.append(LoraAdapter(a=zeros(a_shape, dtype), b=zeros(b_shape, dtype)))
-        loaded: tuple[LoraAdapter, ...] = eqx.tree_deserialise_leaves(handle, tuple(like))
+        try:
+            loaded: tuple[LoraAdapter, ...] = eqx.tree_deserialise_leaves(handle, tuple(like))
+        except _LOAD_ERRORS as error:
+            raise ValueError(
+                f"{name} does not hold the adapters its header describes (truncated or "
+                f"damaged): {type(error).__name__}: {' '.join(str(error).split())}"
+            ) from error
+        left = os.fstat(handle.fileno()).st_size - handle.tell()
+        if left:
+            raise ValueError(
+                f"{name} holds {left} bytes more than the adapters its header describes "
+                "(appended to, or written by another writer?)."
+            )
     return LoraModel(
         base=base_model,
         adapters=loaded,

@@ -239,7 +239,7 @@ class RolloutSettings:
     """
 
     prompts_per_epoch: int = _setting(16, "training prompts per rollout", minimum=1)
-    groups: int = _setting(16, "samples per prompt (the GRPO group)", minimum=1)
+    groups: int = _setting(16, "samples per prompt (the GRPO group)", minimum=2)
     rollout_steps: int = _setting(
         6,
         "time-grid points of the rollout sampler (steps - 1 transitions)",

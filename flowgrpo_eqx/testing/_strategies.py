@@ -136,7 +136,7 @@ def reward_groups(
     **Arguments:**
 
     - `prompts`: `P`, the number of groups (default 1..5).
-    - `group_sizes`: `G` (default 1..6).
+    - `group_sizes`: `G` (default 2..6; `group_advantages` refuses a group of one).
     - `values`: one reward (default finite floats in [-100, 100]).
 
     **Returns:**
@@ -144,7 +144,7 @@ def reward_groups(
     A strategy of `(rewards, groups)`.
     """
     prompts = st.integers(1, 5) if prompts is None else prompts
-    group_sizes = st.integers(1, 6) if group_sizes is None else group_sizes
+    group_sizes = st.integers(2, 6) if group_sizes is None else group_sizes
     values = (
         st.floats(-100.0, 100.0, allow_nan=False, allow_infinity=False)
         if values is None

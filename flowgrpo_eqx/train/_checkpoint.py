@@ -90,6 +90,25 @@ _TEMPORARY_PREFIX = ".tmp-"
 # every process counts them alike.
 
 
+def _check_metadata(metadata: Any) -> None:
+    """Raise a `ValueError` naming `metadata` (and the key) unless it is a dict of `str` keys,
+    none reserved, whose values `json.dumps` writes as they are (no value is converted)."""
+    if not isinstance(metadata, dict):
+        raise ValueError(f"`metadata` must be a dict, got {type(metadata).__name__}.")
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise ValueError(f"`metadata` keys must be str, got the key {key!r}.")
+        if key in ("step", LAYOUT_KEY, ARRAYS_KEY, FILES_KEY):
+            raise ValueError(f"`metadata` must not use the key {key!r}.")
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"`metadata`[{key!r}] is not JSON-serialisable ({type(value).__name__}: "
+                f"{error}); pass Python values (e.g. float(x) for a NumPy scalar)."
+            ) from error
+
+
 def _fsync_folder(path: pathlib.Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
@@ -326,10 +345,11 @@ class Checkpointer:
 
         **Arguments:**
 
-        - `step`: the checkpoint's number (e.g. the epoch); larger is newer.
+        - `step`: the checkpoint's number (e.g. the epoch), an int >= 0; larger is newer.
         - `tree`: any PyTree of arrays (e.g. a `TrainState`), sharded or not; its other
             leaves (functions, ...) are not stored, and come from the template on restore.
-        - `metadata`: JSON-serialisable facts to keep beside it (not `step`,
+        - `metadata`: JSON-serialisable facts to keep beside it, by `str` key (Python values:
+            a NumPy scalar such as `np.float32(0.5)` is refused, not converted; not `step`,
             `layout_version`, `state_arrays` or `state_files`, which record what was stored).
 
         **Returns:**
@@ -338,14 +358,16 @@ class Checkpointer:
 
         **Raises:**
 
-        - `ValueError`: if `metadata` uses a reserved key.
+        - `ValueError`: naming `step` if it is not an int >= 0; naming `metadata` if it is
+            not a dict, uses a reserved key or a key that is not a `str`, or (naming the key)
+            holds a value JSON cannot write. Each before anything is written.
         - `OSError`: of the original kind and errno (e.g. `ENOSPC`, disk full), naming the
             checkpoint's folder, if writing fails. Its temporary folder is removed and the
             previous checkpoints are untouched.
         """
-        for reserved in ("step", LAYOUT_KEY, ARRAYS_KEY, FILES_KEY):
-            if reserved in metadata:
-                raise ValueError(f"`metadata` must not use the key {reserved!r}.")
+        check_int("step", step, 0)
+        step = int(step)
+        _check_metadata(metadata)
         root = jax.process_index() == 0
         final = self.directory / f"{_PREFIX}{step:08d}"
         temporary = self.directory / f"{_TEMPORARY_PREFIX}{step:08d}"

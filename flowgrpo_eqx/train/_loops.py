@@ -10,6 +10,7 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._custom_types import RolloutInfo
+from .._misc import check_int
 from .._rl import AbstractRLObjective, Rescore
 from .._rollout import FlowRollout
 from ._diverged import check_finite
@@ -122,7 +123,7 @@ def rl_epoch(
     - `rows`: this epoch's source rows.
     - `key`: this epoch's key (rollout noise and shuffling).
     - `epoch`: the epoch, from 1: where the rollout's `window_schedule` puts the window.
-    - `inner_epochs`: passes over the rollout.
+    - `inner_epochs`: passes over the rollout, >= 1.
     - `minibatch_rows`: rows per update (must divide the rollout's rows); all at once if
         `None`.
     - `after_updates`: called with the new state, the training batch and the rollout's info
@@ -138,8 +139,9 @@ def rl_epoch(
 
     **Raises:**
 
-    - `ValueError`: naming `trainer` if its objective is not an `AbstractRLObjective`; as
-        `minibatch_count`.
+    - `ValueError`: naming `trainer` if its objective is not an `AbstractRLObjective`, or
+        `inner_epochs` if it is not an int >= 1 (both before the rollout); as
+        `minibatch_count`; as `FlowRollout.collect`.
     - `TrainingDiverged`: with the epoch and its metrics, if the loss, the gradient norm or
         the policy's parameters are not finite after the epoch's updates.
     """
@@ -148,6 +150,7 @@ def rl_epoch(
         raise ValueError(
             f"`trainer` must train an AbstractRLObjective, got {type(objective).__name__}."
         )
+    check_int("inner_epochs", inner_epochs, 1)
     rollout_key, shuffle_key = jax.random.split(key)
     collected, info = rollout.collect(
         objective.sampling_policy(state.variables), rows, rollout_key, epoch

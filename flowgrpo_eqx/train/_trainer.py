@@ -7,6 +7,7 @@ an uninterrupted one exactly.
 """
 
 import contextlib
+import types
 from collections.abc import Sequence
 from typing import Any, final
 
@@ -233,17 +234,32 @@ class Trainer(eqx.Module):
 
         **Raises:**
 
-        - `ValueError`: naming `variables` when its policy is not of the structure of the
-            objective's initial policy (say, one has LoRA adapters and the other none: the
-            objective's variables would be built for another policy).
+        - `ValueError`: naming `trainable` when its filter (or the default one) selects no
+            floating-point array of the policy (nothing would train), before any other work;
+            naming `variables` when its policy is not of the structure of the objective's
+            initial policy (say, one has LoRA adapters and the other none: the objective's
+            variables would be built for another policy).
 
         **Returns:**
 
         A `TrainState` at step 0, holding its own copies of the variables' arrays (updates
         donate their buffers, so the objective's model is never consumed).
         """
-        init_key, train_key = jax.random.split(key)
         policy = variables.policy if variables is not None else self.objective.initial_policy()
+        selected, _ = self.split_policy(policy)
+        if not jax.tree.leaves(selected):
+            if self.trainable is None:
+                given = "the default filter"
+            elif isinstance(self.trainable, types.FunctionType):
+                given = f"the function {self.trainable.__qualname__}"
+            else:
+                given = f"a filter of type {type(self.trainable).__name__}"
+            raise ValueError(
+                f"`trainable` ({given}) selects no floating-point array of the policy "
+                f"{type(policy).__name__}: every parameter would stay frozen and training "
+                "would do nothing. Select at least one float array (e.g. eqx.is_inexact_array)."
+            )
+        init_key, train_key = jax.random.split(key)
         variables = self.objective.init(
             init_key, variables, trainable=self.trainable_filter(policy)
         )
@@ -287,6 +303,8 @@ class Trainer(eqx.Module):
 
         **Raises:**
 
+        - `ValueError`: as the objective's `loss`, raised while tracing the update (say,
+            naming `batch` when it is not the batch type the objective trains on).
         - `EquinoxRuntimeError` (from `eqx.error_if`): naming `batch.advantages` when the
             batch has advantages and one of them is NaN or infinite (they would make every
             trained parameter NaN).
