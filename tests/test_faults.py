@@ -96,3 +96,23 @@ def test_a_coordinator_without_a_port_is_named():
     )  # fmt: skip
     assert result.returncode == 1
     assert "`coordinator` must be HOST:PORT (a port in 1..65535), got 'nohost'" in one_line(result)
+
+
+@pytest.mark.parametrize(
+    ("seeds", "named"),
+    [("a,b", "expected comma-separated ints"), ("1,1", "repeats a seed"), (",", "expected")],
+)
+def test_seeds_that_are_not_distinct_ints_are_refused_before_any_work(tmp_path, seeds, named):
+    """`--seeds a,b` raised a bare "invalid literal for int()" after the settings were made
+    (the fault probe)."""
+    out = tmp_path / "sweep"
+    result = run_cli("train", "--preset", "tiny", "--seeds", seeds, "--out", out)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"argument --seeds: {named}" in result.stderr.strip().splitlines()[-1]
+    assert not out.exists()
+
+
+def test_launching_no_process_names_the_flag():
+    result = run_cli("launch", "--local", "0", "train", "--preset", "tiny")
+    assert result.returncode == 2
+    assert "`processes` (--local) must be an int >= 1, got 0." in one_line(result)

@@ -403,6 +403,19 @@ def test_reward_partial_and_strict() -> None:
     assert ShapesReward(TASK, kind="strict").name == "shapes_strict"
 
 
+@pytest.mark.parametrize("rows", [None, np.zeros((1, 4), np.int32)], ids=["none", "array"])
+def test_reward_rows_that_are_not_a_dict_are_named(rows: object) -> None:
+    """Rows sent as None or a bare array raised "argument of type 'NoneType' is not
+    iterable" or an ambiguous truth value (the fault probe, through the reward server)."""
+    reward = ShapesReward(TASK)
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="rows"):
+        reward(blank(), rows)
+    # As a reward server calls it, without this suite's runtime type checker in front.
+    unchecked = getattr(ShapesReward.__call__, "__wrapped__", ShapesReward.__call__)
+    with pytest.raises(ValueError, match="^`rows` must be a dict holding 'tokens', got"):
+        unchecked(reward, blank(), rows)
+
+
 def test_reward_accepts_jax_arrays() -> None:
     tokens = TASK.rows("heldout")["tokens"]
     images = TASK.render(tokens, np.random.default_rng(5))

@@ -36,10 +36,23 @@ from ..reward_limits import add_limit_arguments, limit_settings
 from ..train import PREEMPTED_EXIT_STATUS, exit_now
 from .config import SETTINGS, JobConfig, config_to_toml, make_config, read_config_file
 from .eval_target import eval_target
-from .settings import split_optional
+from .settings import MAX_SEED, split_optional
 
 
 _BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def _seed_list(text: str) -> list[int]:
+    """`--seeds`: comma-separated ints in 0..MAX_SEED, none repeated, at least one."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(part.isdecimal() and int(part) <= MAX_SEED for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated ints in 0..{MAX_SEED}, e.g. 0,1,2; got {text!r}"
+        )
+    seeds = [int(part) for part in parts]
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"repeats a seed: {text!r}")
+    return seeds
 
 
 def _parser_for(annotation: Any) -> Callable[[str], Any]:
@@ -132,6 +145,7 @@ _COMMANDS: tuple[tuple[str, str, tuple[_Flag, ...], bool], ...] = (
                 "--seeds",
                 {
                     "default": None,
+                    "type": _seed_list,
                     "help": "comma-separated training seeds: one run per seed in OUT/seed_<s>, "
                     "then OUT/seeds_summary.json (mean, std, worst, best) and "
                     "OUT/seeds_accuracy.png",
@@ -465,11 +479,10 @@ def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
 
     if command == "train":
         if arguments["seeds"] is not None:
-            seeds = [int(seed) for seed in arguments["seeds"].split(",") if seed.strip()]
             result = run_seeds(
                 config,
                 arguments["out"],
-                seeds,
+                arguments["seeds"],
                 quiet=arguments["quiet"],
                 resume=arguments["resume"],
                 replace=arguments["replace"],

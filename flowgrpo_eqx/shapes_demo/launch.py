@@ -145,7 +145,7 @@ def launch_local(
     - `ValueError`: for `processes < 1` or an empty command.
     """
     if processes < 1:
-        raise ValueError(f"`processes` must be >= 1, got {processes}.")
+        raise ValueError(f"`processes` (--local) must be an int >= 1, got {processes}.")
     if not command:
         raise ValueError("`command` must name a subcommand, e.g. `-- train --preset tiny`.")
     address = f"127.0.0.1:{port or free_port()}"
