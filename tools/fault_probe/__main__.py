@@ -1,0 +1,4 @@
+from ._main import main
+
+
+raise SystemExit(main())
