@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._files import atomic_file
+from .._files import atomic_file, read_leaves_to_end
 from ._model import LoraAdapter, LoraModel, _Model, require_lora_model
 from ._tree import has_adapters, linears_by_path, zeros
 
@@ -100,10 +100,6 @@ _HEADER_KEYS: dict[str, type | tuple[type, ...]] = {
 }
 _LAYER_KEYS: dict[str, type] = {"path": str, "a_shape": list, "b_shape": list, "dtype": str}
 
-# What a damaged adapter file makes equinox/numpy raise: `TreePathError` and the shape/dtype
-# checks are `RuntimeError`s, a short read is `EOFError` or `ValueError`.
-_LOAD_ERRORS = (RuntimeError, ValueError, TypeError, EOFError, OSError)
-
 
 def _header_problem(header: Any) -> str | None:
     """What is wrong with an adapter file's JSON header (its keys and their types), or
@@ -188,18 +184,9 @@ def load_adapters(path: str | os.PathLike[str], base_model: _Model) -> LoraModel
             dtype = jnp.dtype(layer["dtype"])
             like.append(LoraAdapter(a=zeros(a_shape, dtype), b=zeros(b_shape, dtype)))
         try:
-            loaded: tuple[LoraAdapter, ...] = eqx.tree_deserialise_leaves(handle, tuple(like))
-        except _LOAD_ERRORS as error:
-            raise ValueError(
-                f"{name} does not hold the adapters its header describes (truncated or "
-                f"damaged): {type(error).__name__}: {' '.join(str(error).split())}"
-            ) from error
-        left = os.fstat(handle.fileno()).st_size - handle.tell()
-        if left:
-            raise ValueError(
-                f"{name} holds {left} bytes more than the adapters its header describes "
-                "(appended to, or written by another writer?)."
-            )
+            loaded = read_leaves_to_end(handle, tuple(like), "the adapters its header describes")
+        except ValueError as error:
+            raise ValueError(f"{name} {error}.") from error
     return LoraModel(
         base=base_model,
         adapters=loaded,

@@ -57,7 +57,7 @@ import numpy.typing as npt
 from jaxtyping import PyTree
 
 from .._distributed import local_copy, sync_processes
-from .._files import atomic_file
+from .._files import atomic_file, one_line
 from .._misc import check_int, data_to_keys, keys_to_data
 from ._checkpoint_integrity import (
     ARRAYS_KEY,
@@ -74,7 +74,6 @@ from ._checkpoint_integrity import (
     describe_array,
     file_records,
     is_stored,
-    one_line,
     read_metadata,
     stored_leaves,
     write_error,

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from .._files import one_line
 from .._misc import keys_to_data
 
 
@@ -89,17 +90,6 @@ class CheckpointVersionError(CheckpointError):
             "resumed by this one (resume it with the version that wrote it, or start a new "
             "run in another folder)",
         )
-
-
-def one_line(error: BaseException) -> str:
-    """An exception and its causes (equinox wraps the real error) as one line."""
-    parts: list[str] = []
-    current: BaseException | None = error
-    while current is not None and len(parts) < 4:
-        text = " ".join(str(current).split())
-        parts.append(f"{type(current).__name__}: {text}" if text else type(current).__name__)
-        current = current.__cause__
-    return " <- ".join(parts)
 
 
 def write_error(error: OSError, path: pathlib.Path, what: str) -> OSError:

@@ -7,40 +7,16 @@ read.
 
 import os
 import pathlib
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
 
 import equinox as eqx
 from jaxtyping import PyTree
 
-from .._files import atomic_file
-from ._checkpoint_integrity import CheckpointError, one_line, write_error
+from .._files import atomic_file, read_leaves_to_end
+from ._checkpoint_integrity import CheckpointError, write_error
 
 
 T = TypeVar("T")
-
-# Everything a damaged or mismatched model file makes equinox/numpy raise: `TreePathError` and
-# the shape/dtype checks are `RuntimeError`s, a short read is `EOFError` or `ValueError`.
-_LOAD_ERRORS = (RuntimeError, ValueError, TypeError, EOFError, OSError)
-
-
-def _deserialise(handle: BinaryIO, like: T, path: pathlib.Path, size: int) -> T:
-    """Load `like`'s leaves from `handle`, raising `CheckpointError` on any mismatch."""
-    try:
-        loaded: T = eqx.tree_deserialise_leaves(handle, like)
-    except _LOAD_ERRORS as error:
-        raise CheckpointError(
-            path,
-            "does not hold the expected model (a different model or settings, or damaged): "
-            + one_line(error),
-        ) from error
-    left = size - handle.tell()
-    if left:
-        raise CheckpointError(
-            path,
-            f"holds {left} bytes more than the expected model reads "
-            "(a different model or settings?)",
-        )
-    return loaded
 
 
 def save_model(path: str | os.PathLike[str], model: PyTree[Any]) -> None:
@@ -89,4 +65,7 @@ def load_model(path: str | os.PathLike[str], like: T) -> T:
     """
     target = pathlib.Path(path)
     with open(target, "rb") as handle:
-        return _deserialise(handle, like, target, os.fstat(handle.fileno()).st_size)
+        try:
+            return read_leaves_to_end(handle, like, "the expected model")
+        except ValueError as error:
+            raise CheckpointError(target, f"{error} (a different model or settings?)") from error
