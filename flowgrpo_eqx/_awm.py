@@ -9,7 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ._custom_types import FinalSamples, Mean, Model, PerExample, RolloutInfo, Step, Transitions
+from ._custom_types import (
+    FinalSamples,
+    Mean,
+    Model,
+    PerExample,
+    RolloutInfo,
+    Step,
+    Transitions,
+    check_batch_type,
+)
 from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables
 from ._guided_flow import GuidedFlow
 from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
@@ -378,9 +387,16 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
 
         **Raises:**
 
-        - `ValueError`: naming `batch.timesteps` if it is `None`; as `trained_indices`,
-            `reference`, `ema_policy` or `GuidedFlow.velocity`.
+        - `ValueError`: naming `batch` if it is not `FinalSamples` (say, `Transitions`);
+            naming `batch.timesteps` if it is `None`; as `trained_indices`, `reference`,
+            `ema_policy` or `GuidedFlow.velocity`.
         """
+        check_batch_type(
+            batch,
+            FinalSamples,
+            type(self).__name__,
+            "the final samples of an ODE rollout: `training_batch` makes them",
+        )
         keep = batch.mask
         index_key, noise_key = jax.random.split(step.key)
         t = self._training_times(batch, keep, index_key)

@@ -284,6 +284,27 @@ def _shape_error(field: str, expected: str, actual: tuple[int, ...]) -> ValueErr
 _PER_TRANSITION_FIELDS = ("timesteps", "next_timesteps", "old_log_probs", "transition_mask")
 
 
+def check_batch_type(batch: Any, kind: type, needed_by: str | None, what: str) -> None:
+    """Raise a `ValueError` naming `batch` unless it is a `kind`.
+
+    **Arguments:**
+
+    - `batch`: the batch an objective's `loss` was given.
+    - `kind`: the batch class the objective trains on.
+    - `needed_by`: the objective, for the message; `None` for none.
+    - `what`: what a `kind` holds and where it comes from, for the message.
+
+    **Raises:**
+
+    - `ValueError`: `"`batch` must be <kind> for <needed_by> (<what>), got <type>."`.
+    """
+    if not isinstance(batch, kind):
+        user = "" if needed_by is None else f" for {needed_by}"
+        raise ValueError(
+            f"`batch` must be {kind.__name__}{user} ({what}), got {type(batch).__name__}."
+        )
+
+
 def check_transitions(batch: Any, needed_by: str | None = None) -> None:
     """Check that `batch` is a `Transitions` whose fields agree with `[N, K, *latent]`, and,
     where its arrays are concrete (not traced), that time decreases along every transition
@@ -305,12 +326,9 @@ def check_transitions(batch: Any, needed_by: str | None = None) -> None:
         whose shape or dtype is wrong; naming `next_timesteps` and `timesteps` if a kept
         transition does not run from `t` down to `t_next < t`.
     """
-    if not isinstance(batch, Transitions):
-        user = "" if needed_by is None else f" for {needed_by}"
-        raise ValueError(
-            f"`batch` must be Transitions{user} (the recorded transitions of an SDESampler "
-            f"rollout), got {type(batch).__name__}."
-        )
+    check_batch_type(
+        batch, Transitions, needed_by, "the recorded transitions of an SDESampler rollout"
+    )
     shapes = {name: tuple(jnp.shape(getattr(batch, name))) for name in _PER_TRANSITION_FIELDS}
     # The shape most [N, K] fields agree on (on a tie, that of `timesteps`).
     counts = {shape: list(shapes.values()).count(shape) for shape in shapes.values()}

@@ -20,6 +20,7 @@ from ._custom_types import (
     RolloutInfo,
     Step,
     Transitions,
+    check_batch_type,
 )
 from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables
 from ._guided_flow import GuidedFlow
@@ -591,10 +592,17 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
         **Raises:**
 
-        - `ValueError`: naming `batch.timesteps` if it is `None`; as `training_times`,
-            `reference`, `ema_policy` or `GuidedFlow.call_model`.
+        - `ValueError`: naming `batch` if it is not `GroupedSamples` (say, `FinalSamples`);
+            naming `batch.timesteps` if it is `None`; as `training_times`, `reference`,
+            `ema_policy` or `GuidedFlow.call_model`.
         - `EquinoxRuntimeError`: if a group has more than `group_size` counted rows.
         """
+        check_batch_type(
+            batch,
+            GroupedSamples,
+            type(self).__name__,
+            "final samples with their groups: `training_batch` makes them",
+        )
         keep = batch.samples.mask
         points = self.training_points(variables, batch.samples, batch.group, step.key)
         x_t, target, t_flat, conditioning = points.x_t, points.target, points.t, points.cond

@@ -8,7 +8,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._custom_types import FinalSamples, Mean, Model, PerExample, RolloutInfo, Step, Transitions
+from ._custom_types import (
+    FinalSamples,
+    Mean,
+    Model,
+    PerExample,
+    RolloutInfo,
+    Step,
+    Transitions,
+    check_batch_type,
+)
 from ._flow_base import AbstractReferenceVariables
 from ._guided_flow import GuidedFlow
 from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
@@ -322,9 +331,16 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
 
         **Raises:**
 
-        - `ValueError`: as `reference`, or `GuidedFlow.velocity`; naming `batch.timesteps`
-            when `times="grid"` and the batch has none.
+        - `ValueError`: naming `batch` if it is not `FinalSamples` (say, `Transitions`); as
+            `reference`, or `GuidedFlow.velocity`; naming `batch.timesteps` when
+            `times="grid"` and the batch has none.
         """
+        check_batch_type(
+            batch,
+            FinalSamples,
+            type(self).__name__,
+            "the final samples of an ODE rollout: `training_batch` makes them",
+        )
         old = stop_gradient_arrays(self.old_policy(variables))
         rows = batch.num_rows
         keep = batch.mask

@@ -262,3 +262,30 @@ def test_checkpoint_metadata_must_be_json(tmp_path):
         checkpoints.save(1, state, {3: "three"})  # type: ignore[dict-item]
     # Refused before anything was written.
     assert not checkpoints.directory.exists()
+
+
+@pytest.mark.parametrize(
+    "objective_class, settings, given",
+    [
+        (fg.DiffusionNFTObjective, {}, "Transitions"),
+        (fg.AWMObjective, {}, "Transitions"),
+        (fg.DGPOObjective, {"group_size": 2}, "FinalSamples"),
+    ],
+)
+def test_a_batch_of_another_kind_in_a_final_sample_objective_names_batch(
+    objective_class, settings, given
+):
+    flow = fg.GuidedFlow(MODEL, fg.RectifiedFlow(), SPEC, guidance=None)
+    objective = objective_class(flow, **settings)
+    variables = objective.init(jax.random.key(0))
+    good = fields()
+    batch = (
+        fg.Transitions(**good)
+        if given == "Transitions"
+        else fg.FinalSamples(good["latents"][:, -1], good["advantages"], good["cond"])
+    )
+    # The suite's runtime type checker would answer first; the library's own check is what a
+    # user without it gets.
+    loss = getattr(objective_class.loss, "__wrapped__", objective_class.loss)
+    with pytest.raises(ValueError, match=rf"^`batch` must be \w+ for {objective_class.__name__} "):
+        loss(objective, variables, batch, fg.Step(index=0, key=jax.random.key(1)))
