@@ -93,11 +93,11 @@ def read_leaves_to_end(handle: BinaryIO, like: T, what: str) -> T:
         loaded: T = eqx.tree_deserialise_leaves(handle, like)
     except _LEAF_READ_ERRORS as error:
         raise ValueError(
-            f"does not hold {what} (another one, truncated or damaged): {one_line(error)}"
+            f"does not hold {what} (truncated, damaged or written for another): {one_line(error)}"
         ) from error
     left = os.fstat(handle.fileno()).st_size - handle.tell()
     if left:
         raise ValueError(
-            f"holds {left} bytes more than {what} reads (another one, or appended to?)"
+            f"holds {left} bytes more than {what} reads (appended to, or written for another?)"
         )
     return loaded

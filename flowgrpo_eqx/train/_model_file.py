@@ -68,4 +68,4 @@ def load_model(path: str | os.PathLike[str], like: T) -> T:
         try:
             return read_leaves_to_end(handle, like, "the expected model")
         except ValueError as error:
-            raise CheckpointError(target, f"{error} (a different model or settings?)") from error
+            raise CheckpointError(target, str(error)) from error
