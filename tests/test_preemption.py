@@ -220,3 +220,35 @@ def test_a_second_signal_of_either_kind_stops_at_once_and_exits_75_once_a_checkp
     assert "received SIGINT" in output
     assert "Traceback" not in output
     assert not (out / "summary.json").exists()
+
+
+# `flowgrpo-eqx` as its script runs it, with a SIGTERM sent while the interpreter shuts down
+# (an exit handler), as a scheduler's signal lands after a stopped run's last checkpoint.
+_SIGNALLED_AT_SHUTDOWN = """
+import atexit, os, signal, sys, time
+from flowgrpo_eqx.shapes_demo import cli
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))
+sys.argv[0] = "flowgrpo-eqx"
+status = cli.run_command() if sys.argv.pop(1) == "script" else cli.main()
+raise SystemExit(status)
+"""
+
+
+@pytest.mark.parametrize("entry", ["script", "main"])
+def test_a_signal_while_the_process_shuts_down_exits_75_once_a_checkpoint_is_kept(
+    uninterrupted, tmp_path, entry
+):
+    """A SIGINT then a SIGTERM 0.1 s later ended a run by the signal (exit -15): the stopped
+    run had returned, and its handlers were gone while the interpreter shut down."""
+    out = tmp_path / "finished"
+    shutil.copytree(uninterrupted, out)
+    arguments = ["train", *COMMON, "--out", str(out), "--resume"]
+    script = [command()[0], "-c", _SIGNALLED_AT_SHUTDOWN, entry, *arguments]
+    ran = subprocess.run(
+        script, capture_output=True, text=True, env=environment(), timeout=TIMEOUT, check=False
+    )
+    assert "nothing to resume, nothing written" in ran.stdout, ran.stderr[-3000:]
+    # The script keeps its handlers to the end; `main`, for callers in a process of their
+    # own, gives theirs back (here the default action).
+    expected = PREEMPTED_EXIT_STATUS if entry == "script" else -signal.SIGTERM
+    assert ran.returncode == expected, ran.stderr[-3000:]

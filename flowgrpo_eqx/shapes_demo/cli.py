@@ -301,8 +301,24 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     _add_config_flags(parser)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
+    """Run the command line; returns the exit status.
+
+    **Arguments:**
+
+    - `argv`: the arguments after the program's name (default `sys.argv[1:]`).
+    - `own_process`: whether the command is all this process does (`run_command`, the
+        `flowgrpo-eqx` script). `train` then keeps its early-stop signal handlers until the
+        process ends, so that a SIGTERM or SIGINT arriving while the interpreter shuts down
+        still exits with `PREEMPTED_EXIT_STATUS` when a checkpoint is kept. Otherwise (the
+        default, for callers in a process of their own) the previous handlers come back when
+        `main` returns.
+
+    **Returns:**
+
+    The exit status: 0, 1 for a failed check or run, 2 for refused settings,
+    `PREEMPTED_EXIT_STATUS` after a graceful stop.
+    """
     parser = build_parser()
     arguments = vars(parser.parse_args(argv))
     command = arguments.pop("command")
@@ -329,17 +345,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"flowgrpo-eqx: {error}", file=sys.stderr)
             return 2
     if command == "train":
-        with _early_stop(pathlib.Path(arguments["out"])):
+        with _early_stop(pathlib.Path(arguments["out"]), restore=not own_process):
             return _configure_and_run(command, arguments)
     return _configure_and_run(command, arguments)
 
 
+def run_command() -> int:
+    """The `flowgrpo-eqx` script: `main(own_process=True)` on `sys.argv[1:]`."""
+    return main(own_process=True)
+
+
 @contextlib.contextmanager
-def _early_stop(out: pathlib.Path) -> Iterator[None]:
+def _early_stop(out: pathlib.Path, *, restore: bool) -> Iterator[None]:
     """Until the run's own `GracefulStop` is in place (imports, the folder's checks, and after
     it again), SIGTERM or SIGINT end `train` at once: with the preempted exit status when
     `out` (or a seed folder in it) keeps a checkpoint, so that a scheduler resumes the run;
-    else by the signal, as without a handler."""
+    else by the signal, as without a handler. With `restore`, the previous handlers come back
+    at the end; without, these stay until the process ends (its shutdown included)."""
 
     def stop(signum: int, frame: types.FrameType | None) -> None:
         del frame
@@ -354,7 +376,7 @@ def _early_stop(out: pathlib.Path) -> Iterator[None]:
     try:
         yield
     finally:
-        for caught_signal, handler in previous.items():
+        for caught_signal, handler in previous.items() if restore else ():
             signal.signal(caught_signal, signal.SIG_DFL if handler is None else handler)
 
 
@@ -498,10 +520,6 @@ def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
                 reward_token=arguments["reward_token"],
             )
         if result.get("preempted"):
-            # The process is on its way out: a second signal during interpreter shutdown
-            # must end it at once, not raise KeyboardInterrupt inside an exit handler.
-            for stop_signal in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(stop_signal, signal.SIG_DFL)
             return PREEMPTED_EXIT_STATUS
     elif command == "check":
         from .check import run_check
@@ -518,4 +536,4 @@ def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_command())
