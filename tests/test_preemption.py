@@ -227,7 +227,7 @@ def test_a_second_signal_of_either_kind_stops_at_once_and_exits_75_once_a_checkp
 _SIGNALLED_AT_SHUTDOWN = """
 import atexit, os, signal, sys, time
 from flowgrpo_eqx.shapes_demo import cli
-atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(1)))
 sys.argv[0] = "flowgrpo-eqx"
 status = cli.run_command() if sys.argv.pop(1) == "script" else cli.main()
 raise SystemExit(status)
@@ -248,7 +248,20 @@ def test_a_signal_while_the_process_shuts_down_exits_75_once_a_checkpoint_is_kep
         script, capture_output=True, text=True, env=environment(), timeout=TIMEOUT, check=False
     )
     assert "nothing to resume, nothing written" in ran.stdout, ran.stderr[-3000:]
-    # The script keeps its handlers to the end; `main`, for callers in a process of their
-    # own, gives theirs back (here the default action).
+    # The script keeps its handlers to the end; `main`, for callers in a process that goes
+    # on, gives theirs back (here the default action).
     expected = PREEMPTED_EXIT_STATUS if entry == "script" else -signal.SIGTERM
     assert ran.returncode == expected, ran.stderr[-3000:]
+
+
+@pytest.mark.parametrize("entry", ["script", "main"])
+def test_a_signal_while_the_launcher_shuts_down_leaves_its_processes_status(tmp_path, entry):
+    """The launcher exits with its processes' status (here 2, a refused setting), whatever
+    signal reaches it once they are gone."""
+    arguments = ["launch", "--local", "1", "--", "train", "--width", "wide", "--out", tmp_path]
+    script = [command()[0], "-c", _SIGNALLED_AT_SHUTDOWN, entry, *map(str, arguments)]
+    ran = subprocess.run(
+        script, capture_output=True, text=True, env=environment(), timeout=TIMEOUT, check=False
+    )
+    assert "[launch] rank 0 failed (exit status 2)" in ran.stdout, ran.stdout + ran.stderr
+    assert ran.returncode == (2 if entry == "script" else -signal.SIGTERM), ran.stderr[-3000:]

@@ -310,9 +310,10 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
     - `own_process`: whether the command is all this process does (`run_command`, the
         `flowgrpo-eqx` script). `train` then keeps its early-stop signal handlers until the
         process ends, so that a SIGTERM or SIGINT arriving while the interpreter shuts down
-        still exits with `PREEMPTED_EXIT_STATUS` when a checkpoint is kept. Otherwise (the
-        default, for callers in a process of their own) the previous handlers come back when
-        `main` returns.
+        still exits with `PREEMPTED_EXIT_STATUS` when a checkpoint is kept, and `launch`
+        keeps passing signals on (to no one, once its processes are gone) and exits with
+        their status. Otherwise (the default, for callers in a process that goes on, such as
+        a test suite) the previous handlers come back when `main` returns.
 
     **Returns:**
 
@@ -340,7 +341,12 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
             else list(arguments["rest"])
         )
         try:
-            return launch_local(arguments["local"], rest, grace_seconds=arguments["grace_seconds"])
+            return launch_local(
+                arguments["local"],
+                rest,
+                grace_seconds=arguments["grace_seconds"],
+                own_process=own_process,
+            )
         except ValueError as error:
             print(f"flowgrpo-eqx: {error}", file=sys.stderr)
             return 2

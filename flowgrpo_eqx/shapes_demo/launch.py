@@ -125,6 +125,7 @@ def launch_local(
     *,
     grace_seconds: float = 60.0,
     port: int | None = None,
+    own_process: bool = False,
 ) -> int:
     """Run `flowgrpo-eqx <command>` as `processes` cooperating local processes.
 
@@ -135,6 +136,10 @@ def launch_local(
     - `grace_seconds`: after one process fails, how long the others may take to stop on
         their own before they are killed.
     - `port`: the coordinator's port (default: a free one).
+    - `own_process`: whether launching is all this process does (the `flowgrpo-eqx launch`
+        script). The handlers that pass SIGTERM and SIGINT on then stay until the process
+        ends, so a signal that arrives once the children are gone changes nothing: the
+        launcher still exits with their status. Otherwise the previous handlers come back.
 
     **Returns:**
 
@@ -156,7 +161,8 @@ def launch_local(
     failed, stopped, hung = _watch(children, grace_seconds, lock)
     for pump in pumps:
         pump.join(timeout=5)
-    _restore_signals(forwarded)
+    if not own_process:
+        _restore_signals(forwarded)
     if failed is None:
         return 0
     if all(child.returncode == PREEMPTED_EXIT_STATUS for child in children):
