@@ -17,7 +17,7 @@ from ._custom_types import (
     RolloutInfo,
     Step,
     Transitions,
-    check_batch_type,
+    check_final_samples,
 )
 from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables
 from ._guided_flow import GuidedFlow
@@ -391,12 +391,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
             naming `batch.timesteps` if it is `None`; as `trained_indices`, `reference`,
             `ema_policy` or `GuidedFlow.velocity`.
         """
-        check_batch_type(
-            batch,
-            FinalSamples,
-            type(self).__name__,
-            "the final samples of an ODE rollout: `training_batch` makes them",
-        )
+        check_final_samples(batch, type(self).__name__)
         keep = batch.mask
         index_key, noise_key = jax.random.split(step.key)
         t = self._training_times(batch, keep, index_key)

@@ -305,6 +305,26 @@ def check_batch_type(batch: Any, kind: type, needed_by: str | None, what: str) -
         )
 
 
+def check_final_samples(batch: Any, needed_by: str) -> None:
+    """Raise a `ValueError` naming `batch` unless it is `FinalSamples`.
+
+    **Arguments:**
+
+    - `batch`: the batch to check.
+    - `needed_by`: the objective that needs `FinalSamples`, for the message.
+
+    **Raises:**
+
+    - `ValueError`: naming `batch`, the type it got and the type needed.
+    """
+    check_batch_type(
+        batch,
+        FinalSamples,
+        needed_by,
+        "the final samples of an ODE rollout: `training_batch` makes them",
+    )
+
+
 def check_transitions(batch: Any, needed_by: str | None = None) -> None:
     """Check that `batch` is a `Transitions` whose fields agree with `[N, K, *latent]`, and,
     where its arrays are concrete (not traced), that time decreases along every transition

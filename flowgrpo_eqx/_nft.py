@@ -16,7 +16,7 @@ from ._custom_types import (
     RolloutInfo,
     Step,
     Transitions,
-    check_batch_type,
+    check_final_samples,
 )
 from ._flow_base import AbstractReferenceVariables
 from ._guided_flow import GuidedFlow
@@ -335,12 +335,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
             `reference`, or `GuidedFlow.velocity`; naming `batch.timesteps` when
             `times="grid"` and the batch has none.
         """
-        check_batch_type(
-            batch,
-            FinalSamples,
-            type(self).__name__,
-            "the final samples of an ODE rollout: `training_batch` makes them",
-        )
+        check_final_samples(batch, type(self).__name__)
         old = stop_gradient_arrays(self.old_policy(variables))
         rows = batch.num_rows
         keep = batch.mask
