@@ -467,9 +467,16 @@ WIRE_FAULTS: tuple[tuple[str, Callable[[], bytes], Outcome, tuple[str, ...]], ..
 # --- judgements -------------------------------------------------------------------------------
 
 
-def judge_refusal(reply: Reply, names: Sequence[str], *, reward_refused: bool = False) -> Judgement:
+def judge_refusal(
+    reply: Reply,
+    names: Sequence[str],
+    *,
+    reward_refused: bool = False,
+    status: int | None = None,
+) -> Judgement:
     """`named` for a 4xx or 503 (or, with `reward_refused`, the reward's 500 `reward_failed`)
-    whose message holds one of `names`; else the finding that applies."""
+    whose message holds one of `names`, and whose status is `status` where one is given;
+    else the finding that applies."""
     said = reply.said()
     shown = f"{reply.status} {said[:200]}"
     if reply.status == 0:
@@ -483,6 +490,8 @@ def judge_refusal(reply: Reply, names: Sequence[str], *, reward_refused: bool = 
         return Judgement("traceback", f"answered {shown}")
     if not any(name.lower() in said.lower() for name in names):
         return Judgement("unnamed", f"names none of {list(names)}: {shown}")
+    if status is not None and reply.status != status:
+        return Judgement("unnamed", f"not {status}: {shown}")
     return Judgement("named", shown)
 
 
@@ -561,10 +570,7 @@ def _too_large(workdir: pathlib.Path) -> Judgement:
     with serving(workdir, "--max-request-bytes", "100000") as server:
         reply = server.exchange(request_bytes(length=10**9), limit=READ_TIMEOUT / 2 + 2)
         server.health("after the fault")
-    judgement = judge_refusal(reply, ("max_request_bytes",))
-    if judgement.verdict == "named" and reply.status != 413:
-        return Judgement("unnamed", f"not 413: {judgement.detail}")
-    return judgement
+    return judge_refusal(reply, ("max_request_bytes",), status=413)
 
 
 def _content_length_beyond_the_body(workdir: pathlib.Path) -> Judgement:
@@ -603,10 +609,7 @@ def _token_fault(given: str | None, workdir: pathlib.Path) -> Judgement:
         server.health("after the fault")
     if given == "Bearer s3cret-token":
         return judge_scores(reply, 2)
-    judgement = judge_refusal(reply, ("token",))
-    if judgement.verdict == "named" and reply.status != 401:
-        return Judgement("unnamed", f"not 401: {judgement.detail}")
-    return judgement
+    return judge_refusal(reply, ("token",), status=401)
 
 
 def _valid_http_1_0(workdir: pathlib.Path) -> Judgement:
