@@ -536,3 +536,30 @@ def central_differences(loss, params, eps=1e-6):
             numeric[index] = (loss(up) - loss(down)) / (2 * eps)
         gradients.append(numeric)
     return gradients
+
+
+def attention(q, k, v):
+    """Softmax attention of one example, heads apart: `q` `[S, H, d]`, `k` and `v`
+    `[K, H, d]`; `softmax(q k^T / sqrt(d)) v` per head, `[S, H, d]`."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    scores = np.einsum("shd,khd->hsk", q, k) / math.sqrt(q.shape[-1])
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("hsk,khd->shd", weights, v)
+
+
+def attention_vjp(q, k, v, d_out):
+    """The gradients of `sum(attention(q, k, v) * d_out)` in `q`, `k` and `v`, by the chain
+    rule written out: with `P` the softmax weights, `dV = P^T dO`, `dP = dO V^T`,
+    `dS = P (dP - rowsum(P dP))`, `dQ = dS K / sqrt(d)`, `dK = dS^T Q / sqrt(d)`."""
+    q, k, v, d_out = (np.asarray(a, np.float64) for a in (q, k, v, d_out))
+    scale = 1 / math.sqrt(q.shape[-1])
+    scores = np.einsum("shd,khd->hsk", q, k) * scale
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    d_v = np.einsum("hsk,shd->khd", weights, d_out)
+    d_weights = np.einsum("shd,khd->hsk", d_out, v)
+    d_scores = weights * (d_weights - np.sum(weights * d_weights, axis=-1, keepdims=True))
+    d_q = np.einsum("hsk,khd->shd", d_scores, k) * scale
+    d_k = np.einsum("hsk,shd->khd", d_scores, q) * scale
+    return d_q, d_k, d_v

@@ -1,7 +1,7 @@
 """A small diffusion transformer (DiT) velocity network for images and token prompts."""
 
 import math
-from typing import Any, Literal, final
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -11,14 +11,26 @@ import numpy.typing as npt
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
-from ._layers import dense, layer_norm, modulate, patchify, unpatchify
+from ._layers import (
+    QKV,
+    Attention,
+    AttentionSettings,
+    dense,
+    layer_norm,
+    local_attention,
+    modulate,
+    named,
+    patchify,
+    unpatchify,
+)
 from ._mlp import (
     _init_linears,
     _uniform_arrays,
     _zero_linear,
     sinusoidal_time_features,
 )
-from ._stacked import AbstractBlockLayout, AbstractLayeredModel, Remat, block_layout
+from ._splash import ATTENTION_RESIDUALS
+from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
 
 
 _TIME_FEATURES = 64
@@ -72,18 +84,26 @@ class _DiTBlock(eqx.Module):
             key=key,
         )
 
-    def _attention(self, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
+    def _attention(
+        self, h: Float[Array, "S D"], attention: AttentionSettings
+    ) -> Float[Array, "S D"]:
         seq, width = h.shape
         head_dim = width // self.heads
         assert self.qkv.bias is not None
         # Project straight to head-major `[3, heads, S, head_dim]` (no transposes of activations).
         weight = self.qkv.weight.reshape(3, self.heads, head_dim, width)
         bias = self.qkv.bias.reshape(3, self.heads, 1, head_dim)
-        qkv = jnp.einsum("sd,thed->thse", h, weight) + bias
-        q = qkv[0] * (1 / math.sqrt(head_dim))
-        scores = jnp.einsum("hqe,hke->hqk", q, qkv[1])
-        weights = jax.nn.softmax(scores, axis=-1)
-        out = jnp.einsum("hqk,hke->qhe", weights, qkv[2]).reshape(seq, width)
+        qkv = named(jnp.einsum("sd,thed->thse", h, weight) + bias, QKV)
+        if attention.kind == "xla":
+            # The DiT's own plain form, head-major throughout (the demo's programs).
+            q = qkv[0] * (1 / math.sqrt(head_dim))
+            scores = jnp.einsum("hqe,hke->hqk", q, qkv[1])
+            weights = jax.nn.softmax(scores, axis=-1)
+            out = jnp.einsum("hqk,hke->qhe", weights, qkv[2])
+            out = named(out, ATTENTION_RESIDUALS).reshape(seq, width)
+        else:
+            q, k, v = (jnp.transpose(part, (1, 0, 2)) for part in qkv)
+            out = local_attention(q, k, v, attention).reshape(seq, width)
         projected: Float[Array, "S D"] = dense(self.proj, out)
         return projected
 
@@ -91,13 +111,16 @@ class _DiTBlock(eqx.Module):
         out: Float[Array, "S D"] = dense(self.fc2, jax.nn.gelu(dense(self.fc1, h)))
         return out
 
-    def __call__(self, h: Float[Array, "S D"], c: Float[Array, " D"]) -> Float[Array, "S D"]:
+    def __call__(
+        self, h: Float[Array, "S D"], c: Float[Array, " D"], attention: AttentionSettings
+    ) -> Float[Array, "S D"]:
         """Apply the block to the token sequence `h`, modulated by the vector `c`.
 
         **Arguments:**
 
         - `h`: the tokens, `[S, D]`.
         - `c`: the conditioning vector (time and prompt), `[D]`.
+        - `attention`: how attention is computed.
 
         **Returns:**
 
@@ -105,7 +128,8 @@ class _DiTBlock(eqx.Module):
         """
         mod = self.modulation(jax.nn.silu(c))
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = jnp.split(mod, 6)
-        h = h + gate_a[None, :] * self._attention(modulate(layer_norm(h), shift_a, scale_a))
+        attended = self._attention(modulate(layer_norm(h), shift_a, scale_a), attention)
+        h = h + gate_a[None, :] * attended
         h = h + gate_m[None, :] * self._mlp(modulate(layer_norm(h), shift_m, scale_m))
         return h
 
@@ -123,7 +147,7 @@ def _check_sizes(**sizes: Any) -> None:
 
 
 @final
-class DiT(AbstractLayeredModel):
+class DiT(AbstractAttentionModel):
     """A small diffusion transformer velocity network `v(x, t, cond)` for channels-last images.
 
     The image is cut into `patch x patch` patches, each linearly embedded and given a learned
@@ -165,14 +189,18 @@ class DiT(AbstractLayeredModel):
     - `prompt_length`: the number of prompt tokens.
     - `stacked`: whether the blocks are held stacked and scanned over (`blocks` is then one
         stacked block), or one module per block.
-    - `remat`: `"nothing"`, `"dots"` or `None`: what each block keeps for the backward pass.
+    - `remat`: what each block keeps for the backward pass (`Remat`).
+    - `attention`: how attention is computed (`Attention`): `"xla"` (the default) is the
+        DiT's own plain form, head-major throughout; the others as for `MMDiT`.
+    - `attention_chunk`: the queries per chunk of `"chunked"` attention, the block of
+        `"splash"` (a multiple of 128).
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
 
     - `ValueError`: naming the argument, when a size is not a positive int, or `patch` does
-        not divide `image_size`, or `heads` does not divide `width`, or `stacked` or
-        `remat` is not one of its values.
+        not divide `image_size`, or `heads` does not divide `width`, or `stacked`,
+        `remat`, `attention` or `attention_chunk` is not one of its values.
     """
 
     patch_embed: eqx.nn.Linear
@@ -183,6 +211,7 @@ class DiT(AbstractLayeredModel):
     cond_mlp: tuple[eqx.nn.Linear, eqx.nn.Linear]
     blocks: tuple[_DiTBlock, ...]  # as `block_layout` holds them
     block_layout: AbstractBlockLayout
+    attention_settings: AttentionSettings
     final_modulation: eqx.nn.Linear
     final_proj: eqx.nn.Linear
     image_size: int = eqx.field(static=True)
@@ -206,6 +235,8 @@ class DiT(AbstractLayeredModel):
         prompt_length: int = 4,
         stacked: bool = False,
         remat: Remat = None,
+        attention: Attention = "xla",
+        attention_chunk: int = 512,
         *,
         key: PRNGKeyArray,
     ) -> None:
@@ -229,6 +260,7 @@ class DiT(AbstractLayeredModel):
         self.vocab_size = vocab_size
         self.prompt_length = prompt_length
         self.block_layout = layout
+        self.attention_settings = AttentionSettings(attention, attention_chunk)
 
         # (Eager `jax.random` calls compile once per shape; `_init_linears` and
         # `_uniform_arrays` draw fixed-size chunks instead, so construction is quick.)
@@ -262,34 +294,16 @@ class DiT(AbstractLayeredModel):
         self.final_modulation = _zero_linear(width, 2 * width, key=key)
         self.final_proj = _zero_linear(width, patch_dim, key=key)
 
-    def with_settings(
-        self,
-        *,
-        stacked: bool | None = None,
-        remat: Remat | Literal["keep"] = "keep",
-    ) -> "DiT":
-        """The same model (the same function of the same weights) with other settings.
-
-        **Arguments:**
-
-        - `stacked`: the block layout; `None` keeps it.
-        - `remat`: the rematerialisation policy; `"keep"` keeps it.
-
-        **Returns:**
-
-        A new `DiT`; restacking copies the blocks' arrays.
-
-        **Raises:**
-
-        - `ValueError`: naming `stacked` or `remat` when it is not one of its values.
-        """
-        return self.relaid(stacked, remat, ((0, self.depth),))
+    @property
+    def block_groups(self) -> tuple[tuple[int, int], ...]:
+        """One group: every block has the same structure."""
+        return ((0, self.depth),)
 
     def _blocks(self, h: Float[Array, "S D"], c: Float[Array, " D"]) -> Float[Array, "S D"]:
         """Every block in turn, as `block_layout` runs them."""
 
         def step(block: _DiTBlock, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
-            out: Float[Array, "S D"] = block(h, c)
+            out: Float[Array, "S D"] = block(h, c, self.attention_settings)
             return out
 
         return self.block_layout.run(self.blocks, step, h)

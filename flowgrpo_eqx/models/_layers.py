@@ -1,24 +1,39 @@
 """The layers the transformers share: dense maps, adaLN, patches and attention."""
 
+import functools
 import math
-from typing import Any, Literal, TypeAlias, final, get_args
+from collections.abc import Callable
+from typing import Any, Literal, TypeAlias, TypeVar, final, get_args
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from .._misc import check_int
+from ._splash import ATTENTION_RESIDUALS, check_block, splash_attention
 
 
 _LN_EPS = 1e-6
 
-Attention: TypeAlias = Literal["xla", "cudnn", "chunked"]
-"""How attention is computed: `"xla"`, the plain form in XLA (`plain_attention`: the scores
-materialised, as `jax.nn.dot_product_attention`'s `"xla"` form computes them); `"cudnn"`,
-`jax.nn.dot_product_attention`'s cuDNN fused kernel (GPU only, float16/bfloat16); or
-`"chunked"`, a memory-efficient form in JAX that materialises the scores of `attention_chunk`
-queries at a time (forward and backward)."""
+Attention: TypeAlias = Literal["xla", "cudnn", "chunked", "splash", "auto"]
+"""How attention is computed; every choice computes the same function:
+
+- `"xla"`: the plain form in XLA (`plain_attention`: the scores materialised, as
+    `jax.nn.dot_product_attention`'s `"xla"` form computes them);
+- `"cudnn"`: `jax.nn.dot_product_attention`'s cuDNN fused kernel (GPU only,
+    float16/bfloat16);
+- `"chunked"`: a memory-efficient form in JAX that materialises the scores of
+    `attention_chunk` queries at a time (forward and backward);
+- `"splash"`: Pallas's splash attention kernel for TPUs (`splash_attention`), blocks of
+    `attention_chunk` queries and keys (a multiple of 128), the scores never in HBM; lowered
+    for another platform the same kernel runs in Pallas's interpreter (exact, slow: tests);
+- `"auto"`: the fastest the platform the program is lowered for has: `"splash"` on a TPU,
+    `"cudnn"` on a GPU for float16/bfloat16 inputs, `"xla"` otherwise (a CPU, float32 on a
+    GPU).
+
+`docs/accelerators.md` compares them on a TPU."""
 
 ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
 
@@ -89,6 +104,8 @@ def check_attention(attention: Any, attention_chunk: Any, sequence_strategy: Any
     if attention not in ATTENTIONS:
         raise ValueError(f"`attention` must be one of {ATTENTIONS}, got {attention!r}.")
     check_int("attention_chunk", attention_chunk, 1)
+    if attention in ("splash", "auto"):
+        check_block("attention_chunk", attention_chunk)
     if sequence_strategy not in SEQUENCE_STRATEGIES:
         raise ValueError(
             f"`sequence_strategy` must be one of {SEQUENCE_STRATEGIES}, got {sequence_strategy!r}."
@@ -101,8 +118,9 @@ class AttentionSettings(eqx.Module):
 
     **Arguments:**
 
-    - `kind`: `"xla"`, `"cudnn"` or `"chunked"` (`Attention`).
-    - `chunk`: the queries per chunk of `"chunked"` attention.
+    - `kind`: `"xla"`, `"cudnn"`, `"chunked"`, `"splash"` or `"auto"` (`Attention`).
+    - `chunk`: the queries per chunk of `"chunked"` attention; the queries and keys per
+        block of `"splash"` (and of `"auto"` on a TPU), a multiple of 128.
     - `sequence`: how attention runs over tokens split by a mesh's `"sequence"` axis
         (`SequenceStrategy`); unused without one.
 
@@ -110,7 +128,7 @@ class AttentionSettings(eqx.Module):
 
     - `ValueError`: naming `attention` (for `kind`), `attention_chunk` (for `chunk`) or
         `sequence_strategy` (for `sequence`), as the models call them, when it is not one of
-        its values.
+        its values (`attention_chunk`: not a multiple of 128 for `"splash"` or `"auto"`).
     """
 
     kind: Attention = eqx.field(static=True)
@@ -153,19 +171,74 @@ def local_attention(
     settings: AttentionSettings,
 ) -> Float[Array, "S heads head_dim"]:
     """Multi-head attention of `S` queries over `K` keys and values held on one device,
-    heads kept apart, `[S, heads, head_dim]`, as `settings.kind` chooses to compute it."""
+    heads kept apart, `[S, heads, head_dim]`, as `settings.kind` chooses to compute it.
+
+    The queries, keys and values are named `"qkv"` and the result `"attention"`
+    (`jax.ad_checkpoint.checkpoint_name`), for the remat policies that save them (`Remat`).
+    """
+    q, k, v = (named(x, QKV) for x in (q, k, v))
     # jax's attention mixes a half-precision query with its float32 logits internally, which
     # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
     with jax.numpy_dtype_promotion("standard"):
         if settings.kind == "cudnn":
-            attended: Float[Array, "S heads head_dim"] = jax.nn.dot_product_attention(
-                q, k, v, implementation="cudnn"
-            )
+            attended: Float[Array, "S heads head_dim"] = _cudnn_attention(q, k, v)
         elif settings.kind == "chunked" and q.shape[0] > settings.chunk:
             attended = _chunked_attention(q, k, v, settings.chunk)
+        elif settings.kind == "splash":
+            attended = splash_attention(q, k, v, settings.chunk)
+        elif settings.kind == "auto":
+            attended = _fastest_attention(q, k, v, settings.chunk)
         else:
             attended = plain_attention(q, k, v)
-    return attended
+    return named(attended, ATTENTION_RESIDUALS)
+
+
+_Named = TypeVar("_Named", bound=Array)
+
+
+def named(x: _Named, name: str) -> _Named:
+    """`x` named `name` for the remat policies (`jax.ad_checkpoint.checkpoint_name`); the
+    identity otherwise."""
+    out: _Named = checkpoint_name(x, name)  # type: ignore[no-untyped-call]
+    return out
+
+
+QKV = "qkv"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of an attention's queries, keys and values,
+which a remat policy may save (`Remat`'s `"qkv"` and `"attention"`)."""
+
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _cudnn_attention(
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "K heads head_dim"],
+    v: Float[Array, "K heads head_dim"],
+) -> Float[Array, "S heads head_dim"]:
+    out: Float[Array, "S heads head_dim"] = jax.nn.dot_product_attention(
+        q, k, v, implementation="cudnn"
+    )
+    return out
+
+
+def _fastest_attention(
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "K heads head_dim"],
+    v: Float[Array, "K heads head_dim"],
+    block: int,
+) -> Float[Array, "S heads head_dim"]:
+    """`"auto"`: splash on a TPU; cuDNN on a GPU for half-precision inputs; else plain.
+    Chosen per platform as the program is lowered (`lax.platform_dependent`)."""
+    branches: dict[str, Callable[[Array, Array, Array], Array]] = {
+        "tpu": functools.partial(splash_attention, block=block)
+    }
+    # cuDNN's kernel refuses to be traced without a GPU, so its branch exists only with one.
+    if jax.default_backend() == "gpu" and jnp.dtype(q.dtype) in _HALF:
+        branches["cuda"] = _cudnn_attention
+    out: Float[Array, "S heads head_dim"] = jax.lax.platform_dependent(
+        q, k, v, default=plain_attention, **branches
+    )
+    return out
 
 
 HEADS_FIRST = (1, 0, 2)

@@ -17,15 +17,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._distributed import gather_weights
-from ._layers import Attention, AttentionSettings, SequenceStrategy
+from ._layers import QKV, Attention, AttentionSettings, SequenceStrategy
+from ._splash import ATTENTION_RESIDUALS
 
 
-Remat: TypeAlias = Literal["nothing", "dots"] | None
-"""Rematerialisation per block: `"nothing"` saves no activation inside a block for the
-backward pass (recomputes the block), `"dots"` saves the matmuls with weights (recomputes the
-rest, attention scores included), `None` saves whatever XLA keeps (no rematerialisation)."""
+Remat: TypeAlias = Literal["nothing", "qkv", "attention", "dots"] | None
+"""Rematerialisation per block, named by what each block saves for the backward pass (the
+rest is recomputed there):
 
-REMATS: tuple[Remat, ...] = ("nothing", "dots", None)
+- `"nothing"`: nothing inside the block; the whole block is recomputed;
+- `"qkv"`: every attention's queries, keys and values (after their projections and norms);
+- `"attention"`: those and each attention's result (with `attention="splash"` also its
+    softmax statistics), so the backward recomputes the token-wise layers but no attention;
+- `"dots"`: the output of every matmul with a weight (attention's scores and weighted sums
+    are recomputed);
+- `None`: whatever XLA keeps (no rematerialisation).
+
+`docs/accelerators.md` gives each one's memory and speed for SD3.5-Medium on a TPU."""
+
+REMATS: tuple[Remat, ...] = ("nothing", "qkv", "attention", "dots", None)
 
 _Block = TypeVar("_Block")
 _Carry = TypeVar("_Carry")
@@ -44,6 +54,10 @@ def remat_policy(remat: Remat) -> Any:
     """The `jax.checkpoint` policy of a `Remat` setting (`None` for no checkpoint)."""
     if remat == "nothing":
         return jax.checkpoint_policies.nothing_saveable
+    if remat == "qkv":
+        return jax.checkpoint_policies.save_only_these_names(QKV)
+    if remat == "attention":
+        return jax.checkpoint_policies.save_only_these_names(QKV, ATTENTION_RESIDUALS)
     if remat == "dots":
         # Under the library's vmap over rows a weight matmul has no batch dimension, and
         # the attention's query-key products have one: this keeps the former only.

@@ -1,0 +1,178 @@
+"""Fused attention for TPUs: Pallas's splash attention kernel on one example's heads.
+
+Splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`, shipped with JAX) runs
+the whole softmax attention, forward and backward, block by block in the TPU's on-chip
+memory with an online softmax: the `[heads, S, K]` scores are never written to HBM. The
+kernel wants sequence lengths that are multiples of its blocks; `splash_attention` pads the
+queries and keys to a multiple of the block and masks the padded keys (their columns of the
+score matrix are excluded from every softmax), so it computes `plain_attention`'s function
+on any length. Padded queries attend like any other and their rows are dropped.
+
+On a TPU the kernel is compiled by Mosaic; lowered for any other platform (CPU in CI) the
+same kernel runs in Pallas's interpreter (`lax.platform_dependent` picks per platform when
+the program is lowered, so a program compiled ahead of time for a TPU topology on a CPU
+host gets the compiled kernel). The interpreter is exact and slow: it is for tests.
+"""
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+
+LANES = 128
+"""The TPU's vector lane count: splash's blocks are multiples of it."""
+
+ATTENTION_RESIDUALS = "attention"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of an attention's result and of the fused
+kernel's softmax statistics, which a remat policy may save (`Remat`'s `"attention"`)."""
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _block(length: int, block: int) -> int:
+    """The block for a sequence of `length`: `block`, or less for a shorter sequence (the
+    length rounded up to the lanes), so that a short sequence is not padded to a long block."""
+    return min(block, _round_up(length, LANES))
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(
+    queries: int, keys: int, heads: int, block: int, interpret: bool
+) -> tuple[object, int, int]:
+    """The splash kernel for `queries` queries over `keys` keys of `heads` heads, with the
+    padded lengths it takes. Built once per shape (its mask is processed on the host)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib,
+        splash_attention_mask as mask_lib,
+    )
+
+    block_q, block_kv = _block(queries, block), _block(keys, block)
+    padded_q, padded_kv = _round_up(queries, block_q), _round_up(keys, block_kv)
+    if padded_kv == keys:
+        one: mask_lib.Mask = mask_lib.FullMask((padded_q, padded_kv))
+    else:
+        allowed = np.zeros((padded_q, padded_kv), np.bool_)
+        allowed[:, :keys] = True
+        one = mask_lib.NumpyMask(allowed)
+    sizes = kernel_lib.BlockSizes(
+        block_q=block_q,
+        block_kv=block_kv,
+        block_kv_compute=block_kv,
+        block_q_dkv=block_q,
+        block_kv_dkv=block_kv,
+        block_kv_dkv_compute=block_kv,
+        use_fused_bwd_kernel=True,
+    )
+    # Concrete arrays (the mask's block tables) even when first built inside a trace.
+    with jax.ensure_compile_time_eval():
+        made = kernel_lib.make_splash_mha(
+            mask_lib.MultiHeadMask([one] * heads),
+            block_sizes=sizes,
+            head_shards=1,
+            q_seq_shards=1,
+            residual_checkpoint_name=ATTENTION_RESIDUALS,
+            interpret=interpret,
+        )
+    return made, padded_q, padded_kv
+
+
+def _at_default_precision(kernel: Any) -> Callable[[Array, Array, Array], Array]:
+    """`kernel(q, k, v)` with its forward and its backward both traced at the default matmul
+    precision, whatever precision is set around the call or around the gradient (the backward
+    of a custom VJP is traced where the gradient is taken, outside any scope of the caller's
+    forward)."""
+
+    @jax.custom_vjp
+    def call(q: Array, k: Array, v: Array) -> Array:
+        with jax.default_matmul_precision("default"):
+            out: Array = kernel(q, k, v)
+        return out
+
+    def forward(q: Array, k: Array, v: Array) -> tuple[Array, Any]:
+        with jax.default_matmul_precision("default"):
+            out, pullback = jax.vjp(kernel, q, k, v)
+        return out, pullback
+
+    def backward(pullback: Any, cotangent: Array) -> Any:
+        with jax.default_matmul_precision("default"):
+            return pullback(cotangent)
+
+    call.defvjp(forward, backward)
+    return call
+
+
+def check_block(name: str, block: int) -> None:
+    """Raise a `ValueError` naming `name` unless `block` is a positive multiple of `LANES`."""
+    if not (isinstance(block, int) and block > 0 and block % LANES == 0):
+        raise ValueError(
+            f"`{name}` must be a positive multiple of {LANES} for splash attention (its blocks "
+            f"of queries and keys), got {block!r}."
+        )
+
+
+def splash_attention(
+    q: Float[Array, "S heads head_dim"],
+    k: Float[Array, "K heads head_dim"],
+    v: Float[Array, "K heads head_dim"],
+    block: int,
+) -> Float[Array, "S heads head_dim"]:
+    """Softmax attention of `S` queries over `K` keys by the splash kernel, `[S, heads,
+    head_dim]`: `plain_attention`'s function, the scores never materialised.
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: one example's queries, keys and values (float32 or bfloat16).
+    - `block`: the queries and keys per block, a multiple of 128 (less for a shorter
+        sequence); the sequences are padded to a multiple of it.
+
+    **Returns:**
+
+    The attended values, in `v`'s dtype.
+
+    **Raises:**
+
+    - `ValueError`: naming `attention_chunk` (the models' name for `block`) unless it is a
+        positive multiple of 128.
+    """
+    check_block("attention_chunk", block)
+    queries, heads, head_dim = q.shape
+    keys = k.shape[0]
+    # The kernel computes q k^T without scaling: the queries are scaled first, in their dtype
+    # (exact for a power-of-two head dimension).
+    scale = jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
+        kernel, padded_q, padded_kv = _kernel(queries, keys, heads, block, interpret)
+
+        def heads_first(x: jax.Array, padded: int) -> jax.Array:
+            x = jnp.transpose(x, (1, 0, 2))
+            return jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0)))
+
+        # Mosaic refuses a multi-pass precision for half-precision operands, which a caller's
+        # `jax.default_matmul_precision` would ask of the kernel's products; float32 operands
+        # keep the caller's precision.
+        half = jnp.dtype(q.dtype).itemsize < 4
+        call = _at_default_precision(kernel) if half else kernel
+        out = call(  # type: ignore[operator]
+            heads_first(q * scale, padded_q),
+            heads_first(k, padded_kv),
+            heads_first(v, padded_kv),
+        )
+        return jnp.transpose(out[:, :queries], (1, 0, 2)).astype(v.dtype)
+
+    attended: Float[Array, "S heads head_dim"] = jax.lax.platform_dependent(
+        q,
+        k,
+        v,
+        tpu=functools.partial(run, interpret=False),
+        default=functools.partial(run, interpret=True),
+    )
+    return attended

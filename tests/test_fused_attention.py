@@ -1,0 +1,182 @@
+"""`attention="splash"` and `"auto"`: Pallas's splash attention kernel against the float64
+statement (`numpy_reference.attention`), in values and gradients, and every model's velocity
+and gradient with it (docs/accelerators.md).
+
+On a TPU the kernel is compiled by Mosaic; on a CPU the same kernel program runs in Pallas's
+interpreter, so CI checks the same computation the TPU runs, only slower. Which one ran is
+asserted on the compiled program (`test_auto_attention_is_the_platforms_fastest`).
+"""
+
+import functools
+import pathlib
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flowgrpo_eqx.models import DiT, MMDiT, load_diffusers
+from flowgrpo_eqx.models._layers import AttentionSettings, local_attention
+from tests import numpy_reference as ref
+from tests.diffusers_helpers import relative, vcall
+from tests.errors import NAMED_ARGUMENT_ERRORS
+from tests.tolerances import ATTENTION_TOLERANCE
+
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+
+
+@functools.partial(jax.jit, static_argnames="settings")
+def _attention_and_vjp(q: Any, k: Any, v: Any, d_out: Any, settings: AttentionSettings) -> Any:
+    """A batch of two examples' attention and the gradient of `sum(out * d_out)`, as the
+    models run it (one example's function, vmapped)."""
+
+    def value(q: Any, k: Any, v: Any) -> Any:
+        out = jax.vmap(lambda q, k, v: local_attention(q, k, v, settings))(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * d_out), out
+
+    (_, out), grads = jax.value_and_grad(value, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+@pytest.mark.parametrize(
+    ("queries", "keys", "heads", "head_dim", "block", "dtype"),
+    [
+        (256, 256, 2, 64, 128, "float32"),  # two blocks each way, no padding
+        (200, 200, 3, 64, 128, "float32"),  # padded queries and masked padded keys
+        (130, 77, 2, 32, 256, "float32"),  # a cross-attention, shorter than one block
+        (200, 200, 2, 64, 128, "bfloat16"),
+    ],
+)
+def test_splash_attention_matches_the_float64_statement_in_values_and_gradients(
+    queries: int, keys: int, heads: int, head_dim: int, block: int, dtype: str
+) -> None:
+    rng = np.random.default_rng(queries + keys)
+    q = rng.standard_normal((2, queries, heads, head_dim))
+    k = rng.standard_normal((2, keys, heads, head_dim))
+    v = rng.standard_normal((2, keys, heads, head_dim))
+    d_out = rng.standard_normal((2, queries, heads, head_dim))
+    cast = [jnp.asarray(a, dtype) for a in (q, k, v)]
+    # The statement is evaluated at the inputs as the kernel sees them (rounded to `dtype`).
+    q, k, v = (np.asarray(a, np.float64) for a in cast)
+    settings = AttentionSettings("splash", block)
+    out, grads = _attention_and_vjp(*cast, jnp.asarray(d_out, jnp.float32), settings)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (2, queries, heads, head_dim)
+    tolerance = ATTENTION_TOLERANCE[dtype]
+    for row in range(2):
+        want = ref.attention(q[row], k[row], v[row])
+        assert relative(np.asarray(out[row], np.float64), want) < tolerance
+        want_grads = ref.attention_vjp(q[row], k[row], v[row], d_out[row])
+        for name, got, expected in zip("qkv", grads, want_grads, strict=True):
+            error = relative(np.asarray(got[row], np.float64), expected)
+            assert error < tolerance, (name, error)
+
+
+def test_a_splash_block_that_is_not_a_multiple_of_128_is_named() -> None:
+    for attention in ("splash", "auto"):
+        with pytest.raises(NAMED_ARGUMENT_ERRORS, match="`attention_chunk`.*multiple of 128"):
+            AttentionSettings(attention, 100)
+        with pytest.raises(NAMED_ARGUMENT_ERRORS, match="`attention_chunk`.*multiple of 128"):
+            DiT(depth=1, attention=attention, attention_chunk=64, key=jax.random.key(0))
+    # Chunked attention keeps any chunk.
+    assert AttentionSettings("chunked", 100).chunk == 100
+
+
+def _perturbed(model: Any, seed: int, scale: float = 0.1) -> Any:
+    """Every float parameter moved by Gaussian noise, away from a zero initialisation."""
+    rng = np.random.default_rng(seed)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    params = jax.tree.map(
+        lambda p: p + jnp.asarray(scale * rng.standard_normal(p.shape), p.dtype), params
+    )
+    return eqx.combine(params, static)
+
+
+def _fixture(name: str) -> tuple[Any, dict[str, np.ndarray], tuple[Any, ...]]:
+    """A tiny diffusers-made model of `tests/data`, its inputs and diffusers' output."""
+    io = dict(np.load(DATA / name / "io.npz"))
+    if name == "wan_tiny":
+        model = load_diffusers(DATA / name, image_size=(3, 4, 6), context_length=5)
+        return model, io, (io["x"], io["t"], io["context"])
+    if name == "flux_tiny":
+        model = load_diffusers(DATA / name, image_size=(8, 6), context_length=5)
+        cond = {"context": io["context"], "pooled": io["pooled"], "guidance": io["guidance"]}
+        return model, io, (io["x"], io["t"], cond)
+    model = load_diffusers(DATA / name, context_length=5)
+    return model, io, (io["x"], io["t"], {"context": io["context"], "pooled": io["pooled"]})
+
+
+@eqx.filter_jit
+def _velocity_and_gradient(model: Any, x: Any, t: Any, cond: Any) -> tuple[jax.Array, Any]:
+    """The velocities and the gradient of `sum(sin(v))` in the model's float parameters."""
+
+    def value(params: Any) -> tuple[jax.Array, jax.Array]:
+        v = jax.vmap(eqx.combine(params, static))(x, t, cond)
+        return jnp.sum(jnp.sin(v)), v
+
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    (_, velocity), gradient = jax.value_and_grad(value, has_aux=True)(params)
+    return velocity, gradient
+
+
+def _assert_same_gradient(got: Any, want: Any, tolerance: float) -> None:
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        scale = float(np.max(np.abs(np.asarray(b)))) + 1e-30
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=tolerance * scale)
+
+
+@pytest.mark.parametrize("attention", ["splash", "auto"])
+@pytest.mark.parametrize("name", ["sd35_tiny", "flux_tiny", "wan_tiny"])
+def test_every_diffusers_model_computes_diffusers_velocity_with_fused_attention(
+    name: str, attention: str
+) -> None:
+    model, io, inputs = _fixture(name)
+    fused = model.with_settings(attention=attention, attention_chunk=128)
+    assert fused.attention == attention
+    # The same function as diffusers' (the authority), at the tolerance plain attention has.
+    assert relative(np.asarray(vcall(fused, *inputs)), io["v"]) < 1e-4
+    # And the same gradient as plain attention's on moved weights.
+    moved = _perturbed(model, seed=3)
+    _, want = _velocity_and_gradient(moved, *inputs)
+    _, got = _velocity_and_gradient(
+        moved.with_settings(attention=attention, attention_chunk=128), *inputs
+    )
+    _assert_same_gradient(got, want, ATTENTION_TOLERANCE["float32"])
+
+
+@pytest.mark.parametrize("remat", ["qkv", "attention"])
+def test_dit_with_splash_attention_and_named_remat_computes_the_same(remat: str) -> None:
+    plain = _perturbed(
+        DiT(image_size=8, width=32, depth=2, heads=2, stacked=True, key=jax.random.key(0)), 5
+    )
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 8, 8, 3)).astype(np.float32)
+    t = rng.uniform(size=(2,)).astype(np.float32)
+    cond = rng.integers(0, 8, size=(2, 4)).astype(np.int32)
+    want_v, want_g = _velocity_and_gradient(plain, x, t, cond)
+    fused = plain.with_settings(attention="splash", attention_chunk=128, remat=remat)
+    got_v, got_g = _velocity_and_gradient(fused, x, t, cond)
+    scale = float(np.max(np.abs(np.asarray(want_v))))
+    tolerance = ATTENTION_TOLERANCE["float32"]
+    np.testing.assert_allclose(np.asarray(got_v), want_v, rtol=0, atol=tolerance * scale)
+    _assert_same_gradient(got_g, want_g, tolerance)
+
+
+def test_auto_attention_is_the_platforms_fastest() -> None:
+    """Lowered for a TPU, `"auto"` is the splash kernel (a Mosaic custom call); for a CPU, the
+    plain form (no kernel, no interpreter)."""
+    model = MMDiT(
+        image_size=8, channels=4, patch=2, width=32, depth=1, heads=2, context_length=3,
+        context_dim=12, pooled_dim=10, attention="auto", key=jax.random.key(0),
+    )  # fmt: skip
+    x = jnp.zeros((8, 8, 4))
+    cond = {"context": jnp.zeros((3, 12)), "pooled": jnp.zeros((10,))}
+    params, static = eqx.partition(model, eqx.is_array)
+    call = jax.jit(lambda params, *args: eqx.combine(params, static)(*args))
+    text = call.lower(params, x, jnp.float32(0.5), cond).compile().as_text()
+    if jax.default_backend() == "tpu":
+        assert "tpu_custom_call" in text
+    else:
+        assert "tpu_custom_call" not in text and "callback" not in text
