@@ -63,7 +63,11 @@ from ._flow_base import (
     evaluate_policy as evaluate_policy,
     preview_policy as preview_policy,
 )
-from ._guided_flow import GuidedFlow as GuidedFlow, Precision as Precision
+from ._guided_flow import (
+    GuidedFlow as GuidedFlow,
+    MatmulPrecision as MatmulPrecision,
+    Precision as Precision,
+)
 from ._http_reward import HttpReward as HttpReward
 from ._inputs import (
     CFG as CFG,

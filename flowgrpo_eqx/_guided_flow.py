@@ -4,6 +4,7 @@ The process, the conditioning inputs, classifier-free guidance and the autoencod
 guided velocity on a batch, probability-flow ODE sampling and decoding.
 """
 
+import contextlib
 from typing import Any, Literal, TypeAlias, final, get_args
 
 import equinox as eqx
@@ -33,6 +34,42 @@ weights) stay as they are (float32); the velocity leaves the model as float32, s
 log densities, ratios, KL and advantages are float32 (or wider) either way."""
 
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+
+MatmulPrecision: TypeAlias = Literal["highest", "high", "default"] | None
+"""The precision of the model's float32 matrix products wherever the library calls the model
+(rollout, rescoring, loss, reference, evaluation), as `jax.default_matmul_precision` sets it
+for the call: `"highest"` (full float32: six bfloat16 passes on a TPU, no TensorFloat-32 on a
+GPU), `"high"` (three bfloat16 passes on a TPU), `"default"` (the backend's fastest: one
+bfloat16 pass on a TPU), or `None` (whatever JAX's own setting is around the call).
+Products of bfloat16 operands are exact in one pass whatever the setting. The velocity feeds
+the SDE's mean, so this is the precision of the log densities, ratios and KL built on it
+(docs/accelerators.md: the precision policy)."""
+
+MATMUL_PRECISIONS: tuple[MatmulPrecision, ...] = ("highest", "high", "default", None)
+
+
+def check_matmul_precision(value: Any) -> None:
+    """Raise a `ValueError` naming `matmul_precision` unless `value` is a `MatmulPrecision`."""
+    if value not in MATMUL_PRECISIONS:
+        raise ValueError(f"`matmul_precision` must be one of {MATMUL_PRECISIONS}, got {value!r}.")
+
+
+def matmul_precision(value: MatmulPrecision) -> contextlib.AbstractContextManager[Any]:
+    """The scope in which the library traces the model: `jax.default_matmul_precision(value)`,
+    or no change for `None`.
+
+    **Arguments:**
+
+    - `value`: a `MatmulPrecision`.
+
+    **Returns:**
+
+    A context manager.
+    """
+    if value is None:
+        return contextlib.nullcontext()
+    scope: contextlib.AbstractContextManager[Any] = jax.default_matmul_precision(value)
+    return scope
 
 
 def _on_data_mesh() -> bool:
@@ -75,11 +112,15 @@ class GuidedFlow(eqx.Module):
     - `precision`: `"float32"` (default) or `"bfloat16"`: the dtype the model computes in
         (`Precision`). The cast happens inside each call, so gradients reach the float32
         weights and the optimizer updates those.
+    - `matmul_precision`: the precision of the model's float32 matrix products in every call
+        (`MatmulPrecision`): `"highest"` by default, on every backend, so that log densities
+        and ratios agree with their float64 statement to float32's digits on a TPU as on a
+        CPU; `"default"` for the backend's fastest.
 
     **Raises:**
 
     - `ValueError`: naming the argument, for a model that is not callable, a wrong type,
-        guidance without a null condition, or an unknown `precision`.
+        guidance without a null condition, or an unknown `precision` or `matmul_precision`.
     """
 
     model: Model
@@ -88,6 +129,7 @@ class GuidedFlow(eqx.Module):
     guidance: AbstractGuidance | None = CFG(3.0)
     autoencoder: AbstractAutoEncoder = IdentityAutoEncoder()
     precision: Precision = "float32"
+    matmul_precision: MatmulPrecision = "highest"
 
     def __check_init__(self) -> None:
         if not callable(self.model):
@@ -111,6 +153,7 @@ class GuidedFlow(eqx.Module):
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"`precision` must be one of {PRECISIONS}, got {self.precision!r}.")
+        check_matmul_precision(self.matmul_precision)
 
     def null_like(self, conditioning: PyTree[Any]) -> PyTree[Any]:
         """The null condition repeated for every row of `conditioning`, checked against it.
@@ -170,7 +213,8 @@ class GuidedFlow(eqx.Module):
         if self.precision == "bfloat16":
             inputs = _to_bfloat16(inputs)
         model, x_in, t_in, conditioning = inputs
-        velocities: Array = jax.vmap(model)(x_in, t_in, conditioning)
+        with matmul_precision(self.matmul_precision):
+            velocities: Array = jax.vmap(model)(x_in, t_in, conditioning)
         if velocities.shape != x.shape:
             raise ValueError(
                 f"The model returned a velocity of shape {tuple(velocities.shape[1:])} for a "
@@ -322,6 +366,7 @@ def flow_from(
     guidance: AbstractGuidance | None,
     autoencoder: AbstractAutoEncoder | None,
     precision: Precision = "float32",
+    matmul_precision: MatmulPrecision = "highest",
 ) -> GuidedFlow:
     """A `GuidedFlow` from an objective's constructor arguments (`None`: identity decoder)."""
     return GuidedFlow(
@@ -331,7 +376,16 @@ def flow_from(
         guidance=guidance,
         autoencoder=IdentityAutoEncoder() if autoencoder is None else autoencoder,
         precision=precision,
+        matmul_precision=matmul_precision,
     )
 
 
-__all__ = ["PRECISIONS", "GuidedFlow", "Precision", "flow_from"]
+__all__ = [
+    "MATMUL_PRECISIONS",
+    "PRECISIONS",
+    "GuidedFlow",
+    "MatmulPrecision",
+    "Precision",
+    "flow_from",
+    "matmul_precision",
+]

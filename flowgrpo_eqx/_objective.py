@@ -24,7 +24,7 @@ from ._custom_types import (
     check_transitions,
 )
 from ._flow_base import AbstractVariables
-from ._guided_flow import GuidedFlow, Precision, flow_from
+from ._guided_flow import GuidedFlow, MatmulPrecision, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, AbstractGuidance, InputSpec
 from ._misc import check_int, check_number, stop_gradient_arrays, tile_rows, zero_rows_unless
 from ._process import AbstractProcess
@@ -363,6 +363,9 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         per step before and after normalisation); `None` (default) for plain Flow-GRPO.
     - `precision`: `"float32"` (default) or `"bfloat16"`, the dtype the model computes in
         (`GuidedFlow`); the SDE, densities, ratio and KL stay float32.
+    - `matmul_precision`: the precision of the model's float32 matrix products
+        (`MatmulPrecision`, `GuidedFlow`): `"highest"` by default on every backend;
+        `"default"` for the backend's fastest (one bfloat16 pass on a TPU).
     - `old_log_probs`: `"rollout"` (the default) keeps the old log densities the rollout
         recorded; `"update"` has `training_batch` ask the trainer to `Rescore` the batch with
         its own update program before the first update of each rollout, and `loss` then
@@ -413,8 +416,11 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         guard: AbstractGRPOGuard | None = None,
         precision: Precision = "float32",
         old_log_probs: OldLogProbs = "rollout",
+        matmul_precision: MatmulPrecision = "highest",
     ):
-        self.flow = flow_from(model, process, inputs, guidance, autoencoder, precision)
+        self.flow = flow_from(
+            model, process, inputs, guidance, autoencoder, precision, matmul_precision
+        )
         self.sde = sde
         self.beta = beta
         self.clip_range = clip_range

@@ -8,6 +8,7 @@ import pytest
 import flowgrpo_eqx as fg
 from tests import numpy_reference as ref
 from tests.errors import NAMED_ARGUMENT_ERRORS, raises_named
+from tests.tolerances import log_prob_rtol
 
 
 SDES = {"flow": fg.FlowSDE, "cps": fg.CoefficientsPreservingSDE}
@@ -233,7 +234,7 @@ def test_log_prob_takes_a_bfloat16_std_in_float32(sde):
     got = sde.log_prob(jnp.asarray(x_next), jnp.asarray(mean), std)
     assert got.dtype == jnp.float32
     want = ref.log_prob(x_next, mean, float(np.float32(std)))
-    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    np.testing.assert_allclose(float(got), want, rtol=log_prob_rtol())
 
 
 @pytest.mark.parametrize(
