@@ -43,6 +43,12 @@ os.environ["XLA_FLAGS"] = " ".join(
     [_user_xla_flags, *(f for f in TEST_XLA_FLAGS if f not in _user_xla_flags)]
 ).strip()
 
+# On a TPU, float32 matmuls default to one bfloat16 pass. The library calls every model at
+# "highest" (`GuidedFlow.matmul_precision`); the tests call models directly too, and compare
+# both with float64 statements, so they run at the library's policy (docs/accelerators.md).
+if jax.default_backend() == "tpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_enable_compilation_cache", False)
@@ -108,9 +114,32 @@ def _file_order(items: list[pytest.Item]) -> list[pytest.Item]:
     return [item for path in sorted(by_file, key=rank) for item in by_file[path]]
 
 
+def _accelerator_skips() -> dict[str, str]:
+    """The markers whose tests cannot run on this machine, with why (docs/accelerators.md).
+
+    On a TPU the test process holds the chip, which opens in one process at a time, so a test
+    that starts another JAX process cannot run there; and the TPU machines this project
+    borrows refuse every TCP socket. On a CPU (and in CI) every test runs."""
+    if jax.default_backend() != "tpu":
+        return {}
+    return {
+        "several_processes": "the TPU chip is held by this test process and opens in one "
+        "process at a time",
+        "sockets": "the TPU machine's sandbox refuses TCP sockets (loopback included)",
+    }
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Long files first (`LONGEST_FILES`); in a mutation run, the tests by the duration mutmut
-    recorded for each instead."""
+    recorded for each instead. On a TPU, the tests marked `several_processes` or `sockets`
+    are skipped with their marker's reason and the machine's."""
+    skips = _accelerator_skips()
+    for item in items:
+        for name, why in skips.items():
+            marker = item.get_closest_marker(name)
+            if marker is not None:
+                what = marker.args[0] if marker.args else name
+                item.add_marker(pytest.mark.skip(reason=f"{what}: {why}"))
     stats = pathlib.Path("mutmut-stats.json")
     if not MUTATION_RUN or not stats.exists():
         items[:] = _file_order(items)

@@ -519,6 +519,7 @@ SINGLE_PROCESS = """
 """
 
 
+@pytest.mark.several_processes("signals processes of its own")
 @pytest.mark.parametrize("chosen", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_first_signal_requests_a_stop_second_kills(chosen):
     process = run_python(SINGLE_PROCESS, chosen.name)
@@ -602,6 +603,8 @@ TWO_PROCESSES = """
 """
 
 
+@pytest.mark.several_processes("signals processes of its own")
+@pytest.mark.sockets("processes agree on a stop through a coordinator")
 def test_two_processes_stop_after_the_same_step_when_one_gets_sigterm():
     port = free_port()
     processes = [run_python(TWO_PROCESSES, rank, port) for rank in (0, 1)]

@@ -105,6 +105,7 @@ def assert_same_run(folder, baseline, *, unmeasured=()):
 # test does).
 
 
+@pytest.mark.several_processes("runs flowgrpo-eqx processes on simulated devices")
 def test_two_processes_match_one_process(baseline, tmp_path):
     # The reward comes from a `serve-reward` process scoring what the baseline scores in
     # process, counting the requests it gets.
@@ -135,6 +136,7 @@ def test_two_processes_match_one_process(baseline, tmp_path):
     assert_same_run(out, baseline, unmeasured=("heldout_train_reward",))
 
 
+@pytest.mark.several_processes("runs flowgrpo-eqx processes on simulated devices")
 def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline, tmp_path):
     # A SIGKILL (no handler runs) after epoch 2's checkpoint; the resumed run writes every
     # output an uninterrupted one does. The checkpoint written on four devices is read onto a
@@ -174,6 +176,7 @@ def test_a_run_killed_on_four_devices_resumes_on_two_to_the_same_result(baseline
     assert_same_run(out, baseline)
 
 
+@pytest.mark.several_processes("runs flowgrpo-eqx processes on simulated devices")
 def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "reward_fault")
     result = run_process(
@@ -199,6 +202,7 @@ def test_reward_failure_on_process_zero_stops_every_process(baseline, tmp_path):
     assert "[launch] stopping rank" not in result.stdout  # both stopped on their own
 
 
+@pytest.mark.several_processes("runs flowgrpo-eqx processes on simulated devices")
 def test_dead_process_stops_the_others_with_a_clear_error(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "death")
     launcher = subprocess.Popen(

@@ -31,6 +31,7 @@ def baseline(tmp_path_factory, tiny_base):
     return distributed.run_baseline(tmp_path_factory, tiny_base)
 
 
+@pytest.mark.several_processes("runs flowgrpo-eqx processes on simulated devices")
 def test_two_processes_stop_together_and_four_devices_resume_to_the_same_result(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "fsdp")
     flags = ["train", *distributed.COMMON, "--param-sharding", "fsdp", "--out", str(out)]

@@ -100,6 +100,7 @@ def test_every_fault_has_its_own_name_and_there_are_as_many_as_the_docs_say():
     assert f"{len(faults)} faults" in docs
 
 
+@pytest.mark.several_processes("runs the flowgrpo-eqx command as a process")
 def test_a_real_fault_is_run_and_named(tmp_path):
     (fault,) = [f for f in _settings.faults() if f.name == "coordinator without a port"]
     outcome = attempt(fault, tmp_path)

@@ -46,6 +46,7 @@ def checked(report):
     return report
 
 
+@pytest.mark.several_processes("runs a worker process on simulated devices")
 def test_four_devices_fsdp_match_one_device_and_stay_sharded(four_device_reports):
     report = checked(four_device_reports["mlp"])
     # Every large array of the policy, the held reference and AdamW's moments is still split in
@@ -56,6 +57,7 @@ def test_four_devices_fsdp_match_one_device_and_stay_sharded(four_device_reports
     assert first["approx_kl"] == 0.0 and first["ratio"] == 1.0
 
 
+@pytest.mark.several_processes("runs a worker process on simulated devices")
 def test_four_devices_fsdp_mmdit_gathers_weights_not_activations(four_device_reports):
     report = checked(four_device_reports["mmdit"])
     # The step gathers weights (each block's as the scan reaches it), never activations.

@@ -6,11 +6,13 @@ import sys
 import typing
 
 import equinox as eqx
+import pytest
 
 import flowgrpo_eqx
 import flowgrpo_eqx.train
 
 
+@pytest.mark.several_processes("imports the library in a fresh process")
 def test_importing_the_library_loads_no_demo_matplotlib_or_tqdm():
     code = (
         "import sys, flowgrpo_eqx, flowgrpo_eqx.train\n"

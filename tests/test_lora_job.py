@@ -141,6 +141,7 @@ def test_interrupted_lora_run_resumes_to_identical_result(baseline, tmp_path):
     assert metrics_of(run) == metrics_of(baseline)
 
 
+@pytest.mark.several_processes("runs flowgrpo-eqx on simulated devices in a process")
 def test_lora_on_four_simulated_devices_matches_one_device(baseline, tmp_path):
     out = with_base(baseline, tmp_path / "four")
     result = run_process(

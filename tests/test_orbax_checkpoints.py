@@ -47,6 +47,7 @@ def finished(process):
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.several_processes("saves and restores in worker processes on simulated devices")
 def test_a_checkpoint_saved_on_four_devices_restores_on_two_and_on_one(tmp_path):
     saved = finished(worker("save", str(tmp_path), devices=4))
     assert saved["devices"] == 4 and saved["sharded_arrays"] >= 6
@@ -88,6 +89,7 @@ def assert_loadable(checkpoints, newest_allowed):
     return meta["step"]
 
 
+@pytest.mark.several_processes("saves and restores in worker processes on simulated devices")
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.2])
 def test_sigkill_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path, delay):
     process = worker("save-loop", str(tmp_path))
@@ -116,6 +118,7 @@ def test_sigkill_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path, 
     assert not any(p.name.startswith(".tmp-") for p in checkpoints.directory.iterdir())
 
 
+@pytest.mark.several_processes("saves and restores in worker processes on simulated devices")
 def test_sigkill_after_the_shards_before_the_rename_leaves_the_previous_checkpoint(tmp_path):
     process = worker("save-loop", str(tmp_path), "pause")
     for line in process.stdout:

@@ -58,6 +58,7 @@ def uninterrupted(tmp_path_factory, tiny_base):
     return out
 
 
+@pytest.mark.several_processes("signals a flowgrpo-eqx process of its own")
 def test_sigterm_checkpoints_the_epoch_and_resume_matches(uninterrupted, tmp_path):
     out = with_base(uninterrupted, tmp_path / "preempted")
     process = started_past_first_epoch(out, "train", *COMMON, "--out", str(out))
@@ -122,6 +123,7 @@ def other_width_checkpoint(tmp_path_factory):
     return out / "checkpoints" / "ckpt_00000001"
 
 
+@pytest.mark.several_processes("signals a flowgrpo-eqx process of its own")
 @pytest.mark.parametrize(
     "damages",
     [("truncated", "garbled"), ("missing", "other_width")],
@@ -148,6 +150,7 @@ def test_damaged_checkpoints_are_named_and_skipped(
     assert_same_result(out, uninterrupted)
 
 
+@pytest.mark.several_processes("signals a flowgrpo-eqx process of its own")
 def test_no_intact_checkpoint_is_a_named_error(uninterrupted, tmp_path):
     out = _resumable_copy(uninterrupted, tmp_path / "ruined", newest=2)
     for checkpoint in (out / "checkpoints").glob("ckpt_*"):
@@ -176,6 +179,7 @@ def started_and_locked(out, *args):
     return process
 
 
+@pytest.mark.several_processes("signals a flowgrpo-eqx process of its own")
 @pytest.mark.parametrize("signals", [1, 2], ids=["once", "twice"])
 def test_a_signal_before_the_first_epoch_exits_75_with_a_checkpoint_kept(
     uninterrupted, tmp_path, signals
@@ -202,6 +206,7 @@ def test_a_signal_before_the_first_epoch_exits_75_with_a_checkpoint_kept(
         assert_same_result(out, uninterrupted)
 
 
+@pytest.mark.several_processes("signals a flowgrpo-eqx process of its own")
 def test_a_second_signal_of_either_kind_stops_at_once_and_exits_75_once_a_checkpoint_is_kept(
     uninterrupted, tmp_path
 ):
@@ -234,6 +239,7 @@ raise SystemExit(status)
 """
 
 
+@pytest.mark.several_processes("signals a flowgrpo-eqx process of its own")
 @pytest.mark.parametrize("entry", ["script", "main"])
 def test_a_signal_while_the_process_shuts_down_exits_75_once_a_checkpoint_is_kept(
     uninterrupted, tmp_path, entry
@@ -254,6 +260,7 @@ def test_a_signal_while_the_process_shuts_down_exits_75_once_a_checkpoint_is_kep
     assert ran.returncode == expected, ran.stderr[-3000:]
 
 
+@pytest.mark.several_processes("signals a flowgrpo-eqx process of its own")
 @pytest.mark.parametrize("entry", ["script", "main"])
 def test_a_signal_while_the_launcher_shuts_down_leaves_its_processes_status(tmp_path, entry):
     """The launcher exits with its processes' status (here 2, a refused setting), whatever

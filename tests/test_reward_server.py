@@ -165,6 +165,8 @@ def backoffs(monkeypatch):
     return pauses
 
 
+@pytest.mark.several_processes("serves a reward from a process of its own")
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_scores_are_bit_identical_to_in_process(brightness_url, dtype):
     samples, rows = batch(dtype=dtype)
@@ -176,6 +178,7 @@ def test_scores_are_bit_identical_to_in_process(brightness_url, dtype):
     assert remote.name == f"http:{brightness_url}"
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_uint8_images_on_the_grid_score_bit_identically(brightness_url):
     grid, rows = batch()
     levels = to_uint8_images(grid)
@@ -188,6 +191,8 @@ def test_uint8_images_on_the_grid_score_bit_identically(brightness_url):
     )
 
 
+@pytest.mark.several_processes("serves a reward from a process of its own")
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_64_image_batch_round_trip_through_the_module_entry(jpeg_url):
     samples = np.random.default_rng(3).uniform(-1, 1, (64, 16, 16, 3)).astype(np.float32)
     rows = {"id": np.arange(64)}
@@ -197,6 +202,8 @@ def test_64_image_batch_round_trip_through_the_module_entry(jpeg_url):
     assert same_bits(got, fg.JpegIncompressibility()(samples, rows))
 
 
+@pytest.mark.several_processes("serves a reward from a process of its own")
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_slow_reward_times_out_and_abandoned_attempts_are_dropped(slow_url, backoffs):
     samples, _ = batch(count=2)
     with pytest.raises(fg.RewardError, match="timed out") as raised:
@@ -211,6 +218,8 @@ def test_slow_reward_times_out_and_abandoned_attempts_are_dropped(slow_url, back
     assert calls.tolist() == [2.0, 2.0]
 
 
+@pytest.mark.several_processes("serves a reward from a process of its own")
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_timeouts_are_retried_with_exponential_backoff(scripted_url, backoffs):
     samples, rows = batch(count=2)
     remote = fg.HttpReward(scripted_url + "/sleep", timeout=0.5, retries=2, backoff=0.25)
@@ -221,6 +230,7 @@ def test_timeouts_are_retried_with_exponential_backoff(scripted_url, backoffs):
     assert backoffs == [0.25, 0.5]
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_a_trickling_reply_cannot_outlast_the_timeout(scripted_url, backoffs):
     # The reply's 100 bytes arrive one by one over SLOW_SECONDS; no single read waits
     # longer than the timeout, so only the attempt's deadline stops it.
@@ -231,6 +241,8 @@ def test_a_trickling_reply_cannot_outlast_the_timeout(scripted_url, backoffs):
     assert get_json(scripted_url + "/count")["posts"]["trickle"] == 1
 
 
+@pytest.mark.several_processes("serves a reward from a process of its own")
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_token_checked(token_url, backoffs):
     samples, rows = batch()
     with pytest.raises(fg.RewardError, match="401") as raised:
@@ -244,6 +256,8 @@ def test_token_checked(token_url, backoffs):
     assert "right-token" not in repr(fg.HttpReward(token_url, token="right-token"))
 
 
+@pytest.mark.several_processes("serves a reward from a process of its own")
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_token_read_from_the_environment_on_both_sides(env_token_url, monkeypatch):
     samples, rows = batch()
     monkeypatch.delenv("FLOWGRPO_REWARD_TOKEN", raising=False)
@@ -254,12 +268,15 @@ def test_token_read_from_the_environment_on_both_sides(env_token_url, monkeypatc
     assert same_bits(got, reward_fixtures.sample_mean(samples, rows))
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_server_without_token_accepts_any_token(brightness_url):
     samples, rows = batch()
     got = fg.HttpReward(brightness_url, token="anything")(samples, rows)
     assert same_bits(got, reward_fixtures.brightness(samples, rows))
 
 
+@pytest.mark.several_processes("serves a reward from a process of its own")
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 @pytest.mark.parametrize(
     ("fixture", "message"),
     [("nan_url", "non-finite scores"), ("short_url", r"returned shape \(5,\)")],
@@ -275,6 +292,7 @@ def test_failing_reward_gives_500_naming_the_reward(fixture, message, request, b
     assert get_json(url + "/health")["status"] == "ok"
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 @pytest.mark.parametrize(
     ("mode", "message"),
     [
@@ -316,6 +334,7 @@ def npy(array, allow_pickle=False):
     return buffer.getvalue()
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_pickles_are_refused_and_the_server_keeps_serving(brightness_url, tmp_path):
     sentinel = tmp_path / "unpickled"
     payload = _TouchOnUnpickle(str(sentinel))
@@ -340,6 +359,7 @@ def test_pickles_are_refused_and_the_server_keeps_serving(brightness_url, tmp_pa
     assert same_bits(got, reward_fixtures.brightness(samples, rows))
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 @pytest.mark.parametrize(
     "body",
     [
@@ -360,6 +380,7 @@ def test_malformed_bodies_give_400(brightness_url, body):
     assert get_json(brightness_url + "/health")["status"] == "ok"
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_server_down_raises_after_every_attempt(backoffs):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -500,6 +521,8 @@ def status_and_error(reply):
     return status, (json.loads(body) if body.startswith(b"{") else None)
 
 
+@pytest.mark.several_processes("serves a reward from a process of its own")
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_slow_clients_are_closed_within_the_timeout_while_health_answers(hardened_url):
     silent = [connect(hardened_url) for _ in range(8)]  # connect and send nothing
     partial = [connect(hardened_url) for _ in range(4)]  # half a head, then nothing
@@ -541,6 +564,7 @@ def test_slow_clients_are_closed_within_the_timeout_while_health_answers(hardene
         sock.close()
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_a_trickling_body_gets_408_within_the_timeout(hardened_url):
     with connect(hardened_url) as sock:
         sock.sendall(head(Content_Length=1000, Content_Type=_reward_wire.CONTENT_TYPE))
@@ -561,6 +585,7 @@ def test_a_trickling_body_gets_408_within_the_timeout(hardened_url):
     assert closed_after <= READ_TIMEOUT + CLOSE_MARGIN
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 @pytest.mark.parametrize("declared", [2_000_000_000, HARDENED_LIMIT + 1])
 def test_a_body_over_the_limit_is_refused_by_its_content_length_before_reading(
     brightness_url, hardened_url, declared
@@ -576,6 +601,7 @@ def test_a_body_over_the_limit_is_refused_by_its_content_length_before_reading(
     assert get_json(url + "/health")["status"] == "ok"
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_http_reward_over_the_limit_gets_413_not_retried(hardened_url, backoffs):
     samples = np.zeros((4, 32, 32, 4), np.float32)  # 64 KiB of samples: over the limit
     with pytest.raises(fg.RewardError, match="413 Request Entity Too Large: too_large"):
@@ -583,6 +609,7 @@ def test_http_reward_over_the_limit_gets_413_not_retried(hardened_url, backoffs)
     assert backoffs == []
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_a_body_without_content_length_gets_411(hardened_url):
     with connect(hardened_url) as sock:
         sock.sendall(head(Transfer_Encoding="chunked") + b"5\r\nhello\r\n0\r\n\r\n")
@@ -598,6 +625,7 @@ def npy_claiming(shape, data, descr="<f8"):
     return buffer.getvalue() + data
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 @pytest.mark.parametrize(
     ("arrays", "claim"),
     [
@@ -622,6 +650,7 @@ def test_lying_npy_headers_give_400_and_nothing_is_allocated(hardened_url, array
     assert get_json(hardened_url + "/health")["status"] == "ok"
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_a_full_server_answers_503_and_health_still_answers(hardened_url):
     samples, rows = batch(count=2)
     good = encode_request(samples, rows)
@@ -645,6 +674,7 @@ def test_a_full_server_answers_503_and_health_still_answers(hardened_url):
     assert same_bits(got, reward_fixtures.brightness(samples, rows))
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_beyond_max_connections_the_longest_idle_are_closed(hardened_url):
     sockets = [connect(hardened_url) for _ in range(40)]  # the test server keeps 32
     assert get_json(hardened_url + "/health")["status"] == "ok"
@@ -712,6 +742,7 @@ def test_decoded_arrays_view_a_writable_body_without_copies():
 # Declared shapes, dtypes, a trickling reply head, and port errors.
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 @pytest.mark.parametrize(
     ("arrays", "kind", "named"),
     [
@@ -746,6 +777,7 @@ def test_empty_or_non_real_arrays_get_400_naming_them(hardened_url, arrays, kind
     assert get_json(hardened_url + "/health")["status"] == "ok"
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_string_and_bool_rows_are_still_accepted(brightness_url):
     samples, rows = batch()
     rows["flag"] = np.arange(6) % 2 == 0
@@ -753,6 +785,7 @@ def test_string_and_bool_rows_are_still_accepted(brightness_url):
     assert same_bits(got, reward_fixtures.brightness(samples, rows))
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_complex_samples_are_rejected_by_name_not_retried(brightness_url, backoffs):
     samples, rows = batch()
     remote = fg.HttpReward(brightness_url, retries=2)
@@ -795,6 +828,7 @@ def trickling_head_url():
     listener.close()
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_the_timeout_covers_a_trickling_reply_head(trickling_head_url, backoffs):
     """HttpReward(timeout=1) waited as long as the server trickled its headers (14 s)."""
     samples, rows = batch(count=2)
@@ -805,6 +839,7 @@ def test_the_timeout_covers_a_trickling_reply_head(trickling_head_url, backoffs)
     assert time.monotonic() - started < 5.0
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_serve_reward_port_errors_are_one_line(capsys):
     from tests.cli_helpers import run_cli
 
@@ -830,6 +865,7 @@ def test_serve_reward_port_errors_are_one_line(capsys):
 # Faults the fault probe found (tools/fault_probe, docs/faults.md).
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_a_header_nested_too_deep_or_a_number_too_long_to_print_gets_400(hardened_url):
     """A header nested 20000 deep raised RecursionError, and an axis of 4300 digits a
     ValueError while its message was written: both gave 500 and a traceback."""
@@ -847,6 +883,8 @@ def test_a_header_nested_too_deep_or_a_number_too_long_to_print_gets_400(hardene
     assert get_json(hardened_url + "/health")["status"] == "ok"
 
 
+@pytest.mark.several_processes("serves a reward from a process of its own")
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 def test_malformed_http_and_a_lost_body_are_logged_in_one_line(tmp_path):
     """aiohttp logged each malformed HTTP message with its parser's traceback and up to a
     megabyte of what the client sent; a connection reset mid-body gave two chained
@@ -880,6 +918,7 @@ def test_malformed_http_and_a_lost_body_are_logged_in_one_line(tmp_path):
     assert "y" * 200 not in logged
 
 
+@pytest.mark.sockets("serves or calls a reward over HTTP")
 @pytest.mark.parametrize(
     ("mode", "message"),
     [

@@ -163,6 +163,7 @@ def copy_of(finished_run, tmp_path):
     return copy
 
 
+@pytest.mark.several_processes("locks a run folder from a second process")
 def test_a_second_writer_is_refused_naming_the_first(finished_run, tmp_path):
     """Two `--resume` processes on one folder both ran and interleaved its files."""
     copy = copy_of(finished_run, tmp_path)

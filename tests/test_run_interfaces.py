@@ -92,6 +92,8 @@ def test_every_epoch_says_where_its_time_went(in_process):
     assert elapsed[-1] >= sum(r.get(phase, 0.0) for r in epochs for phase in phases)
 
 
+@pytest.mark.several_processes("serves a reward from a flowgrpo-eqx process")
+@pytest.mark.sockets("trains through a reward server over HTTP")
 def test_training_through_a_reward_server_matches_in_process(in_process, tmp_path):
     server = RewardServer("jpeg_incompressibility")
     try:
@@ -104,6 +106,8 @@ def test_training_through_a_reward_server_matches_in_process(in_process, tmp_pat
     assert (out / "policy.eqx").read_bytes() == (in_process / "policy.eqx").read_bytes()
 
 
+@pytest.mark.several_processes("serves a reward from a flowgrpo-eqx process")
+@pytest.mark.sockets("trains through a reward server over HTTP")
 def test_server_killed_mid_run_is_a_named_error_and_resume_finishes(in_process, tmp_path):
     out = with_base(in_process, tmp_path / "outage")
     server = RewardServer("jpeg_incompressibility")

@@ -36,6 +36,7 @@ def four_device_report():
     return run_worker("models")
 
 
+@pytest.mark.several_processes("runs a worker process on simulated devices")
 @pytest.mark.parametrize("strategy", ["ulysses", "ring", "ring_chunked"])
 def test_split_attention_is_one_device_attention(four_device_report, strategy):
     report = four_device_report["attention"][strategy]
@@ -43,11 +44,13 @@ def test_split_attention_is_one_device_attention(four_device_report, strategy):
     assert max(report["gradients"]) <= 1e-5
 
 
+@pytest.mark.several_processes("runs a worker process on simulated devices")
 def test_a_sequence_the_axis_does_not_divide_is_named(four_device_report):
     message = four_device_report["attention"]["indivisible"]
     assert message.startswith("`q`: the sequence length (6)") and "'sequence' (4)" in message
 
 
+@pytest.mark.several_processes("runs a worker process on simulated devices")
 def test_text_and_image_tokens_join_in_one_split_sequence(four_device_report):
     report = four_device_report["streams"]
     assert report["order"]
@@ -55,6 +58,7 @@ def test_text_and_image_tokens_join_in_one_split_sequence(four_device_report):
     assert report["parted"] == [True, True]
 
 
+@pytest.mark.several_processes("runs a worker process on simulated devices")
 @pytest.mark.parametrize("strategy", ["ulysses", "ring"])
 @pytest.mark.parametrize("model", ["mmdit", "flux", "flux_uneven_text", "wan"])
 def test_each_model_split_over_four_devices_is_the_one_device_model(
@@ -84,11 +88,13 @@ def test_settings_and_meshes_are_checked_by_name():
     assert fg.data_mesh(1).axis_names == ("data",)
 
 
+@pytest.mark.several_processes("runs a worker process on simulated devices")
 def test_ulysses_over_more_devices_than_heads_divide_is_named(four_device_report):
     message = four_device_report["models"]["heads_not_divisible"]
     assert message.startswith("`sequence_strategy`: Ulysses needs the number of heads (2)")
     assert "mesh axis 'sequence' (4); the ring strategy splits tokens only" in message
 
 
+@pytest.mark.several_processes("runs a worker process on simulated devices")
 def test_a_bfloat16_model_trains_split_over_the_axis(four_device_report):
     assert four_device_report["models"]["bfloat16_gradient_finite"]

@@ -12,6 +12,7 @@ import flowgrpo_eqx as fg
 import flowgrpo_eqx.testing as fgt
 
 
+@pytest.mark.several_processes("imports the library in a fresh process")
 def test_hypothesis_loads_with_the_testing_package_only():
     code = (
         "import sys, flowgrpo_eqx, flowgrpo_eqx.train\n"

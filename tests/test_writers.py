@@ -408,6 +408,7 @@ def test_make_writers_bad_names(tmp_path, names, message):
     assert not (tmp_path / "tensorboard").exists()
 
 
+@pytest.mark.several_processes("imports the library in a fresh process")
 def test_importing_train_loads_neither_tensorboardx_nor_wandb():
     environment = {**os.environ, "PYTHONPATH": str(WORKTREE)}
     check = (

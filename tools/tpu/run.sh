@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The project on a bare TPU machine that reaches no package registry (docs/accelerators.md).
+#
+#   bash tools/tpu/run.sh wheels           # here, with pip and the internet: the wheels the
+#                                          # TPU machine's own index lacks, into .whl-tpu/
+#   bash tools/tpu/run.sh test [ARGS...]   # there: install, then the suite (pytest ARGS)
+#   bash tools/tpu/run.sh python ARGS...   # there: install, then `python3 ARGS` (a bench, a job)
+#
+# There, the machine's own JAX, jaxlib and libtpu stay first on the path: what pip installs
+# goes to a folder at the end of PYTHONPATH, from the machine's index (file:///opt/pypi/simple)
+# and the carried wheels. One process at a time holds the chip, so the suite runs in one
+# process (no -n). Set FLOWGRPO_TPU_SITE to install somewhere else than /tmp/flowgrpo-site, and
+# FLOWGRPO_TPU_TIMEOUT=SECONDS to interrupt the suite (as Ctrl-C would: it still prints its
+# summary) before a limit of the machine's.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+wheels=.whl-tpu
+# Not in the TPU machine's index (checked on 2026-12-05): equinox and chex. The versions are
+# the ones the CPU suite runs with (pip list in CI's venv).
+# beartype: the index's 0.22.9 rejects jaxtyping's NumPy dtype hints under NumPy 2.4.
+carried=(equinox==0.13.8 chex==0.1.92 beartype==0.23.1)
+# What the library and its tests import, from the machine's own index.
+from_index=(
+    jaxtyping optax orbax-checkpoint safetensors pillow matplotlib tqdm
+    "ml_dtypes>=0.5,<0.7" tensorboardX tensorboard aiohttp hypothesis pytest-xdist pytest-timeout
+)
+# Installed apart: its dependencies do not all resolve from the machine's index; the tests
+# that need it fail by name without it.
+optional=(wandb)
+
+install() {
+    local site="${FLOWGRPO_TPU_SITE:-/tmp/flowgrpo-site}"
+    if [ ! -d "$wheels" ]; then
+        echo "no $wheels/ here: run 'bash tools/tpu/run.sh wheels' where pip reaches PyPI, and" \
+            "carry $wheels" >&2
+        exit 2
+    fi
+    local stamp
+    stamp="$site/.installed-$(ls "$wheels" | cksum | cut -d' ' -f1)"
+    if [ ! -f "$stamp" ]; then
+        rm -rf "$site"
+        local started=$SECONDS
+        pip=(env PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated --quiet
+            --no-cache-dir --disable-pip-version-check --only-binary=:all: --target "$site"
+            --index-url file:///opt/pypi/simple --find-links "$wheels")
+        "${pip[@]}" "${carried[@]}" "${from_index[@]}"
+        "${pip[@]}" "${optional[@]}" || echo "not installed: ${optional[*]}" >&2
+        touch "$stamp"
+        echo "installed into $site in $((SECONDS - started)) s"
+    fi
+    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site:$PWD"
+    export PATH="$site/bin:$PATH"
+}
+
+case "${1:-}" in
+    wheels)
+        rm -rf "$wheels"
+        python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+            -d "$wheels" "${carried[@]}"
+        ls -l "$wheels"
+        ;;
+    test)
+        shift
+        install
+        python3 -c 'import jax; print("JAX", jax.__version__, "on", jax.devices())'
+        # One process: the chip is held by the test process for the whole run.
+        limit=()
+        [ -n "${FLOWGRPO_TPU_TIMEOUT:-}" ] && limit=(timeout -s INT "$FLOWGRPO_TPU_TIMEOUT")
+        "${limit[@]}" python3 -m pytest -p no:xdist \
+            -o addopts="--jaxtyping-packages=flowgrpo_eqx,beartype.beartype" -rfEs "$@"
+        ;;
+    python)
+        shift
+        install
+        python3 "$@"
+        ;;
+    *)
+        sed -n '2,13p' "$0"
+        exit 2
+        ;;
+esac
