@@ -7,7 +7,12 @@ python -m bench.models --models mmdit       # one model
 python -m bench.models --quick              # 3 rounds, stacked and unstacked only
 python -m bench.models --all-layouts        # every layout of every model
 python -m bench.models --rollout            # also the MMDiT rollout and its CFG batching
+python -m bench.models --full-size          # SD3.5-M, FLUX.1-dev, Wan 2.1 at full size (TPU)
+python -m bench.models --full-size --topology v5e   # the same compiled for a v5e, not run
 ```
+
+`--full-size` (`bench/_full_size.py`) measures the published models at full size on one
+accelerator: milliseconds, MFU and memory of the training step (docs/accelerators.md).
 
 Per model and layout, three jit-compiled programs on one batch of random inputs: `forward`
 (one velocity of every row, as a rollout step), `train` (value and gradient of a squared error
@@ -598,7 +603,35 @@ def main(argv: list[str] | None = None) -> None:
         help="instead of timing, where one program's time goes (jax.profiler), e.g. "
         "'mmdit:stacked:train'",
     )
+    parser.add_argument(
+        "--full-size",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="ROWS",
+        help="instead: the published models at full size on this accelerator (all rows, or "
+        "comma-separated row names of bench/_full_size.py)",
+    )
+    parser.add_argument(
+        "--topology",
+        choices=("v5e", "v5p"),
+        default=None,
+        help="with --full-size: compile for one chip of this TPU ahead of time (libtpu), "
+        "run nothing",
+    )
+    parser.add_argument("--calls", type=int, default=5, help="with --full-size: timed calls")
+    parser.add_argument(
+        "--profile-row",
+        default=None,
+        help="with --full-size: also profile this row on the device (jax.profiler)",
+    )
     args = parser.parse_args(argv)
+    if args.full_size is not None:
+        from . import _full_size
+
+        report = _full_size.run(args.full_size, args.calls, args.topology, args.profile_row)
+        print(json.dumps(report, indent=1))
+        return
     names = [name.strip() for name in args.models.split(",") if name.strip()]
     unknown = [name for name in names if name not in CASES]
     if unknown:

@@ -1,0 +1,442 @@
+"""The published models at full size on one accelerator: `python -m bench.models --full-size`.
+
+Each row is one jit-compiled program on random bfloat16 weights (timing does not depend on
+the values): the **training step without the optimizer** (`train`: value and gradient of a
+squared error on the velocity with respect to every weight) or the **whole step with AdamW**
+(`adamw`: the same gradient, the optimizer's update and the new weights; LoRA adapters of rank
+32 on every attention projection, or every weight). Reported per row: milliseconds (median of
+`--calls` calls after one warm-up), **MFU** (model FLOPs per second over the chip's peak),
+XLA's own FLOPs per second over the peak (what the chip actually ran, recomputation
+included), and the device's peak memory.
+
+Model FLOPs are `3 x` the forward's matmul FLOPs, counted from the forward's jaxpr with plain
+attention (every `dot_general` at its shapes, as often as it runs: the model's function, the
+same whatever implementation of attention or remat computes it): the forward once, the
+backward twice. The peak is the device kind's published bf16 figure (`PEAK_TFLOPS`); a large
+bf16 matmul is timed beside it (`matmul_tflops`) to show what the chip reaches in practice.
+
+`--topology v5e` compiles every row ahead of time for one TPU v5e chip instead (on any host
+with `libtpu` installed; nothing runs): the memory each program needs and whether it fits,
+to choose the rows before spending time on the chip.
+"""
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from flowgrpo_eqx import lora
+from flowgrpo_eqx.models import Flux, MMDiT, Wan
+
+from ._timing import log
+
+
+PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5": 459.0, "TPU v4": 275.0, "TPU v6 lite": 918.0}
+"""Published dense bf16 peaks per chip, by `jax.Device.device_kind`."""
+
+LORA_RANK = 32
+LORA_ALPHA = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One program to measure: a model at one size, layout and batch."""
+
+    name: str
+    model: str
+    batch: int
+    remat: str | None
+    attention: str
+    attention_chunk: int = 512
+    program: str = "train"  # "train", "adamw_lora", "adamw_full"
+    flux_blocks: tuple[int, int] = (19, 38)
+    resolution: int = 512
+    frames: int = 33
+    matmul_precision: str | None = None
+
+
+def _build(row: Row, settings: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+    """The model (abstract) and its abstract per-batch inputs."""
+    layout = dict(
+        stacked=True,
+        remat=row.remat,
+        attention=row.attention,
+        attention_chunk=row.attention_chunk,
+        **settings,
+    )
+    key = jax.random.key(0)
+    b = row.batch
+    f32 = jnp.float32
+    if row.model == "sd35_medium":
+        config = {**MMDiT.sd35_medium_config(), "image_size": row.resolution // 8}
+        model = eqx.filter_eval_shape(MMDiT, **{**config, **layout}, key=key)
+        side = row.resolution // 8
+        x = jax.ShapeDtypeStruct((b, side, side, 16), f32)
+        cond = {
+            "context": jax.ShapeDtypeStruct((b, 333, 4096), f32),
+            "pooled": jax.ShapeDtypeStruct((b, 2048), f32),
+        }
+    elif row.model == "flux_dev":
+        double, single = row.flux_blocks
+        side = row.resolution // 8
+        config = {
+            **Flux.dev_config(),
+            "image_size": (side, side),
+            "double_depth": double,
+            "single_depth": single,
+        }
+        model = eqx.filter_eval_shape(Flux, **{**config, **layout}, key=key)
+        x = jax.ShapeDtypeStruct((b, side, side, 16), f32)
+        cond = {
+            "context": jax.ShapeDtypeStruct((b, 512, 4096), f32),
+            "pooled": jax.ShapeDtypeStruct((b, 768), f32),
+            "guidance": jax.ShapeDtypeStruct((b,), f32),
+        }
+    elif row.model == "wan_1_3b":
+        latent = (1 + (row.frames - 1) // 4, 480 // 8, 832 // 8)
+        config = {**Wan.t2v_1_3b_config(), "latent_size": latent}
+        model = eqx.filter_eval_shape(Wan, **{**config, **layout}, key=key)
+        x = jax.ShapeDtypeStruct((b, *latent, 16), f32)
+        cond = jax.ShapeDtypeStruct((b, 512, 4096), f32)
+    else:
+        raise ValueError(f"unknown model {row.model!r}")
+    t = jax.ShapeDtypeStruct((b,), f32)
+    model = jax.tree.map(
+        lambda leaf: (
+            jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16)
+            if jnp.issubdtype(leaf.dtype, jnp.floating)
+            else leaf
+        ),
+        model,
+    )
+    return model, (x, t, cond)
+
+
+def _velocity(model: Any, x: Any, t: Any, cond: Any) -> jax.Array:
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, t, cond))
+    out: jax.Array = jax.vmap(model)(*bf16)
+    return out.astype(jnp.float32)
+
+
+def _loss(model: Any, x: Any, t: Any, cond: Any, target: Any) -> jax.Array:
+    return jnp.mean(jnp.square(_velocity(model, x, t, cond) - target))
+
+
+def _lora_policy(model: Any) -> Any:
+    """Rank-32 adapters (alpha 64) on every attention projection, as the Flow-GRPO release."""
+    from bench.scale import attention_layers
+
+    return lora.add(
+        model, LORA_RANK, key=jax.random.key(1), alpha=LORA_ALPHA, where=attention_layers
+    )
+
+
+def program(row: Row, settings: dict[str, Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The row's function and its abstract arguments."""
+    model, (x, t, cond) = _build(row, settings)
+    target = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    precision = row.matmul_precision
+
+    def scoped(function: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            if precision is None:
+                return function(*args)
+            with jax.default_matmul_precision(precision):
+                return function(*args)
+
+        return run
+
+    if row.program == "train":
+
+        def train(params: Any, x: Any, t: Any, cond: Any, target: Any) -> Any:
+            return jax.value_and_grad(scoped(_loss))(params, x, t, cond, target)
+
+        return train, (model, x, t, cond, target)
+    optimizer = optax.adamw(1e-5, weight_decay=1e-4)
+    if row.program == "adamw_full":
+        params = model
+        opt_state = jax.eval_shape(optimizer.init, params)
+
+        def full(params: Any, opt_state: Any, x: Any, t: Any, cond: Any, target: Any) -> Any:
+            loss, grads = jax.value_and_grad(scoped(_loss))(params, x, t, cond, target)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return loss, optax.apply_updates(params, updates), opt_state
+
+        return full, (params, opt_state, x, t, cond, target)
+    policy = eqx.filter_eval_shape(_lora_policy, model)
+    trainable, frozen = eqx.partition(policy, lora.adapter_filter(policy))
+    trainable = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), trainable)
+    opt_state = jax.eval_shape(optimizer.init, trainable)
+
+    def adapters(
+        trainable: Any, frozen: Any, opt_state: Any, x: Any, t: Any, cond: Any, target: Any
+    ) -> Any:
+        def loss(trainable: Any) -> jax.Array:
+            return scoped(_loss)(eqx.combine(trainable, frozen), x, t, cond, target)
+
+        value, grads = jax.value_and_grad(loss)(trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return value, optax.apply_updates(trainable, updates), opt_state
+
+    return adapters, (trainable, frozen, opt_state, x, t, cond, target)
+
+
+def model_flops(row: Row, settings: dict[str, Any]) -> float:
+    """3 x the forward's matmul FLOPs (plain attention, no remat: the model's function)."""
+    from bench.models import dot_generals
+
+    plain = dataclasses.replace(row, remat=None, attention="xla", program="train")
+    model, (x, t, cond) = _build(plain, settings)
+    jaxpr = jax.make_jaxpr(_velocity)(model, x, t, cond).jaxpr
+    flops = 0
+    for (lhs, _, rhs, _, dims, _, _), count in dot_generals(jaxpr).items():
+        (contract, rhs_contract), (batch, rhs_batch) = dims
+        free_l = math.prod(s for a, s in enumerate(lhs) if a not in contract and a not in batch)
+        free_r = math.prod(
+            s for a, s in enumerate(rhs) if a not in rhs_contract and a not in rhs_batch
+        )
+        flops += (
+            2
+            * count
+            * math.prod(lhs[a] for a in batch)
+            * free_l
+            * free_r
+            * math.prod(lhs[a] for a in contract)
+        )
+    return 3.0 * flops
+
+
+def _concrete(tree: Any) -> Any:
+    """Random arrays for an abstract tree (bfloat16 weights around 0.02, inputs normal)."""
+    leaves, treedef = jax.tree.flatten(tree)
+
+    @jax.jit
+    def make() -> list[jax.Array]:
+        out = []
+        for index, leaf in enumerate(leaves):
+            key = jax.random.key(index)
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                out.append((0.02 * jax.random.normal(key, leaf.shape)).astype(leaf.dtype))
+            else:
+                out.append(jnp.zeros(leaf.shape, leaf.dtype))
+        return out
+
+    return jax.tree.unflatten(treedef, make())
+
+
+def _peak_memory() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else int(peak)
+
+
+def matmul_tflops(size: int = 8192, calls: int = 10) -> float:
+    """A `size`-cubed bf16 matmul's TFLOP/s on this device (mean of `calls`)."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
+    matmul = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(matmul(a, b))
+    started = time.perf_counter()
+    for _ in range(calls):
+        out = matmul(a, b)
+    jax.block_until_ready(out)
+    return 2 * size**3 * calls / (time.perf_counter() - started) / 1e12
+
+
+def measure(
+    row: Row,
+    calls: int,
+    sharding: Any = None,
+    peak: float = 197.0,
+    profile_folder: str | None = None,
+) -> dict[str, Any]:
+    """Compile the row (for `sharding`'s device when given: ahead of time, nothing run), time
+    it, and with `profile_folder` trace three more calls there (`jax.profiler`)."""
+    settings: dict[str, Any] = {}
+    function, args = program(row, settings)
+    result: dict[str, Any] = {"row": dataclasses.asdict(row)}
+    flops = model_flops(row, settings)
+    result["model_tflop_per_step"] = round(flops / 1e12, 3)
+    abstract = args
+    if sharding is not None:
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args
+        )
+    started = time.perf_counter()
+    try:
+        compiled = jax.jit(function).lower(*abstract).compile()
+    except Exception as error:  # noqa: BLE001 - a plan that does not fit is a result
+        result["error"] = " ".join(str(error).split())[:400]
+        log(f"{row.name}: does not compile: {result['error'][:200]}")
+        return result
+    result["compile_seconds"] = round(time.perf_counter() - started, 1)
+    memory = compiled.memory_analysis()
+    result["plan_gib"] = {
+        "arguments": round(memory.argument_size_in_bytes / 2**30, 2),
+        "temporaries": round(memory.temp_size_in_bytes / 2**30, 2),
+        "outputs": round(memory.output_size_in_bytes / 2**30, 2),
+        "aliased": round(memory.alias_size_in_bytes / 2**30, 2),
+    }
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    xla_flops = float(analysis.get("flops", 0.0))
+    result["xla_tflop_per_step"] = round(xla_flops / 1e12, 3)
+    if sharding is not None:
+        log(f"{row.name}: {json.dumps(result)}")
+        return result
+    concrete = _concrete(args)
+    jax.block_until_ready(compiled(*concrete))  # type: ignore[no-untyped-call]
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        jax.block_until_ready(compiled(*concrete))  # type: ignore[no-untyped-call]
+        times.append(time.perf_counter() - started)
+    seconds = float(np.median(times))
+    result["ms"] = round(1e3 * seconds, 1)
+    result["ms_all"] = [round(1e3 * s, 1) for s in times]
+    result["mfu"] = round(flops / seconds / (peak * 1e12), 4)
+    result["xla_flops_utilization"] = round(xla_flops / seconds / (peak * 1e12), 4)
+    result["peak_memory_gib"] = None if (m := _peak_memory()) is None else round(m / 2**30, 2)
+    if profile_folder is not None:
+        try:
+            with jax.profiler.trace(profile_folder):
+                for _ in range(3):
+                    jax.block_until_ready(compiled(*concrete))  # type: ignore[no-untyped-call]
+            result["profile"] = summarise_trace(profile_folder, 3)
+        except Exception as error:  # noqa: BLE001 - the timing stands without the profile
+            result["profile"] = f"failed: {error}"
+    log(f"{row.name}: {json.dumps(result)}")
+    del concrete
+    return result
+
+
+def summarise_trace(folder: str, calls: int) -> dict[str, Any]:
+    """A `jax.profiler` trace's device time per step, summed by kind of XLA op, the largest
+    ops named."""
+    import collections
+    import glob
+    import gzip
+
+    paths = sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))
+    with gzip.open(paths[-1]) as handle:
+        trace = json.load(handle)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    threads = {
+        (e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    ops: collections.Counter[str] = collections.Counter()
+    for event in events:
+        thread = threads.get((event.get("pid"), event.get("tid")), "")
+        if event.get("ph") == "X" and "XLA Ops" in thread:
+            ops[str(event.get("name"))] += float(event.get("dur", 0.0)) / 1e3 / calls
+    kinds: collections.Counter[str] = collections.Counter()
+    for name, ms in ops.items():
+        kinds[_op_kind(name)] += ms
+    return {
+        "device_ms_per_step_by_kind": {k: round(v, 2) for k, v in kinds.most_common()},
+        "largest_ops_ms": {name: round(ms, 2) for name, ms in ops.most_common(30)},
+        "threads": sorted(set(threads.values()))[:20],
+    }
+
+
+def _op_kind(name: str) -> str:
+    lowered = name.lower()
+    if "splash" in lowered or "custom-call" in lowered or "mosaic" in lowered:
+        return "fused attention (Pallas kernels)"
+    if "convolution" in lowered or "dot" in lowered or "matmul" in lowered:
+        return "matmuls (convolution fusions)"
+    if "all-" in lowered or "reduce-scatter" in lowered or "collective" in lowered:
+        return "collectives"
+    if "copy" in lowered or "transpose" in lowered:
+        return "copies and transposes"
+    if "reduce" in lowered:
+        return "reductions"
+    if "fusion" in lowered:
+        return "elementwise fusions"
+    return "other"
+
+
+def rows(which: str) -> list[Row]:
+    """The rows of `--full-size` (`which`: `all`, or a comma-separated list of row names)."""
+    table = [
+        Row("sd35m b4 xla nothing", "sd35_medium", 4, "nothing", "xla"),
+        Row("sd35m b8 splash nothing", "sd35_medium", 8, "nothing", "splash"),
+        Row("sd35m b8 splash qkv", "sd35_medium", 8, "qkv", "splash"),
+        Row("sd35m b8 splash attention", "sd35_medium", 8, "attention", "splash"),
+        Row("sd35m b8 splash dots", "sd35_medium", 8, "dots", "splash"),
+        Row("sd35m b16 splash nothing", "sd35_medium", 16, "nothing", "splash"),
+        Row("sd35m b16 splash attention", "sd35_medium", 16, "attention", "splash"),
+        Row(
+            "sd35m b8 splash nothing highest",
+            "sd35_medium",
+            8,
+            "nothing",
+            "splash",
+            matmul_precision="highest",
+        ),  # fmt: skip
+        Row(
+            "sd35m b8 lora32 adamw", "sd35_medium", 8, "nothing", "splash", program="adamw_lora"
+        ),  # fmt: skip
+        Row(
+            "sd35m b8 full adamw", "sd35_medium", 8, "nothing", "splash", program="adamw_full"
+        ),  # fmt: skip
+        Row(
+            "flux-dev 1024 b2 d4s8",
+            "flux_dev",
+            2,
+            "nothing",
+            "splash",
+            flux_blocks=(4, 8),
+            resolution=1024,
+        ),  # fmt: skip
+        Row("wan1.3b 480x832x33 b1", "wan_1_3b", 1, "nothing", "splash"),
+    ]
+    if which == "all":
+        return table
+    wanted = [name.strip() for name in which.split(",")]
+    known = {row.name: row for row in table}
+    missing = [name for name in wanted if name not in known]
+    if missing:
+        raise ValueError(f"unknown rows {missing}; known: {list(known)}")
+    return [known[name] for name in wanted]
+
+
+def run(which: str, calls: int, topology: str | None, profile: str | None) -> dict[str, Any]:
+    """Every chosen row, on this device or compiled for `topology`."""
+    report: dict[str, Any] = {"jax": jax.__version__}
+    sharding = None
+    peak = 197.0
+    if topology is not None:
+        from jax.experimental import topologies
+
+        names = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1"}
+        described = topologies.get_topology_desc(platform="tpu", topology_name=names[topology])
+        device = described.devices[0]
+        mesh = jax.sharding.Mesh(np.array([device]), ("one",))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        report["compiled_for"] = f"{device.device_kind} (one chip, ahead of time)"
+    else:
+        device = jax.devices()[0]
+        peak = PEAK_TFLOPS.get(device.device_kind, 0.0) or matmul_tflops()
+        report["device"] = device.device_kind
+        report["peak_tflops"] = peak
+        report["matmul_tflops_8192"] = round(matmul_tflops(), 1)
+    import tempfile
+
+    report["rows"] = []
+    for row in rows(which):
+        folder = None
+        if profile is not None and row.name == profile and topology is None:
+            folder = tempfile.mkdtemp(prefix="flowgrpo-profile-")
+        report["rows"].append(measure(row, calls, sharding, peak, folder))
+    return report
