@@ -397,9 +397,10 @@ def check_transitions(batch: Any, needed_by: str | None = None) -> None:
 
 
 def _on_host(value: Any) -> bool:
-    """Whether `value` can be read on the host here: not traced, and (for a JAX array) every
-    shard of it held by this process."""
-    if isinstance(value, jax.core.Tracer):
+    """Whether `value` can be read on the host here: not traced, not abstract (a
+    `jax.ShapeDtypeStruct`, as an ahead-of-time plan builds), and (for a JAX array) every shard
+    of it held by this process."""
+    if isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct)):
         return False
     return not isinstance(value, jax.Array) or value.is_fully_addressable
 

@@ -31,3 +31,39 @@ def test_a_sequence_axis_that_does_not_divide_the_devices_is_refused(capsys):
     assert "--sequence-parallel (3) must be a positive divisor of --devices (8)" in (
         capsys.readouterr().err
     )
+
+
+def test_an_abstract_batch_as_the_plan_builds_it_is_accepted():
+    """`bench.scale` builds its step from `jax.ShapeDtypeStruct`s: the batch's checks that
+    read values (times running down) leave abstract fields alone. (The suite's runtime type
+    checker, which wants arrays, is off for the construction, as it is in `bench.scale`.)"""
+    import jax
+    import jax.numpy as jnp
+    import jaxtyping
+
+    def abstract(*shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        batch = make(abstract)
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+    assert batch.timesteps.shape == (4, 1)
+
+
+def make(abstract):
+    import jax.numpy as jnp
+
+    import flowgrpo_eqx as fg
+
+    return fg.Transitions(
+        latents=abstract(4, 1, 8),
+        next_latents=abstract(4, 1, 8),
+        timesteps=abstract(4, 1),
+        next_timesteps=abstract(4, 1),
+        old_log_probs=abstract(4, 1),
+        transition_mask=abstract(4, 1, dtype=jnp.bool_),
+        advantages=abstract(4),
+        cond=abstract(4, 3),
+    )
