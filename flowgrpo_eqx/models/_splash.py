@@ -44,11 +44,10 @@ def _block(length: int, block: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(
-    queries: int, keys: int, heads: int, block: int, interpret: bool
-) -> tuple[object, int, int]:
-    """The splash kernel for `queries` queries over `keys` keys of `heads` heads, with the
-    padded lengths it takes. Built once per shape (its mask is processed on the host)."""
+def _mask(queries: int, keys: int, heads: int, block: int) -> tuple[Any, Any, int, int]:
+    """The mask and block sizes of the kernel for `queries` queries over `keys` keys of
+    `heads` heads, with the padded lengths it takes: one object per shape, so that splash's
+    own cache of the processed mask (done on the host) is hit on every later trace."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
         splash_attention_mask as mask_lib,
@@ -71,34 +70,43 @@ def _kernel(
         block_kv_dkv_compute=block_kv,
         use_fused_bwd_kernel=True,
     )
-    # Concrete arrays (the mask's block tables) even when first built inside a trace.
-    with jax.ensure_compile_time_eval():
-        made = kernel_lib.make_splash_mha(
-            mask_lib.MultiHeadMask([one] * heads),
-            block_sizes=sizes,
-            head_shards=1,
-            q_seq_shards=1,
-            residual_checkpoint_name=ATTENTION_RESIDUALS,
-            interpret=interpret,
-        )
-    return made, padded_q, padded_kv
+    return mask_lib.MultiHeadMask([one] * heads), sizes, padded_q, padded_kv
 
 
-def _at_default_precision(kernel: Any) -> Callable[[Array, Array, Array], Array]:
-    """`kernel(q, k, v)` with its forward and its backward both traced at the default matmul
+def _kernel(queries: int, keys: int, heads: int, block: int, interpret: bool) -> Any:
+    """The splash kernel for the shape (`_mask`), built in the current trace: its block tables
+    become constants of the program being traced (made eagerly they would be placed on the
+    current mesh's devices, which an ahead-of-time plan's cannot hold)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib,
+    )
+
+    mask, sizes, _, _ = _mask(queries, keys, heads, block)
+    return kernel_lib.make_splash_mha(
+        mask,
+        block_sizes=sizes,
+        head_shards=1,
+        q_seq_shards=1,
+        residual_checkpoint_name=ATTENTION_RESIDUALS,
+        interpret=interpret,
+    )
+
+
+def _at_default_precision(make: Callable[[], Any]) -> Callable[[Array, Array, Array], Array]:
+    """`make()(q, k, v)` with its forward and its backward both traced at the default matmul
     precision, whatever precision is set around the call or around the gradient (the backward
     of a custom VJP is traced where the gradient is taken, outside any scope of the caller's
-    forward)."""
+    forward). The kernel is made inside each trace, so that its tables are that trace's."""
 
     @jax.custom_vjp
     def call(q: Array, k: Array, v: Array) -> Array:
         with jax.default_matmul_precision("default"):
-            out: Array = kernel(q, k, v)
+            out: Array = make()(q, k, v)
         return out
 
     def forward(q: Array, k: Array, v: Array) -> tuple[Array, Any]:
         with jax.default_matmul_precision("default"):
-            out, pullback = jax.vjp(kernel, q, k, v)
+            out, pullback = jax.vjp(make(), q, k, v)
         return out, pullback
 
     def backward(pullback: Any, cotangent: Array) -> Any:
@@ -150,7 +158,7 @@ def splash_attention(
     scale = jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
 
     def run(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
-        kernel, padded_q, padded_kv = _kernel(queries, keys, heads, block, interpret)
+        _, _, padded_q, padded_kv = _mask(queries, keys, heads, block)
 
         def heads_first(x: jax.Array, padded: int) -> jax.Array:
             x = jnp.transpose(x, (1, 0, 2))
@@ -160,8 +168,9 @@ def splash_attention(
         # `jax.default_matmul_precision` would ask of the kernel's products; float32 operands
         # keep the caller's precision.
         half = jnp.dtype(q.dtype).itemsize < 4
-        call = _at_default_precision(kernel) if half else kernel
-        out = call(  # type: ignore[operator]
+        make = functools.partial(_kernel, queries, keys, heads, block, interpret)
+        call = _at_default_precision(make) if half else make()
+        out = call(
             heads_first(q * scale, padded_q),
             heads_first(k, padded_kv),
             heads_first(v, padded_kv),
