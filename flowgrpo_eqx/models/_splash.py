@@ -117,6 +117,16 @@ def _at_default_precision(make: Callable[[], Any]) -> Callable[[Array, Array, Ar
     return call
 
 
+def partitioned_axes() -> tuple[str, ...]:
+    """The axes of the current mesh (`jax.set_mesh`) of more than one device that XLA
+    partitions itself (not manual in a `shard_map`): where a Mosaic kernel cannot run."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    manual = set(mesh.manual_axes)
+    return tuple(name for name, size in mesh.shape.items() if size > 1 and name not in manual)
+
+
 def check_block(name: str, block: int) -> None:
     """Raise a `ValueError` naming `name` unless `block` is a positive multiple of `LANES`."""
     if not (isinstance(block, int) and block > 0 and block % LANES == 0):
@@ -148,9 +158,18 @@ def splash_attention(
     **Raises:**
 
     - `ValueError`: naming `attention_chunk` (the models' name for `block`) unless it is a
-        positive multiple of 128.
+        positive multiple of 128; naming `attention` on a mesh whose devices XLA partitions
+        the program over (`partitioned_axes`), where a Mosaic kernel cannot be partitioned.
     """
     check_block("attention_chunk", block)
+    axes = partitioned_axes()
+    if axes:
+        raise ValueError(
+            "`attention`='splash' cannot run on a mesh that XLA partitions over its axes "
+            f"{axes}: a Mosaic kernel is called per device, and the library does not yet "
+            "wrap it so (docs/accelerators.md); use attention='chunked' or 'xla' on several "
+            "devices, or 'auto', which takes the plain form there."
+        )
     queries, heads, head_dim = q.shape
     keys = k.shape[0]
     # The kernel computes q k^T without scaling: the queries are scaled first, in their dtype
