@@ -65,6 +65,27 @@ def _force_devices(count: int) -> None:
         raise RuntimeError("bench.scale must set the device count before JAX is imported.")
 
 
+TOPOLOGIES = {"v5e-8": ("v5e:2x4", 8), "v5p-8": ("v5p:2x2x1", 4)}
+"""`--topology`: the TPU slices the plan can be compiled for, as `jax.experimental.topologies`
+names them, and their chips (a v5p-8 is 4 chips of two TensorCores each)."""
+
+
+def topology_mesh(name: str, sequence: int) -> Any:
+    """The mesh `data_mesh` would make, over the chips of the TPU slice `name` (abstract
+    devices: programs compile for it ahead of time, nothing can run)."""
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh
+
+    from flowgrpo_eqx._distributed import DATA_AXIS, SEQUENCE_AXIS
+
+    layout, chips = TOPOLOGIES[name]
+    devices = np.asarray(topologies.get_topology_desc(platform="tpu", topology_name=layout).devices)
+    if sequence == 1:
+        return Mesh(devices, (DATA_AXIS,))
+    return Mesh(devices.reshape(chips // sequence, sequence), (DATA_AXIS, SEQUENCE_AXIS))
+
+
 def attention_layers(model: Any) -> list[Any]:
     """Every attention projection (queries, keys, values, output) of an `MMDiT`, a `Flux` or a
     `Wan`: the layers the Flow-GRPO release adapts (`to_q`, `to_k`, `to_v`, `to_out.0` and the
@@ -111,6 +132,25 @@ def collectives(hlo_text: str) -> dict[str, int]:
     return {kind: len(re.findall(rf"\s{kind}(?:-start)?\(", hlo_text)) for kind in COLLECTIVES}
 
 
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8}
+
+
+def largest_reductions(hlo_text: str, count: int = 3) -> list[str]:
+    """The largest results of the compiled program's all-reduces (`dtype[shape] = bytes`),
+    largest first: a whole gradient reduced on every device shows as one of a parameter's
+    full size. (Tuple-shaped all-reduces are not counted.)"""
+    found = re.findall(r"= \(?(\w+)\[([\d,]*)\][^ ]* all-reduce(?:-start)?\(", hlo_text)
+    sized = []
+    for dtype, dims in found:
+        shape = [int(size) for size in dims.split(",") if size]
+        elements = 1
+        for size in shape:
+            elements *= size
+        sized.append((elements * _BYTES.get(dtype, 4), f"{dtype}{shape}"))
+    sized.sort(reverse=True)
+    return [f"{name} = {size / 1e9:.3f} GB" for size, name in sized[:count]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
     parser.add_argument(
@@ -129,7 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sequence-strategy", choices=("ulysses", "ring"), default="ulysses")
     parser.add_argument("--remat", choices=("nothing", "dots", "none"), default="nothing")
-    parser.add_argument("--attention", choices=("chunked", "xla"), default="chunked")
+    parser.add_argument("--attention", choices=("chunked", "xla", "splash"), default="chunked")
+    parser.add_argument(
+        "--topology",
+        choices=tuple(TOPOLOGIES),
+        default=None,
+        help="compile for this TPU slice ahead of time (needs libtpu; nothing runs) instead of "
+        "simulated CPU devices; --devices is then the slice's chip count",
+    )
     parser.add_argument("--attention-chunk", type=int, default=512)
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES), help=f"any of {', '.join(MODES)}")
@@ -143,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
             f"--sequence-parallel ({arguments.sequence_parallel}) must be a positive divisor "
             f"of --devices ({arguments.devices})"
         )
-    _force_devices(arguments.devices)
+    if arguments.topology is None:
+        _force_devices(arguments.devices)
+    else:
+        arguments.devices = TOPOLOGIES[arguments.topology][1]
+        if arguments.devices % arguments.sequence_parallel:
+            parser.error(f"--sequence-parallel must divide {arguments.topology}'s chips")
 
     import equinox as eqx
     import jax
@@ -188,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         settings["image_size"] = arguments.resolution // 8
     settings.update(layout)
     devices, sequence = arguments.devices, arguments.sequence_parallel
-    mesh = fg.data_mesh(devices, sequence=sequence)
+    if arguments.topology is None:
+        mesh = fg.data_mesh(devices, sequence=sequence)
+    else:
+        mesh = topology_mesh(arguments.topology, sequence)
     fsdp_axes = tuple(mesh.axis_names) if sequence > 1 else DATA_AXIS
     rows = devices // sequence * arguments.rows_per_device
 
@@ -333,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             "weight_all_gathers": weights,
             "activation_all_gathers": len(activations),
             "collectives": collectives(compiled.as_text()),
+            "largest_all_reduces": largest_reductions(compiled.as_text()),
         }
         print(f"[scale] {mode}: {results[mode]}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {
@@ -341,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": int(parameters),
         "latent": list(latent),
         "devices": devices,
+        "compiled_for": arguments.topology or "cpu (simulated devices)",
         "sequence_parallel": sequence,
         "sequence_strategy": arguments.sequence_strategy if sequence > 1 else None,
         "rows_per_data_slot": rows // (devices // sequence),

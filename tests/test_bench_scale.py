@@ -67,3 +67,15 @@ def make(abstract):
         advantages=abstract(4),
         cond=abstract(4, 3),
     )
+
+
+def test_the_largest_all_reduces_are_named_by_shape_and_size():
+    hlo = """
+  %all-reduce.7 = f32[23,1536,6144]{2,1,0} all-reduce(f32[23,1536,6144]{2,1,0} %s), to_apply=%a
+  %all-reduce-start.2 = bf16[64]{0} all-reduce-start(bf16[64]{0} %t), to_apply=%a
+  %all-reduce.9 = f32[]{} all-reduce(f32[] %u), to_apply=%a
+"""
+    assert scale.largest_reductions(hlo, count=2) == [
+        "f32[23, 1536, 6144] = 0.868 GB",
+        "bf16[64] = 0.000 GB",
+    ]
