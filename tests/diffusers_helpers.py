@@ -18,6 +18,20 @@ def vcall(model: Any, x: Any, t: Any, cond: Any) -> jax.Array:
     return out
 
 
+@eqx.filter_jit
+def velocity_and_sin_gradient(model: Any, x: Any, t: Any, cond: Any) -> tuple[jax.Array, Any]:
+    """The velocities and the gradient of `sum(sin(v))` over the model's float parameters,
+    in one program."""
+
+    def value(params: Any) -> tuple[jax.Array, jax.Array]:
+        v = jax.vmap(eqx.combine(params, static))(x, t, cond)
+        return jnp.sum(jnp.sin(v)), v
+
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    (_, velocity), gradient = jax.value_and_grad(value, has_aux=True)(params)
+    return velocity, gradient
+
+
 def relative(got: np.ndarray, want: np.ndarray) -> float:
     """The largest absolute error over the largest `|want|`."""
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))

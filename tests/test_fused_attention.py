@@ -20,7 +20,7 @@ import pytest
 from flowgrpo_eqx.models import DiT, MMDiT, load_diffusers
 from flowgrpo_eqx.models._layers import AttentionSettings, local_attention
 from tests import numpy_reference as ref
-from tests.diffusers_helpers import relative, vcall
+from tests.diffusers_helpers import relative, vcall, velocity_and_sin_gradient
 from tests.errors import NAMED_ARGUMENT_ERRORS
 from tests.tolerances import ATTENTION_TOLERANCE
 
@@ -108,19 +108,6 @@ def _fixture(name: str) -> tuple[Any, dict[str, np.ndarray], tuple[Any, ...]]:
     return model, io, (io["x"], io["t"], {"context": io["context"], "pooled": io["pooled"]})
 
 
-@eqx.filter_jit
-def _velocity_and_gradient(model: Any, x: Any, t: Any, cond: Any) -> tuple[jax.Array, Any]:
-    """The velocities and the gradient of `sum(sin(v))` in the model's float parameters."""
-
-    def value(params: Any) -> tuple[jax.Array, jax.Array]:
-        v = jax.vmap(eqx.combine(params, static))(x, t, cond)
-        return jnp.sum(jnp.sin(v)), v
-
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    (_, velocity), gradient = jax.value_and_grad(value, has_aux=True)(params)
-    return velocity, gradient
-
-
 def _assert_same_gradient(got: Any, want: Any, tolerance: float) -> None:
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         scale = float(np.max(np.abs(np.asarray(b)))) + 1e-30
@@ -139,8 +126,8 @@ def test_every_diffusers_model_computes_diffusers_velocity_with_fused_attention(
     assert relative(np.asarray(vcall(fused, *inputs)), io["v"]) < 1e-4
     # And the same gradient as plain attention's on moved weights.
     moved = _perturbed(model, seed=3)
-    _, want = _velocity_and_gradient(moved, *inputs)
-    _, got = _velocity_and_gradient(
+    _, want = velocity_and_sin_gradient(moved, *inputs)
+    _, got = velocity_and_sin_gradient(
         moved.with_settings(attention=attention, attention_chunk=128), *inputs
     )
     _assert_same_gradient(got, want, ATTENTION_TOLERANCE["float32"])
@@ -155,9 +142,9 @@ def test_dit_with_splash_attention_and_named_remat_computes_the_same(remat: str)
     x = rng.standard_normal((2, 8, 8, 3)).astype(np.float32)
     t = rng.uniform(size=(2,)).astype(np.float32)
     cond = rng.integers(0, 8, size=(2, 4)).astype(np.int32)
-    want_v, want_g = _velocity_and_gradient(plain, x, t, cond)
+    want_v, want_g = velocity_and_sin_gradient(plain, x, t, cond)
     fused = plain.with_settings(attention="splash", attention_chunk=128, remat=remat)
-    got_v, got_g = _velocity_and_gradient(fused, x, t, cond)
+    got_v, got_g = velocity_and_sin_gradient(fused, x, t, cond)
     scale = float(np.max(np.abs(np.asarray(want_v))))
     tolerance = ATTENTION_TOLERANCE["float32"]
     np.testing.assert_allclose(np.asarray(got_v), want_v, rtol=0, atol=tolerance * scale)

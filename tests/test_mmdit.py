@@ -18,6 +18,7 @@ from flowgrpo_eqx.models import MMDiT
 from flowgrpo_eqx.models._mlp import _uniform_arrays
 from flowgrpo_eqx.train import Trainer, default_optimizer
 from tests.cli_rewards import brightness
+from tests.diffusers_helpers import velocity_and_sin_gradient
 from tests.errors import NAMED_ARGUMENT_ERRORS
 
 
@@ -277,7 +278,7 @@ def test_stacked_remat_and_chunked_attention_compute_the_same_velocity_and_gradi
     other = stacked.with_settings(**settings)
     x, t, cond = _inputs(stacked, 2, 12)
     want, want_grads = _unstacked_velocity_and_gradient()
-    velocity, gradient = _velocity_and_sin_gradient(other, x, t, cond)
+    velocity, gradient = velocity_and_sin_gradient(other, x, t, cond)
     np.testing.assert_allclose(np.asarray(velocity), want, rtol=0, atol=1e-6)
     for got, expected in zip(
         jax.tree.leaves(gradient),
@@ -288,20 +289,6 @@ def test_stacked_remat_and_chunked_attention_compute_the_same_velocity_and_gradi
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5 * scale)
 
 
-@eqx.filter_jit
-def _velocity_and_sin_gradient(model: Any, x: Any, t: Any, cond: Any) -> tuple[jax.Array, Any]:
-    """The velocities and the gradient of `sum(sin(v))` over the model's float parameters,
-    in one program."""
-
-    def value(params: Any) -> tuple[jax.Array, jax.Array]:
-        v = jax.vmap(eqx.combine(params, static))(x, t, cond)
-        return jnp.sum(jnp.sin(v)), v
-
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    (_, velocity), gradient = jax.value_and_grad(value, has_aux=True)(params)
-    return velocity, gradient
-
-
 @functools.cache
 def _unstacked_velocity_and_gradient() -> tuple[np.ndarray, Any]:
     """The reference of the settings test, computed once: the same parameters as one block
@@ -309,7 +296,7 @@ def _unstacked_velocity_and_gradient() -> tuple[np.ndarray, Any]:
     plain = _perturb(_model(**SD35_LIKE), seed=11).with_settings(stacked=False)
     assert not plain.stacked and len(plain.blocks) == 4
     x, t, cond = _inputs(plain, 2, 12)
-    velocity, gradient = _velocity_and_sin_gradient(plain, x, t, cond)
+    velocity, gradient = velocity_and_sin_gradient(plain, x, t, cond)
     return np.asarray(velocity), gradient.with_settings(stacked=True)
 
 

@@ -487,10 +487,11 @@ class MMDiT(AbstractAttentionModel):
         means `image_size`.
     - `stacked`: whether the blocks are held stacked per group and scanned over (see
         above), or as one module per block (`blocks[i]` is block `i`).
-    - `remat`: `"nothing"`, `"dots"` or `None`: what each block keeps for the backward
-        pass (`Remat`).
-    - `attention`: `"xla"`, `"cudnn"` or `"chunked"` (`Attention`).
-    - `attention_chunk`: the queries per chunk of `"chunked"` attention.
+    - `remat`: what each block keeps for the backward pass (`Remat`: `"nothing"`, `"qkv"`,
+        `"attention"`, `"dots"` or `None`).
+    - `attention`: `"xla"`, `"cudnn"`, `"chunked"`, `"splash"` or `"auto"` (`Attention`).
+    - `attention_chunk`: the queries per chunk of `"chunked"` attention; the block of
+        `"splash"` (a multiple of 128).
     - `sequence_strategy`: `"ulysses"` or `"ring"` (`SequenceStrategy`): how attention runs
         when the current mesh's `"sequence"` axis splits the image tokens (see **Sequence
         parallelism**); unused without one.
