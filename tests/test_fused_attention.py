@@ -170,8 +170,9 @@ def test_auto_attention_is_the_platforms_fastest() -> None:
 
 
 def test_splash_on_a_partitioned_mesh_is_refused_and_auto_takes_the_plain_form():
-    """A Mosaic kernel cannot be partitioned by XLA: on a mesh of several devices (outside a
-    `shard_map` that makes them manual) `"splash"` is refused by name, `"auto"` is plain."""
+    """A Mosaic kernel cannot be partitioned by XLA, nor (splash's) called inside a
+    `shard_map`: on a mesh of several devices `"splash"` is refused by name, `"auto"` is
+    plain."""
     q = jnp.ones((2, 200, 2, 64), jnp.float32)
     mesh = jax.sharding.AbstractMesh((2,), ("data",))
 
@@ -180,7 +181,9 @@ def test_splash_on_a_partitioned_mesh_is_refused_and_auto_takes_the_plain_form()
         return jax.make_jaxpr(jax.vmap(lambda q: local_attention(q, q, q, settings)))(q)
 
     with jax.sharding.use_abstract_mesh(mesh):
-        with pytest.raises(ValueError, match=r"`attention`='splash' cannot run on a mesh.*data"):
+        with pytest.raises(
+            ValueError, match=r"`attention`='splash' cannot run on a mesh of several devices.*data"
+        ):
             attend("splash")
         assert "pallas_call" not in str(attend("auto"))
     assert "pallas_call" in str(attend("auto"))

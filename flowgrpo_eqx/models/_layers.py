@@ -29,10 +29,10 @@ Attention: TypeAlias = Literal["xla", "cudnn", "chunked", "splash", "auto"]
 - `"splash"`: Pallas's splash attention kernel for TPUs (`splash_attention`), blocks of
     `attention_chunk` queries and keys (a multiple of 128), the scores never in HBM; lowered
     for another platform the same kernel runs in Pallas's interpreter (exact, slow: tests);
-    one device's attention: refused by name on a mesh that XLA partitions over devices;
+    one device's attention: refused by name on a mesh of several devices;
 - `"auto"`: the fastest the platform the program is lowered for has: `"splash"` on a TPU,
     `"cudnn"` on a GPU for float16/bfloat16 inputs, `"xla"` otherwise (a CPU, float32 on a
-    GPU, a TPU mesh that XLA partitions, where the splash kernel cannot run yet).
+    GPU, a mesh of several TPU devices, where the splash kernel cannot run yet).
 
 `docs/accelerators.md` compares them on a TPU."""
 
@@ -229,8 +229,8 @@ def _fastest_attention(
     block: int,
 ) -> Float[Array, "S heads head_dim"]:
     """`"auto"`: splash on a TPU; cuDNN on a GPU for half-precision inputs; else plain.
-    Chosen per platform as the program is lowered (`lax.platform_dependent`). On a mesh that
-    XLA partitions, where the splash kernel cannot run yet, a TPU takes the plain form."""
+    Chosen per platform as the program is lowered (`lax.platform_dependent`). On a mesh of
+    several devices, where the splash kernel cannot run yet, a TPU takes the plain form."""
     branches: dict[str, Callable[[Array, Array, Array], Array]] = {}
     if not partitioned_axes():
         branches["tpu"] = functools.partial(splash_attention, block=block)

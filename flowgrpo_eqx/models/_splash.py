@@ -118,13 +118,14 @@ def _at_default_precision(make: Callable[[], Any]) -> Callable[[Array, Array, Ar
 
 
 def partitioned_axes() -> tuple[str, ...]:
-    """The axes of the current mesh (`jax.set_mesh`) of more than one device that XLA
-    partitions itself (not manual in a `shard_map`): where a Mosaic kernel cannot run."""
+    """The axes of the current mesh (`jax.set_mesh`) of more than one device, where the
+    library cannot call the kernel yet: XLA cannot partition a Mosaic kernel over an axis it
+    splits, and inside a `shard_map` (the sequence axis's Ulysses) splash's kernel does not
+    say how its result varies over the manual axes, which `shard_map`'s checks require."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()
-    manual = set(mesh.manual_axes)
-    return tuple(name for name, size in mesh.shape.items() if size > 1 and name not in manual)
+    return tuple(name for name, size in mesh.shape.items() if size > 1)
 
 
 def check_block(name: str, block: int) -> None:
@@ -158,17 +159,17 @@ def splash_attention(
     **Raises:**
 
     - `ValueError`: naming `attention_chunk` (the models' name for `block`) unless it is a
-        positive multiple of 128; naming `attention` on a mesh whose devices XLA partitions
-        the program over (`partitioned_axes`), where a Mosaic kernel cannot be partitioned.
+        positive multiple of 128; naming `attention` on a mesh of several devices
+        (`partitioned_axes`).
     """
     check_block("attention_chunk", block)
     axes = partitioned_axes()
     if axes:
         raise ValueError(
-            "`attention`='splash' cannot run on a mesh that XLA partitions over its axes "
-            f"{axes}: a Mosaic kernel is called per device, and the library does not yet "
-            "wrap it so (docs/accelerators.md); use attention='chunked' or 'xla' on several "
-            "devices, or 'auto', which takes the plain form there."
+            f"`attention`='splash' cannot run on a mesh of several devices (axes {axes}) "
+            "yet: the kernel must be called per device, which the library does not do "
+            "(docs/accelerators.md); use attention='chunked' or 'xla' on several devices, or "
+            "'auto', which takes the plain form there."
         )
     queries, heads, head_dim = q.shape
     keys = k.shape[0]
