@@ -5,9 +5,9 @@ the values): the **training step without the optimizer** (`train`: value and gra
 squared error on the velocity with respect to every weight) or the **whole step with AdamW**
 (`adamw`: the same gradient, the optimizer's update and the new weights; LoRA adapters of rank
 32 on every attention projection, or every weight). Reported per row: milliseconds (median of
-`--calls` calls after one warm-up), **MFU** (model FLOPs per second over the chip's peak),
-XLA's own FLOPs per second over the peak (what the chip actually ran, recomputation
-included), and the device's peak memory.
+`--calls` calls after one warm-up), **MFU** (model FLOPs per second over the chip's peak), the
+compiled plan's memory and the device's peak memory. (XLA's own cost analysis counts a loop
+body once, so it says nothing of a scanned model's FLOPs.)
 
 Model FLOPs are `3 x` the forward's matmul FLOPs, counted from the forward's jaxpr with plain
 attention (every `dot_general` at its shapes, as often as it runs: the model's function, the
@@ -285,10 +285,6 @@ def measure(
         "outputs": round(memory.output_size_in_bytes / 2**30, 2),
         "aliased": round(memory.alias_size_in_bytes / 2**30, 2),
     }
-    analysis = compiled.cost_analysis()
-    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-    xla_flops = float(analysis.get("flops", 0.0))
-    result["xla_tflop_per_step"] = round(xla_flops / 1e12, 3)
     if sharding is not None:
         log(f"{row.name}: {json.dumps(result)}")
         return result
@@ -303,7 +299,6 @@ def measure(
     result["ms"] = round(1e3 * seconds, 1)
     result["ms_all"] = [round(1e3 * s, 1) for s in times]
     result["mfu"] = round(flops / seconds / (peak * 1e12), 4)
-    result["xla_flops_utilization"] = round(xla_flops / seconds / (peak * 1e12), 4)
     result["peak_memory_gib"] = None if (m := _peak_memory()) is None else round(m / 2**30, 2)
     if profile_folder is not None:
         try:

@@ -371,7 +371,19 @@ def main(argv: list[str] | None = None) -> int:
             return trainer_._update(state_, batch_)
 
         with jax.set_mesh(mesh):  # as `Trainer.update` runs it
-            compiled = jax.jit(step, donate_argnums=2).lower(*dynamic).compile()
+            lowered = jax.jit(step, donate_argnums=2).lower(*dynamic)
+            try:
+                compiled = lowered.compile()
+            except Exception as error:  # noqa: BLE001 - a TPU compiler refusing to fit is a result
+                if arguments.topology is None:
+                    raise
+                results[mode] = {
+                    "variables_bytes_per_device": variable_bytes,
+                    "optimizer_bytes_per_device": optimizer_bytes,
+                    "does_not_fit": " ".join(str(error).split())[:300],
+                }
+                print(f"[scale] {mode}: {results[mode]}", file=sys.stderr, flush=True)
+                continue
         seconds = time.perf_counter() - started
         analysis = compiled.memory_analysis()
         weights, activations = all_gathers(compiled.as_text(), weight_shapes(state))
