@@ -22,7 +22,6 @@ to choose the rows before spending time on the chip.
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,14 +62,13 @@ class Row:
     matmul_precision: str | None = None
 
 
-def _build(row: Row, settings: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+def _build(row: Row) -> tuple[Any, tuple[Any, ...]]:
     """The model (abstract) and its abstract per-batch inputs."""
     layout = dict(
         stacked=True,
         remat=row.remat,
         attention=row.attention,
         attention_chunk=row.attention_chunk,
-        **settings,
     )
     key = jax.random.key(0)
     b = row.batch
@@ -139,9 +137,9 @@ def _lora_policy(model: Any) -> Any:
     )
 
 
-def program(row: Row, settings: dict[str, Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def program(row: Row) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """The row's function and its abstract arguments."""
-    model, (x, t, cond) = _build(row, settings)
+    model, (x, t, cond) = _build(row)
     target = jax.ShapeDtypeStruct(x.shape, jnp.float32)
     precision = row.matmul_precision
 
@@ -189,29 +187,13 @@ def program(row: Row, settings: dict[str, Any]) -> tuple[Callable[..., Any], tup
     return adapters, (trainable, frozen, opt_state, x, t, cond, target)
 
 
-def model_flops(row: Row, settings: dict[str, Any]) -> float:
+def model_flops(row: Row) -> float:
     """3 x the forward's matmul FLOPs (plain attention, no remat: the model's function)."""
-    from bench.models import dot_generals
+    from bench.models import dot_flops, dot_generals
 
     plain = dataclasses.replace(row, remat=None, attention="xla", program="train")
-    model, (x, t, cond) = _build(plain, settings)
-    jaxpr = jax.make_jaxpr(_velocity)(model, x, t, cond).jaxpr
-    flops = 0
-    for (lhs, _, rhs, _, dims, _, _), count in dot_generals(jaxpr).items():
-        (contract, rhs_contract), (batch, rhs_batch) = dims
-        free_l = math.prod(s for a, s in enumerate(lhs) if a not in contract and a not in batch)
-        free_r = math.prod(
-            s for a, s in enumerate(rhs) if a not in rhs_contract and a not in rhs_batch
-        )
-        flops += (
-            2
-            * count
-            * math.prod(lhs[a] for a in batch)
-            * free_l
-            * free_r
-            * math.prod(lhs[a] for a in contract)
-        )
-    return 3.0 * flops
+    model, (x, t, cond) = _build(plain)
+    return 3.0 * dot_flops(dot_generals(jax.make_jaxpr(_velocity)(model, x, t, cond).jaxpr))
 
 
 def _concrete(tree: Any) -> Any:
@@ -260,10 +242,9 @@ def measure(
 ) -> dict[str, Any]:
     """Compile the row (for `sharding`'s device when given: ahead of time, nothing run), time
     it, and with `profile_folder` trace three more calls there (`jax.profiler`)."""
-    settings: dict[str, Any] = {}
-    function, args = program(row, settings)
+    function, args = program(row)
     result: dict[str, Any] = {"row": dataclasses.asdict(row)}
-    flops = model_flops(row, settings)
+    flops = model_flops(row)
     result["model_tflop_per_step"] = round(flops / 1e12, 3)
     abstract = args
     if sharding is not None:
@@ -317,13 +298,10 @@ def summarise_trace(folder: str, calls: int) -> dict[str, Any]:
     """A `jax.profiler` trace's device time per step, summed by kind of XLA op, the largest
     ops named."""
     import collections
-    import glob
-    import gzip
 
-    paths = sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))
-    with gzip.open(paths[-1]) as handle:
-        trace = json.load(handle)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    from bench.models import trace_events
+
+    events = trace_events(folder)
     threads = {
         (e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
         for e in events

@@ -337,6 +337,39 @@ def dot_generals(jaxpr: Any, times: int = 1) -> dict[tuple, int]:
     return found
 
 
+def dot_flops(dots: dict[tuple, int]) -> int:
+    """The FLOPs of `dot_generals`' matmuls, each as often as it runs: `2 x` batch x free
+    sizes of both sides x contracted size."""
+    flops = 0
+    for (lhs_shape, _, rhs_shape, _, dims, _, _), count in dots.items():
+        (contract, rhs_contract), (batch, rhs_batch) = dims
+        out_size = math.prod(
+            size
+            for axis, size in enumerate(lhs_shape)
+            if axis not in contract and axis not in batch
+        ) * math.prod(
+            size
+            for axis, size in enumerate(rhs_shape)
+            if axis not in rhs_contract and axis not in rhs_batch
+        )
+        batch_size = math.prod(lhs_shape[axis] for axis in batch)
+        contract_size = math.prod(lhs_shape[axis] for axis in contract)
+        flops += 2 * count * batch_size * out_size * contract_size
+    return flops
+
+
+def trace_events(folder: str) -> list[dict[str, Any]]:
+    """The events of the newest `jax.profiler` trace written under `folder`."""
+    import glob
+    import gzip
+
+    paths = sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))
+    with gzip.open(paths[-1]) as handle:
+        trace = json.load(handle)
+    events: list[dict[str, Any]] = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return events
+
+
 def matmul_ceiling(function: Callable[..., Any], args: tuple) -> tuple[Callable[[], Any], dict]:
     """The program's matmuls alone: each `dot_general` of its jaxpr, as often as it runs, in
     one dependent chain (a `fori_loop` per distinct matmul whose left operand is scaled by a
@@ -346,26 +379,13 @@ def matmul_ceiling(function: Callable[..., Any], args: tuple) -> tuple[Callable[
     """
     dots = dot_generals(jax.make_jaxpr(function)(*args).jaxpr)
     operands = []
-    flops = 0
-    for index, (key, count) in enumerate(dots.items()):
-        lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dims, _, _ = key
+    for index, key in enumerate(dots):
+        lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, _, _, _ = key
         k1, k2 = jax.random.split(jax.random.key(1000 + index))
         lhs = jax.random.normal(k1, lhs_shape, jnp.float32).astype(lhs_dtype)
         rhs = jax.random.normal(k2, rhs_shape, jnp.float32).astype(rhs_dtype)
         operands.append((lhs, rhs))
-        (contract, _), (batch, _) = dims
-        out_size = math.prod(
-            size
-            for axis, size in enumerate(lhs_shape)
-            if axis not in contract and axis not in batch
-        ) * math.prod(
-            size
-            for axis, size in enumerate(rhs_shape)
-            if axis not in dims[0][1] and axis not in dims[1][1]
-        )
-        batch_size = math.prod(lhs_shape[axis] for axis in batch)
-        contract_size = math.prod(lhs_shape[axis] for axis in contract)
-        flops += 2 * count * batch_size * out_size * contract_size
+    flops = dot_flops(dots)
     keys = list(dots)
 
     def chain(operands: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
@@ -493,8 +513,6 @@ def profile(case: Case, layout: str, program: str, calls: int, folder: str) -> d
     time summed and grouped by kind (matmuls, transposes and copies, elementwise fusions,
     reductions), with the largest ops named."""
     import collections
-    import glob
-    import gzip
 
     x, t, cond = case.inputs()
     function, args = programs(case.build(case.layouts[layout]), x, t, cond)[program]
@@ -506,12 +524,8 @@ def profile(case: Case, layout: str, program: str, calls: int, folder: str) -> d
         for _ in range(calls):
             jax.block_until_ready(compiled(*args))  # type: ignore[no-untyped-call]
     wall = (time.perf_counter() - started) / calls
-    paths = sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))
-    with gzip.open(paths[-1]) as handle:
-        trace = json.load(handle)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
     ops: collections.Counter[str] = collections.Counter()
-    for event in events:
+    for event in trace_events(folder):
         name = str(event.get("name", ""))
         base = name.split(":")[0]
         if event.get("ph") == "X" and (base in kinds or name.startswith("ynn_fusion")):
