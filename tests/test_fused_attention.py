@@ -169,7 +169,7 @@ def test_auto_attention_is_the_platforms_fastest() -> None:
         assert "tpu_custom_call" not in text and "callback" not in text
 
 
-def test_splash_on_a_partitioned_mesh_is_refused_and_auto_takes_the_plain_form():
+def test_splash_on_a_mesh_of_several_devices_is_refused_and_auto_takes_the_plain_form():
     """A Mosaic kernel cannot be partitioned by XLA, nor (splash's) called inside a
     `shard_map`: on a mesh of several devices `"splash"` is refused by name, `"auto"` is
     plain."""

@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from .._misc import check_int
-from ._splash import ATTENTION_RESIDUALS, check_block, partitioned_axes, splash_attention
+from ._splash import ATTENTION_RESIDUALS, check_block, multi_device_axes, splash_attention
 
 
 _LN_EPS = 1e-6
@@ -232,7 +232,7 @@ def _fastest_attention(
     Chosen per platform as the program is lowered (`lax.platform_dependent`). On a mesh of
     several devices, where the splash kernel cannot run yet, a TPU takes the plain form."""
     branches: dict[str, Callable[[Array, Array, Array], Array]] = {}
-    if not partitioned_axes():
+    if not multi_device_axes():
         branches["tpu"] = functools.partial(splash_attention, block=block)
     # cuDNN's kernel refuses to be traced without a GPU, so its branch exists only with one.
     if jax.default_backend() == "gpu" and jnp.dtype(q.dtype) in _HALF:

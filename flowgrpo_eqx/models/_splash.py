@@ -117,7 +117,7 @@ def _at_default_precision(make: Callable[[], Any]) -> Callable[[Array, Array, Ar
     return call
 
 
-def partitioned_axes() -> tuple[str, ...]:
+def multi_device_axes() -> tuple[str, ...]:
     """The axes of the current mesh (`jax.set_mesh`) of more than one device, where the
     library cannot call the kernel yet: XLA cannot partition a Mosaic kernel over an axis it
     splits, and inside a `shard_map` (the sequence axis's Ulysses) splash's kernel does not
@@ -160,10 +160,10 @@ def splash_attention(
 
     - `ValueError`: naming `attention_chunk` (the models' name for `block`) unless it is a
         positive multiple of 128; naming `attention` on a mesh of several devices
-        (`partitioned_axes`).
+        (`multi_device_axes`).
     """
     check_block("attention_chunk", block)
-    axes = partitioned_axes()
+    axes = multi_device_axes()
     if axes:
         raise ValueError(
             f"`attention`='splash' cannot run on a mesh of several devices (axes {axes}) "
