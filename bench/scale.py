@@ -19,8 +19,13 @@ device, one recorded transition per row. `--sequence-parallel N` makes the mesh 
 are split over the N devices of its data slot (`--sequence-strategy`, default `ulysses`), `R`
 is then the rows per data slot, and FSDP splits over all the devices. The model is stacked (a
 scan over each group of blocks), rematerialised per block (`--remat`, default `nothing`) with
-chunked attention (`--attention`, default `chunked`: CPU has no cuDNN); `--microbatches M`
+chunked attention (`--attention`, default `chunked`: CPU has no cuDNN, and the splash kernel
+runs on one device only); `--microbatches M`
 accumulates over M.
+
+`--topology v5e-8|v5p-8` compiles for the chips of a TPU slice ahead of time instead
+(`jax.experimental.topologies`, with `libtpu` installed; no TPU needed): the TPU compiler's
+plan; a mode the compiler refuses to fit is reported as `does_not_fit`.
 
 Modes (`--modes`, all by default):
 
