@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx._misc import own_copy
+from flowgrpo_eqx._misc import keys_to_data, own_copy
 from flowgrpo_eqx.models import MLPVelocity
 from flowgrpo_eqx.train import (
     Checkpointer,
@@ -24,6 +24,7 @@ from flowgrpo_eqx.train import (
 from tests.cli_helpers import run_cli
 from tests.cli_rewards import brightness
 from tests.errors import NAMED_ARGUMENT_ERRORS
+from tests.tolerances import optimizer_rtol
 
 
 LATENT = 4
@@ -314,7 +315,10 @@ def test_cosine_decay_step_sizes_match_numpy():
     index = np.arange(6)
     want = 1e-2 * 0.5 * (1.0 + np.cos(np.pi * np.minimum(index, 4) / 4))
     np.testing.assert_allclose(
-        np.abs(np.stack(moves)), np.repeat(want[:, None], 3, axis=1), rtol=1e-4, atol=1e-9
+        np.abs(np.stack(moves)),
+        np.repeat(want[:, None], 3, axis=1),
+        rtol=optimizer_rtol(),
+        atol=1e-9,
     )
     assert np.all(np.sign(np.stack(moves)[:4]) == -np.sign(np.asarray(grads)))
 
@@ -475,7 +479,36 @@ def test_non_finite_advantages_are_refused_by_name():
     batch, _ = rollout.collect(state.variables.policy, ROWS, jax.random.key(3))
     for bad in (np.nan, np.inf):
         poisoned = eqx.tree_at(lambda b: b.advantages, batch, batch.advantages.at[1].set(bad))
-        with pytest.raises(Exception, match=r"`batch.advantages` holds a NaN or infinite"):
+        with pytest.raises(ValueError, match=r"`batch.advantages` holds a NaN or infinite"):
             trainer.update(own_copy(state), poisoned)
     new_state, _ = trainer.update(state, batch)
     assert all(np.all(np.isfinite(a)) for a in arrays(new_state.variables.policy))
+
+
+def test_a_refused_update_leaves_the_callers_state_usable_and_says_why_first():
+    """The state was donated before the NaN advantages were refused: its arrays then said
+    "Array has been deleted", and the message came after JAX's "Above is the stack outside of
+    JIT"."""
+    objective, rollout, trainer = make_setup(beta=0.0)
+    state = trainer.init(jax.random.key(0))
+    batch, _ = rollout.collect(state.variables.policy, ROWS, jax.random.key(3))
+    # Copies: a NumPy view of a buffer would keep JAX from donating it.
+    before = [np.array(a, copy=True) for a in arrays(keys_to_data(state))]
+    for poisoned in (
+        eqx.tree_at(lambda b: b.advantages, batch, batch.advantages.at[2].set(np.nan)),
+        eqx.tree_at(lambda b: b.advantages, batch, np.asarray(batch.advantages * np.inf)),
+    ):
+        with pytest.raises(ValueError) as caught:
+            trainer.update(state, poisoned)
+        first_line = str(caught.value).splitlines()[0]
+        assert first_line.startswith("`batch.advantages` holds a NaN or infinite value")
+    # Nothing was donated: the state reads as it was, and trains on a good batch.
+    for got, want in zip(arrays(keys_to_data(state)), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    new_state, metrics = trainer.update(state, batch)
+    assert np.isfinite(float(metrics["loss"])) and int(new_state.step) == 1
+    # Traced inside the caller's own jit, the values are only known when the program runs:
+    # the program checks them itself.
+    poisoned = eqx.tree_at(lambda b: b.advantages, batch, batch.advantages.at[0].set(np.nan))
+    with pytest.raises(Exception, match=r"`batch.advantages` holds a NaN or infinite"):
+        eqx.filter_jit(trainer.update)(own_copy(new_state), poisoned)
