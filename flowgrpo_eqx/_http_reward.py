@@ -29,6 +29,7 @@ from ._reward_wire import (
 )
 
 
+_ENDPOINT = "/score"
 _ERROR_BODY_LIMIT = 1 << 16
 _RETRIED_CLIENT_STATUSES = (408, 429)
 
@@ -56,7 +57,8 @@ class HttpReward:
     **Arguments:**
 
     - `url`: the server's base URL, `http://host:port` (or `https://`, optionally with a
-        path prefix).
+        path prefix); requests go to `<url>/score`. A URL that already ends in `/score`
+        means its base: `http://host:port/score` is taken as `http://host:port`.
     - `timeout`: seconds one attempt may take, from connecting to the last reply byte
         (the reply's status line and headers included, however slowly they arrive).
     - `retries`: further attempts after a failed one (connection refused or reset, timeout,
@@ -101,7 +103,10 @@ class HttpReward:
         check_number("timeout", timeout, minimum=0, include_minimum=False)
         check_int("retries", retries, 0)
         check_number("backoff", backoff, minimum=0)
-        self.url = url.rstrip("/")
+        prefix = parsed.path.rstrip("/")
+        if prefix.endswith(_ENDPOINT):  # the endpoint itself: its base is meant
+            prefix = prefix.removesuffix(_ENDPOINT)
+        self.url = urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, prefix, "", ""))
         self.name = f"http:{self.url}"
         self.timeout = float(timeout)
         self.retries = int(retries)
@@ -111,7 +116,8 @@ class HttpReward:
         self._https = parsed.scheme == "https"
         self._host = parsed.hostname
         self._port = port
-        self._path = parsed.path.rstrip("/") + "/score"
+        self._path = prefix + _ENDPOINT
+        self._endpoint = self.url + _ENDPOINT
 
     def __repr__(self) -> str:
         token = "None" if self._token is None else "'***'"
@@ -135,8 +141,8 @@ class HttpReward:
         **Raises:**
 
         - `RewardError`: naming the URL and what happened: samples or rows that cannot be
-            sent (samples holding NaN or inf, naming their rows), a 4xx or 3xx reply (at once), or
-            the last failure after `retries + 1` attempts.
+            sent (samples holding NaN or inf, naming their rows), a 4xx or 3xx reply (at once;
+            a 404 names the URL requested), or the last failure after `retries + 1` attempts.
         """
         check_finite_samples(self.name, samples)
         count = int(np.shape(samples)[0])
@@ -202,6 +208,11 @@ class HttpReward:
                 sock.close()
         if response.status != 200:
             described = f"HTTP {response.status} {response.reason}: {_error_text(reply)}"
+            if response.status == 404:
+                described += (
+                    f" (POST {self._endpoint}: no reward server answers there; `url` must be "
+                    "the server's base URL, http://host:port, to which /score is added)"
+                )
             if 300 <= response.status < 400:
                 location = response.getheader("Location") or "none given"
                 raise _Rejected(f"{described} (redirects are not followed; Location: {location})")

@@ -10,7 +10,8 @@ lists in order:
 `samples` comes first; rows follow as one blob per leaf, nested dict keys joined by `/`
 (`"rows"` alone for rows that are one array). The reply to a scoring request is one `.npy`
 float64 array `[N]` (`NPY_CONTENT_TYPE`); an error reply is JSON
-`{"error": kind, "message": text}`.
+`{"error": kind, "message": text}`, with `"limit": setting` added when one of the server's
+limits refused the request.
 
 Samples must be real numbers: a float or integer dtype (`SAMPLE_KINDS`); rows may also be
 bool or fixed-width strings (`ROWS_KINDS`). Complex, datetime, timedelta, structured and
@@ -20,12 +21,13 @@ array must then hold at least one element, so each axis of each declared shape i
 body's length, which the server bounds by its `max_request_bytes` before reading it.
 """
 
+import dataclasses
 import io
 import json
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, final
 
 import numpy as np
 import numpy.typing as npt
@@ -252,19 +254,69 @@ def _npy_or_explain(array: npt.NDArray[Any], name: str) -> bytes:
         ) from error
 
 
-def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:
-    """The samples and rows of a request body (`encode_request`'s inverse).
+@final
+@dataclasses.dataclass(frozen=True)
+class WireRequest:
+    """A request body read and checked, its samples still as they were sent (`parse_request`).
 
-    Every length is checked before anything is allocated: the header's array lengths must add
-    up to the body, and each `.npy` header must describe exactly the bytes that follow it and
-    at least one element, so that no axis of any array exceeds the body's length. Samples must
-    have a real float or integer dtype (`SAMPLE_KINDS`), rows may also be bool or strings
-    (`ROWS_KINDS`).
-    The arrays are views of `body` when it is writable (the server reads bodies into a
-    writable buffer) and their data is aligned, copies otherwise, so decoding costs at most
-    one more body of memory. uint8 samples come back as float32 `x / 127.5 - 1`, computed in
-    float64 and rounded once (float32 arithmetic would round twice and miss the nearest
-    float32 for some levels).
+    **Arguments:**
+
+    - `samples`: the samples as sent: uint8 images when `uint8`, else the reward's samples.
+    - `rows`: the rows, as `encode_request` received them (None, an array, or nested dicts).
+    - `uint8`: whether the samples travelled as uint8 images, to become float32.
+    """
+
+    samples: npt.NDArray[Any]
+    rows: Any
+    uint8: bool
+
+    @property
+    def count(self) -> int:
+        """The rows of the request.
+
+        **Returns:**
+
+        The samples' leading axis `N`.
+        """
+        return int(self.samples.shape[0])
+
+    def leaves(self) -> list[npt.NDArray[Any]]:
+        """The arrays of the rows.
+
+        **Returns:**
+
+        Every array of `rows` (none for rows that are None), in no particular order.
+        """
+        return [leaf for _, leaf in _flatten_rows(self.rows)] if self.rows is not None else []
+
+    def decoded_bytes(self) -> int:
+        """The bytes of the arrays the reward gets, without allocating them.
+
+        **Returns:**
+
+        The bytes of the samples (as float32, 4 bytes per element, when they travelled as
+        uint8) and of every array of the rows.
+        """
+        samples = 4 * self.samples.size if self.uint8 else self.samples.nbytes
+        return int(samples + sum(leaf.nbytes for leaf in self.leaves()))
+
+    def decoded(self) -> tuple[npt.NDArray[Any], Any]:
+        """The arrays as the reward gets them.
+
+        **Returns:**
+
+        `(samples, rows)`: uint8 samples become float32 `x / 127.5 - 1`, computed in float64
+        and rounded once (float32 arithmetic would round twice and miss the nearest float32
+        for some levels), a new array; other samples and the rows are returned as they are.
+        """
+        if self.uint8:
+            return _UINT8_TO_FLOAT32[self.samples], self.rows
+        return self.samples, self.rows
+
+
+def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:
+    """The samples and rows of a request body (`encode_request`'s inverse):
+    `parse_request(body).decoded()`.
 
     **Arguments:**
 
@@ -273,7 +325,35 @@ def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:
     **Returns:**
 
     `(samples, rows)`, rows as `encode_request` received them (None, an array, or nested
-    dicts).
+    dicts); uint8 samples come back as float32 `x / 127.5 - 1`.
+
+    **Raises:**
+
+    - `WireError`: as `parse_request`.
+    """
+    return parse_request(body).decoded()
+
+
+def parse_request(body: Any) -> WireRequest:
+    """Read and check a request body, without yet turning uint8 samples into float32 (so that
+    a server can hold the request to its limits before it allocates them).
+
+    Every length is checked before anything is allocated: the header's array lengths must add
+    up to the body, and each `.npy` header must describe exactly the bytes that follow it and
+    at least one element, so that no axis of any array exceeds the body's length. Samples must
+    have a real float or integer dtype (`SAMPLE_KINDS`), rows may also be bool or strings
+    (`ROWS_KINDS`).
+    The arrays are views of `body` when it is writable (the server reads bodies into a
+    writable buffer) and their data is aligned, copies otherwise, so reading costs at most
+    one more body of memory.
+
+    **Arguments:**
+
+    - `body`: the request body (`bytes`, or any buffer such as a uint8 array).
+
+    **Returns:**
+
+    The `WireRequest`.
 
     **Raises:**
 
@@ -322,10 +402,8 @@ def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:
     samples = arrays.pop("samples")
     if samples.ndim == 0:
         raise WireError("malformed_body", "'samples' must have a leading batch axis.")
-    if encoding == "uint8":
-        if samples.dtype != np.uint8:
-            raise WireError("malformed_body", f"uint8 samples arrived as {samples.dtype}.")
-        samples = _UINT8_TO_FLOAT32[samples]
+    if encoding == "uint8" and samples.dtype != np.uint8:
+        raise WireError("malformed_body", f"uint8 samples arrived as {samples.dtype}.")
     for name, leaf in arrays.items():
         if leaf.ndim == 0 or leaf.shape[0] != samples.shape[0]:
             raise WireError(
@@ -333,7 +411,7 @@ def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:
                 f"{name!r} has shape {leaf.shape}; rows need the samples' leading axis "
                 f"{samples.shape[0]}.",
             )
-    return samples, _unflatten_rows(rows_kind, arrays)
+    return WireRequest(samples, _unflatten_rows(rows_kind, arrays), encoding == "uint8")
 
 
 def _unflatten_rows(rows_kind: str, arrays: dict[str, npt.NDArray[Any]]) -> Any:

@@ -1,5 +1,16 @@
 """The reward server's limits and their command-line flags, importable without aiohttp (the
-command line builds its flags from here; `flowgrpo_eqx.reward_server` serves with them)."""
+command line builds its flags from here; `flowgrpo_eqx.reward_server` serves with them).
+
+Per request, a body is bounded by `max_request_bytes`, its rows (the samples' leading axis)
+by `max_request_rows` and its arrays as the reward gets them by `max_decoded_bytes` (413
+beyond each). In total, the server holds at most `max_total_bytes` of request data at once
+(bodies as their bytes arrive, and the arrays of requests waiting for or in the reward) and
+at most `max_total_rows` rows waiting for or in the reward (429 beyond, retried by
+`HttpReward`), in at most `max_concurrent_requests` requests (503 beyond). A request takes a
+place among those only once its whole body has arrived, so clients that send slowly hold
+nothing but their connection (bounded by `max_connections`) and what they have sent, and
+only for `read_timeout`.
+"""
 
 import argparse
 from collections.abc import Mapping
@@ -8,16 +19,50 @@ from typing import Any
 
 DEFAULT_MAX_REQUEST_BYTES = 256 << 20
 """The largest request body a server accepts by default (256 MiB, e.g. 1024 float32
-256x256x3 images, or 4096 as uint8); a larger Content-Length gets 413 before any of it is read."""
+256x256x3 images); a larger Content-Length gets 413 before any of it is read."""
+
+DEFAULT_MAX_REQUEST_ROWS = 65536
+"""The most rows (samples) one request may hold by default; more get 413. Rewards do work per
+row, and one thread scores every request: 200000 rows of 1x1 uint8 "images" (a 200 kB
+body) held it for 8.6 to 13 s under `JpegIncompressibility`; 65536 rows hold it for a few
+seconds at that rate, and leave room for 128 MiB of float32 16x16x3 images (43690)."""
+
+DEFAULT_MAX_DECODED_BYTES = 256 << 20
+"""The most bytes one request's arrays may take as the reward gets them, by default (256
+MiB: the same 1024 256x256x3 images whether they travel as float32 or as uint8, which become
+float32, four times their bytes); more get 413."""
+
+DEFAULT_MAX_TOTAL_BYTES = 512 << 20
+"""The most bytes of request data the server holds at once by default (512 MiB, twice
+`DEFAULT_MAX_REQUEST_BYTES`): bodies as their bytes arrive, and the body and decoded arrays
+of each request waiting for or in the reward; beyond it, 429."""
+
+DEFAULT_MAX_TOTAL_ROWS = 131072
+"""The most rows of requests waiting for or in the reward at once by default (twice
+`DEFAULT_MAX_REQUEST_ROWS`); beyond it, 429."""
 
 DEFAULT_READ_TIMEOUT = 30.0
 """Seconds a connection gets to send a request's head, and then its body (408 beyond)."""
 
 DEFAULT_MAX_CONCURRENT_REQUESTS = 4
-"""`/score` requests held at once (read, decoded, queued or scored); more get 503."""
+"""`/score` requests held at once once their bodies have arrived (decoded, waiting for the
+reward or in it); more get 503. Bodies still arriving take no place."""
 
 DEFAULT_MAX_CONNECTIONS = 256
 """Open connections kept by `serve`; beyond it the longest-idle connection is closed."""
+
+LIMIT_FLAGS: dict[str, str] = {
+    "max_request_bytes": "--max-request-bytes",
+    "max_request_rows": "--max-request-rows",
+    "max_decoded_bytes": "--max-decoded-bytes",
+    "max_total_bytes": "--max-total-bytes",
+    "max_total_rows": "--max-total-rows",
+    "read_timeout": "--read-timeout",
+    "max_concurrent_requests": "--max-concurrent-requests",
+    "max_connections": "--max-connections",
+}
+"""Each limit's flag, by its name as an argument of `serve` (the server's refusals name
+both)."""
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +79,33 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"largest body accepted, 413 beyond (default {DEFAULT_MAX_REQUEST_BYTES})",
     )
     parser.add_argument(
+        "--max-request-rows",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_ROWS,
+        help=f"most rows (samples) in one request, 413 beyond (default {DEFAULT_MAX_REQUEST_ROWS})",
+    )
+    parser.add_argument(
+        "--max-decoded-bytes",
+        type=int,
+        default=DEFAULT_MAX_DECODED_BYTES,
+        help=f"most bytes of one request's arrays as the reward gets them (uint8 images "
+        f"count as float32), 413 beyond (default {DEFAULT_MAX_DECODED_BYTES})",
+    )
+    parser.add_argument(
+        "--max-total-bytes",
+        type=int,
+        default=DEFAULT_MAX_TOTAL_BYTES,
+        help=f"most bytes of request data held at once (bodies arriving, arrays waiting "
+        f"for or in the reward), 429 beyond (default {DEFAULT_MAX_TOTAL_BYTES})",
+    )
+    parser.add_argument(
+        "--max-total-rows",
+        type=int,
+        default=DEFAULT_MAX_TOTAL_ROWS,
+        help=f"most rows waiting for or in the reward at once, 429 beyond "
+        f"(default {DEFAULT_MAX_TOTAL_ROWS})",
+    )
+    parser.add_argument(
         "--read-timeout",
         type=float,
         default=DEFAULT_READ_TIMEOUT,
@@ -43,7 +115,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrent-requests",
         type=int,
         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
-        help=f"/score requests held at once, 503 beyond "
+        help=f"/score requests held at once once their bodies have arrived, 503 beyond "
         f"(default {DEFAULT_MAX_CONCURRENT_REQUESTS})",
     )
     parser.add_argument(
@@ -63,6 +135,10 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
 def limit_settings(arguments: Mapping[str, Any]) -> dict[str, Any]:
     """`serve`'s limit keyword arguments from flags added by `add_limit_arguments`.
 
+    Both commands that serve a reward call it with all their arguments, so it also refuses
+    an empty `--token` where the command has one: `--token ''` would otherwise serve with no
+    token at all, which is almost surely a mistake (leave the flag out to serve without one).
+
     **Arguments:**
 
     - `arguments`: the parsed arguments, as a mapping (`vars(namespace)`).
@@ -70,12 +146,15 @@ def limit_settings(arguments: Mapping[str, Any]) -> dict[str, Any]:
     **Returns:**
 
     The keyword arguments, by `serve`'s names.
+
+    **Raises:**
+
+    - `ValueError`: naming `--token`, when it is given as an empty string.
     """
-    names = (
-        "max_request_bytes",
-        "read_timeout",
-        "max_concurrent_requests",
-        "max_connections",
-        "allow_unauthenticated",
-    )
+    if arguments.get("token") == "":
+        raise ValueError(
+            "`--token` is empty: give the token clients must send, or leave --token out to "
+            "serve without one (on loopback only)."
+        )
+    names = (*LIMIT_FLAGS, "allow_unauthenticated")
     return {name: arguments[name] for name in names}

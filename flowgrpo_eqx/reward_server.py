@@ -6,14 +6,18 @@ Endpoints: `GET /health` answers `{"status": "ok", "reward": name}`; `POST /scor
 wire format that `HttpReward` sends and answers the `[N]` float64 scores as `.npy`, or a JSON
 `{"error": kind, "message": text}` with status 400 (`malformed_body`, `pickled_array`,
 `unsupported_dtype`), 401 (`unauthorized`), 408 (`read_timeout`), 411 (`length_required`),
-413 (`too_large`), 500 (`reward_failed`) or 503 (`busy`). Nothing a client sends is ever
-unpickled, and every length in a body is checked before anything is allocated; samples must
-be real float or integer arrays, rows may also be bool or strings, and no array may be empty
-(so no declared axis exceeds the body's length: `_reward_wire.decode_request`).
+413 (`too_large`), 429 (`over_capacity`), 500 (`reward_failed`) or 503 (`busy`); a refusal
+by one of the limits (`flowgrpo_eqx.reward_limits`) adds `"limit": name` and names the
+limit and its flag in the message. Nothing a client sends is ever unpickled, and every
+length in a body is checked before anything is allocated; samples must be real float or
+integer arrays, rows may also be bool or strings, and no array may be empty (so no declared
+axis exceeds the body's length: `_reward_wire.parse_request`).
 """
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import hmac
 import ipaddress
 import logging
@@ -22,7 +26,7 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, final
 
 import numpy as np
@@ -34,14 +38,20 @@ from ._reward_wire import (
     NPY_CONTENT_TYPE,
     TOKEN_ENV,
     WireError,
-    decode_request,
+    WireRequest,
     npy_bytes,
+    parse_request,
 )
 from .reward_limits import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_DECODED_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_REQUEST_ROWS,
+    DEFAULT_MAX_TOTAL_BYTES,
+    DEFAULT_MAX_TOTAL_ROWS,
     DEFAULT_READ_TIMEOUT,
+    LIMIT_FLAGS,
     add_limit_arguments,
     limit_settings,
 )
@@ -61,15 +71,29 @@ except ModuleNotFoundError as _missing:
 _DECODE_ON_LOOP_BYTES = 1 << 20
 
 
-def _error(web_status: int, kind: str, message: str) -> web.Response:
-    return web.json_response({"error": kind, "message": message}, status=web_status)
+def _error(web_status: int, kind: str, message: str, limit: str | None = None) -> web.Response:
+    """A JSON error reply; `limit` names the limit that refused the request, if one did (its
+    flag is in `message`), and a refusal that may pass later (429, 503) says when to retry."""
+    body = {"error": kind, "message": message}
+    if limit is not None:
+        body["limit"] = limit
+    response = web.json_response(body, status=web_status)
+    if web_status in (429, 503):
+        response.headers["Retry-After"] = "1"
+    return response
 
 
-def _refusal(web_status: int, kind: str, message: str) -> web.Response:
-    """An error reply that closes the connection: the request's body is never read."""
-    response = _error(web_status, kind, message)
+def _refusal(web_status: int, kind: str, message: str, limit: str | None = None) -> web.Response:
+    """An error reply that closes the connection once sent: what is left of the request's
+    body is read and thrown away (for at most the runner's lingering time), never kept."""
+    response = _error(web_status, kind, message, limit)
     response.force_close()
     return response
+
+
+def _limit(name: str, value: int) -> str:
+    """The limit `name` (an argument of `serve`) as the server's refusals name it."""
+    return f"the server's {name} ({LIMIT_FLAGS[name]}) {value}"
 
 
 def _authorized(header: str | None, token: str) -> bool:
@@ -80,6 +104,11 @@ def _authorized(header: str | None, token: str) -> bool:
 @final
 class _Truncated(Exception):
     """The body ended before its Content-Length."""
+
+
+@final
+class _OverCapacity(Exception):
+    """The body's next bytes would take the server past its `max_total_bytes`."""
 
 
 _LOGGED_CLIENT_BYTES = 120
@@ -103,22 +132,40 @@ class _OneLineProtocolErrors(logging.Filter):
         return True
 
 
-async def _read_body(request: web.Request, length: int) -> npt.NDArray[np.uint8]:
+async def _read_body(request: web.Request, length: int, hold: "_Hold") -> npt.NDArray[np.uint8]:
     """The `length` body bytes, into one writable buffer (the decoded arrays are views of it).
 
     `np.empty` reserves address space only: memory is committed as the bytes arrive, so a
-    client that announces a large body and sends nothing costs nothing.
+    client that announces a large body and sends nothing costs nothing. Each chunk is
+    counted in `hold` as it arrives (what the buffer then holds), or `_OverCapacity` is
+    raised when the server holds too much already. A body not read to its end gives its
+    bytes back at once: `asyncio.wait_for` runs this as a task of its own, whose handler
+    resumes only on a later turn of the loop, while other bodies go on arriving.
     """
     buffer = np.empty(length, dtype=np.uint8)
-    view = buffer.data
     filled = 0
-    while filled < length:
-        chunk = await request.content.readany()
-        if not chunk or filled + len(chunk) > length:
-            raise _Truncated
-        view[filled : filled + len(chunk)] = chunk
-        filled += len(chunk)
+    try:
+        while filled < length:
+            chunk = await request.content.readany()
+            if not chunk or filled + len(chunk) > length:
+                raise _Truncated
+            if not hold.take(len(chunk)):
+                raise _OverCapacity
+            buffer[filled : filled + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            filled += len(chunk)
+    except BaseException:
+        del buffer  # the exception's traceback keeps this frame, which would keep the buffer
+        hold.release()
+        raise
     return buffer
+
+
+def _beyond_body(parsed: WireRequest, body: npt.NDArray[np.uint8]) -> int:
+    """The bytes `parsed` takes besides its body's: the float32 samples that uint8 ones
+    become, and arrays copied because they arrived unaligned."""
+    arrays = [parsed.samples, *parsed.leaves()]
+    copied = sum(array.nbytes for array in arrays if not np.may_share_memory(array, body))
+    return int(copied + (4 * parsed.samples.size if parsed.uint8 else 0))
 
 
 def make_app(
@@ -128,6 +175,10 @@ def make_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS,
+    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+    max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+    max_total_rows: int = DEFAULT_MAX_TOTAL_ROWS,
 ) -> web.Application:
     """The aiohttp application serving `reward`.
 
@@ -138,15 +189,23 @@ def make_app(
     non-finite scores, gives a 500 naming it; the server keeps serving after any request.
 
     A `/score` request is refused before its body is read, and its connection closed, when
-    the token is wrong (401), it has no Content-Length (411), the Content-Length exceeds
-    `max_request_bytes` (413) or `max_concurrent_requests` are already held (503). A body
-    that takes longer than `read_timeout` gets 408 and its connection is closed. The body is
-    read into one buffer and the arrays are views of it, so a request holds about one body
-    of memory (two at most, for arrays that arrive unaligned) until it is scored, plus the
-    float32 samples when they arrive as uint8. Every array must hold at least one element
-    and be of a real float or integer dtype (rows also bool or strings), else 400, so no
-    declared axis exceeds `max_request_bytes` and the reward never sees complex, datetime or
-    empty arrays.
+    the token is wrong (401), it has no Content-Length (411), or the Content-Length exceeds
+    `max_request_bytes` or `max_total_bytes` (413). A body that takes longer than
+    `read_timeout` gets 408 and its connection is closed. The body is read into one buffer,
+    each chunk counted as it arrives against `max_total_bytes` across all requests (429
+    beyond), and the arrays are views of it. Once the whole body has arrived it is checked
+    (400 for anything that is not the wire format) and held to the limits: more than
+    `max_request_rows` rows or `max_decoded_bytes` of arrays as the reward gets them (uint8
+    samples count as the float32 they become) get 413; `max_concurrent_requests` requests
+    already waiting for or in the reward give 503; its rows or bytes on top of those held
+    past `max_total_rows` or `max_total_bytes` give 429. Only then does it take a place, so
+    clients that send their bodies slowly cannot keep a fair request from the reward. Every
+    refusal by a limit names it (and its flag) in its message and as `"limit"`.
+
+    So the request data the server holds at once never exceed `max_total_bytes` (plus
+    arrays that arrive unaligned, copied while a body is parsed, at most one body each); the
+    reward's own working memory for the one request it scores comes on top. uint8 samples
+    become float32 on the reward's thread, just before the reward is called.
 
     **Arguments:**
 
@@ -154,7 +213,15 @@ def make_app(
     - `token`: if set, `/score` requires `Authorization: Bearer <token>`.
     - `max_request_bytes`: the largest request body accepted (413 beyond).
     - `read_timeout`: seconds a request's body may take to arrive (408 beyond).
-    - `max_concurrent_requests`: `/score` requests held at once (503 beyond).
+    - `max_concurrent_requests`: `/score` requests with whole bodies held at once (503
+        beyond).
+    - `max_request_rows`: the most rows (samples) in one request (413 beyond).
+    - `max_decoded_bytes`: the most bytes of one request's arrays as the reward gets them
+        (413 beyond).
+    - `max_total_bytes`: the most bytes of request data held at once (429 beyond; 413 for a
+        request that alone needs more).
+    - `max_total_rows`: the most rows waiting for or in the reward at once (429 beyond; 413
+        for a request that alone holds more).
 
     **Returns:**
 
@@ -162,15 +229,28 @@ def make_app(
 
     **Raises:**
 
-    - `ValueError`: naming the argument, for a non-positive `max_request_bytes`,
-        `read_timeout` or `max_concurrent_requests`, or an empty `token`.
+    - `ValueError`: naming the argument, for a non-positive limit or `read_timeout`, or an
+        empty `token`.
     """
     check_int("max_request_bytes", max_request_bytes, 1)
     check_number("read_timeout", read_timeout, minimum=0, include_minimum=False)
     check_int("max_concurrent_requests", max_concurrent_requests, 1)
+    check_int("max_request_rows", max_request_rows, 1)
+    check_int("max_decoded_bytes", max_decoded_bytes, 1)
+    check_int("max_total_bytes", max_total_bytes, 1)
+    check_int("max_total_rows", max_total_rows, 1)
     if token is not None and not token:
         raise ValueError("`token` must be None or a non-empty string.")
-    server = _Server(reward, token, max_request_bytes, read_timeout, max_concurrent_requests)
+    limits = _Limits(
+        max_request_bytes=max_request_bytes,
+        read_timeout=read_timeout,
+        max_concurrent_requests=max_concurrent_requests,
+        max_request_rows=max_request_rows,
+        max_decoded_bytes=max_decoded_bytes,
+        max_total_bytes=max_total_bytes,
+        max_total_rows=max_total_rows,
+    )
+    server = _Server(reward, token, limits)
     # The Content-Length check refuses large bodies before reading them; aiohttp's own limit
     # stays as a second guard.
     app = web.Application(client_max_size=max_request_bytes)
@@ -181,80 +261,139 @@ def make_app(
 
 
 @final
-class _Server:
-    """The handlers of `make_app`'s application, the limits they hold requests to, and the
-    one worker thread that calls the reward."""
+@dataclasses.dataclass(frozen=True)
+class _Limits:
+    """`make_app`'s limits, by their names as its arguments."""
 
-    def __init__(
-        self,
-        reward: FlowReward,
-        token: str | None,
-        max_request_bytes: int,
-        read_timeout: float,
-        max_concurrent_requests: int,
-    ):
+    max_request_bytes: int
+    read_timeout: float
+    max_concurrent_requests: int
+    max_request_rows: int
+    max_decoded_bytes: int
+    max_total_bytes: int
+    max_total_rows: int
+
+
+@final
+class _Hold:
+    """What one request holds of the server's totals: bytes (of its body as they arrive,
+    then of its decoded arrays) and, once admitted, rows and a place. Released once: when
+    its handler ends, or, once it is handed to the reward's thread, when that is done."""
+
+    def __init__(self, server: "_Server"):
+        self.server = server
+        self.bytes = 0
+        self.rows = 0
+        self.placed = False
+        self.handed_over = False
+        self.released = False
+
+    def take(self, count: int) -> bool:
+        """Count `count` more bytes, unless the server would then hold more than its
+        `max_total_bytes`; whether they were counted."""
+        server = self.server
+        if server.bytes_held + count > server.limits.max_total_bytes:
+            return False
+        server.bytes_held += count
+        self.bytes += count
+        return True
+
+    def admit(self, rows: int) -> None:
+        """Take a place for a request of `rows` rows."""
+        self.server.rows_held += rows
+        self.server.placed += 1
+        self.rows = rows
+        self.placed = True
+
+    def release(self) -> None:
+        """Give back everything held (once)."""
+        if self.released:
+            return
+        self.released = True
+        self.server.bytes_held -= self.bytes
+        self.server.rows_held -= self.rows
+        self.server.placed -= int(self.placed)
+
+
+@final
+class _Server:
+    """The handlers of `make_app`'s application, the limits they hold requests to, what the
+    requests hold of them, and the one worker thread that calls the reward."""
+
+    def __init__(self, reward: FlowReward, token: str | None, limits: _Limits):
         self.reward = reward
         self.name = reward_name(reward)
         self.token = token
-        self.max_request_bytes = max_request_bytes
-        self.read_timeout = read_timeout
-        self.max_concurrent_requests = max_concurrent_requests
+        self.limits = limits
         self.scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        self.held = 0
+        self.placed = 0  # requests waiting for or in the reward
+        self.rows_held = 0  # their rows
+        self.bytes_held = 0  # bodies as they arrive, and the arrays of those requests
 
     async def health(self, request: web.Request) -> web.Response:
         del request
         return web.json_response({"status": "ok", "reward": self.name})
 
     async def score_batch(self, request: web.Request) -> web.StreamResponse:
-        """`POST /score`: refused before its body is read, or scored."""
+        """`POST /score`: refused before its body is read, refused by a limit once it has
+        arrived, or scored."""
         refusal = self._refusal_before_reading(request)
         if refusal is not None:
             return refusal
         length = request.content_length
         assert length is not None  # refused above otherwise
-        self.held += 1
+        hold = _Hold(self)
         try:
-            return await self._score(request, length)
+            return await self._score(request, length, hold)
         finally:
-            self.held -= 1
+            if not hold.handed_over:
+                hold.release()
 
     def _refusal_before_reading(self, request: web.Request) -> web.Response | None:
         """The reply to a request refused before its body is read (wrong token, no or too
-        large Content-Length, too many requests held), or `None`."""
+        large Content-Length), or `None`."""
         token = self.token
         if token is not None and not _authorized(request.headers.get("Authorization"), token):
             return _refusal(401, "unauthorized", "missing or wrong bearer token.")
         length = request.content_length
         if length is None:
             return _refusal(411, "length_required", "send the body with a Content-Length.")
-        if length > self.max_request_bytes:
-            return _refusal(
-                413,
-                "too_large",
-                f"the body's Content-Length {length} exceeds the server's "
-                f"max_request_bytes {self.max_request_bytes}.",
-            )
-        if self.held >= self.max_concurrent_requests:
-            response = _refusal(
-                503, "busy", f"{self.max_concurrent_requests} requests are already being served."
-            )
-            response.headers["Retry-After"] = "1"
-            return response
+        limits = self.limits
+        for name, value in (
+            ("max_request_bytes", limits.max_request_bytes),
+            ("max_total_bytes", limits.max_total_bytes),
+        ):
+            if length > value:
+                return _refusal(
+                    413,
+                    "too_large",
+                    f"the body's Content-Length {length} exceeds {_limit(name, value)}.",
+                    name,
+                )
         return None
 
-    async def _score(self, request: web.Request, length: int) -> web.StreamResponse:
+    async def _score(self, request: web.Request, length: int, hold: _Hold) -> web.StreamResponse:
+        limits = self.limits
         try:
-            body = await asyncio.wait_for(_read_body(request, length), self.read_timeout)
+            body = await asyncio.wait_for(_read_body(request, length, hold), limits.read_timeout)
         except TimeoutError:
             response = _refusal(
-                408, "read_timeout", f"the body did not arrive within {self.read_timeout:g} s."
+                408, "read_timeout", f"the body did not arrive within {limits.read_timeout:g} s."
             )
             # Answer, then drop the connection at once: its client is too slow to wait for.
             await response.prepare(request)
             await response.write_eof()
             request.protocol.force_close()
             return response
+        except _OverCapacity:
+            return _refusal(
+                429,
+                "over_capacity",
+                f"the server already holds {self.bytes_held} bytes of requests; this body's "
+                f"{length} would pass {_limit('max_total_bytes', limits.max_total_bytes)}: "
+                "retry later.",
+                "max_total_bytes",
+            )
         except (_Truncated, ConnectionError):
             # A connection lost mid-body (a reset, or a client that gave up) is answered as
             # one that ended early, if its client can still read.
@@ -262,21 +401,102 @@ class _Server:
         loop = asyncio.get_running_loop()
         try:
             if length <= _DECODE_ON_LOOP_BYTES:
-                samples, rows = decode_request(body)
+                parsed = parse_request(body)
             else:
-                samples, rows = await loop.run_in_executor(None, decode_request, body)
+                parsed = await loop.run_in_executor(None, parse_request, body)
         except WireError as error:
             return _error(400, error.kind, str(error))
+        refusal = self._admit(parsed, _beyond_body(parsed, body), hold)
         del body  # the arrays keep what they view
+        if refusal is not None:
+            return refusal
+        future = self.scorer.submit(_score_decoded, self.reward, parsed)
+        del parsed
+        hold.handed_over = True
+        future.add_done_callback(functools.partial(_release_on, loop, hold))
         try:
-            scores = await loop.run_in_executor(self.scorer, score, self.reward, samples, rows)
+            scores = await asyncio.wrap_future(future)
         except RewardError as error:
             return _error(500, "reward_failed", str(error))
         return web.Response(body=npy_bytes(scores), content_type=NPY_CONTENT_TYPE)
 
+    def _admit(self, parsed: WireRequest, beyond: int, hold: _Hold) -> web.Response | None:
+        """Give the request whose body `hold` holds a place, with `beyond` more bytes for
+        its arrays, or the reply that refuses it: 413 for what no wait can help, 503 when
+        every place is taken, 429 when the rows or bytes held would pass their totals."""
+        limits = self.limits
+        rows = parsed.count
+        decoded = parsed.decoded_bytes()
+        too_large = [
+            (rows > limits.max_request_rows, "max_request_rows", f"{rows} rows"),
+            (decoded > limits.max_decoded_bytes, "max_decoded_bytes", self._decoded(parsed)),
+            (rows > limits.max_total_rows, "max_total_rows", f"{rows} rows"),
+            (
+                hold.bytes + beyond > limits.max_total_bytes,
+                "max_total_bytes",
+                f"{hold.bytes + beyond} bytes with its body",
+            ),
+        ]
+        for over, name, what in too_large:
+            if over:
+                value = getattr(limits, name)
+                message = f"the request holds {what}, over {_limit(name, value)}."
+                return _error(413, "too_large", message, name)
+        if self.placed >= limits.max_concurrent_requests:
+            return _error(
+                503,
+                "busy",
+                f"{self.placed} requests are already being served "
+                f"({_limit('max_concurrent_requests', limits.max_concurrent_requests)}).",
+                "max_concurrent_requests",
+            )
+        if self.rows_held + rows > limits.max_total_rows:
+            return _error(
+                429,
+                "over_capacity",
+                f"the requests being served hold {self.rows_held} rows; this one's {rows} "
+                f"would pass {_limit('max_total_rows', limits.max_total_rows)}: retry later.",
+                "max_total_rows",
+            )
+        if not hold.take(beyond):
+            return _error(
+                429,
+                "over_capacity",
+                f"the server already holds {self.bytes_held} bytes of requests; this one's "
+                f"{beyond} more for its arrays would pass "
+                f"{_limit('max_total_bytes', limits.max_total_bytes)}: retry later.",
+                "max_total_bytes",
+            )
+        hold.admit(rows)
+        return None
+
+    @staticmethod
+    def _decoded(parsed: WireRequest) -> str:
+        """The bytes of `parsed`'s arrays as the reward gets them, in words."""
+        samples = parsed.samples
+        how = f"uint8 samples {samples.shape}, as float32" if parsed.uint8 else "arrays"
+        return f"{parsed.decoded_bytes()} bytes of {how}"
+
     async def stop_scorer(self, app: web.Application) -> None:
         del app
         self.scorer.shutdown(wait=False, cancel_futures=True)
+
+
+def _score_decoded(reward: FlowReward, parsed: WireRequest) -> npt.NDArray[np.float64]:
+    """`score` on the reward's thread: uint8 samples become float32 only now, so that a
+    request waiting for the reward holds only its body."""
+    samples, rows = parsed.decoded()
+    return score(reward, samples, rows)
+
+
+def _release_on(loop: asyncio.AbstractEventLoop, hold: _Hold, future: Future[Any]) -> None:
+    """Release `hold` on `loop` once the reward's thread is done with its request (or it
+    was dropped before its turn)."""
+    del future
+    try:
+        loop.call_soon_threadsafe(hold.release)
+    except RuntimeError:  # the loop has closed: nothing is served, nothing is counted
+        pass
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -391,6 +611,10 @@ def serve(
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     allow_unauthenticated: bool = False,
+    max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS,
+    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+    max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+    max_total_rows: int = DEFAULT_MAX_TOTAL_ROWS,
 ) -> None:
     """Serve `reward` until SIGINT or SIGTERM.
 
@@ -412,9 +636,12 @@ def serve(
     - `ready`: called with the bound port once the server accepts requests.
     - `max_request_bytes`: the largest request body accepted (413 beyond).
     - `read_timeout`: seconds for a request's head, and then its body, to arrive.
-    - `max_concurrent_requests`: `/score` requests held at once (503 beyond).
+    - `max_concurrent_requests`: `/score` requests with whole bodies held at once (503
+        beyond).
     - `max_connections`: open connections kept; the longest-idle one is closed beyond.
     - `allow_unauthenticated`: allow a `host` other than loopback without a `token`.
+    - `max_request_rows`, `max_decoded_bytes`, `max_total_bytes`, `max_total_rows`: as in
+        `make_app`.
 
     **Raises:**
 
@@ -439,6 +666,10 @@ def serve(
         max_request_bytes=max_request_bytes,
         read_timeout=read_timeout,
         max_concurrent_requests=max_concurrent_requests,
+        max_request_rows=max_request_rows,
+        max_decoded_bytes=max_decoded_bytes,
+        max_total_bytes=max_total_bytes,
+        max_total_rows=max_total_rows,
     )
     asyncio.run(
         _serve(app, reward_name(reward), host, port, token, ready, read_timeout, max_connections)
@@ -500,9 +731,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m flowgrpo_eqx.reward_server REWARD [--host H] [--port P] [--token T] ...`.
 
     Loads `REWARD` with `load_reward` and serves it with `serve` until SIGINT or SIGTERM.
-    The token defaults to the `FLOWGRPO_REWARD_TOKEN` environment variable; `serve`'s limits
-    are flags (`--max-request-bytes`, `--read-timeout`, `--max-concurrent-requests`,
-    `--max-connections`, `--allow-unauthenticated`).
+    The token defaults to the `FLOWGRPO_REWARD_TOKEN` environment variable (an empty
+    `--token` is refused); `serve`'s limits are flags (`--max-request-bytes`,
+    `--max-request-rows`, `--max-decoded-bytes`, `--max-total-bytes`, `--max-total-rows`,
+    `--read-timeout`, `--max-concurrent-requests`, `--max-connections`,
+    `--allow-unauthenticated`).
 
     **Arguments:**
 
@@ -514,9 +747,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     **Raises:**
 
-    - `SystemExit`: with status 2 and a usage message, for bad arguments, a reward that
-        cannot be loaded, a port outside 0..65535, or a host off loopback without a token
-        (see `serve`); with status 1 and one line, when the address cannot be listened on.
+    - `SystemExit`: with status 2 and a usage message, for bad arguments, an empty
+        `--token`, a reward that cannot be loaded, a port outside 0..65535, or a host off
+        loopback without a token (see `serve`); with status 1 and one line, when the address
+        cannot be listened on.
     """
     parser = argparse.ArgumentParser(
         prog="python -m flowgrpo_eqx.reward_server", description="Serve a reward over HTTP."

@@ -136,6 +136,21 @@ hardened_url = server_fixture(
         *("--max-concurrent-requests", "1", "--max-connections", "32"),
     )
 )
+# Small totals and per-request limits (the read timeout leaves a stalled body time to hold
+# its bytes through a test).
+TOTAL_BYTES = 300_000
+DECODED_LIMIT = 200_000
+limits_url = server_fixture(
+    reward_args(
+        "brightness",
+        *("--read-timeout", "20", "--max-total-bytes", str(TOTAL_BYTES)),
+        *("--max-decoded-bytes", str(DECODED_LIMIT), "--max-request-rows", "100"),
+    )
+)
+# A reward that sleeps when asked, two places and three rows in all.
+slow_limits_url = server_fixture(
+    reward_args("slow", "--max-concurrent-requests", "2", "--max-total-rows", "3")
+)
 
 
 def batch(count=6, shape=(8, 8, 3), seed=0, dtype=np.float32):
@@ -651,27 +666,144 @@ def test_lying_npy_headers_give_400_and_nothing_is_allocated(hardened_url, array
 
 
 @pytest.mark.sockets("serves or calls a reward over HTTP")
-def test_a_full_server_answers_503_and_health_still_answers(hardened_url):
-    samples, rows = batch(count=2)
-    good = encode_request(samples, rows)
-    with connect(hardened_url) as holder:
-        # Holds the only slot: a head and part of its body, then nothing until the timeout.
-        holder.sendall(head(Content_Length=len(good), Content_Type=_reward_wire.CONTENT_TYPE))
-        holder.sendall(good[:100])
-        statuses = []
-        for _ in range(10):  # the holder's head reaches its handler within a few tries
-            status, reply = post(hardened_url + "/score", good)
-            statuses.append(status)
-            if status == 503:
-                assert json.loads(reply)["error"] == "busy"
-                break
-            time.sleep(0.05)
-        assert statuses[-1] == 503, statuses
-        assert get_json(hardened_url + "/health")["status"] == "ok"
-        status, _ = status_and_error(until_closed(holder))
-        assert status == 408
-    got = fg.HttpReward(hardened_url)(samples, rows)
+def test_a_full_server_answers_503_or_429_naming_the_limit_and_health_still_answers(
+    slow_limits_url,
+):
+    """Only requests whose bodies have arrived take a place: one in the reward holds one of
+    the two places and two of the three rows; two more rows get 429, one more row waits in
+    the second place, and a fourth request gets 503."""
+    samples, _ = batch(count=2)
+
+    def request(count, sleep):
+        rows = {"sleep": np.full(count, sleep)}
+        return encode_request(samples[:count], rows)
+
+    replies = {}
+
+    def send(name, body):
+        replies[name] = post(slow_limits_url + "/score", body)
+
+    sleeping = threading.Thread(target=send, args=("sleeping", request(2, True)))
+    sleeping.start()
+    time.sleep(0.5)  # its body arrives and it takes a place in a few milliseconds
+    status, reply = post(slow_limits_url + "/score", request(2, False))
+    error = json.loads(reply)
+    assert status == 429 and error["error"] == "over_capacity", error
+    assert error["limit"] == "max_total_rows" and "--max-total-rows" in error["message"]
+    waiting = threading.Thread(target=send, args=("waiting", request(1, False)))
+    waiting.start()
+    time.sleep(0.5)
+    status, reply = post(slow_limits_url + "/score", request(1, False))
+    error = json.loads(reply)
+    assert status == 503 and error["error"] == "busy", error
+    assert error["limit"] == "max_concurrent_requests"
+    assert "--max-concurrent-requests" in error["message"]
+    assert get_json(slow_limits_url + "/health")["status"] == "ok"
+    sleeping.join(30)
+    waiting.join(30)
+    assert replies["sleeping"][0] == 200 and replies["waiting"][0] == 200
+    # Both places and every row are given back.
+    got = fg.HttpReward(slow_limits_url)(samples, {"sleep": np.zeros(2, bool)})
+    assert got.shape == (2,)
+
+
+@pytest.mark.sockets("serves or calls a reward over HTTP")
+def test_four_trickling_bodies_do_not_starve_a_real_client(brightness_url):
+    """Four clients that each announced a 1 MB body and sent a byte of it every 0.5 s took
+    every place (a place was taken before the body was read, and held up to the 30 s read
+    timeout): a real client got 503 "busy" three times within 1.5 s."""
+    slow = [connect(brightness_url) for _ in range(4)]
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.5):
+            for sock in slow:
+                try:
+                    sock.send(b"x")
+                except OSError:
+                    pass
+
+    for sock in slow:
+        sock.sendall(head(Content_Length=1_000_000, Content_Type=_reward_wire.CONTENT_TYPE))
+    trickling = threading.Thread(target=trickle, daemon=True)
+    trickling.start()
+    try:
+        time.sleep(0.5)  # every head has reached its handler
+        samples, rows = batch()
+        got = fg.HttpReward(brightness_url, timeout=5.0, retries=2)(samples, rows)
+        assert same_bits(got, reward_fixtures.brightness(samples, rows))
+    finally:
+        stop.set()
+        trickling.join(5)
+        for sock in slow:
+            sock.close()
+
+
+@pytest.mark.sockets("serves or calls a reward over HTTP")
+def test_rows_past_the_default_limit_get_413_naming_it(brightness_url, backoffs):
+    """200000 rows of 1x1 uint8 samples (a 200 kB body) were scored: 8.6 s of the one
+    scoring thread under a JPEG reward, and a body at the size limit would have held it for
+    hours. The default server refuses more than 65536 rows, naming the limit and its flag."""
+    count = 200_000
+    samples = np.zeros((count, 1, 1), np.float32)
+    rows = {
+        "offset": np.zeros(count),
+        "meta": {"index": np.arange(count, dtype=np.int32)},
+        "prompt": np.full(count, "p"),
+    }
+    remote = fg.HttpReward(brightness_url, images_as_uint8=True)
+    with pytest.raises(fg.RewardError, match="not retried.*HTTP 413") as raised:
+        remote(samples, rows)
+    said = str(raised.value)
+    assert "200000 rows" in said and "max_request_rows (--max-request-rows) 65536" in said
+    assert backoffs == []
+    assert get_json(brightness_url + "/health")["status"] == "ok"
+
+
+@pytest.mark.sockets("serves or calls a reward over HTTP")
+def test_decoded_bytes_past_the_limit_get_413_uint8_counted_as_float32(limits_url, backoffs):
+    """uint8 samples become float32, four times their bytes: a 188 MiB uint8 body took the
+    server from 205 MB to 5.4 GB. Their float32 bytes are held to max_decoded_bytes."""
+    grid, rows = batch(count=5, shape=(64, 64, 3))  # 245760 bytes as float32, 61440 as uint8
+    remote = fg.HttpReward(limits_url, images_as_uint8=True)
+    with pytest.raises(fg.RewardError, match="not retried.*HTTP 413") as raised:
+        remote(grid, rows)
+    said = str(raised.value)
+    assert "uint8 samples (5, 64, 64, 3), as float32" in said
+    assert f"max_decoded_bytes (--max-decoded-bytes) {DECODED_LIMIT}" in said
+    assert backoffs == []
+    fewer = {"offset": rows["offset"][:4], "meta": {"index": rows["meta"]["index"][:4]}}
+    fewer["prompt"] = rows["prompt"][:4]
+    assert remote(grid[:4], fewer).shape == (4,)
+    status, reply = post(limits_url + "/score", encode_request(np.zeros((101, 1)), None))
+    error = json.loads(reply)
+    assert status == 413 and error["limit"] == "max_request_rows", error
+
+
+@pytest.mark.sockets("serves or calls a reward over HTTP")
+def test_bytes_held_past_the_total_get_429_naming_it(limits_url, backoffs):
+    """Bodies arriving at once are counted as their bytes arrive, against max_total_bytes:
+    beyond it, 429 naming the limit (retried by HttpReward); once the bytes are given back,
+    the same request is scored."""
+    samples, rows = batch(count=3, shape=(64, 64, 3))  # 147456 bytes of float32 samples
+    with connect(limits_url) as stalled:
+        stalled.sendall(head(Content_Length=250_000, Content_Type=_reward_wire.CONTENT_TYPE))
+        stalled.sendall(bytes(200_000))
+        time.sleep(0.5)  # the server has read the 200000 bytes it holds
+        remote = fg.HttpReward(limits_url, timeout=5.0, retries=0)
+        with pytest.raises(fg.RewardError, match="HTTP 429") as raised:
+            remote(samples, rows)
+        said = str(raised.value)
+        assert "over_capacity" in said
+        assert f"max_total_bytes (--max-total-bytes) {TOTAL_BYTES}" in said
+    time.sleep(0.5)  # the stalled connection is closed and its bytes given back
+    got = remote(samples, rows)
     assert same_bits(got, reward_fixtures.brightness(samples, rows))
+    # A body that could never be held is refused by its Content-Length.
+    with connect(limits_url) as sock:
+        sock.sendall(head(Content_Length=TOTAL_BYTES + 1, Content_Type=_reward_wire.CONTENT_TYPE))
+        status, error = status_and_error(one_reply(sock))
+    assert status == 413 and error["limit"] == "max_total_bytes", error
 
 
 @pytest.mark.sockets("serves or calls a reward over HTTP")
@@ -710,6 +842,42 @@ def test_off_loopback_without_a_token_is_refused(monkeypatch, capsys):
     assert "no `token`" in refused.stderr and "serving" not in refused.stdout
 
 
+def test_an_empty_token_is_refused_naming_the_flag(monkeypatch, capsys):
+    """`serve-reward --token ''` served with no token and no warning."""
+    from tests.cli_helpers import run_cli
+
+    def no_binding(host, port):
+        raise AssertionError(f"bound {host}:{port}")
+
+    monkeypatch.setattr(reward_server, "_listening_socket", no_binding)
+    monkeypatch.delenv("FLOWGRPO_REWARD_TOKEN", raising=False)
+    arguments = ["tests.reward_fixtures:brightness", "--token", "", "--port", "0"]
+    refused = run_cli("serve-reward", *arguments)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert "`--token` is empty" in line and "serving" not in refused.stdout
+    with pytest.raises(SystemExit) as stopped:
+        reward_server.main(arguments)
+    assert stopped.value.code == 2
+    assert "`--token` is empty" in capsys.readouterr().err
+
+
+@pytest.mark.sockets("serves or calls a reward over HTTP")
+def test_a_url_ending_in_score_means_its_base_and_a_404_names_the_url(brightness_url, backoffs):
+    """`HttpReward("http://host:port/score")` posted to /score/score and said only
+    "HTTP 404 Not Found: 404: Not Found"."""
+    samples, rows = batch()
+    for given in (brightness_url + "/score", brightness_url + "/score/"):
+        remote = fg.HttpReward(given)
+        assert remote.url == brightness_url and remote.name == f"http:{brightness_url}"
+        assert same_bits(remote(samples, rows), reward_fixtures.brightness(samples, rows))
+    with pytest.raises(fg.RewardError, match="not retried.*HTTP 404") as raised:
+        fg.HttpReward(brightness_url + "/v1")(samples, rows)
+    assert f"POST {brightness_url}/v1/score" in str(raised.value)
+    assert "`url` must be the server's base URL" in str(raised.value)
+    assert backoffs == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "argument"),
     [
@@ -719,6 +887,10 @@ def test_off_loopback_without_a_token_is_refused(monkeypatch, capsys):
         ({"max_concurrent_requests": 0}, "max_concurrent_requests"),
         ({"max_connections": 0}, "max_connections"),
         ({"token": ""}, "token"),
+        ({"max_request_rows": 0}, "max_request_rows"),
+        ({"max_decoded_bytes": 0}, "max_decoded_bytes"),
+        ({"max_total_bytes": -1}, "max_total_bytes"),
+        ({"max_total_rows": 0}, "max_total_rows"),
     ],
 )
 def test_server_settings_checked(kwargs, argument, monkeypatch):

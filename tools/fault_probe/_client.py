@@ -132,6 +132,18 @@ def answer(data: bytes) -> Handler:
     return handle
 
 
+def answer_at(path: bytes, data: bytes) -> Handler:
+    """Read the request; send `data` if it is for `path`, else a plain 404; close."""
+
+    def handle(conn: socket.socket, stop: threading.Event) -> None:
+        del stop
+        request_line = read_request(conn).split(b"\r\n", 1)[0].split(b" ")
+        found = len(request_line) == 3 and request_line[1] == path
+        conn.sendall(data if found else reply_bytes("404 Not Found", b"404: Not Found"))
+
+    return handle
+
+
 def answer_unread(data: bytes) -> Handler:
     """Send `data` without reading the request (e.g. to a TLS hello), then close."""
 
@@ -484,6 +496,26 @@ RECOVERING: tuple[tuple[str, Handler], ...] = (
 """(fault name, the first connection's handler): the retry must score."""
 
 
+def _url_of_the_endpoint(workdir: pathlib.Path) -> Judgement:
+    """`HttpReward("http://host:port/score")`: the URL of the endpoint, not the base. It once
+    posted to /score/score and got "HTTP 404 Not Found: 404: Not Found"; now it means the
+    base, and is scored."""
+    del workdir
+    with scripted(answer_at(b"/score", scores_reply())) as server:
+        called = call_client(server.url + "/score")
+    return judge_scored(called, server, 1)
+
+
+def _not_found_names_the_url(workdir: pathlib.Path) -> Judgement:
+    """A 404 for a URL with a path the server does not know: the error names the URL
+    requested and says `url` must be the base (not retried)."""
+    del workdir
+    with scripted(answer_at(b"/score", scores_reply())) as server:
+        called = call_client(server.url + "/v1")
+        requested = f"POST {server.url}/v1/score"
+    return judge_failed(called, (requested,), server, retried=False)
+
+
 def _chunked_scores(workdir: pathlib.Path) -> Judgement:
     """A 200 whose scores come chunked (no Content-Length): valid HTTP, so scored."""
     del workdir
@@ -503,6 +535,8 @@ def faults() -> list[Fault]:
         Fault("client", "401 for a wrong token", _wrong_token),
         Fault("client", "a chunked reply", _chunked_scores),
         Fault("client", "a server that never reads a 20 MB upload", _unread_upload),
+        Fault("client", "a URL ending in /score", _url_of_the_endpoint),
+        Fault("client", "404: a URL whose path the server lacks", _not_found_names_the_url),
     ]
     found += [
         Fault("client", name, functools.partial(_failing, handler, names, retried))

@@ -33,9 +33,20 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from flowgrpo_eqx._reward_wire import CONTENT_TYPE, MAGIC, encode_request, npy_bytes
+from flowgrpo_eqx import HttpReward, RewardError
+from flowgrpo_eqx._reward_wire import CONTENT_TYPE, MAGIC, TOKEN_ENV, encode_request, npy_bytes
+from flowgrpo_eqx.reward_limits import DEFAULT_MAX_TOTAL_BYTES
 
-from ._probe import Fault, Finding, Judgement, Verdict, environment, flowgrpo_eqx
+from ._probe import (
+    Fault,
+    Finding,
+    Judgement,
+    Verdict,
+    environment,
+    flowgrpo_eqx,
+    judge_refusal as judge_command_refusal,
+    run,
+)
 
 
 START_LIMIT = 90.0
@@ -702,33 +713,166 @@ def _trickled_body(workdir: pathlib.Path) -> Judgement:
 
 
 def _slow_uploads(workdir: pathlib.Path) -> Judgement:
-    """Three slow uploads at once with --max-concurrent-requests 2: the third gets 503 at
-    once, the two held get 408 after the read timeout, and /health answers throughout."""
+    """Three slow uploads at once with --max-concurrent-requests 2: a body still arriving
+    takes no place, so a fair request is scored meanwhile; the three get 408 after the read
+    timeout, and /health answers throughout."""
     body = valid_body()
     head = request_bytes(length=len(body))
     with serving(workdir, "--max-concurrent-requests", "2") as server:
-        held = [server.connect() for _ in range(2)]
+        held = [server.connect() for _ in range(3)]
         try:
             started = time.monotonic()
             for sock in held:
                 sock.sendall(head + body[:100])
             time.sleep(0.3)
-            extra = server.exchange(head + body[:100], limit=READ_TIMEOUT)
-            server.health("while two uploads are held")
+            fair = server.post(body)
+            server.health("while three uploads are held")
             late = [read_reply(sock, started) for sock in held]
         finally:
             for sock in held:
                 sock.close()
         server.health("after the fault")
-    judgement = judge_refusal(extra, ("already being served",))
-    if extra.status != 503:
-        return Judgement(judgement.verdict if judgement.verdict != "named" else "unnamed",
-                         f"the third upload got {judgement.detail}")  # fmt: skip
+    if fair.status != 200:
+        return Judgement("hang", f"a fair request got {fair.status}: {fair.said()[:160]}")
+    scored = judge_scores(fair, 2)
     statuses = [reply.status for reply in late]
-    if statuses != [408, 408] or max(r.seconds for r in late) > READ_TIMEOUT + 3:
+    if statuses != [408, 408, 408] or max(r.seconds for r in late) > READ_TIMEOUT + 3:
         seconds = [round(r.seconds, 1) for r in late]
-        return Judgement("hang", f"the held uploads got {statuses} after {seconds} s")
-    return Judgement("named", f"third: {judgement.detail}; held ones: 408; /health answered")
+        return Judgement("hang", f"the slow uploads got {statuses} after {seconds} s")
+    return Judgement("held", f"fair request: {scored.detail[:60]}; slow ones: 408")
+
+
+def _trickled_bodies_and_a_fair_client(workdir: pathlib.Path) -> Judgement:
+    """Four clients that each announce a 1 MB body and send a byte of it every 0.5 s, under
+    the default read timeout (30 s): a fair `HttpReward(timeout=5, retries=2)` must still be
+    scored (they once took every place, and it got 503 three times in 1.5 s)."""
+    head = request_bytes(length=1_000_000)
+    with serving(workdir, "--read-timeout", "30") as server:
+        slow = [server.connect() for _ in range(4)]
+        stop = threading.Event()
+
+        def trickle() -> None:
+            while not stop.wait(0.5):
+                for sock in slow:
+                    with contextlib.suppress(OSError):
+                        sock.send(b"x")
+
+        trickling = threading.Thread(target=trickle, daemon=True)
+        try:
+            for sock in slow:
+                sock.sendall(head)
+            trickling.start()
+            time.sleep(0.5)
+            started = time.monotonic()
+            client = HttpReward(f"http://127.0.0.1:{server.port}", timeout=5.0, retries=2)
+            try:
+                scores = client(images(), {"tokens": tokens()})
+            except RewardError as error:
+                said = " ".join(str(error).split())[:200]
+                raise Finding("hang", f"a fair client was not scored: {said}") from None
+            seconds = time.monotonic() - started
+            server.health("while four bodies trickle")
+        finally:
+            stop.set()
+            if trickling.is_alive():
+                trickling.join(2.0)
+            for sock in slow:
+                sock.close()
+        server.health("after the fault")
+    return Judgement("held", f"a fair client scored {scores.size} in {seconds:.2f} s meanwhile")
+
+
+def _too_many_rows(make: Callable[[], npt.NDArray[Any]], workdir: pathlib.Path) -> Judgement:
+    """More rows than the default --max-request-rows (65536), sent as uint8: 413 naming the
+    limit, without the reward's thread spending a moment on them."""
+    samples = make()
+    count = samples.shape[0]
+    body = encode_request(samples, {"tokens": tokens(count)}, images_as_uint8=True)
+    with serving(workdir) as server:
+        reply = server.post(body)
+        server.health("after the fault")
+    return judge_refusal(reply, ("max_request_rows",), status=413)
+
+
+def _many_images(workdir: pathlib.Path) -> Judgement:
+    """70000 uint8 images the reward would score, with their prompts: more rows than the
+    default --max-request-rows (65536), so 413 naming it (once they were scored)."""
+    count = 70_000
+    samples = npy_bytes(np.full((count, *IMAGE_SHAPE), 128, np.uint8))
+    body = wire([("samples", samples), ("rows/tokens", npy_bytes(tokens(count)))], samples="uint8")
+    with serving(workdir) as server:
+        reply = server.post(body)
+        server.health("after the fault")
+    return judge_refusal(reply, ("max_request_rows",), status=413)
+
+
+def _grey_pixels(count: int) -> npt.NDArray[np.float32]:
+    """`count` 1x1 grey "images" `[count, 1, 1]`: a row per byte once sent as uint8."""
+    return np.zeros((count, 1, 1), np.float32)
+
+
+BIG_UINT8_SHAPE = (16000, 64, 64, 3)
+"""The issue's large body: 188 MiB of uint8 images, 752 MiB as the float32 the reward gets."""
+BIG_BODY_MULTIPLE = 1.25
+"""The most a refused 188 MiB uint8 body may grow the server's peak memory, in bodies
+(docs/reward_server.md gives the measured figure)."""
+
+
+def _big_uint8_body() -> bytes:
+    """A request of `BIG_UINT8_SHAPE` uint8 images, without rows."""
+    samples = npy_bytes(np.zeros(BIG_UINT8_SHAPE, np.uint8))
+    return wire([("samples", samples)], samples="uint8", rows="none")
+
+
+def _big_uint8_bodies(count: int, workdir: pathlib.Path) -> Judgement:
+    """`count` bodies of 188 MiB uint8 images at once to the default server: each gets 413
+    naming --max-decoded-bytes (752 MiB as float32, over 256 MiB) or, while others are
+    held, 429 naming --max-total-bytes; the server's peak memory grows by at most
+    `BIG_BODY_MULTIPLE` bodies for one, and by the default --max-total-bytes (512 MiB) and
+    one body for several."""
+    data = request_bytes(_big_uint8_body())
+    with serving(workdir, "--read-timeout", "30") as server:
+        before = server.peak_memory()
+        replies: list[Reply | BaseException] = []
+
+        def send() -> None:
+            try:
+                replies.append(server.exchange(data, limit=60.0))
+            except BaseException as error:  # noqa: BLE001 - handed back to the probe
+                replies.append(error)
+
+        senders = [threading.Thread(target=send, daemon=True) for _ in range(count)]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join(90.0)
+        grown = server.peak_memory() - before
+        server.health("after the fault")
+    if len(replies) != count:
+        raise Finding("hang", f"{count - len(replies)} of {count} bodies got no reply in 90 s")
+    judgements = []
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            raise reply
+        names = ("max_decoded_bytes", "max_total_bytes")
+        judgement = judge_refusal(reply, names)
+        if judgement.verdict != "named" or reply.status not in (413, 429):
+            return judgement
+        judgements.append(f"{reply.status} {json.loads(reply.body)['limit']}")
+    body = len(data)
+    bound = BIG_BODY_MULTIPLE * body if count == 1 else DEFAULT_MAX_TOTAL_BYTES + body
+    shown = f"peak memory grew {grown / body:.2f} bodies ({grown >> 20} MiB)"
+    if grown > bound:
+        return Judgement("accepted", f"{shown}, over {bound / body:.2f}; {judgements}")
+    return Judgement("named", f"{sorted(judgements)}; {shown}")
+
+
+def _empty_token(workdir: pathlib.Path) -> Judgement:
+    """`serve-reward --token ''`: refused, naming --token (it once served with no token)."""
+    command = flowgrpo_eqx("serve-reward", "partial", "--token", "", "--port", "0")
+    env = {k: v for k, v in environment().items() if k != TOKEN_ENV}
+    ran = run(command, timeout=START_LIMIT, cwd=workdir, env=env)
+    return judge_command_refusal(ran, limit=START_LIMIT, names=("--token",))
 
 
 def _disconnect_mid_body(workdir: pathlib.Path) -> Judgement:
@@ -852,7 +996,15 @@ HTTP_FAULTS: tuple[tuple[str, Callable[[pathlib.Path], Judgement]], ...] = (
     ("keep-alive, then garbage", _keep_alive_then_garbage),
     ("a head trickled a byte per 0.2 s", _trickled_head),
     ("a body trickled a byte per 0.1 s", _trickled_body),
-    ("3 slow uploads, 2 allowed", _slow_uploads),
+    ("3 slow uploads, 2 places: a fair request scored meanwhile", _slow_uploads),
+    ("4 bodies of 1 MB trickled a byte per 0.5 s, then HttpReward",
+     _trickled_bodies_and_a_fair_client),
+    ("200000 rows of 1x1 uint8 samples (200 kB)",
+     functools.partial(_too_many_rows, lambda: _grey_pixels(200_000))),
+    ("70000 rows of 16x16 uint8 images (54 MB)", _many_images),
+    ("a 188 MiB body of uint8 (16000, 64, 64, 3)", functools.partial(_big_uint8_bodies, 1)),
+    ("four 188 MiB uint8 bodies at once", functools.partial(_big_uint8_bodies, 4)),
+    ("serve-reward --token ''", _empty_token),
     ("a reset halfway through a body", _disconnect_mid_body),
     ("60 idle connections, 8 allowed", _idle_flood),
     ("/health during a 4000-image batch", _health_during_decode),
