@@ -32,6 +32,8 @@ import hypothesis
 import jax
 import pytest
 
+from tests import suite_parts
+
 
 # The suite's programs are small and most of its time is XLA compiling them: LLVM at -O0 and
 # XLA's classic CPU fusion code generator compile them about three times faster. Both compute
@@ -129,10 +131,11 @@ def _accelerator_skips() -> dict[str, str]:
     }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Long files first (`LONGEST_FILES`); in a mutation run, the tests by the duration mutmut
     recorded for each instead. On a TPU, the tests marked `several_processes` or `sockets`
-    are skipped with their marker's reason and the machine's."""
+    are skipped with their marker's reason and the machine's. With `FLOWGRPO_TEST_PART=K/N`,
+    only part K of N runs (`tests.suite_parts`)."""
     skips = _accelerator_skips()
     for item in items:
         for name, why in skips.items():
@@ -143,9 +146,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     stats = pathlib.Path("mutmut-stats.json")
     if not MUTATION_RUN or not stats.exists():
         items[:] = _file_order(items)
+        _keep_part(config, items)
         return
     durations = json.loads(stats.read_text())["duration_by_test"]
     items.sort(key=lambda item: durations.get(item.nodeid, float("inf")))
+
+
+def _keep_part(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect every test outside `FLOWGRPO_TEST_PART`'s part, if it is set."""
+    value = os.environ.get(suite_parts.VARIABLE)
+    if not value:
+        return
+    part, count = suite_parts.parse_part(value)
+    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
+    kept = suite_parts.files_of_part(files, part, count)
+    dropped = [item for item in items if item.nodeid.split("::")[0] not in kept]
+    items[:] = [item for item in items if item.nodeid.split("::")[0] in kept]
+    config.hook.pytest_deselected(items=dropped)
 
 
 @pytest.fixture

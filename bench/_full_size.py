@@ -62,8 +62,9 @@ class Row:
     matmul_precision: str | None = None
 
 
-def _build(row: Row) -> tuple[Any, tuple[Any, ...]]:
-    """The model (abstract) and its abstract per-batch inputs."""
+def _build(row: Row, mmdit_config: dict[str, Any] | None = None) -> tuple[Any, tuple[Any, ...]]:
+    """The model (abstract) and its abstract per-batch inputs; `mmdit_config` replaces the
+    published SD3.5-Medium configuration (`bench.precision_programs`: fewer blocks)."""
     layout = dict(
         stacked=True,
         remat=row.remat,
@@ -74,7 +75,8 @@ def _build(row: Row) -> tuple[Any, tuple[Any, ...]]:
     b = row.batch
     f32 = jnp.float32
     if row.model == "sd35_medium":
-        config = {**MMDiT.sd35_medium_config(), "image_size": row.resolution // 8}
+        published = MMDiT.sd35_medium_config() if mmdit_config is None else mmdit_config
+        config = {**published, "image_size": row.resolution // 8}
         model = eqx.filter_eval_shape(MMDiT, **{**config, **layout}, key=key)
         side = row.resolution // 8
         x = jax.ShapeDtypeStruct((b, side, side, 16), f32)
@@ -137,9 +139,11 @@ def _lora_policy(model: Any) -> Any:
     )
 
 
-def program(row: Row) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """The row's function and its abstract arguments."""
-    model, (x, t, cond) = _build(row)
+def program(
+    row: Row, mmdit_config: dict[str, Any] | None = None
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The row's function and its abstract arguments (`mmdit_config`: as `_build`'s)."""
+    model, (x, t, cond) = _build(row, mmdit_config)
     target = jax.ShapeDtypeStruct(x.shape, jnp.float32)
     precision = row.matmul_precision
 

@@ -108,3 +108,36 @@ def test_readme_dew_table_has_a_row_for_every_argument():
         "collective_host",
     ):
         assert any(re.search(rf"\b{argument}\b", cell) for cell in first_cells), argument
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : len(text) if end < 0 else end]
+
+
+def test_the_first_screen_says_what_it_is_then_install_a_short_run_the_main_job_and_the_library():
+    text = README.read_text()
+    headings = re.findall(r"^## (.+)$", text, flags=re.M)
+    first = ["Install", "A one-minute run", "The main job", "The library in ten lines"]
+    assert headings[:4] == first
+    # What it is comes before any of them.
+    assert "library for **online RL fine-tuning" in text[: text.index("\n## Install\n")]
+    install = _section(text, "Install")
+    assert "git clone" in install and "python3 -m venv" in install and "pip install -e ." in install
+    assert "flowgrpo-eqx train --preset tiny" in _section(text, "A one-minute run")
+    main_job = _section(text, "The main job")
+    assert "flowgrpo-eqx train --out" in main_job
+    # Its time on a CPU and on a TPU, as ranges.
+    assert re.search(r"\d to \d+ minutes on one TPU", main_job)
+    assert "minutes on a 2-core CPU" in main_job and re.search(r"\d+ to \d+ s wall", main_job)
+    library = _section(text, "The library in ten lines")
+    code = re.search(r"```python\n(.*?)```", library, flags=re.S)
+    assert code is not None
+    lines = [line for line in code.group(1).splitlines() if line.strip()]
+    assert len(lines) <= 10
+    compile(code.group(1), "README: the library in ten lines", "exec")
+    # No dated lab figures on the first screen: they live in docs/performance.md.
+    first_screen = text[: text.index("\n## The library in ten lines\n")] + library
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", first_screen)
+    assert "this 2-core CPU" not in first_screen
