@@ -45,11 +45,12 @@ def lower_step(
     if jitted is None:
         # Should the private name change: the same `_update`, without donation.
 
-        def update(trainer_and_batch: Any, state: Any) -> Any:
-            return trainer_and_batch[0]._update(state, trainer_and_batch[1])
+        def update(trainer_batch_checked: Any, state: Any) -> Any:
+            return trainer_batch_checked[0]._update(state, *trainer_batch_checked[1:])
 
         jitted = eqx.filter_jit(update)
-    lowered = jitted.lower((trainer, batch), state).lowered
+    # `True`: the advantages checked on the host first, as `Trainer.update` does.
+    lowered = jitted.lower((trainer, batch, True), state).lowered
     return lowered.compile() if compile else lowered
 
 

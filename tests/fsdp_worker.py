@@ -208,7 +208,7 @@ def mmdit_report():
     )
     # The compiled step: `Trainer.update`'s own program, which the updates below then reuse.
     with _mesh_context(sharded_start):
-        lowered = _update_donating.lower((trainer, four_rows), sharded_start)
+        lowered = _update_donating.lower((trainer, four_rows, True), sharded_start)
         hlo = lowered.compile().compiled.as_text()
     weights, activations = all_gathers(hlo, weight_shapes(initial))
     sharded_state, sharded = train(trainer, sharded_start, four_rows)

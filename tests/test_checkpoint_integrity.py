@@ -662,3 +662,63 @@ def test_a_full_disk_inside_orbax_is_one_named_error_without_its_logged_tracebac
     assert str(folder(checkpoints, 4)) in str(caught.value)
     assert not [r for r in caplog.records if r.name in ("absl", "orbax")]
     assert logging.getLogger("absl").level != logging.CRITICAL
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_named(tmp_path):
+    """`Checkpointer("/etc/hostname").latest_metadata()` ended in pathlib's bare
+    NotADirectoryError."""
+    file = tmp_path / "hostname"
+    file.write_text("a-machine\n")
+    checkpoints = Checkpointer(file)
+    for call in (
+        checkpoints.latest_metadata,
+        checkpoints.paths,
+        checkpoints.latest,
+        lambda: checkpoints.restore_latest(make_state(0)),
+        lambda: checkpoints.save(1, make_state(1), {}),
+    ):
+        with pytest.raises(CheckpointError, match="is a file, not a folder") as caught:
+            call()
+        assert caught.value.path == file and str(file) in str(caught.value)
+    assert file.read_text() == "a-machine\n"
+
+
+FILE_SIZE_LIMITED_SAVES = """
+    import resource, sys
+    import jax.numpy as jnp
+    import numpy as np
+    from flowgrpo_eqx.train import Checkpointer
+
+    # Python ignores SIGXFSZ: a write past the limit fails with EFBIG. Several arrays, so
+    # that one write fails while TensorStore's others are still running.
+    limit = 100 * 1024
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    rng = np.random.default_rng(0)
+    state = {f"w{i}": jnp.asarray(rng.normal(size=100_000), jnp.float32) for i in range(4)}
+    state["n"] = rng.integers(0, 1 << 30, 200_000).astype(np.int32)
+    checkpoints = Checkpointer(sys.argv[1])
+    for step in range(1, 6):
+        try:
+            checkpoints.save(step, state, {})
+        except OSError as error:
+            print("REFUSED", error.errno, error, flush=True)
+"""
+
+
+@pytest.mark.several_processes("runs a process under a file-size limit")
+def test_a_file_size_limit_is_one_named_error_without_tracebacks_from_orbax_threads(tmp_path):
+    """A run under `ulimit -f 100` printed `RuntimeError: Event loop is closed` tracebacks from
+    TensorStore's threads (Orbax closed its event loop while other writes still ran) before
+    its error, which was TensorStore's `ValueError: OUT_OF_RANGE ...`."""
+    target = tmp_path / "checkpoints"
+    process = run_python(FILE_SIZE_LIMITED_SAVES, target)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "Event loop is closed" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    refused = stdout.splitlines()
+    assert len(refused) == 5, stdout
+    for step, line in enumerate(refused, 1):
+        assert line.startswith(f"REFUSED {errno.EFBIG} [Errno {errno.EFBIG}] File too large "), line
+        assert str(target / f"ckpt_{step:08d}") in line
+    # Each failed save removed its temporary folder, and no write came after the removal.
+    assert sorted(path.name for path in target.iterdir()) == []

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
+from flowgrpo_eqx.shapes_demo.task import ShapesTask
 from flowgrpo_eqx.train import load_model
 from tests.cli_helpers import (
     RESULT_FIELDS,
@@ -123,17 +124,27 @@ def test_two_processes_match_one_process(baseline, tmp_path):
         server.stop()
     assert result.returncode == 0, result.stdout[-3000:]
     config = make_config("tiny")
-    # One request per collect (epoch), each scoring every row of the global batch.
-    assert calls.read_text().split() == [str(config.rollout.rollout_rows)] * config.training.epochs
+    # One request per collect (epoch), each scoring every row of the global batch, and one
+    # per held-out measure (the base's, each due epoch's and the final one), as in process.
+    heldout = (
+        len(ShapesTask().rows("heldout")["tokens"]) * config.evaluation.eval_samples_per_prompt
+    )
+    expected = [heldout]
+    for epoch in range(1, config.training.epochs + 1):
+        expected.append(config.rollout.rollout_rows)
+        if epoch % config.evaluation.eval_every == 0 or epoch == config.training.epochs:
+            expected.append(heldout)
+    expected.append(heldout)
+    assert calls.read_text().split() == [str(count) for count in expected]
     for placement in placements(out):
         assert placement["processes"] == 2 and placement["devices"] == 2
         # The reward ran once per collect in total, on process 0.
         assert placement["reward_calls_per_process"] == [1, 0]
         # Each process held half of the rows of each batch.
         assert placement["rows_per_process"] == [placement["rows_total"] // 2] * 2
-    # The held-out measure scores its samples with the run's reward only where that is built
-    # in, never through a reward server.
-    assert_same_run(out, baseline, unmeasured=("heldout_train_reward",))
+    # The held-out measure scores its samples through the reward server too (on process 0),
+    # to what the baseline measures in process.
+    assert_same_run(out, baseline)
 
 
 @pytest.mark.several_processes("runs flowgrpo-eqx processes on simulated devices")

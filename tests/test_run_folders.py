@@ -50,6 +50,32 @@ def refused(finished_run, tmp_path, *flags):
     return result.stderr
 
 
+@pytest.mark.parametrize("command", ["train", "seeds", "pretrain", "eval"])
+def test_an_out_that_is_a_file_is_refused_saying_a_folder_is_needed(
+    finished_run, tmp_path, command
+):
+    """`--out` naming a file gave "[Errno 17] File exists" (eval: after measuring)."""
+    out, _ = finished_run
+    arguments = {
+        "train": TINY,
+        "seeds": (*TINY, "--seeds", "0,1"),
+        "pretrain": ("pretrain", "--preset", "tiny", "--quiet"),
+        "eval": ("eval", "--checkpoint", out / "policy.eqx", "--quiet"),
+    }[command]
+    blocker = tmp_path / "results"
+    blocker.write_text("notes\n")
+    for target, where in (
+        (blocker, "is a file"),
+        (blocker / "run", f"lies under {blocker}, which is a file"),
+    ):
+        result = run_cli(*arguments, "--out", target)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        (line,) = result.stderr.splitlines()
+        assert f"`--out` {target} {where}, not a folder: " in line
+        assert "Pass the path of a folder" in line
+    assert blocker.read_text() == "notes\n"
+
+
 def test_every_checkpoint_records_the_run_settings(finished_run):
     out, _ = finished_run
     metas = sorted((out / "checkpoints").glob("*/meta.json"))
@@ -215,16 +241,39 @@ def test_resuming_a_finished_run_whose_checkpoints_are_gone_is_refused(
     assert snapshot(copy) == before
 
 
-def test_resuming_a_run_whose_checkpoints_were_emptied_is_refused(finished_run, tmp_path):
+@pytest.mark.parametrize("left", ["an unfinished write", "nothing"])
+def test_resuming_a_run_without_a_complete_checkpoint_says_what_happened(
+    finished_run, tmp_path, left
+):
+    """A SIGKILL during a run's first checkpoint write (or a write that failed, say past a
+    file-size limit) left a folder whose --resume said it "holds a run that checkpointed, but
+    no checkpoint is left": no checkpoint had ever completed."""
     copy = copy_of(finished_run, tmp_path)
     for name in ("summary.json", "policy.eqx"):
         (copy / name).unlink()
-    for checkpoint in (copy / "checkpoints").iterdir():
-        shutil.rmtree(checkpoint)
+    checkpoints = copy / "checkpoints"
+    first = checkpoints / "ckpt_00000001"
+    for checkpoint in checkpoints.iterdir():
+        if checkpoint != first:
+            shutil.rmtree(checkpoint)
+    if left == "nothing":
+        shutil.rmtree(first)
+    else:
+        # The save writes into `.tmp-<step>` and renames it when complete; killed first.
+        (first / "meta.json").unlink()
+        first.rename(checkpoints / ".tmp-00000001")
     before = snapshot(copy)
     result = run_cli(*TINY, "--epochs", "2", "--resume", "--out", copy)
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "holds a run that checkpointed, but no checkpoint is left" in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert f"{copy} holds a run with no checkpoint to resume from: " in line
+    if left == "nothing":
+        assert f"its checkpoints folder {checkpoints} is empty" in line
+    else:
+        assert "stopped while writing its first checkpoint, which never completed" in line
+        assert str(checkpoints / ".tmp-00000001") in line
+    assert f"--replace (the old run moves to {copy.parent / 'run.replaced-1'})" in line
+    assert "checkpointed, but" not in line
     assert snapshot(copy) == before
 
 

@@ -6,17 +6,18 @@ the session's tiny base model; reward servers are real `flowgrpo-eqx serve-rewar
 """
 
 import json
+import shutil
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from flowgrpo_eqx.shapes_demo import make_config
+from flowgrpo_eqx.shapes_demo import cli as cli_module, make_config
 from flowgrpo_eqx.shapes_demo.config import config_to_toml
 from flowgrpo_eqx.shapes_demo.job import ShapesJob
 from flowgrpo_eqx.shapes_demo.parts import measures_train_reward
-from flowgrpo_eqx.train import MetricsLog
+from flowgrpo_eqx.train import MetricsLog, _checkpoint
 from tests.cli_helpers import (
     RewardServer,
     metrics_of,
@@ -66,13 +67,15 @@ def test_the_tiny_run_reports_held_out_figures_that_move(in_process):
         ({"reward": "partial"}, False),
         ({"reward": "jpeg_incompressibility"}, True),
         ({"reward_weights": "partial=1,jpeg_incompressibility=0.5"}, True),
-        ({"reward_url": "http://127.0.0.1:1"}, False),
+        ({"reward_url": "http://127.0.0.1:1"}, True),
         ({"custom_reward": "tests.cli_rewards:brightness"}, False),
     ],
 )
-def test_the_held_out_measure_scores_with_the_train_reward_only_when_built_in(settings, measured):
+def test_the_held_out_measure_scores_with_the_train_reward_but_the_checkers_or_the_users(
+    settings, measured
+):
     # The main job's default (the checker's partial and strict scores) is measured anyway; a
-    # reward server or the user's own reward is never called for it.
+    # reward server is asked (as for the rollouts), the user's own reward is never called.
     if "reward_weights" not in settings and settings:
         settings = {**settings, "reward_weights": None, "reward_combination": "sum"}
     assert measures_train_reward(make_config(**settings).rewards) is measured
@@ -104,6 +107,15 @@ def test_training_through_a_reward_server_matches_in_process(in_process, tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     assert result_of(out) == result_of(in_process)
     assert (out / "policy.eqx").read_bytes() == (in_process / "policy.eqx").read_bytes()
+    # The held-out train reward too: the run through the server wrote null for both.
+    served, local = (json.loads((f / "summary.json").read_text()) for f in (out, in_process))
+    for name in ("base_heldout_train_reward", "final_heldout_train_reward"):
+        assert served[name] == local[name] and local[name] is not None
+    heldout = [
+        [r.get("heldout_train_reward") for r in MetricsLog(f / "metrics.jsonl").read()]
+        for f in (out, in_process)
+    ]
+    assert heldout[0] == heldout[1]
 
 
 @pytest.mark.several_processes("serves a reward from a flowgrpo-eqx process")
@@ -218,6 +230,24 @@ def test_config_file_errors_name_the_key_and_file(tmp_path, text, named):
     assert "Traceback" not in result.stderr
 
 
+def test_a_config_file_that_is_not_utf8_text_is_named(in_process, tmp_path):
+    """A binary config.toml gave "'utf-8' codec can't decode byte 0xf1 ...", naming no file."""
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b"width = 16\n\xf1\xf2 = 3\n")
+    result = cli("train", "--config", str(path), "--print-config")
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert f"Config file {str(path)!r} is not UTF-8 text (byte(s) 0xf1 at offset 11)" in line
+    # A run folder's own config.toml, as eval reads it.
+    run = tmp_path / "run"
+    shutil.copytree(in_process, run)
+    (run / "config.toml").write_bytes(b"\xff\xfe" + (in_process / "config.toml").read_bytes())
+    result = cli("eval", "--run", run, "--quiet", "--out", tmp_path / "eval")
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert f"Config file {str(run / 'config.toml')!r} is not UTF-8 text" in line
+
+
 def test_eval_reads_the_run_folders_settings(in_process, tmp_path):
     summary = json.loads((in_process / "summary.json").read_text())
     final = {name: summary[f"final_{name}"] for name in ("accuracy", "reward", "diversity")}
@@ -232,6 +262,74 @@ def test_eval_reads_the_run_folders_settings(in_process, tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"Settings from {in_process / 'config.toml'}." in result.stdout
         assert json.loads(result.stdout.splitlines()[-1]) == final
+
+
+@pytest.mark.parametrize("when", ["before the read", "during the read"])
+def test_eval_of_a_run_still_training_measures_its_newest_checkpoint(
+    in_process, tmp_path, monkeypatch, when
+):
+    """`eval --run` on a run still training failed 3 times in 3, with `[Errno 2] No such file
+    or directory: ... ckpt_000000NN` or naming the checkpoint as not fitting the model: the
+    run pruned the checkpoint eval had chosen while eval read it."""
+    run = tmp_path / "training"
+    shutil.copytree(in_process, run)
+    for name in ("policy.eqx", "summary.json"):
+        (run / name).unlink()
+    checkpoints = run / "checkpoints"
+    chosen = sorted(checkpoints.glob("ckpt_*"))[-1]
+    following = checkpoints / f"ckpt_{int(chosen.name[len('ckpt_') :]) + 1:08d}"
+    direct = cli("eval", "--checkpoint", chosen, "--quiet", "--out", tmp_path / "direct")
+    assert direct.returncode == 0, direct.stderr[-3000:]
+
+    def the_run_goes_on():
+        # It writes its next checkpoint (here the same state), then prunes the oldest kept.
+        shutil.copytree(chosen, following)
+        shutil.rmtree(chosen)
+
+    if when == "before the read":
+        resolve = cli_module.eval_target
+
+        def resolved_then_pruned(*args):
+            target = resolve(*args)
+            the_run_goes_on()
+            return target
+
+        monkeypatch.setattr(cli_module, "eval_target", resolved_then_pruned)
+    else:
+        check = _checkpoint.check_state_files
+
+        def pruned_while_read(folder, metadata):
+            if folder == chosen:
+                the_run_goes_on()
+            return check(folder, metadata)
+
+        monkeypatch.setattr(_checkpoint, "check_state_files", pruned_while_read)
+    result = cli("eval", "--run", run, "--quiet", "--out", tmp_path / "eval")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        f"{chosen.name} was pruned by the run (still training) while it was read; measuring "
+        f"its newest checkpoint, {following.name}." in result.stdout
+    )
+    assert json.loads(result.stdout.splitlines()[-1]) == json.loads(direct.stdout.splitlines()[-1])
+
+
+def test_eval_of_a_named_checkpoint_removed_while_read_says_so(in_process, tmp_path, monkeypatch):
+    """A checkpoint named on its own is not swapped for another when its run prunes it."""
+    copy = tmp_path / "training"
+    shutil.copytree(in_process, copy)
+    chosen = sorted((copy / "checkpoints").glob("ckpt_*"))[-1]
+    check = _checkpoint.check_state_files
+
+    def pruned_while_read(folder, metadata):
+        shutil.rmtree(folder)
+        return check(folder, metadata)
+
+    monkeypatch.setattr(_checkpoint, "check_state_files", pruned_while_read)
+    result = cli("eval", "--checkpoint", chosen, "--quiet", "--out", tmp_path / "eval")
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert f"{chosen} was removed while it was read: the run that wrote it is still" in line
+    assert "--run RUN_FOLDER" in line and "does not fit" not in line
 
 
 def test_eval_names_checkpoints_and_the_settings_that_do_not_fit(in_process, tmp_path):

@@ -394,6 +394,7 @@ def _configure_and_run(command: str, arguments: dict[str, Any]) -> int:
         if command == "eval":
             target = eval_target(arguments["checkpoint"], arguments["run"])
             arguments["checkpoint"] = target.policy
+            arguments["newest_of"] = target.newest_of
             if target.config_file is not None:
                 from_file = read_config_file(target.config_file)
                 print(f"Settings from {target.config_file}.", flush=True)
@@ -537,7 +538,9 @@ def _run(command: str, config: JobConfig, arguments: dict[str, Any]) -> int:
     elif command == "pretrain":
         run_pretrain(config, arguments["out"], quiet=arguments["quiet"])
     else:
-        run_eval(config, arguments["checkpoint"], arguments["out"])
+        run_eval(
+            config, arguments["checkpoint"], arguments["out"], newest_of=arguments["newest_of"]
+        )
     return 0
 
 

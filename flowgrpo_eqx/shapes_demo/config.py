@@ -344,12 +344,20 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     **Raises:**
 
-    - `ValueError`: naming the file and the key, for a file that is not TOML, an unknown
-        setting, or a value of the wrong type.
+    - `ValueError`: naming the file (and the key), for a file that cannot be read, is not
+        UTF-8 text or not TOML, names an unknown setting, or gives a value of the wrong
+        type.
     """
     try:
         with open(path, "rb") as handle:
             table = tomllib.load(handle)
+    except UnicodeDecodeError as error:
+        bad = error.object[error.start : error.end].hex(" ")
+        raise ValueError(
+            f"Config file {os.fspath(path)!r} is not UTF-8 text (byte(s) 0x{bad} at offset "
+            f"{error.start}): a config file is TOML text, as `flowgrpo-eqx train` writes a "
+            "run's config.toml (see --print-config)."
+        ) from error
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ValueError(f"Config file {os.fspath(path)!r}: {error}") from error
     values: dict[str, Any] = {}

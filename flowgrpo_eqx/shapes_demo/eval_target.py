@@ -26,34 +26,43 @@ class EvalTarget:
 
     - `policy`: `policy.eqx`, `policy.lora`, a `base_<fingerprint>.eqx` or a `ckpt_<n>` folder.
     - `config_file`: the run's `config.toml`, or `None` when the policy lies in no run folder.
+    - `newest_of`: the run's `checkpoints` folder, when `policy` is the newest checkpoint in
+        it, chosen for `--run` of a run that has exported no policy (yet): a run still
+        training prunes its older checkpoints, perhaps this one while it is read, and eval
+        then measures the newest one again. `None` for a policy named on its own.
     """
 
     policy: pathlib.Path
     config_file: pathlib.Path | None
+    newest_of: pathlib.Path | None = None
 
 
 def checkpoint_folders(folder: pathlib.Path) -> list[pathlib.Path]:
-    """The `ckpt_<n>` folders in `folder`, oldest first (empty if none or no folder)."""
-    if not folder.is_dir():
+    """The `ckpt_<n>` folders in `folder`, oldest first (empty if none or no folder; a folder
+    removed while it is listed, by the run that writes it, is left out)."""
+    try:
+        entries = list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
         return []
     found = [
         path
-        for path in folder.iterdir()
-        if path.is_dir()
-        and path.name.startswith(_CHECKPOINT_PREFIX)
+        for path in entries
+        if path.name.startswith(_CHECKPOINT_PREFIX)
         and path.name[len(_CHECKPOINT_PREFIX) :].isdigit()
+        and path.is_dir()
     ]
     return sorted(found, key=lambda path: int(path.name[len(_CHECKPOINT_PREFIX) :]))
 
 
-def _run_policy(run: pathlib.Path) -> pathlib.Path:
+def _run_policy(run: pathlib.Path) -> EvalTarget:
     """The exported policy of a run folder, else its newest checkpoint."""
+    config_file = run / CONFIG_FILE
     for name in POLICY_FILES:
         if (run / name).is_file():
-            return run / name
+            return EvalTarget(run / name, config_file)
     kept = checkpoint_folders(run / "checkpoints")
     if kept:
-        return kept[-1]
+        return EvalTarget(kept[-1], config_file, newest_of=run / "checkpoints")
     raise ValueError(
         f"`--run` {run} holds no {' or '.join(POLICY_FILES)} and no checkpoints/ckpt_<n> "
         "folder: the run has neither finished nor checkpointed."
@@ -78,8 +87,8 @@ def eval_target(checkpoint: str | None, run: str | None) -> EvalTarget:
     - `checkpoint`: `--checkpoint`: a policy file, a base model, a `ckpt_<n>` folder, or a
         run folder; `None` if not given.
     - `run`: `--run`: a run folder (one holding `config.toml`); its `policy.eqx` or
-        `policy.lora`, else its newest checkpoint, is measured unless `checkpoint` names
-        another; `None` if not given.
+        `policy.lora`, else its newest checkpoint (`EvalTarget.newest_of`), is measured
+        unless `checkpoint` names another; `None` if not given.
 
     **Returns:**
 
@@ -105,8 +114,9 @@ def eval_target(checkpoint: str | None, run: str | None) -> EvalTarget:
                 f"`--run` {folder} is not a run folder: it holds no {CONFIG_FILE} (the folder "
                 "`flowgrpo-eqx train --out` wrote; for a seed sweep, one of its seed_<s> folders)."
             )
-        policy = _run_policy(folder) if checkpoint is None else pathlib.Path(checkpoint)
-        return EvalTarget(_checked(policy), config_file)
+        if checkpoint is None:
+            return _run_policy(folder)
+        return EvalTarget(_checked(pathlib.Path(checkpoint)), config_file)
     path = pathlib.Path(str(checkpoint))
     if path.is_dir() and (path / CONFIG_FILE).is_file():
         return eval_target(None, str(path))

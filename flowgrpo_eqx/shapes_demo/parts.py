@@ -24,6 +24,7 @@ from .. import (
     JpegCompressibility,
     JpegIncompressibility,
     RectifiedFlow,
+    RewardError,
     WeightedReward,
     evaluate_policy,
     load_reward,
@@ -31,6 +32,7 @@ from .. import (
     lora,
     preview_policy,
 )
+from .._distributed import score_on_root
 from ..models import DiT
 from ..train import (
     FlowMatchingObjective,
@@ -67,8 +69,10 @@ reports anyway (`reward` and `accuracy`)."""
 
 def measures_train_reward(settings: RewardSettings) -> bool:
     """Whether the held-out measure also scores its samples with the run's own train reward:
-    when that reward is built in (computed in this process, cheaply, and never a request to
-    a reward server) and is more than the checker's scores, as the tiny preset's JPEG reward.
+    a built-in reward that is more than the checker's scores (as the tiny preset's JPEG
+    reward), or a reward server (`reward_url`), which process 0 asks as it asks for the
+    rollouts' scores, so that a run through a server reports what the same run in process
+    reports. Not the user's own reward (`custom_reward`), which is code of theirs.
 
     **Arguments:**
 
@@ -76,10 +80,13 @@ def measures_train_reward(settings: RewardSettings) -> bool:
 
     **Returns:**
 
-    `True` for built-in rewards other than `partial` and `strict` alone.
+    `True` for a reward server, and for built-in rewards other than `partial` and `strict`
+    alone.
     """
-    if settings.custom_reward is not None or settings.reward_url is not None:
+    if settings.custom_reward is not None:
         return False
+    if settings.reward_url is not None:
+        return True
     if settings.reward_weights is not None:
         names = set(parse_reward_weights(settings.reward_weights))
     else:
@@ -350,10 +357,29 @@ class ShapesJob:
         the job's model, process, inputs, guidance and precision."""
         return job_flow(self.pieces(), self.guidance)
 
-    def measure(self, policy: Any) -> dict[str, Any]:
+    def measure(
+        self, policy: Any, *, server_down: Callable[[str], None] | None = None
+    ) -> dict[str, Any]:
         """Held-out strict accuracy, reward and diversity of `policy`, with fixed noise (ODE
         sampling: `Euler` on `eval_steps` points), and the mean of the run's own train reward
-        on the same samples (`train_reward`) when `measures_train_reward`."""
+        on the same samples (`train_reward`) when `measures_train_reward` (scored once, on
+        process 0, as the rollouts are).
+
+        **Arguments:**
+
+        - `policy`: the policy to measure.
+        - `server_down`: with a reward server, where to say that it failed when the measure
+            may go on without `train_reward` (`flowgrpo-eqx eval` of a run whose server is
+            gone); `None` (training) raises its `RewardError`.
+
+        **Returns:**
+
+        `{"accuracy", "reward", "diversity"}`, and `"train_reward"` where measured.
+
+        **Raises:**
+
+        - `RewardError`: when the train reward fails (but a server, with `server_down`).
+        """
         per_prompt = self.config.evaluation.eval_samples_per_prompt
         rows = self.task.rows("heldout")
         tokens = np.repeat(rows["tokens"], per_prompt, axis=0)
@@ -381,8 +407,18 @@ class ShapesJob:
             "diversity": float(np.mean(distances)) if distances else 0.0,
         }
         if self.measures_train_reward:
-            scores = self.reward(np.asarray(evaluation.samples), {"tokens": tokens})
-            measured["train_reward"] = float(np.mean(np.asarray(scores, np.float64)))
+            here = np.asarray(evaluation.samples) if jax.process_index() == 0 else None
+            try:
+                scores = score_on_root(self.reward, here, {"tokens": tokens})
+            except RewardError as error:
+                if server_down is None or self.config.rewards.reward_url is None:
+                    raise
+                server_down(
+                    f"The run's reward server did not score the held-out samples ({error}); "
+                    "the measure goes on without the held-out train reward."
+                )
+            else:
+                measured["train_reward"] = float(np.mean(scores))
         return measured
 
     def preview(self, policy: Any, path: pathlib.Path, title: str) -> None:

@@ -83,6 +83,29 @@ def identity(config: JobConfig) -> dict[str, Any]:
     return loaded
 
 
+def check_out_folder(out: pathlib.Path) -> None:
+    """Refuse an `--out` that cannot be a folder, before any work: a file, or a path under one.
+
+    **Arguments:**
+
+    - `out`: the folder a command writes into (created if missing).
+
+    **Raises:**
+
+    - `RunFolderError`: naming `out` (and the file above it), saying a folder is needed.
+    """
+    for existing in (out, *out.parents):
+        if not existing.exists():
+            continue
+        if existing.is_dir():
+            return
+        where = "is a file" if existing == out else f"lies under {existing}, which is a file"
+        raise RunFolderError(
+            f"`--out` {out} {where}, not a folder: the command writes its files into a folder "
+            "(created if missing). Pass the path of a folder, or move the file."
+        )
+
+
 @contextlib.contextmanager
 def lock_run_folder(out: pathlib.Path) -> Iterator[None]:
     """Hold the run folder's advisory lock (`LOCK_FILE`, `fcntl.flock`) for the duration.
@@ -97,8 +120,9 @@ def lock_run_folder(out: pathlib.Path) -> Iterator[None]:
     **Raises:**
 
     - `RunFolderError`: naming the pid and host recorded by the process that holds the
-        lock, if another one does.
+        lock, if another one does; as `check_out_folder`.
     """
+    check_out_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -140,9 +164,10 @@ def check_run_folder(out: pathlib.Path, config: JobConfig, *, resume: bool) -> N
     - `RunFolderError`: without `resume`, if `out` holds a run (the message says how to
         continue it or start fresh); with `resume`, naming every identity setting whose value
         differs from the newest checkpoint's (both values), or an `epochs` below the epochs
-        that checkpoint has done, or when no checkpoint is left of a run that checkpointed
-        (its `checkpoints` folder exists) or finished (`FINISHED_FILES`): starting over
-        would overwrite what it wrote.
+        that checkpoint has done, or when no checkpoint is left of a run that finished
+        (`FINISHED_FILES`) or began checkpointing (its `checkpoints` folder exists: the
+        message says whether a first checkpoint's write was cut short, or the folder is
+        empty): starting over would overwrite what it wrote.
     - `CheckpointError`: naming the checkpoint, if its `meta.json` does not record what a
         run resumes from (`check_resumable`).
     - `CheckpointVersionError`: if the newest checkpoint was written by another version.
@@ -199,10 +224,25 @@ def _check_nothing_lost(out: pathlib.Path, checkpoints: Checkpointer) -> None:
             "folder, or pass --replace to move it aside."
         )
     if checkpoints.directory.exists():
+        unfinished = sorted(
+            path.name for path in checkpoints.directory.iterdir() if path.name.startswith(".tmp-")
+        )
+        if unfinished:
+            happened = (
+                "it was stopped while writing its first checkpoint, which never completed "
+                f"(the unfinished write {checkpoints.directory / unfinished[-1]} is all "
+                "its checkpoints folder holds)"
+            )
+        else:
+            happened = (
+                f"its checkpoints folder {checkpoints.directory} is empty: the run stopped, "
+                "or its first checkpoint's write failed, before any checkpoint was complete "
+                "(or its checkpoints were removed)"
+            )
         raise RunFolderError(
-            f"{out} holds a run that checkpointed, but no checkpoint is left in "
-            f"{checkpoints.directory}: --resume would start over and overwrite its metrics. "
-            "Train into another folder, or pass --replace to move it aside."
+            f"{out} holds a run with no checkpoint to resume from: {happened}. --resume would "
+            "start over and overwrite its metrics. Start the run afresh with --replace (the "
+            f"old run moves to {replaced_name(out)}), or train into another folder."
         )
 
 

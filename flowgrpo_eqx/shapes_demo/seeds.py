@@ -11,6 +11,7 @@ import numpy as np
 from ..train import MetricsLog
 from .config import JobConfig
 from .report import plot_seed_curves
+from .run_folder import check_out_folder
 from .training import run_train
 
 
@@ -53,11 +54,13 @@ def run_seeds(
 
     **Raises:**
 
-    - `ValueError`: naming `seeds` if it is empty or repeats a seed.
+    - `ValueError`: naming `seeds` if it is empty or repeats a seed; a `RunFolderError`
+        naming `out`, before any work, if it is a file or lies under one.
     """
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"`seeds` must be distinct training seeds, at least one, got {seeds}.")
     out = pathlib.Path(out)
+    check_out_folder(out)
     runs: dict[int, dict[str, Any]] = {}
     curves: dict[int, list[tuple[int, float]]] = {}
     for index, seed in enumerate(seeds):

@@ -50,6 +50,7 @@ from .parts import ShapesJob
 from .report import plot_curve
 from .run_folder import (
     RunFolderError,
+    check_out_folder,
     check_resumable,
     check_run_folder,
     identity,
@@ -145,10 +146,11 @@ def run_train(
 
     - `ValueError`: naming `devices`, before any work, if it is not in 1..the devices of
         every process.
-    - `RunFolderError`: before any work, if another process holds the folder (naming its
-        pid and host), if `out` holds another run and neither `resume` nor `replace` is
-        set, or if `resume` would change a setting of the run (each named with both values),
-        run fewer epochs than it has done, or start over a run that checkpointed or finished
+    - `RunFolderError`: before any work, if `out` is a file or lies under one (saying a
+        folder is needed), if another process holds the folder (naming its pid and host),
+        if `out` holds another run and neither `resume` nor `replace` is set, or if
+        `resume` would change a setting of the run (each named with both values), run
+        fewer epochs than it has done, or start over a run that checkpointed or finished
         but has no checkpoint left.
     - `CheckpointError`: when resuming and checkpoints exist but none is intact, or the one
         to resume from records no usable epoch, settings or base measure.
@@ -170,6 +172,7 @@ def run_train(
         quiet = True
     if resume and replace:
         raise RunFolderError("`resume` and `replace` exclude each other.")
+    check_out_folder(out)
     # The job's parts (the DiT, the reward) are checked before the folder is touched: a
     # setting they refuse leaves nothing behind.
     job = ShapesJob(config, out, quiet, reward_token=reward_token)

@@ -42,12 +42,15 @@ checkpoints. What `meta.json` records and the checks made on reading are in
 `_checkpoint_integrity.py`.
 """
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
 import pathlib
+import re
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -160,8 +163,16 @@ def _write_state(folder: pathlib.Path, leaves: list[tuple[str, Any]], plan: list
             arrays[where] = leaf
     for name, parts in packed.items():
         arrays[name] = np.concatenate(parts)
-    with _orbax_quiet():
+    with _orbax_call():
         _orbax_checkpointer().save(folder.absolute(), args=ocp.args.StandardSave(arrays))
+
+
+@contextlib.contextmanager
+def _orbax_call() -> Iterator[None]:
+    """Around a call of Orbax: its logs held back (`_orbax_quiet`), and the event loops it
+    makes finish their writes before they close (`_finishing_event_loops`)."""
+    with _orbax_quiet(), _finishing_event_loops():
+        yield
 
 
 @contextlib.contextmanager
@@ -177,6 +188,78 @@ def _orbax_quiet() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+
+
+_LOOP_DRAIN_SECONDS = 120.0
+"""How long a closing event loop waits for the writes still running on it."""
+
+
+class _FinishingEventLoop(asyncio.SelectorEventLoop):
+    """An event loop that, when closed with tasks still running, lets them finish first.
+
+    Orbax runs each save in an event loop of its own, which it closes as soon as the save's
+    coroutine ends. When one write of many fails (a full disk, a file-size limit), the
+    coroutine ends with that error while TensorStore's other writes still run; each of them,
+    on finishing, hands its result to the closed loop, which raises `RuntimeError: Event loop
+    is closed` in TensorStore's thread and prints its traceback. Writes still going on would
+    also race the removal of the unfinished checkpoint. This loop waits for them instead.
+    """
+
+    def close(self) -> None:
+        if not self.is_running() and not self.is_closed():
+            pending = [task for task in asyncio.all_tasks(self) if not task.done()]
+            if pending:
+                self.run_until_complete(asyncio.wait(pending, timeout=_LOOP_DRAIN_SECONDS))
+        super().close()
+
+
+class _FinishingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _FinishingEventLoop()
+
+
+_POLICY_LOCK = threading.Lock()
+_policy_users = 0
+
+
+@contextlib.contextmanager
+def _finishing_event_loops() -> Iterator[None]:
+    """New event loops are `_FinishingEventLoop`s for the duration (when the process uses
+    asyncio's default policy; another, such as uvloop's, is left alone)."""
+    global _policy_users
+    with _POLICY_LOCK:
+        policy = asyncio.get_event_loop_policy()
+        ours = isinstance(policy, _FinishingPolicy)
+        if not ours and type(policy) is not asyncio.DefaultEventLoopPolicy:
+            active = False
+        else:
+            active = True
+            if _policy_users == 0:
+                asyncio.set_event_loop_policy(_FinishingPolicy())
+            _policy_users += 1
+    try:
+        yield
+    finally:
+        if active:
+            with _POLICY_LOCK:
+                _policy_users -= 1
+                if _policy_users == 0:
+                    asyncio.set_event_loop_policy(None)
+
+
+_OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]")
+
+
+def _os_error_of(error: Exception) -> OSError | None:
+    """The `OSError` behind a failed write: `error` itself, or the one TensorStore reports
+    inside its own error (`... File too large [os_error_code='27']`); `None` for neither."""
+    if isinstance(error, OSError):
+        return error
+    found = _OS_ERROR_CODE.search(str(error))
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def _restore_target(leaf: Any) -> Any:
@@ -225,9 +308,10 @@ def _read_checkpoint(folder: pathlib.Path, like: T) -> tuple[T, dict[str, Any]]:
     for name, size in sizes.items():
         target[name] = np.zeros(size, np.dtype(name[len("packed_") :]))
     try:
-        arrays = _orbax_checkpointer().restore(
-            (folder / STATE).absolute(), args=ocp.args.StandardRestore(target)
-        )
+        with _orbax_call():
+            arrays = _orbax_checkpointer().restore(
+                (folder / STATE).absolute(), args=ocp.args.StandardRestore(target)
+            )
     except Exception as error:
         raise CheckpointError(
             folder, f"{STATE}/ cannot be read by Orbax ({one_line(error)})"
@@ -273,12 +357,32 @@ class Checkpointer:
     **Raises:**
 
     - `ValueError`: naming `keep` if it is not an int >= 1.
+
+    Every method that reads or writes the folder raises a `CheckpointError` naming
+    `directory` when it is a file (or anything but a folder).
     """
 
     def __init__(self, directory: str | os.PathLike[str], keep: int = 3):
         check_int("keep", keep, 1)
         self.directory = pathlib.Path(directory)
         self.keep = keep
+
+    def _check_directory(self) -> bool:
+        """Whether `directory` exists (as a folder).
+
+        **Raises:**
+
+        - `CheckpointError`: naming `directory`, when something else is there (a file).
+        """
+        if not self.directory.exists():
+            return False
+        if not self.directory.is_dir():
+            raise CheckpointError(
+                self.directory,
+                "is a file, not a folder: a Checkpointer keeps its checkpoints in a folder "
+                "(pass the folder they are saved in, or a new one)",
+            )
+        return True
 
     def paths(self) -> list[pathlib.Path]:
         """Checkpoint folders `ckpt_<step>`, oldest first, intact or damaged.
@@ -289,8 +393,12 @@ class Checkpointer:
         **Returns:**
 
         The folders, sorted by step; empty when `directory` does not exist.
+
+        **Raises:**
+
+        - `CheckpointError`: naming `directory`, when it is a file.
         """
-        if not self.directory.exists():
+        if not self._check_directory():
             return []
         found = [
             p
@@ -323,6 +431,7 @@ class Checkpointer:
 
         **Raises:**
 
+        - `CheckpointError`: naming `directory`, when it is a file.
         - `CheckpointVersionError`: naming the checkpoint and both layout versions, for the
             newest readable checkpoint of another version of flowgrpo_eqx.
         """
@@ -359,14 +468,18 @@ class Checkpointer:
 
         - `ValueError`: naming `step` if it is not an int >= 0; naming `metadata` if it is
             not a dict, uses a reserved key or a key that is not a `str`, or (naming the key)
-            holds a value JSON cannot write. Each before anything is written.
-        - `OSError`: of the original kind and errno (e.g. `ENOSPC`, disk full), naming the
-            checkpoint's folder, if writing fails. Its temporary folder is removed and the
+            holds a value JSON cannot write; a `CheckpointError` naming `directory` when it
+            is a file. Each before anything is written.
+        - `OSError`: of the original kind and errno (e.g. `ENOSPC`, disk full; `EFBIG`, past
+            the process's file-size limit), naming the checkpoint's folder, if writing fails
+            (in the file system, or inside Orbax and TensorStore, which report the errno in
+            their own error). Its temporary folder is removed and the
             previous checkpoints are untouched.
         """
         check_int("step", step, 0)
         step = int(step)
         _check_metadata(metadata)
+        self._check_directory()
         root = jax.process_index() == 0
         final = self.directory / f"{_PREFIX}{step:08d}"
         temporary = self.directory / f"{_TEMPORARY_PREFIX}{step:08d}"
@@ -400,8 +513,9 @@ class Checkpointer:
         except Exception as error:
             if root:
                 shutil.rmtree(temporary, ignore_errors=True)
-            if isinstance(error, OSError):
-                raise write_error(error, final, "a checkpoint") from error
+            cause = _os_error_of(error)
+            if cause is not None:
+                raise write_error(cause, final, "a checkpoint") from error
             raise
         if root:
             for old in self.paths()[: -self.keep]:

@@ -166,11 +166,20 @@ def rl_epoch(
     if passes and isinstance(requested, Rescore):
         batch = trainer.rescore(state, requested, passes[0])
     history = []
-    for indices in passes:
-        for index in indices:
-            minibatch = jax.tree.map(lambda leaf, index=index: leaf[index], batch)
-            state, metrics = trainer.update(state, minibatch)
-            history.append(metrics)
+    order = [index for indices in passes for index in indices]
+
+    def rows_of(index: Array) -> Any:
+        return jax.tree.map(lambda leaf: leaf[index], batch)
+
+    # Each minibatch is cut one update ahead: `Trainer.update` reads its advantages on the
+    # host before it donates the state, and a minibatch cut before the previous update was
+    # dispatched is ready without waiting for that update (a device runs its work in order).
+    upcoming = rows_of(order[0]) if order else None
+    for position in range(len(order)):
+        minibatch = upcoming
+        upcoming = rows_of(order[position + 1]) if position + 1 < len(order) else None
+        state, metrics = trainer.update(state, minibatch)
+        history.append(metrics)
     summary = _mean_metrics(history)
     jax.block_until_ready(state)  # type: ignore[no-untyped-call]
     updated_at = time.perf_counter()

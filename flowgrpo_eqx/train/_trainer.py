@@ -14,6 +14,7 @@ from typing import Any, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
@@ -284,12 +285,14 @@ class Trainer(eqx.Module):
 
     def update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array]]:
         """One optimizer update on `batch`, returning the new state; `state` must not be used
-        again.
+        again once the update has run (a batch refused first leaves it usable).
 
-        Jit-compiled; the old state's buffers are donated to the new one. When the state's
-        arrays lie on a mesh (`shard_parameters`), the step is traced under it
-        (`jax.set_mesh`), so that models gather each block's weights where they use them
-        (`gather_weights`) and the rows stay split.
+        Jit-compiled; the old state's buffers are donated to the new one. The batch's
+        advantages are checked on the host before that (a copy of a few floats per row;
+        nothing runs on the device for it). When the state's arrays lie on a mesh
+        (`shard_parameters`), the step is traced under it (`jax.set_mesh`), so that models
+        gather each block's weights where they use them (`gather_weights`) and the rows
+        stay split.
 
         **Arguments:**
 
@@ -304,13 +307,17 @@ class Trainer(eqx.Module):
         **Raises:**
 
         - `ValueError`: as the objective's `loss`, raised while tracing the update (say,
-            naming `batch` when it is not the batch type the objective trains on).
-        - `EquinoxRuntimeError` (from `eqx.error_if`): naming `batch.advantages` when the
-            batch has advantages and one of them is NaN or infinite (they would make every
-            trained parameter NaN).
+            naming `batch` when it is not the batch type the objective trains on); naming
+            `batch.advantages` when the batch has advantages and one of them is NaN or
+            infinite (they would make every trained parameter NaN). Both before anything is
+            donated: `state` stays usable (to retry with another batch, or to save).
+        - `EquinoxRuntimeError` (from `eqx.error_if`): naming `batch.advantages`, for a
+            non-finite advantage when `update` is itself traced (inside the caller's own
+            `jax.jit`), where the values are not known until the program runs.
         """
+        checked = _check_advantages(batch)
         with _mesh_context(state):
-            new_state, metrics, _ = _update_donating((self, batch), state)
+            new_state, metrics, _ = _update_donating((self, batch, checked), state)
         return new_state, metrics
 
     def run_update(self, state: TrainState, batch: Any) -> Any:
@@ -328,9 +335,14 @@ class Trainer(eqx.Module):
         **Returns:**
 
         The `loss`'s auxiliary PyTree.
+
+        **Raises:**
+
+        - `ValueError`: as `update`.
         """
+        checked = _check_advantages(batch)
         with _mesh_context(state):
-            _, _, aux = _update_donating((self, batch), own_copy(state))
+            _, _, aux = _update_donating((self, batch, checked), own_copy(state))
         return aux
 
     def rescore(
@@ -359,8 +371,13 @@ class Trainer(eqx.Module):
             batch = request.fill(batch, rows, self.run_update(state, minibatch))
         return batch
 
-    def _update(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Array], Any]:
-        batch = _finite_advantages(batch)
+    def _update(
+        self, state: TrainState, batch: Any, advantages_checked: bool = False
+    ) -> tuple[TrainState, dict[str, Array], Any]:
+        """The update program's body; `advantages_checked` says whether `_check_advantages`
+        checked the batch's advantages on the host already (else they are checked here)."""
+        if not advantages_checked:
+            batch = _finite_advantages(batch)
         key, step_key = jax.random.split(state.key)
         variables = state.variables
         trainable, frozen = self.split_policy(variables.policy)
@@ -472,18 +489,63 @@ class Trainer(eqx.Module):
         return total.value, total, aux, grads
 
 
+_NON_FINITE_ADVANTAGES = (
+    "`batch.advantages` holds a NaN or infinite value: Trainer.update refuses it (it would "
+    "make every trained parameter NaN); check the rewards and the advantage estimator."
+)
+
+
+def _check_advantages(batch: Any) -> bool:
+    """Check the batch's `advantages` (when it has float ones) on the host, before the update
+    program runs and donates the caller's state.
+
+    **Arguments:**
+
+    - `batch`: the update's batch.
+
+    **Returns:**
+
+    `True` when there was nothing to check or the advantages were checked here; `False`
+    when they are traced (`update` inside the caller's own `jax.jit`): the update program
+    then checks them itself (`_finite_advantages`).
+
+    **Raises:**
+
+    - `ValueError`: naming `batch.advantages`, if one of them is NaN or infinite.
+    """
+    advantages = getattr(batch, "advantages", None)
+    if not isinstance(advantages, jax.Array | np.ndarray) or not jnp.issubdtype(
+        advantages.dtype, jnp.inexact
+    ):
+        return True
+    if isinstance(advantages, jax.core.Tracer):
+        return False
+    if isinstance(advantages, np.ndarray) or advantages.is_fully_addressable:
+        # A copy of a few floats per row: nothing runs on the device, nothing waits for it
+        # but the advantages themselves.
+        finite = bool(np.isfinite(np.asarray(advantages)).all())
+    else:
+        # Rows on other processes too: every process computes the same replicated answer.
+        finite = bool(np.asarray(_all_finite(advantages).addressable_data(0)))
+    if not finite:
+        raise ValueError(_NON_FINITE_ADVANTAGES)
+    return True
+
+
+@jax.jit
+def _all_finite(values: Array) -> Array:
+    return jnp.all(jnp.isfinite(values))
+
+
 def _finite_advantages(batch: Any) -> Any:
-    """`batch`, its `advantages` (when it has them) checked finite: one NaN advantage
-    would turn every trained parameter NaN without a word."""
+    """`batch`, its `advantages` (when it has them) checked finite inside the traced update:
+    one NaN advantage would turn every trained parameter NaN without a word. Only for an
+    update traced inside the caller's own `jax.jit` (`_check_advantages` checks concrete
+    ones on the host, before the caller's state is donated)."""
     advantages = getattr(batch, "advantages", None)
     if not isinstance(advantages, jax.Array) or not jnp.issubdtype(advantages.dtype, jnp.inexact):
         return batch
-    checked = eqx.error_if(
-        advantages,
-        ~jnp.all(jnp.isfinite(advantages)),
-        "`batch.advantages` holds a NaN or infinite value: Trainer.update refuses it (it would "
-        "make every trained parameter NaN); check the rewards and the advantage estimator.",
-    )
+    checked = eqx.error_if(advantages, ~jnp.all(jnp.isfinite(advantages)), _NON_FINITE_ADVANTAGES)
     return eqx.tree_at(lambda b: b.advantages, batch, checked)
 
 
@@ -518,7 +580,9 @@ def _mesh_context(state: TrainState) -> contextlib.AbstractContextManager[Any]:
 
 @eqx.filter_jit(donate="all-except-first")
 def _update_donating(
-    trainer_and_batch: tuple[Trainer, Any], state: TrainState
+    trainer_batch_checked: tuple[Trainer, Any, bool], state: TrainState
 ) -> tuple[TrainState, dict[str, Array], Any]:
-    trainer, batch = trainer_and_batch
-    return trainer._update(state, batch)
+    """The update program; `state` is donated to the new state, so everything that refuses
+    the batch by its values (`_check_advantages`) runs before it."""
+    trainer, batch, advantages_checked = trainer_batch_checked
+    return trainer._update(state, batch, advantages_checked)

@@ -334,6 +334,16 @@ def _control_finite(check: Check) -> Check:
     return checked
 
 
+def _refused_and_kept(value: Mapping[str, Any]) -> str | None:
+    """Refused first (the message naming the advantages on its first line), and the state
+    the caller holds left whole: it trained on the next batch."""
+    refused = value["refused"] or ""
+    if refused.startswith("ValueError: `batch.advantages`") and value["deleted"] == 0:
+        if value["loss"] == value["loss"]:
+            return f"refused ({refused[:80]}...); the state then trained on a good batch"
+    return None
+
+
 def _never(value: Mapping[str, Any]) -> str | None:
     del value
     return None
@@ -624,14 +634,29 @@ UPDATES: tuple[Case, ...] = (
         OBJECTIVE + BATCH,
         "result = update(transitions(advantages=FIELDS['advantages'].at[3].set(jnp.nan)))",
         ("advantages",),
-        RUNTIME_ERRORS,
     ),
     Case(
         "inf advantages in Trainer.update",
         OBJECTIVE + BATCH,
         "result = update(transitions(advantages=FIELDS['advantages'].at[0].set(jnp.inf)))",
         ("advantages",),
-        RUNTIME_ERRORS,
+    ),
+    Case(
+        "NaN advantages refused, then the same state updated again",
+        OBJECTIVE + BATCH,
+        """
+state = trainer.init(jax.random.key(1))
+try:
+    trainer.update(state, transitions(advantages=FIELDS["advantages"].at[3].set(jnp.nan)))
+    refused = None
+except Exception as error:
+    refused = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+deleted = sum(leaf.is_deleted() for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array))
+state, metrics = trainer.update(state, batch)
+result = {"refused": refused, "deleted": deleted, "loss": float(metrics["loss"])}
+""",
+        ("advantages",),
+        held=_refused_and_kept,
     ),
     Case(
         "advantages of shape [N+1] in Trainer.update",
@@ -864,6 +889,44 @@ result = {
 """,
         ("`step`",),
         held=_restorable,
+    ),
+    Case(
+        "a Checkpointer on a file",
+        "from flowgrpo_eqx.train import Checkpointer",
+        """
+pathlib.Path("hostname").write_text("a-machine\\n")
+result = {"latest": repr(Checkpointer("hostname").latest_metadata())}
+""",
+        ("hostname: is a file, not a folder",),
+        ("CheckpointError",),
+    ),
+    Case(
+        "checkpoint saves past a file-size limit",
+        OBJECTIVE + CHECKPOINT,
+        """
+import resource
+
+jax.config.update("jax_enable_compilation_cache", False)
+rng = np.random.default_rng(0)
+large = {f"w{i}": jnp.asarray(rng.normal(size=100_000), jnp.float32) for i in range(4)}
+large["n"] = rng.integers(0, 1 << 30, 200_000).astype(np.int32)
+# Python ignores SIGXFSZ: a write past the limit fails with EFBIG, one write among several
+# TensorStore runs at once. Five saves, since what the others do after it is a race.
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, hard))
+failures = []
+for step in range(1, 6):
+    try:
+        checkpoints.save(step, large, {})
+    except OSError as error:
+        failures.append(error)
+if failures:
+    raise failures[0]
+result = {"saved": [p.name for p in checkpoints.paths()]}
+""",
+        ("File too large while writing a checkpoint",),
+        ("OSError",),
+        empty="checkpoints",
     ),
     Case(
         "numpy scalar in checkpoint metadata",

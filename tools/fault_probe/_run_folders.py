@@ -5,6 +5,7 @@ checkpoints, `metrics.jsonl`, `config.toml`, the policy and summary) is compared
 byte before and after: a refusal must change nothing; a run that goes on must end with each
 epoch recorded once."""
 
+import contextlib
 import functools
 import json
 import os
@@ -268,6 +269,16 @@ def _summary_garbled(out: pathlib.Path) -> None:
     (out / "summary.json").write_text("{garbled")
 
 
+def _first_write_cut_short(out: pathlib.Path) -> None:
+    """The reference as a run SIGKILLed while it wrote its first checkpoint: a save writes
+    into `.tmp-<step>` and renames it when complete, so only that unfinished folder is left
+    (no `meta.json` yet); nothing after epoch 1 happened."""
+    _unfinished(out)
+    first = _newest_checkpoint(out)
+    (first / "meta.json").unlink()
+    first.rename(first.parent / ".tmp-00000001")
+
+
 # -- faults that need more than one command -----------------------------------------------------
 
 
@@ -440,6 +451,56 @@ def _continue_with(
                          kept=(before, _kept(out)))  # fmt: skip
 
 
+def _file_size_limit(workdir: pathlib.Path) -> Judgement:
+    """A fresh run under `ulimit -f 100` (its base model shared with the reference): its first
+    checkpoint cannot be written. It must stop with one named line (no traceback of Orbax's
+    threads), and `--resume` must then say that no checkpoint was ever completed."""
+    out = workdir / "run"
+    out.mkdir()
+    base = next(reference_run().glob("base_*.eqx"))
+    shutil.copy(base, out / base.name)
+    limited = ["sh", "-c", 'ulimit -f 100 && exec "$@"', "sh", *_train(out)]
+    # No compilation cache: an entry past the limit would not be written.
+    ran = run(limited, timeout=LIMIT, env=environment())
+    first = judge_refusal(ran, limit=LIMIT, names=("File too large while writing a checkpoint",))
+    if first.verdict != "named":
+        return first
+    again = _refused(out, _train(out, "--resume"), ("no checkpoint to resume from",))
+    if again.verdict != "named":
+        return again
+    return Judgement("named", f"{first.detail[:90]} ...; then --resume: {again.detail[-110:]}")
+
+
+def _eval_while_training(workdir: pathlib.Path) -> Judgement:
+    """`eval --run` three times on a run still training (keeping one checkpoint, so each is
+    pruned as soon as the next is written): each must measure its newest checkpoint."""
+    out = _copy(workdir)
+    _unfinished(out)
+    training = _start(_train(out, "--resume", "--epochs", 400, "--keep-checkpoints", 1))
+    try:
+        deadline = time.monotonic() + LIMIT
+        while 4 not in _epochs(out) and training.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for attempt in range(3):
+            if training.poll() is not None:
+                raise Finding("unprobed", f"the run ended (exit {training.returncode}) first")
+            ran = run(
+                flowgrpo_eqx("eval", "--run", out, "--out", workdir / f"eval_{attempt}"),
+                timeout=LIMIT, env=_env(),
+            )  # fmt: skip
+            if (failure := raw_failure(ran, LIMIT)) is not None:
+                return failure
+            if ran.status != 0:
+                return Judgement("unnamed", f"eval {attempt + 1}: {ran.stderr.strip()[-200:]}")
+        if training.poll() is not None:
+            raise Finding("unprobed", "the run ended before the last eval did")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(training.pid, signal.SIGKILL)
+        training.communicate()
+    return Judgement("held", "three evals of a run still training each measured a checkpoint")
+
+
 def faults() -> list[Fault]:
     """The run folders' faults."""
     p = functools.partial
@@ -511,6 +572,11 @@ def faults() -> list[Fault]:
         Fault("run folders", "SIGINT then SIGTERM", p(_signalled, (signal.SIGINT, signal.SIGTERM),
                                                      True)),
         Fault("run folders", "SIGKILL mid-run, then --resume", _killed_mid_run),
+        Fault("run folders", "SIGKILL during the first checkpoint's write, then --resume",
+              p(refused, _first_write_cut_short, ("first checkpoint",), ())),
+        Fault("run folders", "a run under a file-size limit (ulimit -f 100), then --resume",
+              _file_size_limit),
+        Fault("run folders", "eval --run of a run still training", _eval_while_training),
         Fault("run folders", "eval --run with policy.eqx truncated",
               p(_eval_of, _truncate_policy, ("policy.eqx",))),
         Fault("run folders", "eval --run with config.toml garbled",

@@ -7,7 +7,7 @@ import functools
 import pathlib
 from collections.abc import Sequence
 
-from ._probe import Fault, Judgement, flowgrpo_eqx, judge_refusal, run
+from ._probe import Fault, Finding, Judgement, flowgrpo_eqx, judge_refusal, run
 
 
 LIMIT = 120.0
@@ -121,6 +121,8 @@ CONFIG_FAULTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("config learning rate NaN", "learning_rate = nan\n", ("learning_rate",)),
     ("config algorithm unknown", 'algorithm = "ppo"\n', ("algorithm",)),
     ("config binary garbage", "\x00\x01\x02\xff", ("config.toml",)),
+    # Bytes no UTF-8 text holds (written through surrogateescape): 0xf1 0xf2.
+    ("config not UTF-8 text", "width = 16\n\udcf1\udcf2 = 3\n", ("is not UTF-8 text",)),
 )
 
 
@@ -183,7 +185,7 @@ def _out_is_a_file(workdir: pathlib.Path) -> Judgement:
         timeout=LIMIT, cwd=workdir,
     )  # fmt: skip
     kept = {"run": out.read_bytes()}
-    judgement = judge_refusal(ran, limit=LIMIT, names=("run",))
+    judgement = judge_refusal(ran, limit=LIMIT, names=("is a file, not a folder",))
     if judgement.verdict == "named" and out.read_bytes() != kept["run"]:
         return Judgement("lost", "the file at --out was changed")
     return judgement
@@ -196,7 +198,7 @@ def _out_under_a_file(workdir: pathlib.Path) -> Judgement:
         flowgrpo_eqx("train", "--preset", "tiny", "--quiet", "--out", blocker / "run"),
         timeout=LIMIT, cwd=workdir,
     )  # fmt: skip
-    return judge_refusal(ran, limit=LIMIT, names=("file",))
+    return judge_refusal(ran, limit=LIMIT, names=(f"under {blocker}, which is a file",))
 
 
 def _pretrain_out_is_a_file(workdir: pathlib.Path) -> Judgement:
@@ -206,7 +208,28 @@ def _pretrain_out_is_a_file(workdir: pathlib.Path) -> Judgement:
         flowgrpo_eqx("pretrain", "--preset", "tiny", "--quiet", "--out", out),
         timeout=LIMIT, cwd=workdir,
     )  # fmt: skip
-    return judge_refusal(ran, limit=LIMIT, names=("base",))
+    return judge_refusal(ran, limit=LIMIT, names=("is a file, not a folder",))
+
+
+def _eval_out_is_a_file(workdir: pathlib.Path) -> Judgement:
+    """Measured first, then refused with "[Errno 17] File exists" when it wrote its picture."""
+    policy = workdir / "base.eqx"
+    pretrained = run(
+        flowgrpo_eqx("pretrain", "--preset", "tiny", "--quiet", "--pretrain-steps", "1",
+                     "--out", workdir / "pretrained"),
+        timeout=LIMIT, cwd=workdir,
+    )  # fmt: skip
+    if pretrained.status != 0:
+        raise Finding("unprobed", f"pretraining failed: {pretrained.stderr.strip()[-200:]}")
+    next((workdir / "pretrained").glob("base_*.eqx")).rename(policy)
+    out = workdir / "eval"
+    out.write_text("x\n")
+    ran = run(
+        flowgrpo_eqx("eval", "--preset", "tiny", "--pretrain-steps", "1", "--checkpoint", policy,
+                     "--out", out),
+        timeout=LIMIT, cwd=workdir,
+    )  # fmt: skip
+    return judge_refusal(ran, limit=LIMIT, names=("is a file, not a folder",))
 
 
 def _check_with_a_missing_factory(workdir: pathlib.Path) -> Judgement:
@@ -267,6 +290,7 @@ def faults() -> list[Fault]:
         Fault("commands", "train --out is a file", _out_is_a_file),
         Fault("commands", "train --out under a file", _out_under_a_file),
         Fault("commands", "pretrain --out is a file", _pretrain_out_is_a_file),
+        Fault("commands", "eval --out is a file", _eval_out_is_a_file),
         Fault("commands", "check with a factory that does not import",
               _check_with_a_missing_factory),
         Fault("commands", "launch 0 processes", _launch_zero_processes),
