@@ -49,6 +49,7 @@ from ._distributed import (
     owned_rows as owned_rows,
     process_counts as process_counts,
     replicate as replicate,
+    score_on_root as score_on_root,
     shard_batch as shard_batch,
     shard_parameters as shard_parameters,
     sync_processes as sync_processes,

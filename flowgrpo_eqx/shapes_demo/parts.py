@@ -31,8 +31,8 @@ from .. import (
     local_copy,
     lora,
     preview_policy,
+    score_on_root,
 )
-from .._distributed import score_on_root
 from ..models import DiT
 from ..train import (
     FlowMatchingObjective,
