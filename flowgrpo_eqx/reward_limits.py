@@ -13,8 +13,11 @@ only for `read_timeout`.
 """
 
 import argparse
+import os
 from collections.abc import Mapping
 from typing import Any
+
+from ._reward_wire import TOKEN_ENV
 
 
 DEFAULT_MAX_REQUEST_BYTES = 256 << 20
@@ -135,10 +138,6 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
 def limit_settings(arguments: Mapping[str, Any]) -> dict[str, Any]:
     """`serve`'s limit keyword arguments from flags added by `add_limit_arguments`.
 
-    Both commands that serve a reward call it with all their arguments, so it also refuses
-    an empty `--token` where the command has one: `--token ''` would otherwise serve with no
-    token at all, which is almost surely a mistake (leave the flag out to serve without one).
-
     **Arguments:**
 
     - `arguments`: the parsed arguments, as a mapping (`vars(namespace)`).
@@ -146,15 +145,36 @@ def limit_settings(arguments: Mapping[str, Any]) -> dict[str, Any]:
     **Returns:**
 
     The keyword arguments, by `serve`'s names.
+    """
+    names = (*LIMIT_FLAGS, "allow_unauthenticated")
+    return {name: arguments[name] for name in names}
+
+
+def server_token(flag: str | None) -> str | None:
+    """The token a command that serves a reward requires: its `--token` flag, else the
+    `FLOWGRPO_REWARD_TOKEN` environment variable, else none.
+
+    An empty `--token` is refused: it would otherwise serve with no token at all, which is
+    almost surely a mistake (leave the flag out to serve without one). An empty variable
+    means none.
+
+    **Arguments:**
+
+    - `flag`: the `--token` flag's value (`None` when it was not given).
+
+    **Returns:**
+
+    The token, or `None`.
 
     **Raises:**
 
     - `ValueError`: naming `--token`, when it is given as an empty string.
     """
-    if arguments.get("token") == "":
-        raise ValueError(
-            "`--token` is empty: give the token clients must send, or leave --token out to "
-            "serve without one (on loopback only)."
-        )
-    names = (*LIMIT_FLAGS, "allow_unauthenticated")
-    return {name: arguments[name] for name in names}
+    if flag is not None:
+        if not flag:
+            raise ValueError(
+                "`--token` is empty: give the token clients must send, or leave --token out "
+                "to serve without one (on loopback only)."
+            )
+        return flag
+    return os.environ.get(TOKEN_ENV) or None

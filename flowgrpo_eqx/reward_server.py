@@ -21,7 +21,6 @@ import functools
 import hmac
 import ipaddress
 import logging
-import os
 import signal
 import socket
 import sys
@@ -54,6 +53,7 @@ from .reward_limits import (
     LIMIT_FLAGS,
     add_limit_arguments,
     limit_settings,
+    server_token,
 )
 
 
@@ -763,8 +763,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_limit_arguments(parser)
     args = parser.parse_args(argv)
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     try:
+        token = server_token(args.token)
         reward = load_reward(args.reward)
         serve(reward, host=args.host, port=args.port, token=token, **limit_settings(vars(args)))
     except ValueError as error:

@@ -32,7 +32,7 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..reward_limits import add_limit_arguments, limit_settings
+from ..reward_limits import add_limit_arguments, limit_settings, server_token
 from ..train import PREEMPTED_EXIT_STATUS, exit_now
 from .config import SETTINGS, JobConfig, config_to_toml, make_config, read_config_file
 from .eval_target import eval_target
@@ -441,13 +441,12 @@ def _serve_reward(arguments: dict[str, Any]) -> int:
     except (ValueError, ModuleNotFoundError) as error:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)
         return 2
-    token = arguments["token"] or os.environ.get("FLOWGRPO_REWARD_TOKEN") or None
     try:
         serve(
             reward,
             host=arguments["host"],
             port=arguments["port"],
-            token=token,
+            token=server_token(arguments["token"]),
             **limit_settings(arguments),
         )
     except ValueError as error:
