@@ -673,6 +673,7 @@ def test_a_checkpoint_folder_that_is_a_file_is_named(tmp_path):
     for call in (
         checkpoints.latest_metadata,
         checkpoints.paths,
+        checkpoints.unfinished_writes,
         checkpoints.latest,
         lambda: checkpoints.restore_latest(make_state(0)),
         lambda: checkpoints.save(1, make_state(1), {}),

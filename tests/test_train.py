@@ -254,6 +254,8 @@ def test_interrupted_checkpoint_write_keeps_previous_loadable(tmp_path, monkeypa
         checkpoints.save(2, newer, {"epoch": 2})
     monkeypatch.undo()
     assert any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+    unfinished = checkpoints.unfinished_writes()
+    assert len(unfinished) == 1 and unfinished[0].name.startswith(".tmp-00000002")
     assert checkpoints.latest().name == "ckpt_00000001"
     restored, meta = Checkpointer(tmp_path).restore(trainer.init(jax.random.key(5)))
     assert meta["epoch"] == 1

@@ -224,14 +224,11 @@ def _check_nothing_lost(out: pathlib.Path, checkpoints: Checkpointer) -> None:
             "folder, or pass --replace to move it aside."
         )
     if checkpoints.directory.exists():
-        unfinished = sorted(
-            path.name for path in checkpoints.directory.iterdir() if path.name.startswith(".tmp-")
-        )
+        unfinished = checkpoints.unfinished_writes()
         if unfinished:
             happened = (
                 "it was stopped while writing its first checkpoint, which never completed "
-                f"(the unfinished write {checkpoints.directory / unfinished[-1]} is all "
-                "its checkpoints folder holds)"
+                f"(the unfinished write {unfinished[-1]} is all its checkpoints folder holds)"
             )
         else:
             happened = (

@@ -407,6 +407,23 @@ class Checkpointer:
         ]
         return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
+    def unfinished_writes(self) -> list[pathlib.Path]:
+        """The `.tmp-*` folders of saves that never completed (a process stopped mid-write),
+        oldest first: not checkpoints, never restored, but what is left of the attempt.
+
+        **Returns:**
+
+        The folders, sorted by name (which begins with the step); empty when `directory`
+        does not exist.
+
+        **Raises:**
+
+        - `CheckpointError`: naming `directory`, when it is a file.
+        """
+        if not self._check_directory():
+            return []
+        return sorted(p for p in self.directory.iterdir() if p.name.startswith(_TEMPORARY_PREFIX))
+
     def latest(self) -> pathlib.Path | None:
         """The newest checkpoint folder (not necessarily intact), or `None`.
 
