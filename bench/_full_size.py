@@ -375,19 +375,33 @@ def summarise_trace(folder: str, calls: int, products: set[str] | None = None) -
         if event.get("ph") == "X" and "XLA Ops" in thread:
             ops[str(event.get("name"))] += float(event.get("dur", 0.0)) / 1e3 / calls
     kinds: collections.Counter[str] = collections.Counter()
+    loops: collections.Counter[str] = collections.Counter()
     for name, ms in ops.items():
-        kinds[op_kind(name, products or set())] += ms
+        kind = op_kind(name, products or set())
+        if kind == LOOPS:
+            loops[name] += ms
+        else:
+            kinds[kind] += ms
     return {
         "device_ms_per_step_by_kind": {k: round(v, 2) for k, v in kinds.most_common()},
+        "device_ms_per_step_of_kinds": round(sum(kinds.values()), 2),
+        "loops_ms_spanning_their_ops": {k: round(v, 2) for k, v in loops.most_common(10)},
         "largest_ops_ms": {name: round(ms, 2) for name, ms in ops.most_common(30)},
         "threads": sorted(set(threads.values()))[:20],
     }
+
+
+LOOPS = "loops"
+"""The kind of a `while` or `conditional` op: its span holds the ops of its body, each counted
+under its own kind, so a summary leaves it out of the kinds' sum."""
 
 
 def op_kind(name: str, products: set[str]) -> str:
     """The kind of a profiled XLA op, by `products` (the program's instructions that compute
     a matrix product) first, then by its name."""
     lowered = name.lower()
+    if lowered.startswith(("while", "conditional")):
+        return LOOPS
     if "splash" in lowered or "custom-call" in lowered or "mosaic" in lowered:
         return "fused attention (Pallas kernels)"
     if name in products:
@@ -413,6 +427,8 @@ def rows(which: str) -> list[Row]:
         Row("sd35m b8 splash qkv", "sd35_medium", 8, "qkv", "splash"),
         Row("sd35m b8 splash attention", "sd35_medium", 8, "attention", "splash"),
         Row("sd35m b8 splash dots", "sd35_medium", 8, "dots", "splash"),
+        Row("sd35m b8 splash256 nothing", "sd35_medium", 8, "nothing", "splash", 256),
+        Row("sd35m b8 splash768 nothing", "sd35_medium", 8, "nothing", "splash", 768),
         Row("sd35m b16 splash nothing", "sd35_medium", 16, "nothing", "splash"),
         Row("sd35m b16 splash attention", "sd35_medium", 16, "attention", "splash"),
         Row(

@@ -4,7 +4,7 @@ counted as matmul time (`bench._full_size.fusions_with_products`)."""
 import jax
 import jax.numpy as jnp
 
-from bench._full_size import fusions_with_products, op_kind
+from bench._full_size import LOOPS, fusions_with_products, op_kind
 
 
 # The shape of a TPU program's text (abridged from a compiled SD3.5 step): a product fused
@@ -50,6 +50,7 @@ def test_a_product_fused_under_a_reductions_name_is_counted_as_a_matmul():
     assert op_kind("convert_reduce_fusion.15", products) == op_kind("convolution.3", set())
     assert op_kind("convert_reduce_fusion.14", products) == "reductions"
     assert op_kind("fusion.21", products) == "elementwise fusions"
+    assert op_kind("while.26", products) == op_kind("conditional.3", products) == LOOPS
 
 
 def test_a_compiled_programs_products_are_found():
