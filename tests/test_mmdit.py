@@ -15,7 +15,7 @@ import pytest
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx.models import MMDiT
-from flowgrpo_eqx.models._mlp import _uniform_arrays
+from flowgrpo_eqx.models._init import uniform_arrays
 from flowgrpo_eqx.train import Trainer, default_optimizer
 from tests.cli_rewards import brightness
 from tests.diffusers_helpers import velocity_and_sin_gradient
@@ -97,8 +97,8 @@ def test_shapes_dtype_zero_velocity_and_joint_attention() -> None:
 def test_init_draws_the_same_values_under_a_trace() -> None:
     # `eval_shape` of the SD3-Medium size traces the init; it draws in one batched call there.
     specs = [((300, 250), 1.0), ((5,), 2.0), ((70_000,), 0.5)]
-    eager = _uniform_arrays(KEY, specs)
-    traced = jax.jit(lambda key: _uniform_arrays(key, specs))(KEY)
+    eager = uniform_arrays(KEY, specs)
+    traced = jax.jit(lambda key: uniform_arrays(key, specs))(KEY)
     for a, b in zip(eager, traced, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -81,3 +81,18 @@ def test_the_demo_imports_only_public_names_of_the_library():
                 private = [part for part in parts if part.startswith("_")]
                 assert not private, f"{path.name} imports {node.module}"
                 assert not [a.name for a in node.names if a.name.startswith("_")], path.name
+
+
+def test_no_model_module_imports_another_modules_private_names():
+    """The models share layers through shared modules (`_layers`, `_joint`, `_rope`, `_init`),
+    never through one model's private names."""
+    found = []
+    for path in sorted((PACKAGE / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                found += [
+                    f"{path.name}: {alias.name} from {node.module}"
+                    for alias in node.names
+                    if alias.name.startswith("_")
+                ]
+    assert not found, found

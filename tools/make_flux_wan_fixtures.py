@@ -153,7 +153,7 @@ def _diffusers_velocity(model: Any, inputs: dict[str, Any]) -> Any:
             encoder_hidden_states=torch.from_numpy(inputs["context"]),
             pooled_projections=torch.from_numpy(inputs["pooled"]),
             timestep=torch.from_numpy(inputs["t"]),
-            guidance=torch.from_numpy(inputs["guidance"]),
+            guidance=torch.from_numpy(inputs["guidance"]) if "guidance" in inputs else None,
             img_ids=img_ids,
             txt_ids=txt_ids,
             return_dict=False,

@@ -8,11 +8,10 @@ from ._diffusers import (
 )
 from ._dit import DiT as DiT
 from ._flux import Flux as Flux, FluxCondition as FluxCondition
-from ._layers import SequenceStrategy as SequenceStrategy
-from ._mlp import (
-    MLPVelocity as MLPVelocity,
-    silu as silu,
+from ._layers import (
+    SequenceStrategy as SequenceStrategy,
     sinusoidal_time_features as sinusoidal_time_features,
 )
+from ._mlp import MLPVelocity as MLPVelocity, silu as silu
 from ._mmdit import MMDiT as MMDiT, MMDiTCondition as MMDiTCondition
 from ._wan import Wan as Wan

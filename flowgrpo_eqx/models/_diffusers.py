@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 
 from ..lora import LoraModel
 from ._flux import Flux
-from ._mmdit import MMDiT, _pos_crop
+from ._mmdit import MMDiT, pos_crop
 from ._wan import Wan
 
 
@@ -210,7 +210,14 @@ class _SD3Format(_AbstractFormat):
         if caption != width:
             raise ValueError(
                 f"config `caption_projection_dim` ({caption}) must equal the attention width "
-                f"`num_attention_heads * attention_head_dim` ({width})."
+                f"`num_attention_heads * attention_head_dim` ({width}): diffusers builds such a "
+                "model, but its blocks cannot take the text tokens it embeds."
+            )
+        qk_norm = config.get("qk_norm")
+        if qk_norm not in (None, "rms_norm"):
+            raise ValueError(
+                f"config `qk_norm` must be None or 'rms_norm' (the per-head RMS norm `MMDiT` "
+                f"computes), got {qk_norm!r}."
             )
         channels = config.get("in_channels", 16)
         _check_out_channels(config, channels)
@@ -227,7 +234,7 @@ class _SD3Format(_AbstractFormat):
             context_dim=config.get("joint_attention_dim", 4096),
             pooled_dim=config.get("pooled_projection_dim", 2048),
             vocab_size=None,
-            qk_norm=config.get("qk_norm"),
+            qk_norm=qk_norm,
             dual_attention_layers=tuple(config.get("dual_attention_layers", ())),
             pos_embed_max_size=config.get("pos_embed_max_size", 96),
             sample_size=sample_size,
@@ -316,11 +323,18 @@ class _FluxFormat(_AbstractFormat):
     def model_kwargs(
         self, config: dict[str, Any], image_size: Any, context_length: int
     ) -> dict[str, Any]:
+        # diffusers' FLUX embeds each packed token whole whatever `patch_size` says; the
+        # output projection gives `patch_size**2 * out_channels` values per token, which must be
+        # the token's `in_channels` for the result to be a velocity of the packed latent.
         patch = config.get("patch_size", 1)
-        if patch != 1:
-            raise ValueError(f"config `patch_size` must be 1 (FLUX's), got {patch}.")
         in_channels = config.get("in_channels", 64)
-        _check_out_channels(config, in_channels)
+        out_channels = config.get("out_channels") or in_channels
+        if patch * patch * out_channels != in_channels:
+            raise ValueError(
+                f"config `out_channels` ({out_channels}) times `patch_size` squared ({patch}**2) "
+                f"must equal `in_channels` ({in_channels}): the output projection must give "
+                "each packed token's values (the velocity has the latent's shape)."
+            )
         if in_channels % 4:
             raise ValueError(
                 f"config `in_channels` ({in_channels}) must be 4 latent channels per token "
@@ -420,30 +434,40 @@ class _WanFormat(_AbstractFormat):
     def model_kwargs(
         self, config: dict[str, Any], image_size: Any, context_length: int
     ) -> dict[str, Any]:
-        checks = {
-            "freq_dim": (256, "Wan's 256 time features"),
-            "qk_norm": ("rms_norm_across_heads", "Wan 2.1's"),
-            "cross_attn_norm": (True, "Wan 2.1's"),
-            "image_dim": (None, "image conditioning (image-to-video) is not built"),
-            "added_kv_proj_dim": (None, "image conditioning (image-to-video) is not built"),
-            "eps": (1e-6, "Wan 2.1's"),
-        }
-        for name, (want, why) in checks.items():
-            if config.get(name, want) != want:
-                raise ValueError(f"config `{name}` must be {want!r} ({why}), got {config[name]!r}.")
+        # `qk_norm` and `rope_max_seq_len` are taken whatever their values: diffusers' Wan
+        # attention RMS-normalises queries and keys whatever `qk_norm` says, and the rotary
+        # table's length bounds the grid without changing a feature.
+        for name in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+            if config.get(name) is not None:
+                raise ValueError(
+                    f"config `{name}` must be None: image conditioning (Wan's image-to-video "
+                    f"models) is not built, got {config[name]!r}."
+                )
         channels = config.get("in_channels", 16)
         _check_out_channels(config, channels)
         heads = config.get("num_attention_heads", 40)
+        grid = (21, 60, 104) if image_size is None else tuple(image_size)
+        patch = tuple(config.get("patch_size", (1, 2, 2)))
+        longest = max(size // p for size, p in zip(grid, patch, strict=False))
+        rope_length = config.get("rope_max_seq_len", 1024)
+        if longest > rope_length:
+            raise ValueError(
+                f"config `rope_max_seq_len` ({rope_length}) is shorter than the patch grid's "
+                f"longest axis ({longest}): diffusers' rotary table has no row for it."
+            )
         return dict(
-            latent_size=(21, 60, 104) if image_size is None else tuple(image_size),
+            latent_size=grid,
             channels=channels,
-            patch=tuple(config.get("patch_size", (1, 2, 2))),
+            patch=patch,
             depth=config.get("num_layers", 40),
             width=heads * config.get("attention_head_dim", 128),
             heads=heads,
             ffn_dim=config.get("ffn_dim", 13824),
             context_length=context_length,
             text_dim=config.get("text_dim", 4096),
+            freq_dim=config.get("freq_dim", 256),
+            eps=config.get("eps", 1e-6),
+            cross_attn_norm=bool(config.get("cross_attn_norm", True)),
         )
 
     def config(self, model: Wan) -> dict[str, Any]:
@@ -456,12 +480,12 @@ class _WanFormat(_AbstractFormat):
             "in_channels": model.channels,
             "out_channels": model.channels,
             "text_dim": model.text_dim,
-            "freq_dim": 256,
+            "freq_dim": model.freq_dim,
             "ffn_dim": model.ffn_dim,
             "num_layers": model.depth,
-            "cross_attn_norm": True,
+            "cross_attn_norm": model.cross_attn_norm,
             "qk_norm": "rms_norm_across_heads",
-            "eps": 1e-6,
+            "eps": model.eps,
             "image_dim": None,
             "added_kv_proj_dim": None,
             "rope_max_seq_len": 1024,
@@ -521,9 +545,12 @@ class _WanFormat(_AbstractFormat):
                 ("attn1.norm_k.weight", lambda b: b.self_attn.norm_k),
                 ("attn2.norm_q.weight", lambda b: b.cross_attn.norm_q),
                 ("attn2.norm_k.weight", lambda b: b.cross_attn.norm_k),
-                ("norm2.weight", lambda b: b.cross_norm_weight),
-                ("norm2.bias", lambda b: b.cross_norm_bias),
             ]
+            if model.cross_attn_norm:
+                names += [
+                    ("norm2.weight", lambda b: b.cross_norm_weight),
+                    ("norm2.bias", lambda b: b.cross_norm_bias),
+                ]
             entries += [
                 _Entry(f"{prefix}.{name}", _in_block(i, get), (width,)) for name, get in names
             ]
@@ -586,7 +613,7 @@ def _pos_entry(model: MMDiT) -> _Entry:
     side = model.pos_embed_max_size
     assert side is not None
     grid, width = model.image_size // model.patch, model.width
-    top, size = _pos_crop(side, grid)
+    top, size = pos_crop(side, grid)
 
     def to_ours(table: _NpArray) -> _NpArray:
         square = table.reshape(side, side, width)[top : top + size, top : top + size]
@@ -676,6 +703,16 @@ def load_diffusers(
     on our conventions: one unbatched channels-last latent (a video's `[F, H, W, C]` for
     Wan), `t` in [0, 1] (diffusers' timestep is `1000 t`), the condition (`MMDiTCondition`,
     `FluxCondition`, Wan's text states), the velocity out.
+
+    Every field of the class's config is read, not only the published values (a fine-tuned or
+    distilled variant's `freq_dim`, `eps`, `cross_attn_norm`, `patch_size`, rotary widths,
+    heads, ...). Refused, with the field named, is only what the model cannot compute: an
+    `out_channels` that makes the output other than a velocity of the latent, image
+    conditioning (Wan's `image_dim`, `added_kv_proj_dim`, `pos_embed_seq_len`), SD3's
+    `qk_norm` other than `"rms_norm"`, and what diffusers' own model cannot run either (an SD3
+    `caption_projection_dim` other than the attention width, a Wan `rope_max_seq_len` shorter
+    than the patch grid). Wan's `qk_norm` is taken whatever it says: diffusers' Wan attention
+    does not read it.
 
     **Arguments:**
 

@@ -11,6 +11,7 @@ import numpy.typing as npt
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
+from ._init import init_linears, uniform_arrays, zero_linear
 from ._layers import (
     QKV,
     Attention,
@@ -21,13 +22,8 @@ from ._layers import (
     modulate,
     named,
     patchify,
-    unpatchify,
-)
-from ._mlp import (
-    _init_linears,
-    _uniform_arrays,
-    _zero_linear,
     sinusoidal_time_features,
+    unpatchify,
 )
 from ._splash import ATTENTION_RESIDUALS
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
@@ -73,8 +69,8 @@ class _DiTBlock(eqx.Module):
 
     def __init__(self, width: int, heads: int, *, key: PRNGKeyArray) -> None:
         self.heads = heads
-        self.modulation = _zero_linear(width, 6 * width, key=key)
-        self.qkv, self.proj, self.fc1, self.fc2 = _init_linears(
+        self.modulation = zero_linear(width, 6 * width, key=key)
+        self.qkv, self.proj, self.fc1, self.fc2 = init_linears(
             [
                 (width, 3 * width),
                 (width, width),
@@ -262,8 +258,8 @@ class DiT(AbstractAttentionModel):
         self.block_layout = layout
         self.attention_settings = AttentionSettings(attention, attention_chunk)
 
-        # (Eager `jax.random` calls compile once per shape; `_init_linears` and
-        # `_uniform_arrays` draw fixed-size chunks instead, so construction is quick.)
+        # (Eager `jax.random` calls compile once per shape; `init_linears` and
+        # `uniform_arrays` draw fixed-size chunks instead, so construction is quick.)
         grid = image_size // patch
         patch_dim = patch * patch * channels
         k_lin, k_emb, *k_blocks = (jax.random.fold_in(key, i) for i in range(2 + depth))
@@ -273,7 +269,7 @@ class DiT(AbstractAttentionModel):
             time_1,
             cond_0,
             cond_1,
-        ) = _init_linears(
+        ) = init_linears(
             [
                 (patch_dim, width),
                 (_TIME_FEATURES, width),
@@ -287,12 +283,12 @@ class DiT(AbstractAttentionModel):
         self.cond_mlp = (cond_0, cond_1)
         self.pos_embed = jax.device_put(_sincos_2d(grid, width))
         # Unit-variance embeddings (uniform on [-sqrt 3, sqrt 3)).
-        self.token_embed, self.prompt_pos_embed = _uniform_arrays(
+        self.token_embed, self.prompt_pos_embed = uniform_arrays(
             k_emb, [((vocab_size, width), math.sqrt(3)), ((prompt_length, width), math.sqrt(3))]
         )
         self.blocks = layout.hold([_DiTBlock(width, heads, key=k) for k in k_blocks])
-        self.final_modulation = _zero_linear(width, 2 * width, key=key)
-        self.final_proj = _zero_linear(width, patch_dim, key=key)
+        self.final_modulation = zero_linear(width, 2 * width, key=key)
+        self.final_proj = zero_linear(width, patch_dim, key=key)
 
     @property
     def block_groups(self) -> tuple[tuple[int, int], ...]:

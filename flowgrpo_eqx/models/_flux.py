@@ -11,6 +11,15 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._distributed import gather_weights
 from .._misc import check_int
+from ._init import init_linears, zero_linear
+from ._joint import (
+    TIME_FEATURES,
+    BlockShape,
+    JointAttention,
+    Stream,
+    check_text_shapes,
+    sd3_time_features,
+)
 from ._layers import (
     Attention,
     AttentionSettings,
@@ -19,15 +28,7 @@ from ._layers import (
     layer_norm,
     modulate,
 )
-from ._mlp import _init_linears, _zero_linear
-from ._mmdit import (
-    _TIME_FEATURES,
-    _Attention,
-    _BlockShape,
-    _sd3_time_features,
-    _Stream,
-    check_text_shapes,
-)
+from ._rope import apply_rope, rope_tables
 from ._sequence import (
     attend_joint,
     attend_self,
@@ -40,7 +41,6 @@ from ._sequence import (
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
 
 
-_ROPE_THETA = 10_000.0
 _PACK = 2  # FLUX's pipelines pack 2 x 2 latent pixels into one token
 _PLAIN_ATTENTION = AttentionSettings("xla", 512)
 
@@ -61,38 +61,6 @@ class FluxCondition(TypedDict):
     context: Float[Array, "context_length context_dim"]
     pooled: Float[Array, " pooled_dim"]
     guidance: NotRequired[Float[Array, ""]]
-
-
-def rope_tables(
-    ids: npt.NDArray[np.floating[Any]], axes_dims: tuple[int, ...], theta: float = _ROPE_THETA
-) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-    """The rotary position features of `ids`, as diffusers' `FluxPosEmbed` computes them.
-
-    For each position axis `i` of width `d_i`, the angles `ids[:, i] * theta ** (-2k / d_i)`
-    for `k < d_i / 2` in float64, their cosines and sines each repeated twice in place (the
-    pairs `(2k, 2k + 1)` share an angle), then float32; the axes are concatenated.
-
-    **Arguments:**
-
-    - `ids`: the positions, `[S, len(axes_dims)]`.
-    - `axes_dims`: the feature width of each position axis (even), summing to the head
-        width.
-    - `theta`: the base of the frequencies.
-
-    **Returns:**
-
-    `(cos, sin)`, each `[S, sum(axes_dims)]` float32.
-    """
-    cos, sin = [], []
-    for axis, dim in enumerate(axes_dims):
-        freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-        angles = np.outer(ids[:, axis].astype(np.float32).astype(np.float64), freqs)
-        cos.append(np.repeat(np.cos(angles), 2, axis=1))
-        sin.append(np.repeat(np.sin(angles), 2, axis=1))
-    return (
-        np.concatenate(cos, axis=1).astype(np.float32),
-        np.concatenate(sin, axis=1).astype(np.float32),
-    )
 
 
 def flux_position_ids(context_length: int, rows: int, cols: int) -> npt.NDArray[np.float32]:
@@ -124,24 +92,6 @@ _Rope: TypeAlias = tuple[
 """The rotary features `(cos, sin)` of the text tokens, then of the image tokens."""
 
 
-def _apply_rope(
-    qkv: Float[Array, "3 S heads head_dim"],
-    cos: Float[Array, "S head_dim"],
-    sin: Float[Array, "S head_dim"],
-) -> Float[Array, "3 S heads head_dim"]:
-    """The queries and keys rotated by their positions (diffusers' `apply_rotary_emb`, in
-    float32: each pair `(x_2k, x_2k+1)` becomes `x * cos + (-x_2k+1, x_2k) * sin`); the values
-    as they are."""
-
-    def rotate(x: Float[Array, "S heads head_dim"]) -> Float[Array, "S heads head_dim"]:
-        pairs = x.reshape(*x.shape[:-1], -1, 2)
-        turned = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
-        out = x.astype(jnp.float32) * cos[:, None, :] + turned.astype(jnp.float32) * sin[:, None, :]
-        return out.astype(x.dtype)
-
-    return jnp.stack([rotate(qkv[0]), rotate(qkv[1]), qkv[2]])
-
-
 @final
 class _FluxDoubleBlock(eqx.Module):
     """One double-stream block (diffusers' `FluxTransformerBlock`).
@@ -156,13 +106,13 @@ class _FluxDoubleBlock(eqx.Module):
     - `key`: a JAX PRNG key for the initialisation.
     """
 
-    context: _Stream
-    image: _Stream
+    context: Stream
+    image: Stream
 
-    def __init__(self, shape: _BlockShape, *, key: PRNGKeyArray) -> None:
+    def __init__(self, shape: BlockShape, *, key: PRNGKeyArray) -> None:
         k_context, k_image = jax.random.split(key)
-        self.context = _Stream(shape, False, key=k_context)
-        self.image = _Stream(shape, False, key=k_image)
+        self.context = Stream(shape, False, key=k_context)
+        self.image = Stream(shape, False, key=k_image)
 
     def __call__(
         self,
@@ -177,10 +127,10 @@ class _FluxDoubleBlock(eqx.Module):
         mod_image = self.image.modulations(silu_c)
         text_rope, image_rope = rope
         attended_image, attended_context = attend_joint(
-            _apply_rope(
+            apply_rope(
                 self.image.attn.qkv(self.image.attention_input(image, mod_image)), *image_rope
             ),
-            _apply_rope(
+            apply_rope(
                 self.context.attn.qkv(self.context.attention_input(context, mod_context)),
                 *text_rope,
             ),
@@ -211,16 +161,16 @@ class _FluxSingleBlock(eqx.Module):
     """
 
     modulation: eqx.nn.Linear
-    attn: _Attention
+    attn: JointAttention
     proj_mlp: eqx.nn.Linear
     proj_out: eqx.nn.Linear
 
-    def __init__(self, shape: _BlockShape, *, key: PRNGKeyArray) -> None:
+    def __init__(self, shape: BlockShape, *, key: PRNGKeyArray) -> None:
         width, hidden = shape.width, shape.mlp_ratio * shape.width
         k_attn, k_mlp = jax.random.split(key)
-        self.modulation = _zero_linear(width, 3 * width, key=key)
-        self.attn = _Attention(width, shape.heads, shape.qk_norm, False, key=k_attn)
-        self.proj_mlp, self.proj_out = _init_linears(
+        self.modulation = zero_linear(width, 3 * width, key=key)
+        self.attn = JointAttention(width, shape.heads, shape.qk_norm, False, key=k_attn)
+        self.proj_mlp, self.proj_out = init_linears(
             [(width, hidden), (width + hidden, width)], key=k_mlp
         )
 
@@ -240,7 +190,7 @@ class _FluxSingleBlock(eqx.Module):
             tokens = join_streams(context, image)
             normed = modulate(layer_norm(tokens), mod[0], mod[1])
             cos, sin = (join_streams(*parts) for parts in zip(text_rope, image_rope, strict=True))
-            qkv = _apply_rope(self.attn.qkv(normed), cos, sin)
+            qkv = apply_rope(self.attn.qkv(normed), cos, sin)
             attended = attend_self(qkv[0], qkv[1], qkv[2], attention)
             added = self._added(tokens, normed, attended, mod[2])
             return part_streams(added, context.shape[0])
@@ -249,8 +199,8 @@ class _FluxSingleBlock(eqx.Module):
         normed_context = modulate(layer_norm(context), mod[0], mod[1])
         normed_image = modulate(layer_norm(image), mod[0], mod[1])
         attended_image, attended_context = attend_joint(
-            _apply_rope(self.attn.qkv(normed_image), *image_rope),
-            _apply_rope(self.attn.qkv(normed_context), *text_rope),
+            apply_rope(self.attn.qkv(normed_image), *image_rope),
+            apply_rope(self.attn.qkv(normed_context), *text_rope),
             attention,
             text_first=True,
         )
@@ -454,15 +404,15 @@ class Flux(AbstractAttentionModel):
         width, token_dim = self.width, _PACK * _PACK * self.channels
         depth = self.double_depth + self.single_depth
         k_lin, k_final, *k_blocks = (jax.random.fold_in(key, i) for i in range(2 + depth))
-        linears = _init_linears(
+        linears = init_linears(
             [
                 (token_dim, width),
                 (self.context_dim, width),
-                (_TIME_FEATURES, width),
+                (TIME_FEATURES, width),
                 (width, width),
                 (self.pooled_dim, width),
                 (width, width),
-                (_TIME_FEATURES, width),
+                (TIME_FEATURES, width),
                 (width, width),
             ],
             key=k_lin,
@@ -471,14 +421,14 @@ class Flux(AbstractAttentionModel):
         self.time_mlp = (linears[2], linears[3])
         self.pooled_mlp = (linears[4], linears[5])
         self.guidance_mlp = (linears[6], linears[7]) if self.guidance_embeds else None
-        shape = _BlockShape(width, self.heads, self.mlp_ratio, True)
+        shape = BlockShape(width, self.heads, self.mlp_ratio, True)
         blocks: list[_FluxDoubleBlock | _FluxSingleBlock] = [
             _FluxDoubleBlock(shape, key=k) for k in k_blocks[: self.double_depth]
         ]
         blocks += [_FluxSingleBlock(shape, key=k) for k in k_blocks[self.double_depth :]]
         self.blocks = self.block_layout.hold(blocks)
-        self.final_modulation = _zero_linear(width, 2 * width, key=k_final)
-        self.final_proj = _zero_linear(width, token_dim, key=k_final)
+        self.final_modulation = zero_linear(width, 2 * width, key=k_final)
+        self.final_proj = zero_linear(width, token_dim, key=k_final)
 
     @property
     def block_groups(self) -> tuple[tuple[int, int], ...]:
@@ -632,9 +582,9 @@ class Flux(AbstractAttentionModel):
         ) -> Float[Array, "1 D"]:
             return dense(mlp[1], jax.nn.silu(dense(mlp[0], h[None])))
 
-        c = embed(outer.time_mlp, _sd3_time_features(t).astype(dtype))
+        c = embed(outer.time_mlp, sd3_time_features(t).astype(dtype))
         if outer.guidance_mlp is not None and guidance is not None:
-            c = c + embed(outer.guidance_mlp, _sd3_time_features(guidance).astype(dtype))
+            c = c + embed(outer.guidance_mlp, sd3_time_features(guidance).astype(dtype))
         c = (c + embed(outer.pooled_mlp, pooled))[0]
 
         image = dense(outer.x_embed, outer._pack(x.astype(dtype)))

@@ -46,11 +46,25 @@ heads) or `"ring"` (keys and values passed round the devices, online softmax).""
 SEQUENCE_STRATEGIES: tuple[SequenceStrategy, ...] = get_args(SequenceStrategy)
 
 
-def layer_norm(h: Float[Array, "S D"]) -> Float[Array, "S D"]:
-    """LayerNorm over the last axis, without an affine part (adaLN supplies scale and shift)."""
+def layer_norm(h: Float[Array, "S D"], eps: float = _LN_EPS) -> Float[Array, "S D"]:
+    """LayerNorm over the last axis, without an affine part (adaLN supplies scale and shift),
+    with `eps` added to the variance."""
     mean = jnp.mean(h, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
-    return (h - mean) * jax.lax.rsqrt(var + _LN_EPS)
+    return (h - mean) * jax.lax.rsqrt(var + eps)
+
+
+def rms_norm(
+    h: Float[Array, "*S H"], weight: Float[Array, " H"], eps: float = 1e-6
+) -> Float[Array, "*S H"]:
+    """RMSNorm over the last axis with a weight, as diffusers' `RMSNorm(eps=eps)` computes it:
+    statistics in float32."""
+    h32 = h.astype(jnp.float32)
+    normed = h32 * jax.lax.rsqrt(jnp.mean(jnp.square(h32), axis=-1, keepdims=True) + eps)
+    out: Float[Array, "*S H"] = normed.astype(weight.dtype) * weight.reshape(
+        (1,) * (h.ndim - 1) + weight.shape
+    )
+    return out
 
 
 def time_features(t: Float[Array, ""], dim: int) -> Float[Array, " dim"]:
@@ -322,3 +336,44 @@ def merge_chunks(
     """The per-piece results of `chunk_queries`' pieces as one sequence, padding dropped."""
     merged: Float[Array, "S heads head_dim"] = out.reshape(-1, *out.shape[2:])[:length]
     return merged
+
+
+def sinusoidal_time_features(
+    t: Float[Array, ""],
+    num_features: int,
+    *,
+    max_period: float = 10_000.0,
+    time_scale: float = 1_000.0,
+) -> Float[Array, " features"]:
+    """Sinusoidal features of a scalar time, as in DDPM/DiT time embeddings.
+
+    The time is first scaled by `time_scale` (so `t` in `[0, 1]` spans the usual `[0, 1000]`),
+    then mapped to `[cos(s t f_0), ..., cos(s t f_{h-1}), sin(s t f_0), ..., sin(s t f_{h-1})]`
+    with `h = num_features // 2` geometric frequencies `f_k = max_period ** (-k / h)`.
+
+    **Arguments:**
+
+    - `t`: the scalar time, `[]`.
+    - `num_features`: how many features to return; a positive even int.
+    - `max_period`: the longest period (in scaled time units) of the frequencies.
+    - `time_scale`: the factor `t` is multiplied by first.
+
+    **Returns:**
+
+    The features, `[num_features]`, in the dtype of `t`.
+
+    **Raises:**
+
+    - `ValueError`: naming `num_features` when it is not a positive even int, or `t` when it
+        is not a scalar.
+    """
+    check_int("num_features", num_features, 2)
+    if num_features % 2 != 0:
+        raise ValueError(f"`num_features` must be even, got {num_features}.")
+    if jnp.ndim(t) != 0:
+        raise ValueError(f"`t` must be a scalar, got shape {jnp.shape(t)}.")
+    half = num_features // 2
+    exponents = jnp.arange(half, dtype=t.dtype) / half
+    freqs = jnp.exp(-math.log(max_period) * exponents)
+    args = (time_scale * t) * freqs
+    return jnp.concatenate([jnp.cos(args), jnp.sin(args)])

@@ -1,57 +1,14 @@
-"""A conditional MLP velocity network on flat latents, and the shared time features."""
+"""A conditional MLP velocity network on flat latents."""
 
-import math
-from collections.abc import Sequence
 from typing import final
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._misc import check_int, chunked_random_arrays
-
-
-def sinusoidal_time_features(
-    t: Float[Array, ""],
-    num_features: int,
-    *,
-    max_period: float = 10_000.0,
-    time_scale: float = 1_000.0,
-) -> Float[Array, " features"]:
-    """Sinusoidal features of a scalar time, as in DDPM/DiT time embeddings.
-
-    The time is first scaled by `time_scale` (so `t` in `[0, 1]` spans the usual `[0, 1000]`),
-    then mapped to `[cos(s t f_0), ..., cos(s t f_{h-1}), sin(s t f_0), ..., sin(s t f_{h-1})]`
-    with `h = num_features // 2` geometric frequencies `f_k = max_period ** (-k / h)`.
-
-    **Arguments:**
-
-    - `t`: the scalar time, `[]`.
-    - `num_features`: how many features to return; a positive even int.
-    - `max_period`: the longest period (in scaled time units) of the frequencies.
-    - `time_scale`: the factor `t` is multiplied by first.
-
-    **Returns:**
-
-    The features, `[num_features]`, in the dtype of `t`.
-
-    **Raises:**
-
-    - `ValueError`: naming `num_features` when it is not a positive even int, or `t` when it
-        is not a scalar.
-    """
-    check_int("num_features", num_features, 2)
-    if num_features % 2 != 0:
-        raise ValueError(f"`num_features` must be even, got {num_features}.")
-    if jnp.ndim(t) != 0:
-        raise ValueError(f"`t` must be a scalar, got shape {jnp.shape(t)}.")
-    half = num_features // 2
-    exponents = jnp.arange(half, dtype=t.dtype) / half
-    freqs = jnp.exp(-math.log(max_period) * exponents)
-    args = (time_scale * t) * freqs
-    return jnp.concatenate([jnp.cos(args), jnp.sin(args)])
+from .._misc import check_int
+from ._init import init_linears
+from ._layers import sinusoidal_time_features
 
 
 def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
@@ -73,49 +30,6 @@ def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     `silu(x)`, same shape and dtype.
     """
     return x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
-
-
-def _uniform_chunk(key: PRNGKeyArray, shape: tuple[int]) -> Float[Array, " chunk"]:
-    return jax.random.uniform(key, shape, minval=-1.0, maxval=1.0)
-
-
-def _uniform_arrays(
-    key: PRNGKeyArray, specs: Sequence[tuple[tuple[int, ...], float]]
-) -> list[Float[Array, "..."]]:
-    """Independent `U[-scale, scale)` float32 arrays, one per `(shape, scale)` in `specs`,
-    drawn as fixed-size chunks (`chunked_random_arrays`), so that eager construction compiles
-    one RNG program for every model and configuration."""
-    return chunked_random_arrays(key, specs, _uniform_chunk)
-
-
-def _linear_from(
-    weight: Float[Array, "out in"], bias: Float[Array, " out"], *, key: PRNGKeyArray
-) -> eqx.nn.Linear:
-    """An `eqx.nn.Linear` holding the given `weight` and `bias` (its own init is never run)."""
-    out_features, in_features = weight.shape
-    abstract = eqx.filter_eval_shape(eqx.nn.Linear, in_features, out_features, key=key)
-    linear: eqx.nn.Linear = eqx.tree_at(lambda m: (m.weight, m.bias), abstract, (weight, bias))
-    return linear
-
-
-def _init_linears(dims: Sequence[tuple[int, int]], *, key: PRNGKeyArray) -> list[eqx.nn.Linear]:
-    """`eqx.nn.Linear(in, out)` for each `(in, out)`, with Equinox's default init.
-
-    Weight and bias are `U[-1/sqrt(in), 1/sqrt(in))`, drawn by `_uniform_arrays`.
-    """
-    specs: list[tuple[tuple[int, ...], float]] = []
-    for in_features, out_features in dims:
-        limit = 1.0 / math.sqrt(in_features)
-        specs += [((out_features, in_features), limit), ((out_features,), limit)]
-    arrays = _uniform_arrays(key, specs)
-    return [_linear_from(arrays[2 * i], arrays[2 * i + 1], key=key) for i in range(len(dims))]
-
-
-def _zero_linear(in_features: int, out_features: int, *, key: PRNGKeyArray) -> eqx.nn.Linear:
-    """An `eqx.nn.Linear(in_features, out_features)` with zero weight and bias."""
-    weight = jax.device_put(np.zeros((out_features, in_features), dtype=np.float32))
-    bias = jax.device_put(np.zeros((out_features,), dtype=np.float32))
-    return _linear_from(weight, bias, key=key)
 
 
 @final
@@ -176,7 +90,7 @@ class MLPVelocity(eqx.Module):
 
         in_size = latent_dim + time_features + cond_dim
         dims = [(in_size, hidden)] + [(hidden, hidden)] * (depth - 1) + [(hidden, latent_dim)]
-        linears = _init_linears(dims, key=key)
+        linears = init_linears(dims, key=key)
         self.layers = tuple(linears[:-1])
         self.out = linears[-1]
 

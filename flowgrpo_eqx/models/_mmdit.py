@@ -2,7 +2,7 @@
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple, TypedDict, final
+from typing import Any, Literal, TypedDict, final
 
 import equinox as eqx
 import jax
@@ -14,6 +14,15 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._buffer import Buffer
 from .._distributed import gather_weights
 from .._misc import check_int
+from ._init import init_linears, uniform_arrays, zero_linear
+from ._joint import (
+    TIME_FEATURES,
+    BlockShape,
+    JointAttention,
+    Stream,
+    check_text_shapes,
+    sd3_time_features,
+)
 from ._layers import (
     Attention,
     AttentionSettings,
@@ -22,16 +31,12 @@ from ._layers import (
     layer_norm,
     modulate,
     patchify,
-    time_features,
     unpatchify,
 )
-from ._mlp import _init_linears, _uniform_arrays, _zero_linear
 from ._sequence import attend_joint, attend_self, split_tokens
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
 
 
-_TIME_FEATURES = 256
-_RMS_EPS = 1e-6
 _PLAIN_ATTENTION = AttentionSettings("xla", 512)
 
 
@@ -50,25 +55,6 @@ class MMDiTCondition(TypedDict):
 
     context: Float[Array, "context_length context_dim"]
     pooled: Float[Array, " pooled_dim"]
-
-
-def _sd3_time_features(t: Float[Array, ""]) -> Float[Array, " 256"]:
-    """SD3's 256 time features of `t` in [0, 1] (`time_features` of the timestep `1000 t`)."""
-    return time_features(t, _TIME_FEATURES)
-
-
-def check_text_shapes(
-    cond: dict[str, Any], context_length: int, context_dim: int, pooled_dim: int
-) -> None:
-    """Raise a `ValueError` naming `cond['context']` or `cond['pooled']` unless their shapes
-    are `[context_length, context_dim]` and `[pooled_dim]`."""
-    want = (context_length, context_dim)
-    if cond["context"].shape != want:
-        raise ValueError(f"`cond['context']` must have shape {want}, got {cond['context'].shape}.")
-    if cond["pooled"].shape != (pooled_dim,):
-        raise ValueError(
-            f"`cond['pooled']` must have shape ({pooled_dim},), got {cond['pooled'].shape}."
-        )
 
 
 def _pos_table(
@@ -96,161 +82,9 @@ def _pos_table(
     return np.concatenate([sincos(cols), sincos(rows)], axis=1).astype(np.float32)
 
 
-def _pos_crop(table: int, grid: int) -> tuple[int, int]:
+def pos_crop(table: int, grid: int) -> tuple[int, int]:
     """The first row (and column) and the size of the centred `grid x grid` crop."""
     return (table - grid) // 2, grid
-
-
-def _rms_norm(h: Float[Array, "*S H"], weight: Float[Array, " H"]) -> Float[Array, "*S H"]:
-    """RMSNorm over the last axis, as diffusers' `RMSNorm(eps=1e-6)`: statistics in float32."""
-    h32 = h.astype(jnp.float32)
-    normed = h32 * jax.lax.rsqrt(jnp.mean(jnp.square(h32), axis=-1, keepdims=True) + _RMS_EPS)
-    out: Float[Array, "*S H"] = normed.astype(weight.dtype) * weight.reshape(
-        (1,) * (h.ndim - 1) + weight.shape
-    )
-    return out
-
-
-def _ones(n: int) -> Float[Array, " n"]:
-    ones: Float[Array, " n"] = jax.device_put(np.ones((n,), dtype=np.float32))
-    return ones
-
-
-@final
-class _Attention(eqx.Module):
-    """One token stream's attention weights: its queries, keys, values and output projection.
-
-    diffusers' `Attention`: `to_q`, `to_k`, `to_v` (or `add_q_proj`, ... for the text
-    stream), the optional RMS norms of each head's queries and keys, and `to_out.0` (or
-    `to_add_out`), absent for the last block's pre-only text stream.
-
-    **Arguments:**
-
-    - `width`: the token width.
-    - `heads`: the number of attention heads; divides `width`.
-    - `qk_norm`: whether queries and keys are RMS-normalised per head.
-    - `has_out`: whether the stream has an output projection.
-    - `key`: a JAX PRNG key for the initialisation.
-    """
-
-    q: eqx.nn.Linear
-    k: eqx.nn.Linear
-    v: eqx.nn.Linear
-    norm_q: Float[Array, " head_dim"] | None
-    norm_k: Float[Array, " head_dim"] | None
-    out: eqx.nn.Linear | None
-    heads: int = eqx.field(static=True)
-
-    def __init__(
-        self, width: int, heads: int, qk_norm: bool, has_out: bool, *, key: PRNGKeyArray
-    ) -> None:
-        self.heads = heads
-        linears = _init_linears([(width, width)] * (4 if has_out else 3), key=key)
-        self.q, self.k, self.v = linears[:3]
-        self.out = linears[3] if has_out else None
-        head_dim = width // heads
-        self.norm_q = _ones(head_dim) if qk_norm else None
-        self.norm_k = _ones(head_dim) if qk_norm else None
-
-    def qkv(self, h: Float[Array, "S D"]) -> Float[Array, "3 S heads head_dim"]:
-        """The queries, keys and values of the (already modulated) tokens, split into heads."""
-        seq, width = h.shape
-
-        def heads(linear: eqx.nn.Linear) -> Float[Array, "S heads head_dim"]:
-            return dense(linear, h).reshape(seq, self.heads, width // self.heads)
-
-        q, k, v = heads(self.q), heads(self.k), heads(self.v)
-        if self.norm_q is not None and self.norm_k is not None:
-            q, k = _rms_norm(q, self.norm_q), _rms_norm(k, self.norm_k)
-        return jnp.stack([q, k, v])
-
-
-@final
-class _BlockShape(NamedTuple):
-    """What every block of one MMDiT shares: the token width, the attention heads (a
-    divisor of `width`), the feed-forward hidden width over `width`, and whether queries and
-    keys are RMS-normalised per head."""
-
-    width: int
-    heads: int
-    mlp_ratio: int
-    qk_norm: bool
-
-
-class _Stream(eqx.Module):
-    """One stream's weights (text or image) in one MMDiT block.
-
-    `modulation` is diffusers' adaLN linear, its output rows in diffusers' chunk order: for
-    a full stream (`AdaLayerNormZero`) shift, scale and gate of the attention, then of the
-    feed-forward; for the image stream of a dual-attention block (SD3.5's
-    `SD35AdaLayerNormZeroX`) three more, shift, scale and gate of the second attention; for
-    the last block's pre-only text stream (`AdaLayerNormContinuous`) scale, then shift. A
-    pre-only stream keeps only what the joint attention needs from it (its modulation and
-    its queries, keys and values): its output is unused.
-
-    **Arguments:**
-
-    - `shape`: the block's dimensions.
-    - `pre_only`: whether to keep only the modulation and the queries, keys and values.
-    - `dual`: whether the block has a second, image-only attention (image stream only).
-    - `key`: a JAX PRNG key for the initialisation.
-    """
-
-    modulation: eqx.nn.Linear
-    attn: _Attention
-    fc1: eqx.nn.Linear | None
-    fc2: eqx.nn.Linear | None
-    pre_only: bool = eqx.field(static=True)
-
-    def __init__(
-        self, shape: _BlockShape, pre_only: bool, dual: bool = False, *, key: PRNGKeyArray
-    ) -> None:
-        width, heads, mlp_ratio, qk_norm = shape
-        k_attn, k_mlp = jax.random.split(key)
-        self.pre_only = pre_only
-        chunks = 2 if pre_only else 9 if dual else 6
-        self.modulation = _zero_linear(width, chunks * width, key=key)
-        self.attn = _Attention(width, heads, qk_norm, not pre_only, key=k_attn)
-        if pre_only:
-            self.fc1 = self.fc2 = None
-        else:
-            self.fc1, self.fc2 = _init_linears(
-                [(width, mlp_ratio * width), (mlp_ratio * width, width)], key=k_mlp
-            )
-
-    def modulations(self, silu_c: Float[Array, " D"]) -> Float[Array, "M D"]:
-        """The stream's modulation vectors (rows in diffusers' chunk order) of `silu(c)`."""
-        out: Float[Array, "M D"] = dense(self.modulation, silu_c[None])[0].reshape(
-            -1, silu_c.shape[0]
-        )
-        return out
-
-    def attention_input(
-        self, h: Float[Array, "S D"], mod: Float[Array, "M D"]
-    ) -> Float[Array, "S D"]:
-        """The tokens normalised and modulated for the (joint) attention."""
-        if self.pre_only:
-            return modulate(layer_norm(h), mod[1], mod[0])
-        return modulate(layer_norm(h), mod[0], mod[1])
-
-    def residual(
-        self, h: Float[Array, "S D"], attended: Float[Array, "S D"], mod: Float[Array, "M D"]
-    ) -> Float[Array, "S D"]:
-        """The gated attention residual added to the tokens (unchanged if pre-only)."""
-        if self.attn.out is None:
-            return h
-        out: Float[Array, "S D"] = h + mod[2][None, :] * dense(self.attn.out, attended)
-        return out
-
-    def feed_forward(self, h: Float[Array, "S D"], mod: Float[Array, "M D"]) -> Float[Array, "S D"]:
-        """The gated tanh-GELU feed-forward residual added to the tokens."""
-        if self.fc1 is None or self.fc2 is None:
-            return h
-        hidden = jax.nn.gelu(
-            dense(self.fc1, modulate(layer_norm(h), mod[3], mod[4])), approximate=True
-        )
-        out: Float[Array, "S D"] = h + mod[5][None, :] * dense(self.fc2, hidden)
-        return out
 
 
 @final
@@ -268,18 +102,20 @@ class _MMDiTBlock(eqx.Module):
     - `key`: a JAX PRNG key for the initialisation.
     """
 
-    context: _Stream
-    image: _Stream
-    attn2: _Attention | None
+    context: Stream
+    image: Stream
+    attn2: JointAttention | None
 
     def __init__(
-        self, shape: _BlockShape, context_pre_only: bool, dual: bool = False, *, key: PRNGKeyArray
+        self, shape: BlockShape, context_pre_only: bool, dual: bool = False, *, key: PRNGKeyArray
     ) -> None:
         k_context, k_image, k_attn2 = jax.random.split(key, 3)
-        self.context = _Stream(shape, context_pre_only, key=k_context)
-        self.image = _Stream(shape, False, dual, key=k_image)
+        self.context = Stream(shape, context_pre_only, key=k_context)
+        self.image = Stream(shape, False, dual, key=k_image)
         self.attn2 = (
-            _Attention(shape.width, shape.heads, shape.qk_norm, True, key=k_attn2) if dual else None
+            JointAttention(shape.width, shape.heads, shape.qk_norm, True, key=k_attn2)
+            if dual
+            else None
         )
 
     def __call__(
@@ -389,7 +225,7 @@ def _token_tables(
         return None, None, None
     # Unit-variance embeddings (uniform on [-sqrt 3, sqrt 3)).
     unit = math.sqrt(3)
-    token, position, pooled = _uniform_arrays(
+    token, position, pooled = uniform_arrays(
         key,
         [
             ((vocab_size, context_dim), unit),
@@ -617,11 +453,11 @@ class MMDiT(AbstractAttentionModel):
             time_1,
             pooled_0,
             pooled_1,
-        ) = _init_linears(
+        ) = init_linears(
             [
                 (patch_dim, width),
                 (self.context_dim, width),
-                (_TIME_FEATURES, width),
+                (TIME_FEATURES, width),
                 (width, width),
                 (self.pooled_dim, width),
                 (width, width),
@@ -634,14 +470,14 @@ class MMDiT(AbstractAttentionModel):
         self.token_embed, self.token_pos_embed, self.pooled_token_embed = _token_tables(
             self.vocab_size, self.context_length, self.context_dim, self.pooled_dim, k_emb
         )
-        shape = _BlockShape(width, self.heads, self.mlp_ratio, self.qk_norm is not None)
+        shape = BlockShape(width, self.heads, self.mlp_ratio, self.qk_norm is not None)
         blocks = [
             _MMDiTBlock(shape, i == self.depth - 1, i in self.dual_attention_layers, key=k)
             for i, k in enumerate(k_blocks)
         ]
         self.blocks = self.block_layout.hold(blocks)
-        self.final_modulation = _zero_linear(width, 2 * width, key=k_final)
-        self.final_proj = _zero_linear(width, patch_dim, key=k_final)
+        self.final_modulation = zero_linear(width, 2 * width, key=k_final)
+        self.final_proj = zero_linear(width, patch_dim, key=k_final)
 
     @property
     def block_groups(self) -> tuple[tuple[int, int], ...]:
@@ -666,7 +502,7 @@ class MMDiT(AbstractAttentionModel):
         base = self.sample_size // self.patch
         if full:
             return _pos_table(side, base, self.width)
-        top, size = _pos_crop(side, grid)
+        top, size = pos_crop(side, grid)
         return _pos_table(side, base, self.width, top, size)
 
     @classmethod
@@ -803,7 +639,7 @@ class MMDiT(AbstractAttentionModel):
         context_in, pooled = outer._text(cond)
         dtype = outer.pos_embed.value.dtype
 
-        time_in = _sd3_time_features(t).astype(dtype)
+        time_in = sd3_time_features(t).astype(dtype)
         c = dense(outer.time_mlp[1], jax.nn.silu(dense(outer.time_mlp[0], time_in[None])))
         c = c + dense(outer.pooled_mlp[1], jax.nn.silu(dense(outer.pooled_mlp[0], pooled[None])))
         c = c[0]

@@ -11,7 +11,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._distributed import gather_weights
 from .._misc import check_int
-from ._flux import _apply_rope, rope_tables
+from ._init import init_linears, zero_linear
 from ._layers import (
     Attention,
     AttentionSettings,
@@ -20,15 +20,12 @@ from ._layers import (
     dense,
     layer_norm,
     modulate,
+    rms_norm,
     time_features,
 )
-from ._mlp import _init_linears, _zero_linear
-from ._mmdit import _rms_norm
+from ._rope import apply_rope, rope_tables
 from ._sequence import attend_self, split_tokens
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
-
-
-_FREQ_DIM = 256
 
 
 def wan_rope_dims(head_dim: int) -> tuple[int, int, int]:
@@ -58,6 +55,7 @@ class _WanAttention(eqx.Module):
     **Arguments:**
 
     - `width`: the token width.
+    - `eps`: the RMS norms' epsilon.
     - `key`: a JAX PRNG key for the initialisation.
     """
 
@@ -67,11 +65,13 @@ class _WanAttention(eqx.Module):
     out: eqx.nn.Linear
     norm_q: Float[Array, " D"]
     norm_k: Float[Array, " D"]
+    eps: float = eqx.field(static=True)
 
-    def __init__(self, width: int, *, key: PRNGKeyArray) -> None:
-        self.q, self.k, self.v, self.out = _init_linears([(width, width)] * 4, key=key)
+    def __init__(self, width: int, eps: float, *, key: PRNGKeyArray) -> None:
+        self.q, self.k, self.v, self.out = init_linears([(width, width)] * 4, key=key)
         self.norm_q = jax.device_put(np.ones((width,), np.float32))
         self.norm_k = jax.device_put(np.ones((width,), np.float32))
+        self.eps = eps
 
     def __call__(
         self,
@@ -89,12 +89,12 @@ class _WanAttention(eqx.Module):
         def split(x: Float[Array, "N D"]) -> Float[Array, "N heads hd"]:
             return x.reshape(x.shape[0], heads, -1)
 
-        q = split(_rms_norm(dense(self.q, h), self.norm_q))
-        k = split(_rms_norm(dense(self.k, source), self.norm_k))
+        q = split(rms_norm(dense(self.q, h), self.norm_q, self.eps))
+        k = split(rms_norm(dense(self.k, source), self.norm_k, self.eps))
         v = split(dense(self.v, source))
         if rope is None:
             return dense(self.out, attend_to(q, k, v, attention))
-        q, k, v = _apply_rope(jnp.stack([q, k, v]), *rope)
+        q, k, v = apply_rope(jnp.stack([q, k, v]), *rope)
         out: Float[Array, "S D"] = dense(self.out, attend_self(q, k, v, attention))
         return out
 
@@ -105,32 +105,41 @@ class _WanBlock(eqx.Module):
 
     A learned `[6, D]` table plus the time projection gives shift, scale and gate of the
     self-attention and of the feed-forward; the self-attention has rotary positions; the
-    cross-attention to the text tokens follows an affine LayerNorm (`cross_attn_norm`) and is
-    added without a gate; the feed-forward is tanh-GELU.
+    cross-attention to the text tokens follows an affine LayerNorm (with `cross_attn_norm`;
+    else the tokens as they are) and is added without a gate; the feed-forward is tanh-GELU.
 
     **Arguments:**
 
     - `width`: the token width.
     - `ffn_dim`: the feed-forward hidden width.
+    - `eps`: the epsilon of every norm of the block.
+    - `cross_attn_norm`: whether the cross-attention's input is layer-normalised.
     - `key`: a JAX PRNG key for the initialisation.
     """
 
     table: Float[Array, "6 D"]
     self_attn: _WanAttention
-    cross_norm_weight: Float[Array, " D"]
-    cross_norm_bias: Float[Array, " D"]
+    cross_norm_weight: Float[Array, " D"] | None
+    cross_norm_bias: Float[Array, " D"] | None
     cross_attn: _WanAttention
     fc1: eqx.nn.Linear
     fc2: eqx.nn.Linear
+    eps: float = eqx.field(static=True)
 
-    def __init__(self, width: int, ffn_dim: int, *, key: PRNGKeyArray) -> None:
+    def __init__(
+        self, width: int, ffn_dim: int, eps: float, cross_attn_norm: bool, *, key: PRNGKeyArray
+    ) -> None:
         k_table, k_self, k_cross, k_ff = jax.random.split(key, 4)
         self.table = jax.random.normal(k_table, (6, width), jnp.float32) / math.sqrt(width)
-        self.self_attn = _WanAttention(width, key=k_self)
-        self.cross_norm_weight = jax.device_put(np.ones((width,), np.float32))
-        self.cross_norm_bias = jax.device_put(np.zeros((width,), np.float32))
-        self.cross_attn = _WanAttention(width, key=k_cross)
-        self.fc1, self.fc2 = _init_linears([(width, ffn_dim), (ffn_dim, width)], key=k_ff)
+        self.self_attn = _WanAttention(width, eps, key=k_self)
+        if cross_attn_norm:
+            self.cross_norm_weight = jax.device_put(np.ones((width,), np.float32))
+            self.cross_norm_bias = jax.device_put(np.zeros((width,), np.float32))
+        else:
+            self.cross_norm_weight = self.cross_norm_bias = None
+        self.cross_attn = _WanAttention(width, eps, key=k_cross)
+        self.fc1, self.fc2 = init_linears([(width, ffn_dim), (ffn_dim, width)], key=k_ff)
+        self.eps = eps
 
     def __call__(
         self,
@@ -143,10 +152,15 @@ class _WanBlock(eqx.Module):
     ) -> Float[Array, "S D"]:
         mod = self.table.astype(time.dtype) + time
         h = h + mod[2][None, :] * self._self_attention(h, mod, heads, rope, attention)
-        normed = layer_norm(h) * self.cross_norm_weight[None, :] + self.cross_norm_bias[None, :]
+        normed = h
+        if self.cross_norm_weight is not None and self.cross_norm_bias is not None:
+            normed = (
+                layer_norm(h, self.eps) * self.cross_norm_weight[None, :]
+                + self.cross_norm_bias[None, :]
+            )
         h = h + self.cross_attn(normed, context, heads, None, attention)
         hidden = jax.nn.gelu(
-            dense(self.fc1, modulate(layer_norm(h), mod[3], mod[4])), approximate=True
+            dense(self.fc1, modulate(layer_norm(h, self.eps), mod[3], mod[4])), approximate=True
         )
         out: Float[Array, "S D"] = h + mod[5][None, :] * dense(self.fc2, hidden)
         return out
@@ -159,7 +173,7 @@ class _WanBlock(eqx.Module):
         rope: tuple[Float[Array, "S hd"], Float[Array, "S hd"]],
         attention: AttentionSettings,
     ) -> Float[Array, "S D"]:
-        normed = modulate(layer_norm(h), mod[0], mod[1])
+        normed = modulate(layer_norm(h, self.eps), mod[0], mod[1])
         return self.self_attn(normed, normed, heads, rope, attention)
 
 
@@ -198,9 +212,9 @@ class Wan(AbstractAttentionModel):
     - the latent cut into `patch = (1, 2, 2)` patches (frames, rows, columns), each linearly
         embedded (diffusers' strided 3D convolution), frame-major then row-major;
     - the text tokens (umT5-XXL's states) through a tanh-GELU MLP (`text_embedder`);
-    - the time: 256 sinusoidal features of `1000 t`, an MLP (`temb`), and a linear map of
-        `silu(temb)` to six vectors that every block adds to its own learned `[6, D]` table
-        (shift, scale, gate of the self-attention, then of the feed-forward);
+    - the time: `freq_dim` (256) sinusoidal features of `1000 t`, an MLP (`temb`), and a
+        linear map of `silu(temb)` to six vectors that every block adds to its own learned
+        `[6, D]` table (shift, scale, gate of the self-attention, then of the feed-forward);
     - `depth` blocks: self-attention with RMS qk-norm across heads and rotary positions
         over frames, rows and columns (`wan_rope_dims` of the head width), a cross-attention
         to the text after an affine LayerNorm, a tanh-GELU feed-forward;
@@ -227,6 +241,11 @@ class Wan(AbstractAttentionModel):
     - `ffn_dim`: the feed-forward hidden width.
     - `context_length`: the number of text tokens.
     - `text_dim`: the width of the text states.
+    - `freq_dim`: how many sinusoidal time features the time MLP takes (256 in Wan 2.1).
+    - `eps`: the epsilon of every layer norm and of the queries' and keys' RMS norms (`1e-6`
+        in Wan 2.1).
+    - `cross_attn_norm`: whether each cross-attention's input is layer-normalised with an
+        affine part (Wan 2.1's `True`); else it takes the tokens as they are.
     - `stacked`, `remat`, `attention`, `attention_chunk`, `sequence_strategy`: as `MMDiT`'s
         (a sequence axis splits the video tokens; the text stays whole).
     - `key`: a JAX PRNG key for the initialisation.
@@ -235,7 +254,8 @@ class Wan(AbstractAttentionModel):
 
     - `ValueError`: naming the argument, when a size is not a positive int, `patch` does not
         divide `latent_size`, `heads` does not divide `width`, the head width is odd or below
-        6, or a layout or attention setting is not one of its values.
+        6, `freq_dim` is odd, `eps` is not positive, or a layout or attention setting is not
+        one of its values.
     """
 
     patch_embed: eqx.nn.Linear
@@ -256,6 +276,9 @@ class Wan(AbstractAttentionModel):
     ffn_dim: int = eqx.field(static=True)
     context_length: int = eqx.field(static=True)
     text_dim: int = eqx.field(static=True)
+    freq_dim: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+    cross_attn_norm: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -268,6 +291,9 @@ class Wan(AbstractAttentionModel):
         ffn_dim: int = 96,
         context_length: int = 8,
         text_dim: int = 32,
+        freq_dim: int = 256,
+        eps: float = 1e-6,
+        cross_attn_norm: bool = True,
         stacked: bool = True,
         remat: Remat = None,
         attention: Attention = "xla",
@@ -284,8 +310,13 @@ class Wan(AbstractAttentionModel):
             ffn_dim=ffn_dim,
             context_length=context_length,
             text_dim=text_dim,
+            freq_dim=freq_dim,
         )
         _check_wan(sizes, tuple(patch), tuple(latent_size))
+        if freq_dim % 2:
+            raise ValueError(f"`freq_dim` must be even (cosines and sines), got {freq_dim}.")
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
+            raise ValueError(f"`eps` must be a positive float, got {eps!r}.")
         self.block_layout = block_layout(stacked, remat, ((0, depth),))
         self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
         self.latent_size = (latent_size[0], latent_size[1], latent_size[2])
@@ -297,14 +328,17 @@ class Wan(AbstractAttentionModel):
         self.ffn_dim = ffn_dim
         self.context_length = context_length
         self.text_dim = text_dim
+        self.freq_dim = freq_dim
+        self.eps = eps
+        self.cross_attn_norm = cross_attn_norm
         patch_dim = math.prod(self.patch) * channels
         k_lin, k_table, k_final, *k_blocks = (jax.random.fold_in(key, i) for i in range(3 + depth))
         # As diffusers draws its modulation tables: N(0, 1) / sqrt(width).
         self.final_table = jax.random.normal(k_table, (2, width), jnp.float32) / math.sqrt(width)
-        embed, time_0, time_1, text_0, text_1 = _init_linears(
+        embed, time_0, time_1, text_0, text_1 = init_linears(
             [
                 (patch_dim, width),
-                (_FREQ_DIM, width),
+                (freq_dim, width),
                 (width, width),
                 (text_dim, width),
                 (width, width),
@@ -314,9 +348,11 @@ class Wan(AbstractAttentionModel):
         self.patch_embed = embed
         self.time_mlp = (time_0, time_1)
         self.text_mlp = (text_0, text_1)
-        self.time_proj = _zero_linear(width, 6 * width, key=k_final)
-        self.blocks = self.block_layout.hold([_WanBlock(width, ffn_dim, key=k) for k in k_blocks])
-        self.final_proj = _zero_linear(width, patch_dim, key=k_final)
+        self.time_proj = zero_linear(width, 6 * width, key=k_final)
+        self.blocks = self.block_layout.hold(
+            [_WanBlock(width, ffn_dim, eps, cross_attn_norm, key=k) for k in k_blocks]
+        )
+        self.final_proj = zero_linear(width, patch_dim, key=k_final)
 
     @property
     def block_groups(self) -> tuple[tuple[int, int], ...]:
@@ -430,7 +466,9 @@ class Wan(AbstractAttentionModel):
         dtype = outer.patch_embed.weight.dtype
         temb = dense(
             outer.time_mlp[1],
-            jax.nn.silu(dense(outer.time_mlp[0], time_features(t, _FREQ_DIM).astype(dtype)[None])),
+            jax.nn.silu(
+                dense(outer.time_mlp[0], time_features(t, self.freq_dim).astype(dtype)[None])
+            ),
         )
         time = dense(outer.time_proj, jax.nn.silu(temb))[0].reshape(6, self.width)
         hidden = jax.nn.gelu(dense(outer.text_mlp[0], cond.astype(dtype)), approximate=True)
@@ -443,5 +481,5 @@ class Wan(AbstractAttentionModel):
 
         h = self.block_layout.run(self.blocks, step, h)
         mod = outer.final_table.astype(dtype) + temb
-        out = dense(outer.final_proj, modulate(layer_norm(h), mod[0], mod[1]))
+        out = dense(outer.final_proj, modulate(layer_norm(h, self.eps), mod[0], mod[1]))
         return self._unpatchify(out).astype(x.dtype)
