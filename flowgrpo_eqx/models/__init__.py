@@ -1,6 +1,7 @@
 """Small conditional velocity networks `model(x, t, cond) -> v` on one unbatched example."""
 
 from ._diffusers import (
+    DiffusersModel as DiffusersModel,
     DiffusersTransformer as DiffusersTransformer,
     load_diffusers as load_diffusers,
     save_diffusers as save_diffusers,
@@ -14,4 +15,5 @@ from ._layers import (
 )
 from ._mlp import MLPVelocity as MLPVelocity, silu as silu
 from ._mmdit import MMDiT as MMDiT, MMDiTCondition as MMDiTCondition
+from ._vae import AutoencoderKL as AutoencoderKL
 from ._wan import Wan as Wan

@@ -28,10 +28,13 @@ from safetensors.numpy import save_file
 from ..lora import LoraModel
 from ._flux import Flux
 from ._mmdit import MMDiT, pos_crop
+from ._vae import AutoencoderKL, set_vae_leaves, vae_config, vae_kwargs, vae_leaf_paths
 from ._wan import Wan
 
 
 DiffusersTransformer: TypeAlias = MMDiT | Flux | Wan
+DiffusersModel: TypeAlias = MMDiT | Flux | Wan | AutoencoderKL
+"""What `load_diffusers` reads: a transformer or an autoencoder."""
 """A model that diffusers' format holds: `MMDiT` (SD3, SD3.5), `Flux` (FLUX.1) or `Wan`
 (Wan 2.1)."""
 
@@ -690,15 +693,17 @@ def load_diffusers(
     context_length: int | None = None,
     dtype: Any = None,
     stacked: bool = True,
-) -> DiffusersTransformer:
+) -> DiffusersModel:
     """Read a diffusers transformer folder into an `MMDiT` (SD3, SD3.5), a `Flux` (FLUX.1) or a
-    `Wan` (Wan 2.1).
+    `Wan` (Wan 2.1), or a pipeline's `vae/` folder into an `AutoencoderKL`.
 
     The folder holds `config.json` and `diffusion_pytorch_model.safetensors` (or the
     shards a `diffusion_pytorch_model.safetensors.index.json` lists), as diffusers'
     `save_pretrained` writes them: a pipeline's `transformer/` subfolder. Its config's
     `_class_name` chooses the model: `SD3Transformer2DModel` gives an `MMDiT`,
-    `FluxTransformer2DModel` a `Flux`, `WanTransformer3DModel` a `Wan`. Read with
+    `FluxTransformer2DModel` a `Flux`, `WanTransformer3DModel` a `Wan`, `AutoencoderKL` an
+    `AutoencoderKL` (every key by its name: `image_size`, `context_length` and `stacked` do
+    not apply to it). Read with
     `safetensors` into NumPy; torch is not needed. The model computes what diffusers' does,
     on our conventions: one unbatched channels-last latent (a video's `[F, H, W, C]` for
     Wan), `t` in [0, 1] (diffusers' timestep is `1000 t`), the condition (`MMDiTCondition`,
@@ -743,6 +748,12 @@ def load_diffusers(
     if not (folder / "config.json").exists():
         raise ValueError(f"`path` ({folder}) has no config.json.")
     config = json.loads((folder / "config.json").read_text())
+    if config.get("_class_name") == "AutoencoderKL":
+        abstract = eqx.filter_eval_shape(
+            lambda key: AutoencoderKL(**vae_kwargs(config), key=key), jax.random.key(0)
+        )
+        vae: AutoencoderKL = set_vae_leaves(abstract, _read_folder(folder), dtype)
+        return vae
     fmt = _format_named(config.get("_class_name", _SD3Format.class_name))
     length = fmt.default_context_length if context_length is None else context_length
     model = _abstract(fmt, fmt.model_kwargs(config, image_size, length))
@@ -810,9 +821,10 @@ def _exportable_format(model: Any) -> _AbstractFormat:
 
 
 def save_diffusers(
-    path: str | os.PathLike[str], model: DiffusersTransformer, *, dtype: Any = None
+    path: str | os.PathLike[str], model: DiffusersModel, *, dtype: Any = None
 ) -> None:
-    """Write an `MMDiT`, a `Flux` or a `Wan` as a diffusers transformer folder.
+    """Write an `MMDiT`, a `Flux` or a `Wan` as a diffusers transformer folder, or an
+    `AutoencoderKL` as a diffusers `vae/` folder.
 
     `config.json` and `diffusion_pytorch_model.safetensors`, which
     `SD3Transformer2DModel.from_pretrained(path)` (for an `MMDiT`; the position buffer written
@@ -825,26 +837,42 @@ def save_diffusers(
     **Arguments:**
 
     - `path`: the folder, created if missing; existing files of those names are replaced.
-    - `model`: the `MMDiT`, `Flux` or `Wan`.
+    - `model`: the `MMDiT`, `Flux`, `Wan` or `AutoencoderKL`.
     - `dtype`: the dtype to write, e.g. `jnp.bfloat16`; `None` keeps the parameters'.
 
     **Raises:**
 
-    - `ValueError`: when `model` is neither or has no diffusers counterpart (token-id
+    - `ValueError`: when `model` is none of them or has no diffusers counterpart (token-id
         conditioning, an MLP ratio other than 4).
     """
+    if isinstance(model, AutoencoderKL):
+        _save_tensors(
+            path,
+            {key: np.asarray(leaf) for key, leaf in vae_leaf_paths(model).items()},
+            vae_config(model),
+            dtype,
+        )
+        return
     fmt = _exportable_format(model)
     model = _on_host(model)
+    tensors = {
+        entry.key: entry.to_theirs(np.asarray(entry.where(model))) for entry in _layout(model)
+    }
+    _save_tensors(path, tensors, fmt.config(model), dtype)
+
+
+def _save_tensors(
+    path: str | os.PathLike[str], tensors: dict[str, _NpArray], config: dict[str, Any], dtype: Any
+) -> None:
+    """Write `tensors` (in `dtype`, or their own) and `config` as a diffusers model folder."""
     folder = pathlib.Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for entry in _layout(model):
-        leaf = np.asarray(entry.where(model))
-        if dtype is not None:
-            leaf = leaf.astype(np.dtype(dtype))
-        tensors[entry.key] = np.ascontiguousarray(entry.to_theirs(leaf))
-    save_file(tensors, str(folder / _WEIGHTS), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(fmt.config(model), indent=2) + "\n")
+    cast = {
+        key: np.ascontiguousarray(value if dtype is None else value.astype(np.dtype(dtype)))
+        for key, value in tensors.items()
+    }
+    save_file(cast, str(folder / _WEIGHTS), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
