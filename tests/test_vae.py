@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from flowgrpo_eqx.models import AutoencoderKL, load_diffusers, save_diffusers
-from flowgrpo_eqx.models._vae import vae_leaf_paths
+from flowgrpo_eqx.models._mirror import state_dict_leaves
 from tests.diffusers_helpers import count, relative
 
 
@@ -123,7 +123,7 @@ def test_full_size_configs_have_diffusers_parameter_counts_and_keys(name: str) -
     assert config["shift_factor"] == record["config"]["shift_factor"]
     model = eqx.filter_eval_shape(lambda key: AutoencoderKL(**config, key=key), jax.random.key(0))
     assert count(model) == record["parameters"] == 83_819_683
-    ours = {key: list(leaf.shape) for key, leaf in vae_leaf_paths(model).items()}
+    ours = {key: list(leaf.shape) for key, leaf in state_dict_leaves(model).items()}
     assert ours == record["keys"]
 
 

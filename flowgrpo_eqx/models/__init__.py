@@ -1,5 +1,14 @@
 """Small conditional velocity networks `model(x, t, cond) -> v` on one unbatched example."""
 
+from ._clip import (
+    Activation as Activation,
+    CLIPModel as CLIPModel,
+    CLIPTextModel as CLIPTextModel,
+    TextOutput as TextOutput,
+    TowerShape as TowerShape,
+    clip_pixels as clip_pixels,
+    load_clip as load_clip,
+)
 from ._diffusers import (
     DiffusersModel as DiffusersModel,
     DiffusersTransformer as DiffusersTransformer,

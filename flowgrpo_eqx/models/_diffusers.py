@@ -19,16 +19,15 @@ from typing import Any, TypeAlias, final
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ..lora import LoraModel
 from ._flux import Flux
+from ._mirror import fill_from_state_dict, read_safetensors_folder, state_dict_leaves
 from ._mmdit import MMDiT, pos_crop
-from ._vae import AutoencoderKL, set_vae_leaves, vae_config, vae_kwargs, vae_leaf_paths
+from ._vae import AutoencoderKL, vae_config, vae_kwargs
 from ._wan import Wan
 
 
@@ -39,7 +38,6 @@ DiffusersModel: TypeAlias = MMDiT | Flux | Wan | AutoencoderKL
 (Wan 2.1)."""
 
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
-_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 _LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 _NpArray = npt.NDArray[Any]
 
@@ -636,43 +634,6 @@ def _pos_entry(model: MMDiT) -> _Entry:
     )
 
 
-def _read_file(file: pathlib.Path) -> dict[str, _NpArray]:
-    """Every tensor of one safetensors file as a NumPy array (bfloat16 via `ml_dtypes`)."""
-    tensors: dict[str, _NpArray] = {}
-    raw: list[str] = []
-    with safe_open(str(file), framework="numpy") as f:
-        for name in f.keys():
-            if f.get_slice(name).get_dtype() == "BF16":
-                raw.append(name)
-            else:
-                tensors[name] = f.get_tensor(name)
-    if raw:
-        # safetensors' NumPy reader has no bfloat16: read those tensors from the documented
-        # layout, a little-endian u64 header size, the JSON header, then the data.
-        data = np.memmap(file, dtype=np.uint8, mode="r")
-        header_size = int(data[:8].view("<u8")[0])
-        header = json.loads(bytes(data[8 : 8 + header_size]))
-        start = 8 + header_size
-        for name in raw:
-            begin, end = header[name]["data_offsets"]
-            chunk = np.asarray(data[start + begin : start + end]).view(np.dtype(jnp.bfloat16))
-            tensors[name] = chunk.reshape(header[name]["shape"])
-    return tensors
-
-
-def _read_folder(folder: pathlib.Path) -> dict[str, _NpArray]:
-    """The state dict of a diffusers model folder, single-file or sharded."""
-    if (folder / _WEIGHTS).exists():
-        return _read_file(folder / _WEIGHTS)
-    if (folder / _INDEX).exists():
-        weight_map: dict[str, str] = json.loads((folder / _INDEX).read_text())["weight_map"]
-        tensors: dict[str, _NpArray] = {}
-        for shard in sorted(set(weight_map.values())):
-            tensors.update(_read_file(folder / shard))
-        return tensors
-    raise ValueError(f"`path` ({folder}) holds neither {_WEIGHTS} nor {_INDEX}.")
-
-
 def _abstract(fmt: _AbstractFormat, kwargs: dict[str, Any]) -> Any:
     """The model of `kwargs`, shape-evaluated, with one module per block (as diffusers)."""
     return eqx.filter_eval_shape(
@@ -752,13 +713,15 @@ def load_diffusers(
         abstract = eqx.filter_eval_shape(
             lambda key: AutoencoderKL(**vae_kwargs(config), key=key), jax.random.key(0)
         )
-        vae: AutoencoderKL = set_vae_leaves(abstract, _read_folder(folder), dtype)
+        vae: AutoencoderKL = fill_from_state_dict(
+            abstract, read_safetensors_folder(folder, _WEIGHTS), dtype, "AutoencoderKL"
+        )
         return vae
     fmt = _format_named(config.get("_class_name", _SD3Format.class_name))
     length = fmt.default_context_length if context_length is None else context_length
     model = _abstract(fmt, fmt.model_kwargs(config, image_size, length))
     kind = type(model).__name__
-    tensors = _read_folder(folder)
+    tensors = read_safetensors_folder(folder, _WEIGHTS)
     entries = _layout(model)
     paths = _leaf_paths(model)
 
@@ -848,7 +811,7 @@ def save_diffusers(
     if isinstance(model, AutoencoderKL):
         _save_tensors(
             path,
-            {key: np.asarray(leaf) for key, leaf in vae_leaf_paths(model).items()},
+            {key: np.asarray(leaf) for key, leaf in state_dict_leaves(model).items()},
             vae_config(model),
             dtype,
         )

@@ -1,31 +1,26 @@
 """The image autoencoder of SD3, SD3.5 and FLUX.1, as diffusers' `AutoencoderKL` computes it.
 
-The module tree mirrors diffusers' state dict: the leaf at `encoder.down_blocks[0].resnets[1]
-.norm1.weight` is the tensor `encoder.down_blocks.0.resnets.1.norm1.weight`, and every weight
-keeps torch's layout (a convolution's `[out, in, kh, kw]`, a linear map's `[out, in]`), so a
-checkpoint loads by its keys alone (`vae_leaf_paths`). The images are channels-last.
+The module tree mirrors diffusers' state dict (`_mirror.py`): the leaf at
+`encoder.down_blocks[0].resnets[1].norm1.weight` is the tensor
+`encoder.down_blocks.0.resnets.1.norm1.weight`, and every weight keeps torch's layout (a
+convolution's `[out, in, kh, kw]`), so a checkpoint loads by its keys alone. The images are
+channels-last.
 """
 
-import math
 from collections.abc import Sequence
 from typing import Any, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._misc import check_int
 from ._layers import Attention, AttentionSettings, attend_to
+from ._mirror import Linear, uniform_init
 
 
 _EPS = 1e-6  # every GroupNorm of diffusers' AutoencoderKL
-
-
-def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Float[Array, "..."]:
-    limit = 1.0 / math.sqrt(fan_in)
-    return jax.random.uniform(key, shape, jnp.float32, -limit, limit)
 
 
 @final
@@ -50,8 +45,8 @@ class Conv(eqx.Module):
     ) -> None:
         k_w, k_b = jax.random.split(key)
         fan_in = in_channels * size * size
-        self.weight = _uniform(k_w, (out_channels, in_channels, size, size), fan_in)
-        self.bias = _uniform(k_b, (out_channels,), fan_in)
+        self.weight = uniform_init(k_w, (out_channels, in_channels, size, size), fan_in)
+        self.bias = uniform_init(k_b, (out_channels,), fan_in)
         self.stride = stride
 
     def __call__(self, x: Float[Array, "H W C"]) -> Float[Array, "H2 W2 O"]:
@@ -100,31 +95,6 @@ class GroupNorm(eqx.Module):
             normed * self.weight.astype(jnp.float32)[None, None, :]
             + self.bias.astype(jnp.float32)[None, None, :]
         ).astype(x.dtype)
-        return out
-
-
-@final
-class Linear(eqx.Module):
-    """A linear map over the last axis with a torch-layout weight `[out, in]`.
-
-    **Arguments:**
-
-    - `in_features`, `out_features`: the widths.
-    - `key`: a JAX PRNG key for the initialisation.
-    """
-
-    weight: Float[Array, "out in"]
-    bias: Float[Array, " out"]
-
-    def __init__(self, in_features: int, out_features: int, *, key: PRNGKeyArray) -> None:
-        k_w, k_b = jax.random.split(key)
-        self.weight = _uniform(k_w, (out_features, in_features), in_features)
-        self.bias = _uniform(k_b, (out_features,), in_features)
-
-    def __call__(self, x: Float[Array, "S I"]) -> Float[Array, "S O"]:
-        out: Float[Array, "S O"] = (
-            x @ self.weight.T.astype(x.dtype) + self.bias.astype(x.dtype)[None]
-        )
         return out
 
 
@@ -774,75 +744,3 @@ def vae_config(model: AutoencoderKL) -> dict[str, Any]:
 
 def _block_channels(model: AutoencoderKL) -> list[int]:
     return [int(block.resnets[-1].conv2.weight.shape[0]) for block in model.encoder.down_blocks]
-
-
-def vae_leaf_paths(model: AutoencoderKL) -> dict[str, Any]:
-    """Every array leaf of `model` by its key in diffusers' state dict.
-
-    **Arguments:**
-
-    - `model`: the autoencoder (or its shape).
-
-    **Returns:**
-
-    `{key: leaf}` for every array leaf.
-    """
-    paths: dict[str, Any] = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(model):
-        if not eqx.is_array(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct):
-            continue
-        parts = []
-        for entry in path:
-            if isinstance(entry, jax.tree_util.GetAttrKey):
-                parts.append(entry.name)
-            elif isinstance(entry, jax.tree_util.SequenceKey):
-                parts.append(str(entry.idx))
-        paths[".".join(parts)] = leaf
-    return paths
-
-
-def set_vae_leaves(model: AutoencoderKL, tensors: dict[str, np.ndarray], dtype: Any) -> Any:
-    """`model` (or its shape) with every leaf replaced by the tensor of its key.
-
-    **Arguments:**
-
-    - `model`: the autoencoder or its shape.
-    - `tensors`: a state dict.
-    - `dtype`: the parameters' dtype; `None` keeps the tensors'.
-
-    **Returns:**
-
-    The autoencoder.
-
-    **Raises:**
-
-    - `ValueError`: listing the keys that map to no leaf, the leaves without a key, and the
-        tensors of the wrong shape.
-    """
-    leaves = vae_leaf_paths(model)
-    unused = sorted(set(tensors) - set(leaves))
-    missing = sorted(set(leaves) - set(tensors))
-    wrong = sorted(
-        f"{key}: {tuple(tensors[key].shape)} for {tuple(leaf.shape)}"
-        for key, leaf in leaves.items()
-        if key in tensors and tuple(tensors[key].shape) != tuple(leaf.shape)
-    )
-    if unused or missing or wrong:
-        raise ValueError(
-            f"the checkpoint does not fit the AutoencoderKL: {len(unused)} keys map to no leaf "
-            f"{unused[:20]}, {len(missing)} leaves have no key {missing[:20]}, {len(wrong)} "
-            f"tensors have another shape {wrong[:20]}."
-        )
-    order = list(leaves)
-
-    def cast(array: np.ndarray) -> Any:
-        return jnp.asarray(array if dtype is None else array.astype(dtype))
-
-    arrays, treedef = jax.tree_util.tree_flatten(model, is_leaf=_is_array_leaf)
-    by_position = iter(cast(tensors[key]) for key in order)
-    filled = [next(by_position) if _is_array_leaf(a) else a for a in arrays]
-    return jax.tree_util.tree_unflatten(treedef, filled)
-
-
-def _is_array_leaf(x: Any) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)

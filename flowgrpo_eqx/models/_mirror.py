@@ -1,0 +1,241 @@
+"""Modules whose tree mirrors a PyTorch state dict, and loading one by its keys alone.
+
+A model built of these keeps torch's names and layouts (a linear map's `[out, in]` weight, an
+embedding's `[vocab, width]` table), so the leaf at `encoder.layers[3].mlp.fc1.weight` is the
+tensor `encoder.layers.3.mlp.fc1.weight`: `state_dict_leaves` names every leaf that way and
+`fill_from_state_dict` loads a checkpoint with nothing to map by hand. The autoencoder and the
+text and image towers (CLIP, T5) are built this way; the transformers keep their own layouts.
+"""
+
+import json
+import math
+import pathlib
+from collections.abc import Iterable
+from typing import Any, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+from safetensors import safe_open
+
+
+def uniform_init(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Float[Array, "..."]:
+    """`U[-1/sqrt(fan_in), 1/sqrt(fan_in))` float32, torch's default for weights and biases."""
+    limit = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(key, shape, jnp.float32, -limit, limit)
+
+
+@final
+class Linear(eqx.Module):
+    """A linear map over the last axis with a torch-layout weight `[out, in]`, with or without
+    a bias.
+
+    **Arguments:**
+
+    - `in_features`, `out_features`: the widths.
+    - `bias`: whether it has a bias.
+    - `key`: a JAX PRNG key for the initialisation.
+    """
+
+    weight: Float[Array, "out in"]
+    bias: Float[Array, " out"] | None
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, key: PRNGKeyArray
+    ) -> None:
+        k_w, k_b = jax.random.split(key)
+        self.weight = uniform_init(k_w, (out_features, in_features), in_features)
+        self.bias = uniform_init(k_b, (out_features,), in_features) if bias else None
+
+    def __call__(self, x: Float[Array, "*S I"]) -> Float[Array, "*S O"]:
+        out = x @ self.weight.T.astype(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+        return out
+
+
+@final
+class LayerNorm(eqx.Module):
+    """LayerNorm over the last axis with an affine part, statistics in float32.
+
+    **Arguments:**
+
+    - `width`: the width.
+    - `eps`: added to the variance.
+    """
+
+    weight: Float[Array, " D"]
+    bias: Float[Array, " D"]
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, width: int, eps: float) -> None:
+        self.weight = jnp.ones((width,), jnp.float32)
+        self.bias = jnp.zeros((width,), jnp.float32)
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "*S D"]) -> Float[Array, "*S D"]:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        normed = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        shape = (1,) * (x.ndim - 1) + (-1,)
+        out = normed * self.weight.astype(jnp.float32).reshape(shape)
+        return (out + self.bias.astype(jnp.float32).reshape(shape)).astype(x.dtype)
+
+
+@final
+class Embedding(eqx.Module):
+    """A lookup table `[count, width]` (torch's `nn.Embedding`).
+
+    **Arguments:**
+
+    - `count`: the number of entries.
+    - `width`: each entry's width.
+    - `key`: a JAX PRNG key for the initialisation.
+    """
+
+    weight: Float[Array, "count width"]
+
+    def __init__(self, count: int, width: int, *, key: PRNGKeyArray) -> None:
+        self.weight = 0.02 * jax.random.normal(key, (count, width), jnp.float32)
+
+    def __call__(self, ids: Int[Array, " S"]) -> Float[Array, "S width"]:
+        out: Float[Array, "S width"] = jnp.take(self.weight, ids, axis=0)
+        return out
+
+
+def _is_array_leaf(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def state_dict_leaves(model: Any) -> dict[str, Any]:
+    """Every array leaf of `model` by its key in the state dict it mirrors: attribute names
+    and sequence indices joined by dots.
+
+    **Arguments:**
+
+    - `model`: the model (or its shape, `eqx.filter_eval_shape`).
+
+    **Returns:**
+
+    `{key: leaf}` for every array leaf, in the tree's order.
+    """
+    leaves: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(model, is_leaf=_is_array_leaf):
+        if not _is_array_leaf(leaf):
+            continue
+        parts = []
+        for entry in path:
+            if isinstance(entry, jax.tree_util.GetAttrKey):
+                parts.append(entry.name)
+            elif isinstance(entry, jax.tree_util.SequenceKey):
+                parts.append(str(entry.idx))
+        leaves[".".join(parts)] = leaf
+    return leaves
+
+
+def fill_from_state_dict(
+    model: Any,
+    tensors: dict[str, np.ndarray],
+    dtype: Any,
+    kind: str,
+    ignored: Iterable[str] = (),
+) -> Any:
+    """`model` (or its shape) with every array leaf replaced by the tensor of its key.
+
+    **Arguments:**
+
+    - `model`: the model or its shape.
+    - `tensors`: the state dict.
+    - `dtype`: the parameters' dtype; `None` keeps the tensors'.
+    - `kind`: the model's name, for the error.
+    - `ignored`: suffixes of keys that hold no parameter (buffers such as `position_ids`).
+
+    **Returns:**
+
+    The model, its arrays on the default device.
+
+    **Raises:**
+
+    - `ValueError`: listing the keys that map to no leaf, the leaves without a key and the
+        tensors of another shape.
+    """
+    suffixes = tuple(ignored)
+    leaves = state_dict_leaves(model)
+    keys = {key for key in tensors if not (suffixes and key.endswith(suffixes))}
+    unused = sorted(keys - set(leaves))
+    missing = sorted(set(leaves) - keys)
+    wrong = sorted(
+        f"{key}: {tuple(tensors[key].shape)} for {tuple(leaf.shape)}"
+        for key, leaf in leaves.items()
+        if key in tensors and tuple(tensors[key].shape) != tuple(leaf.shape)
+    )
+    if unused or missing or wrong:
+        raise ValueError(
+            f"the checkpoint does not fit the {kind}: {len(unused)} keys map to no leaf "
+            f"{unused[:20]}, {len(missing)} leaves have no key {missing[:20]}, {len(wrong)} "
+            f"tensors have another shape {wrong[:20]}."
+        )
+
+    def cast(array: np.ndarray) -> Any:
+        return jnp.asarray(array if dtype is None else array.astype(np.dtype(dtype)))
+
+    arrays, treedef = jax.tree_util.tree_flatten(model, is_leaf=_is_array_leaf)
+    values = iter(cast(tensors[key]) for key in leaves)
+    filled = [next(values) if _is_array_leaf(a) else a for a in arrays]
+    return jax.tree_util.tree_unflatten(treedef, filled)
+
+
+def _read_file(file: pathlib.Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file as a NumPy array (bfloat16 via `ml_dtypes`)."""
+    tensors: dict[str, np.ndarray] = {}
+    raw: list[str] = []
+    with safe_open(str(file), framework="numpy") as f:
+        for name in f.keys():
+            if f.get_slice(name).get_dtype() == "BF16":
+                raw.append(name)
+            else:
+                tensors[name] = f.get_tensor(name)
+    if raw:
+        # safetensors' NumPy reader has no bfloat16: read those tensors from the documented
+        # layout, a little-endian u64 header size, the JSON header, then the data.
+        data = np.memmap(file, dtype=np.uint8, mode="r")
+        header_size = int(data[:8].view("<u8")[0])
+        header = json.loads(bytes(data[8 : 8 + header_size]))
+        start = 8 + header_size
+        for name in raw:
+            begin, end = header[name]["data_offsets"]
+            chunk = np.asarray(data[start + begin : start + end]).view(np.dtype(jnp.bfloat16))
+            tensors[name] = chunk.reshape(header[name]["shape"])
+    return tensors
+
+
+def read_safetensors_folder(folder: pathlib.Path, name: str) -> dict[str, np.ndarray]:
+    """The state dict of a model folder: the file `name` (`model.safetensors`,
+    `diffusion_pytorch_model.safetensors`), or the shards its `name.index.json` lists.
+
+    **Arguments:**
+
+    - `folder`: the folder.
+    - `name`: the weights' file name.
+
+    **Returns:**
+
+    `{key: array}`, bfloat16 tensors as `ml_dtypes` bfloat16 arrays.
+
+    **Raises:**
+
+    - `ValueError`: naming `path` when the folder holds neither.
+    """
+    if (folder / name).exists():
+        return _read_file(folder / name)
+    index = folder / f"{name}.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        tensors: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(_read_file(folder / shard))
+        return tensors
+    raise ValueError(f"`path` ({folder}) holds neither {name} nor {index.name}.")
