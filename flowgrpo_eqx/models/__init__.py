@@ -24,5 +24,11 @@ from ._layers import (
 )
 from ._mlp import MLPVelocity as MLPVelocity, silu as silu
 from ._mmdit import MMDiT as MMDiT, MMDiTCondition as MMDiTCondition
+from ._prompts import (
+    FluxPromptEncoder as FluxPromptEncoder,
+    PromptTokenizer as PromptTokenizer,
+    SD3PromptEncoder as SD3PromptEncoder,
+)
+from ._t5 import FeedForward as FeedForward, T5Encoder as T5Encoder, load_t5 as load_t5
 from ._vae import AutoencoderKL as AutoencoderKL
 from ._wan import Wan as Wan

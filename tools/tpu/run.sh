@@ -27,7 +27,7 @@ from_index=(
 )
 # Installed apart: its dependencies do not all resolve from the machine's index; the tests
 # that need it fail by name without it.
-optional=(wandb)
+optional=(wandb tokenizers)
 
 install() {
     local site="${FLOWGRPO_TPU_SITE:-/tmp/flowgrpo-site}"

@@ -1,0 +1,172 @@
+"""Prompt embeddings as the SD3, SD3.5 and FLUX.1 pipelines build them, from our text encoders:
+what diffusers' `StableDiffusion3Pipeline.encode_prompt` and `FluxPipeline.encode_prompt`
+give, computed in JAX, and the pipelines' tokenization with the `tokenizers` package.
+"""
+
+import json
+import pathlib
+from typing import Any, final
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from ._clip import CLIPTextModel
+from ._flux import FluxCondition
+from ._mmdit import MMDiTCondition
+from ._t5 import T5Encoder
+
+
+@final
+class PromptTokenizer:
+    """A pipeline's tokenizer folder (`tokenizer.json`, and `tokenizer_config.json` for the
+    padding token), read with the `tokenizers` package (no transformers): prompts to token ids
+    padded to a fixed length and truncated to it, as the pipelines call their tokenizers
+    (`padding="max_length"`, `truncation=True`).
+
+    **Arguments:**
+
+    - `path`: the folder (a pipeline's `tokenizer/`, `tokenizer_2/` or `tokenizer_3/`).
+    - `length`: the ids' length (77 for CLIP; the pipeline's `max_sequence_length`, 256 in
+        SD3's and 512 in FLUX.1-dev's, for T5).
+
+    **Raises:**
+
+    - `ValueError`: naming `path` when the folder has no `tokenizer.json`, or `length` when it
+        is not a positive int.
+    - `ImportError`: naming the `tokenizers` package when it is not installed.
+    """
+
+    def __init__(self, path: str | pathlib.Path, length: int) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as error:  # pragma: no cover - the package is a dependency of dev
+            raise ImportError(
+                "PromptTokenizer reads tokenizers with the `tokenizers` package: pip install "
+                "tokenizers (or flowgrpo_eqx[encoders])."
+            ) from error
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"`length` must be a positive int, got {length!r}.")
+        folder = pathlib.Path(path)
+        if not (folder / "tokenizer.json").exists():
+            raise ValueError(f"`path` ({folder}) has no tokenizer.json.")
+        self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        settings: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").exists():
+            settings = json.loads((folder / "tokenizer_config.json").read_text())
+        pad = settings.get("pad_token")
+        if isinstance(pad, dict):
+            pad = pad.get("content")
+        pad_id = self._tokenizer.token_to_id(pad) if pad is not None else None
+        self._tokenizer.enable_truncation(length)
+        self._tokenizer.enable_padding(
+            length=length, pad_id=pad_id or 0, pad_token=pad if pad is not None else "[PAD]"
+        )
+        self.length = length
+
+    def __call__(self, prompts: list[str]) -> np.ndarray:
+        """The token ids of `prompts`.
+
+        **Arguments:**
+
+        - `prompts`: the prompts.
+
+        **Returns:**
+
+        `[len(prompts), length]` int32.
+        """
+        encodings = self._tokenizer.encode_batch(list(prompts))
+        ids: np.ndarray = np.asarray([e.ids for e in encodings], np.int32)
+        return ids
+
+
+@final
+class SD3PromptEncoder(eqx.Module):
+    """SD3's and SD3.5's three text encoders and how the pipeline joins their outputs:
+    `StableDiffusion3Pipeline.encode_prompt` without classifier-free guidance.
+
+    The `context` is both CLIP towers' penultimate hidden states side by side (77 tokens,
+    768 + 1280 wide in SD3), zero-padded to T5's width, followed by T5's states; the `pooled`
+    is both towers' projected pooled states side by side (2048 in SD3). The result is the
+    `MMDiTCondition` an `MMDiT` takes. vmap it over a batch of prompts.
+
+    **Arguments:**
+
+    - `clip_l`: the pipeline's `text_encoder` (a `CLIPTextModel` with a projection).
+    - `clip_g`: its `text_encoder_2` (likewise).
+    - `t5`: its `text_encoder_3`.
+
+    **Raises:**
+
+    - `ValueError`: naming `clip_l` or `clip_g` when it has no projection.
+    """
+
+    clip_l: CLIPTextModel
+    clip_g: CLIPTextModel
+    t5: T5Encoder
+
+    def __check_init__(self) -> None:
+        for name in ("clip_l", "clip_g"):
+            if getattr(self, name).text_projection is None:
+                raise ValueError(
+                    f"`{name}` must have a text projection (CLIPTextModelWithProjection)."
+                )
+
+    def __call__(
+        self,
+        clip_l_ids: Int[Array, " 77"],
+        clip_g_ids: Int[Array, " 77"],
+        t5_ids: Int[Array, " T"],
+    ) -> MMDiTCondition:
+        """The condition of one prompt.
+
+        **Arguments:**
+
+        - `clip_l_ids`, `clip_g_ids`: the prompt's ids from `tokenizer` and `tokenizer_2`
+            (`PromptTokenizer(..., 77)`).
+        - `t5_ids`: its ids from `tokenizer_3` (`max_sequence_length` of them).
+
+        **Returns:**
+
+        `{"context": [77 + T, t5 width], "pooled": [projection widths summed]}`.
+        """
+        first, second = self.clip_l(clip_l_ids), self.clip_g(clip_g_ids)
+        assert first.text_embeds is not None and second.text_embeds is not None
+        clip = jnp.concatenate([first.hidden_states[-2], second.hidden_states[-2]], axis=-1)
+        t5 = self.t5(t5_ids)
+        padded = jnp.pad(clip, ((0, 0), (0, t5.shape[-1] - clip.shape[-1])))
+        context = jnp.concatenate([padded.astype(t5.dtype), t5], axis=0)
+        pooled = jnp.concatenate([first.text_embeds, second.text_embeds])
+        return {"context": context, "pooled": pooled}
+
+
+@final
+class FluxPromptEncoder(eqx.Module):
+    """FLUX.1's two text encoders as `FluxPipeline.encode_prompt` joins them: T5's states are
+    the `context`, CLIP-L's pooled end-of-text state (no projection) the `pooled`. The result
+    is the `FluxCondition` a `Flux` takes (add `"guidance"` for FLUX.1-dev). vmap it over a
+    batch of prompts.
+
+    **Arguments:**
+
+    - `clip`: the pipeline's `text_encoder` (a `CLIPTextModel`).
+    - `t5`: its `text_encoder_2`.
+    """
+
+    clip: CLIPTextModel
+    t5: T5Encoder
+
+    def __call__(self, clip_ids: Int[Array, " 77"], t5_ids: Int[Array, " T"]) -> FluxCondition:
+        """The condition of one prompt.
+
+        **Arguments:**
+
+        - `clip_ids`: the prompt's ids from `tokenizer` (77).
+        - `t5_ids`: its ids from `tokenizer_2` (`max_sequence_length` of them).
+
+        **Returns:**
+
+        `{"context": [T, t5 width], "pooled": [clip width]}`.
+        """
+        return {"context": self.t5(t5_ids), "pooled": self.clip(clip_ids).pooled}
