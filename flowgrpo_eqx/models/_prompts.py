@@ -43,8 +43,8 @@ class PromptTokenizer:
             from tokenizers import Tokenizer
         except ImportError as error:  # pragma: no cover - the package is a dependency of dev
             raise ImportError(
-                "PromptTokenizer reads tokenizers with the `tokenizers` package: pip install "
-                "tokenizers (or flowgrpo_eqx[encoders])."
+                "PromptTokenizer reads tokenizer.json with the `tokenizers` package, which the "
+                "`encoders` extra of flowgrpo_eqx installs."
             ) from error
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"`length` must be a positive int, got {length!r}.")
