@@ -32,3 +32,4 @@ from ._prompts import (
 from ._t5 import FeedForward as FeedForward, T5Encoder as T5Encoder, load_t5 as load_t5
 from ._vae import AutoencoderKL as AutoencoderKL
 from ._wan import Wan as Wan
+from ._wan_vae import AutoencoderKLWan as AutoencoderKLWan

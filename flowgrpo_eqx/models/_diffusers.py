@@ -29,10 +29,11 @@ from ._mirror import fill_from_state_dict, read_safetensors_folder, state_dict_l
 from ._mmdit import MMDiT, pos_crop
 from ._vae import AutoencoderKL, vae_config, vae_kwargs
 from ._wan import Wan
+from ._wan_vae import AutoencoderKLWan, wan_vae_config, wan_vae_kwargs
 
 
 DiffusersTransformer: TypeAlias = MMDiT | Flux | Wan
-DiffusersModel: TypeAlias = MMDiT | Flux | Wan | AutoencoderKL
+DiffusersModel: TypeAlias = MMDiT | Flux | Wan | AutoencoderKL | AutoencoderKLWan
 """What `load_diffusers` reads: a transformer or an autoencoder."""
 """A model that diffusers' format holds: `MMDiT` (SD3, SD3.5), `Flux` (FLUX.1) or `Wan`
 (Wan 2.1)."""
@@ -656,15 +657,16 @@ def load_diffusers(
     stacked: bool = True,
 ) -> DiffusersModel:
     """Read a diffusers transformer folder into an `MMDiT` (SD3, SD3.5), a `Flux` (FLUX.1) or a
-    `Wan` (Wan 2.1), or a pipeline's `vae/` folder into an `AutoencoderKL`.
+    `Wan` (Wan 2.1), or a pipeline's `vae/` folder into an `AutoencoderKL` or an
+    `AutoencoderKLWan` (Wan 2.1's video autoencoder).
 
     The folder holds `config.json` and `diffusion_pytorch_model.safetensors` (or the
     shards a `diffusion_pytorch_model.safetensors.index.json` lists), as diffusers'
     `save_pretrained` writes them: a pipeline's `transformer/` subfolder. Its config's
     `_class_name` chooses the model: `SD3Transformer2DModel` gives an `MMDiT`,
     `FluxTransformer2DModel` a `Flux`, `WanTransformer3DModel` a `Wan`, `AutoencoderKL` an
-    `AutoencoderKL` (every key by its name: `image_size`, `context_length` and `stacked` do
-    not apply to it). Read with
+    `AutoencoderKL` and `AutoencoderKLWan` an `AutoencoderKLWan` (every key by its name:
+    `image_size`, `context_length` and `stacked` do not apply to them). Read with
     `safetensors` into NumPy; torch is not needed. The model computes what diffusers' does,
     on our conventions: one unbatched channels-last latent (a video's `[F, H, W, C]` for
     Wan), `t` in [0, 1] (diffusers' timestep is `1000 t`), the condition (`MMDiTCondition`,
@@ -717,6 +719,14 @@ def load_diffusers(
             abstract, read_safetensors_folder(folder, _WEIGHTS), dtype, "AutoencoderKL"
         )
         return vae
+    if config.get("_class_name") == "AutoencoderKLWan":
+        abstract_wan = eqx.filter_eval_shape(
+            lambda key: AutoencoderKLWan(**wan_vae_kwargs(config), key=key), jax.random.key(0)
+        )
+        wan_vae: AutoencoderKLWan = fill_from_state_dict(
+            abstract_wan, read_safetensors_folder(folder, _WEIGHTS), dtype, "AutoencoderKLWan"
+        )
+        return wan_vae
     fmt = _format_named(config.get("_class_name", _SD3Format.class_name))
     length = fmt.default_context_length if context_length is None else context_length
     model = _abstract(fmt, fmt.model_kwargs(config, image_size, length))
@@ -787,7 +797,7 @@ def save_diffusers(
     path: str | os.PathLike[str], model: DiffusersModel, *, dtype: Any = None
 ) -> None:
     """Write an `MMDiT`, a `Flux` or a `Wan` as a diffusers transformer folder, or an
-    `AutoencoderKL` as a diffusers `vae/` folder.
+    `AutoencoderKL` or an `AutoencoderKLWan` as a diffusers `vae/` folder.
 
     `config.json` and `diffusion_pytorch_model.safetensors`, which
     `SD3Transformer2DModel.from_pretrained(path)` (for an `MMDiT`; the position buffer written
@@ -800,7 +810,7 @@ def save_diffusers(
     **Arguments:**
 
     - `path`: the folder, created if missing; existing files of those names are replaced.
-    - `model`: the `MMDiT`, `Flux`, `Wan` or `AutoencoderKL`.
+    - `model`: the `MMDiT`, `Flux`, `Wan`, `AutoencoderKL` or `AutoencoderKLWan`.
     - `dtype`: the dtype to write, e.g. `jnp.bfloat16`; `None` keeps the parameters'.
 
     **Raises:**
@@ -813,6 +823,14 @@ def save_diffusers(
             path,
             {key: np.asarray(leaf) for key, leaf in state_dict_leaves(model).items()},
             vae_config(model),
+            dtype,
+        )
+        return
+    if isinstance(model, AutoencoderKLWan):
+        _save_tensors(
+            path,
+            {key: np.asarray(leaf) for key, leaf in state_dict_leaves(model).items()},
+            wan_vae_config(model),
             dtype,
         )
         return
