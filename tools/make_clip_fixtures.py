@@ -22,7 +22,8 @@ It writes into `tests/data/clip/`:
 - `processor.npz`: images in `[0, 1]` (`square`: already 32 x 32; `wide`: 40 x 56) and what
     transformers' `CLIPImageProcessor` (shortest side 32, centre crop 32, PIL bicubic) makes
     of them after flow_grpo's conversion to 8-bit PIL images (`square_pixels`,
-    `wide_pixels`, channels-last).
+    `wide_pixels`, channels-last), and flow_grpo's PickScore of each image for the prompts
+    `ids` (`square_pickscore`, `wide_pickscore`) by `model/`, end to end.
 """
 
 import pathlib
@@ -168,6 +169,17 @@ def make() -> None:
         pixels = processor(images=pil, return_tensors="np")["pixel_values"]
         record[name] = images
         record[f"{name}_pixels"] = pixels.transpose(0, 2, 3, 1)
+        # flow_grpo's PickScore of these images for the prompts `ids`, end to end: the
+        # processor's pixels through `get_image_features`, `pickscore_scorer.py`'s formula.
+        with torch.no_grad():
+            image = model.get_image_features(pixel_values=torch.from_numpy(pixels))
+            if not isinstance(image, torch.Tensor):
+                image = image.pooler_output
+            image = image / image.norm(p=2, dim=-1, keepdim=True)
+            record[f"{name}_pickscore"] = (
+                (model.logit_scale.exp() * (text_embs @ image.T)).diag() / 26
+            ).numpy()
+    record["ids"], record["mask"] = ids, mask
     np.savez(OUT / "processor.npz", **record)
     print("processor", {k: v.shape for k, v in record.items()})
 

@@ -1,0 +1,10 @@
+"""Rewards computed on the accelerator from decoded images: CLIP's towers in JAX
+(`flowgrpo_eqx.models.CLIPModel`), jit-compiled, vmapped over a batch.
+
+`PickScore` scores one image against one prompt's embedding as flow_grpo's PickScore scorer
+does; `DeviceReward` makes any such per-sample score a `FlowReward` that a `FlowRollout` takes
+as it takes a host reward (it compiles the score once and returns float64 scores).
+"""
+
+from ._device import DeviceReward as DeviceReward
+from ._pickscore import PickScore as PickScore
