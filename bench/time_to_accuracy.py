@@ -41,6 +41,11 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "dgpo": ("DGPO as released, adapted", ["--algorithm", "dgpo"]),
     "mixgrpo": ("MixGRPO as released, adapted", ["--algorithm", "mixgrpo"]),
     "mixgrpo_flash": ("MixGRPO-Flash as released, adapted", ["--algorithm", "mixgrpo-flash"]),
+    "mixgrpo_flash_star": (
+        "MixGRPO-Flash* as released, adapted",
+        ["--algorithm", "mixgrpo-flash-star"],
+    ),
+    "dppo": ("Flow-DPPO as released, adapted", ["--algorithm", "dppo"]),
 }
 
 

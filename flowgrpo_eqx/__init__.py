@@ -54,6 +54,12 @@ from ._distributed import (
     shard_parameters as shard_parameters,
     sync_processes as sync_processes,
 )
+from ._dppo import (
+    DPPOAux as DPPOAux,
+    FlowDPPOObjective as FlowDPPOObjective,
+    OldMeans as OldMeans,
+    divergence_mask as divergence_mask,
+)
 from ._flow_base import (
     AbstractEMAVariables as AbstractEMAVariables,
     AbstractFlowObjective as AbstractFlowObjective,
@@ -67,6 +73,7 @@ from ._flow_base import (
 from ._guided_flow import (
     GuidedFlow as GuidedFlow,
     MatmulPrecision as MatmulPrecision,
+    ModelTime as ModelTime,
     Precision as Precision,
 )
 from ._http_reward import HttpReward as HttpReward
@@ -95,10 +102,10 @@ from ._objective import (
     GuardDrift as GuardDrift,
     GuardParts as GuardParts,
     GuardScale as GuardScale,
-    OldLogProbs as OldLogProbs,
     ratio_norm as ratio_norm,
     step_weights as step_weights,
 )
+from ._policy_loss import OldLogProbs as OldLogProbs
 from ._preview import preview_grid as preview_grid
 from ._process import (
     AbstractProcess as AbstractProcess,
@@ -150,6 +157,7 @@ from ._window import (
     AbstractWindowSchedule as AbstractWindowSchedule,
     AtEnd as AtEnd,
     FixedWindow as FixedWindow,
+    ProgressiveWindow as ProgressiveWindow,
     RandomWindow as RandomWindow,
     SlidingWindow as SlidingWindow,
 )

@@ -441,8 +441,8 @@ class RolloutInfo(eqx.Module):
         reward, float64 statistics, transport between processes).
     - `reward_calls_here`: how many times this process called the reward (1 on process 0,
         0 elsewhere).
-    - `window_start`: the first recorded transition (a window schedule's position; 0
-        without one).
+    - `window_start`: the window's position, its first stochastic transition (a window
+        schedule's `first`; 0 without one).
     """
 
     rewards: npt.NDArray[np.float64]

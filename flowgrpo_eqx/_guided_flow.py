@@ -47,6 +47,16 @@ the SDE's mean, so this is the precision of the log densities, ratios and KL bui
 
 MATMUL_PRECISIONS: tuple[MatmulPrecision, ...] = ("highest", "high", "default", None)
 
+ModelTime: TypeAlias = Literal["exact", "thousandths"]
+"""The time the model receives for a time `t` of the process: `"exact"`, `t` itself; or
+`"thousandths"`, `floor(1000 t) / 1000` computed in `t`'s dtype, as MixGRPO's release feeds
+FLUX.1 in its rollout and its update alike (github `Tencent-Hunyuan/MixGRPO`,
+`fastvideo/utils/sampling_utils.py` lines 64-71 and `fastvideo/train_grpo_flux.py` lines 387
+and 132: `timestep = int(sigma * 1000)`, then `timestep / 1000`). Only the model's input
+changes: the process, the SDE and the solvers keep `t`."""
+
+MODEL_TIMES: tuple[ModelTime, ...] = get_args(ModelTime)
+
 
 def check_matmul_precision(value: Any) -> None:
     """Raise a `ValueError` naming `matmul_precision` unless `value` is a `MatmulPrecision`."""
@@ -116,11 +126,14 @@ class GuidedFlow(eqx.Module):
         (`MatmulPrecision`): `"highest"` by default, on every backend, so that log densities
         and ratios agree with their float64 statement to float32's digits on a TPU as on a
         CPU; `"default"` for the backend's fastest.
+    - `model_time`: the time the model receives in every call (`ModelTime`): `"exact"`
+        (default), or `"thousandths"`, `floor(1000 t) / 1000`, as MixGRPO's release.
 
     **Raises:**
 
     - `ValueError`: naming the argument, for a model that is not callable, a wrong type,
-        guidance without a null condition, or an unknown `precision` or `matmul_precision`.
+        guidance without a null condition, or an unknown `precision`, `matmul_precision` or
+        `model_time`.
     """
 
     model: Model
@@ -130,6 +143,7 @@ class GuidedFlow(eqx.Module):
     autoencoder: AbstractAutoEncoder = IdentityAutoEncoder()
     precision: Precision = "float32"
     matmul_precision: MatmulPrecision = "highest"
+    model_time: ModelTime = "exact"
 
     def __check_init__(self) -> None:
         if not callable(self.model):
@@ -154,6 +168,8 @@ class GuidedFlow(eqx.Module):
         if self.precision not in PRECISIONS:
             raise ValueError(f"`precision` must be one of {PRECISIONS}, got {self.precision!r}.")
         check_matmul_precision(self.matmul_precision)
+        if self.model_time not in MODEL_TIMES:
+            raise ValueError(f"`model_time` must be one of {MODEL_TIMES}, got {self.model_time!r}.")
 
     def null_like(self, conditioning: PyTree[Any]) -> PyTree[Any]:
         """The null condition repeated for every row of `conditioning`, checked against it.
@@ -198,7 +214,7 @@ class GuidedFlow(eqx.Module):
 
         - `model`: the model.
         - `x`: `[N, *latent]` states.
-        - `t`: `[N]` times.
+        - `t`: `[N]` times (the model receives them as `model_time` says).
         - `conditioning`: the model's conditioning (already selected and encoded).
 
         **Returns:**
@@ -209,6 +225,8 @@ class GuidedFlow(eqx.Module):
 
         - `ValueError`: when the model returns a velocity not shaped like `x`.
         """
+        if self.model_time == "thousandths":
+            t = jnp.floor(t * 1000) / 1000
         inputs = (model, x, t, conditioning)
         if self.precision == "bfloat16":
             inputs = _to_bfloat16(inputs)
@@ -367,6 +385,7 @@ def flow_from(
     autoencoder: AbstractAutoEncoder | None,
     precision: Precision = "float32",
     matmul_precision: MatmulPrecision = "highest",
+    model_time: ModelTime = "exact",
 ) -> GuidedFlow:
     """A `GuidedFlow` from an objective's constructor arguments (`None`: identity decoder)."""
     return GuidedFlow(
@@ -377,14 +396,17 @@ def flow_from(
         autoencoder=IdentityAutoEncoder() if autoencoder is None else autoencoder,
         precision=precision,
         matmul_precision=matmul_precision,
+        model_time=model_time,
     )
 
 
 __all__ = [
     "MATMUL_PRECISIONS",
+    "MODEL_TIMES",
     "PRECISIONS",
     "GuidedFlow",
     "MatmulPrecision",
+    "ModelTime",
     "Precision",
     "flow_from",
     "matmul_precision",

@@ -1,7 +1,6 @@
 """`FlowGRPOObjective`: the clipped Flow-GRPO policy objective over recorded transitions."""
 
 import abc
-from collections.abc import Callable
 from typing import Any, Literal, TypeAlias, final
 
 import equinox as eqx
@@ -24,26 +23,23 @@ from ._custom_types import (
     check_transitions,
 )
 from ._flow_base import AbstractVariables
-from ._guided_flow import GuidedFlow, MatmulPrecision, Precision, flow_from
+from ._guided_flow import GuidedFlow, MatmulPrecision, ModelTime, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, AbstractGuidance, InputSpec
-from ._misc import check_int, check_number, stop_gradient_arrays, tile_rows, zero_rows_unless
+from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
+from ._policy_loss import (
+    OldLogProbs,
+    kept_inputs,
+    kept_transitions,
+    map_transitions,
+    transition_log_probs,
+    transition_sampler,
+)
 from ._process import AbstractProcess
 from ._rl import AbstractRLObjective, Rescore
 from ._sampling import AbstractSampler, MixSampler, SDESampler
 from ._sde import AbstractSDE, FlowSDE
 from ._solver import AbstractSolver, Euler
 from ._trainable import TrainableFilter, held_part, reference_part, reference_policy
-
-
-# The transition a masked entry is replaced by before any arithmetic, so that NaN or inf in
-# masked inputs can reach neither the values nor the gradients (the double-`where` pattern).
-_SAFE_T = 1.0
-_SAFE_T_NEXT = 0.5
-
-
-OldLogProbs: TypeAlias = Literal["rollout", "update"]
-"""Where Flow-GRPO takes the old log densities of its ratio from: as the rollout recorded
-them, or recomputed by the trainer's own update program before the first update."""
 
 
 @final
@@ -366,6 +362,9 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     - `matmul_precision`: the precision of the model's float32 matrix products
         (`MatmulPrecision`, `GuidedFlow`): `"highest"` by default on every backend;
         `"default"` for the backend's fastest (one bfloat16 pass on a TPU).
+    - `model_time`: the time the model receives (`ModelTime`, `GuidedFlow`): `"exact"`
+        (default), or `"thousandths"`, `floor(1000 t) / 1000`, as MixGRPO's release feeds
+        it in its rollout and its update.
     - `old_log_probs`: `"rollout"` (the default) keeps the old log densities the rollout
         recorded; `"update"` has `training_batch` ask the trainer to `Rescore` the batch with
         its own update program before the first update of each rollout, and `loss` then
@@ -417,9 +416,10 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         precision: Precision = "float32",
         old_log_probs: OldLogProbs = "rollout",
         matmul_precision: MatmulPrecision = "highest",
+        model_time: ModelTime = "exact",
     ):
         self.flow = flow_from(
-            model, process, inputs, guidance, autoencoder, precision, matmul_precision
+            model, process, inputs, guidance, autoencoder, precision, matmul_precision, model_time
         )
         self.sde = sde
         self.beta = beta
@@ -470,17 +470,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         - `ValueError`: naming `sampler`, for anything but an `SDESampler` or `MixSampler`
             whose `sde` equals the objective's.
         """
-        if requested is None:
-            return SDESampler(self.sde)
-        if not isinstance(requested, SDESampler | MixSampler) or not eqx.tree_equal(
-            requested.sde, self.sde
-        ):
-            raise ValueError(
-                "`sampler` must be an SDESampler of the Flow-GRPO objective's own `sde` "
-                f"({self.sde!r}) or a MixSampler of it: the objective rescores what it "
-                f"recorded, got {requested!r}."
-            )
-        return requested
+        return transition_sampler(self.sde, requested, "Flow-GRPO")
 
     def sampling_policy(self, variables: FlowGRPOVariables) -> Model:
         return variables.policy
@@ -556,57 +546,6 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         return {"kept_fraction": float(jnp.mean(batch.transition_mask))}
 
     # ----------------------------------------------------------------------------------
-    # Scanning over transitions
-
-    def _chunk_size(self, num_transitions: int) -> int:
-        if self.transition_chunk is None:
-            return max(num_transitions, 1)
-        return min(self.transition_chunk, max(num_transitions, 1))
-
-    def _map_transitions(
-        self,
-        fn: Callable[..., PyTree[Float[Array, " B"]]],
-        per_transition: PyTree[Array],
-        cond: PyTree[Any],
-    ) -> PyTree[PerTransition]:
-        """Apply `fn(flat_inputs, flat_cond)` to all `[N, K, ...]` inputs, chunk by chunk.
-
-        A `lax.scan` over chunks of transitions that carries nothing between them; within a
-        chunk the `chunk * N` transitions are one batch. Returns `fn`'s outputs as `[N, K]`.
-        """
-        leaves = jax.tree.leaves(per_transition)
-        n, k = leaves[0].shape[:2]
-        chunk = self._chunk_size(k)
-        num_chunks = -(-k // chunk)
-        padded = num_chunks * chunk
-
-        def to_chunks(leaf: Array) -> Array:
-            leaf = jnp.swapaxes(leaf, 0, 1)
-            if padded > k:
-                # Pad with copies of the last (already sanitised) transition: finite values
-                # whose outputs are sliced off below, so they count nowhere.
-                pad = jnp.broadcast_to(leaf[-1:], (padded - k, *leaf.shape[1:]))
-                leaf = jnp.concatenate([leaf, pad], axis=0)
-            return leaf.reshape(num_chunks, chunk * n, *leaf.shape[2:])
-
-        xs = jax.tree.map(to_chunks, per_transition)
-        chunk_cond = tile_rows(cond, chunk)
-
-        def body(carry: None, inputs: PyTree[Array]) -> tuple[None, PyTree[Array]]:
-            return carry, fn(inputs, chunk_cond)
-
-        remat = self.remat if self.remat is not None else num_chunks > 1
-        if remat:
-            body = jax.checkpoint(body)
-        _, outputs = jax.lax.scan(body, None, xs)
-
-        def from_chunks(leaf: Array) -> Array:
-            leaf = leaf.reshape(padded, n)[:k]
-            return jnp.swapaxes(leaf, 0, 1)
-
-        return jax.tree.map(from_chunks, outputs)
-
-    # ----------------------------------------------------------------------------------
     # Public objective methods
 
     def kept(self, batch: Transitions) -> TransitionMask:
@@ -620,7 +559,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
 
         `[N, K]` bools: `transition_mask` and stochastic; the loss averages over these.
         """
-        return batch.transition_mask & self.sde.is_stochastic(batch.timesteps, batch.next_timesteps)
+        return kept_transitions(self.sde, batch)
 
     def log_probs(self, variables: AbstractVariables, batch: Transitions) -> PerTransition:
         """Rescore joint transition log densities with the rollout's guidance.
@@ -643,22 +582,9 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
             the field, for a malformed batch (`check_transitions`).
         """
         check_transitions(batch, type(self).__name__)
-        policy = variables.policy
-
-        def score(inputs: dict[str, Array], cond: PyTree[Any]) -> Float[Array, " B"]:
-            mean, std = self.flow.transition(
-                self.sde, policy, inputs["x"], inputs["t"], inputs["t_next"], cond
-            )
-            return jax.vmap(self.sde.log_prob)(inputs["x_next"], mean, std)
-
-        inputs = {
-            "x": batch.latents,
-            "x_next": batch.next_latents,
-            "t": batch.timesteps,
-            "t_next": batch.next_timesteps,
-        }
-        result: PerTransition = self._map_transitions(score, inputs, batch.cond)
-        return result
+        return transition_log_probs(
+            self.flow, self.sde, variables.policy, batch, self.transition_chunk, self.remat
+        )
 
     def loss_sums_over_rows(self) -> bool:
         """`True` without a `guard`; a guard's ratio normalisation and step weights use
@@ -706,7 +632,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
                 "`batch.old_means` is None: sample with `SDESampler(record_means=True)`."
             )
         kept = self.kept(batch)
-        inputs = _kept_inputs(batch, kept, needs_means)
+        inputs = kept_inputs(batch, kept, needs_means)
         scored = self._score_kept(variables.policy, reference, inputs, batch.cond)
         log_ratio, weight = self._guarded(scored, inputs, kept)
         stats = self._surrogate_statistics(log_ratio, weight, inputs["advantage"], scored)
@@ -797,7 +723,9 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         # A row with no kept transition may carry anything in its conditioning too.
         row_kept = jnp.any(inputs["kept"], axis=1)
         cond = jax.tree.map(lambda leaf: zero_rows_unless(row_kept, leaf), batch_cond)
-        scored: dict[str, PerTransition] = self._map_transitions(per_transition, inputs, cond)
+        scored: dict[str, PerTransition] = map_transitions(
+            per_transition, inputs, cond, self.transition_chunk, self.remat
+        )
         return scored
 
     def _guarded(
@@ -842,29 +770,3 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
             "approx_kl": 0.5 * scored["log_ratio"] ** 2,
             "ratio": jax.lax.stop_gradient(ratio),
         }
-
-
-def _kept_inputs(batch: Transitions, kept: TransitionMask, needs_means: bool) -> dict[str, Array]:
-    """The batch's per-transition inputs, each masked entry replaced by a safe value before
-    any arithmetic (the double-`where` pattern)."""
-    n, k = batch.timesteps.shape
-    advantages = batch.advantages
-    if advantages.ndim == 1:
-        advantages = jnp.broadcast_to(advantages[:, None], (n, k))
-
-    def keep(value: Array, safe: float) -> Array:
-        mask = kept.reshape(kept.shape + (1,) * (value.ndim - 2))
-        return jnp.where(mask, value, jnp.asarray(safe, value.dtype))
-
-    inputs = {
-        "x": keep(batch.latents, 0.0),
-        "x_next": keep(batch.next_latents, 0.0),
-        "t": keep(batch.timesteps, _SAFE_T),
-        "t_next": keep(batch.next_timesteps, _SAFE_T_NEXT),
-        "old": keep(batch.old_log_probs, 0.0),
-        "advantage": keep(advantages.astype(jnp.float32), 0.0),
-        "kept": kept,
-    }
-    if needs_means and batch.old_means is not None:
-        inputs["old_mean"] = keep(batch.old_means, 0.0)
-    return inputs

@@ -47,7 +47,7 @@ class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT,
     variables once the epoch's updates are done (`end_epoch`), and which statistics of the
     batch the epoch reports (`batch_metrics`). `FlowGRPOObjective` (with or without
     GRPO-Guard, and MixGRPO's window through a `MixSampler`), `DiffusionNFTObjective`,
-    `AWMObjective` and `DGPOObjective` implement it.
+    `AWMObjective`, `DGPOObjective` and `FlowDPPOObjective` implement it.
     """
 
     @abc.abstractmethod

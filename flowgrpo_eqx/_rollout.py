@@ -143,7 +143,9 @@ class FlowRollout(eqx.Module):
         return self.active_sampler.recorded_transitions(self.steps)
 
     def window_start(self, epoch: int, key: PRNGKeyArray) -> int:
-        """The first recorded transition of a `collect` in `epoch` with `key`.
+        """The window's position in a `collect` in `epoch` with `key`: its first stochastic
+        transition (the recorded ones start there, or where `count` still fit:
+        `AbstractWindowSchedule.recorded_first`).
 
         **Arguments:**
 
@@ -173,8 +175,8 @@ class FlowRollout(eqx.Module):
         - `policy`: the sampling model.
         - `rows`: `[N, ...]` conditioning rows on the device(s), already repeated per group
             (`N` a multiple of `groups` when `shared_noise`).
-        - `first`: the first recorded transition, `window_start(epoch, key)` (0 without a
-            window schedule).
+        - `first`: the window's position, `window_start(epoch, key)` (0 without a window
+            schedule).
 
         **Returns:**
 

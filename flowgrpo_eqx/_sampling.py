@@ -62,8 +62,9 @@ class Draw(eqx.Module):
     - `flow`: the guided flow.
     - `policy`: the sampling model.
     - `rows`: `[N, ...]` conditioning rows on the device(s), already repeated per group.
-    - `first`: the first recorded transition (a window schedule's position; 0 without one),
-        an int32 scalar: traced, so any value reuses one compilation.
+    - `first`: the window's position (a window schedule's `first`: its first stochastic
+        transition; 0 without a schedule), an int32 scalar: traced, so any value reuses one
+        compilation.
     - `steps`: time points of the grid.
     - `mesh`: the data mesh the rows are split over, or `None` for the default device.
     """
@@ -120,7 +121,8 @@ class AbstractSampler(eqx.Module):
 
     @abc.abstractmethod
     def window_start(self, epoch: int, steps: int, key: PRNGKeyArray) -> int:
-        """The first recorded transition of a collect in `epoch` with `key` (0 when fixed)."""
+        """The window's position (its first stochastic transition) in a collect in `epoch`
+        with `key` (0 when fixed)."""
 
     @abc.abstractmethod
     def trajectory(
@@ -173,10 +175,11 @@ class SDESampler(AbstractSampler):
     - `train_steps`: how many leading transitions to record; `None` (default) records all.
     - `window_schedule`: `None` (default) records the first `train_steps` transitions and
         leaves the stochastic ones to the SDE's `window`; or an `AbstractWindowSchedule`
-        (`FixedWindow`, `RandomWindow`, `SlidingWindow`) that places, for each collect,
-        `count` consecutive stochastic transitions (the others are ODE steps) and records
-        exactly those. The position is a traced value: moving it never recompiles. Needs
-        `train_steps=None` and an `sde` with `window=None`.
+        (`FixedWindow`, `RandomWindow`, `SlidingWindow`, `ProgressiveWindow`) that places,
+        for each collect, up to `count` consecutive stochastic transitions (the others are
+        ODE steps) and records `count` transitions from its `recorded_first` (those outside
+        the window masked). The position is a traced value: moving it never recompiles.
+        Needs `train_steps=None` and an `sde` with `window=None`.
     - `record_means`: if `True`, each recorded transition's Gaussian mean is kept as
         `Transitions.old_means`, which the released GRPO-Guard (`GRPOGuard`) needs for its
         drift term; `False` (default) records none (one latent-sized array less per
@@ -259,21 +262,26 @@ class SDESampler(AbstractSampler):
     ) -> Generated:
         """One `lax.scan` over the grid recording `recorded_transitions(steps)` transitions.
 
-        With a `window_schedule`, only transitions `first .. first + count - 1` draw noise and
-        the whole trajectory is recorded, then those `count` sliced out at the traced `first`.
+        With a `window_schedule`, only the window's transitions (`first .. stop - 1`, `stop`
+        the schedule's `stochastic_stop`) draw noise and the whole trajectory is recorded,
+        then `count` transitions sliced out at the schedule's `recorded_first`, both traced.
         """
         steps, first = draw.steps, draw.first
         recorded = self.recorded_transitions(steps)
         noise = _step_noise(key, steps, start.shape[0], start.shape[1:], draw.sharding)
-        path = _SDEPath(draw.flow, self.sde, draw.policy, draw.rows, recorded, self.record_means)
+        path = _SDEPath(draw.flow, self.sde, draw.policy, draw.rows, self.record_means)
         grid = draw.grid()
         if self.window_schedule is not None:
-            indices = jnp.arange(steps - 1)
+            transitions = steps - 1
+            stop = self.window_schedule.stochastic_stop(first, transitions)
+            recorded_first = self.window_schedule.recorded_first(first, transitions)
+            indices = jnp.arange(transitions)
             x, every = jax.lax.scan(
-                path.windowed(first), start, (grid[:-1], grid[1:], noise, indices)
+                path.windowed(first, stop), start, (grid[:-1], grid[1:], noise, indices)
             )
             recorded_arrays = jax.tree.map(
-                lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, first, recorded, axis=0), every
+                lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, recorded_first, recorded, axis=0),
+                every,
             )
         else:
             head = (grid[:recorded], grid[1 : recorded + 1], noise[:recorded])
@@ -294,14 +302,14 @@ class SDESampler(AbstractSampler):
     def batch(
         self, draw: Draw, generated: Generated, advantages: npt.NDArray[np.float32]
     ) -> Transitions:
-        """The `Transitions` batch; its mask keeps stochastic transitions of rows with a
-        non-zero advantage.
+        """The `Transitions` batch; its mask keeps stochastic transitions (in the window,
+        with a `window_schedule`) of rows with a non-zero advantage.
 
         **Raises:**
 
         - `ValueError`: if `generated` holds no transitions (it came from an `ODESampler`).
         """
-        return _transitions_batch(self.sde, draw, generated, advantages)
+        return _transitions_batch(self.sde, draw, generated, advantages, self.window_schedule)
 
 
 @final
@@ -366,7 +374,7 @@ class ODESampler(AbstractSampler):
 class MixSampler(AbstractSampler):
     """MixGRPO's rollout (github `Tencent-Hunyuan/MixGRPO`, `fastvideo/utils/sampling_utils.py`
     `run_sample_step`, `sample_strategy="progressive"`, `dpm_apply_strategy="post"`): ODE
-    steps (the `sde`'s deterministic transition, Euler's) before a window of `count`
+    steps (the `sde`'s deterministic transition, Euler's) before a window of up to `count`
     stochastic transitions placed by `window_schedule`, which are recorded exactly as
     `SDESampler(sde, window_schedule=...)` records them; after the window, `solver` runs on
     the rest of the grid, compressed for MixGRPO-Flash.
@@ -377,17 +385,24 @@ class MixSampler(AbstractSampler):
     with `n = 1` the release stops there, before t = 0, and so does this sampler. A solver
     with a state starts from its state after the window's last step (the release's
     `DPMState` keeps the data prediction of every step), at the cost of one more velocity
-    evaluation. MixGRPO is `MixSampler(sde, SlidingWindow(...))`; MixGRPO-Flash adds
-    `solver=DPMSolverPP2M(), compress_ratio=0.4` (Flash*: 0.2).
+    evaluation. A window with no stochastic transition (`ProgressiveWindow`'s last
+    position, or one the SDE's `window` removes whole) is read as `l = -1`: `solver` runs
+    from t = 1 over the whole grid, compressed to `int(max((T + 1) r, 1))` points from 1 to
+    0 (the release's formula; the release itself fails there, `last_false_index` being
+    `None`). MixGRPO is `MixSampler(sde, ProgressiveWindow(4, shift_every=25))`;
+    MixGRPO-Flash `MixSampler(sde, ProgressiveWindow(4, shift_every=20),
+    solver=DPMSolverPP2M(), compress_ratio=0.4)`, Flash* the same with `stride=0` and
+    `compress_ratio=0.2`.
 
     **Arguments:**
 
     - `sde`: the SDE of the window (the objective's). Its own `window` may end the noise
-        before the scheduled window does (the release's `max_timesteps = T - 2` cuts its last
-        window to 3 transitions: `FlowSDE(eta, window=window_for_indices(grid, 0, T - 2))`);
-        the cut transitions are recorded but masked, and `solver` takes over after the last
-        stochastic one, as the release's `last_false_index`.
-    - `window_schedule`: where the window sits, epoch by epoch (`SlidingWindow` as released).
+        before the scheduled window does; the transitions it cuts are recorded but masked,
+        and `solver` takes over after the last stochastic one, as the release's
+        `last_false_index`. (The release's own cut, `max_timesteps = T - 2`, is
+        `ProgressiveWindow`'s `end_margin`.)
+    - `window_schedule`: where the window sits, epoch by epoch (`ProgressiveWindow` as
+        released).
     - `solver`: the ODE solver after the window; `Euler()` (default) as MixGRPO's.
     - `compress_ratio`: `None` (default) keeps the grid after the window; a float in (0, 1]
         rebuilds it with that ratio (needs a `RectifiedFlow` with `grid="uniform"`).
@@ -443,18 +458,20 @@ class MixSampler(AbstractSampler):
         self, draw: Draw, start: Float[Array, " N *latent"], key: PRNGKeyArray
     ) -> Generated:
         """One `lax.scan` up to the window's last stochastic transition (skipping, by
-        `lax.cond`, every step after it), the window sliced out at the traced `first`, then a
-        `lax.fori_loop` of `solver` over the (compressed) rest of the grid, its length read
-        from a table per `first`."""
-        steps, first, count = draw.steps, draw.first, self.window_schedule.count
+        `lax.cond`, every step after it), `count` transitions sliced out at the schedule's
+        traced `recorded_first`, then a `lax.fori_loop` of `solver` over the (compressed)
+        rest of the grid, its length read from a table per window position."""
+        schedule = self.window_schedule
+        steps, first, count = draw.steps, draw.first, schedule.count
+        transitions = steps - 1
         noise = _step_noise(key, steps, start.shape[0], start.shape[1:], draw.sharding)
-        path = _SDEPath(draw.flow, self.sde, draw.policy, draw.rows, count, self.record_means)
+        path = _SDEPath(draw.flow, self.sde, draw.policy, draw.rows, self.record_means)
         grid = draw.grid()
         with jax.ensure_compile_time_eval():  # the grid is static: its tables are built once
             host_grid = np.asarray(draw.grid())
-            lasts = _last_stochastic(self.sde, host_grid, count)
+            lasts = _last_stochastic(self.sde, host_grid, schedule)
         last = jnp.asarray(lasts)[first]
-        windowed = path.windowed(first)
+        windowed = path.windowed(first, schedule.stochastic_stop(first, transitions))
 
         def body(x: Array, inputs: tuple[Array, Array, Array, Array]) -> tuple[Array, Any]:
             skipped = jax.eval_shape(windowed, x, inputs)[1]
@@ -467,12 +484,13 @@ class MixSampler(AbstractSampler):
             )
             return out
 
-        indices = jnp.arange(steps - 1)
+        indices = jnp.arange(transitions)
         x, every = jax.lax.scan(body, start, (grid[:-1], grid[1:], noise, indices))
+        recorded_first = schedule.recorded_first(first, transitions)
         recorded = jax.tree.map(
-            lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, first, count, axis=0), every
+            lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, recorded_first, count, axis=0), every
         )
-        final = self._after_window(draw, x, every[0][last], grid[last], last, host_grid)
+        final = self._after_window(draw, x, every[0], last, host_grid)
         return Generated(
             latents=jnp.swapaxes(recorded[0], 0, 1),
             next_latents=jnp.swapaxes(recorded[1], 0, 1),
@@ -486,26 +504,35 @@ class MixSampler(AbstractSampler):
         self,
         draw: Draw,
         x: Array,
-        x_last: Array,
-        t_last: Array,
+        latents: Array,
         last: Array,
         host_grid: npt.NDArray[np.float32],
     ) -> Array:
-        """Run `solver` from the window's last stochastic transition over the rest of the
-        grid."""
+        """Run `solver` from the window's last stochastic transition `last` over the rest of
+        the grid (`latents`: every transition's starting latents; `last = -1`: no stochastic
+        transition, the whole grid from `x` at t = 1)."""
         process = draw.flow.process
         shift = process.shift if isinstance(process, RectifiedFlow) else 1.0
         table, lengths = _post_grids(host_grid, self.compress_ratio, shift)
-        times, length = jnp.asarray(table)[last], jnp.asarray(lengths)[last]
+        times, length = jnp.asarray(table)[last + 1], jnp.asarray(lengths)[last + 1]
         rows = x.shape[0]
+        grid = jnp.asarray(host_grid)
 
         def velocity(y: Array, t: Array) -> Array:
             return draw.flow.velocity(draw.policy, y, jnp.full((rows,), t, y.dtype), draw.rows)
 
-        # The state after the window's last step, run deterministically (its result unused).
-        _, state = self.solver.step(
-            velocity, x_last, t_last, times[0], self.solver.init(x_last, t_last)
-        )
+        def after_last(operand: None) -> Any:
+            # The state after the window's last step, run deterministically (its result
+            # unused).
+            x_last, t_last = latents[last], grid[last]
+            return self.solver.step(
+                velocity, x_last, t_last, times[0], self.solver.init(x_last, t_last)
+            )[1]
+
+        def from_start(operand: None) -> Any:
+            return self.solver.init(x, times[0])
+
+        state = jax.lax.cond(last >= 0, after_last, from_start, None)
 
         def step(j: Array, carry: tuple[Array, Any]) -> tuple[Array, Any]:
             y, s = carry
@@ -518,43 +545,47 @@ class MixSampler(AbstractSampler):
         self, draw: Draw, generated: Generated, advantages: npt.NDArray[np.float32]
     ) -> Transitions:
         """The `Transitions` batch of the window, as `SDESampler`'s."""
-        return _transitions_batch(self.sde, draw, generated, advantages)
+        return _transitions_batch(self.sde, draw, generated, advantages, self.window_schedule)
 
 
 def _last_stochastic(
-    sde: AbstractSDE, grid: npt.NDArray[np.float32], count: int
+    sde: AbstractSDE, grid: npt.NDArray[np.float32], schedule: AbstractWindowSchedule
 ) -> npt.NDArray[np.int32]:
-    """For every window start `f` (entry `f`), the last transition of `f .. f + count - 1`
-    that `sde` makes stochastic (its `window` may end the noise before the scheduled
-    window does, as MixGRPO's `max_timesteps` does), or `f + count - 1` if none is."""
+    """For every window position `f` in `0 .. T` (entry `f`), the last transition of the
+    window `f .. stop - 1` (`stop` the schedule's `stochastic_stop`) that `sde` makes
+    stochastic (its `window` may end the noise before the scheduled window does), or -1 if
+    none is."""
     transitions = grid.shape[0] - 1
     stochastic = np.asarray(sde.is_stochastic(grid[:-1], grid[1:]))
-    lasts = np.zeros((max(transitions - count + 1, 1),), np.int32)
-    for first in range(transitions - count + 1):
-        inside = [i for i in range(first, first + count) if stochastic[i]]
-        lasts[first] = inside[-1] if inside else first + count - 1
+    lasts = np.full((transitions + 1,), -1, np.int32)
+    for first in range(transitions + 1):
+        stop = min(int(schedule.stochastic_stop(first, transitions)), transitions)
+        inside = [i for i in range(first, stop) if stochastic[i]]
+        if inside:
+            lasts[first] = inside[-1]
     return lasts
 
 
 def _post_grids(
     grid: npt.NDArray[np.float32], ratio: float | None, shift: float
 ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int32]]:
-    """For every window end `l` (row `l`), the grid after the window (padded with 0) and its
-    number of points: `grid[l + 1:]`, or with `ratio` the release's rebuilt grid
-    (`run_sample_step`, lines 44-54: `n` points evenly from `u = linspace(1, 0, T + 1)[l + 1]`
-    to 0, then `sd3_time_shift(shift, u)`, lines 9-10), computed in float64."""
+    """For every window end `l` in `-1 .. T - 1` (row `l + 1`; -1: no window), the grid after
+    the window (padded with 0) and its number of points: `grid[l + 1:]`, or with `ratio` the
+    release's rebuilt grid (`run_sample_step`, lines 44-54: `n = int(max((T - l) ratio, 1))`
+    points evenly from `u = linspace(1, 0, T + 1)[l + 1]` to 0, then
+    `sd3_time_shift(shift, u)`, lines 9-10), computed in float64."""
     transitions = grid.shape[0] - 1
-    table = np.zeros((transitions, transitions + 1), np.float32)
-    lengths = np.ones((transitions,), np.int32)
-    for last in range(transitions):
+    table = np.zeros((transitions + 1, transitions + 1), np.float32)
+    lengths = np.ones((transitions + 1,), np.int32)
+    for last in range(-1, transitions):
         if ratio is None:
             rest = grid[last + 1 :]
         else:
             n = int(max((transitions - last) * ratio, 1))
             u = np.linspace(1.0 - (last + 1) / transitions, 0.0, n)
             rest = (shift * u / (1 + (shift - 1) * u)).astype(np.float32)
-        table[last, : rest.shape[0]] = rest
-        lengths[last] = rest.shape[0]
+        table[last + 1, : rest.shape[0]] = rest
+        lengths[last + 1] = rest.shape[0]
     return table, lengths
 
 
@@ -584,7 +615,7 @@ def _step_noise(
 
 class _SDEPath(eqx.Module):
     """The scan bodies of an SDE trajectory: a step that records, one that does not, and
-    one that draws noise only inside a window starting at a traced `first`. (Its methods
+    one that draws noise only inside a window `first .. stop - 1` of traced bounds. (Its methods
     reach `lax.scan` through closures: a bound method of a module holding tracers cannot
     be hashed.)"""
 
@@ -592,7 +623,6 @@ class _SDEPath(eqx.Module):
     sde: AbstractSDE
     policy: Model
     rows: PyTree[Any]
-    recorded: int = eqx.field(static=True)
     record_means: bool = eqx.field(static=True)
 
     def transition(
@@ -625,13 +655,13 @@ class _SDEPath(eqx.Module):
         return x_next, None
 
     def windowed(
-        self, first: Int[Array, ""]
+        self, first: Int[Array, ""], stop: Int[Array, ""]
     ) -> Callable[[Array, tuple[Array, Array, Array, Array]], tuple[Array, tuple[Array, ...]]]:
         def step(
             x: Array, inputs: tuple[Array, Array, Array, Array]
         ) -> tuple[Array, tuple[Array, ...]]:
             t, t_next, z, index = inputs
-            allowed = (index >= first) & (index < first + self.recorded)
+            allowed = (index >= first) & (index < stop)
             x_next, log_prob, mean = self.transition(x, t, t_next, z, allowed)
             return x_next, self.record(x, x_next, log_prob, mean)
 
@@ -639,16 +669,29 @@ class _SDEPath(eqx.Module):
 
 
 def _transitions_batch(
-    sde: AbstractSDE, draw: Draw, generated: Generated, advantages: npt.NDArray[np.float32]
+    sde: AbstractSDE,
+    draw: Draw,
+    generated: Generated,
+    advantages: npt.NDArray[np.float32],
+    schedule: AbstractWindowSchedule | None,
 ) -> Transitions:
-    """The `Transitions` batch of the recorded window (`SDESampler.batch`, `MixSampler.batch`)."""
+    """The `Transitions` batch of the recorded transitions (`SDESampler.batch`,
+    `MixSampler.batch`): with a `schedule`, `count` from its `recorded_first`, stochastic
+    only in its window."""
     if generated.latents is None or generated.next_latents is None or generated.log_probs is None:
         raise ValueError("`generated` holds no transitions: it came from an ODESampler.")
     num, recorded = generated.log_probs.shape
     grid, first = np.asarray(draw.grid()), int(draw.first)
-    timesteps = np.broadcast_to(grid[first : first + recorded], (num, recorded))
-    next_timesteps = np.broadcast_to(grid[first + 1 : first + recorded + 1], (num, recorded))
-    stochastic = np.asarray(sde.is_stochastic(timesteps, next_timesteps))
+    start, stop = first, first + recorded
+    if schedule is not None:
+        transitions = grid.shape[0] - 1
+        start = int(schedule.recorded_first(first, transitions))
+        stop = int(schedule.stochastic_stop(first, transitions))
+    timesteps = np.broadcast_to(grid[start : start + recorded], (num, recorded))
+    next_timesteps = np.broadcast_to(grid[start + 1 : start + recorded + 1], (num, recorded))
+    indices = np.arange(start, start + recorded)
+    in_window = (indices >= first) & (indices < stop)
+    stochastic = np.asarray(sde.is_stochastic(timesteps, next_timesteps)) & in_window
     host_advantages = np.asarray(advantages, np.float32)
     placed = draw.place(
         {

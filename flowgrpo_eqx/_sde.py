@@ -284,7 +284,8 @@ class FlowSDE(AbstractSDE):
     - `noise_level`: `a` above; 0.7 by default as in Flow-GRPO.
     - `window`: `None` (every transition stochastic) or `(start, stop)` times with
         `1 >= start > stop >= 0`: a transition `t -> t_next` is stochastic when it lies inside,
-        `t <= start` and `t_next >= stop`. This is Flow-GRPO-Fast's / MixGRPO's window; use
+        `t <= start` and `t_next >= stop`. This is Flow-GRPO-Fast's fixed window (one that
+        moves, as MixGRPO's, is a window schedule: `ProgressiveWindow`); use
         `window_for_indices` to place it on a grid.
     - `kl_weighting`: `"paper"` (default) for the conditional Gaussian KL of arXiv:2505.05470v5
         section 4, `mean_coords[(mu - mu_ref)^2] / (2 sigma^2 |dt|)`; `"released"` for the

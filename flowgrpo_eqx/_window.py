@@ -1,8 +1,12 @@
 """Where the stochastic window sits on the trajectory, epoch by epoch.
 
-A schedule names, for each rollout, the first of `count` consecutive transitions that sample
-noise and are trained; the others are deterministic (ODE) steps. The rollout passes that index
-to its compiled generation as a traced value, so moving the window never recompiles.
+A schedule names, for each rollout, the window's position `first`: the first of at most
+`count` consecutive transitions that sample noise and are trained; the others are
+deterministic (ODE) steps. The rollout records `count` transitions from `recorded_first`
+(`first`, unless the window sits too near the end for `count` to fit) and makes stochastic
+those before `stochastic_stop` (`first + count`, unless the schedule cuts the window). It
+passes `first` to its compiled generation as a traced value, so moving the window never
+recompiles.
 """
 
 import abc
@@ -10,18 +14,22 @@ from typing import Literal, TypeAlias, final
 
 import equinox as eqx
 import jax
-from jaxtyping import PRNGKeyArray
+import jax.numpy as jnp
+from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._misc import check_int
 
 
 AtEnd: TypeAlias = Literal["clip", "restart"]
-"""What a sliding window does once it reaches the last transitions: stay there, or restart
-from the first one (MixGRPO's `roll_back`)."""
+"""What a moving window does once it reaches the end of the trajectory: stay there
+(`"clip"`) or start again from the first transition (`"restart"`, MixGRPO's `roll_back`).
+Where the end is, and what the window holds there, is each schedule's: `SlidingWindow` keeps
+all its `count` transitions; `ProgressiveWindow`, as MixGRPO's release, cuts the window short
+of its end and its last position holds none."""
 
 
 class AbstractWindowSchedule(eqx.Module):
-    """The position of a window of `count` stochastic transitions, per epoch.
+    """The position of a window of at most `count` stochastic transitions, per epoch.
 
     **Raises:**
 
@@ -35,7 +43,7 @@ class AbstractWindowSchedule(eqx.Module):
 
     @abc.abstractmethod
     def first(self, epoch: int, transitions: int, key: PRNGKeyArray) -> int:
-        """The index of the window's first transition in this epoch's rollout.
+        """The window's position in this epoch's rollout: its first transition.
 
         **Arguments:**
 
@@ -45,8 +53,61 @@ class AbstractWindowSchedule(eqx.Module):
 
         **Returns:**
 
-        An int in `0 .. transitions - count`.
+        An int in `0 .. transitions - count` (`ProgressiveWindow`: up to its last position,
+        `transitions - end_margin`).
         """
+
+    def recorded_first(self, first: Int[Array, ""] | int, transitions: int) -> Int[Array, ""]:
+        """The first of the `count` transitions the rollout records for a window at `first`
+        (traced or not): `first` itself, for every schedule whose window fits whole.
+
+        **Arguments:**
+
+        - `first`: the window's position (`first`'s result).
+        - `transitions`: how many transitions the rollout's grid has.
+
+        **Returns:**
+
+        An int32 scalar in `0 .. transitions - count`.
+        """
+        del transitions
+        return jnp.asarray(first, jnp.int32)
+
+    def stochastic_stop(self, first: Int[Array, ""] | int, transitions: int) -> Int[Array, ""]:
+        """One past the window's last stochastic transition for a window at `first` (traced
+        or not): `first + count`, for every schedule that does not cut its window.
+
+        **Arguments:**
+
+        - `first`: the window's position (`first`'s result).
+        - `transitions`: how many transitions the rollout's grid has.
+
+        **Returns:**
+
+        An int32 scalar `stop`, `first <= stop <= first + count`: the window is
+        transitions `first .. stop - 1`, empty when `stop == first`.
+        """
+        del transitions
+        return jnp.asarray(first, jnp.int32) + self.count
+
+    def window(self, epoch: int, transitions: int, key: PRNGKeyArray) -> tuple[int, int]:
+        """The transitions this epoch's rollout makes stochastic and trains (before the SDE's
+        own `window`, if it has one, removes any).
+
+        **Arguments:**
+
+        - `epoch`, `transitions`, `key`: as for `first`.
+
+        **Returns:**
+
+        `(first, stop)`: transitions `first .. stop - 1`; none when `stop == first`.
+
+        **Raises:**
+
+        - `ValueError`: as `first`.
+        """
+        first = self.first(epoch, transitions, key)
+        return first, int(self.stochastic_stop(first, transitions))
 
     def check_fits(self, transitions: int) -> None:
         """Raise unless `count` transitions fit on a grid of `transitions`.
@@ -128,20 +189,24 @@ class RandomWindow(AbstractWindowSchedule):
 
 @final
 class SlidingWindow(AbstractWindowSchedule):
-    """MixGRPO's sliding window (arXiv:2507.21802): the window starts at the first transition
-    and moves `stride` transitions later every `shift_every` epochs, so training follows the
-    trajectory from noise towards data.
+    """A whole window that starts at the first transition and moves `stride` transitions
+    later every `shift_every` epochs, so training follows the trajectory from noise towards
+    data, always on `count` transitions.
 
-    Epoch `e` (from 1) uses `first = stride * ((e - 1) // shift_every)`; past the last position
-    `transitions - count` the window stays there (`at_end="clip"`, MixGRPO's default) or
-    starts again from 0 (`"restart"`, MixGRPO's `roll_back`).
+    Epoch `e` (from 1) uses `first = stride * ((e - 1) // shift_every)`; past the last
+    position where the whole window fits, `transitions - count`, the window stays there
+    (`at_end="clip"`) or starts again from 0 once its next position would not fit
+    (`"restart"`).
+
+    This is not MixGRPO's released schedule, which moves one transition at a time, cuts the
+    window short of the trajectory's last two transitions and ends on an empty window:
+    that is `ProgressiveWindow`.
 
     **Arguments:**
 
     - `count`: how many consecutive transitions are stochastic and trained.
-    - `shift_every`: epochs between moves (MixGRPO's `iters_per_group`).
-    - `stride`: transitions per move; 1 by default (MixGRPO's `prog_overlap_step`). The
-        released scripts move the window by its length: `stride=count`.
+    - `shift_every`: epochs between moves.
+    - `stride`: transitions per move; 1 by default.
     - `at_end`: `"clip"` (default) or `"restart"`.
 
     **Raises:**
@@ -171,3 +236,116 @@ class SlidingWindow(AbstractWindowSchedule):
             return min(self.stride * moves, last)
         positions = last // self.stride + 1
         return self.stride * (moves % positions)
+
+
+@final
+class ProgressiveWindow(AbstractWindowSchedule):
+    """MixGRPO's window as released (github `Tencent-Hunyuan/MixGRPO`,
+    `fastvideo/utils/grpo_states.py` `GRPOTrainingStates` with
+    `sample_strategy="progressive"`, built by `fastvideo/train_grpo_flux.py` lines 915-928
+    and stepped at lines 945-947), the schedule of the three released scripts
+    (`scripts/finetune/finetune_flux_grpo_MixGRPO*.sh`).
+
+    The release keeps a window start `c`, 0 at first. Each iteration (one rollout and its
+    update: an epoch here, so epoch `e` is the release's iteration `e - 1`) trains
+    transitions `c .. min(c + count, M) - 1` with `M = transitions - end_margin` (its
+    `max_timesteps = sampling_steps - 2`; `get_current_timesteps`, lines 141-148), then
+    counts the iteration, and after `shift_every` of them moves `c` by `stride` (lines
+    85-94); once `c > M` it restarts from 0 (`roll_back`, lines 95-97 and 136-139) or is
+    clipped to `M` (lines 98-99). With `m = (e - 1) // shift_every` moves, epoch `e`'s
+    position is
+
+    - `c = 0` for `stride = 0` (the window never moves: MixGRPO-Flash*);
+    - `c = stride * (m mod P)`, `P = M // stride + 1` positions, with `at_end="restart"`;
+    - `c = min(stride * m, M)` with `at_end="clip"`.
+
+    The window holds `count` transitions while `c + count <= M`, fewer after (cut by `M`),
+    and none at `c = M`: an empty window, where every step of the rollout is deterministic
+    and its batch trains nothing (every transition masked: the loss is 0 with zero
+    gradients; the optimizer still takes its step, so AdamW's momentum and weight decay
+    still move the weights). Without `roll_back` the window stays empty from then on. The
+    release cannot run an empty window: `train_one_step` reads `ratio`, set only inside the
+    loop over the window, after that loop (`train_grpo_flux.py` line 612), and with
+    MixGRPO-Flash's `dpm_apply_strategy="post"` `run_sample_step` first computes with
+    `last_false_index = None` (`sampling_utils.py` line 44). Its scripts never reach one in
+    their 300 steps: with 25 transitions, stride 1 and roll-back, `c = M = 23` from
+    iteration `23 shift_every` (575 for MixGRPO, 460 for Flash).
+
+    `first` is `c`; the rollout records `count` transitions from `min(c, transitions -
+    count)` (`recorded_first`): those outside the window are deterministic and masked.
+
+    As released: MixGRPO `ProgressiveWindow(4, shift_every=25)`, MixGRPO-Flash
+    `ProgressiveWindow(4, shift_every=20)`, MixGRPO-Flash* `ProgressiveWindow(4,
+    shift_every=20, stride=0)`, each on 25 transitions (`prog_overlap` on with
+    `prog_overlap_step` 1, 1 and 0, `roll_back` on).
+
+    **Arguments:**
+
+    - `count`: the window's length, `group_size` (4 in the scripts).
+    - `shift_every`: epochs between moves, `iters_per_group` (25; 20 for Flash and Flash*).
+    - `stride`: transitions per move; 1 by default. The release's `prog_overlap_step` with
+        `prog_overlap` on (1 in MixGRPO and Flash, 0 in Flash*); `count` is `prog_overlap`
+        off.
+    - `at_end`: `"restart"` (default; `roll_back`, on in the scripts) or `"clip"`.
+    - `end_margin`: the trajectory's last transitions no window reaches; 2 by default, the
+        release's `max_timesteps = sampling_steps - 2` (`train_grpo_flux.py` line 919).
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for a `count` or `shift_every` < 1, a `stride` or
+        `end_margin` < 0, or an unknown `at_end`; from `first` (and when a rollout checks
+        the schedule), naming `count` if it is longer than the trajectory, `end_margin` if
+        it leaves no transition, or `epoch` if it is not an int >= 1.
+    """
+
+    count: int
+    shift_every: int
+    stride: int = 1
+    at_end: AtEnd = "restart"
+    end_margin: int = 2
+
+    def __check_init__(self) -> None:
+        check_int("shift_every", self.shift_every, 1)
+        check_int("stride", self.stride, 0)
+        check_int("end_margin", self.end_margin, 0)
+        if self.at_end not in ("clip", "restart"):
+            raise ValueError(f"`at_end` must be 'clip' or 'restart', got {self.at_end!r}.")
+
+    def check_fits(self, transitions: int) -> None:
+        """Raise unless `count` transitions fit on a grid of `transitions` and `end_margin`
+        leaves at least one.
+
+        **Arguments:**
+
+        - `transitions`: how many transitions the rollout's grid has.
+
+        **Raises:**
+
+        - `ValueError`: naming `count` or `end_margin`.
+        """
+        super().check_fits(transitions)
+        if self.end_margin >= transitions:
+            raise ValueError(
+                f"`end_margin`={self.end_margin} leaves no transition of the trajectory's "
+                f"{transitions} to a window."
+            )
+
+    def first(self, epoch: int, transitions: int, key: PRNGKeyArray) -> int:
+        self.check_fits(transitions)
+        check_int("epoch", epoch, 1)
+        if self.stride == 0:
+            return 0
+        last = transitions - self.end_margin
+        moves = (epoch - 1) // self.shift_every
+        if self.at_end == "clip":
+            return min(self.stride * moves, last)
+        return self.stride * (moves % (last // self.stride + 1))
+
+    def recorded_first(self, first: Int[Array, ""] | int, transitions: int) -> Int[Array, ""]:
+        """`min(first, transitions - count)`: where `count` transitions still fit."""
+        return jnp.minimum(jnp.asarray(first, jnp.int32), transitions - self.count)
+
+    def stochastic_stop(self, first: Int[Array, ""] | int, transitions: int) -> Int[Array, ""]:
+        """`min(first + count, transitions - end_margin)`: the release's cut."""
+        stop = jnp.asarray(first, jnp.int32) + self.count
+        return jnp.minimum(stop, transitions - self.end_margin)

@@ -395,29 +395,88 @@ def mixgrpo_post_grid(transitions, last, ratio, shift):
     return (shift * post) / (1 + (shift - 1) * post)
 
 
-def mixgrpo_windows(iterations, sampling_steps, group_size, iters_per_group, roll_back=True):
-    """The transitions each training iteration makes stochastic and trains, as MixGRPO's
-    release computes them (github `Tencent-Hunyuan/MixGRPO`, `fastvideo/utils/grpo_states.py`
-    `GRPOTrainingStates` with `sample_strategy="progressive"` and `prog_overlap` off, as the
-    three `scripts/finetune/*MixGRPO*` scripts leave it): `max_timesteps = sampling_steps - 2`
-    (`fastvideo/train_grpo_flux.py`, `GRPOTrainingStates(max_timesteps=args.sampling_steps-2)`);
-    each iteration takes `get_current_timesteps()`, `range(cur, min(cur + group_size,
-    max_timesteps))`, then `update_iteration()`: after `iters_per_group` iterations `cur` moves
-    by `group_size`, and past `max_timesteps` it rolls back to 0 (`roll_back_start`) or stays
-    at `max_timesteps`."""
-    max_timesteps = sampling_steps - 2
-    current, in_group, windows = 0, 0, []
-    for _ in range(iterations):
-        windows.append(list(range(current, min(current + group_size, max_timesteps))))
-        in_group += 1
-        if in_group >= iters_per_group:
-            in_group = 0
-            current += group_size
-        if current > max_timesteps:
-            if roll_back:
-                current, in_group = 0, 0
+# The window schedule of MixGRPO's release, Tencent-Hunyuan/MixGRPO at e5cdd6a. Each released
+# script (scripts/finetune/finetune_flux_grpo_MixGRPO.sh, ..._MixGRPO_Flash.sh and
+# ..._MixGRPO_Flash*.sh) sets sampling_steps=25 (line 54), iters_per_group (line 57),
+# group_size=4 (line 58), sample_strategy="progressive" (line 59) and prog_overlap_step (line
+# 60), and passes them with --prog_overlap (line 164) and --roll_back (line 168) to
+# fastvideo/train_grpo_flux.py for --max_train_steps 300 (line 134). The training script
+# builds GRPOTrainingStates(max_timesteps=sampling_steps - 2, cur_timestep=0, ...) (lines
+# 915-928) and, every step, takes get_current_timesteps() and then calls update_iteration()
+# (lines 945-947); its epoch loop (lines 931-937) runs 300 steps per epoch without stopping,
+# the state carrying over. fastvideo/utils/grpo_states.py: update_iteration, "progressive"
+# branch (lines 85-99), roll_back_start (lines 136-139), get_current_timesteps (lines 141-148).
+
+MIXGRPO_RELEASE = "Tencent-Hunyuan/MixGRPO@e5cdd6a"
+
+MIXGRPO_TRAIN_STEPS = 300
+"""`--max_train_steps 300` (line 134 of each script)."""
+
+MIXGRPO_SCRIPTS = {
+    "MixGRPO": {  # finetune_flux_grpo_MixGRPO.sh lines 54-60, 164, 168
+        "sampling_steps": 25,
+        "group_size": 4,
+        "iters_per_group": 25,
+        "prog_overlap": True,
+        "prog_overlap_step": 1,
+        "roll_back": True,
+    },
+    "MixGRPO-Flash": {  # finetune_flux_grpo_MixGRPO_Flash.sh lines 54-60, 164, 168
+        "sampling_steps": 25,
+        "group_size": 4,
+        "iters_per_group": 20,
+        "prog_overlap": True,
+        "prog_overlap_step": 1,
+        "roll_back": True,
+    },
+    "MixGRPO-Flash*": {  # finetune_flux_grpo_MixGRPO_Flash*.sh lines 54-60, 164, 168
+        "sampling_steps": 25,
+        "group_size": 4,
+        "iters_per_group": 20,
+        "prog_overlap": True,
+        "prog_overlap_step": 0,
+        "roll_back": True,
+    },
+}
+"""The window arguments of the three released scripts."""
+
+
+def mixgrpo_windows(
+    steps,
+    sampling_steps,
+    group_size,
+    iters_per_group,
+    prog_overlap,
+    prog_overlap_step,
+    roll_back,
+):
+    """The window of each of `steps` training steps, as MixGRPO's release steps
+    `GRPOTrainingStates` with `sample_strategy="progressive"`: a list of `(first, count)`,
+    the state's `cur_timestep` and the length of `get_current_timesteps()`, the transitions
+    `first .. first + count - 1` that the step samples with noise and trains (`count` may be
+    0: an empty window). Plain Python ints, the release's code read line by line."""
+    max_timesteps = sampling_steps - 2  # train_grpo_flux.py line 919
+    init_timestep = cur_timestep = 0  # line 920; grpo_states.py line 53
+    cur_iter_in_group = 0  # train_grpo_flux.py line 921
+    windows = []
+    for _ in range(steps):
+        # get_current_timesteps, grpo_states.py line 148
+        current = list(range(cur_timestep, min(cur_timestep + group_size, max_timesteps)))
+        windows.append((cur_timestep, len(current)))
+        # update_iteration, lines 87-99
+        cur_iter_in_group += 1
+        if cur_iter_in_group >= iters_per_group:
+            cur_iter_in_group = 0
+            if prog_overlap:
+                cur_timestep += prog_overlap_step
             else:
-                current = max_timesteps
+                cur_timestep += group_size
+        if cur_timestep > max_timesteps:
+            if roll_back:  # roll_back_start, lines 136-139
+                cur_timestep = init_timestep
+                cur_iter_in_group = 0
+            else:
+                cur_timestep = max_timesteps
     return windows
 
 
@@ -520,6 +579,59 @@ def dgpo_samples_with_ema(global_step, switch_ema_ref):
     """Lines 799-800: the rollout samples with the EMA reference when
     `global_step > switch_ema_ref`."""
     return global_step > switch_ema_ref
+
+
+# ---------------------------------------------------------------------------------------------
+# Flow-DPPO (docs/mathematics.md §12), from the authors' release: github Tencent-Hunyuan/UniRL at
+# 1a7b501, unirl/algorithms/flowdppo.py (cited below by line; verl-omni's `FlowDPPOLoss`,
+# verl_omni/trainer/diffusion/diffusion_algos.py lines 375-443, computes the same).
+
+DPPO_RELEASE = "Tencent-Hunyuan/UniRL@1a7b501 unirl/algorithms/flowdppo.py"
+
+
+def dppo_kl(mean, old_mean, std, normalise=True):
+    """`_gaussian_kl_div` (lines 43-51) reduced by line 93: `(mu - mu_old)^2 / (2 sigma_t^2)`
+    averaged over the latent coordinates (not summed); `sigma_t` the transition's std
+    (`_compute_sigma_t`, lines 342-368), or 1 without `add_kl_coefficient` (lines
+    353-354)."""
+    d = np.asarray(mean, np.float64) - np.asarray(old_mean, np.float64)
+    sigma = float(std) if normalise else 1.0
+    return float(np.mean(d**2 / (2 * sigma**2)))
+
+
+def dppo_dropped(kl, ratio, advantage, threshold):
+    """Lines 96-107: `kl_mask = kl < threshold` keeps; of the rest, `pos_rm` where `ratio > 1`
+    and `A > 0`, `neg_rm` where `ratio < 1` and `A < 0`, are removed. Elementwise, in
+    float64."""
+    kl = np.asarray(kl, np.float64)
+    ratio = np.asarray(ratio, np.float64)
+    a = np.asarray(advantage, np.float64)
+    high = ~(kl < threshold)
+    return high & (((ratio > 1.0) & (a > 0)) | ((ratio < 1.0) & (a < 0)))
+
+
+def dppo_loss(log_ratio, kl, advantages, kept, threshold):
+    """Lines 86-89, 109-111 and 319, term by term: `ratio = exp(log_ratio)`, the term
+    `-A ratio` (no clip), 0 where `dppo_dropped`; the loss is the mean over every trained
+    (kept) transition, dropped ones included. `[N, K]` inputs; returns `(total, count,
+    dropped)`."""
+    log_ratio = np.asarray(log_ratio, np.float64)
+    n, k = log_ratio.shape
+    a = np.asarray(advantages, np.float64)
+    if a.ndim == 1:
+        a = np.repeat(a[:, None], k, axis=1)
+    total, count = 0.0, 0
+    dropped = np.zeros((n, k), bool)
+    for i in range(n):
+        for j in range(k):
+            if not kept[i, j]:
+                continue
+            count += 1
+            ratio = math.exp(log_ratio[i, j])
+            dropped[i, j] = bool(dppo_dropped(kl[i, j], ratio, a[i, j], threshold))
+            if not dropped[i, j]:
+                total += -a[i, j] * ratio
+    return total, count, dropped
 
 
 def central_differences(loss, params, eps=1e-6):

@@ -1,6 +1,7 @@
 """MixGRPO's rollout sampler: the SDESampler's window with Euler steps around it, and for
 MixGRPO-Flash DPM-Solver++(2M) on the released compressed grid after the window."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,22 +87,80 @@ def test_flash_runs_dpm_solver_pp_2m_on_the_released_compressed_grid():
             np.testing.assert_allclose(np.asarray(got.final)[row], want, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("iters_per_group", [25, 20])  # MixGRPO; Flash and Flash*
-def test_the_released_windows_are_the_schedule_cut_by_the_sdes_window(iters_per_group):
-    # The release's 25 steps, windows of 4 moved by 4, back to 0 past max_timesteps = 23,
-    # which also cuts the last window to 3 transitions: the SDE's window ends the noise there.
+RELEASED = {
+    "MixGRPO": (fg.ProgressiveWindow(4, shift_every=25), fg.Euler(), None),
+    "MixGRPO-Flash": (fg.ProgressiveWindow(4, shift_every=20), fg.DPMSolverPP2M(), 0.4),
+    "MixGRPO-Flash*": (fg.ProgressiveWindow(4, shift_every=20, stride=0), fg.DPMSolverPP2M(), 0.2),
+}
+
+
+@pytest.mark.parametrize("script", list(RELEASED))
+def test_the_mix_rollout_trains_the_released_windows(script):
+    # The release's 25 transitions: at every window its script reaches in 1500 steps (those
+    # of its 300 steps, then the cut windows 20 .. 22 and the empty one at 23, where the
+    # release itself fails), the rollout makes stochastic and keeps exactly the release's
+    # transitions.
+    schedule, solver, ratio = RELEASED[script]
     transitions = 25
-    grid = ref.grid(transitions + 1, 3.0)
-    sde = fg.FlowSDE(0.7, window=fg.window_for_indices(grid, 0, transitions - 2))
-    schedule = fg.SlidingWindow(4, shift_every=iters_per_group, stride=4, at_end="restart")
-    stochastic = np.asarray(sde.is_stochastic(grid[:-1], grid[1:]))
-    key = jax.random.key(0)
-    got = []
-    for epoch in range(1, 601):
-        first = schedule.first(epoch, transitions, key)
-        got.append([i for i in range(first, first + 4) if stochastic[i]])
-    assert got == ref.mixgrpo_windows(600, transitions, 4, iters_per_group)
-    assert [20, 21, 22] in got  # the cut window
+    objective = fg.FlowGRPOObjective(
+        SmallNet(jax.random.key(0)),
+        fg.RectifiedFlow(shift=3.0),
+        fg.InputSpec(select="cond", null=jnp.zeros(COND), latent_shape=LATENT),
+        sde=fg.FlowSDE(0.7),
+        guidance=None,
+        steps=4,
+    )
+    sampler = fg.MixSampler(objective.sde, schedule, solver, compress_ratio=ratio)
+    rollout = fg.FlowRollout(
+        objective, CountingReward(), groups=2, steps=transitions + 1, sampler=sampler
+    )
+    policy = objective.init(jax.random.key(0)).policy
+    windows = ref.mixgrpo_windows(1500, **ref.MIXGRPO_SCRIPTS[script])
+    seen = {}
+    for step, window in enumerate(windows):
+        seen.setdefault(window, step + 1)
+    for (first, count), epoch in seen.items():
+        batch, info = rollout.collect(policy, ROWS, jax.random.key(epoch), epoch=epoch)
+        assert info.window_start == first
+        recorded = min(first, transitions - 4)
+        live = np.asarray(batch.advantages) != 0
+        want = [recorded + j in range(first, first + count) for j in range(4)]
+        kept = np.asarray(batch.transition_mask)
+        assert (kept[live] == want).all() and not kept[~live].any(), (first, count)
+        assert bool(np.isfinite(np.asarray(batch.old_log_probs)).all())
+    assert len(seen) == {"MixGRPO": 24, "MixGRPO-Flash": 24, "MixGRPO-Flash*": 1}[script]
+
+
+@pytest.mark.parametrize("ratio", [None, 0.4])
+def test_an_empty_window_runs_the_solver_from_the_start(ratio):
+    # Ten transitions, max_timesteps = 8: the window at 8 holds none. The release fails there
+    # (`last_false_index` is None); the library reads it as l = -1, the solver on the whole
+    # (compressed) grid from t = 1: Euler on every step, or DPM-Solver++(2M) on
+    # int(11 x 0.4) = 4 points from 1 to 0.
+    schedule = fg.ProgressiveWindow(COUNT, shift_every=1)
+    assert schedule.window(9, STEPS - 1, jax.random.key(0)) == (8, 8)
+    solver = fg.Euler() if ratio is None else fg.DPMSolverPP2M()
+    rollout = _rollout(lambda sde: fg.MixSampler(sde, schedule, solver, compress_ratio=ratio))
+    net, got = _generate(rollout, 8)
+    grid = ref.grid(STEPS, SHIFT)
+    post = grid if ratio is None else ref.mixgrpo_post_grid(STEPS - 1, -1, ratio, SHIFT)
+    assert post.size == (STEPS if ratio is None else 4)
+    start = np.asarray(
+        jax.random.normal(jax.random.split(jax.random.key(5))[0], (6, *LATENT)), np.float64
+    )
+    rows = np.repeat(ROWS["cond"], 2, axis=0).astype(np.float64)
+    for row in range(rows.shape[0]):
+
+        def velocity(x, t, row=row, net=net):
+            return numpy_velocity(net, x, t, rows[row])
+
+        if ratio is None:
+            want = start[row]
+            for t, t_next in zip(post[:-1], post[1:], strict=True):
+                want = want + (t_next - t) * velocity(want, t)
+        else:
+            want = ref.dpm_solver_pp_2m(velocity, start[row], post)
+        np.testing.assert_allclose(np.asarray(got.final)[row], want, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("ratio", [0.4, 1.0])
@@ -202,3 +261,92 @@ def test_the_sliding_window_moves_without_recompiling_the_flash_rollout():
         jax.monitoring.unregister_event_duration_listener(listener)
     assert starts == [1, 2, 8, 8]
     assert compiles == []
+
+
+class _Thousandths(eqx.Module):
+    """`net` fed `floor(1000 t) / 1000`: the truncation done by the model itself."""
+
+    net: SmallNet
+
+    def __call__(self, x, t, cond):
+        return self.net(x, jnp.floor(t * 1000) / 1000, cond)
+
+
+def test_model_time_thousandths_feeds_the_model_the_releases_integer_timesteps():
+    # The release feeds FLUX.1 `int(sigma * 1000) / 1000` (sampling_utils.py lines 64-71,
+    # train_grpo_flux.py lines 387 and 132), sigma its float32 shifted grid of 26 points.
+    sigma = np.linspace(1.0, 0.0, 26, dtype=np.float32)
+    sigma = (np.float32(3.0) * sigma) / (np.float32(1.0) + np.float32(2.0) * sigma)
+    released = np.array([int(s * np.float32(1000)) for s in sigma])
+    grid = fg.RectifiedFlow(shift=3.0).timesteps(26)
+    received = {}
+    for model_time in ("exact", "thousandths"):
+        flow = fg.GuidedFlow(
+            lambda x, t, cond: jnp.full_like(x, t),
+            fg.RectifiedFlow(shift=3.0),
+            fg.InputSpec(select="cond", latent_shape=(1,)),
+            guidance=None,
+            model_time=model_time,
+        )
+        velocity = flow.velocity(flow.model, jnp.zeros((26, 1)), grid, {"cond": np.zeros((26, 1))})
+        received[model_time] = np.asarray(velocity)[:, 0]
+    np.testing.assert_array_equal(received["exact"], np.asarray(grid))
+    # The release's integers, each divided by 1000 in float32 (to one ulp: XLA divides by a
+    # constant as a product with its reciprocal).
+    thousandths = received["thousandths"]
+    np.testing.assert_array_equal(np.rint(thousandths * 1000).astype(np.int64), released)
+    want = released.astype(np.float32) / np.float32(1000)
+    np.testing.assert_allclose(thousandths, want, rtol=1.2e-7, atol=0)
+    assert np.abs(thousandths - np.asarray(grid)).max() > 5e-4
+    with raises_named("`model_time` must be one of ('exact', 'thousandths'), got 'rounded'."):
+        fg.GuidedFlow(
+            SmallNet(jax.random.key(0)),
+            fg.RectifiedFlow(),
+            fg.InputSpec(select="cond"),
+            guidance=None,
+            model_time="rounded",
+        )
+
+
+def test_the_rollout_and_the_rescoring_feed_the_model_thousandths():
+    # A flow with model_time="thousandths" samples and rescores exactly as a flow whose model
+    # truncates the time itself.
+    net = SmallNet(jax.random.key(0))
+    schedule = fg.ProgressiveWindow(COUNT, shift_every=1)
+
+    def rollout_of(model, model_time):
+        objective = fg.FlowGRPOObjective(
+            model,
+            fg.RectifiedFlow(shift=3.0),
+            fg.InputSpec(select="cond", null=jnp.zeros(COND), latent_shape=LATENT),
+            sde=fg.FlowSDE(0.7),
+            guidance=None,
+            steps=4,
+            model_time=model_time,
+        )
+        sampler = fg.MixSampler(objective.sde, schedule, fg.DPMSolverPP2M(), 0.4)
+        return fg.FlowRollout(objective, CountingReward(), groups=2, steps=26, sampler=sampler)
+
+    results = {}
+    for name, model, model_time in (
+        ("option", net, "thousandths"),
+        ("model", _Thousandths(net), "exact"),
+        ("exact", net, "exact"),
+    ):
+        rollout = rollout_of(model, model_time)
+        variables = rollout.objective.init(jax.random.key(0))
+        batch, info = rollout.collect(variables.policy, ROWS, jax.random.key(3), epoch=3)
+        rescored = rollout.objective.log_probs(variables, batch)
+        results[name] = (batch, rescored, np.asarray(info.final))
+    option, model, exact = results["option"], results["model"], results["exact"]
+    for field in ("latents", "next_latents", "old_log_probs"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(option[0], field)), np.asarray(getattr(model[0], field))
+        )
+    np.testing.assert_array_equal(np.asarray(option[1]), np.asarray(model[1]))
+    np.testing.assert_allclose(
+        np.asarray(option[1]), np.asarray(option[0].old_log_probs), atol=1e-5
+    )
+    np.testing.assert_array_equal(option[2], model[2])
+    # The truncation moves the small model's final latents by up to about 8e-5.
+    assert np.abs(option[2] - exact[2]).max() > 1e-5

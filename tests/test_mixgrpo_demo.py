@@ -1,46 +1,82 @@
-"""The demo's MixGRPO and MixGRPO-Flash (`--algorithm mixgrpo|mixgrpo-flash`): the released
-window and solver adapted to the main job (a tiny run of each through the command line is in
-test_awm.py, beside AWM's and DGPO's)."""
+"""The demo's MixGRPO, MixGRPO-Flash and MixGRPO-Flash* (`--algorithm
+mixgrpo|mixgrpo-flash|mixgrpo-flash-star`): the released window, time input and solver adapted
+to the main job (a tiny run of each through the command line is in test_awm.py, beside AWM's
+and DGPO's)."""
 
 import jax
 import pytest
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx.shapes_demo import ShapesJob, make_config
+from tests import numpy_reference as ref
 
 
 @pytest.mark.parametrize(
-    "algorithm, shift_every, rollout_steps, solver, ratio",
-    [("mixgrpo", 25, 6, fg.Euler, None), ("mixgrpo-flash", 20, 11, fg.DPMSolverPP2M, 0.4)],
+    "algorithm, shift_every, stride, rollout_steps, solver, ratio",
+    [
+        ("mixgrpo", 25, 1, 6, fg.Euler, None),
+        ("mixgrpo-flash", 20, 1, 11, fg.DPMSolverPP2M, 0.4),
+        ("mixgrpo-flash-star", 20, 0, 23, fg.DPMSolverPP2M, 0.2),
+    ],
 )
 def test_the_mixgrpo_demo_is_the_released_window_on_the_main_jobs_grid(
-    tmp_path, algorithm, shift_every, rollout_steps, solver, ratio
+    tmp_path, algorithm, shift_every, stride, rollout_steps, solver, ratio
 ):
     config = make_config("default", algorithm=algorithm)
     rollout = config.rollout
-    assert (rollout.window_schedule, rollout.window_shift_every) == ("sliding", shift_every)
-    assert (rollout.window_stride, rollout.sde_steps, rollout.train_steps) == (2, 2, 2)
+    assert (rollout.window_schedule, rollout.window_shift_every) == ("progressive", shift_every)
+    assert (rollout.window_stride, rollout.sde_steps, rollout.train_steps) == (stride, 2, 2)
     assert rollout.rollout_steps == rollout_steps
+    assert config.training.epochs == ref.MIXGRPO_TRAIN_STEPS  # an epoch is a released step
     job = ShapesJob(config, tmp_path, quiet=True)
     objective = job.train_objective(job.model)
     assert isinstance(objective, fg.FlowGRPOObjective)
+    # The released time input, in the rollout, the update and the ratios' rescoring.
+    assert objective.flow.model_time == "thousandths"
+    assert job.objective(job.model).flow.model_time == "thousandths"
+    assert job.evaluation_flow().model_time == "exact"
     sampler = job.rollout(objective).sampler
     assert isinstance(sampler, fg.MixSampler)
     assert sampler.sde == objective.sde and sampler.sde.window is None
     assert isinstance(sampler.solver, solver) and sampler.compress_ratio == ratio
+    schedule = sampler.window_schedule
+    assert schedule == fg.ProgressiveWindow(2, shift_every=shift_every, stride=stride)
+    # Epoch e is the release's step e - 1 on the job's grid: the release's windows of 2
+    # transitions at every one of the 300 epochs.
     transitions = rollout_steps - 1
     key = jax.random.key(0)
-    firsts = [sampler.window_schedule.first(epoch, transitions, key) for epoch in range(1, 301)]
-    # The window moves by its length every `shift_every` epochs and starts again from the
-    # first transition once its next position would run past the grid (the release's
-    # `roll_back`): positions 0, 2 on 5 transitions; 0, 2, 4, 6, 8 on 10.
-    positions = list(range(0, transitions - 1, 2))
-    expected = [positions[(epoch // shift_every) % len(positions)] for epoch in range(300)]
-    assert firsts == expected
+    got = []
+    for epoch in range(1, ref.MIXGRPO_TRAIN_STEPS + 1):
+        first, stop = schedule.window(epoch, transitions, key)
+        got.append((first, stop - first))
+    want = ref.mixgrpo_windows(
+        ref.MIXGRPO_TRAIN_STEPS, transitions, 2, shift_every, True, stride, True
+    )
+    assert got == want
+    if algorithm == "mixgrpo":
+        # On 5 transitions: 0-1, 1-2, 2 (cut), none (empty), 25 epochs each, three times.
+        cycle = [(0, 2)] * 25 + [(1, 2)] * 25 + [(2, 1)] * 25 + [(3, 0)] * 25
+        assert got == cycle * 3
+
+
+def test_the_other_algorithms_keep_the_exact_time():
+    for algorithm in ("flow_grpo", "awm", "dgpo", "nft"):
+        config = make_config("tiny", algorithm=algorithm)
+        assert config.chosen_algorithm.model_time == "exact"
 
 
 def test_a_fixed_window_is_refused_with_mixgrpo():
-    with pytest.raises(ValueError, match="`window_schedule` must be 'sliding' or 'random'"):
+    message = "`window_schedule` must be 'progressive', 'sliding' or 'random'"
+    with pytest.raises(ValueError, match=message):
         make_config("tiny", algorithm="mixgrpo", window_schedule="fixed")
     named = make_config("tiny", algorithm="mixgrpo-flash", window_shift_every=3, rollout_steps=5)
     assert (named.rollout.window_shift_every, named.rollout.rollout_steps) == (3, 5)
+
+
+def test_a_window_that_never_moves_is_the_progressive_windows_only():
+    with pytest.raises(ValueError, match="`window_stride` must be an int >= 1 with window_sch"):
+        make_config("tiny", window_schedule="sliding", window_stride=0)
+    with pytest.raises(ValueError, match="`window_stride` must be an int >= 1"):
+        make_config("tiny", window_stride=0)
+    star = make_config("tiny", algorithm="mixgrpo-flash-star")
+    assert (star.rollout.window_schedule, star.rollout.window_stride) == ("progressive", 0)

@@ -1,5 +1,6 @@
 """Window schedules: where the stochastic transitions sit, epoch by epoch, without recompiling."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,7 @@ from tests.test_rollout import COND, LATENT, ROWS, CountingReward, SmallNet, obj
 
 STEPS = 7  # six transitions
 COUNT = 2
+STEP = fg.Step(index=0, key=jax.random.key(0))
 
 
 def scheduled_rollout(schedule):
@@ -67,6 +69,137 @@ def test_sliding_window_moves_every_shift_and_then_clips_or_restarts(at_end, exp
     assert [schedule.first(epoch, 6, key) for epoch in range(1, 13)] == expected
 
 
+# MixGRPO's three released scripts as `ProgressiveWindow`s (tests/numpy_reference.py's
+# MIXGRPO_SCRIPTS, each on its 25 transitions).
+RELEASED = {
+    "MixGRPO": fg.ProgressiveWindow(4, shift_every=25),
+    "MixGRPO-Flash": fg.ProgressiveWindow(4, shift_every=20),
+    "MixGRPO-Flash*": fg.ProgressiveWindow(4, shift_every=20, stride=0),
+}
+
+
+def library_windows(schedule, epochs, transitions):
+    """`(first, count)` of epochs 1 .. `epochs`: the release's step `e - 1` is epoch `e`."""
+    key = jax.random.key(0)
+    windows = []
+    for epoch in range(1, epochs + 1):
+        first, stop = schedule.window(epoch, transitions, key)
+        windows.append((first, stop - first))
+    return windows
+
+
+@pytest.mark.parametrize("script", list(RELEASED))
+def test_the_released_windows_at_every_one_of_the_300_training_steps(script):
+    arguments = ref.MIXGRPO_SCRIPTS[script]
+    want = ref.mixgrpo_windows(ref.MIXGRPO_TRAIN_STEPS, **arguments)
+    got = library_windows(RELEASED[script], ref.MIXGRPO_TRAIN_STEPS, arguments["sampling_steps"])
+    assert got == want
+    # MixGRPO: starts 0 .. 11, 25 steps each; Flash: 0 .. 14, 20 each; Flash*: 0 throughout.
+    last = {"MixGRPO": 11, "MixGRPO-Flash": 14, "MixGRPO-Flash*": 0}[script]
+    assert sorted(set(got)) == [(first, 4) for first in range(last + 1)]
+
+
+@pytest.mark.parametrize("script", list(RELEASED))
+def test_past_300_steps_the_released_windows_are_cut_then_empty_then_restart(script):
+    # Past the scripts' 300 steps (the release's epoch loop runs on): the window is cut by
+    # max_timesteps = 23, holds none at 23 (where the release itself fails), then rolls back.
+    arguments = ref.MIXGRPO_SCRIPTS[script]
+    steps = 1500
+    want = ref.mixgrpo_windows(steps, **arguments)
+    assert library_windows(RELEASED[script], steps, 25) == want
+    if script != "MixGRPO-Flash*":
+        assert {(20, 3), (21, 2), (22, 1), (23, 0)} <= set(want)
+        assert want[24 * arguments["iters_per_group"]] == (0, 4)  # rolled back
+
+
+@pytest.mark.parametrize(
+    "sampling_steps, group_size, iters_per_group, prog_overlap, step, roll_back",
+    [
+        (25, 4, 3, False, 1, True),  # prog_overlap off: moved by the window's length
+        (25, 4, 3, False, 1, False),  # and clipped to an empty window at the end
+        (25, 4, 2, True, 1, False),
+        (25, 4, 2, True, 3, True),  # positions 0, 3, ..., 21, then back
+        (25, 4, 2, True, 5, False),
+        (25, 4, 1, True, 0, False),
+        (5, 2, 25, True, 1, True),  # the demo's grid and window
+        (10, 2, 20, True, 1, True),  # the demo's Flash grid
+        (6, 4, 1, False, 1, True),  # a window longer than max_timesteps = 4: always cut
+    ],
+)
+def test_progressive_window_is_the_release_for_other_arguments(
+    sampling_steps, group_size, iters_per_group, prog_overlap, step, roll_back
+):
+    steps = 400
+    want = ref.mixgrpo_windows(
+        steps, sampling_steps, group_size, iters_per_group, prog_overlap, step, roll_back
+    )
+    schedule = fg.ProgressiveWindow(
+        group_size,
+        shift_every=iters_per_group,
+        stride=step if prog_overlap else group_size,
+        at_end="restart" if roll_back else "clip",
+    )
+    assert library_windows(schedule, steps, sampling_steps) == want
+
+
+def test_an_empty_window_samples_the_ode_and_trains_nothing():
+    # On 6 transitions with max_timesteps = 4: the window 4 .. 3 holds none.
+    schedule = fg.ProgressiveWindow(COUNT, shift_every=1)
+    assert schedule.window(5, STEPS - 1, jax.random.key(0)) == (4, 4)
+    rollout = scheduled_rollout(schedule)
+    objective = objective_of(rollout)
+    variables = objective.init(jax.random.key(0))
+    key = jax.random.key(5)
+    batch, info = rollout.collect(variables.policy, ROWS, key, epoch=5)
+    assert info.window_start == 4
+    assert not np.asarray(batch.transition_mask).any()
+    np.testing.assert_allclose(
+        np.asarray(batch.timesteps)[0], ref.grid(STEPS, 2.0)[4 : 4 + COUNT], rtol=1e-6
+    )
+    net = variables.policy
+    start = np.asarray(jax.random.normal(jax.random.split(key)[0], (6, *LATENT)), np.float64)
+    rows = np.repeat(ROWS["cond"], 2, axis=0).astype(np.float64)
+    generated = rollout.generate(
+        variables.policy, {k: np.repeat(v, 2, axis=0) for k, v in ROWS.items()}, key, 4
+    )
+    for row in range(6):
+        expected = numpy_ode(net, start[row], ref.grid(STEPS, 2.0), rows[row])
+        np.testing.assert_allclose(np.asarray(generated.final)[row], expected, atol=2e-5)
+    value, grads = eqx.filter_value_and_grad(
+        lambda policy: (
+            objective.loss(eqx.tree_at(lambda v: v.policy, variables, policy), batch, STEP)[0].value
+        )
+    )(variables.policy)
+    assert float(value) == 0.0
+    assert all(not np.asarray(leaf).any() for leaf in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("first", [2, 3])
+def test_a_cut_window_records_count_transitions_and_masks_those_outside_it(first):
+    # Four transitions on six, max_timesteps = 4: the window at 2 is transitions 2 and 3, at
+    # 3 transition 3 only, recorded from 2 (= 6 - 4) so that all four still fit; the recorded
+    # transitions outside the window are ODE steps, masked.
+    schedule = fg.ProgressiveWindow(4, shift_every=1)
+    rollout = scheduled_rollout(schedule)
+    variables = objective_of(rollout).init(jax.random.key(0))
+    batch, info = rollout.collect(variables.policy, ROWS, jax.random.key(5), epoch=first + 1)
+    assert info.window_start == first
+    grid = ref.grid(STEPS, 2.0)
+    np.testing.assert_allclose(np.asarray(batch.timesteps)[0], grid[2:6], rtol=1e-6)
+    kept = np.asarray(batch.transition_mask)
+    live = np.asarray(batch.advantages) != 0
+    assert live.any()
+    want = [True, True, False, False] if first == 2 else [False, True, False, False]
+    assert (kept[live] == want).all() and not kept[~live].any()
+    # Transition 2 is a noisy step at first = 2, the ODE step at first = 3.
+    net = variables.policy
+    rows = np.repeat(ROWS["cond"], 2, axis=0).astype(np.float64)
+    x = np.asarray(batch.latents, np.float64)[0, 0]
+    ode_step = numpy_ode(net, x, grid[2:4], rows[0])
+    gap = np.max(np.abs(np.asarray(batch.next_latents)[0, 0] - ode_step))
+    assert gap > 1e-2 if first == 2 else gap < 2e-5
+
+
 def test_random_window_is_uniform_over_positions_and_follows_the_key():
     schedule = fg.RandomWindow(COUNT)
     keys = jax.random.split(jax.random.key(1), 400)
@@ -83,6 +216,15 @@ def test_random_window_is_uniform_over_positions_and_follows_the_key():
         (lambda: fg.SlidingWindow(2, shift_every=0), "shift_every"),
         (lambda: fg.SlidingWindow(2, shift_every=1, stride=0), "stride"),
         (lambda: fg.SlidingWindow(2, shift_every=1, at_end="wrap"), "at_end"),
+        (lambda: fg.ProgressiveWindow(0, shift_every=1), "count"),
+        (lambda: fg.ProgressiveWindow(2, shift_every=0), "shift_every"),
+        (lambda: fg.ProgressiveWindow(2, shift_every=1, stride=-1), "stride"),
+        (lambda: fg.ProgressiveWindow(2, shift_every=1, at_end="wrap"), "at_end"),
+        (lambda: fg.ProgressiveWindow(2, shift_every=1, end_margin=-1), "end_margin"),
+        (
+            lambda: fg.ProgressiveWindow(2, 1, end_margin=6).first(1, 6, jax.random.key(0)),
+            "end_margin",
+        ),
         (lambda: fg.FixedWindow(2, start=-1), "start"),
     ],
 )
@@ -140,8 +282,13 @@ def test_only_the_windows_transitions_are_stochastic_and_recorded(first):
         np.testing.assert_allclose(np.asarray(generated.final)[row], expected, atol=2e-5)
 
 
-def test_moving_the_window_never_recompiles():
-    rollout = scheduled_rollout(fg.SlidingWindow(COUNT, shift_every=1))
+@pytest.mark.parametrize(
+    "schedule",
+    # The progressive window's positions 3 and 4 are cut to one transition and to none.
+    [fg.SlidingWindow(COUNT, shift_every=1), fg.ProgressiveWindow(COUNT, shift_every=1)],
+)
+def test_moving_the_window_never_recompiles(schedule):
+    rollout = scheduled_rollout(schedule)
     variables = objective_of(rollout).init(jax.random.key(0))
     compiles = []
 

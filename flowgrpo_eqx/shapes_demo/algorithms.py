@@ -28,6 +28,7 @@ from .. import (
     DiffusionNFTObjective,
     DPMSolverPP2M,
     Euler,
+    FlowDPPOObjective,
     FlowGRPOObjective,
     FlowReward,
     FlowRollout,
@@ -37,8 +38,10 @@ from .. import (
     Heun,
     InputSpec,
     MixSampler,
+    ModelTime,
     ODESampler,
     OldLogProbs,
+    ProgressiveWindow,
     RampedDecay,
     RandomWindow,
     RectifiedFlow,
@@ -116,6 +119,11 @@ class AbstractAlgorithm(eqx.Module):
     trains_on_ratios: eqx.AbstractClassVar[bool]
     """Whether the objective trains on the policy ratio of recorded transitions (whose
     histogram a run with metrics writers logs)."""
+
+    model_time: ClassVar[ModelTime] = "exact"
+    """The time the model receives in the Flow-GRPO objective the algorithm trains and the
+    job rescores ratios with (`GuidedFlow.model_time`): `"exact"`, or MixGRPO's released
+    `"thousandths"`."""
 
     def old_log_probs(self, config: Settings) -> OldLogProbs:
         """Where the Flow-GRPO objective's ratio takes its old log densities from (the job
@@ -332,43 +340,57 @@ class DGPO(AbstractAlgorithm):
 
 @final
 class MixGRPO(AbstractAlgorithm):
-    """MixGRPO and MixGRPO-Flash (github `Tencent-Hunyuan/MixGRPO`,
-    `scripts/finetune/finetune_flux_grpo_MixGRPO*.sh`): Flow-GRPO's objective, as the job's
-    `flow_grpo` builds it, trained on the transitions of a window of `sde_steps` stochastic
-    steps that slides along the grid (`MixSampler`); Euler ODE steps before the window, and
-    after it `solver` on the rest of the grid, compressed by `compress_ratio` for Flash.
+    """MixGRPO, MixGRPO-Flash and MixGRPO-Flash* (github `Tencent-Hunyuan/MixGRPO`,
+    `scripts/finetune/finetune_flux_grpo_MixGRPO.sh`, `..._MixGRPO_Flash.sh`,
+    `..._MixGRPO_Flash*.sh`): Flow-GRPO's objective, as the job's `flow_grpo` builds it,
+    trained on the transitions of a window of `sde_steps` stochastic steps that moves along
+    the grid (`MixSampler`); Euler ODE steps before the window, and after it `solver` on the
+    rest of the grid, compressed by `compress_ratio` for Flash and Flash*.
 
-    As released: the window moves by its own length (`window_stride` = `sde_steps`; the
-    scripts leave `prog_overlap` off) every `shift_every` epochs (`iters_per_group`: 25, and
-    20 for Flash; one iteration of the release is one rollout and its update, an epoch here)
-    and starts again from the first transition past the end (`roll_back`); Flash runs
-    DPM-Solver++(2M) after the window on a grid compressed by 0.4. Adapted to this task:
+    As released (`docs/mathematics.md` §11): the window is the release's progressive one
+    (`ProgressiveWindow`): it moves one transition later (`window_stride`: the scripts'
+    `prog_overlap` with `prog_overlap_step` 1; 0 for Flash*, whose window never moves) every
+    `shift_every` epochs (`iters_per_group`: 25, and 20 for Flash and Flash*; one iteration
+    of the release is one rollout and its update, an epoch here, so epoch `e` is the
+    release's step `e - 1` and the job's 300 epochs are the scripts' 300 steps), never
+    reaches the grid's last two transitions (`max_timesteps = T - 2`), is cut short before
+    them, holds none at its last position and then starts again from the first transition
+    (`roll_back`); the model receives `floor(1000 t) / 1000` (`model_time="thousandths"`);
+    Flash runs DPM-Solver++(2M) after the window on a grid compressed by 0.4, Flash* by 0.2.
+    Adapted to this task:
 
     - The window is the job's `sde_steps` (2) transitions, all trained, on the job's grid
         (6 points): the release's 4 of 25 with `timestep_fraction` 0.6 is for FLUX.1 at 25
-        steps. The window's positions are then transitions 0 and 2.
-    - The window is never cut before the grid's last two transitions (the release's
-        `max_timesteps = T - 2`, which the library gives with the SDE's `window`): on 5
-        transitions that would leave the window's second position one transition.
+        steps. On 5 transitions the window's positions are then 0 and 1 (whole), 2 (cut to
+        transition 2) and 3 (empty: a rollout of ODE steps whose batch trains nothing, the
+        loss 0 with zero gradients, while AdamW still steps), 25 epochs each, three times
+        over the 300 epochs. The release's 300 steps on 25 transitions never reach its cut
+        or empty windows (its starts go from 0 to 11, Flash's to 14).
     - Flash samples on 11 points (`rollout_steps`): on the job's 6 the compressed rest
         would be one point, where the release stops before t = 0. On 11 the window's last
-        transition `l` leaves `int(max(0.4 (10 - l), 1))` points after it (3, 2, 2, 1, 1
-        for its five positions), so the fourth position, like the release's last, stops
-        short of t = 0 (at t = 0.2).
+        stochastic transition `l` leaves `int(max(0.4 (10 - l), 1))` points after it, and
+        for `l` 6 and 7, like the release's last positions, one (stopping short of t = 0);
+        its empty window (position 8) runs the solver from t = 1 on 4 points (the release
+        fails there).
+    - Flash* samples on 23 points: its fixed window (transitions 0 and 1) then leaves
+        `int(0.2 x 21) = 4` points after it, as the release's leaves 4 after its 4 of 25.
     - The objective, its clip, KL and step size are the job's Flow-GRPO defaults (the
         release's clip 1e-4 and learning rate 1e-5 are for FLUX.1's full fine-tuning).
 
     **Arguments:**
 
     - `shift_every`: the default `window_shift_every`, epochs between the window's moves.
+    - `stride`: the default `window_stride`: 1, or 0 for a window that never moves.
     - `solver`: the ODE solver after the window.
     - `compress_ratio`: `None` keeps the grid after the window; a float rebuilds it.
     - `rollout_steps`: the default `rollout_steps`, or `None` for the job's.
     """
 
     trains_on_ratios: ClassVar[bool] = True
+    model_time: ClassVar[ModelTime] = "thousandths"
 
     shift_every: int
+    stride: int = 1
     solver: AbstractSolver = Euler()
     compress_ratio: float | None = None
     rollout_steps: int | None = None
@@ -377,23 +399,25 @@ class MixGRPO(AbstractAlgorithm):
         rollout = config.rollout
         if rollout.window_schedule == "fixed":
             raise ValueError(
-                "Setting `window_schedule` must be 'sliding' or 'random' with a MixGRPO "
-                "algorithm: its SDE window moves along the grid."
+                "Setting `window_schedule` must be 'progressive', 'sliding' or 'random' with a "
+                "MixGRPO algorithm: its SDE window moves along the grid."
             )
 
     def default_settings(self) -> dict[str, Any]:
-        """The released window: sliding by its own length every `shift_every` epochs."""
+        """The released window: one transition later (or none) every `shift_every` epochs."""
         defaults: dict[str, Any] = {
-            "window_schedule": "sliding",
+            "window_schedule": "progressive",
             "window_shift_every": self.shift_every,
-            "window_stride": RolloutSettings().sde_steps,
+            "window_stride": self.stride,
         }
         if self.rollout_steps is not None:
             defaults["rollout_steps"] = self.rollout_steps
         return defaults
 
     def objective(self, job: JobPieces, base: Any) -> FlowGRPOObjective:
-        return flow_grpo_objective(job, base, self.old_log_probs(job.config))
+        """Flow-GRPO's objective with the released time input (`model_time`)."""
+        old_log_probs = self.old_log_probs(job.config)
+        return flow_grpo_objective(job, base, old_log_probs, model_time=self.model_time)
 
     advantage_std: ClassVar[AdvantageStd] = "group"
 
@@ -411,6 +435,72 @@ class MixGRPO(AbstractAlgorithm):
         )
 
 
+@final
+class FlowDPPO(AbstractAlgorithm):
+    """Flow-DPPO as released (github `Tencent-Hunyuan/UniRL`, `FlowDPPO/`,
+    `unirl/algorithms/flowdppo.py`; `docs/mathematics.md` §12): Flow-GRPO's unclipped ratio
+    surrogate on the SDE transitions the rollout records, each step dropped where its exact
+    KL to the rollout's policy reaches `dppo_kl_threshold` (1e-5, the release's) and its
+    ratio already moved the way its advantage pushes. As released: no ratio or advantage
+    clip, no KL to the base model, advantages over the global reward std
+    (`adv_use_global_std`). Adapted to this task:
+
+    - The KL's anchor (the rollout policy's means) and the ratio's old log densities come
+        from the rollout in float32, and from the update program in bfloat16 (the job's
+        `old_log_probs` rule; an explicit `old_log_probs` setting sets both): the release
+        replays the means at the pre-update weights, which in float32 is the rollout's to
+        about 1e-7, one update-program run per minibatch fewer.
+    - The SDE, its window of `sde_steps` trained transitions, the step size and the
+        updates per epoch are the job's (the release trains 3 of the first 5 of 10 SD3.5
+        steps, 2 updates per rollout, LoRA at 3e-4).
+    """
+
+    trains_on_ratios: ClassVar[bool] = True
+
+    def check(self, config: Settings) -> None:
+        if config.objective.beta > 0:
+            raise ValueError(
+                "Setting `beta` (Flow-GRPO's KL weight) must be 0 with algorithm 'dppo': "
+                f"Flow-DPPO has no KL to the base model, got {config.objective.beta!r}."
+            )
+        if config.objective.grpo_guard:
+            raise ValueError(
+                "Setting `grpo_guard` must be false with algorithm 'dppo': its KL mask "
+                "replaces the clip that GRPO-Guard regulates."
+            )
+
+    def default_settings(self) -> dict[str, Any]:
+        return {}
+
+    def objective(self, job: JobPieces, base: Any) -> FlowDPPOObjective:
+        """Flow-DPPO's objective on the job's SDE and guidance, its threshold the
+        `dppo_kl_threshold` setting."""
+        config = job.config
+        anchor = self.old_log_probs(config)
+        return FlowDPPOObjective(
+            job_flow(job, guidance=job.guidance),
+            kl_threshold=config.objective.dppo_kl_threshold,
+            sde=rollout_sde(config.rollout),
+            old_log_probs=anchor,
+            old_means=anchor,
+            transition_chunk=config.objective.transition_chunk,
+            **_evaluation(job, base),
+        )
+
+    advantage_std: ClassVar[AdvantageStd] = "global"
+
+    def sampler(self, job: JobPieces) -> SDESampler:
+        """The job's SDE (`rollout_sde`), recording the trained window, and its means when
+        they are the KL's anchor."""
+        rollout = job.config.rollout
+        return SDESampler(
+            rollout_sde(rollout),
+            train_steps=rollout.train_steps if rollout.window_schedule == "fixed" else None,
+            window_schedule=window_schedule(rollout),
+            record_means=self.old_log_probs(job.config) == "rollout",
+        )
+
+
 ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {
     "flow_grpo": FlowGRPO(),
     "nft": NFT(),
@@ -420,6 +510,10 @@ ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {
     "mixgrpo-flash": MixGRPO(
         shift_every=20, solver=DPMSolverPP2M(), compress_ratio=0.4, rollout_steps=11
     ),
+    "mixgrpo-flash-star": MixGRPO(
+        shift_every=20, stride=0, solver=DPMSolverPP2M(), compress_ratio=0.2, rollout_steps=23
+    ),
+    "dppo": FlowDPPO(),
 }
 """Every algorithm, by its name in the `algorithm` setting."""
 
@@ -439,9 +533,11 @@ def _refuse_shared_noise(config: Settings, algorithm: AlgorithmName) -> None:
         )
 
 
-def flow_grpo_objective(job: JobPieces, base: Any, old_log_probs: OldLogProbs) -> FlowGRPOObjective:
-    """Flow-GRPO's objective from `base` with the job's SDE: what `FlowGRPO` and `MixGRPO`
-    train, and what their policy-ratio histograms rescore with."""
+def flow_grpo_objective(
+    job: JobPieces, base: Any, old_log_probs: OldLogProbs, model_time: ModelTime = "exact"
+) -> FlowGRPOObjective:
+    """Flow-GRPO's objective from `base` with the job's SDE and `model_time`: what
+    `FlowGRPO` and `MixGRPO` train, and what their policy-ratio histograms rescore with."""
     config = job.config
     algorithm = config.objective
     return FlowGRPOObjective(
@@ -457,6 +553,7 @@ def flow_grpo_objective(job: JobPieces, base: Any, old_log_probs: OldLogProbs) -
         old_log_probs=old_log_probs,
         guidance=job.guidance,
         precision=config.model.precision,
+        model_time=model_time,
         **_evaluation(job, base),
     )
 
@@ -492,10 +589,16 @@ def window_schedule(
 ) -> AbstractWindowSchedule | None:
     """`None` for the fixed leading window (the SDE's `window`), else a schedule of
     `sde_steps` stochastic, trained transitions; a sliding one stays at the grid's end or
-    starts again (`at_end`)."""
+    starts again (`at_end`); a progressive one is MixGRPO's released window (cut short of
+    the grid's last two transitions, empty at its last position, then from the first
+    again)."""
     count = rollout.sde_steps if rollout.sde_steps is not None else rollout.rollout_steps - 1
     if rollout.window_schedule == "random":
         return RandomWindow(count)
+    if rollout.window_schedule == "progressive":
+        return ProgressiveWindow(
+            count, shift_every=rollout.window_shift_every, stride=rollout.window_stride
+        )
     if rollout.window_schedule == "sliding":
         return SlidingWindow(
             count,

@@ -157,6 +157,7 @@ SETTING_ORDER: tuple[str, ...] = (
     "algorithm",
     "nft_beta",
     "nft_old_decay",
+    "dppo_kl_threshold",
     "prompts_per_epoch",
     "groups",
     "rollout_steps",

@@ -308,9 +308,12 @@ class ShapesJob:
         return JobPieces(self.config, self.model, self.inputs, self.guidance, self.reward)
 
     def objective(self, base: Any) -> FlowGRPOObjective:
-        """Flow-GRPO's objective from `base` (`algorithms.flow_grpo_objective`): what
-        `flow_grpo` trains, and what the policy-ratio histograms rescore with."""
-        return flow_grpo_objective(self.pieces(), base, self.algorithm.old_log_probs(self.config))
+        """Flow-GRPO's objective from `base` (`algorithms.flow_grpo_objective`) with the
+        algorithm's `model_time`: what `flow_grpo` trains, and what the policy-ratio
+        histograms rescore with."""
+        algorithm = self.algorithm
+        old_log_probs = algorithm.old_log_probs(self.config)
+        return flow_grpo_objective(self.pieces(), base, old_log_probs, algorithm.model_time)
 
     def train_objective(self, base: Any) -> AbstractRLObjective[Any, Any]:
         """The objective the trainer trains: the chosen algorithm's, from `base`."""

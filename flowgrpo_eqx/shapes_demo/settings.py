@@ -21,17 +21,24 @@ RewardName: TypeAlias = Literal["partial", "strict", "jpeg_incompressibility"]
 LrSchedule: TypeAlias = Literal["constant", "cosine"]
 """The step size: constant, or a cosine from the peak down to 0 at the last update."""
 
-WindowScheduleName: TypeAlias = Literal["fixed", "random", "sliding"]
+WindowScheduleName: TypeAlias = Literal["fixed", "random", "sliding", "progressive"]
 """Where the `sde_steps` stochastic transitions sit: the leading ones, a random position per
-rollout, or MixGRPO's window sliding later every `window_shift_every` epochs."""
+rollout, a whole window sliding later every `window_shift_every` epochs (`SlidingWindow`), or
+MixGRPO's released window (`ProgressiveWindow`): later by `window_stride` every
+`window_shift_every` epochs, cut short of the grid's last two transitions, empty at its last
+position, then from the first transition again."""
 
-AlgorithmName: TypeAlias = Literal["flow_grpo", "nft", "awm", "dgpo", "mixgrpo", "mixgrpo-flash"]
+AlgorithmName: TypeAlias = Literal[
+    "flow_grpo", "nft", "awm", "dgpo", "mixgrpo", "mixgrpo-flash", "mixgrpo-flash-star", "dppo"
+]
 """What fine-tunes the base model: Flow-GRPO's clipped policy gradient on recorded SDE
 transitions, DiffusionNFT's negative-aware flow matching on final samples, Advantage
 Weighted Matching's advantage-weighted flow matching on final samples, Direct Group
 Preference Optimization's group-level preference loss on final samples, or Flow-GRPO's
-objective on MixGRPO's rollout (a sliding SDE window, ODE steps around it; `mixgrpo-flash`
-with DPM-Solver++(2M) on a compressed grid after it)."""
+objective on MixGRPO's rollout (a moving SDE window, ODE steps around it; `mixgrpo-flash`
+with DPM-Solver++(2M) on a compressed grid after it; `mixgrpo-flash-star`, MixGRPO-Flash*,
+with a window that never moves and a grid compressed further). `dppo` is Flow-DPPO: Flow-GRPO's
+unclipped policy gradient on recorded SDE transitions, masked by a per-step KL trust region."""
 
 LogName: TypeAlias = Literal["tensorboard", "wandb"]
 """Where a run's metrics go besides `metrics.jsonl`."""
@@ -259,10 +266,14 @@ class RolloutSettings:
     window_schedule: WindowScheduleName = _setting(
         "fixed",
         "fixed (the first sde_steps transitions) | random (a random position per rollout) | "
-        "sliding (MixGRPO: later by window_stride every window_shift_every epochs)",
+        "sliding (later by window_stride every window_shift_every epochs) | progressive "
+        "(MixGRPO as released: the same, cut short of the grid's last two transitions, empty "
+        "at its last position, then from the first again)",
     )
-    window_shift_every: int = _setting(20, "epochs between moves of the sliding window", minimum=1)
-    window_stride: int = _setting(1, "transitions per move of the sliding window", minimum=1)
+    window_shift_every: int = _setting(20, "epochs between moves of the moving window", minimum=1)
+    window_stride: int = _setting(
+        1, "transitions per move of the moving window (0: never, progressive only)", minimum=0
+    )
     noise_level: float = _setting(0.7, "SDE noise level a", minimum=0)
     guidance_scale: float = _setting(
         3.0,
@@ -280,6 +291,12 @@ class RolloutSettings:
                     f"(rollout_steps={self.rollout_steps} gives {transitions} transitions), "
                     f"got {value!r}."
                 )
+        if self.window_stride == 0 and self.window_schedule != "progressive":
+            raise ValueError(
+                f"Setting `window_stride` must be an int >= 1 with window_schedule="
+                f"{self.window_schedule!r}, got 0 (a window that never moves, 0, is the "
+                "progressive window's only)."
+            )
         if self.window_schedule != "fixed" and self.train_steps not in (None, self.sde_steps):
             raise ValueError(
                 f"Setting `train_steps`={self.train_steps} must equal `sde_steps`="
@@ -383,9 +400,12 @@ class ObjectiveSettings:
         "negative-aware flow matching on final samples; adv_clip_max is its A_max) | awm "
         "(Advantage Weighted Matching as released: beta is its KL weight to the base model) "
         "| dgpo (Direct Group Preference Optimization as released: beta is its KL weight, "
-        "clip_range its DSM clip) | mixgrpo (Flow-GRPO's objective on MixGRPO's rollout: ODE "
-        "steps around a sliding SDE window) | mixgrpo-flash (the same, DPM-Solver++(2M) on a "
-        "compressed grid after the window)",
+        "clip_range its DSM clip) | mixgrpo (Flow-GRPO's objective on MixGRPO's rollout as "
+        "released: ODE steps around a progressive SDE window) | mixgrpo-flash (the same, "
+        "DPM-Solver++(2M) on a compressed grid after the window) | mixgrpo-flash-star "
+        "(MixGRPO-Flash*: Flash with a window that never moves, the grid compressed by 0.2) "
+        "| dppo (Flow-DPPO as released: the unclipped ratio surrogate, each step dropped "
+        "where its KL to the rollout's policy reaches dppo_kl_threshold and it pushes further)",
     )
     nft_beta: float = _setting(
         1.0,
@@ -412,6 +432,13 @@ class ObjectiveSettings:
         False, "GRPO-Guard: the ratio normalised per step and 1/dt step weights (mathematics §5a)"
     )
     adv_clip_max: float = _setting(5.0, "advantage clip", minimum=0, include_minimum=False)
+    dppo_kl_threshold: float = _setting(
+        1e-5,
+        "dppo: the per-step KL (a mean over the latent's coordinates) from which a step that "
+        "pushes further is dropped",
+        minimum=0,
+        include_minimum=False,
+    )
     transition_chunk: int | None = _setting(
         None,
         "transitions per scanned chunk of the loss (none: all at once)",
