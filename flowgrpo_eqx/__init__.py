@@ -31,6 +31,8 @@ from ._custom_types import (
     StepRatios as StepRatios,
     Transitions as Transitions,
 )
+from ._decay import RampedDecay as RampedDecay
+from ._device_advantages import device_group_advantages as device_group_advantages
 from ._dgpo import (
     DGPOLoss as DGPOLoss,
     DGPOObjective as DGPOObjective,
@@ -91,7 +93,6 @@ from ._nft import (
     NFTLoss as NFTLoss,
     NFTTimes as NFTTimes,
     NFTVariables as NFTVariables,
-    RampedDecay as RampedDecay,
 )
 from ._objective import (
     AbstractGRPOGuard as AbstractGRPOGuard,

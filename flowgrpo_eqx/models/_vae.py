@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._inputs import AbstractAutoEncoder
 from .._misc import check_int
 from ._layers import Attention, AttentionSettings, attend_to
 from ._mirror import Linear, uniform_init
@@ -446,7 +447,7 @@ def _check_vae(
 
 
 @final
-class AutoencoderKL(eqx.Module):
+class AutoencoderKL(AbstractAutoEncoder):
     """The image autoencoder of SD3, SD3.5 and FLUX.1: diffusers' `AutoencoderKL`.
 
     On one unbatched channels-last image in `[-1, 1]` (`[H, W, 3]`) and one latent in the
@@ -456,6 +457,9 @@ class AutoencoderKL(eqx.Module):
     scaling and decodes, as the pipelines do before their image processor. vmap it over a
     batch. Computes in its parameters' dtype (GroupNorm statistics in float32) and returns the
     input's dtype.
+
+    It is an `AbstractAutoEncoder`: passed as an objective's `autoencoder`, the rollout decodes
+    its final latents with it on the device, in the program that samples them.
 
     `AutoencoderKL.sd3_config()` is SD3's and SD3.5's (16 latent channels); FLUX.1's
     (`flux_config()`) differs only in `scaling_factor` and `shift_factor`.
