@@ -13,7 +13,7 @@ from typing import Any, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Key, PRNGKeyArray
 
 from .._inputs import AbstractAutoEncoder
 from .._misc import check_int
@@ -234,6 +234,27 @@ class Resample(eqx.Module):
         return self.conv(x)
 
 
+def _resnet_chain(
+    in_channels: int, out_channels: int, layers: int, groups: int, keys: Key[Array, " n"]
+) -> tuple[ResnetBlock, ...]:
+    """A level's resnet blocks: the first from `in_channels`, the others at `out_channels`."""
+    return tuple(
+        ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups, key=keys[i])
+        for i in range(layers)
+    )
+
+
+def _through(
+    resnets: tuple[ResnetBlock, ...], steps: tuple[Resample, ...], x: Float[Array, "H W C"]
+) -> Float[Array, "H2 W2 O"]:
+    """`x` through a level: its resnet blocks, then its resampling step if it has one."""
+    for resnet in resnets:
+        x = resnet(x)
+    for step in steps:
+        x = step(x)
+    return x
+
+
 @final
 class DownBlock(eqx.Module):
     """diffusers' `DownEncoderBlock2D`: resnet blocks, then a downsampling step (all but the
@@ -262,18 +283,11 @@ class DownBlock(eqx.Module):
         key: PRNGKeyArray,
     ) -> None:
         keys = jax.random.split(key, layers + 1)
-        self.resnets = tuple(
-            ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups, key=keys[i])
-            for i in range(layers)
-        )
+        self.resnets = _resnet_chain(in_channels, out_channels, layers, groups, keys)
         self.downsamplers = (Resample(out_channels, False, key=keys[-1]),) if downsample else ()
 
     def __call__(self, x: Float[Array, "H W C"]) -> Float[Array, "H2 W2 O"]:
-        for resnet in self.resnets:
-            x = resnet(x)
-        for step in self.downsamplers:
-            x = step(x)
-        return x
+        return _through(self.resnets, self.downsamplers, x)
 
 
 @final
@@ -304,18 +318,11 @@ class UpBlock(eqx.Module):
         key: PRNGKeyArray,
     ) -> None:
         keys = jax.random.split(key, layers + 1)
-        self.resnets = tuple(
-            ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups, key=keys[i])
-            for i in range(layers)
-        )
+        self.resnets = _resnet_chain(in_channels, out_channels, layers, groups, keys)
         self.upsamplers = (Resample(out_channels, True, key=keys[-1]),) if upsample else ()
 
     def __call__(self, x: Float[Array, "H W C"]) -> Float[Array, "H2 W2 O"]:
-        for resnet in self.resnets:
-            x = resnet(x)
-        for step in self.upsamplers:
-            x = step(x)
-        return x
+        return _through(self.resnets, self.upsamplers, x)
 
 
 @final
