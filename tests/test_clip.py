@@ -9,14 +9,16 @@ import json
 import pathlib
 import shutil
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from flowgrpo_eqx.models import CLIPModel, CLIPTextModel, clip_pixels, load_clip
-from tests.diffusers_helpers import relative
+from flowgrpo_eqx.models import CLIPModel, CLIPTextModel, TowerShape, clip_pixels, load_clip
+from flowgrpo_eqx.models._mirror import state_dict_leaves
+from tests.diffusers_helpers import count, relative
 
 
 CLIP = pathlib.Path(__file__).resolve().parent / "data" / "clip"
@@ -100,3 +102,35 @@ def test_too_long_a_prompt_is_refused_by_name() -> None:
     model = load_clip(CLIP / "text_l")
     with pytest.raises(ValueError, match="`ids`"):
         model(jnp.zeros((17,), jnp.int32))
+
+
+def _shape(make, **kwargs):
+    return eqx.filter_eval_shape(lambda key: make(**kwargs, key=key), jax.random.key(0))
+
+
+@pytest.mark.parametrize("name", ["clip_l", "clip_g", "pickscore"])
+def test_full_size_configs_have_transformers_parameter_counts_and_keys(name: str) -> None:
+    record = json.loads((CLIP / "clip_keys.json").read_text())[name]
+    if name == "pickscore":
+        model = _shape(
+            CLIPModel,
+            text=TowerShape(1024, 16, 4096, 24, "gelu", 1e-5),
+            vision=TowerShape(1280, 16, 5120, 32, "gelu", 1e-5),
+            projection_dim=1024,
+            image_size=224,
+            patch_size=14,
+        )
+        want = 986_109_441
+    else:
+        width, heads, layers, act = (
+            (768, 12, 12, "quick_gelu") if name == "clip_l" else (1280, 20, 32, "gelu")
+        )
+        model = _shape(
+            CLIPTextModel,
+            shape=TowerShape(width, heads, 4 * width, layers, act, 1e-5),
+            projection_dim=width,
+        )
+        want = 123_650_304 if name == "clip_l" else 694_659_840
+    assert count(model) == record["parameters"] == want
+    ours = {key: list(leaf.shape) for key, leaf in state_dict_leaves(model).items()}
+    assert ours == record["keys"]

@@ -23,9 +23,13 @@ It writes into `tests/data/clip/`:
     transformers' `CLIPImageProcessor` (shortest side 32, centre crop 32, PIL bicubic) makes
     of them after flow_grpo's conversion to 8-bit PIL images (`square_pixels`,
     `wide_pixels`, channels-last), and flow_grpo's PickScore of each image for the prompts
-    `ids` (`square_pickscore`, `wide_pickscore`) by `model/`, end to end.
+    `ids` (`square_pickscore`, `wide_pickscore`) by `model/`, end to end;
+- `clip_keys.json`: the parameter counts and every key with its shape of SD3's CLIP-L and
+    OpenCLIP bigG text encoders (with projections) and of PickScore's `CLIPModel` (ViT-H/14),
+    built on torch's 'meta' device from their published configs.
 """
 
+import json
 import pathlib
 import sys
 from typing import Any
@@ -53,6 +57,49 @@ VISION = dict(
     patch_size=8,
     hidden_act="gelu",
     layer_norm_eps=1e-5,
+)
+
+
+# stabilityai/stable-diffusion-3.5-medium, text_encoder/ and text_encoder_2/config.json.
+CLIP_L = dict(
+    vocab_size=49408,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    max_position_embeddings=77,
+    hidden_act="quick_gelu",
+    projection_dim=768,
+)
+CLIP_G = dict(
+    CLIP_L,
+    hidden_size=1280,
+    intermediate_size=5120,
+    num_hidden_layers=32,
+    num_attention_heads=20,
+    hidden_act="gelu",
+    projection_dim=1280,
+)
+# yuvalkirstain/PickScore_v1, config.json (OpenCLIP ViT-H/14).
+PICKSCORE = dict(
+    projection_dim=1024,
+    text_config=dict(
+        CLIP_L,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        hidden_act="gelu",
+    ),
+    vision_config=dict(
+        hidden_size=1280,
+        intermediate_size=5120,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        image_size=224,
+        patch_size=14,
+        hidden_act="gelu",
+    ),
 )
 
 
@@ -182,6 +229,21 @@ def make() -> None:
     record["ids"], record["mask"] = ids, mask
     np.savez(OUT / "processor.npz", **record)
     print("processor", {k: v.shape for k, v in record.items()})
+
+    full: dict[str, Any] = {}
+    with torch.device("meta"):
+        for name, make_model, config in (
+            ("clip_l", CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_L)),
+            ("clip_g", CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_G)),
+            ("pickscore", CLIPModel, CLIPConfig(**PICKSCORE)),
+        ):
+            model = make_model(config)
+            full[name] = {
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "keys": {k: list(v.shape) for k, v in model.state_dict().items()},
+            }
+            print(name, full[name]["parameters"])
+    (OUT / "clip_keys.json").write_text(json.dumps(full, indent=0) + "\n")
 
 
 if __name__ == "__main__":
