@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flowgrpo_eqx.models import CLIPModel, load_clip
-from flowgrpo_eqx.rewards import DeviceReward, PickScore
+from flowgrpo_eqx.rewards import CLIPScore, DeviceReward, PickScore
 
 
 CLIP = pathlib.Path(__file__).resolve().parent / "data" / "clip"
@@ -45,3 +45,13 @@ def test_a_device_reward_scores_a_batch_in_float64(pickscore: PickScore) -> None
     np.testing.assert_allclose(scores, io["square_pickscore"], rtol=1e-4)
     with pytest.raises(ValueError, match="'prompt'"):
         reward(samples, {"other": prompts})
+
+
+def test_clip_score_is_the_cosine_transformers_features_give(pickscore: PickScore) -> None:
+    io = dict(np.load(CLIP / "processor.npz"))
+    score = CLIPScore(pickscore.model)
+    prompts = jax.vmap(score.prompt_embedding)(jnp.asarray(io["ids"]), jnp.asarray(io["mask"]))
+    got = np.asarray(jax.vmap(score)(jnp.asarray(io["square"] * 2.0 - 1.0), prompts))
+    # The cosine of transformers' features, from flow_grpo's PickScore of the same images.
+    cosine = io["square_pickscore"].astype(np.float64) * 26 / np.exp(float(score.model.logit_scale))
+    np.testing.assert_allclose(got, 100 * np.maximum(cosine, 0), rtol=1e-4, atol=1e-4)

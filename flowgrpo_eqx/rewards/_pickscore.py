@@ -6,7 +6,8 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..models import CLIPModel, clip_pixels
+from ..models import CLIPModel
+from ._features import image_embedding, text_embedding
 
 
 @final
@@ -44,9 +45,7 @@ class PickScore(eqx.Module):
 
         `[projection_dim]`, of unit length.
         """
-        features = self.model.text_features(ids, attention_mask).astype(jnp.float32)
-        out: Float[Array, " P"] = features / jnp.linalg.norm(features)
-        return out
+        return text_embedding(self.model, ids, attention_mask)
 
     def __call__(
         self, image: Float[Array, "H W C"], prompt: Float[Array, " P"]
@@ -62,9 +61,7 @@ class PickScore(eqx.Module):
 
         The score, a float32 scalar.
         """
-        pixels = clip_pixels((image.astype(jnp.float32) + 1.0) / 2.0, self.model.image_size)
-        features = self.model.image_features(pixels.astype(self.model.logit_scale.dtype))
-        features = features.astype(jnp.float32) / jnp.linalg.norm(features.astype(jnp.float32))
+        features = image_embedding(self.model, image)
         temperature = jnp.exp(self.model.logit_scale.astype(jnp.float32))
         out: Float[Array, ""] = temperature * jnp.dot(features, prompt) / self.divisor
         return out
