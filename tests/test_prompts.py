@@ -21,6 +21,7 @@ from flowgrpo_eqx.models import (
     PromptTokenizer,
     SD3PromptEncoder,
     T5Encoder,
+    WanPromptEncoder,
     load_clip,
     load_t5,
 )
@@ -93,3 +94,15 @@ def test_a_folder_without_tokenizer_json_is_refused_by_name(tmp_path: pathlib.Pa
         PromptTokenizer(tmp_path, 77)
     with pytest.raises(ValueError, match="`length`"):
         PromptTokenizer(PROMPTS / "tokenizer", 0)
+
+
+def test_wan_prompt_embeddings_are_encode_prompts(io: dict[str, np.ndarray]) -> None:
+    prompts = [str(p) for p in io["prompts"]]
+    tokenizer = PromptTokenizer(PROMPTS / "tokenizer_3", 16)
+    ids, mask = tokenizer(prompts), tokenizer.mask(prompts)
+    assert list(mask[0]) == [1] * 4 + [0] * 12  # "a red cube" and </s>
+    encoder = WanPromptEncoder(load_t5(PROMPTS / "wan_text_encoder"))
+    assert encoder.t5.encoder.block[1].layer[0].SelfAttention.relative_attention_bias is not None
+    context = np.asarray(jax.vmap(encoder)(jnp.asarray(ids), jnp.asarray(mask)))
+    assert relative(context, io["wan_context"]) < 1e-4
+    assert np.all(context[0, 4:] == 0)

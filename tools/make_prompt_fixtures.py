@@ -15,8 +15,9 @@ end-of-text tokens around the words, padded with end-of-text; `tokenizer_3/`: T5
 after the words, padded with `<pad>`), each a `tokenizer.json` that transformers and the
 `tokenizers` package both read. `io.npz` holds the prompts and what
 `StableDiffusion3Pipeline.encode_prompt` (`sd3_context` `[B, 77 + 16, 48]`, `sd3_pooled`) and
-`FluxPipeline.encode_prompt` (`flux_context` `[B, 16, 48]`, `flux_pooled`) give for them, with
-`max_sequence_length=16`.
+`FluxPipeline.encode_prompt` (`flux_context` `[B, 16, 48]`, `flux_pooled`) and
+`WanPipeline.encode_prompt` (`wan_context` `[B, 16, 40]`, from `wan_text_encoder/`: a tiny
+random umT5 encoder) give for them, with `max_sequence_length=16`.
 """
 
 import pathlib
@@ -32,7 +33,12 @@ LENGTH = 16
 def make() -> None:
     import numpy as np
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        StableDiffusion3Pipeline,
+        WanPipeline,
+    )
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import (
         CLIPTextConfig,
@@ -41,6 +47,8 @@ def make() -> None:
         PreTrainedTokenizerFast,
         T5Config,
         T5EncoderModel,
+        UMT5Config,
+        UMT5EncoderModel,
     )
 
     torch.manual_seed(0)
@@ -117,8 +125,22 @@ def make() -> None:
             use_cache=False,
         )
     ).eval()
+    umt5 = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(t5_vocab),
+            d_model=40,
+            d_kv=8,
+            d_ff=56,
+            num_layers=2,
+            num_heads=5,
+            feed_forward_proj="gated-gelu",
+            dropout_rate=0.0,
+            is_encoder_decoder=False,
+            use_cache=False,
+        )
+    ).eval()
     with torch.no_grad():
-        for model in (clip_l, clip_g, flux_clip, t5_model):
+        for model in (clip_l, clip_g, flux_clip, t5_model, umt5):
             for param in model.parameters():
                 param.copy_(0.3 * torch.randn_like(param) + 0.02)
     for folder, model in (
@@ -126,6 +148,7 @@ def make() -> None:
         ("text_encoder_2", clip_g),
         ("text_encoder_3", t5_model),
         ("flux_text_encoder", flux_clip),
+        ("wan_text_encoder", umt5),
     ):
         model.save_pretrained(OUT / folder, safe_serialization=True)
     clip_tokenizer.save_pretrained(OUT / "tokenizer")
@@ -152,7 +175,16 @@ def make() -> None:
         text_encoder_2=t5_model,
         tokenizer_2=t5_tokenizer,
     )
+    wan = WanPipeline(
+        tokenizer=t5_tokenizer, text_encoder=umt5, transformer=None, vae=None, scheduler=scheduler
+    )
     with torch.no_grad():
+        wan_context, _ = wan.encode_prompt(
+            prompt=PROMPTS,
+            do_classifier_free_guidance=False,
+            device="cpu",
+            max_sequence_length=LENGTH,
+        )
         sd3_context, _, sd3_pooled, _ = sd3.encode_prompt(
             prompt=PROMPTS,
             prompt_2=None,
@@ -171,6 +203,7 @@ def make() -> None:
         sd3_pooled=sd3_pooled.numpy(),
         flux_context=flux_context.numpy(),
         flux_pooled=flux_pooled.numpy(),
+        wan_context=wan_context.numpy(),
     )
     print("sd3", tuple(sd3_context.shape), tuple(sd3_pooled.shape))
     print("flux", tuple(flux_context.shape), tuple(flux_pooled.shape))

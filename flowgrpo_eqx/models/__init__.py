@@ -28,6 +28,7 @@ from ._prompts import (
     FluxPromptEncoder as FluxPromptEncoder,
     PromptTokenizer as PromptTokenizer,
     SD3PromptEncoder as SD3PromptEncoder,
+    WanPromptEncoder as WanPromptEncoder,
 )
 from ._t5 import FeedForward as FeedForward, T5Encoder as T5Encoder, load_t5 as load_t5
 from ._vae import AutoencoderKL as AutoencoderKL

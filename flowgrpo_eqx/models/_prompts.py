@@ -1,6 +1,7 @@
-"""Prompt embeddings as the SD3, SD3.5 and FLUX.1 pipelines build them, from our text encoders:
-what diffusers' `StableDiffusion3Pipeline.encode_prompt` and `FluxPipeline.encode_prompt`
-give, computed in JAX, and the pipelines' tokenization with the `tokenizers` package.
+"""Prompt embeddings as the SD3, SD3.5, FLUX.1 and Wan 2.1 pipelines build them, from our
+text encoders: what diffusers' `StableDiffusion3Pipeline.encode_prompt`,
+`FluxPipeline.encode_prompt` and `WanPipeline.encode_prompt` give, computed in JAX, and the
+pipelines' tokenization with the `tokenizers` package.
 """
 
 import json
@@ -10,7 +11,7 @@ from typing import Any, final
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from ._clip import CLIPTextModel
 from ._flux import FluxCondition
@@ -79,6 +80,21 @@ class PromptTokenizer:
         encodings = self._tokenizer.encode_batch(list(prompts))
         ids: np.ndarray = np.asarray([e.ids for e in encodings], np.int32)
         return ids
+
+    def mask(self, prompts: list[str]) -> np.ndarray:
+        """The attention masks of `prompts`: 1 for their tokens, 0 for the padding.
+
+        **Arguments:**
+
+        - `prompts`: the prompts.
+
+        **Returns:**
+
+        `[len(prompts), length]` int32.
+        """
+        encodings = self._tokenizer.encode_batch(list(prompts))
+        mask: np.ndarray = np.asarray([e.attention_mask for e in encodings], np.int32)
+        return mask
 
 
 @final
@@ -170,3 +186,38 @@ class FluxPromptEncoder(eqx.Module):
         `{"context": [T, t5 width], "pooled": [clip width]}`.
         """
         return {"context": self.t5(t5_ids), "pooled": self.clip(clip_ids).pooled}
+
+
+@final
+class WanPromptEncoder(eqx.Module):
+    """Wan 2.1's text encoder (umT5-XXL) as `WanPipeline.encode_prompt` uses it: the
+    encoder's states with the padding's attention masked, then the rows past the prompt's
+    tokens set to zero. The result is the `cond` a `Wan` takes. vmap it over a batch of
+    prompts (the pipeline cleans each prompt's text first: `ftfy` and collapsed whitespace).
+
+    **Arguments:**
+
+    - `t5`: the pipeline's `text_encoder` (`load_t5` of a `UMT5EncoderModel` folder).
+    """
+
+    t5: T5Encoder
+
+    def __call__(
+        self, ids: Int[Array, " T"], attention_mask: Int[Array, " T"]
+    ) -> Float[Array, "T D"]:
+        """The condition of one prompt.
+
+        **Arguments:**
+
+        - `ids`: the prompt's ids from the pipeline's `tokenizer` (`max_sequence_length` of
+            them, 512 in Wan 2.1's pipeline).
+        - `attention_mask`: 1 for the prompt's tokens (its end token included), 0 for
+            padding.
+
+        **Returns:**
+
+        `[T, width]`.
+        """
+        states = self.t5(ids, attention_mask)
+        out: Float[Array, "T D"] = jnp.where(attention_mask[:, None] > 0, states, 0.0)
+        return out

@@ -277,6 +277,9 @@ class T5Encoder(eqx.Module):
     - `feed_forward`: `feed_forward_proj` (`FeedForward`).
     - `num_buckets`, `max_distance`: the relative positions' buckets.
     - `eps`: `layer_norm_epsilon`.
+    - `per_layer_position_bias`: whether every block has its own relative-position table
+        (umT5, Wan 2.1's text encoder: transformers' `UMT5EncoderModel`) rather than the
+        first block's serving all (T5).
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
@@ -302,6 +305,7 @@ class T5Encoder(eqx.Module):
         num_buckets: int = 32,
         max_distance: int = 128,
         eps: float = 1e-6,
+        per_layer_position_bias: bool = False,
         *,
         key: PRNGKeyArray,
     ) -> None:
@@ -327,7 +331,12 @@ class T5Encoder(eqx.Module):
         for i, k in enumerate(k_blocks):
             k_attn, k_ff = jax.random.split(k)
             attention = AttentionLayer(
-                width, heads, head_dim, num_buckets if i == 0 else None, eps, key=k_attn
+                width,
+                heads,
+                head_dim,
+                num_buckets if i == 0 or per_layer_position_bias else None,
+                eps,
+                key=k_attn,
             )
             blocks.append(
                 Block((attention, FeedForwardLayer(width, ff_width, feed_forward, eps, key=k_ff)))
@@ -371,23 +380,32 @@ class T5Encoder(eqx.Module):
 
         `[L, width]`.
         """
-        length = ids.shape[0]
+        buckets = jnp.asarray(
+            relative_position_buckets(ids.shape[0], self.num_buckets, self.max_distance)
+        )
+
+        def position_bias(table: Embedding) -> Float[Array, "heads L L"]:
+            bias = jnp.transpose(table.weight[buckets], (2, 0, 1)).astype(jnp.float32)
+            if attention_mask is not None:
+                bias = jnp.where(attention_mask[None, None, :] > 0, bias, _MASKED)
+            return bias
+
         first = self.encoder.block[0].layer[0].SelfAttention.relative_attention_bias
         assert first is not None
-        buckets = relative_position_buckets(length, self.num_buckets, self.max_distance)
-        bias = jnp.transpose(first.weight[jnp.asarray(buckets)], (2, 0, 1)).astype(jnp.float32)
-        if attention_mask is not None:
-            bias = jnp.where(attention_mask[None, None, :] > 0, bias, _MASKED)
-        dtype = self.shared.weight.dtype
-        h = self.shared(ids).astype(dtype)
+        bias = position_bias(first)
+        h = self.shared(ids).astype(self.shared.weight.dtype)
         for block in self.encoder.block:
             attention, feed_forward = block.layer
+            own = attention.SelfAttention.relative_attention_bias
+            if own is not None and own is not first:
+                bias = position_bias(own)
             h = feed_forward(attention(h, bias))
         return self.encoder.final_layer_norm(h)
 
 
 def load_t5(path: str | pathlib.Path, *, dtype: Any = None) -> T5Encoder:
-    """Read a transformers `T5EncoderModel` folder (`config.json` and `model.safetensors`, or
+    """Read a transformers `T5EncoderModel` or `UMT5EncoderModel` (config `model_type`
+    `"umt5"`: Wan 2.1's text encoder) folder (`config.json` and `model.safetensors`, or
     shards) into a `T5Encoder`.
 
     **Arguments:**
@@ -406,6 +424,7 @@ def load_t5(path: str | pathlib.Path, *, dtype: Any = None) -> T5Encoder:
     """
     folder = pathlib.Path(path)
     config = json.loads((folder / "config.json").read_text())
+    umt5 = config.get("model_type") == "umt5"
     feed_forward = config.get("feed_forward_proj", "relu")
     if feed_forward not in _FEED_FORWARDS:
         raise ValueError(
@@ -428,6 +447,7 @@ def load_t5(path: str | pathlib.Path, *, dtype: Any = None) -> T5Encoder:
             config.get("relative_attention_num_buckets", 32),
             config.get("relative_attention_max_distance", 128),
             config.get("layer_norm_epsilon", 1e-6),
+            umt5,
             key=key,
         ),
         jax.random.key(0),
