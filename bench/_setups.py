@@ -162,7 +162,7 @@ def dit_setup(quick: bool) -> Setup:
 
     def make_objective(chunk: int | None) -> fg.FlowGRPOObjective:
         chunked = config.replace(transition_chunk=chunk)
-        return ShapesJob(chunked, scratch, quiet=True).objective(model)
+        return ShapesJob(chunked, scratch, quiet=True).flow_grpo_objective(model)
 
     def make_trainer(objective: fg.FlowGRPOObjective) -> Trainer:
         return job.trainer(objective)

@@ -74,7 +74,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as out:
             job = ShapesJob(config, out, True)
             base = load_model(base_path, job.model)
-            objective = job.objective(base)
+            objective = job.flow_grpo_objective(base)
             variables = objective.init(jax.random.key(0))
             rollout = job.rollout(objective)
             batch, _ = rollout.collect(variables.policy, job.epoch_rows(1), jax.random.key(1))

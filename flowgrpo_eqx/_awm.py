@@ -7,7 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._custom_types import (
     FinalSamples,
@@ -19,10 +19,19 @@ from ._custom_types import (
     Transitions,
     check_final_samples,
 )
+from ._decay import RampedDecay, check_decay, decay_at
+from ._final_samples import (
+    example_mse,
+    final_samples,
+    kept_grid,
+    mean_over,
+    noised,
+    repeated_rows,
+    row_mean,
+)
 from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables
 from ._guided_flow import GuidedFlow
-from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
-from ._nft import RampedDecay, _example_mse, final_samples
+from ._misc import check_int, check_mode, check_number, stop_gradient_arrays, zero_rows_unless
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, SDESampler
 from ._sde import AbstractSDE, FlowSDE
@@ -168,11 +177,11 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     pretrained: Model | None = None
 
     def __check_init__(self) -> None:
-        _check_mode("weighting", self.weighting, AWMWeighting)
-        _check_mode("ratio", self.ratio, AWMRatio)
-        _check_mode("times", self.times, AWMTimes)
-        _check_mode("kl_weight", self.kl_weight, AWMKLWeight)
-        _check_mode("ema_kl_weight", self.ema_kl_weight, AWMKLWeight)
+        check_mode("weighting", self.weighting, AWMWeighting)
+        check_mode("ratio", self.ratio, AWMRatio)
+        check_mode("times", self.times, AWMTimes)
+        check_mode("kl_weight", self.kl_weight, AWMKLWeight)
+        check_mode("ema_kl_weight", self.ema_kl_weight, AWMKLWeight)
         for name in ("ghuber_power", "clip_range", "adv_clip_max", "advantage_max"):
             value = getattr(self, name)
             optional = name == "advantage_max"
@@ -183,11 +192,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         )
         check_number("kl_beta", self.kl_beta, minimum=0)
         check_number("ema_beta", self.ema_beta, minimum=0)
-        if not isinstance(self.ema_decay, RampedDecay):
-            check_number(
-                "ema_decay", self.ema_decay, minimum=0, maximum=1, include_maximum=False,
-                optional=True,
-            )  # fmt: skip
+        check_decay("ema_decay", self.ema_decay)
         if not isinstance(self.off_policy, bool):
             raise ValueError(f"`off_policy` must be a bool, got {self.off_policy!r}.")
         if not isinstance(self.sde, AbstractSDE):
@@ -249,8 +254,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         """
         if variables.ema is None or self.ema_decay is None:
             return variables
-        decay = self.ema_decay
-        return _move_ema(variables, decay(step) if isinstance(decay, RampedDecay) else decay)
+        return _move_ema(variables, decay_at(self.ema_decay, step))
 
     def batch_metrics(self, batch: FinalSamples) -> dict[str, float]:
         del batch
@@ -356,7 +360,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
 
         `[F]` KLs.
         """
-        kl = _example_mse(v, jax.lax.stop_gradient(v_other))
+        kl = example_mse(v, jax.lax.stop_gradient(v_other))
         if weight == "uniform":
             return kl
         std = jnp.sqrt(t / (1 - jnp.clip(t, 0.0, 0.99))) * 0.7
@@ -394,62 +398,51 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         check_final_samples(batch, type(self).__name__)
         keep = batch.mask
         index_key, noise_key = jax.random.split(step.key)
-        t = self._training_times(batch, keep, index_key)
+        t = self._training_times(batch, index_key)
         rows, count = t.shape
         t_flat = t.reshape(rows * count)
-        x_0 = jnp.repeat(zero_rows_unless(keep, batch.latents), count, axis=0)
-        cond = jax.tree.map(
-            lambda leaf: jnp.repeat(zero_rows_unless(keep, leaf), count, 0), batch.cond
-        )
+        x_0, cond = repeated_rows(batch, count)
         noise = jax.random.normal(noise_key, x_0.shape, x_0.dtype)
-        x_t = jax.vmap(self.flow.process.interpolate)(x_0, noise, t_flat.astype(x_0.dtype))
-        target = jax.vmap(self.flow.process.velocity_target)(x_0, noise).astype(jnp.float32)
+        x_t, target = noised(self.flow.process, x_0, noise, t_flat)
 
         def velocity(policy: Model) -> Array:
             return self.flow.velocity(policy, x_t, t_flat, cond).astype(jnp.float32)
 
         v = velocity(variables.policy)
-        error = _example_mse(v, target)
+        error = example_mse(v, target)
         log_p = self.log_likelihood(error, t_flat)
         v_ema = None
         old = log_p
         if self.ema_beta > 0 or self.off_policy:
             v_ema = jax.lax.stop_gradient(velocity(stop_gradient_arrays(variables.ema_policy())))
             if self.off_policy:
-                old = self.log_likelihood(_example_mse(v_ema, target), t_flat)
+                old = self.log_likelihood(example_mse(v_ema, target), t_flat)
         advantages = self.scaled_advantages(zero_rows_unless(keep, batch.advantages))
         policy, ratio = self._policy_loss(log_p, jax.lax.stop_gradient(old), advantages, count)
         per_row, aux = policy, {"policy_loss": policy}
         if self.kl_beta > 0:
             v_ref = velocity(stop_gradient_arrays(variables.reference_policy()))
-            aux["kl"] = _row_mean(self.kl_of(v, v_ref, t_flat, self.kl_weight), count)
+            aux["kl"] = row_mean(self.kl_of(v, v_ref, t_flat, self.kl_weight), count)
             per_row = per_row + self.kl_beta * aux["kl"]
         if v_ema is not None and self.ema_beta > 0:
-            aux["ema_kl"] = _row_mean(self.kl_of(v, v_ema, t_flat, self.ema_kl_weight), count)
+            aux["ema_kl"] = row_mean(self.kl_of(v, v_ema, t_flat, self.ema_kl_weight), count)
             per_row = per_row + self.ema_beta * aux["ema_kl"]
         aux |= {
-            "error": _row_mean(error, count),
-            "log_likelihood": _row_mean(log_p, count),
-            "ratio": _row_mean(ratio, ratio.shape[0] // rows),
-            "clipfrac": _row_mean(
+            "error": row_mean(error, count),
+            "log_likelihood": row_mean(log_p, count),
+            "ratio": row_mean(ratio, ratio.shape[0] // rows),
+            "clipfrac": row_mean(
                 (jnp.abs(ratio - 1.0) > self.clip_range).astype(jnp.float32),
                 ratio.shape[0] // rows,
             ),
             "advantage": advantages,
         }
-        stats = {k: _mean_over(keep, jax.lax.stop_gradient(a)) for k, a in aux.items()}
-        return _mean_over(keep, per_row), stats
+        stats = {k: mean_over(keep, jax.lax.stop_gradient(a)) for k, a in aux.items()}
+        return mean_over(keep, per_row), stats
 
-    def _training_times(
-        self, batch: FinalSamples, keep: Bool[Array, " N"], key: PRNGKeyArray
-    ) -> Float[Array, " N T"]:
+    def _training_times(self, batch: FinalSamples, key: PRNGKeyArray) -> Float[Array, " N T"]:
         """Each row's trained times, `[N, T]`: its grid at the minibatch's indices."""
-        if batch.timesteps is None:
-            raise ValueError(
-                "AWM trains at the sampler's grid, but `batch.timesteps` is None: collect "
-                "with a FlowRollout (every sampler records it)."
-            )
-        grid = jnp.where(keep[:, None], batch.timesteps, jnp.ones((), batch.timesteps.dtype))
+        grid = kept_grid(batch, "AWM", "batch.timesteps")
         index = self.trained_indices(grid.shape[1], key)
         return jnp.take(grid, index, axis=1).astype(jnp.float32)
 
@@ -462,7 +455,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     ) -> tuple[Float[Array, " N"], Float[Array, " R"]]:
         """Each row's clipped policy loss and the ratios (per example or per row)."""
         if self.ratio == "per_row":
-            log_p, old = _row_mean(log_p, count), _row_mean(old, count)
+            log_p, old = row_mean(log_p, count), row_mean(old, count)
             per = 1
         else:
             advantages = jnp.repeat(advantages, count)
@@ -470,26 +463,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         ratio = jnp.exp(log_p - old)
         clipped = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
         loss = jnp.maximum(-advantages * ratio, -advantages * clipped)
-        return _row_mean(loss, per), ratio
-
-
-def _check_mode(name: str, value: Any, modes: Any) -> None:
-    """Raise a `ValueError` naming `name` unless `value` is one of the `Literal`'s modes."""
-    allowed = modes.__args__
-    if value not in allowed:
-        listed = ", ".join(repr(mode) for mode in allowed)
-        raise ValueError(f"`{name}` must be one of {listed}, got {value!r}.")
-
-
-def _row_mean(value: PerExample, count: int) -> Float[Array, " N"]:
-    """Each row's mean of its `count` consecutive examples."""
-    return jnp.mean(value.reshape(-1, count), axis=1)
-
-
-def _mean_over(keep: Bool[Array, " N"], value: Float[Array, " N"]) -> Mean:
-    """The `Mean` of per-row values over the counted rows."""
-    total = jnp.sum(jnp.where(keep, value, jnp.zeros_like(value)))
-    return Mean(total, jnp.sum(keep, dtype=jnp.float32))
+        return row_mean(loss, per), ratio
 
 
 @eqx.filter_jit

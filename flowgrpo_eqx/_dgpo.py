@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ._awm import _check_mode, _mean_over, _row_mean
 from ._custom_types import (
     ExampleMask,
     FinalSamples,
@@ -22,11 +21,20 @@ from ._custom_types import (
     Transitions,
     check_batch_type,
 )
+from ._decay import RampedDecay, check_decay, decay_at
+from ._final_samples import (
+    example_mse,
+    final_samples,
+    kept_grid,
+    mean_over,
+    noised,
+    repeated_rows,
+    row_mean,
+)
 from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables
 from ._guided_flow import GuidedFlow
 from ._inputs import CFG
-from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
-from ._nft import RampedDecay, _example_mse, final_samples
+from ._misc import check_int, check_mode, check_number, stop_gradient_arrays, zero_rows_unless
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, ODESampler
 from ._solver import AbstractSolver, DPMSolverPP2M
@@ -228,8 +236,8 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
     def __check_init__(self) -> None:
         check_int("group_size", self.group_size, 1)
         check_number("beta_dpo", self.beta_dpo, minimum=0, include_minimum=False)
-        _check_mode("loss_form", self.loss_form, DGPOLoss)
-        _check_mode("dpo_reference", self.dpo_reference, DGPOReference)
+        check_mode("loss_form", self.loss_form, DGPOLoss)
+        check_mode("dpo_reference", self.dpo_reference, DGPOReference)
         if self.reference_guidance is not None:
             if not isinstance(self.reference_guidance, CFG):
                 raise ValueError(
@@ -259,11 +267,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
                 f"(distinct indices of 0..{self.trunc_steps}), got {self.train_timesteps}."
             )
         check_int("quantize", self.quantize, 1, optional=True)
-        if not isinstance(self.ema_decay, RampedDecay):
-            check_number(
-                "ema_decay", self.ema_decay, minimum=0, maximum=1, include_maximum=False,
-                optional=True,
-            )  # fmt: skip
+        check_decay("ema_decay", self.ema_decay)
         check_int("switch_ema_ref", self.switch_ema_ref, 0, optional=True)
         check_int("seed", self.seed, 0)
 
@@ -372,10 +376,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         """
         decay = None
         if variables.ema is not None and self.ema_decay is not None:
-            value = self.ema_decay
-            if isinstance(value, RampedDecay):
-                value = value(max(step - 1, 0))
-            decay = jnp.asarray(value, jnp.float32)
+            decay = jnp.asarray(decay_at(self.ema_decay, max(step - 1, 0)), jnp.float32)
         return _advance(
             variables,
             decay,
@@ -613,7 +614,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
             return self.flow.call_model(policy, x_t, t_flat, conditioning).astype(jnp.float32)
 
         v = velocity(variables.policy)
-        error = _example_mse(v, target)
+        error = example_mse(v, target)
         advantages = self.clipped_advantages(zero_rows_unless(keep, samples.advantages))
         flat_advantages = jnp.repeat(advantages, count)
         v_base = None
@@ -625,11 +626,11 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
             v_ema = jax.lax.stop_gradient(velocity(stop_gradient_arrays(variables.ema_policy())))
         clip = jnp.zeros(error.shape, bool)
         if v_ema is not None and self.clip_range is not None:
-            clip = self.should_clip(error, _example_mse(v_ema, target), flat_advantages)
+            clip = self.should_clip(error, example_mse(v_ema, target), flat_advantages)
         clipped = jnp.where(clip, jax.lax.stop_gradient(error), error)
         v_dpo = v_ema if self.dpo_reference == "ema" else v_base
         assert v_dpo is not None
-        reference_error = _example_mse(v_dpo, target)
+        reference_error = example_mse(v_dpo, target)
         same = self._same_group(batch.group, keep)
         policy, weight = self.preference_loss(
             clipped.reshape(rows, count), reference_error.reshape(rows, count), advantages, same
@@ -637,22 +638,22 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         per_row = jnp.mean(policy, axis=1)
         aux = {
             "policy_loss": per_row,
-            "error": _row_mean(error, count),
-            "reference_error": _row_mean(reference_error, count),
+            "error": row_mean(error, count),
+            "reference_error": row_mean(reference_error, count),
             "weight": jnp.mean(weight, axis=1),
             "advantage": advantages,
         }
         if self.clip_range is not None:
-            aux["clipfrac"] = _row_mean(clip.astype(jnp.float32), count)
+            aux["clipfrac"] = row_mean(clip.astype(jnp.float32), count)
         if self.kl_beta > 0:
             assert v_base is not None
-            kl = _example_mse(v, v_base)
+            kl = example_mse(v, v_base)
             if self.clip_kl:
                 kl = jnp.where(clip, jax.lax.stop_gradient(kl), kl)
-            aux["kl"] = _row_mean(kl, count)
+            aux["kl"] = row_mean(kl, count)
             per_row = per_row + self.kl_beta * aux["kl"]
-        stats = {k: _mean_over(keep, jax.lax.stop_gradient(a)) for k, a in aux.items()}
-        return _mean_over(keep, per_row), stats
+        stats = {k: mean_over(keep, jax.lax.stop_gradient(a)) for k, a in aux.items()}
+        return mean_over(keep, per_row), stats
 
     def training_points(
         self,
@@ -680,25 +681,16 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         - `ValueError`: naming `batch.samples.timesteps` if it is `None`; as
             `training_times`.
         """
-        keep = samples.mask
-        if samples.timesteps is None:
-            raise ValueError(
-                "DGPO trains at the sampler's grid, but `batch.samples.timesteps` is None: "
-                "collect with a FlowRollout (every sampler records it)."
-            )
-        grid = jnp.where(keep[:, None], samples.timesteps, jnp.ones((), samples.timesteps.dtype))
+        grid = kept_grid(samples, "DGPO", "batch.samples.timesteps")
         t = self.training_times(grid, variables.indices)
         rows, count = t.shape
         t_flat = t.reshape(rows * count)
-        x_0 = jnp.repeat(zero_rows_unless(keep, samples.latents), count, axis=0)
-        cond = jax.tree.map(
-            lambda leaf: jnp.repeat(zero_rows_unless(keep, leaf), count, 0), samples.cond
-        )
+        x_0, cond = repeated_rows(samples, count)
         noise = self.training_noise(group, count, x_0.shape[1:], key).astype(x_0.dtype)
-        process = self.flow.process
+        x_t, target = noised(self.flow.process, x_0, noise, t_flat)
         return _TrainingPoints(
-            x_t=jax.vmap(process.interpolate)(x_0, noise, t_flat.astype(x_0.dtype)),
-            target=jax.vmap(process.velocity_target)(x_0, noise).astype(jnp.float32),
+            x_t=x_t,
+            target=target,
             t=t_flat,
             cond=self.flow.inputs.condition(cond),
             count=count,

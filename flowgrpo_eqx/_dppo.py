@@ -28,11 +28,13 @@ from ._policy_loss import (
     kept_inputs,
     kept_transitions,
     map_transitions,
+    recorded_transitions,
     transition_log_probs,
     transition_sampler,
+    with_rescored,
 )
 from ._rl import AbstractRLObjective, Rescore
-from ._sampling import AbstractSampler, MixSampler, SDESampler
+from ._sampling import AbstractSampler, SDESampler
 from ._sde import AbstractSDE, FlowSDE
 from ._solver import AbstractSolver, Euler
 from ._trainable import TrainableFilter
@@ -196,22 +198,23 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
         del trainable
         return PolicyVariables(policy=policy)
 
-    def rollout_sampler(self, requested: AbstractSampler | None) -> SDESampler | MixSampler:
+    def rollout_sampler(self, requested: AbstractSampler | None) -> AbstractSampler:
         """`SDESampler(sde)`, recording the means with `old_means="rollout"`, by default; a
-        requested sampler only if it samples this `sde` (and, with `old_means="rollout"`,
-        records its means).
+        requested sampler only if it records transitions of this `sde` (and, with
+        `old_means="rollout"`, their means): `AbstractSampler.records_transitions_of` and
+        `records_means`.
 
         **Raises:**
 
-        - `ValueError`: naming `sampler`, for anything but an `SDESampler` or `MixSampler`
-            whose `sde` equals the objective's, or one that records no means when
-            `old_means="rollout"` needs them.
+        - `ValueError`: naming `sampler`, for a sampler that records no transitions of the
+            objective's `sde` (anything but an `SDESampler` or `MixSampler` of it), or one
+            that records no means when `old_means="rollout"` needs them.
         """
         needs_means = self.old_means == "rollout"
         if requested is None:
             return SDESampler(self.sde, record_means=needs_means)
         sampler = transition_sampler(self.sde, requested, "Flow-DPPO")
-        if needs_means and not sampler.record_means:
+        if needs_means and not sampler.records_means():
             raise ValueError(
                 "`sampler` must record the rollout's means (`record_means=True`): with "
                 f"`old_means='rollout'` they are the KL's anchor, got {requested!r}."
@@ -244,21 +247,17 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
             `old_means="rollout"`, no means.
         """
         del info
-        if not isinstance(collected, Transitions):
-            raise ValueError(
-                "Flow-DPPO trains on recorded transitions: collect with an SDESampler of the "
-                f"objective's `sde` (it collected {type(collected).__name__})."
-            )
+        transitions = recorded_transitions(collected, "Flow-DPPO")
         if self.old_means == "rollout":
-            if collected.old_means is None:
+            if transitions.old_means is None:
                 raise ValueError(
                     "The rollout recorded no means, and `old_means='rollout'` takes the KL's "
                     "anchor from them: sample with `SDESampler(record_means=True)` (the "
                     "objective's `rollout_sampler`)."
                 )
             if self.old_log_probs == "rollout":
-                return collected
-        batch = collected
+                return transitions
+        batch = transitions
         if batch.old_means is None:
             batch = eqx.tree_at(
                 lambda b: b.old_means,
@@ -289,26 +288,20 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
         - `ValueError`: naming `aux` if it lacks what an `"update"` anchor needs, or
             `batch.old_means` if it is `None` when the means are to be written.
         """
-        minibatch = jax.tree.map(lambda leaf: leaf[rows], batch)
-        kept = self.kept(minibatch)
+        kept = self.kept(jax.tree.map(lambda leaf: leaf[rows], batch))
         if self.old_log_probs == "update":
             if aux.log_probs is None:
                 raise ValueError("`aux.log_probs` is None: `old_log_probs='update'` needs them.")
-            old = jnp.where(kept, aux.log_probs.value, minibatch.old_log_probs)
-            batch = eqx.tree_at(
-                lambda b: b.old_log_probs, batch, batch.old_log_probs.at[rows].set(old)
-            )
+            batch = with_rescored(batch, rows, kept, "old_log_probs", aux.log_probs.value)
         if self.old_means == "update":
             if aux.means is None:
                 raise ValueError("`aux.means` is None: `old_means='update'` needs them.")
-            if batch.old_means is None or minibatch.old_means is None:
+            if batch.old_means is None:
                 raise ValueError(
                     "`batch.old_means` is None: `training_batch` gives the batch a place "
                     "for the means before they are rescored."
                 )
-            wide = kept.reshape(kept.shape + (1,) * (aux.means.value.ndim - 2))
-            means = jnp.where(wide, aux.means.value, minibatch.old_means)
-            batch = eqx.tree_at(lambda b: b.old_means, batch, batch.old_means.at[rows].set(means))
+            batch = with_rescored(batch, rows, kept, "old_means", aux.means.value)
         return batch
 
     def end_epoch(self, variables: PolicyVariables, step: int) -> PolicyVariables:

@@ -96,6 +96,25 @@ def check_number(
     raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
 
 
+def check_mode(name: str, value: Any, modes: Any) -> None:
+    """Raise a `ValueError` naming `name` unless `value` is one of a `Literal`'s modes.
+
+    **Arguments:**
+
+    - `name`: the argument's name, for the message.
+    - `value`: the value to check.
+    - `modes`: the `Literal` type alias of the allowed modes.
+
+    **Raises:**
+
+    - `ValueError`: `"`name` must be one of <modes>, got <value>."`.
+    """
+    allowed = modes.__args__
+    if value not in allowed:
+        listed = ", ".join(repr(mode) for mode in allowed)
+        raise ValueError(f"`{name}` must be one of {listed}, got {value!r}.")
+
+
 def check_leading_rows(
     owner: str, field: str, tree: PyTree[Any], rows: int, *, rows_name: str = "N"
 ) -> None:

@@ -18,9 +18,19 @@ from ._custom_types import (
     Transitions,
     check_final_samples,
 )
+from ._decay import RampedDecay, check_decay, decay_at
+from ._final_samples import (
+    example_mean,
+    example_mse,
+    final_samples,
+    mean_over,
+    noised,
+    repeated_rows,
+    row_mean,
+)
 from ._flow_base import AbstractReferenceVariables
 from ._guided_flow import GuidedFlow
-from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
+from ._misc import check_number, stop_gradient_arrays, zero_rows_unless
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, ODESampler
 from ._solver import AbstractSolver, Euler
@@ -40,51 +50,6 @@ NFTLoss: TypeAlias = Literal["released", "velocity"]
 NFTTimes: TypeAlias = Literal["grid", "uniform"]
 """Where DiffusionNFT's training times come from: a random subset of the sampler's grid per
 row (the released code), or one uniform time per row."""
-
-
-@final
-class RampedDecay(eqx.Module):
-    """The released old-policy decay: `eta = 0` for the first `flat` optimizer steps, then
-    `min((step - flat) * rate, maximum)`, with `step` the optimizer steps done when the epoch
-    ends. The old policy becomes `eta * old + (1 - eta) * live`.
-
-    The defaults are the release's `decay_type=1`; its `decay_type=2` (OCR) is
-    `RampedDecay(rate=0.0075, maximum=0.999, flat=75)`.
-
-    **Arguments:**
-
-    - `rate`: the increase of `eta` per optimizer step (>= 0).
-    - `maximum`: the cap of `eta`, in [0, 1).
-    - `flat`: optimizer steps with `eta = 0` (>= 0).
-
-    **Raises:**
-
-    - `ValueError`: naming the argument outside its range.
-    """
-
-    rate: float = 0.001
-    maximum: float = 0.5
-    flat: int = 0
-
-    def __check_init__(self) -> None:
-        check_number("rate", self.rate, minimum=0)
-        check_number("maximum", self.maximum, minimum=0, maximum=1, include_maximum=False)
-        check_int("flat", self.flat, 0)
-
-    def __call__(self, step: int) -> float:
-        """`eta` after `step` optimizer updates.
-
-        **Arguments:**
-
-        - `step`: the optimizer updates done when the epoch ended.
-
-        **Returns:**
-
-        The decay `eta` in [0, maximum].
-        """
-        if step < self.flat:
-            return 0.0
-        return min((step - self.flat) * self.rate, self.maximum)
 
 
 _RELEASED_DECAY = RampedDecay()
@@ -187,15 +152,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         check_number("beta", self.beta, minimum=0, maximum=1, include_minimum=False)
         check_number("adv_max", self.adv_max, minimum=0, include_minimum=False)
         check_number("kl_beta", self.kl_beta, minimum=0)
-        if not isinstance(self.old_decay, RampedDecay):
-            check_number(
-                "old_decay",
-                self.old_decay,
-                minimum=0,
-                maximum=1,
-                include_maximum=False,
-                optional=True,
-            )
+        check_decay("old_decay", self.old_decay)
         if self.loss_form not in ("released", "velocity"):
             raise ValueError(
                 f"`loss_form` must be 'released' or 'velocity', got {self.loss_form!r}."
@@ -262,9 +219,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         """
         if self.old_decay is None:
             return variables
-        if isinstance(self.old_decay, RampedDecay):
-            return _soft_update(variables, self.old_decay(step))
-        return _soft_update(variables, self.old_decay)
+        return _soft_update(variables, decay_at(self.old_decay, step))
 
     def batch_metrics(self, batch: FinalSamples) -> dict[str, float]:
         del batch
@@ -337,20 +292,14 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         """
         check_final_samples(batch, type(self).__name__)
         old = stop_gradient_arrays(self.old_policy(variables))
-        rows = batch.num_rows
         keep = batch.mask
-        data = zero_rows_unless(keep, batch.latents)
         advantages = zero_rows_unless(keep, batch.advantages)
-        cond = jax.tree.map(lambda leaf: zero_rows_unless(keep, leaf), batch.cond)
         noise_key, time_key = jax.random.split(step.key)
-        t, count_per_row = self._training_times(batch, keep, data.dtype, time_key)
+        t, count_per_row = self._training_times(batch, keep, batch.latents.dtype, time_key)
         # Every (row, time) pair is one example of a flat batch of rows * count_per_row.
-        x_0 = jnp.repeat(data, count_per_row, axis=0)
-        noise = jax.random.normal(noise_key, x_0.shape, data.dtype)
-        flat_cond = jax.tree.map(lambda leaf: jnp.repeat(leaf, count_per_row, axis=0), cond)
-        process = self.flow.process
-        x_t = jax.vmap(process.interpolate)(x_0, noise, t)
-        target = jax.vmap(process.velocity_target)(x_0, noise).astype(jnp.float32)
+        x_0, flat_cond = repeated_rows(batch, count_per_row)
+        noise = jax.random.normal(noise_key, x_0.shape, x_0.dtype)
+        x_t, target = noised(self.flow.process, x_0, noise, t)
         v_theta = self.flow.velocity(variables.policy, x_t, t, flat_cond).astype(jnp.float32)
         v_old = jax.lax.stop_gradient(
             self.flow.velocity(old, x_t, t, flat_cond).astype(jnp.float32)
@@ -364,29 +313,22 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         if self.kl_beta > 0:
             reference = stop_gradient_arrays(variables.reference_policy())
             v_ref = self.flow.velocity(reference, x_t, t, flat_cond).astype(jnp.float32)
-            kl = _example_mse(v_theta, jax.lax.stop_gradient(v_ref))
+            kl = example_mse(v_theta, jax.lax.stop_gradient(v_ref))
             per_example = per_example + self.kl_beta * kl
-        count = jnp.sum(keep, dtype=jnp.float32)
-
-        def row_mean(value: PerExample) -> Float[Array, " N"]:
-            return jnp.mean(value.reshape(rows, count_per_row), axis=1)
-
-        def mean_of(value: Float[Array, " N"]) -> Mean:
-            return Mean(jnp.sum(jnp.where(keep, value, jnp.zeros_like(value))), count)
 
         def row_stat(value: PerExample) -> Mean:
-            return mean_of(row_mean(jax.lax.stop_gradient(value)))
+            return mean_over(keep, row_mean(jax.lax.stop_gradient(value), count_per_row))
 
         aux = {
             "positive_mse": row_stat(positive_mse),
             "negative_mse": row_stat(negative_mse),
-            "old_mse": row_stat(_example_mse(v_old, target)),
-            "drift": row_stat(_example_mse(v_theta, v_old)),
+            "old_mse": row_stat(example_mse(v_old, target)),
+            "drift": row_stat(example_mse(v_theta, v_old)),
             "optimality": row_stat(r),
         }
         if kl is not None:
             aux["kl"] = row_stat(kl)
-        return mean_of(row_mean(per_example)), aux
+        return mean_over(keep, row_mean(per_example, count_per_row)), aux
 
     def _training_times(
         self, batch: FinalSamples, keep: Array, dtype: Any, time_key: PRNGKeyArray
@@ -423,7 +365,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         positive = (1.0 - self.beta) * v_old + self.beta * v_theta
         negative = (1.0 + self.beta) * v_old - self.beta * v_theta
         if self.loss_form == "velocity":
-            return _example_mse(positive, target), _example_mse(negative, target), 1.0
+            return example_mse(positive, target), example_mse(negative, target), 1.0
         flat = x_0.shape[0]
         x_0_f32 = x_0.astype(jnp.float32)
         t_column = t.astype(jnp.float32).reshape((flat,) + (1,) * (x_0.ndim - 1))
@@ -431,49 +373,14 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         positive_error = (x_t_f32 - t_column * positive) - x_0_f32
         negative_error = (x_t_f32 - t_column * negative) - x_0_f32
         positive_weight = jax.lax.stop_gradient(
-            jnp.maximum(_example_mean(jnp.abs(positive_error)), 1e-5)
+            jnp.maximum(example_mean(jnp.abs(positive_error)), 1e-5)
         )
         negative_weight = jax.lax.stop_gradient(
-            jnp.maximum(_example_mean(jnp.abs(negative_error)), 1e-5)
+            jnp.maximum(example_mean(jnp.abs(negative_error)), 1e-5)
         )
-        positive_mse = _example_mean(positive_error**2) / positive_weight
-        negative_mse = _example_mean(negative_error**2) / negative_weight
+        positive_mse = example_mean(positive_error**2) / positive_weight
+        negative_mse = example_mean(negative_error**2) / negative_weight
         return positive_mse, negative_mse, self.adv_max / self.beta
-
-
-def final_samples(
-    collected: Transitions | FinalSamples, info: RolloutInfo, algorithm: str
-) -> FinalSamples:
-    """The final samples of a rollout: `collected` itself, or the rows, advantages and grid
-    of recorded `Transitions` with the final latents of `info` (every row counts).
-
-    **Arguments:**
-
-    - `collected`: what `FlowRollout.collect` returned.
-    - `info`: its `RolloutInfo` (the `final` latents).
-    - `algorithm`: the objective's name, for the message.
-
-    **Returns:**
-
-    The `FinalSamples`.
-
-    **Raises:**
-
-    - `ValueError`: if `collected` holds per-transition (`[N, K]`) advantages.
-    """
-    if isinstance(collected, FinalSamples):
-        return collected
-    if collected.advantages.ndim != 1:
-        raise ValueError(
-            f"{algorithm} needs one advantage per row, got Transitions.advantages of "
-            f"shape {tuple(collected.advantages.shape)}."
-        )
-    return FinalSamples(
-        latents=info.final,
-        advantages=collected.advantages,
-        cond=collected.cond,
-        timesteps=collected.timesteps,
-    )
 
 
 @eqx.filter_jit
@@ -481,13 +388,3 @@ def _soft_update(variables: NFTVariables, decay: float) -> NFTVariables:
     old_policy = blend_part(variables.old_policy, variables.policy, decay)
     moved: NFTVariables = eqx.tree_at(lambda v: v.old_policy, variables, old_policy)
     return moved
-
-
-def _example_mean(value: Array) -> PerExample:
-    """The mean of each example (leading axis) over its other axes."""
-    return jnp.mean(value.reshape(value.shape[0], -1), axis=1)
-
-
-def _example_mse(a: Array, b: Array) -> PerExample:
-    """The mean squared difference of each example."""
-    return _example_mean((a - b) ** 2)

@@ -31,12 +31,14 @@ from ._policy_loss import (
     kept_inputs,
     kept_transitions,
     map_transitions,
+    recorded_transitions,
     transition_log_probs,
     transition_sampler,
+    with_rescored,
 )
 from ._process import AbstractProcess
 from ._rl import AbstractRLObjective, Rescore
-from ._sampling import AbstractSampler, MixSampler, SDESampler
+from ._sampling import AbstractSampler
 from ._sde import AbstractSDE, FlowSDE
 from ._solver import AbstractSolver, Euler
 from ._trainable import TrainableFilter, held_part, reference_part, reference_policy
@@ -457,8 +459,9 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         reference = reference_part(policy, trainable) if self.beta > 0 else None
         return FlowGRPOVariables(policy=policy, reference=reference)
 
-    def rollout_sampler(self, requested: AbstractSampler | None) -> SDESampler | MixSampler:
-        """`SDESampler(sde)` by default; a requested sampler only if it samples this `sde`.
+    def rollout_sampler(self, requested: AbstractSampler | None) -> AbstractSampler:
+        """`SDESampler(sde)` by default; a requested sampler only if it records transitions
+        of this `sde` (`AbstractSampler.records_transitions_of`).
 
         Flow-GRPO rescores recorded transitions with its own `sde`: a rollout that sampled
         another one (or an ODE) would give log densities the loss cannot reproduce. A
@@ -467,8 +470,8 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
 
         **Raises:**
 
-        - `ValueError`: naming `sampler`, for anything but an `SDESampler` or `MixSampler`
-            whose `sde` equals the objective's.
+        - `ValueError`: naming `sampler`, for a sampler that records no transitions of the
+            objective's `sde` (anything but an `SDESampler` or `MixSampler` of it).
         """
         return transition_sampler(self.sde, requested, "Flow-GRPO")
 
@@ -496,14 +499,10 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         - `ValueError`: if the rollout recorded no transitions (an ODE sampler).
         """
         del info
-        if not isinstance(collected, Transitions):
-            raise ValueError(
-                "Flow-GRPO trains on recorded transitions: collect with an SDESampler of the "
-                f"objective's `sde` (it collected {type(collected).__name__})."
-            )
+        transitions = recorded_transitions(collected, "Flow-GRPO")
         if self.old_log_probs == "update":
-            return Rescore(collected, fill=self.with_rescored_rows)
-        return collected
+            return Rescore(transitions, fill=self.with_rescored_rows)
+        return transitions
 
     def with_rescored_rows(
         self, batch: Transitions, rows: Int[Array, " M"], aux: Aux
@@ -530,12 +529,8 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
                 "`aux.log_probs` is None: the loss reports log densities only with "
                 "`old_log_probs='update'`."
             )
-        minibatch = jax.tree.map(lambda leaf: leaf[rows], batch)
-        old = jnp.where(self.kept(minibatch), aux.log_probs.value, minibatch.old_log_probs)
-        rescored: Transitions = eqx.tree_at(
-            lambda b: b.old_log_probs, batch, batch.old_log_probs.at[rows].set(old)
-        )
-        return rescored
+        kept = self.kept(jax.tree.map(lambda leaf: leaf[rows], batch))
+        return with_rescored(batch, rows, kept, "old_log_probs", aux.log_probs.value)
 
     def end_epoch(self, variables: FlowGRPOVariables, step: int) -> FlowGRPOVariables:
         del step

@@ -1,6 +1,7 @@
 """What the policy objectives on recorded SDE transitions share (`FlowGRPOObjective`,
 `FlowDPPOObjective`): the kept set, the batch's inputs made safe, the scan over chunks of
-transitions, the samplers they accept, and the rescored log densities."""
+transitions, the samplers and batches they accept, the anchors the update program rescores,
+and the rescored log densities."""
 
 from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
@@ -8,12 +9,12 @@ from typing import Any, Literal, TypeAlias
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Float, Int, PyTree
 
-from ._custom_types import Model, PerTransition, TransitionMask, Transitions
+from ._custom_types import FinalSamples, Model, PerTransition, TransitionMask, Transitions
 from ._guided_flow import GuidedFlow
 from ._misc import tile_rows
-from ._sampling import AbstractSampler, MixSampler, SDESampler
+from ._sampling import AbstractSampler, SDESampler
 from ._sde import AbstractSDE
 
 
@@ -149,13 +150,15 @@ def map_transitions(
 
 def transition_sampler(
     sde: AbstractSDE, requested: AbstractSampler | None, objective: str
-) -> SDESampler | MixSampler:
-    """`SDESampler(sde)` by default; a requested sampler only if it samples this `sde`.
+) -> AbstractSampler:
+    """`SDESampler(sde)` by default; a requested sampler only if it records transitions of
+    this `sde`.
 
     An objective that rescores its recorded transitions with its own `sde` cannot train on a
     rollout that sampled another one (or an ODE): the log densities would not be the ones its
-    loss reproduces. A `MixSampler` (MixGRPO's rollout) records its window with the same
-    `sde`, so it is accepted too.
+    loss reproduces. Each sampler says whether its transitions are `sde`'s
+    (`AbstractSampler.records_transitions_of`): an `SDESampler` or a `MixSampler` (MixGRPO's
+    rollout, which records its window) of the same `sde` does.
 
     **Arguments:**
 
@@ -169,18 +172,72 @@ def transition_sampler(
 
     **Raises:**
 
-    - `ValueError`: naming `sampler`, for anything but an `SDESampler` or `MixSampler` whose
-        `sde` equals `sde`.
+    - `ValueError`: naming `sampler`, for a sampler that records no transitions of `sde`.
     """
     if requested is None:
         return SDESampler(sde)
-    if not isinstance(requested, SDESampler | MixSampler) or not eqx.tree_equal(requested.sde, sde):
+    if not requested.records_transitions_of(sde):
         raise ValueError(
             f"`sampler` must be an SDESampler of the {objective} objective's own `sde` "
-            f"({sde!r}) or a MixSampler of it: the objective rescores what it recorded, got "
-            f"{requested!r}."
+            f"({sde!r}), or another sampler that records transitions of it (a MixSampler of "
+            f"it): the objective rescores what it recorded, got {requested!r}."
         )
     return requested
+
+
+def recorded_transitions(collected: Transitions | FinalSamples, objective: str) -> Transitions:
+    """A rollout's batch, if it recorded transitions.
+
+    **Arguments:**
+
+    - `collected`: what the rollout collected.
+    - `objective`: the objective's name, for the message (`"Flow-GRPO"`).
+
+    **Returns:**
+
+    `collected`.
+
+    **Raises:**
+
+    - `ValueError`: if the rollout recorded no transitions (an ODE sampler's `FinalSamples`).
+    """
+    if not isinstance(collected, Transitions):
+        raise ValueError(
+            f"{objective} trains on recorded transitions: collect with an SDESampler of the "
+            f"objective's `sde` (it collected {type(collected).__name__})."
+        )
+    return collected
+
+
+def with_rescored(
+    batch: Transitions,
+    rows: Int[Array, " M"],
+    kept: TransitionMask,
+    field: Literal["old_log_probs", "old_means"],
+    rescored: Array,
+) -> Transitions:
+    """`batch` whose anchor `field` takes the update program's values in the kept
+    transitions of one minibatch's rows (the `fill` of a `Rescore`).
+
+    **Arguments:**
+
+    - `batch`: the whole batch, with `field` set.
+    - `rows`: `[M]` the rows of the minibatch.
+    - `kept`: `[M, K]` their kept set (`kept_transitions`).
+    - `field`: `"old_log_probs"` (`[N, K]`) or `"old_means"` (`[N, K, *latent]`).
+    - `rescored`: `[M, K, ...]` the minibatch's values as the loss computed them.
+
+    **Returns:**
+
+    `batch` with `field` replaced in those rows where a transition is kept.
+    """
+    current = getattr(batch, field)
+    wide = kept.reshape(kept.shape + (1,) * (rescored.ndim - 2))
+    written = jnp.where(wide, rescored, current[rows])
+    replaced: Transitions = eqx.tree_at(
+        lambda b: getattr(b, field), batch, current.at[rows].set(written)
+    )
+    return replaced
 
 
 def transition_log_probs(

@@ -98,8 +98,30 @@ class AbstractSampler(eqx.Module):
     rollout's settings suit it (`check_rollout`), how many transitions it records
     (`recorded_transitions`), where an epoch's recorded window starts (`window_start`), the
     trajectory itself inside the compiled generation (`trajectory`), and the batch it makes
-    of a scored trajectory (`batch`).
+    of a scored trajectory (`batch`). An objective that rescores recorded transitions asks
+    two more: whether they are transitions of its SDE (`records_transitions_of`) and whether
+    they carry their means (`records_means`).
     """
+
+    @abc.abstractmethod
+    def records_transitions_of(self, sde: AbstractSDE) -> bool:
+        """Whether the batch is `Transitions` drawn with `sde` (by `GuidedFlow.transition`,
+        the code an objective rescores them with), so that their log densities are the ones
+        an objective of that `sde` reproduces.
+
+        **Arguments:**
+
+        - `sde`: the SDE the objective rescores with.
+
+        **Returns:**
+
+        `True` if the recorded transitions are that SDE's.
+        """
+
+    @abc.abstractmethod
+    def records_means(self) -> bool:
+        """Whether the recorded `Transitions` carry each transition's Gaussian mean
+        (`Transitions.old_means`); `False` for a sampler that records no transitions."""
 
     @abc.abstractmethod
     def check_rollout(self, flow: GuidedFlow, steps: int, groups: int, shared_noise: bool) -> None:
@@ -247,6 +269,12 @@ class SDESampler(AbstractSampler):
                 f"`sde` (window={self.sde.window}, noise_level={self.sde.noise_level})."
             )
 
+    def records_transitions_of(self, sde: AbstractSDE) -> bool:
+        return bool(eqx.tree_equal(self.sde, sde))
+
+    def records_means(self) -> bool:
+        return self.record_means
+
     def recorded_transitions(self, steps: int) -> int:
         if self.window_schedule is not None:
             return self.window_schedule.count
@@ -342,6 +370,14 @@ class ODESampler(AbstractSampler):
                 "from one shared start draws the same sample for the whole group, so every "
                 "advantage would be 0."
             )
+
+    def records_transitions_of(self, sde: AbstractSDE) -> bool:
+        """`False`: the batch is `FinalSamples`, no transitions."""
+        del sde
+        return False
+
+    def records_means(self) -> bool:
+        return False
 
     def recorded_transitions(self, steps: int) -> int:
         del steps
@@ -447,6 +483,14 @@ class MixSampler(AbstractSampler):
                 "`compress_ratio` needs a RectifiedFlow with grid='uniform' (the release "
                 f"shifts the rebuilt grid as it does), got {process!r}."
             )
+
+    def records_transitions_of(self, sde: AbstractSDE) -> bool:
+        """Whether `sde` is the window's: the transitions it records are drawn as
+        `SDESampler`'s are."""
+        return bool(eqx.tree_equal(self.sde, sde))
+
+    def records_means(self) -> bool:
+        return self.record_means
 
     def recorded_transitions(self, steps: int) -> int:
         return self.window_schedule.count

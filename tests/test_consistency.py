@@ -259,7 +259,7 @@ def test_cli_check_passes_on_the_tiny_demo(tiny_out: Any, capsys: pytest.Capture
 def test_demo_passes_in_float32_with_ratio_one(tiny_out: Any) -> None:
     job = ShapesJob(make_config("tiny", beta=0.01), tiny_out, quiet=True)
     base, _ = job.base_model(lambda message: None)
-    objective = job.objective(base)
+    objective = job.flow_grpo_objective(base)
     report = fg.check_consistency(
         objective,
         job.rollout(objective),

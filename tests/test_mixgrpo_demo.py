@@ -29,11 +29,11 @@ def test_the_mixgrpo_demo_is_the_released_window_on_the_main_jobs_grid(
     assert rollout.rollout_steps == rollout_steps
     assert config.training.epochs == ref.MIXGRPO_TRAIN_STEPS  # an epoch is a released step
     job = ShapesJob(config, tmp_path, quiet=True)
-    objective = job.train_objective(job.model)
+    objective = job.objective(job.model)
     assert isinstance(objective, fg.FlowGRPOObjective)
     # The released time input, in the rollout, the update and the ratios' rescoring.
     assert objective.flow.model_time == "thousandths"
-    assert job.objective(job.model).flow.model_time == "thousandths"
+    assert job.flow_grpo_objective(job.model).flow.model_time == "thousandths"
     assert job.evaluation_flow().model_time == "exact"
     sampler = job.rollout(objective).sampler
     assert isinstance(sampler, fg.MixSampler)

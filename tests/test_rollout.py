@@ -410,6 +410,22 @@ def test_a_flow_grpo_rollout_samples_only_with_its_objectives_sde():
         fg.FlowRollout(objective.flow, CountingReward())
 
 
+def test_samplers_declare_the_transitions_and_means_they_record():
+    # An objective that rescores transitions asks the sampler, not a list of sampler types.
+    sde, other = fg.FlowSDE(0.7), fg.FlowSDE(0.5)
+    window = fg.ProgressiveWindow(2, shift_every=1)
+    for plain, with_means in (
+        (fg.SDESampler(sde), fg.SDESampler(sde, record_means=True)),
+        (fg.MixSampler(sde, window), fg.MixSampler(sde, window, record_means=True)),
+    ):
+        assert plain.records_transitions_of(sde) and plain.records_transitions_of(fg.FlowSDE())
+        assert not plain.records_transitions_of(other)
+        assert not plain.records_transitions_of(fg.CoefficientsPreservingSDE(0.7))
+        assert (plain.records_means(), with_means.records_means()) == (False, True)
+    ode = fg.ODESampler(fg.Heun())
+    assert not ode.records_transitions_of(sde) and not ode.records_means()
+
+
 def test_sde_sampler_settings_are_named():
     sde = fg.FlowSDE(0.7)
     for kwargs, name in (

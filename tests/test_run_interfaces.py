@@ -9,14 +9,19 @@ import json
 import shutil
 import threading
 import time
+import typing
 
+import equinox as eqx
 import numpy as np
 import pytest
 
+import flowgrpo_eqx as fg
 from flowgrpo_eqx.shapes_demo import cli as cli_module, make_config
-from flowgrpo_eqx.shapes_demo.config import config_to_toml
+from flowgrpo_eqx.shapes_demo.algorithms import ALGORITHMS
+from flowgrpo_eqx.shapes_demo.config import SETTINGS, config_to_toml
 from flowgrpo_eqx.shapes_demo.job import ShapesJob
 from flowgrpo_eqx.shapes_demo.parts import measures_train_reward
+from flowgrpo_eqx.shapes_demo.settings import AlgorithmName
 from flowgrpo_eqx.train import MetricsLog, _checkpoint
 from tests.cli_helpers import (
     RewardServer,
@@ -417,7 +422,38 @@ def test_recipe_options_reach_the_run_and_its_saved_configuration(in_process, tm
 )
 def test_old_log_probs_default_to_the_update_program_in_bfloat16(settings, expected, tmp_path):
     job = ShapesJob(make_config("tiny", **settings), tmp_path, True)
-    assert job.objective(job.model).old_log_probs == expected
+    assert job.flow_grpo_objective(job.model).old_log_probs == expected
+
+
+@pytest.mark.parametrize(
+    "algorithm, kind",
+    [
+        ("flow_grpo", fg.FlowGRPOObjective),
+        ("nft", fg.DiffusionNFTObjective),
+        ("awm", fg.AWMObjective),
+        ("dgpo", fg.DGPOObjective),
+        ("mixgrpo", fg.FlowGRPOObjective),
+        ("dppo", fg.FlowDPPOObjective),
+    ],
+)
+def test_the_jobs_objective_is_its_algorithms(algorithm, kind, tmp_path):
+    job = ShapesJob(make_config("tiny", algorithm=algorithm), tmp_path, True)
+    objective = job.objective(job.model)
+    assert type(objective) is kind
+    assert eqx.tree_equal(objective, job.algorithm.objective(job.pieces(), job.model))
+    # Flow-GRPO's objective, whatever the algorithm: what `check` checks and ratios rescore with.
+    assert isinstance(job.flow_grpo_objective(job.model), fg.FlowGRPOObjective)
+
+
+def test_the_algorithm_names_come_from_the_registry():
+    names = tuple(ALGORITHMS)
+    assert typing.get_args(AlgorithmName) == names
+    assert SETTINGS["algorithm"].choices == names
+    parser = cli_module.build_parser()
+    for name in names:
+        assert parser.parse_args(["train", "--algorithm", name]).algorithm == name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--algorithm", "grpo"])
 
 
 def test_nft_turns_the_default_shared_noise_off():

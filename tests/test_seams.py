@@ -96,3 +96,54 @@ def test_no_model_module_imports_another_modules_private_names():
                     if alias.name.startswith("_")
                 ]
     assert not found, found
+
+
+ALGORITHM_MODULES = ("_objective", "_nft", "_awm", "_dgpo", "_dppo")
+"""One module per RL algorithm: Flow-GRPO, DiffusionNFT, AWM, DGPO and Flow-DPPO."""
+
+SHARED_MODULES = ("_policy_loss", "_final_samples", "_decay", "_flow_base", "_misc")
+"""Where the algorithms' shared pieces live: the transition objectives' scan and rescoring,
+the final-sample objectives' flow-matching pieces, the trailing copies' decay, the
+objectives' base classes, and the library's small helpers."""
+
+
+def _relative_imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
+    """`(module, names)` of each relative import of a module (`from ._nft import a, b`,
+    `from . import _nft`), the module as its dotted path below the package."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level >= 1:
+            names = [alias.name for alias in node.names]
+            if node.module is None:
+                found += [(name, []) for name in names]
+            else:
+                found.append((node.module, names))
+    return found
+
+
+def test_no_algorithm_module_imports_another_algorithm_module():
+    """An algorithm reaches another's pieces only through the shared modules."""
+    assert all((PACKAGE / f"{name}.py").is_file() for name in ALGORITHM_MODULES + SHARED_MODULES)
+    found = [
+        f"{name}.py imports {module}"
+        for name in ALGORITHM_MODULES
+        for module, _ in _relative_imports(PACKAGE / f"{name}.py")
+        if module.split(".")[-1] in ALGORITHM_MODULES
+    ]
+    assert not found, found
+    for name in SHARED_MODULES:
+        imported = {module for module, _ in _relative_imports(PACKAGE / f"{name}.py")}
+        assert not imported & set(ALGORITHM_MODULES), f"{name}.py imports an algorithm"
+
+
+def test_no_module_imports_another_modules_private_names():
+    """Whatever modules share (the algorithms' `SHARED_MODULES` among them) is public in the
+    module that holds it: no module of the package imports a private name from another."""
+    found = [
+        f"{path.relative_to(PACKAGE)}: {name} from {module}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for module, names in _relative_imports(path)
+        for name in names
+        if name.startswith("_")
+    ]
+    assert not found, found

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._files import atomic_file, read_leaves_to_end
-from ._model import LoraAdapter, LoraModel, _Model, require_lora_model
+from ._model import LoraAdapter, LoraModel, ModelT, require_lora_model
 from ._tree import has_adapters, linears_by_path, zeros
 
 
@@ -131,7 +131,7 @@ def _header_problem(header: Any) -> str | None:
     return None
 
 
-def load_adapters(path: str | os.PathLike[str], base_model: _Model) -> LoraModel[_Model]:
+def load_adapters(path: str | os.PathLike[str], base_model: ModelT) -> LoraModel[ModelT]:
     """Put adapters written by `save_adapters` onto `base_model`.
 
     The rank, alpha and adapted layers come from the file, so no template is needed.

@@ -11,7 +11,8 @@ from jaxtyping import Array, Float
 from .._misc import check_int, check_number
 
 
-_Model = TypeVar("_Model", bound=Callable[..., Any])
+ModelT = TypeVar("ModelT", bound=Callable[..., Any])
+"""The type of the base model an adapted model wraps and gives back."""
 
 
 @final
@@ -32,7 +33,7 @@ class LoraAdapter(eqx.Module):
 
 
 @final
-class LoraModel(eqx.Module, Generic[_Model]):
+class LoraModel(eqx.Module, Generic[ModelT]):
     """A base model with low-rank adapters on some of its `eqx.nn.Linear` layers.
 
     Built by `add` (or `load_adapters`). Called with any arguments, it calls `merge(self)`
@@ -52,7 +53,7 @@ class LoraModel(eqx.Module, Generic[_Model]):
     - `ValueError`: naming `rank`, `alpha` or `adapters` when they do not fit together.
     """
 
-    base: _Model
+    base: ModelT
     adapters: tuple[LoraAdapter, ...]
     layer_paths: tuple[str, ...] = eqx.field(static=True)
     rank: int = eqx.field(static=True)
@@ -92,7 +93,7 @@ def require_lora_model(model: Any, name: str) -> None:
         )
 
 
-def merge(model: LoraModel[_Model]) -> _Model:
+def merge(model: LoraModel[ModelT]) -> ModelT:
     """The base model with the adapters folded into its weights.
 
     Each adapted layer's weight becomes `W + (alpha / rank) b @ a` (the product `b @ a` at
@@ -125,5 +126,5 @@ def merge(model: LoraModel[_Model]) -> _Model:
             lambda layer: layer.weight, node, (weight + scale * update).astype(weight.dtype)
         )
 
-    merged: _Model = jax.tree_util.tree_map_with_path(fold, model.base, is_leaf=is_linear)
+    merged: ModelT = jax.tree_util.tree_map_with_path(fold, model.base, is_leaf=is_linear)
     return merged

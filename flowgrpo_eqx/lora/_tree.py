@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._misc import check_int, check_number, chunked_random_arrays
-from ._model import LoraAdapter, LoraModel, _Model, is_linear, require_lora_model
+from ._model import LoraAdapter, LoraModel, ModelT, is_linear, require_lora_model
 
 
 _T = TypeVar("_T")
@@ -67,13 +67,13 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> Array:
 
 
 def add(
-    model: _Model,
+    model: ModelT,
     rank: int,
     *,
     key: PRNGKeyArray,
     alpha: float | int | None = None,
-    where: Callable[[_Model], eqx.nn.Linear | Sequence[eqx.nn.Linear]] | None = None,
-) -> LoraModel[_Model]:
+    where: Callable[[ModelT], eqx.nn.Linear | Sequence[eqx.nn.Linear]] | None = None,
+) -> LoraModel[ModelT]:
     """Put low-rank adapters on some `eqx.nn.Linear` layers of `model`.
 
     Each selected layer with weight `W: [out, in]` gets `a: [rank, in]` drawn from
@@ -136,7 +136,7 @@ def add(
     )
 
 
-def base(model: LoraModel[_Model]) -> _Model:
+def base(model: LoraModel[ModelT]) -> ModelT:
     """The base model, with the adapters switched off (its weights exactly as they were).
 
     **Arguments:**

@@ -136,6 +136,13 @@ class AbstractAlgorithm(eqx.Module):
         bfloat16 = config.model.precision == "bfloat16"
         return "update" if self.trains_on_ratios and bfloat16 else "rollout"
 
+    def flow_grpo_objective(self, job: JobPieces, base: Any) -> FlowGRPOObjective:
+        """Flow-GRPO's objective from `base` with this algorithm's `old_log_probs` and
+        `model_time` (`flow_grpo_objective`): what `flow_grpo` and the MixGRPO algorithms
+        train, what the policy-ratio histograms of an algorithm that trains on ratios
+        rescore with, and what `flowgrpo-eqx check` checks, whatever the algorithm."""
+        return flow_grpo_objective(job, base, self.old_log_probs(job.config), self.model_time)
+
     def rollout(
         self, job: JobPieces, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None
     ) -> FlowRollout:
@@ -169,19 +176,14 @@ class FlowGRPO(AbstractAlgorithm):
         return {}
 
     def objective(self, job: JobPieces, base: Any) -> FlowGRPOObjective:
-        return flow_grpo_objective(job, base, self.old_log_probs(job.config))
+        return self.flow_grpo_objective(job, base)
 
     advantage_std: ClassVar[AdvantageStd] = "group"
 
     def sampler(self, job: JobPieces) -> SDESampler:
-        """The job's SDE (`rollout_sde`), recording the trained window."""
-        rollout = job.config.rollout
-        return SDESampler(
-            rollout_sde(rollout),
-            train_steps=rollout.train_steps if rollout.window_schedule == "fixed" else None,
-            window_schedule=window_schedule(rollout),
-            record_means=job.config.objective.grpo_guard,
-        )
+        """The job's SDE, recording the trained window (`window_sampler`), and the means
+        GRPO-Guard reads."""
+        return window_sampler(job.config.rollout, record_means=job.config.objective.grpo_guard)
 
 
 @final
@@ -416,8 +418,7 @@ class MixGRPO(AbstractAlgorithm):
 
     def objective(self, job: JobPieces, base: Any) -> FlowGRPOObjective:
         """Flow-GRPO's objective with the released time input (`model_time`)."""
-        old_log_probs = self.old_log_probs(job.config)
-        return flow_grpo_objective(job, base, old_log_probs, model_time=self.model_time)
+        return self.flow_grpo_objective(job, base)
 
     advantage_std: ClassVar[AdvantageStd] = "group"
 
@@ -490,15 +491,10 @@ class FlowDPPO(AbstractAlgorithm):
     advantage_std: ClassVar[AdvantageStd] = "global"
 
     def sampler(self, job: JobPieces) -> SDESampler:
-        """The job's SDE (`rollout_sde`), recording the trained window, and its means when
-        they are the KL's anchor."""
-        rollout = job.config.rollout
-        return SDESampler(
-            rollout_sde(rollout),
-            train_steps=rollout.train_steps if rollout.window_schedule == "fixed" else None,
-            window_schedule=window_schedule(rollout),
-            record_means=self.old_log_probs(job.config) == "rollout",
-        )
+        """The job's SDE, recording the trained window (`window_sampler`), and its means
+        when they are the KL's anchor."""
+        record_means = self.old_log_probs(job.config) == "rollout"
+        return window_sampler(job.config.rollout, record_means=record_means)
 
 
 ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {
@@ -536,8 +532,8 @@ def _refuse_shared_noise(config: Settings, algorithm: AlgorithmName) -> None:
 def flow_grpo_objective(
     job: JobPieces, base: Any, old_log_probs: OldLogProbs, model_time: ModelTime = "exact"
 ) -> FlowGRPOObjective:
-    """Flow-GRPO's objective from `base` with the job's SDE and `model_time`: what
-    `FlowGRPO` and `MixGRPO` train, and what their policy-ratio histograms rescore with."""
+    """Flow-GRPO's objective from `base` with the job's SDE, `old_log_probs` and
+    `model_time` (`AbstractAlgorithm.flow_grpo_objective` gives the algorithm's)."""
     config = job.config
     algorithm = config.objective
     return FlowGRPOObjective(
@@ -582,6 +578,17 @@ def sde_window(rollout: RolloutSettings) -> tuple[float, float] | None:
 def rollout_sde(rollout: RolloutSettings) -> FlowSDE:
     """The rollout's SDE: `noise_level`, stochastic on `sde_window`."""
     return FlowSDE(rollout.noise_level, window=sde_window(rollout))
+
+
+def window_sampler(rollout: RolloutSettings, record_means: bool) -> SDESampler:
+    """The rollout's SDE (`rollout_sde`), recording the trained window: the leading
+    `train_steps` transitions with the fixed window, else the `window_schedule`'s."""
+    return SDESampler(
+        rollout_sde(rollout),
+        train_steps=rollout.train_steps if rollout.window_schedule == "fixed" else None,
+        window_schedule=window_schedule(rollout),
+        record_means=record_means,
+    )
 
 
 def window_schedule(

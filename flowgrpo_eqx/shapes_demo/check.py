@@ -72,7 +72,7 @@ def run_check(
     else:
         job = ShapesJob(config, out, quiet)
         base, _ = job.base_model(log)
-        objective = job.objective(base)
+        objective = job.flow_grpo_objective(base)
         report = check_consistency(
             objective,
             job.rollout(objective),

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..reward_limits import add_limit_arguments, limit_settings, server_token
 from ..train import PREEMPTED_EXIT_STATUS, exit_now
-from .config import SETTINGS, JobConfig, config_to_toml, make_config, read_config_file
+from .config import SETTINGS, JobConfig, Setting, config_to_toml, make_config, read_config_file
 from .eval_target import eval_target
 from .settings import MAX_SEED, split_optional
 
@@ -55,19 +55,20 @@ def _seed_list(text: str) -> list[int]:
     return seeds
 
 
-def _parser_for(annotation: Any) -> Callable[[str], Any]:
-    """A string parser for a setting's type (`int`, `float | None`, a `Literal`,
+def _parser_for(setting: Setting) -> Callable[[str], Any]:
+    """A string parser for a setting's type (`int`, `float | None`, one of its `choices`,
     a tuple given comma-separated)."""
-    optional, base = split_optional(annotation)
+    optional, base = split_optional(setting.annotation)
+    choices = setting.choices
 
     def parse(text: str) -> Any:
         if optional and text.lower() == "none":
             return None
         if typing.get_origin(base) is tuple:
             return tuple(item.strip() for item in text.split(",") if item.strip())
-        if typing.get_origin(base) is typing.Literal:
-            if optional and text not in typing.get_args(base):
-                allowed = ", ".join([*typing.get_args(base), "none"])
+        if choices is not None:
+            if optional and text not in choices:
+                allowed = ", ".join([*choices, "none"])
                 raise argparse.ArgumentTypeError(f"expected one of {allowed}, got {text!r}")
             return text
         if base is bool:
@@ -84,17 +85,17 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (default: the preset's)")
     for name, setting in SETTINGS.items():
         flag = "--" + name.replace("_", "-")
-        annotation = setting.annotation
-        optional, base = split_optional(annotation)
-        literal = typing.get_origin(base) is typing.Literal
-        choices = typing.get_args(base) if literal and not optional else None
-        metavar = None
-        if literal and optional:
-            metavar = "{" + ",".join([*typing.get_args(base), "none"]) + "}"
+        optional, _ = split_optional(setting.annotation)
+        choices, metavar = setting.choices, None
+        if choices is not None and optional:
+            # argparse checks `choices` on the parsed value, and `none` parses to `None`: the
+            # parser checks the choices of an optional setting itself.
+            metavar = "{" + ",".join([*choices, "none"]) + "}"
+            choices = None
         group.add_argument(
             flag,
             dest=name,
-            type=_parser_for(annotation),
+            type=_parser_for(setting),
             choices=choices,
             metavar=metavar,
             default=argparse.SUPPRESS,

@@ -129,7 +129,8 @@ _SECTIONS: dict[str, Any] = {
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One setting: where it lives in `JobConfig`, its type, default, help and bounds."""
+    """One setting: where it lives in `JobConfig`, its type, default, help and bounds, and
+    the values it takes when they are a fixed set (`choices`; `None` otherwise)."""
 
     key: str
     section: str
@@ -138,6 +139,7 @@ class Setting:
     default: Any
     help: str
     bounds: dict[str, Any]
+    choices: tuple[str, ...] | None
 
     def value(self, config: JobConfig) -> Any:
         """The setting's value in `config`."""
@@ -209,6 +211,20 @@ SETTING_ORDER: tuple[str, ...] = (
 configuration the sections replaced, so that saved files and `--help` keep their form."""
 
 
+REGISTRY_CHOICES: dict[str, tuple[str, ...]] = {"algorithm": tuple(ALGORITHMS)}
+"""The settings that name an entry of a registry, with its names: the flags and files take
+these (the `Literal` of the setting's type, `settings.AlgorithmName`, names the same)."""
+
+
+def _choices(key: str, annotation: Any) -> tuple[str, ...] | None:
+    """The values setting `key` takes when they are a fixed set: a registry's names
+    (`REGISTRY_CHOICES`), or those of its `Literal` type (optional or not); else `None`."""
+    if key in REGISTRY_CHOICES:
+        return REGISTRY_CHOICES[key]
+    _, base = split_optional(annotation)
+    return typing.get_args(base) if typing.get_origin(base) is typing.Literal else None
+
+
 def _settings_table() -> dict[str, Setting]:
     """Every setting of every section, by name, in `SETTING_ORDER`.
 
@@ -228,6 +244,7 @@ def _settings_table() -> dict[str, Setting]:
                 default=field.default,
                 help=field.metadata["help"],
                 bounds=field.metadata["bounds"],
+                choices=_choices(field.name, hints[field.name]),
             )
     if sorted(found) != sorted(SETTING_ORDER):
         raise RuntimeError(f"SETTING_ORDER must name every setting once: {sorted(found)}.")
@@ -305,16 +322,24 @@ _ONE_REWARD = ("reward", "custom_reward", "reward_url")
 naming `reward_weights` turns the default weighted sum off."""
 
 
-def _accepts(annotation: Any, value: Any) -> bool:
-    """Whether a TOML value fits a setting's type (`"none"` stands for `None`)."""
-    optional, inner = split_optional(annotation)
-    if optional:
-        return value == "none" or _accepts(inner, value)
+def _accepts(setting: Setting, value: Any) -> bool:
+    """Whether a TOML value fits a setting (`"none"` stands for `None`): one of its
+    `choices`, or a value of its type."""
+    optional, base = split_optional(setting.annotation)
+    if optional and value == "none":
+        return True
+    if setting.choices is not None:
+        return value in setting.choices
+    return _fits(base, value)
+
+
+def _fits(annotation: Any, value: Any) -> bool:
+    """Whether a TOML value fits a type other than `None`."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) is typing.Literal:
         return value in args
     if typing.get_origin(annotation) is tuple:
-        return isinstance(value, list) and all(_accepts(args[0], item) for item in value)
+        return isinstance(value, list) and all(_fits(args[0], item) for item in value)
     if annotation is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is int:
@@ -369,7 +394,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
                 f"{sorted(SETTINGS)}."
             )
         annotation = SETTINGS[key].annotation
-        if not _accepts(annotation, value):
+        if not _accepts(SETTINGS[key], value):
             raise ValueError(
                 f"Config file {os.fspath(path)!r}: setting {key!r} = {value!r} is not of type "
                 f"{annotation}."

@@ -189,7 +189,7 @@ def _load_policy(job: ShapesJob, path: pathlib.Path) -> Any:
     if path.is_dir():
         lora_rank = job.config.model.lora_rank
         start = job.policy(job.saved_base(path.parent.parent)) if lora_rank else job.model
-        trainer = job.trainer(job.train_objective(start))
+        trainer = job.trainer(job.objective(start))
         like: TrainState = trainer.init(jax.random.key(0))
         stored, meta = Checkpointer(path.parent).restore(lora.without_bases(like), path)
         return job.from_checkpoint(stored, like, meta, path).variables.policy

@@ -47,7 +47,7 @@ from ..train import (
     supervised_steps,
 )
 from ._progress import Progress
-from .algorithms import AbstractAlgorithm, JobPieces, flow_grpo_objective, job_flow
+from .algorithms import AbstractAlgorithm, JobPieces, job_flow
 from .config import JobConfig
 from .settings import RewardSettings, parse_reward_weights
 from .task import NULL_TOKEN, PROMPT_LENGTH, VOCAB_SIZE, ShapesReward, ShapesTask
@@ -307,17 +307,16 @@ class ShapesJob:
         """What the chosen algorithm builds its objective and rollout from."""
         return JobPieces(self.config, self.model, self.inputs, self.guidance, self.reward)
 
-    def objective(self, base: Any) -> FlowGRPOObjective:
-        """Flow-GRPO's objective from `base` (`algorithms.flow_grpo_objective`) with the
-        algorithm's `model_time`: what `flow_grpo` trains, and what the policy-ratio
-        histograms rescore with."""
-        algorithm = self.algorithm
-        old_log_probs = algorithm.old_log_probs(self.config)
-        return flow_grpo_objective(self.pieces(), base, old_log_probs, algorithm.model_time)
-
-    def train_objective(self, base: Any) -> AbstractRLObjective[Any, Any]:
+    def objective(self, base: Any) -> AbstractRLObjective[Any, Any]:
         """The objective the trainer trains: the chosen algorithm's, from `base`."""
         return self.algorithm.objective(self.pieces(), base)
+
+    def flow_grpo_objective(self, base: Any) -> FlowGRPOObjective:
+        """Flow-GRPO's objective from `base` as the chosen algorithm gives it
+        (`algorithms.AbstractAlgorithm.flow_grpo_objective`): what the policy-ratio
+        histograms rescore with and what `flowgrpo-eqx check` checks, whatever the
+        algorithm."""
+        return self.algorithm.flow_grpo_objective(self.pieces(), base)
 
     def rollout(
         self, objective: AbstractRLObjective[Any, Any], mesh: Mesh | None = None

@@ -38,7 +38,10 @@ Preference Optimization's group-level preference loss on final samples, or Flow-
 objective on MixGRPO's rollout (a moving SDE window, ODE steps around it; `mixgrpo-flash`
 with DPM-Solver++(2M) on a compressed grid after it; `mixgrpo-flash-star`, MixGRPO-Flash*,
 with a window that never moves and a grid compressed further). `dppo` is Flow-DPPO: Flow-GRPO's
-unclipped policy gradient on recorded SDE transitions, masked by a per-step KL trust region."""
+unclipped policy gradient on recorded SDE transitions, masked by a per-step KL trust region.
+
+The type of the `algorithm` setting: the names of `algorithms.ALGORITHMS`, the registry the
+flags and files take their choices from (`config.REGISTRY_CHOICES`)."""
 
 LogName: TypeAlias = Literal["tensorboard", "wandb"]
 """Where a run's metrics go besides `metrics.jsonl`."""

@@ -286,13 +286,15 @@ class _Run:
         device_count = jax.device_count() if devices is None else devices
         mesh = data_mesh(device_count) if device_count > 1 else None
         policy = job.policy(base)
-        trained = job.train_objective(policy)
+        trained = job.objective(policy)
         logs = config.logging.log
         # Only process 0 keeps the run's files; the others write to no log at all.
         writers = make_writers(logs, out, config=config.settings()) if root and logs else None
         return cls(
             job=job,
-            ratio_objective=job.objective(policy) if job.algorithm.trains_on_ratios else None,
+            ratio_objective=(
+                job.flow_grpo_objective(policy) if job.algorithm.trains_on_ratios else None
+            ),
             rollout=job.rollout(trained, mesh),
             trainer=job.trainer(trained),
             checkpoints=Checkpointer(out / "checkpoints", keep=config.logging.keep_checkpoints),
