@@ -699,7 +699,7 @@ def load_diffusers(
 
     **Returns:**
 
-    The `MMDiT`, `Flux` or `Wan`.
+    The `MMDiT`, `Flux`, `Wan`, `AutoencoderKL` or `AutoencoderKLWan`.
 
     **Raises:**
 
