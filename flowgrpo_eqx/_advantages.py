@@ -1,6 +1,6 @@
 """Host-side group statistics: rewards stay float64 until the advantages are cast to float32."""
 
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,30 @@ def check_groups(groups: int) -> None:
             f"`groups` must be an int >= 2, got {groups!r}: advantages are relative to the "
             "group, and a group of one sample has advantage 0 (nothing would be learned)."
         )
+
+
+def check_normalisation(name: str, rows: int, groups: int, eps: float, std: Any) -> None:
+    """Raise a `ValueError` naming the argument unless `rows` scores can be normalised in
+    groups of `groups` with `eps` and `std`.
+
+    **Arguments:**
+
+    - `name`: the scores' argument name.
+    - `rows`: how many scores.
+    - `groups`, `eps`, `std`: as `group_advantages`'.
+
+    **Raises:**
+
+    - `ValueError`: naming `groups` (not an int >= 2), `name` (not a multiple of it),
+        `eps` (negative) or `std` (not `AdvantageStd`).
+    """
+    check_groups(groups)
+    if rows % groups != 0:
+        raise ValueError(f"`{name}` has {rows} rows, not a multiple of `groups`={groups}.")
+    if not eps >= 0:
+        raise ValueError(f"`eps` must be >= 0, got {eps!r}.")
+    if std not in ("group", "global"):
+        raise ValueError(f"`std` must be 'group' or 'global', got {std!r}.")
 
 
 def group_advantages(
@@ -80,15 +104,7 @@ def _normalised(
     values = np.asarray(rewards, dtype=np.float64)
     if values.ndim != 1:
         raise ValueError(f"`rewards` must have shape [N], got {values.shape}.")
-    check_groups(groups)
-    if values.shape[0] % groups != 0:
-        raise ValueError(
-            f"`rewards` has {values.shape[0]} rows, not a multiple of `groups`={groups}."
-        )
-    if not eps >= 0:
-        raise ValueError(f"`eps` must be >= 0, got {eps!r}.")
-    if std not in ("group", "global"):
-        raise ValueError(f"`std` must be 'group' or 'global', got {std!r}.")
+    check_normalisation("rewards", values.shape[0], groups, eps, std)
     if not np.all(np.isfinite(values)):
         bad = np.flatnonzero(~np.isfinite(values)).tolist()
         raise ValueError(f"`rewards` has non-finite values at rows {bad}.")

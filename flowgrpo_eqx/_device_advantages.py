@@ -4,7 +4,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ._advantages import AdvantageStd, check_groups
+from ._advantages import AdvantageStd, check_normalisation
 
 
 def device_group_advantages(
@@ -39,15 +39,9 @@ def device_group_advantages(
         statement takes; at run time (`eqx.error_if`), naming `scores` when one is not
         finite.
     """
-    check_groups(groups)
-    if scores.ndim != 1 or scores.shape[0] % groups:
-        raise ValueError(
-            f"`scores` must be [N] with N a multiple of `groups`={groups}, got {scores.shape}."
-        )
-    if not eps >= 0:
-        raise ValueError(f"`eps` must be >= 0, got {eps!r}.")
-    if std not in ("group", "global"):
-        raise ValueError(f"`std` must be 'group' or 'global', got {std!r}.")
+    if scores.ndim != 1:
+        raise ValueError(f"`scores` must have shape [N], got {scores.shape}.")
+    check_normalisation("scores", scores.shape[0], groups, eps, std)
     values = eqx.error_if(
         scores.astype(jnp.float32),
         ~jnp.all(jnp.isfinite(scores)),

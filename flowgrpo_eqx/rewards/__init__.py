@@ -9,4 +9,5 @@ score once and returns float64 scores).
 
 from ._clip_score import CLIPScore as CLIPScore
 from ._device import DeviceReward as DeviceReward
+from ._features import AbstractCLIPReward as AbstractCLIPReward
 from ._pickscore import PickScore as PickScore

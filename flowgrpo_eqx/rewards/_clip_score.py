@@ -4,18 +4,18 @@ from typing import final
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ..models import CLIPModel
-from ._features import image_embedding, text_embedding
+from ._features import AbstractCLIPReward, image_embedding
 
 
 @final
-class CLIPScore(eqx.Module):
+class CLIPScore(AbstractCLIPReward):
     """CLIP score of one decoded image for one prompt, on the device:
     `scale * max(cos(image features, text features), 0)` (torchmetrics' `CLIPScore`, scale
     100), the image put through the CLIP image processor (`clip_pixels`). Embed each prompt
-    once with `PickScore.prompt_embedding`'s statement (`CLIPScore.prompt_embedding`).
+    once (`prompt_embedding`) and carry the embedding in the rows.
 
     **Arguments:**
 
@@ -25,22 +25,6 @@ class CLIPScore(eqx.Module):
 
     model: CLIPModel
     scale: float = eqx.field(default=100.0, static=True)
-
-    def prompt_embedding(
-        self, ids: Int[Array, " L"], attention_mask: Int[Array, " L"] | None = None
-    ) -> Float[Array, " P"]:
-        """One prompt's normalised text features (as `PickScore.prompt_embedding`).
-
-        **Arguments:**
-
-        - `ids`: the prompt's token ids.
-        - `attention_mask`: the tokenizer's mask, or `None`.
-
-        **Returns:**
-
-        `[projection_dim]`, of unit length.
-        """
-        return text_embedding(self.model, ids, attention_mask)
 
     def __call__(
         self, image: Float[Array, "H W C"], prompt: Float[Array, " P"]

@@ -1,5 +1,8 @@
-"""The normalised CLIP features the rewards compare."""
+"""The normalised CLIP features the rewards compare, and the rewards' shared base."""
 
+import abc
+
+import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -43,3 +46,44 @@ def image_embedding(model: CLIPModel, image: Float[Array, "H W C"]) -> Float[Arr
     features = model.image_features(pixels.astype(model.logit_scale.dtype)).astype(jnp.float32)
     out: Float[Array, " P"] = features / jnp.linalg.norm(features)
     return out
+
+
+class AbstractCLIPReward(eqx.Module):
+    """A reward that compares a decoded image's CLIP features with a prompt's: each prompt is
+    embedded once (`prompt_embedding`, carried in the rows), each image scored against its
+    prompt's embedding (`__call__`).
+    """
+
+    model: eqx.AbstractVar[CLIPModel]
+
+    def prompt_embedding(
+        self, ids: Int[Array, " L"], attention_mask: Int[Array, " L"] | None = None
+    ) -> Float[Array, " P"]:
+        """One prompt's normalised text features.
+
+        **Arguments:**
+
+        - `ids`: the prompt's token ids (the CLIP tokenizer's, padded and truncated to 77).
+        - `attention_mask`: the tokenizer's mask, or `None`.
+
+        **Returns:**
+
+        `[projection_dim]`, of unit length.
+        """
+        return text_embedding(self.model, ids, attention_mask)
+
+    @abc.abstractmethod
+    def __call__(
+        self, image: Float[Array, "H W C"], prompt: Float[Array, " P"]
+    ) -> Float[Array, ""]:
+        """The score of one image for one prompt's embedding.
+
+        **Arguments:**
+
+        - `image`: a decoded channels-last image in `[-1, 1]`.
+        - `prompt`: the prompt's `prompt_embedding`.
+
+        **Returns:**
+
+        The score, a float32 scalar.
+        """

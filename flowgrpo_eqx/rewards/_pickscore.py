@@ -4,14 +4,14 @@ from typing import final
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ..models import CLIPModel
-from ._features import image_embedding, text_embedding
+from ._features import AbstractCLIPReward, image_embedding
 
 
 @final
-class PickScore(eqx.Module):
+class PickScore(AbstractCLIPReward):
     """PickScore of one decoded image for one prompt, on the device.
 
     flow_grpo's scorer: the image quantised to 8 bits and put through the CLIP image processor
@@ -29,23 +29,6 @@ class PickScore(eqx.Module):
 
     model: CLIPModel
     divisor: float = eqx.field(default=26.0, static=True)
-
-    def prompt_embedding(
-        self, ids: Int[Array, " L"], attention_mask: Int[Array, " L"] | None = None
-    ) -> Float[Array, " P"]:
-        """One prompt's normalised text features.
-
-        **Arguments:**
-
-        - `ids`: the prompt's token ids (the CLIP tokenizer's, as flow_grpo's processor
-            pads and truncates them).
-        - `attention_mask`: the tokenizer's mask, or `None`.
-
-        **Returns:**
-
-        `[projection_dim]`, of unit length.
-        """
-        return text_embedding(self.model, ids, attention_mask)
 
     def __call__(
         self, image: Float[Array, "H W C"], prompt: Float[Array, " P"]
