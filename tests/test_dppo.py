@@ -16,6 +16,7 @@ from tests.test_objective import (
     DIM,
     NULL,
     STEP,
+    LinearParams,
     LinearVelocity,
     kind_of,
     make_batch,
@@ -40,22 +41,6 @@ def make_dppo(sde=SDES["flow"], key=0, **settings):
         fg.CFG(2.5),
     )
     return fg.FlowDPPOObjective(flow, sde=sde, **settings)
-
-
-class _Params:
-    """A LinearVelocity's parameters as float64 arrays, with its NumPy velocity."""
-
-    def __init__(self, weight, time, cond_weight):
-        self.weight, self.time, self.cond_weight = weight, time, cond_weight
-
-    def numpy(self, x, t, cond):
-        return self.weight @ x + self.time * t + self.cond_weight @ cond
-
-
-def _params(model):
-    return _Params(
-        *(np.asarray(a, np.float64) for a in (model.weight, model.time, model.cond_weight))
-    )
 
 
 def numpy_terms(objective, params, batch):
@@ -94,7 +79,7 @@ def numpy_loss(objective, params, batch):
 
 def old_means_of(objective, model, batch):
     """The old policy's transition means, in float64 NumPy (cast to float32)."""
-    params, sde = _params(model), objective.sde
+    params, sde = LinearParams.of(model), objective.sde
     scale = objective.flow.guidance.scale
     latents, cond = np.asarray(batch.latents, np.float64), np.asarray(batch.cond, np.float64)
     t_all, t_next_all = np.asarray(batch.timesteps), np.asarray(batch.next_timesteps)
@@ -126,7 +111,7 @@ def setup(seed, sde=SDES["flow"], size=0.05, **settings):
         is_leaf=lambda x: x is None,
     )
     if "kl_threshold" not in settings:
-        _, kl, kept = numpy_terms(objective, _params(policy), batch)
+        _, kl, kept = numpy_terms(objective, LinearParams.of(policy), batch)
         # Between the two KLs of the middle half that lie furthest apart (as a ratio), so
         # that no KL lies near it.
         ordered = np.sort(kl[kept])
@@ -153,7 +138,7 @@ def value_and_grad(objective, variables, batch):
 def test_loss_aux_and_gradient_match_numpy(kind, normalise_kl):
     objective, variables, batch = setup(3, SDES[kind], normalise_kl=normalise_kl)
     total, count, aux, grads = value_and_grad(objective, variables, batch)
-    params = _params(variables.policy)
+    params = LinearParams.of(variables.policy)
     want, want_count, dropped = numpy_loss(objective, params, batch)
     assert count == want_count > 0
     # The threshold splits the KLs: some terms are dropped, others kept.
@@ -181,23 +166,11 @@ def test_loss_aux_and_gradient_match_numpy(kind, normalise_kl):
     assert aux.log_probs is None and isinstance(aux.means, fg.PerRow)
 
     # The gradient: central differences of the float64 statement in every parameter.
-    eps = 1e-6
-    for name, got in (
-        ("weight", grads.weight),
-        ("time", grads.time),
-        ("cond_weight", grads.cond_weight),
-    ):
-        base = getattr(params, name)
-        numeric = np.zeros(base.shape)
-        for index in np.ndindex(base.shape):
-            up, down = base.copy(), base.copy()
-            up[index] += eps
-            down[index] -= eps
-            plus = _Params(**{**vars(params), name: up})
-            minus = _Params(**{**vars(params), name: down})
-            numeric[index] = (
-                numpy_loss(objective, plus, batch)[0] - numpy_loss(objective, minus, batch)[0]
-            ) / (2 * eps)
+    numerics = ref.central_differences(
+        lambda arrays: numpy_loss(objective, LinearParams(*arrays), batch)[0],
+        [params.weight, params.time, params.cond_weight],
+    )
+    for got, numeric in zip((grads.weight, grads.time, grads.cond_weight), numerics, strict=True):
         scale = max(np.abs(numeric).max(), 1e-3)
         np.testing.assert_allclose(np.asarray(got, np.float64), numeric, atol=2e-3 * scale)
 
@@ -269,7 +242,7 @@ def test_a_corrective_term_counts_however_high_its_kl():
 def test_the_denominator_counts_the_dropped_terms_as_released():
     objective, variables, batch = setup(5)
     total, aux = objective.loss(variables, batch, STEP)
-    _, want_count, dropped = numpy_loss(objective, _params(variables.policy), batch)
+    _, want_count, dropped = numpy_loss(objective, LinearParams.of(variables.policy), batch)
     assert dropped.any()
     assert float(total.count) == want_count == int(np.asarray(objective.kept(batch)).sum())
 

@@ -12,6 +12,7 @@ from tests import numpy_reference as ref
 from tests.errors import exact_message
 from tests.test_objective import (
     STEP,
+    LinearParams,
     kind_of,
     make_batch,
     make_objective,
@@ -25,22 +26,6 @@ VARIANTS = {
     "released": fg.GRPOGuard(drift="batch"),
     "per_sample": fg.GRPOGuard(scale="sample", reweight=False),
 }
-
-
-class _Params:
-    """A LinearVelocity's parameters as float64 arrays, with its NumPy velocity."""
-
-    def __init__(self, weight, time, cond_weight):
-        self.weight, self.time, self.cond_weight = weight, time, cond_weight
-
-    def numpy(self, x, t, cond):
-        return self.weight @ x + self.time * t + self.cond_weight @ cond
-
-
-def _params(model):
-    return _Params(
-        *(np.asarray(a, np.float64) for a in (model.weight, model.time, model.cond_weight))
-    )
 
 
 def numpy_loss(objective, guard, params, batch):
@@ -89,7 +74,7 @@ def setup(seed):
     policy = perturbed(old_policy, jax.random.key(2))
     variables = fg.FlowGRPOVariables(policy=policy, reference=variables.reference)
     batch = make_batch(seed=seed, steps=8)
-    old = _params(old_policy)
+    old = LinearParams.of(old_policy)
     scale = objective.flow.guidance.scale
     sde = objective.sde
     t_all, t_next_all = np.asarray(batch.timesteps), np.asarray(batch.next_timesteps)
@@ -123,30 +108,17 @@ def test_released_guard_loss_and_gradient_match_numpy(name):
         return total.total, total.count
 
     (total, count), grads = eqx.filter_value_and_grad(value, has_aux=True)(variables.policy)
-    params = _params(variables.policy)
+    params = LinearParams.of(variables.policy)
     want, want_count = numpy_loss(objective, guard, params, batch)
     assert float(count) == want_count > 0
     np.testing.assert_allclose(float(total), want, rtol=2e-4, atol=1e-5)
 
     # The gradient: central differences of the float64 statement in every parameter.
-    eps = 1e-6
-    for name_, got in (
-        ("weight", grads.weight),
-        ("time", grads.time),
-        ("cond_weight", grads.cond_weight),
-    ):
-        base = getattr(params, name_)
-        numeric = np.zeros(base.shape)
-        for index in np.ndindex(base.shape):
-            up, down = base.copy(), base.copy()
-            up[index] += eps
-            down[index] -= eps
-            plus = _Params(**{**vars(params), name_: up})
-            minus = _Params(**{**vars(params), name_: down})
-            numeric[index] = (
-                numpy_loss(objective, guard, plus, batch)[0]
-                - numpy_loss(objective, guard, minus, batch)[0]
-            ) / (2 * eps)
+    numerics = ref.central_differences(
+        lambda arrays: numpy_loss(objective, guard, LinearParams(*arrays), batch)[0],
+        [params.weight, params.time, params.cond_weight],
+    )
+    for got, numeric in zip((grads.weight, grads.time, grads.cond_weight), numerics, strict=True):
         scale = max(np.abs(numeric).max(), 1e-3)
         np.testing.assert_allclose(np.asarray(got, np.float64), numeric, atol=2e-3 * scale)
 

@@ -58,8 +58,24 @@ class LinearVelocity(eqx.Module):
         return self.weight @ x + self.time * t + self.cond_weight @ cond
 
     def numpy(self, x, t, cond):
-        w, b, u = (np.asarray(a, np.float64) for a in (self.weight, self.time, self.cond_weight))
-        return w @ x + b * t + u @ cond
+        return LinearParams.of(self).numpy(x, t, cond)
+
+
+class LinearParams:
+    """A `LinearVelocity`'s parameters as float64 arrays (perturbed one by one for central
+    differences), with its NumPy velocity."""
+
+    def __init__(self, weight, time, cond_weight):
+        self.weight, self.time, self.cond_weight = weight, time, cond_weight
+
+    @classmethod
+    def of(cls, model):
+        return cls(
+            *(np.asarray(a, np.float64) for a in (model.weight, model.time, model.cond_weight))
+        )
+
+    def numpy(self, x, t, cond):
+        return self.weight @ x + self.time * t + self.cond_weight @ cond
 
 
 NULL = np.array([0.5, -0.5, 0.0], np.float32)
