@@ -99,7 +99,8 @@ def test_a_folder_without_tokenizer_json_is_refused_by_name(tmp_path: pathlib.Pa
 def test_wan_prompt_embeddings_are_encode_prompts(io: dict[str, np.ndarray]) -> None:
     prompts = [str(p) for p in io["prompts"]]
     tokenizer = PromptTokenizer(PROMPTS / "tokenizer_3", 16)
-    ids, mask = tokenizer(prompts), tokenizer.mask(prompts)
+    ids, mask = tokenizer.encode(prompts)
+    np.testing.assert_array_equal(ids, tokenizer(prompts))
     assert list(mask[0]) == [1] * 4 + [0] * 12  # "a red cube" and </s>
     encoder = WanPromptEncoder(load_t5(PROMPTS / "wan_text_encoder"))
     assert encoder.t5.encoder.block[1].layer[0].SelfAttention.relative_attention_bias is not None

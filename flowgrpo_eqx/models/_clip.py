@@ -13,10 +13,10 @@ from typing import Any, Literal, NamedTuple, TypeAlias, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
+from ._layers import MASKED_SCORE
 from ._mirror import (
     Embedding,
     LayerNorm,
@@ -33,7 +33,6 @@ Activation: TypeAlias = Literal["quick_gelu", "gelu"]
 `"gelu"`."""
 
 _ACTIVATIONS: tuple[Activation, ...] = ("quick_gelu", "gelu")
-_MASKED = float(np.finfo(np.float32).min)  # the score of a key a query may not see
 
 
 def _activate(x: Float[Array, "*S"], kind: Activation) -> Float[Array, "*S"]:
@@ -121,7 +120,7 @@ class SelfAttention(eqx.Module):
             jnp.float32(head_dim)
         )
         if allowed is not None:
-            scores = jnp.where(allowed[None], scores, _MASKED)
+            scores = jnp.where(allowed[None], scores, MASKED_SCORE)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("nqk,nkd->qnd", weights, v).reshape(seq, width)
         result: Float[Array, "S D"] = self.out_proj(out)

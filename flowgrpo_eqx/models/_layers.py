@@ -8,6 +8,7 @@ from typing import Any, Literal, TypeAlias, TypeVar, final, get_args
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
@@ -16,6 +17,9 @@ from ._splash import ATTENTION_RESIDUALS, check_block, multi_device_axes, splash
 
 
 _LN_EPS = 1e-6
+
+MASKED_SCORE = float(np.finfo(np.float32).min)
+"""The float32 attention score of a key a query may not see (transformers' masking value)."""
 
 Attention: TypeAlias = Literal["xla", "cudnn", "chunked", "splash", "auto"]
 """How attention is computed; every choice computes the same function:

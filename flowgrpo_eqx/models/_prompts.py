@@ -77,12 +77,10 @@ class PromptTokenizer:
 
         `[len(prompts), length]` int32.
         """
-        encodings = self._tokenizer.encode_batch(list(prompts))
-        ids: np.ndarray = np.asarray([e.ids for e in encodings], np.int32)
-        return ids
+        return self.encode(prompts)[0]
 
-    def mask(self, prompts: list[str]) -> np.ndarray:
-        """The attention masks of `prompts`: 1 for their tokens, 0 for the padding.
+    def encode(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The token ids of `prompts` and their attention masks, from one tokenization.
 
         **Arguments:**
 
@@ -90,11 +88,13 @@ class PromptTokenizer:
 
         **Returns:**
 
-        `[len(prompts), length]` int32.
+        `(ids, mask)`, each `[len(prompts), length]` int32; the mask is 1 for the prompts'
+        tokens and 0 for the padding.
         """
         encodings = self._tokenizer.encode_batch(list(prompts))
+        ids: np.ndarray = np.asarray([e.ids for e in encodings], np.int32)
         mask: np.ndarray = np.asarray([e.attention_mask for e in encodings], np.int32)
-        return mask
+        return ids, mask
 
 
 @final

@@ -19,6 +19,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
+from ._layers import MASKED_SCORE, rms_norm
 from ._mirror import Embedding, Linear, fill_from_state_dict, read_safetensors_folder
 
 
@@ -27,7 +28,6 @@ FeedForward: TypeAlias = Literal["gated-gelu", "relu"]
 h) * wi_1 h)`, tanh GELU) or the original `"relu"` (`wo(relu(wi h))`)."""
 
 _FEED_FORWARDS: tuple[FeedForward, ...] = ("gated-gelu", "relu")
-_MASKED = float(np.finfo(np.float32).min)
 
 
 @final
@@ -48,12 +48,7 @@ class RMSNorm(eqx.Module):
         self.eps = eps
 
     def __call__(self, h: Float[Array, "L D"]) -> Float[Array, "L D"]:
-        h32 = h.astype(jnp.float32)
-        normed = h32 * jax.lax.rsqrt(jnp.mean(jnp.square(h32), axis=-1, keepdims=True) + self.eps)
-        out: Float[Array, "L D"] = (normed.astype(self.weight.dtype) * self.weight[None, :]).astype(
-            h.dtype
-        )
-        return out
+        return rms_norm(h, self.weight, self.eps).astype(h.dtype)
 
 
 def relative_position_buckets(length: int, num_buckets: int, max_distance: int) -> np.ndarray:
@@ -387,7 +382,7 @@ class T5Encoder(eqx.Module):
         def position_bias(table: Embedding) -> Float[Array, "heads L L"]:
             bias = jnp.transpose(table.weight[buckets], (2, 0, 1)).astype(jnp.float32)
             if attention_mask is not None:
-                bias = jnp.where(attention_mask[None, None, :] > 0, bias, _MASKED)
+                bias = jnp.where(attention_mask[None, None, :] > 0, bias, MASKED_SCORE)
             return bias
 
         first = self.encoder.block[0].layer[0].SelfAttention.relative_attention_bias
