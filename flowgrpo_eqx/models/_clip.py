@@ -387,6 +387,19 @@ def _encode_text(
 
 
 @final
+class PatchEmbedding(eqx.Module):
+    """The patches' embedding: a convolution without bias whose stride is its kernel, held in
+    torch's `[D, C, p, p]` layout.
+
+    **Arguments:**
+
+    - `weight`: the kernel.
+    """
+
+    weight: Float[Array, "D C p p"]
+
+
+@final
 class VisionEmbeddings(eqx.Module):
     """The class token, the patches' linear embedding (a convolution without bias, in torch's
     `[D, 3, p, p]` layout) and the position table.
@@ -399,7 +412,7 @@ class VisionEmbeddings(eqx.Module):
     """
 
     class_embedding: Float[Array, " D"]
-    patch_embedding: Linear
+    patch_embedding: PatchEmbedding
     position_embedding: Embedding
     patch_size: int = eqx.field(static=True)
 
@@ -409,10 +422,8 @@ class VisionEmbeddings(eqx.Module):
         k_cls, k_patch, k_pos = jax.random.split(key, 3)
         self.class_embedding = jax.random.normal(k_cls, (width,), jnp.float32)
         fan_in = channels * patch_size * patch_size
-        self.patch_embedding = eqx.tree_at(
-            lambda linear: linear.weight,
-            Linear(fan_in, width, bias=False, key=k_patch),
-            uniform_init(k_patch, (width, channels, patch_size, patch_size), fan_in),
+        self.patch_embedding = PatchEmbedding(
+            uniform_init(k_patch, (width, channels, patch_size, patch_size), fan_in)
         )
         patches = (image_size // patch_size) ** 2
         self.position_embedding = Embedding(patches + 1, width, key=k_pos)

@@ -50,7 +50,7 @@ heads) or `"ring"` (keys and values passed round the devices, online softmax).""
 SEQUENCE_STRATEGIES: tuple[SequenceStrategy, ...] = get_args(SequenceStrategy)
 
 
-def layer_norm(h: Float[Array, "S D"], eps: float = _LN_EPS) -> Float[Array, "S D"]:
+def layer_norm(h: Float[Array, "*S D"], eps: float = _LN_EPS) -> Float[Array, "*S D"]:
     """LayerNorm over the last axis, without an affine part (adaLN supplies scale and shift),
     with `eps` added to the variance."""
     mean = jnp.mean(h, axis=-1, keepdims=True)

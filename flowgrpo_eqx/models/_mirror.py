@@ -20,6 +20,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 from safetensors import safe_open
 
+from ._layers import layer_norm
+
 
 def uniform_init(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Float[Array, "..."]:
     """`U[-1/sqrt(fan_in), 1/sqrt(fan_in))` float32, torch's default for weights and biases."""
@@ -76,10 +78,7 @@ class LayerNorm(eqx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "*S D"]) -> Float[Array, "*S D"]:
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        normed = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        normed = layer_norm(x.astype(jnp.float32), self.eps)
         shape = (1,) * (x.ndim - 1) + (-1,)
         out = normed * self.weight.astype(jnp.float32).reshape(shape)
         return (out + self.bias.astype(jnp.float32).reshape(shape)).astype(x.dtype)

@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._distributed import gather_weights
-from .._misc import check_int
+from .._misc import check_int, check_number
 from ._init import init_linears, zero_linear
 from ._layers import (
     Attention,
@@ -315,8 +315,7 @@ class Wan(AbstractAttentionModel):
         _check_wan(sizes, tuple(patch), tuple(latent_size))
         if freq_dim % 2:
             raise ValueError(f"`freq_dim` must be even (cosines and sines), got {freq_dim}.")
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
-            raise ValueError(f"`eps` must be a positive float, got {eps!r}.")
+        check_number("eps", eps, minimum=0, include_minimum=False)
         self.block_layout = block_layout(stacked, remat, ((0, depth),))
         self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
         self.latent_size = (latent_size[0], latent_size[1], latent_size[2])
