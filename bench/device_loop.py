@@ -35,9 +35,12 @@ from flowgrpo_eqx.train import Trainer, default_optimizer
 
 
 SIZES: dict[str, dict[str, int]] = {
-    # latent side, MMDiT width and depth, text widths, VAE channels, prompts, steps
-    "small": dict(latent=8, width=64, depth=2, text=32, vae=16, prompts=4, steps=6),
-    "medium": dict(latent=32, width=384, depth=8, text=256, vae=64, prompts=8, steps=11),
+    # latent side, MMDiT width and depth, text widths, VAE channels, prompts, steps, and the
+    # microbatches of the update (medium's whole batch of transitions plans 63 GiB on a TPU)
+    "small": dict(latent=8, width=64, depth=2, text=32, vae=16, prompts=4, steps=6, microbatches=1),
+    "medium": dict(
+        latent=32, width=384, depth=8, text=256, vae=64, prompts=8, steps=11, microbatches=8
+    ),
 }
 GROUPS = 4
 VOCAB, END, T5_LENGTH = 64, 63, 32
@@ -89,7 +92,9 @@ def parts(size: dict[str, int]) -> dict[str, Any]:
     rollout = fg.FlowRollout(
         objective, DeviceReward(pickscore, key="prompt"), groups=GROUPS, steps=size["steps"]
     )
-    trainer = Trainer(objective, default_optimizer(learning_rate=1e-4))
+    trainer = Trainer(
+        objective, default_optimizer(learning_rate=1e-4), microbatches=size["microbatches"]
+    )
     ids = np.random.default_rng(0).integers(1, END, (size["prompts"], 77)).astype(np.int32)
     ids[:, 12:] = END
     return dict(
