@@ -6,7 +6,7 @@ memory and compile plan of a step.
 Builds the Flow-GRPO training step (`FlowGRPOObjective` with a KL reference, `beta = 0.04`,
 AdamW) of the model for `--devices` simulated CPU devices, with each release's guidance:
 classifier-free 4.5 for SD3 (the Flow-GRPO release), the embedded guidance 3.5 of FLUX.1-dev
-(flow_grpo's FLUX recipes; its grid `RectifiedFlow(shift=flux_shift(tokens), grid="flux")`),
+(flow_grpo's FLUX recipes; its grid `RectifiedFlow(shift=flux_shift(tokens), grid=fg.FluxGrid())`),
 none for Wan 2.1 (DanceGRPO's Wan trainer runs with `--cfg 0`). Sizes: SD3.5-Medium and
 SD3-Medium (`MMDiT`) at `--resolution`, FLUX.1-dev (`Flux`) at `--resolution`, Wan 2.1-T2V-1.3B
 and 14B (`Wan`) at `--height` x `--width` (default 480 x 832) and `--frames` (default 81; the
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(model, Flux):
             input_spec = fg.InputSpec(select=("context", "pooled"), latent_shape=latent)
             tokens = (latent[0] // 2) * (latent[1] // 2)
-            flow = fg.RectifiedFlow(shift=fg.flux_shift(tokens), grid="flux")
+            flow = fg.RectifiedFlow(shift=fg.flux_shift(tokens), grid=fg.FluxGrid())
             guidance = fg.EmbeddedGuidance(3.5)
         else:
             null = {k: jnp.zeros(shape, jnp.float32) for k, shape in text.items()}

@@ -8,12 +8,17 @@ from ._advantages import (
     per_reward_advantages as per_reward_advantages,
 )
 from ._awm import (
+    AbstractAWMWeighting as AbstractAWMWeighting,
     AWMKLWeight as AWMKLWeight,
     AWMObjective as AWMObjective,
     AWMRatio as AWMRatio,
     AWMTimes as AWMTimes,
     AWMVariables as AWMVariables,
-    AWMWeighting as AWMWeighting,
+    GHuberWeighting as GHuberWeighting,
+    HuberWeighting as HuberWeighting,
+    TimeSquaredWeighting as TimeSquaredWeighting,
+    TimeWeighting as TimeWeighting,
+    UniformWeighting as UniformWeighting,
 )
 from ._consistency import (
     CheckLine as CheckLine,
@@ -34,11 +39,14 @@ from ._custom_types import (
 from ._decay import RampedDecay as RampedDecay
 from ._device_advantages import device_group_advantages as device_group_advantages
 from ._dgpo import (
-    DGPOLoss as DGPOLoss,
+    AbstractDGPOLoss as AbstractDGPOLoss,
     DGPOObjective as DGPOObjective,
     DGPOReference as DGPOReference,
+    DGPOSurrogateLoss as DGPOSurrogateLoss,
     DGPOVariables as DGPOVariables,
+    GroupDPOLoss as GroupDPOLoss,
     GroupedSamples as GroupedSamples,
+    GroupPreferenceTerms as GroupPreferenceTerms,
 )
 from ._distributed import (
     ParamSharding as ParamSharding,
@@ -62,15 +70,17 @@ from ._dppo import (
     OldMeans as OldMeans,
     divergence_mask as divergence_mask,
 )
+from ._evaluation import (
+    Evaluation as Evaluation,
+    evaluate_policy as evaluate_policy,
+    preview_policy as preview_policy,
+)
 from ._flow_base import (
     AbstractEMAVariables as AbstractEMAVariables,
     AbstractFlowObjective as AbstractFlowObjective,
     AbstractReferenceVariables as AbstractReferenceVariables,
     AbstractVariables as AbstractVariables,
-    Evaluation as Evaluation,
     PolicyVariables as PolicyVariables,
-    evaluate_policy as evaluate_policy,
-    preview_policy as preview_policy,
 )
 from ._guided_flow import (
     GuidedFlow as GuidedFlow,
@@ -89,10 +99,13 @@ from ._inputs import (
 )
 from ._misc import check_int as check_int, check_number as check_number, is_int as is_int
 from ._nft import (
+    AbstractNFTLoss as AbstractNFTLoss,
+    AdaptiveX0Loss as AdaptiveX0Loss,
     DiffusionNFTObjective as DiffusionNFTObjective,
-    NFTLoss as NFTLoss,
+    ImplicitPolicyErrors as ImplicitPolicyErrors,
     NFTTimes as NFTTimes,
     NFTVariables as NFTVariables,
+    VelocityLoss as VelocityLoss,
 )
 from ._objective import (
     AbstractGRPOGuard as AbstractGRPOGuard,
@@ -110,7 +123,11 @@ from ._policy_loss import OldLogProbs as OldLogProbs
 from ._preview import preview_grid as preview_grid
 from ._process import (
     AbstractProcess as AbstractProcess,
+    AbstractTimeGrid as AbstractTimeGrid,
+    DiffusersGrid as DiffusersGrid,
+    FluxGrid as FluxGrid,
     RectifiedFlow as RectifiedFlow,
+    UniformGrid as UniformGrid,
     flux_shift as flux_shift,
 )
 from ._reward import (

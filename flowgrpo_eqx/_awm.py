@@ -1,5 +1,6 @@
 """`AWMObjective`: Advantage Weighted Matching, as its authors' released code computes it."""
 
+import abc
 from dataclasses import KW_ONLY
 from typing import Any, Literal, TypeAlias, final
 
@@ -35,7 +36,6 @@ from ._misc import check_int, check_mode, check_number, stop_gradient_arrays, ze
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, SDESampler
 from ._sde import AbstractSDE, FlowSDE
-from ._solver import AbstractSolver, Euler
 from ._trainable import (
     TrainableFilter,
     blend_part,
@@ -44,11 +44,83 @@ from ._trainable import (
 )
 
 
-AWMWeighting: TypeAlias = Literal["ghuber", "huber", "t", "t**2", "uniform"]
-"""How AWM turns an example's flow-matching error `e` at time `t` into its log-likelihood
-surrogate (the release's `weighting`): `"ghuber"` `-((e + 1e-10)^p - 1e-10^p) t / p` (the
-released default, `p = ghuber_power`), `"huber"` `-(sqrt(e + 1e-10) - 1e-5) t`, `"t"`
-`-e t`, `"t**2"` `-e t^2`, `"uniform"` `-e`."""
+class AbstractAWMWeighting(eqx.Module):
+    """How AWM turns an example's flow-matching error `e` at time `t` into its
+    log-likelihood surrogate (the release's `weighting`): `GHuberWeighting` (the released
+    default), `HuberWeighting`, `TimeWeighting`, `TimeSquaredWeighting` or
+    `UniformWeighting`."""
+
+    @abc.abstractmethod
+    def __call__(self, error: PerExample, t: PerExample) -> PerExample:
+        """The surrogate of each example.
+
+        **Arguments:**
+
+        - `error`: `[F]` flow-matching errors `mean (v - (eps - x_0))^2`.
+        - `t`: `[F]` their times.
+
+        **Returns:**
+
+        `[F]` log-likelihood surrogates.
+        """
+
+
+@final
+class GHuberWeighting(AbstractAWMWeighting):
+    """`-((e + 1e-10)^p - 1e-10^p) t / p`, <= 0: the release's `weighting='ghuber'`, its
+    default.
+
+    **Arguments:**
+
+    - `power`: `p`, > 0 (default 0.25, the release's `ghuber_power`).
+
+    **Raises:**
+
+    - `ValueError`: naming `power`, if it is not a finite number > 0.
+    """
+
+    power: float = 0.25
+
+    def __check_init__(self) -> None:
+        check_number("power", self.power, minimum=0, include_minimum=False)
+
+    def __call__(self, error: PerExample, t: PerExample) -> PerExample:
+        p = self.power
+        surrogate: PerExample = -((error + 1e-10) ** p - 1e-10**p) * t / p
+        return surrogate
+
+
+@final
+class HuberWeighting(AbstractAWMWeighting):
+    """`-(sqrt(e + 1e-10) - 1e-5) t`: the release's `weighting='huber'`."""
+
+    def __call__(self, error: PerExample, t: PerExample) -> PerExample:
+        return -(jnp.sqrt(error + 1e-10) - 1e-5) * t
+
+
+@final
+class TimeWeighting(AbstractAWMWeighting):
+    """`-e t`, <= 0: the release's `weighting='t'`."""
+
+    def __call__(self, error: PerExample, t: PerExample) -> PerExample:
+        return -error * t
+
+
+@final
+class TimeSquaredWeighting(AbstractAWMWeighting):
+    """`-e t^2`, <= 0: the release's `weighting='t**2'`."""
+
+    def __call__(self, error: PerExample, t: PerExample) -> PerExample:
+        return -error * t**2
+
+
+@final
+class UniformWeighting(AbstractAWMWeighting):
+    """`-e`, <= 0: the release's `weighting='uniform'`."""
+
+    def __call__(self, error: PerExample, t: PerExample) -> PerExample:
+        return -error
+
 
 AWMRatio: TypeAlias = Literal["per_time", "per_row"]
 """Where AWM takes its ratio: one per (row, time) (the release's `loss_type='exp_first'`, its
@@ -101,7 +173,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     `i` trains at `t = timesteps[i, index]` of the grid that drew it, with fresh noise `eps`
     per (row, time): `x_t = (1 - t) x_0 + t eps`. The flow-matching error
     `e = mean (v_theta(x_t, t) - (eps - x_0))^2` becomes a log-likelihood surrogate
-    `log p = weighting(e, t)` (`AWMWeighting`). The ratio is `exp(log p - old)` per example
+    `log p = weighting(e, t)` (`AbstractAWMWeighting`). The ratio is `exp(log p - old)` per example
     (or per row, `ratio="per_row"`) with `old = stop_gradient(log p)` (on-policy, the
     released default: the ratio is exactly 1, the loss `-mean(A')` in value and
     `-mean(A' grad log p)` in gradient), or the EMA policy's (`off_policy=True`). With
@@ -124,11 +196,10 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
 
     - `flow`: a `GuidedFlow`: the model, process, inputs, guidance, autoencoder and
         precision.
-    - `sampler`, `steps`, `pretrained`: as for `FlowGRPOObjective` (`sampler` and `steps`
-        serve `evaluate`). The release trains without guidance: its recipe is a `flow` with
-        `guidance=None`.
-    - `weighting`: `"ghuber"` (default) or another `AWMWeighting`.
-    - `ghuber_power`: `p` of `"ghuber"`, > 0 (default 0.25).
+    - `pretrained`: as for `FlowGRPOObjective`. The release trains without guidance: its
+        recipe is a `flow` with `guidance=None`.
+    - `weighting`: an `AbstractAWMWeighting` (default `GHuberWeighting(0.25)`, the
+        release's `weighting='ghuber'` with `ghuber_power=0.25`).
     - `ratio`: `"per_time"` (default) or `"per_row"`.
     - `clip_range`: the ratio clip, > 0 (default 1.0, the recipe's).
     - `adv_clip_max`: the advantage clip, > 0 (default 5.0, the release's).
@@ -150,14 +221,12 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     **Raises:**
 
     - `ValueError`: naming the argument, for a value outside the ranges above, an unknown
-        mode, a `flow` that is not a `GuidedFlow`, a `sde` that is not an `AbstractSDE`, a
-        `sampler` that is not an `AbstractSolver`, or `steps < 2`.
+        mode, a `flow` that is not a `GuidedFlow`, or a `sde` that is not an `AbstractSDE`.
     """
 
     flow: GuidedFlow
     _: KW_ONLY
-    weighting: AWMWeighting = eqx.field(default="ghuber", static=True)
-    ghuber_power: float = 0.25
+    weighting: AbstractAWMWeighting = GHuberWeighting()
     ratio: AWMRatio = eqx.field(default="per_time", static=True)
     clip_range: float = 1.0
     adv_clip_max: float = 5.0
@@ -172,17 +241,19 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     ema_decay: float | RampedDecay | None = _RELEASED_EMA_DECAY
     off_policy: bool = eqx.field(default=False, static=True)
     sde: AbstractSDE = _RELEASED_SDE
-    sampler: AbstractSolver = Euler()
-    steps: int = 41
     pretrained: Model | None = None
 
     def __check_init__(self) -> None:
-        check_mode("weighting", self.weighting, AWMWeighting)
+        if not isinstance(self.weighting, AbstractAWMWeighting):
+            raise ValueError(
+                "`weighting` must be an AbstractAWMWeighting (GHuberWeighting, HuberWeighting, "
+                f"TimeWeighting, TimeSquaredWeighting, UniformWeighting), got {self.weighting!r}."
+            )
         check_mode("ratio", self.ratio, AWMRatio)
         check_mode("times", self.times, AWMTimes)
         check_mode("kl_weight", self.kl_weight, AWMKLWeight)
         check_mode("ema_kl_weight", self.ema_kl_weight, AWMKLWeight)
-        for name in ("ghuber_power", "clip_range", "adv_clip_max", "advantage_max"):
+        for name in ("clip_range", "adv_clip_max", "advantage_max"):
             value = getattr(self, name)
             optional = name == "advantage_max"
             check_number(name, value, minimum=0, include_minimum=False, optional=optional)
@@ -268,7 +339,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     # The pieces of the loss
 
     def log_likelihood(self, error: PerExample, t: PerExample) -> PerExample:
-        """The log-likelihood surrogate of each example (`weighting`).
+        """The log-likelihood surrogate of each example: `weighting(error, t)`.
 
         **Arguments:**
 
@@ -277,19 +348,9 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
 
         **Returns:**
 
-        `[F]` surrogates (<= 0 for `"ghuber"`, `"t"`, `"t**2"`, `"uniform"`).
+        `[F]` surrogates.
         """
-        if self.weighting == "uniform":
-            return -error
-        if self.weighting == "t":
-            return -error * t
-        if self.weighting == "t**2":
-            return -error * t**2
-        if self.weighting == "huber":
-            return -(jnp.sqrt(error + 1e-10) - 1e-5) * t
-        p = self.ghuber_power
-        surrogate: PerExample = -((error + 1e-10) ** p - 1e-10**p) * t / p
-        return surrogate
+        return self.weighting(error, t)
 
     def scaled_advantages(self, advantages: Float[Array, " N"]) -> Float[Array, " N"]:
         """`A' = clip(A, -adv_clip_max, adv_clip_max)`, times `advantage_max / adv_clip_max`

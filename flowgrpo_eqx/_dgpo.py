@@ -1,6 +1,7 @@
 """`DGPOObjective`: Direct Group Preference Optimization, as its authors' released code
 computes it."""
 
+import abc
 from dataclasses import KW_ONLY
 from typing import Any, Literal, TypeAlias, final
 
@@ -46,11 +47,77 @@ from ._trainable import (
 )
 
 
-DGPOLoss: TypeAlias = Literal["surrogate", "group_dpo"]
-"""How DGPO's group preference becomes a loss: the released gradient-equivalent surrogate
-`sg(sigmoid(x_g)) A e` (`"surrogate"`, `compute_group_dgpo_loss_allreduce`), or the group
-DPO loss it equals in gradient, `softplus(x_g) / beta_dpo` per row of a whole group
-(`"group_dpo"`, the paper's `-log sigmoid(R(G+) - R(G-))`)."""
+def _group_sum(members: Float[Array, " N N"], term: Float[Array, " N T"]) -> Float[Array, " N T"]:
+    """Each row's sum of `term` over the rows of its group (`members[i, j]`: 1 where row `j`
+    counts and shares row `i`'s group)."""
+    return jnp.sum(members[:, :, None] * term[None, :, :], axis=1)
+
+
+@final
+class GroupPreferenceTerms(eqx.Module):
+    """What DGPO's loss forms read at each (row, time) (`AbstractDGPOLoss`).
+
+    **Arguments:**
+
+    - `error`, `reference_error`: `[N, T]` the live policy's errors (clipped ones detached)
+        and the DPO reference's.
+    - `advantages`: `[N, 1]` the clipped advantages (0 for rows that do not count).
+    - `weight`: `[N, T]` `sigmoid(x_g)` of detached errors.
+    - `members`: `[N, N]` 1 where row `j` counts and shares row `i`'s group.
+    - `beta_dpo`, `group_size`: the objective's.
+    """
+
+    error: Float[Array, " N T"]
+    reference_error: Float[Array, " N T"]
+    advantages: Float[Array, " N 1"]
+    weight: Float[Array, " N T"]
+    members: Float[Array, " N N"]
+    beta_dpo: float
+    group_size: int
+
+
+class AbstractDGPOLoss(eqx.Module):
+    """How DGPO's group preference becomes a loss: the released gradient-equivalent
+    surrogate (`DGPOSurrogateLoss`) or the group DPO loss it equals in gradient
+    (`GroupDPOLoss`)."""
+
+    @abc.abstractmethod
+    def __call__(self, terms: GroupPreferenceTerms) -> Float[Array, " N T"]:
+        """The loss of each (row, time).
+
+        **Arguments:**
+
+        - `terms`: the errors, advantages, weights and groups.
+
+        **Returns:**
+
+        `[N, T]` losses.
+        """
+
+
+@final
+class DGPOSurrogateLoss(AbstractDGPOLoss):
+    """`sg(sigmoid(x_g)) A_i e_i`: the release's `compute_group_dgpo_loss_allreduce`, its
+    default."""
+
+    def __call__(self, terms: GroupPreferenceTerms) -> Float[Array, " N T"]:
+        return jax.lax.stop_gradient(terms.weight) * terms.advantages * terms.error
+
+
+@final
+class GroupDPOLoss(AbstractDGPOLoss):
+    """`softplus(x_g) group_size / (beta_dpo n_g)` per row of a group, `n_g` the group's rows
+    in the batch: the paper's `-log sigmoid(R(G+) - R(G-))`, whose gradient is the
+    surrogate's."""
+
+    def __call__(self, terms: GroupPreferenceTerms) -> Float[Array, " N T"]:
+        scale = terms.beta_dpo / terms.group_size
+        reference_error = jax.lax.stop_gradient(terms.reference_error)
+        live = _group_sum(terms.members, terms.advantages * scale * (terms.error - reference_error))
+        count = jnp.maximum(jnp.sum(terms.members, axis=1), 1.0)
+        share = (terms.group_size / (terms.beta_dpo * count))[:, None]
+        return jax.nn.softplus(live) * share
+
 
 DGPOReference: TypeAlias = Literal["base", "ema"]
 """The reference of DGPO's implicit rewards: the frozen base model (`"base"`, the released
@@ -157,9 +224,9 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
     `x_g = beta_dpo / group_size * sum_{i in g} A_i (e_i - e_ref,i)`,
 
-    and the policy loss of row `i` at that time `sg(sigmoid(x_g)) A_i e_i` (`loss=
-    "surrogate"`, released), whose gradient is that of the group DPO loss
-    `softplus(x_g) / beta_dpo` (`"group_dpo"`). With `clip_range`, an example whose ratio
+    and the policy loss of row `i` at that time `sg(sigmoid(x_g)) A_i e_i`
+    (`DGPOSurrogateLoss`, released), whose gradient is that of the group DPO loss
+    `softplus(x_g) / beta_dpo` (`GroupDPOLoss`). With `clip_range`, an example whose ratio
     `r = exp(e_ema - e)` to the EMA reference leaves `1 + clip_range` (for `A > 0`) or
     `1 - clip_range` (otherwise) keeps its value but trains no more (its `e` detached).
     The loss adds `kl_beta mean (v_theta - v_base)^2`; each row's loss is the mean over its
@@ -172,14 +239,15 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
     **Arguments:**
 
-    - `flow`: a `GuidedFlow`; its guidance is the rollout's and `evaluate`'s (the
-        release's `CFG(4.5)`; `None` for none). The loss never guides the live policy.
+    - `flow`: a `GuidedFlow`; its guidance is the rollout's (the release's `CFG(4.5)`;
+        `None` for none). The loss never guides the live policy.
     - `pretrained`: as for `FlowGRPOObjective`.
     - `group_size`: the rows of one group, the rollout's `groups` (the release's
         `num_image_per_prompt`, 16 in its recipe), >= 1: the batch's groups are runs of
         this many consecutive rows, and `x_g` divides by it.
     - `beta_dpo`: `beta_dpo`, > 0 (default 100).
-    - `loss_form`: `"surrogate"` (default) or `"group_dpo"` (`DGPOLoss`).
+    - `loss_form`: an `AbstractDGPOLoss`: `DGPOSurrogateLoss()` (default, the release's) or
+        `GroupDPOLoss()`.
     - `dpo_reference`: `"base"` (default) or `"ema"` (`DGPOReference`).
     - `reference_guidance`: `None` (default) or a `CFG` the base model's velocity is guided
         with, for the KL and a `"base"` DPO reference (the release's `kl_cfg > 1`).
@@ -200,22 +268,22 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
     - `switch_ema_ref`: the updates after which the EMA reference samples the rollout,
         >= 0, or `None` for never (default 200).
     - `seed`: seeds the epochs' trained indices, >= 0 (default 0).
-    - `sampler`, `steps`: the ODE solver of the default rollout and of `evaluate`, and the
-        time points `evaluate` samples on (default `DPMSolverPP2M()`, 15: the release's
-        DPM-Solver++ and 14 evaluation steps).
+    - `solver`: the ODE solver of the default rollout (`rollout_sampler`; default
+        `DPMSolverPP2M()`, the release's DPM-Solver++; the release evaluates with it on 15
+        time points: `evaluate_policy(flow, DPMSolverPP2M(), 15, ...)`).
 
     **Raises:**
 
     - `ValueError`: naming the argument, for a value outside the ranges above, an unknown
         mode, `clip_kl` without `clip_range`, `reference_guidance` without a null condition,
-        a `flow` that is not a `GuidedFlow`, or a `sampler` that is not an `AbstractSolver`.
+        a `flow` that is not a `GuidedFlow`, or a `solver` that is not an `AbstractSolver`.
     """
 
     flow: GuidedFlow
     _: KW_ONLY
     group_size: int = eqx.field(static=True)
     beta_dpo: float = 100.0
-    loss_form: DGPOLoss = eqx.field(default="surrogate", static=True)
+    loss_form: AbstractDGPOLoss = DGPOSurrogateLoss()
     dpo_reference: DGPOReference = eqx.field(default="base", static=True)
     reference_guidance: CFG | None = None
     clip_range: float | None = 0.01
@@ -229,14 +297,17 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
     ema_decay: float | RampedDecay | None = _RELEASED_EMA_DECAY
     switch_ema_ref: int | None = eqx.field(default=200, static=True)
     seed: int = eqx.field(default=0, static=True)
-    sampler: AbstractSolver = _RELEASED_SOLVER
-    steps: int = 15
+    solver: AbstractSolver = _RELEASED_SOLVER
     pretrained: Model | None = None
 
     def __check_init__(self) -> None:
         check_int("group_size", self.group_size, 1)
         check_number("beta_dpo", self.beta_dpo, minimum=0, include_minimum=False)
-        check_mode("loss_form", self.loss_form, DGPOLoss)
+        if not isinstance(self.loss_form, AbstractDGPOLoss):
+            raise ValueError(
+                "`loss_form` must be an AbstractDGPOLoss (DGPOSurrogateLoss, GroupDPOLoss), "
+                f"got {self.loss_form!r}."
+            )
         check_mode("dpo_reference", self.dpo_reference, DGPOReference)
         if self.reference_guidance is not None:
             if not isinstance(self.reference_guidance, CFG):
@@ -270,6 +341,8 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         check_decay("ema_decay", self.ema_decay)
         check_int("switch_ema_ref", self.switch_ema_ref, 0, optional=True)
         check_int("seed", self.seed, 0)
+        if not isinstance(self.solver, AbstractSolver):
+            raise ValueError(f"`solver` must be an AbstractSolver, got {self.solver!r}.")
 
     # ----------------------------------------------------------------------------------
     # The RL loop's interface
@@ -300,9 +373,9 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         )
 
     def rollout_sampler(self, requested: AbstractSampler | None) -> AbstractSampler:
-        """`ODESampler(sampler)` by default (the release's deterministic DPM-Solver++); any
+        """`ODESampler(solver)` by default (the release's deterministic DPM-Solver++); any
         requested sampler otherwise: DGPO trains on final samples, whatever drew them."""
-        return ODESampler(self.sampler) if requested is None else requested
+        return ODESampler(self.solver) if requested is None else requested
 
     def sampling_policy(self, variables: DGPOVariables) -> Model:
         """The EMA reference once `variables.step > switch_ema_ref` (the release's
@@ -535,9 +608,9 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         """The group preference loss of each (row, time) and its sigmoid weight.
 
         `x_g = beta_dpo / group_size * sum_{j in g} A_j (e_j - e_ref,j)`, summed over the
-        row's group at each time; `"surrogate"`: `sg(sigmoid(x_g)) A_i e_i` with `x_g` from
-        detached errors; `"group_dpo"`: `softplus(x_g) group_size / (beta_dpo n_g)`, `n_g`
-        the row's group's rows in the batch, so that the gradient is the surrogate's.
+        row's group at each time; `DGPOSurrogateLoss`: `sg(sigmoid(x_g)) A_i e_i` with `x_g`
+        from detached errors; `GroupDPOLoss`: `softplus(x_g) group_size / (beta_dpo n_g)`,
+        `n_g` the row's group's rows in the batch, so that the gradient is the surrogate's.
 
         **Arguments:**
 
@@ -553,19 +626,16 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         a = advantages[:, None]
         scale = self.beta_dpo / self.group_size
         members = same_group.astype(jnp.float32)
-
-        def group_sum(term: Float[Array, " N T"]) -> Float[Array, " N T"]:
-            return jnp.sum(members[:, :, None] * term[None, :, :], axis=1)
-
         detached = jax.lax.stop_gradient(error)
-        margin = group_sum(a * scale * (detached - jax.lax.stop_gradient(reference_error)))
+        margin = _group_sum(
+            members, a * scale * (detached - jax.lax.stop_gradient(reference_error))
+        )
         weight = jax.nn.sigmoid(margin)
-        if self.loss_form == "surrogate":
-            return jax.lax.stop_gradient(weight) * a * error, weight
-        live = group_sum(a * scale * (error - jax.lax.stop_gradient(reference_error)))
-        count = jnp.maximum(jnp.sum(members, axis=1), 1.0)
-        share = (self.group_size / (self.beta_dpo * count))[:, None]
-        return jax.nn.softplus(live) * share, weight
+        terms = GroupPreferenceTerms(
+            error, reference_error, a, weight, members, self.beta_dpo, self.group_size
+        )
+        losses = self.loss_form(terms)
+        return losses, weight
 
     def loss(
         self, variables: DGPOVariables, batch: GroupedSamples, step: Step

@@ -36,7 +36,6 @@ from ._policy_loss import (
 from ._rl import AbstractRLObjective, Rescore
 from ._sampling import AbstractSampler, SDESampler
 from ._sde import AbstractSDE, FlowSDE
-from ._solver import AbstractSolver, Euler
 from ._trainable import TrainableFilter
 
 
@@ -152,16 +151,14 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
         the first update in any precision).
     - `old_means`: `"update"` (default, as released) or `"rollout"`.
     - `transition_chunk`, `remat`: as for `FlowGRPOObjective`.
-    - `sampler`, `steps`, `pretrained`: as for `FlowGRPOObjective` (`sampler` and `steps`
-        serve `evaluate`).
+    - `pretrained`: as for `FlowGRPOObjective`.
 
     **Raises:**
 
     - `ValueError`: naming the argument, for a `kl_threshold` that is not a finite number
         > 0, a `normalise_kl` or `remat` that is not a bool, `transition_chunk < 1`, an
-        unknown `old_log_probs` or `old_means`, a `flow` that is not a `GuidedFlow`, a `sde`
-        that is not an `AbstractSDE`, a `sampler` that is not an `AbstractSolver`, or
-        `steps < 2`.
+        unknown `old_log_probs` or `old_means`, a `flow` that is not a `GuidedFlow`, or a `sde`
+        that is not an `AbstractSDE`.
     """
 
     flow: GuidedFlow
@@ -173,8 +170,6 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
     old_means: OldMeans = eqx.field(default="update", static=True)
     transition_chunk: int | None = None
     remat: bool | None = None
-    sampler: AbstractSolver = Euler()
-    steps: int = 41
     pretrained: Model | None = None
 
     def __check_init__(self) -> None:

@@ -1,5 +1,6 @@
 """`DiffusionNFTObjective`: online RL on the forward process from final samples and rewards."""
 
+import abc
 from dataclasses import KW_ONLY
 from typing import Any, Literal, TypeAlias, final
 
@@ -43,9 +44,81 @@ from ._trainable import (
 )
 
 
-NFTLoss: TypeAlias = Literal["released", "velocity"]
-"""DiffusionNFT's per-row loss: the released code's adaptive x0-space form, scaled by
-`adv_max / beta`; or the velocity-space form of the paper's statement."""
+@final
+class ImplicitPolicyErrors(eqx.Module):
+    """What DiffusionNFT's loss forms read of a flat batch of examples (`AbstractNFTLoss`).
+
+    **Arguments:**
+
+    - `x_0`, `x_t`: `[F, *latent]` the examples' data and noised points.
+    - `t`: `[F]` their times.
+    - `positive`, `negative`: `[F, *latent]` float32 velocities of the implicit policies
+        `(1 - beta) v_old + beta v` and `(1 + beta) v_old - beta v`.
+    - `target`: `[F, *latent]` the flow-matching target `eps - x_0`.
+    - `scale`: `adv_max / beta`, the released form's factor.
+    """
+
+    x_0: Array
+    x_t: Array
+    t: PerExample
+    positive: Array
+    negative: Array
+    target: Array
+    scale: float
+
+
+class AbstractNFTLoss(eqx.Module):
+    """DiffusionNFT's per-example errors of its implicit positive and negative policies:
+    `AdaptiveX0Loss` (the released code's) or `VelocityLoss` (the paper's statement)."""
+
+    @abc.abstractmethod
+    def __call__(self, inputs: ImplicitPolicyErrors) -> tuple[PerExample, PerExample, float]:
+        """The positive and negative policies' errors per example, and the factor of their
+        weighted sum.
+
+        **Arguments:**
+
+        - `inputs`: the examples and the implicit policies' velocities.
+
+        **Returns:**
+
+        `(positive [F], negative [F], factor)`.
+        """
+
+
+@final
+class AdaptiveX0Loss(AbstractNFTLoss):
+    """The released code's loss: the implicit policies' x0 predictions `x_t - t v+-`, each
+    error squared over its own detached mean absolute error (at least 1e-5), the weighted
+    sum scaled by `adv_max / beta`."""
+
+    def __call__(self, inputs: ImplicitPolicyErrors) -> tuple[PerExample, PerExample, float]:
+        x_0 = inputs.x_0
+        flat = x_0.shape[0]
+        x_0_f32 = x_0.astype(jnp.float32)
+        t_column = inputs.t.astype(jnp.float32).reshape((flat,) + (1,) * (x_0.ndim - 1))
+        x_t_f32 = inputs.x_t.astype(jnp.float32)
+        positive_error = (x_t_f32 - t_column * inputs.positive) - x_0_f32
+        negative_error = (x_t_f32 - t_column * inputs.negative) - x_0_f32
+        positive_weight = jax.lax.stop_gradient(
+            jnp.maximum(example_mean(jnp.abs(positive_error)), 1e-5)
+        )
+        negative_weight = jax.lax.stop_gradient(
+            jnp.maximum(example_mean(jnp.abs(negative_error)), 1e-5)
+        )
+        positive_mse = example_mean(positive_error**2) / positive_weight
+        negative_mse = example_mean(negative_error**2) / negative_weight
+        return positive_mse, negative_mse, inputs.scale
+
+
+@final
+class VelocityLoss(AbstractNFTLoss):
+    """The paper's statement: `mean (v+- - (eps - x_0))^2`, unscaled."""
+
+    def __call__(self, inputs: ImplicitPolicyErrors) -> tuple[PerExample, PerExample, float]:
+        positive = example_mse(inputs.positive, inputs.target)
+        return positive, example_mse(inputs.negative, inputs.target), 1.0
+
 
 NFTTimes: TypeAlias = Literal["grid", "uniform"]
 """Where DiffusionNFT's training times come from: a random subset of the sampler's grid per
@@ -87,9 +160,9 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     time `t`, `x_t = (1 - t) x_0 + t eps` (t = 1 is noise). With the old policy's velocity
     `v_old` (no gradient) and the live policy's `v_theta`, the implicit positive and negative
     policies are `v+ = (1 - beta) v_old + beta v_theta` and `v- = (1 + beta) v_old - beta
-    v_theta`. With `loss="released"` (default), the x0-space errors `e+- = (x_t - t v+-) -
+    v_theta`. With `AdaptiveX0Loss()` (default), the x0-space errors `e+- = (x_t - t v+-) -
     x_0` and their adaptive weights `w+- = max(mean|e+-|, 1e-5)` (no gradient) give
-    `(adv_max / beta) [r mean(e+^2) / w+ + (1 - r) mean(e-^2) / w-]`; with `"velocity"`
+    `(adv_max / beta) [r mean(e+^2) / w+ + (1 - r) mean(e-^2) / w-]`; with `VelocityLoss()`
     (the paper's statement, kept as a scale-free baseline that needs no weights) it is
     `r mean(v+ - v)^2 + (1 - r) mean(v- - v)^2` with `v = eps - x_0`. Both add
     `kl_beta mean(v_theta - v_ref)^2` to the reference.
@@ -112,8 +185,8 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
 
     - `flow`: a `GuidedFlow`: the model, process, inputs, guidance, autoencoder and
         precision.
-    - `sampler`, `steps`, `pretrained`: as for `FlowGRPOObjective` (`sampler` and `steps`
-        serve `evaluate`).
+    - `solver`: the ODE solver of the default rollout (`rollout_sampler`; default `Euler()`).
+    - `pretrained`: as for `FlowGRPOObjective`.
     - `beta`: the mixing strength of the implicit policies, in (0, 1].
     - `adv_max`: the advantage clip at which the optimality probability saturates (the
         release's `adv_clip_max`).
@@ -122,7 +195,8 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         policy whose adapters alone train, its base model; none is kept at 0).
     - `old_decay`: `RampedDecay()` (default, the release's ramp); a number in [0, 1) for a
         constant decay; or `None` to keep the old policy at the initial one.
-    - `loss_form`: `"released"` (default) or `"velocity"`.
+    - `loss_form`: an `AbstractNFTLoss`: `AdaptiveX0Loss()` (default, the release's) or
+        `VelocityLoss()` (the paper's).
     - `times`: `"grid"` (default) or `"uniform"`.
     - `time_fraction`: the fraction of the grid's times each row trains on, in (0, 1]
         (default 0.99, the release's `timestep_fraction`; at least one time).
@@ -131,8 +205,8 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
 
     - `ValueError`: naming the argument, for `beta` outside (0, 1], `adv_max <= 0`,
         `kl_beta < 0`, a numeric `old_decay` outside [0, 1), a `time_fraction` outside (0, 1],
-        an unknown `loss_form` or `times`, a `flow` that is not a `GuidedFlow`, or
-        `steps < 2`.
+        a `loss_form` that is not an `AbstractNFTLoss`, an unknown `times`, a `flow` that is
+        not a `GuidedFlow`, or a `solver` that is not an `AbstractSolver`.
     """
 
     flow: GuidedFlow
@@ -141,11 +215,10 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     adv_max: float = 5.0
     kl_beta: float = 1e-4
     old_decay: float | RampedDecay | None = _RELEASED_DECAY
-    loss_form: NFTLoss = eqx.field(default="released", static=True)
+    loss_form: AbstractNFTLoss = AdaptiveX0Loss()
     times: NFTTimes = eqx.field(default="grid", static=True)
     time_fraction: float = 0.99
-    sampler: AbstractSolver = Euler()
-    steps: int = 41
+    solver: AbstractSolver = Euler()
     pretrained: Model | None = None
 
     def __check_init__(self) -> None:
@@ -153,15 +226,18 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         check_number("adv_max", self.adv_max, minimum=0, include_minimum=False)
         check_number("kl_beta", self.kl_beta, minimum=0)
         check_decay("old_decay", self.old_decay)
-        if self.loss_form not in ("released", "velocity"):
+        if not isinstance(self.loss_form, AbstractNFTLoss):
             raise ValueError(
-                f"`loss_form` must be 'released' or 'velocity', got {self.loss_form!r}."
+                "`loss_form` must be an AbstractNFTLoss (AdaptiveX0Loss, VelocityLoss), got "
+                f"{self.loss_form!r}."
             )
         if self.times not in ("grid", "uniform"):
             raise ValueError(f"`times` must be 'grid' or 'uniform', got {self.times!r}.")
         check_number(
             "time_fraction", self.time_fraction, minimum=0, maximum=1, include_minimum=False
         )
+        if not isinstance(self.solver, AbstractSolver):
+            raise ValueError(f"`solver` must be an AbstractSolver, got {self.solver!r}.")
 
     # ----------------------------------------------------------------------------------
     # The RL loop's interface
@@ -173,9 +249,9 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         )
 
     def rollout_sampler(self, requested: AbstractSampler | None) -> AbstractSampler:
-        """`ODESampler(sampler)` by default (the objective's solver); any requested sampler
+        """`ODESampler(solver)` by default (the objective's solver); any requested sampler
         otherwise: DiffusionNFT trains on final samples, whatever drew them."""
-        return ODESampler(self.sampler) if requested is None else requested
+        return ODESampler(self.solver) if requested is None else requested
 
     def sampling_policy(self, variables: NFTVariables) -> Model:
         return self.old_policy(variables)
@@ -279,7 +355,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
 
         `(Mean(sum of per-row losses, counted rows), aux)` with `aux` the `Mean`s over
         counted rows (each row's mean over its times) of `positive_mse` and `negative_mse`
-        (the weighted x0-space errors `mean(e+-^2) / w+-` with `loss="released"`, else
+        (the weighted x0-space errors `mean(e+-^2) / w+-` with `AdaptiveX0Loss`, else
         `mean(v+- - v)^2`), `old_mse` (`mean(v_old - v)^2`), `drift`
         (`mean(v_theta - v_old)^2`), `optimality` (`r`), and with `kl_beta > 0` `kl`
         (`mean(v_theta - v_ref)^2`).
@@ -360,27 +436,12 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         v_old: Array,
         target: Array,
     ) -> tuple[PerExample, PerExample, float]:
-        """The implicit positive and negative policies' errors per example, and the scale of
-        their weighted sum (`loss_form`)."""
+        """The implicit positive and negative policies' errors per example, and the factor
+        of their weighted sum (`loss_form`)."""
         positive = (1.0 - self.beta) * v_old + self.beta * v_theta
         negative = (1.0 + self.beta) * v_old - self.beta * v_theta
-        if self.loss_form == "velocity":
-            return example_mse(positive, target), example_mse(negative, target), 1.0
-        flat = x_0.shape[0]
-        x_0_f32 = x_0.astype(jnp.float32)
-        t_column = t.astype(jnp.float32).reshape((flat,) + (1,) * (x_0.ndim - 1))
-        x_t_f32 = x_t.astype(jnp.float32)
-        positive_error = (x_t_f32 - t_column * positive) - x_0_f32
-        negative_error = (x_t_f32 - t_column * negative) - x_0_f32
-        positive_weight = jax.lax.stop_gradient(
-            jnp.maximum(example_mean(jnp.abs(positive_error)), 1e-5)
-        )
-        negative_weight = jax.lax.stop_gradient(
-            jnp.maximum(example_mean(jnp.abs(negative_error)), 1e-5)
-        )
-        positive_mse = example_mean(positive_error**2) / positive_weight
-        negative_mse = example_mean(negative_error**2) / negative_weight
-        return positive_mse, negative_mse, self.adv_max / self.beta
+        scale = self.adv_max / self.beta
+        return self.loss_form(ImplicitPolicyErrors(x_0, x_t, t, positive, negative, target, scale))
 
 
 @eqx.filter_jit

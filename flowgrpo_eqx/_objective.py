@@ -6,6 +6,7 @@ from typing import Any, Literal, TypeAlias, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy.typing as npt
 from jaxtyping import Array, Float, Int, PyTree
 
 from ._custom_types import (
@@ -22,6 +23,7 @@ from ._custom_types import (
     Transitions,
     check_transitions,
 )
+from ._evaluation import Evaluation, evaluate_policy, preview_policy
 from ._flow_base import AbstractVariables
 from ._guided_flow import GuidedFlow, MatmulPrecision, ModelTime, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, AbstractGuidance, InputSpec
@@ -37,6 +39,7 @@ from ._policy_loss import (
     with_rescored,
 )
 from ._process import AbstractProcess
+from ._reward import FlowReward
 from ._rl import AbstractRLObjective, Rescore
 from ._sampling import AbstractSampler
 from ._sde import AbstractSDE, FlowSDE
@@ -344,8 +347,11 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     - `autoencoder`: decodes latents to samples in [-1, 1]; identity (with clipping) if `None`.
     - `guidance`: the guidance used in rollout, rescoring and evaluation: classifier-free
         (`CFG`), a guidance-distilled model's input (`EmbeddedGuidance`), or `None`.
-    - `sampler`: the ODE solver for evaluation and previews.
-    - `steps`: the number of time points of the evaluation grid.
+    - `sampler`: the ODE solver of `evaluate` and `preview`.
+    - `steps`: the number of time points of their grid. (`sampler`, `steps`, `evaluate` and
+        `preview` are the interface the specification gives Flow-GRPO's objective; they
+        hand over to `evaluate_policy` and `preview_policy`, which sample any policy of any
+        flow. The other objectives hold no evaluation settings.)
     - `pretrained`: initial policy weights (a model of the same structure), or `None` to
         start from `model` itself.
     - `transition_chunk`: how many transitions `loss` and `log_probs` evaluate together per
@@ -438,6 +444,9 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     def __check_init__(self) -> None:
         if not isinstance(self.sde, AbstractSDE):
             raise ValueError(f"`sde` must be an AbstractSDE, got {self.sde!r}.")
+        if not isinstance(self.sampler, AbstractSolver):
+            raise ValueError(f"`sampler` must be an AbstractSolver, got {self.sampler!r}.")
+        check_int("steps", self.steps, 2)
         check_number("beta", self.beta, minimum=0)
         check_number("clip_range", self.clip_range, minimum=0, include_minimum=False)
         check_number("adv_clip_max", self.adv_clip_max, minimum=0, include_minimum=False)
@@ -658,6 +667,77 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
             log_probs=None if log_probs is None else PerRow(jax.lax.stop_gradient(log_probs)),
         )
         return mean_of("objective"), aux
+
+    def evaluate(
+        self,
+        variables: AbstractVariables,
+        batch: Transitions | PyTree[Any],
+        step: Step,
+        *,
+        reward: FlowReward | None = None,
+    ) -> Evaluation:
+        """One live-policy sample per source row, including prompt-only batches:
+        `evaluate_policy(flow, sampler, steps, variables.policy, batch, step.key)`.
+
+        **Arguments:**
+
+        - `variables`: from `init`.
+        - `batch`: a `Transitions` batch (its `cond` rows are used) or the rows themselves.
+        - `step`: its `key` draws the starting noise.
+        - `reward`: if given, the samples are scored with it on the host (float64).
+
+        **Returns:**
+
+        An `Evaluation` with the decoded `samples`, the final `latents`, and `scores`.
+
+        **Raises:**
+
+        - `ValueError`: if the rows are prompt-only and `InputSpec.latent_shape` is unset.
+        - `RewardError`: if the reward fails.
+        """
+        return evaluate_policy(
+            self.flow, self.sampler, self.steps, variables.policy, batch, step.key, reward=reward
+        )
+
+    def preview(
+        self,
+        variables: AbstractVariables,
+        batch: Transitions | PyTree[Any],
+        step: Step,
+        *,
+        scored: FlowReward | npt.ArrayLike | None = None,
+        path: str | None = None,
+        captions: list[str] | None = None,
+        title: str | None = None,
+    ) -> Evaluation:
+        """Draw, score and picture one live-policy sample per row: `preview_policy` with
+        the objective's flow, `sampler` and `steps`.
+
+        **Arguments:**
+
+        - `variables`, `batch`, `step`: as for `evaluate`.
+        - `scored`, `path`, `captions`, `title`: as for `preview_policy`.
+
+        **Returns:**
+
+        The `Evaluation` (with `scores` when `scored` was given).
+
+        **Raises:**
+
+        - `ValueError`: if `scored` scores or `captions` do not have one entry per row.
+        """
+        return preview_policy(
+            self.flow,
+            self.sampler,
+            self.steps,
+            variables.policy,
+            batch,
+            step.key,
+            scored=scored,
+            path=path,
+            captions=captions,
+            title=title,
+        )
 
     def kl_reference(self, variables: FlowGRPOVariables) -> Model | None:
         """The frozen model the KL term compares with, without gradient; `None` when

@@ -2,7 +2,7 @@
 
 import abc
 import math
-from typing import Literal, final
+from typing import final
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -64,6 +64,72 @@ class AbstractProcess(eqx.Module):
         """
 
 
+class AbstractTimeGrid(eqx.Module):
+    """Which points from 1 to 0 a `RectifiedFlow` shifts into its sampling grid:
+    `UniformGrid` (the default), `DiffusersGrid` (SD3 and SD3.5 pipelines) or `FluxGrid`
+    (`FluxPipeline`)."""
+
+    @abc.abstractmethod
+    def times(self, shift: float, steps: int) -> Float[Array, " steps"]:
+        """The grid of `steps` float32 times, shifted by `shift`.
+
+        **Arguments:**
+
+        - `shift`: the time-shift `s`, `t = s u / (1 + (s - 1) u)`.
+        - `steps`: the number of time points, >= 2.
+
+        **Returns:**
+
+        `[steps]` decreasing times, the first 1 and the last 0.
+        """
+
+
+@final
+class UniformGrid(AbstractTimeGrid):
+    """`steps` points evenly from 1 to 0, each shifted."""
+
+    def times(self, shift: float, steps: int) -> Float[Array, " steps"]:
+        uniform = jnp.linspace(1.0, 0.0, steps, dtype=jnp.float32)
+        # s u / (s u + 1 - u) equals s u / (1 + (s - 1) u) but is exact at u = 1 and u = 0
+        # in float32, so the grid starts at exactly 1 (the SDE's first-step guard needs it).
+        scaled = shift * uniform
+        shifted: Float[Array, " steps"] = scaled / (scaled + (1 - uniform))
+        return shifted
+
+
+@final
+class DiffusersGrid(AbstractTimeGrid):
+    """The grid of diffusers' SD3 and SD3.5 pipelines, the sigmas of
+    `FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(steps - 1)`: `steps - 1`
+    points evenly from 1 to `s_min`, the shift of `1/1000`, each shifted (so `s_min` is
+    shifted twice), then a final 0. With `shift=3.0` and 11 points: 1, 0.96013, ...,
+    0.27805, 0.00893, 0."""
+
+    def times(self, shift: float, steps: int) -> Float[Array, " steps"]:
+        # As diffusers' scheduler computes it, in float64 NumPy, then float32.
+        s = float(shift)
+        s_min = s * 1e-3 / (1 + (s - 1) * 1e-3)
+        u = np.linspace(1.0, s_min, steps - 1)
+        sigmas = np.append(s * u / (1 + (s - 1) * u), 0.0)
+        return jnp.asarray(sigmas, dtype=jnp.float32)
+
+
+@final
+class FluxGrid(AbstractTimeGrid):
+    """The grid of diffusers' `FluxPipeline`: `steps - 1` points evenly from 1 to
+    `1 / (steps - 1)`, each shifted, then a final 0. FLUX.1-dev's scheduler shifts by
+    `exp(mu)` with `mu` from the image's token count (its exponential time shift
+    `e^mu / (e^mu + 1/u - 1)` is this shift with `s = e^mu`): `shift=flux_shift(tokens)`;
+    FLUX.1-schnell's by 1."""
+
+    def times(self, shift: float, steps: int) -> Float[Array, " steps"]:
+        # As the pipeline and scheduler compute it: the evenly spaced sigmas in float32.
+        s = float(shift)
+        u = np.linspace(1.0, 1.0 / (steps - 1), steps - 1).astype(np.float32)
+        u64 = u.astype(np.float64)
+        return jnp.asarray(np.append(s * u64 / (1 + (s - 1) * u64), 0.0), dtype=jnp.float32)
+
+
 @final
 class RectifiedFlow(AbstractProcess):
     """Rectified flow: `x_t = (1 - t) x_0 + t eps`, velocity `eps - x_0`.
@@ -75,30 +141,26 @@ class RectifiedFlow(AbstractProcess):
 
     - `shift`: the time-shift `s` of the grid, `t = s u / (1 + (s - 1) u)` for a uniform
         `u`. `1.0` (the default) keeps the uniform grid; SD3 uses `3.0`.
-    - `grid`: which `u` are shifted. `"uniform"` (the default): `steps` points evenly from 1
-        to 0. `"diffusers"`: the grid of diffusers' SD3 and SD3.5 pipelines, the sigmas of
-        `FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(steps - 1)`: `steps - 1`
-        points evenly from 1 to `s_min`, the shift of `1/1000`, each shifted (so `s_min` is
-        shifted twice), then a final 0. With `shift=3.0` and 11 points: 1, 0.96013, ...,
-        0.27805, 0.00893, 0. `"flux"`: the grid of diffusers' `FluxPipeline`: `steps - 1`
-        points evenly from 1 to `1 / (steps - 1)`, each shifted, then a final 0; FLUX.1-dev's
-        scheduler shifts by `exp(mu)` with `mu` from the image's token count (its
-        exponential time shift `e^mu / (e^mu + 1/u - 1)` is this shift with `s = e^mu`):
-        `shift=flux_shift(tokens)`; FLUX.1-schnell's by 1.
+    - `grid`: which `u` are shifted, an `AbstractTimeGrid`: `UniformGrid()` (the default),
+        `DiffusersGrid()` (the SD3 and SD3.5 pipelines' sigmas) or `FluxGrid()`
+        (`FluxPipeline`'s, with `shift=flux_shift(tokens)` for FLUX.1-dev).
 
     **Raises:**
 
     - `ValueError`: naming `shift` if it is not a finite number `> 0`, or `grid` if it is
-        not one of its values; or, from `timesteps`, if `steps` is not an int >= 2.
+        not an `AbstractTimeGrid`; or, from `timesteps`, if `steps` is not an int >= 2.
     """
 
     shift: float = 1.0
-    grid: Literal["uniform", "diffusers", "flux"] = "uniform"
+    grid: AbstractTimeGrid = UniformGrid()
 
     def __check_init__(self) -> None:
         check_number("shift", self.shift, minimum=0, include_minimum=False)
-        if self.grid not in ("uniform", "diffusers", "flux"):
-            raise ValueError(f"`grid` must be 'uniform', 'diffusers' or 'flux', got {self.grid!r}.")
+        if not isinstance(self.grid, AbstractTimeGrid):
+            raise ValueError(
+                "`grid` must be an AbstractTimeGrid (UniformGrid, DiffusersGrid, FluxGrid), got "
+                f"{self.grid!r}."
+            )
 
     def interpolate(self, data: Latent, noise: Latent, t: ScalarLike) -> Latent:
         time = jnp.asarray(t, data.dtype)
@@ -110,25 +172,7 @@ class RectifiedFlow(AbstractProcess):
     def timesteps(self, steps: int) -> Float[Array, " steps"]:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
             raise ValueError(f"`steps` must be an int of at least 2, got {steps!r}.")
-        if self.grid == "diffusers":
-            # As diffusers' scheduler computes it, in float64 NumPy, then float32.
-            s = float(self.shift)
-            s_min = s * 1e-3 / (1 + (s - 1) * 1e-3)
-            u = np.linspace(1.0, s_min, steps - 1)
-            sigmas = np.append(s * u / (1 + (s - 1) * u), 0.0)
-            return jnp.asarray(sigmas, dtype=jnp.float32)
-        if self.grid == "flux":
-            # As the pipeline and scheduler compute it: the evenly spaced sigmas in float32.
-            s = float(self.shift)
-            u = np.linspace(1.0, 1.0 / (steps - 1), steps - 1).astype(np.float32)
-            u64 = u.astype(np.float64)
-            return jnp.asarray(np.append(s * u64 / (1 + (s - 1) * u64), 0.0), dtype=jnp.float32)
-        uniform = jnp.linspace(1.0, 0.0, steps, dtype=jnp.float32)
-        # s u / (s u + 1 - u) equals s u / (1 + (s - 1) u) but is exact at u = 1 and u = 0
-        # in float32, so the grid starts at exactly 1 (the SDE's first-step guard needs it).
-        scaled = self.shift * uniform
-        shifted: Float[Array, " steps"] = scaled / (scaled + (1 - uniform))
-        return shifted
+        return self.grid.times(self.shift, steps)
 
 
 def flux_shift(
@@ -142,7 +186,7 @@ def flux_shift(
 
     diffusers' `calculate_shift`: `mu` linear in the token count, `base_shift` at
     `base_tokens` and `max_shift` at `max_tokens` (FLUX.1-dev's scheduler config), and the
-    shift is `exp(mu)`: `RectifiedFlow(shift=flux_shift(tokens), grid="flux")` is its grid.
+    shift is `exp(mu)`: `RectifiedFlow(shift=flux_shift(tokens), grid=FluxGrid())` is its grid.
     A 512 x 512 image has `(512 / 16) ** 2 = 1024` tokens (shift about 1.87), 1024 x 1024 has
     4096 (shift `e^1.15`, about 3.16).
 

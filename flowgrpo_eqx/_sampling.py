@@ -22,7 +22,7 @@ from ._custom_types import FinalSamples, Model, Transitions
 from ._distributed import place_rows, row_sharding
 from ._guided_flow import GuidedFlow
 from ._misc import is_int
-from ._process import RectifiedFlow
+from ._process import RectifiedFlow, UniformGrid
 from ._sde import AbstractSDE
 from ._solver import AbstractSolver, Euler
 from ._window import AbstractWindowSchedule
@@ -441,7 +441,7 @@ class MixSampler(AbstractSampler):
         released).
     - `solver`: the ODE solver after the window; `Euler()` (default) as MixGRPO's.
     - `compress_ratio`: `None` (default) keeps the grid after the window; a float in (0, 1]
-        rebuilds it with that ratio (needs a `RectifiedFlow` with `grid="uniform"`).
+        rebuilds it with that ratio (needs a `RectifiedFlow` with `grid=UniformGrid()`).
     - `record_means`: as `SDESampler`'s.
 
     **Raises:**
@@ -477,10 +477,10 @@ class MixSampler(AbstractSampler):
         self.window_schedule.check_fits(steps - 1)
         process = flow.process
         if self.compress_ratio is not None and not (
-            isinstance(process, RectifiedFlow) and process.grid == "uniform"
+            isinstance(process, RectifiedFlow) and isinstance(process.grid, UniformGrid)
         ):
             raise ValueError(
-                "`compress_ratio` needs a RectifiedFlow with grid='uniform' (the release "
+                "`compress_ratio` needs a RectifiedFlow with grid=UniformGrid() (the release "
                 f"shifts the rebuilt grid as it does), got {process!r}."
             )
 

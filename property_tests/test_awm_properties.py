@@ -15,7 +15,7 @@ from tests.test_awm import N, make_objective, setup
 from tests.test_objective import perturbed
 
 
-WEIGHTINGS = st.sampled_from(["ghuber", "huber", "t**2"])
+WEIGHTINGS = st.sampled_from([fg.GHuberWeighting(), fg.HuberWeighting(), fg.TimeSquaredWeighting()])
 RATIOS = st.sampled_from(["per_time", "per_row"])
 MASKS = st.lists(st.booleans(), min_size=N, max_size=N)
 

@@ -50,7 +50,7 @@ def test_the_group_dpo_loss_has_the_surrogates_gradient(seed, mask, clip_range, 
     the release's surrogate (line 166) is the group DPO loss's gradient."""
     settings = {"clip_range": clip_range, "dpo_reference": reference}
     surrogate, variables, batch = setup(**settings)
-    group_dpo, _, _ = setup(loss_form="group_dpo", **settings)
+    group_dpo, _, _ = setup(loss_form=fg.GroupDPOLoss(), **settings)
     variables = _perturbed(variables, seed)
     batch = _batch(batch, seed, mask)
     step = fg.Step(index=0, key=jax.random.key(seed))

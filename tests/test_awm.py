@@ -91,7 +91,7 @@ def numpy_loss(objective, params, ema, reference, batch, t, noise, old=None):
         for j in range(count):
             x_t = (1 - t[b, j]) * data[b] + t[b, j] * noise[b, j]
             v = velocity(params, x_t, t[b, j], cond[b])
-            args = (data[b], noise[b, j], t[b, j], objective.weighting, objective.ghuber_power)
+            args = (data[b], noise[b, j], t[b, j], *released_weighting(objective.weighting))
             lp[j, b] = ref.awm_log_prob(v, *args)
             if ema is not None:
                 v_ema = velocity(ema, x_t, t[b, j], cond[b])
@@ -112,13 +112,37 @@ def numpy_loss(objective, params, ema, reference, batch, t, noise, old=None):
     return total * len(rows), old
 
 
+def released_weighting(weighting):
+    """The release's `weighting` and `ghuber_power` that a weighting class stands for (the
+    float64 statement takes the release's names)."""
+    if isinstance(weighting, fg.GHuberWeighting):
+        return "ghuber", weighting.power
+    names = {
+        fg.HuberWeighting: "huber",
+        fg.TimeWeighting: "t",
+        fg.TimeSquaredWeighting: "t**2",
+        fg.UniformWeighting: "uniform",
+    }
+    return names[type(weighting)], None
+
+
 CASES = [
     {},  # the released GenEval recipe
-    {"weighting": "huber", "ratio": "per_row", "kl_weight": "elbo", "ema_kl_weight": "elbo"},
-    {"weighting": "t", "off_policy": True, "clip_range": 0.02, "times": "discrete"},
-    {"weighting": "t**2", "off_policy": True, "clip_range": 0.05, "ratio": "per_row"},
     {
-        "weighting": "uniform",
+        "weighting": fg.HuberWeighting(),
+        "ratio": "per_row",
+        "kl_weight": "elbo",
+        "ema_kl_weight": "elbo",
+    },
+    {"weighting": fg.TimeWeighting(), "off_policy": True, "clip_range": 0.02, "times": "discrete"},
+    {
+        "weighting": fg.TimeSquaredWeighting(),
+        "off_policy": True,
+        "clip_range": 0.05,
+        "ratio": "per_row",
+    },
+    {
+        "weighting": fg.UniformWeighting(),
         "off_policy": True,
         "clip_range": 0.2,
         "advantage_max": None,
@@ -126,7 +150,7 @@ CASES = [
         "train_timesteps": 4,
         "kl_beta": 0.1,
     },
-    {"weighting": "ghuber", "ghuber_power": 0.5, "ema_beta": 0.0, "time_fraction": 1.0},
+    {"weighting": fg.GHuberWeighting(power=0.5), "ema_beta": 0.0, "time_fraction": 1.0},
 ]
 
 
@@ -241,11 +265,7 @@ def test_the_ema_follows_the_released_linear_schedule_once_per_epoch():
 
 def test_awm_defaults_are_the_released_geneval_recipe():
     objective = make_objective()
-    assert (objective.weighting, objective.ghuber_power, objective.ratio) == (
-        "ghuber",
-        0.25,
-        "per_time",
-    )
+    assert (objective.weighting, objective.ratio) == (fg.GHuberWeighting(power=0.25), "per_time")
     assert (objective.clip_range, objective.adv_clip_max, objective.advantage_max) == (1, 5, 1)
     assert (objective.times, objective.train_timesteps, objective.time_fraction) == (
         "discrete_wo_init",
@@ -275,7 +295,6 @@ def test_the_ema_and_reference_are_kept_only_when_weighted():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"ghuber_power": 0.0}, "`ghuber_power` must be a finite number > 0, got 0.0."),
         ({"clip_range": -1.0}, "`clip_range` must be a finite number > 0, got -1.0."),
         ({"adv_clip_max": 0.0}, "`adv_clip_max` must be a finite number > 0, got 0.0."),
         ({"advantage_max": 0.0}, "`advantage_max` must be None or a finite number > 0, got 0.0."),
@@ -287,7 +306,6 @@ def test_the_ema_and_reference_are_kept_only_when_weighted():
             {"ema_decay": 1.0},
             "`ema_decay` must be None or a finite number in [0, 1), got 1.0.",
         ),
-        ({"steps": 1}, "`steps` must be an int >= 2, got 1."),
     ],
 )
 def test_awm_arguments_are_checked_by_name(kwargs, message):
@@ -295,12 +313,20 @@ def test_awm_arguments_are_checked_by_name(kwargs, message):
         make_objective(**kwargs)
 
 
+@pytest.mark.parametrize("power", [0.0, -0.25, float("nan")])
+def test_the_ghuber_power_is_checked_by_name(power):
+    message = f"`power` must be a finite number > 0, got {power!r}."
+    with pytest.raises(ValueError, match=exact_message(message)):
+        fg.GHuberWeighting(power=power)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         (
-            {"weighting": "l2"},
-            "`weighting` must be one of 'ghuber', 'huber', 't', 't**2', 'uniform', got 'l2'.",
+            {"weighting": "ghuber"},
+            "`weighting` must be an AbstractAWMWeighting (GHuberWeighting, HuberWeighting, "
+            "TimeWeighting, TimeSquaredWeighting, UniformWeighting), got 'ghuber'.",
         ),
         ({"ratio": "exp_first"}, "`ratio` must be one of 'per_time', 'per_row', got 'exp_first'."),
         (

@@ -145,7 +145,7 @@ def numpy_loss(objective, params, ema, base, batch, t, noise, held=None):
             e = np.where(clip, fixed, e)
         e_ref = e_ema if objective.dpo_reference == "ema" else ref.dgpo_error(v_base, target)
         args = (a, e, e_ref, group, objective.beta_dpo, objective.group_size)
-        if objective.loss_form == "group_dpo":
+        if isinstance(objective.loss_form, fg.GroupDPOLoss):
             weights = None
             policy = ref.dgpo_group_dpo(*args)
         else:
@@ -162,7 +162,7 @@ def numpy_loss(objective, params, ema, base, batch, t, noise, held=None):
 
 CASES = [
     {},  # the released default recipe (config/dgpo.py, general_ocr_sd3_4gpu)
-    {"loss_form": "group_dpo"},
+    {"loss_form": fg.GroupDPOLoss()},
     {"dpo_reference": "ema", "beta_dpo": 2000.0, "clip_range": 1e-5, "kl_beta": 0.001},
     {"reference_guidance": fg.CFG(4.5), "clip_kl": True, "shared_noise": False, "quantize": None},
     {"clip_range": None, "kl_beta": 0.0, "beta_dpo": 10.0, "train_timesteps": 2, "trunc_steps": 3},
@@ -181,7 +181,7 @@ def test_dgpo_loss_and_gradient_match_the_released_statement(kwargs):
     want, held = numpy_loss(objective, params, ema, base, batch, t, noise)
     assert float(mean.count) == MASK.sum()
     np.testing.assert_allclose(float(mean.total), want, rtol=2e-4, atol=1e-6)
-    if objective.loss_form == "surrogate":
+    if isinstance(objective.loss_form, fg.DGPOSurrogateLoss):
         weights = np.stack([h[0] for h in held], axis=1).mean(axis=1)
         np.testing.assert_allclose(float(aux["weight"].value), weights.mean(), rtol=1e-4)
     if objective.clip_range is not None:
@@ -199,12 +199,13 @@ def test_dgpo_loss_and_gradient_match_the_released_statement(kwargs):
         )
 
 
-@pytest.mark.parametrize("loss", ["surrogate", "group_dpo"])
+@pytest.mark.parametrize("loss", [fg.DGPOSurrogateLoss(), fg.GroupDPOLoss()])
 def test_the_group_dpo_form_is_the_surrogate_in_gradient(loss):
     """The release computes the gradient of the group DPO loss through a surrogate (line
     166): here both forms give the same gradient, and the group DPO value is the oracle's."""
     objective, variables, batch = setup(loss_form=loss)
-    other = make_objective(loss_form="surrogate" if loss == "group_dpo" else "group_dpo")
+    surrogate = isinstance(loss, fg.DGPOSurrogateLoss)
+    other = make_objective(loss_form=fg.GroupDPOLoss() if surrogate else fg.DGPOSurrogateLoss())
     step = fg.Step(index=0, key=jax.random.key(7))
     _, grads = _value_and_grad(objective, variables, batch, step)
     _, others = _value_and_grad(other, variables, batch, step)
@@ -312,7 +313,11 @@ def test_the_rollout_samples_with_the_ema_reference_after_the_released_step():
 
 def test_dgpo_defaults_are_the_released_recipe():
     objective = make_objective()
-    assert (objective.group_size, objective.beta_dpo, objective.loss_form) == (G, 100, "surrogate")
+    assert (objective.group_size, objective.beta_dpo, objective.loss_form) == (
+        G,
+        100,
+        fg.DGPOSurrogateLoss(),
+    )
     assert (objective.dpo_reference, objective.reference_guidance) == ("base", None)
     assert (objective.clip_range, objective.clip_kl, objective.adv_clip_max) == (0.01, False, 5)
     assert (objective.kl_beta, objective.train_timesteps, objective.trunc_steps) == (0.02, 4, 6)
@@ -321,7 +326,6 @@ def test_dgpo_defaults_are_the_released_recipe():
         1000,
         200,
     )
-    assert objective.steps == 15
     sampler = objective.rollout_sampler(None)
     assert isinstance(sampler, fg.ODESampler) and isinstance(sampler.solver, fg.DPMSolverPP2M)
     requested = fg.ODESampler(fg.Heun())
@@ -375,7 +379,7 @@ def test_the_training_batch_groups_runs_of_group_size_rows():
 
 
 def test_a_masked_row_of_nan_reaches_neither_the_loss_nor_its_gradient():
-    objective, variables, batch = setup(loss_form="group_dpo", clip_kl=True)
+    objective, variables, batch = setup(loss_form=fg.GroupDPOLoss(), clip_kl=True)
     step = fg.Step(index=0, key=jax.random.key(2))
     (_, (mean, _)), grads = _value_and_grad(objective, variables, batch, step)
     assert np.isfinite(float(mean.value))
@@ -404,7 +408,6 @@ def test_a_masked_row_of_nan_reaches_neither_the_loss_nor_its_gradient():
         ({"ema_decay": 1.0}, "`ema_decay` must be None or a finite number in [0, 1), got 1.0."),
         ({"switch_ema_ref": -1}, "`switch_ema_ref` must be None or an int >= 0, got -1."),
         ({"seed": -2}, "`seed` must be an int >= 0, got -2."),
-        ({"steps": 1}, "`steps` must be an int >= 2, got 1."),
         (
             {"clip_kl": True, "clip_range": None},
             "`clip_kl` needs `clip_range`: it detaches the KL of the examples the ratio clip "
@@ -420,12 +423,16 @@ def test_dgpo_arguments_are_checked_by_name(kwargs, message):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"loss_form": "dpo"}, "`loss_form` must be one of 'surrogate', 'group_dpo', got 'dpo'."),
+        (
+            {"loss_form": "surrogate"},
+            "`loss_form` must be an AbstractDGPOLoss (DGPOSurrogateLoss, GroupDPOLoss), got "
+            "'surrogate'.",
+        ),
         ({"dpo_reference": "old"}, "`dpo_reference` must be one of 'base', 'ema', got 'old'."),
         ({"clip_kl": 1}, "`clip_kl` must be a bool, got 1."),
         ({"shared_noise": "yes"}, "`shared_noise` must be a bool, got 'yes'."),
         ({"reference_guidance": 4.5}, "`reference_guidance` must be a CFG or None, got 4.5."),
-        ({"sampler": fg.FlowSDE()}, f"`sampler` must be an AbstractSolver, got {fg.FlowSDE()!r}."),
+        ({"solver": fg.FlowSDE()}, f"`solver` must be an AbstractSolver, got {fg.FlowSDE()!r}."),
     ],
 )
 def test_dgpo_modes_and_types_are_checked_by_name(kwargs, message):

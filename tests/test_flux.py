@@ -124,12 +124,12 @@ def test_flux_grid_is_the_pipelines_sigmas() -> None:
         steps, tokens = (int(part) for part in name.split("/"))
         assert len(sigmas) == steps + 1
         grid = np.asarray(
-            fg.RectifiedFlow(shift=fg.flux_shift(tokens), grid="flux").timesteps(steps + 1)
+            fg.RectifiedFlow(shift=fg.flux_shift(tokens), grid=fg.FluxGrid()).timesteps(steps + 1)
         )
         assert grid.dtype == np.float32 and grid[0] == 1.0 and grid[-1] == 0.0
         np.testing.assert_allclose(grid, sigmas, rtol=0, atol=1e-6)
     for steps, sigmas in record["schnell"].items():
-        grid = np.asarray(fg.RectifiedFlow(grid="flux").timesteps(int(steps) + 1))
+        grid = np.asarray(fg.RectifiedFlow(grid=fg.FluxGrid()).timesteps(int(steps) + 1))
         np.testing.assert_allclose(grid, sigmas, rtol=0, atol=1e-6)
     # The shift is e^mu, mu linear in the tokens from 0.5 at 256 to 1.15 at 4096.
     np.testing.assert_allclose(fg.flux_shift(256), np.exp(0.5), rtol=1e-12)
@@ -193,7 +193,7 @@ def test_an_nft_epoch_trains_the_adapters_of_tiny_flux(tiny: Flux) -> None:
     }
     flow = fg.GuidedFlow(
         tiny,
-        fg.RectifiedFlow(shift=fg.flux_shift(12), grid="flux"),
+        fg.RectifiedFlow(shift=fg.flux_shift(12), grid=fg.FluxGrid()),
         fg.InputSpec(select=("context", "pooled"), latent_shape=(*IMAGE, 4)),
         guidance=fg.EmbeddedGuidance(3.5),
     )
@@ -202,7 +202,7 @@ def test_an_nft_epoch_trains_the_adapters_of_tiny_flux(tiny: Flux) -> None:
         return -np.mean(np.asarray(samples) ** 2, axis=(1, 2, 3)).astype(np.float64)
 
     policy = lora.add(tiny, 2, key=jax.random.key(0))
-    objective = fg.DiffusionNFTObjective(flow, steps=3, pretrained=policy)
+    objective = fg.DiffusionNFTObjective(flow, pretrained=policy)
     rollout = fg.FlowRollout(objective, reward, groups=2, steps=3)
     trainer = Trainer(objective, default_optimizer(learning_rate=1e-3))
     state = trainer.init(jax.random.key(1))

@@ -226,7 +226,7 @@ def test_bad_settings_are_named(kwargs, message):
 def test_a_compressed_grid_needs_the_uniform_rectified_flow_grid():
     objective = fg.FlowGRPOObjective(
         SmallNet(jax.random.key(0)),
-        fg.RectifiedFlow(shift=SHIFT, grid="diffusers"),
+        fg.RectifiedFlow(shift=SHIFT, grid=fg.DiffusersGrid()),
         fg.InputSpec(select="cond", null=jnp.zeros(COND), latent_shape=LATENT),
         sde=fg.FlowSDE(0.7),
         guidance=None,

@@ -32,9 +32,14 @@ from tests.test_objective import (
 
 
 # The velocity-space form with one uniform time per row, no KL and a fixed old policy: the
-# library's first form, kept as options (loss_form="velocity", times="uniform"); these tests state
-# it. The released form (the default) is tested in test_nft_released.py.
-VELOCITY_FORM = {"loss_form": "velocity", "times": "uniform", "kl_beta": 0.0, "old_decay": None}
+# library's first form, kept as options (loss_form=VelocityLoss(), times="uniform"); these
+# tests state it. The released form (the default) is tested in test_nft_released.py.
+VELOCITY_FORM = {
+    "loss_form": fg.VelocityLoss(),
+    "times": "uniform",
+    "kl_beta": 0.0,
+    "old_decay": None,
+}
 
 
 def make_objective(beta=0.7, adv_max=2.0, guidance=None, **settings):
@@ -195,7 +200,6 @@ def test_masked_rows_reach_neither_value_nor_gradient():
         ({"beta": -0.5}, "beta"),
         ({"adv_max": 0.0}, "adv_max"),
         ({"adv_max": -1.0}, "adv_max"),
-        ({"steps": 1}, "steps"),
         ({"kl_beta": -1e-4}, "kl_beta"),
         ({"kl_beta": float("inf")}, "kl_beta"),
         ({"kl_beta": True}, "kl_beta"),
@@ -401,12 +405,12 @@ def _nft(autoencoder=None, precision="float32", **settings):
 
 def test_nft_defaults_are_the_documented_ones():
     objective = _nft()
-    assert (objective.beta, objective.adv_max, objective.steps) == (1.0, 5.0, 41)
-    assert objective.pretrained is None and isinstance(objective.sampler, fg.Euler)
+    assert (objective.beta, objective.adv_max) == (1.0, 5.0)
+    assert objective.pretrained is None and isinstance(objective.solver, fg.Euler)
     # The released defaults: the adaptive x0-space loss on the sampler's grid, KL 1e-4 to the
     # reference, the ramped old-policy decay.
     assert (objective.loss_form, objective.times, objective.time_fraction) == (
-        "released",
+        fg.AdaptiveX0Loss(),
         "grid",
         0.99,
     )
@@ -420,19 +424,23 @@ def test_nft_passes_its_arguments_on():
         autoencoder=_Doubling(),
         precision="bfloat16",
         pretrained=pretrained,
-        sampler=fg.Heun(),
+        solver=fg.Heun(),
         adv_max=0.5,
-        steps=2,
     )
     assert isinstance(objective.flow.autoencoder, _Doubling)
     assert objective.flow.precision == "bfloat16" and objective.pretrained is pretrained
-    assert isinstance(objective.sampler, fg.Heun)
-    assert (objective.adv_max, objective.steps) == (0.5, 2)
+    assert isinstance(objective.solver, fg.Heun)
+    assert isinstance(objective.rollout_sampler(None).solver, fg.Heun)
+    assert objective.adv_max == 0.5
 
 
 def test_nft_messages_are_exact():
-    with raises_named("`sampler` must be an AbstractSolver, got 'euler'."):
-        _nft(sampler="euler")
+    with raises_named("`solver` must be an AbstractSolver, got 'euler'."):
+        _nft(solver="euler")
+    with raises_named(
+        "`loss_form` must be an AbstractNFTLoss (AdaptiveX0Loss, VelocityLoss), got 'released'."
+    ):
+        _nft(loss_form="released")
     message = (
         "`variables.reference` is None, but the objective's KL or DPO reference needs it: build "
         "the variables with `init`."

@@ -385,7 +385,7 @@ def test_an_ode_sampler_records_only_the_final_samples():
 
 def test_nft_samples_with_its_own_solver_by_default_and_with_any_sampler():
     nft = nft_of(make_rollout(CountingReward()))
-    assert fg.FlowRollout(nft, CountingReward()).active_sampler == fg.ODESampler(nft.sampler)
+    assert fg.FlowRollout(nft, CountingReward()).active_sampler == fg.ODESampler(nft.solver)
     sde = fg.SDESampler(fg.FlowSDE(0.5))
     assert fg.FlowRollout(nft, CountingReward(), sampler=sde).active_sampler is sde
 

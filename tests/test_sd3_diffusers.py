@@ -235,16 +235,16 @@ def test_models_without_a_diffusers_counterpart_are_refused(tmp_path: pathlib.Pa
 
 def test_diffusers_grid_is_the_schedulers_sigmas() -> None:
     record = json.loads((DATA / "flow_match_sigmas.json").read_text())
-    flow = fg.RectifiedFlow(shift=record["shift"], grid="diffusers")
+    flow = fg.RectifiedFlow(shift=record["shift"], grid=fg.DiffusersGrid())
     for steps, sigmas in record["sigmas"].items():
         grid = np.asarray(flow.timesteps(int(steps) + 1))
         assert grid.dtype == np.float32 and grid[0] == 1.0 and grid[-1] == 0.0
         np.testing.assert_allclose(grid, sigmas, rtol=0, atol=1e-6)
     want = [1, 0.96013, 0.91335, 0.85769, 0.79037, 0.70728, 0.60215, 0.46488, 0.27805, 0.00893, 0]
     np.testing.assert_allclose(np.asarray(flow.timesteps(11)), want, atol=5e-6)
-    assert fg.RectifiedFlow(shift=3.0).grid == "uniform"
+    assert fg.RectifiedFlow(shift=3.0).grid == fg.UniformGrid()
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="`?grid`?"):
-        fg.RectifiedFlow(grid="karras")  # type: ignore[arg-type]
+        fg.RectifiedFlow(grid="diffusers")  # type: ignore[arg-type]
 
 
 def test_without_a_position_table_size(tmp_path: pathlib.Path) -> None:

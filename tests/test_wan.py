@@ -159,9 +159,7 @@ def test_an_nft_epoch_trains_on_video_latents(tiny: Wan) -> None:
         return -np.mean(np.diff(frames, axis=1) ** 2, axis=(1, 2, 3, 4)).astype(np.float64)
 
     flow = fg.GuidedFlow(tiny, fg.RectifiedFlow(shift=3.0), inputs, guidance=fg.CFG(5.0))
-    objective = fg.DiffusionNFTObjective(
-        flow, steps=3, pretrained=lora.add(tiny, 2, key=jax.random.key(0))
-    )
+    objective = fg.DiffusionNFTObjective(flow, pretrained=lora.add(tiny, 2, key=jax.random.key(0)))
     rollout = fg.FlowRollout(objective, reward, groups=2, steps=3)
     trainer = Trainer(objective, default_optimizer(learning_rate=1e-3))
     state = trainer.init(jax.random.key(1))

@@ -215,7 +215,7 @@ class NFT(AbstractAlgorithm):
             beta=config.objective.nft_beta,
             adv_max=config.objective.adv_clip_max,
             old_decay=RampedDecay(maximum=config.objective.nft_old_decay),
-            **_evaluation(job, base),
+            pretrained=base,
         )
 
     advantage_std: ClassVar[AdvantageStd] = "global"
@@ -272,7 +272,7 @@ class AWM(AbstractAlgorithm):
             adv_clip_max=config.objective.adv_clip_max,
             train_timesteps=max(1, min(6, int(0.9 * start_times) - 1)),
             sde=rollout_sde(config.rollout),
-            **_evaluation(job, base),
+            pretrained=base,
         )
 
     advantage_std: ClassVar[AdvantageStd] = "global"
@@ -330,7 +330,7 @@ class DGPO(AbstractAlgorithm):
             adv_clip_max=config.objective.adv_clip_max,
             trunc_steps=trunc_steps,
             train_timesteps=min(4, trunc_steps + 1),
-            **_evaluation(job, base),
+            pretrained=base,
         )
 
     advantage_std: ClassVar[AdvantageStd] = "global"
@@ -485,7 +485,7 @@ class FlowDPPO(AbstractAlgorithm):
             old_log_probs=anchor,
             old_means=anchor,
             transition_chunk=config.objective.transition_chunk,
-            **_evaluation(job, base),
+            pretrained=base,
         )
 
     advantage_std: ClassVar[AdvantageStd] = "global"
@@ -550,7 +550,8 @@ def flow_grpo_objective(
         guidance=job.guidance,
         precision=config.model.precision,
         model_time=model_time,
-        **_evaluation(job, base),
+        steps=config.evaluation.eval_steps,
+        pretrained=base,
     )
 
 
@@ -558,11 +559,6 @@ def job_flow(job: JobPieces, guidance: CFG | None) -> GuidedFlow:
     """The job's model, process and inputs with `guidance`, in the job's precision."""
     precision = job.config.model.precision
     return GuidedFlow(job.model, RectifiedFlow(), job.inputs, guidance, precision=precision)
-
-
-def _evaluation(job: JobPieces, base: Any) -> dict[str, Any]:
-    """What every objective takes alike for `evaluate`: its grid and the starting weights."""
-    return {"steps": job.config.evaluation.eval_steps, "pretrained": base}
 
 
 def sde_window(rollout: RolloutSettings) -> tuple[float, float] | None:

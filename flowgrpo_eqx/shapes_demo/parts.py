@@ -183,7 +183,6 @@ class ShapesJob:
     def pretrain_objective(self) -> FlowMatchingObjective:
         return FlowMatchingObjective(
             GuidedFlow(self.model, RectifiedFlow(), self.inputs, guidance=self.guidance),
-            steps=self.config.evaluation.eval_steps,
             cond_dropout=self.config.pretraining.cond_dropout,
         )
 

@@ -12,7 +12,6 @@ from .._custom_types import Mean, Model, Step
 from .._flow_base import AbstractFlowObjective, PolicyVariables
 from .._guided_flow import GuidedFlow
 from .._misc import check_leading_rows, check_number
-from .._solver import AbstractSolver, Euler
 from .._trainable import TrainableFilter
 
 
@@ -51,16 +50,15 @@ class FlowMatchingObjective(AbstractFlowObjective[PolicyVariables]):
 
     **Arguments:**
 
-    - `flow`: a `GuidedFlow` (its guidance is used by `evaluate`; its precision by the
-        loss).
-    - `sampler`, `steps`, `pretrained`: as for `FlowGRPOObjective`.
+    - `flow`: a `GuidedFlow` (its precision is the loss's).
+    - `pretrained`: as for `FlowGRPOObjective`.
     - `cond_dropout`: probability of training a row on the null condition.
     - `time_sampling`: `"logit_normal"` (default) or `"uniform"`.
 
     **Raises:**
 
     - `ValueError`: naming the argument, for `cond_dropout` outside [0, 1), an unknown
-        `time_sampling`, a `flow` that is not a `GuidedFlow`, `steps < 2`, or dropout
+        `time_sampling`, a `flow` that is not a `GuidedFlow`, or dropout
         without a null condition.
 
     Training a model that returns a velocity of the wrong shape, or on rows whose
@@ -69,8 +67,6 @@ class FlowMatchingObjective(AbstractFlowObjective[PolicyVariables]):
 
     flow: GuidedFlow
     _: KW_ONLY
-    sampler: AbstractSolver = Euler()
-    steps: int = 41
     pretrained: Model | None = None
     cond_dropout: float = 0.1
     time_sampling: TimeSampling = "logit_normal"
