@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ..models import CLIPModel
-from ._features import AbstractCLIPReward, image_embedding
+from ._features import AbstractCLIPReward
 
 
 @final
@@ -26,20 +26,7 @@ class CLIPScore(AbstractCLIPReward):
     model: CLIPModel
     scale: float = eqx.field(default=100.0, static=True)
 
-    def __call__(
-        self, image: Float[Array, "H W C"], prompt: Float[Array, " P"]
-    ) -> Float[Array, ""]:
-        """The score of one image for one prompt's embedding.
-
-        **Arguments:**
-
-        - `image`: a decoded channels-last image in `[-1, 1]`.
-        - `prompt`: the prompt's `prompt_embedding`.
-
-        **Returns:**
-
-        The score, a float32 scalar in `[0, scale]`.
-        """
-        features = image_embedding(self.model, image)
-        out: Float[Array, ""] = self.scale * jnp.maximum(jnp.dot(features, prompt), 0.0)
+    def of_cosine(self, cosine: Float[Array, ""]) -> Float[Array, ""]:
+        """`scale * max(cosine, 0)`, in `[0, scale]`."""
+        out: Float[Array, ""] = self.scale * jnp.maximum(cosine, 0.0)
         return out

@@ -51,7 +51,7 @@ def image_embedding(model: CLIPModel, image: Float[Array, "H W C"]) -> Float[Arr
 class AbstractCLIPReward(eqx.Module):
     """A reward that compares a decoded image's CLIP features with a prompt's: each prompt is
     embedded once (`prompt_embedding`, carried in the rows), each image scored against its
-    prompt's embedding (`__call__`).
+    prompt's embedding (`__call__`) by a function of the two features' cosine (`of_cosine`).
     """
 
     model: eqx.AbstractVar[CLIPModel]
@@ -72,16 +72,31 @@ class AbstractCLIPReward(eqx.Module):
         """
         return text_embedding(self.model, ids, attention_mask)
 
-    @abc.abstractmethod
     def __call__(
         self, image: Float[Array, "H W C"], prompt: Float[Array, " P"]
     ) -> Float[Array, ""]:
-        """The score of one image for one prompt's embedding.
+        """The score of one image for one prompt's embedding: `of_cosine` of the cosine of
+        the image's and the prompt's normalised features.
 
         **Arguments:**
 
         - `image`: a decoded channels-last image in `[-1, 1]`.
         - `prompt`: the prompt's `prompt_embedding`.
+
+        **Returns:**
+
+        The score, a float32 scalar.
+        """
+        return self.of_cosine(jnp.dot(image_embedding(self.model, image), prompt))
+
+    @abc.abstractmethod
+    def of_cosine(self, cosine: Float[Array, ""]) -> Float[Array, ""]:
+        """The score of an image whose normalised features have cosine `cosine` with its
+        prompt's.
+
+        **Arguments:**
+
+        - `cosine`: the cosine, a float32 scalar in `[-1, 1]`.
 
         **Returns:**
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ..models import CLIPModel
-from ._features import AbstractCLIPReward, image_embedding
+from ._features import AbstractCLIPReward
 
 
 @final
@@ -30,21 +30,9 @@ class PickScore(AbstractCLIPReward):
     model: CLIPModel
     divisor: float = eqx.field(default=26.0, static=True)
 
-    def __call__(
-        self, image: Float[Array, "H W C"], prompt: Float[Array, " P"]
-    ) -> Float[Array, ""]:
-        """The score of one image for one prompt's embedding.
-
-        **Arguments:**
-
-        - `image`: a decoded channels-last image in `[-1, 1]`.
-        - `prompt`: the prompt's `prompt_embedding`.
-
-        **Returns:**
-
-        The score, a float32 scalar.
-        """
-        features = image_embedding(self.model, image)
+    def of_cosine(self, cosine: Float[Array, ""]) -> Float[Array, ""]:
+        """`exp(logit_scale) * cosine / divisor`: the cosine times the learned temperature,
+        divided by `divisor`."""
         temperature = jnp.exp(self.model.logit_scale.astype(jnp.float32))
-        out: Float[Array, ""] = temperature * jnp.dot(features, prompt) / self.divisor
+        out: Float[Array, ""] = temperature * cosine / self.divisor
         return out
