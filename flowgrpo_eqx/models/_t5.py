@@ -145,26 +145,12 @@ class AttentionLayer(eqx.Module):
 
     **Arguments:**
 
-    - `width`, `heads`, `head_dim`, `num_buckets`: as `SelfAttention`'s.
-    - `eps`: the norm's epsilon.
-    - `key`: a JAX PRNG key for the initialisation.
+    - `SelfAttention`: the attention.
+    - `layer_norm`: the norm before it.
     """
 
     SelfAttention: SelfAttention
     layer_norm: RMSNorm
-
-    def __init__(
-        self,
-        width: int,
-        heads: int,
-        head_dim: int,
-        num_buckets: int | None,
-        eps: float,
-        *,
-        key: PRNGKeyArray,
-    ) -> None:
-        self.SelfAttention = SelfAttention(width, heads, head_dim, num_buckets, key=key)
-        self.layer_norm = RMSNorm(width, eps)
 
     def __call__(
         self, h: Float[Array, "L D"], bias: Float[Array, "heads L L"]
@@ -213,19 +199,12 @@ class FeedForwardLayer(eqx.Module):
 
     **Arguments:**
 
-    - `width`, `ff_width`, `kind`: as `DenseReluDense`'s.
-    - `eps`: the norm's epsilon.
-    - `key`: a JAX PRNG key for the initialisation.
+    - `DenseReluDense`: the feed-forward.
+    - `layer_norm`: the norm before it.
     """
 
     DenseReluDense: DenseReluDense
     layer_norm: RMSNorm
-
-    def __init__(
-        self, width: int, ff_width: int, kind: FeedForward, eps: float, *, key: PRNGKeyArray
-    ) -> None:
-        self.DenseReluDense = DenseReluDense(width, ff_width, kind, key=key)
-        self.layer_norm = RMSNorm(width, eps)
 
     def __call__(self, h: Float[Array, "L D"]) -> Float[Array, "L D"]:
         out: Float[Array, "L D"] = h + self.DenseReluDense(self.layer_norm(h))
@@ -325,17 +304,14 @@ class T5Encoder(eqx.Module):
         blocks = []
         for i, k in enumerate(k_blocks):
             k_attn, k_ff = jax.random.split(k)
-            attention = AttentionLayer(
-                width,
-                heads,
-                head_dim,
-                num_buckets if i == 0 or per_layer_position_bias else None,
-                eps,
-                key=k_attn,
+            buckets = num_buckets if i == 0 or per_layer_position_bias else None
+            attention = SelfAttention(width, heads, head_dim, buckets, key=k_attn)
+            dense = DenseReluDense(width, ff_width, feed_forward, key=k_ff)
+            layer = (
+                AttentionLayer(attention, RMSNorm(width, eps)),
+                FeedForwardLayer(dense, RMSNorm(width, eps)),
             )
-            blocks.append(
-                Block((attention, FeedForwardLayer(width, ff_width, feed_forward, eps, key=k_ff)))
-            )
+            blocks.append(Block(layer))
         self.encoder = Stack(tuple(blocks), RMSNorm(width, eps))
         self.num_buckets = num_buckets
         self.max_distance = max_distance
