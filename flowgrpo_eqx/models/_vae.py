@@ -8,12 +8,12 @@ channels-last.
 """
 
 from collections.abc import Sequence
-from typing import Any, final
+from typing import Any, Literal, NamedTuple, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Key, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._inputs import AbstractAutoEncoder
 from .._misc import check_int
@@ -234,77 +234,23 @@ class Resample(eqx.Module):
         return self.conv(x)
 
 
-def _resnet_chain(
-    in_channels: int, out_channels: int, layers: int, groups: int, keys: Key[Array, " n"]
-) -> tuple[ResnetBlock, ...]:
-    """A level's resnet blocks: the first from `in_channels`, the others at `out_channels`."""
-    return tuple(
-        ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups, key=keys[i])
-        for i in range(layers)
-    )
-
-
-def _through(
-    resnets: tuple[ResnetBlock, ...], steps: tuple[Resample, ...], x: Float[Array, "H W C"]
-) -> Float[Array, "H2 W2 O"]:
-    """`x` through a level: its resnet blocks, then its resampling step if it has one."""
-    for resnet in resnets:
-        x = resnet(x)
-    for step in steps:
-        x = step(x)
-    return x
-
-
 @final
-class DownBlock(eqx.Module):
-    """diffusers' `DownEncoderBlock2D`: resnet blocks, then a downsampling step (all but the
-    last block).
+class Level(eqx.Module):
+    """One level of the encoder or the decoder: diffusers' `DownEncoderBlock2D` or
+    `UpDecoderBlock2D`, resnet blocks then a resampling step (all but the last level), which
+    diffusers names `downsamplers` in the one and `upsamplers` in the other.
 
     **Arguments:**
 
     - `in_channels`, `out_channels`: the channels.
-    - `layers`: how many resnet blocks.
+    - `layers`: how many resnet blocks (the decoder's: the config's `layers_per_block + 1`).
     - `groups`: the GroupNorms' groups.
-    - `downsample`: whether a downsampling step ends the block.
+    - `resample`: `"down"` or `"up"` for the step that ends the level, `None` for none.
     - `key`: a JAX PRNG key for the initialisation.
     """
 
     resnets: tuple[ResnetBlock, ...]
     downsamplers: tuple[Resample, ...]
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        layers: int,
-        groups: int,
-        downsample: bool,
-        *,
-        key: PRNGKeyArray,
-    ) -> None:
-        keys = jax.random.split(key, layers + 1)
-        self.resnets = _resnet_chain(in_channels, out_channels, layers, groups, keys)
-        self.downsamplers = (Resample(out_channels, False, key=keys[-1]),) if downsample else ()
-
-    def __call__(self, x: Float[Array, "H W C"]) -> Float[Array, "H2 W2 O"]:
-        return _through(self.resnets, self.downsamplers, x)
-
-
-@final
-class UpBlock(eqx.Module):
-    """diffusers' `UpDecoderBlock2D`: resnet blocks, then an upsampling step (all but the last
-    block).
-
-    **Arguments:**
-
-    - `in_channels`, `out_channels`: the channels.
-    - `layers`: how many resnet blocks (the config's `layers_per_block + 1`).
-    - `groups`: the GroupNorms' groups.
-    - `upsample`: whether an upsampling step ends the block.
-    - `key`: a JAX PRNG key for the initialisation.
-    """
-
-    resnets: tuple[ResnetBlock, ...]
     upsamplers: tuple[Resample, ...]
 
     def __init__(
@@ -313,16 +259,59 @@ class UpBlock(eqx.Module):
         out_channels: int,
         layers: int,
         groups: int,
-        upsample: bool,
+        resample: Literal["down", "up"] | None,
         *,
         key: PRNGKeyArray,
     ) -> None:
         keys = jax.random.split(key, layers + 1)
-        self.resnets = _resnet_chain(in_channels, out_channels, layers, groups, keys)
-        self.upsamplers = (Resample(out_channels, True, key=keys[-1]),) if upsample else ()
+        self.resnets = tuple(
+            ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups, key=keys[i])
+            for i in range(layers)
+        )
+        step = () if resample is None else (Resample(out_channels, resample == "up", key=keys[-1]),)
+        self.downsamplers = step if resample == "down" else ()
+        self.upsamplers = step if resample == "up" else ()
 
     def __call__(self, x: Float[Array, "H W C"]) -> Float[Array, "H2 W2 O"]:
-        return _through(self.resnets, self.upsamplers, x)
+        layers: tuple[ResnetBlock | Resample, ...] = (
+            *self.resnets,
+            *self.downsamplers,
+            *self.upsamplers,
+        )
+        for layer in layers:
+            x = layer(x)
+        return x
+
+
+class LevelShape(NamedTuple):
+    """What the encoder and the decoder share: their levels.
+
+    - `block_out_channels`: the channels of each level (the encoder's order).
+    - `layers`: resnet blocks per encoder level; the decoder's have one more.
+    - `groups`: the GroupNorms' groups.
+    - `mid_attention`: whether the mid-blocks have their attention.
+    """
+
+    block_out_channels: tuple[int, ...]
+    layers: int
+    groups: int
+    mid_attention: bool
+
+
+def _levels(
+    channels: list[int],
+    layers: int,
+    groups: int,
+    resample: Literal["down", "up"],
+    keys: list[PRNGKeyArray],
+) -> tuple[Level, ...]:
+    """A level per entry of `channels`, from the channels of the level before (the first from
+    its own), each but the last ending in a `resample` step."""
+    last = len(channels) - 1
+    return tuple(
+        Level(channels[max(i - 1, 0)], out, layers, groups, resample if i < last else None, key=k)
+        for i, (out, k) in enumerate(zip(channels, keys, strict=True))
+    )
 
 
 @final
@@ -333,41 +322,25 @@ class Encoder(eqx.Module):
     **Arguments:**
 
     - `in_channels`, `latent_channels`: the image's and the latent's channels.
-    - `block_out_channels`: the channels of each level.
-    - `layers`: resnet blocks per level.
-    - `groups`: the GroupNorms' groups.
-    - `mid_attention`: whether the mid-block has its attention.
+    - `shape`: the levels.
     - `key`: a JAX PRNG key for the initialisation.
     """
 
     conv_in: Conv
-    down_blocks: tuple[DownBlock, ...]
+    down_blocks: tuple[Level, ...]
     mid_block: MidBlock
     conv_norm_out: GroupNorm
     conv_out: Conv
 
     def __init__(
-        self,
-        in_channels: int,
-        latent_channels: int,
-        block_out_channels: Sequence[int],
-        layers: int,
-        groups: int,
-        mid_attention: bool,
-        *,
-        key: PRNGKeyArray,
+        self, in_channels: int, latent_channels: int, shape: LevelShape, *, key: PRNGKeyArray
     ) -> None:
-        k_in, k_mid, k_out, *k_blocks = jax.random.split(key, 3 + len(block_out_channels))
-        channels = list(block_out_channels)
+        k_in, k_mid, k_out, *k_blocks = jax.random.split(key, 3 + len(shape.block_out_channels))
+        channels = list(shape.block_out_channels)
         self.conv_in = Conv(in_channels, channels[0], 3, key=k_in)
-        self.down_blocks = tuple(
-            DownBlock(
-                channels[max(i - 1, 0)], out, layers, groups, i < len(channels) - 1, key=k_blocks[i]
-            )
-            for i, out in enumerate(channels)
-        )
-        self.mid_block = MidBlock(channels[-1], groups, mid_attention, key=k_mid)
-        self.conv_norm_out = GroupNorm(groups, channels[-1])
+        self.down_blocks = _levels(channels, shape.layers, shape.groups, "down", k_blocks)
+        self.mid_block = MidBlock(channels[-1], shape.groups, shape.mid_attention, key=k_mid)
+        self.conv_norm_out = GroupNorm(shape.groups, channels[-1])
         self.conv_out = Conv(channels[-1], 2 * latent_channels, 3, key=k_out)
 
     def __call__(
@@ -387,46 +360,26 @@ class Decoder(eqx.Module):
     **Arguments:**
 
     - `latent_channels`, `out_channels`: the latent's and the image's channels.
-    - `block_out_channels`: the channels of each level (the encoder's order).
-    - `layers`: resnet blocks per level, less one (the config's `layers_per_block`).
-    - `groups`: the GroupNorms' groups.
-    - `mid_attention`: whether the mid-block has its attention.
+    - `shape`: the levels (the encoder's; the decoder's run in reverse, with one more resnet
+        block each).
     - `key`: a JAX PRNG key for the initialisation.
     """
 
     conv_in: Conv
     mid_block: MidBlock
-    up_blocks: tuple[UpBlock, ...]
+    up_blocks: tuple[Level, ...]
     conv_norm_out: GroupNorm
     conv_out: Conv
 
     def __init__(
-        self,
-        latent_channels: int,
-        out_channels: int,
-        block_out_channels: Sequence[int],
-        layers: int,
-        groups: int,
-        mid_attention: bool,
-        *,
-        key: PRNGKeyArray,
+        self, latent_channels: int, out_channels: int, shape: LevelShape, *, key: PRNGKeyArray
     ) -> None:
-        k_in, k_mid, k_out, *k_blocks = jax.random.split(key, 3 + len(block_out_channels))
-        channels = list(reversed(block_out_channels))
+        k_in, k_mid, k_out, *k_blocks = jax.random.split(key, 3 + len(shape.block_out_channels))
+        channels = list(reversed(shape.block_out_channels))
         self.conv_in = Conv(latent_channels, channels[0], 3, key=k_in)
-        self.mid_block = MidBlock(channels[0], groups, mid_attention, key=k_mid)
-        self.up_blocks = tuple(
-            UpBlock(
-                channels[max(i - 1, 0)],
-                out,
-                layers + 1,
-                groups,
-                i < len(channels) - 1,
-                key=k_blocks[i],
-            )
-            for i, out in enumerate(channels)
-        )
-        self.conv_norm_out = GroupNorm(groups, channels[-1])
+        self.mid_block = MidBlock(channels[0], shape.groups, shape.mid_attention, key=k_mid)
+        self.up_blocks = _levels(channels, shape.layers + 1, shape.groups, "up", k_blocks)
+        self.conv_norm_out = GroupNorm(shape.groups, channels[-1])
         self.conv_out = Conv(channels[-1], out_channels, 3, key=k_out)
 
     def __call__(
@@ -527,25 +480,11 @@ class AutoencoderKL(AbstractAutoEncoder):
         )
         _check_vae(block_out_channels, layers_per_block, norm_num_groups, channels)
         k_enc, k_dec, k_q, k_pq = jax.random.split(key, 4)
-        blocks = list(block_out_channels)
-        self.encoder = Encoder(
-            in_channels,
-            latent_channels,
-            blocks,
-            layers_per_block,
-            norm_num_groups,
-            mid_block_add_attention,
-            key=k_enc,
+        shape = LevelShape(
+            tuple(block_out_channels), layers_per_block, norm_num_groups, mid_block_add_attention
         )
-        self.decoder = Decoder(
-            latent_channels,
-            out_channels,
-            blocks,
-            layers_per_block,
-            norm_num_groups,
-            mid_block_add_attention,
-            key=k_dec,
-        )
+        self.encoder = Encoder(in_channels, latent_channels, shape, key=k_enc)
+        self.decoder = Decoder(latent_channels, out_channels, shape, key=k_dec)
         width = 2 * latent_channels
         self.quant_conv = Conv(width, width, 1, key=k_q) if use_quant_conv else None
         self.post_quant_conv = (
@@ -553,7 +492,7 @@ class AutoencoderKL(AbstractAutoEncoder):
         )
         self.attention_settings = AttentionSettings(attention, attention_chunk)
         self.latent_channels = latent_channels
-        self.levels = len(blocks)
+        self.levels = len(shape.block_out_channels)
         self.scaling_factor = float(scaling_factor)
         self.shift_factor = float(shift_factor)
 
