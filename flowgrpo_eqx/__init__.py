@@ -82,6 +82,18 @@ from ._flow_base import (
     AbstractVariables as AbstractVariables,
     PolicyVariables as PolicyVariables,
 )
+from ._flow_grpo import (
+    AbstractGRPOGuard as AbstractGRPOGuard,
+    EmpiricalGuard as EmpiricalGuard,
+    FlowGRPOObjective as FlowGRPOObjective,
+    FlowGRPOVariables as FlowGRPOVariables,
+    GRPOGuard as GRPOGuard,
+    GuardDrift as GuardDrift,
+    GuardParts as GuardParts,
+    GuardScale as GuardScale,
+    ratio_norm as ratio_norm,
+    step_weights as step_weights,
+)
 from ._guided_flow import (
     GuidedFlow as GuidedFlow,
     MatmulPrecision as MatmulPrecision,
@@ -106,18 +118,6 @@ from ._nft import (
     NFTTimes as NFTTimes,
     NFTVariables as NFTVariables,
     VelocityLoss as VelocityLoss,
-)
-from ._objective import (
-    AbstractGRPOGuard as AbstractGRPOGuard,
-    EmpiricalGuard as EmpiricalGuard,
-    FlowGRPOObjective as FlowGRPOObjective,
-    FlowGRPOVariables as FlowGRPOVariables,
-    GRPOGuard as GRPOGuard,
-    GuardDrift as GuardDrift,
-    GuardParts as GuardParts,
-    GuardScale as GuardScale,
-    ratio_norm as ratio_norm,
-    step_weights as step_weights,
 )
 from ._policy_loss import OldLogProbs as OldLogProbs
 from ._preview import preview_grid as preview_grid

@@ -34,7 +34,7 @@ def test_the_training_package_names_no_concrete_objective():
     for path in sorted((PACKAGE / "train").glob("*.py")):
         found = _names_in(path) & concrete
         assert not found, f"{path.name} names {sorted(found)}"
-        assert "_objective" not in path.read_text() and "_nft" not in path.read_text()
+        assert "_flow_grpo" not in path.read_text() and "_nft" not in path.read_text()
 
 
 def _public_classes() -> list[type]:
@@ -98,7 +98,7 @@ def test_no_model_module_imports_another_modules_private_names():
     assert not found, found
 
 
-ALGORITHM_MODULES = ("_objective", "_nft", "_awm", "_dgpo", "_dppo")
+ALGORITHM_MODULES = ("_flow_grpo", "_nft", "_awm", "_dgpo", "_dppo")
 """One module per RL algorithm: Flow-GRPO, DiffusionNFT, AWM, DGPO and Flow-DPPO."""
 
 SHARED_MODULES = ("_policy_loss", "_final_samples", "_decay", "_flow_base", "_misc")

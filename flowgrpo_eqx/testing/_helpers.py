@@ -11,7 +11,7 @@ import numpy.typing as npt
 from jaxtyping import Array, PyTree
 
 from .._custom_types import Aux, Mean, Step, Transitions
-from .._objective import FlowGRPOObjective, FlowGRPOVariables
+from .._flow_grpo import FlowGRPOObjective, FlowGRPOVariables
 
 
 TRANSITION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Transitions))

@@ -17,7 +17,7 @@ from jaxtyping import ArrayLike
 
 from .._advantages import group_advantages
 from .._custom_types import Aux, Transitions
-from .._objective import FlowGRPOObjective, FlowGRPOVariables
+from .._flow_grpo import FlowGRPOObjective, FlowGRPOVariables
 from .._process import AbstractProcess
 from .._sde import AbstractSDE
 from ._helpers import (

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from jaxtyping import Array, PyTree
 
 from .._custom_types import Model, Transitions
-from .._objective import FlowGRPOObjective, FlowGRPOVariables
+from .._flow_grpo import FlowGRPOObjective, FlowGRPOVariables
 from .._process import AbstractProcess, RectifiedFlow
 
 
