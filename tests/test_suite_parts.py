@@ -44,3 +44,43 @@ def test_the_parts_of_a_collection_cover_it_once():
     parts = [collected(f"{k}/2") for k in (1, 2)]
     assert len(whole) == 3
     assert parts[0] | parts[1] == whole and not parts[0] & parts[1]
+
+
+def _junit(folder, name, cases, seconds, log):
+    """A `part_K_of_N.xml` with `cases` (id -> "passed" | "failed" | "skipped") and its log."""
+    body = []
+    for test, outcome in cases.items():
+        classname, _, case = test.partition("::")
+        inner = {"failed": "<failure message='x'/>", "skipped": "<skipped message='y'/>"}
+        body.append(
+            f"<testcase classname='{classname}' name='{case}'>{inner.get(outcome, '')}</testcase>"
+        )
+    xml = f"<testsuites><testsuite time='{seconds}'>{''.join(body)}</testsuite></testsuites>"
+    (folder / f"{name}.xml").write_text(xml)
+    (folder / f"{name}.log").write_text(log)
+
+
+def test_the_tpu_tally_counts_each_part_once_from_its_last_finished_run(tmp_path):
+    from tools.tpu.tally import latest_parts, table
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    done = "3 passed in 4.0s\n"
+    stopped = "!!!!!!! KeyboardInterrupt !!!!!!!\n1 passed in 9.0s\n"
+    cases = {"tests.a::one": "passed", "tests.a::two": "failed", "tests.a::three": "skipped"}
+    _junit(first, "part_1_of_3", cases, 4.0, done)
+    _junit(first, "part_2_of_3", {"tests.b::one": "passed"}, 9.0, stopped)
+    _junit(second, "part_2_of_3", {"tests.b::one": "passed", "tests.b::two": "passed"}, 5.0, done)
+    parts = latest_parts([first, second])
+    assert [(p.number, p.passed, p.failed, p.skipped, p.finished) for p in parts] == [
+        (1, 1, 1, 1, True),
+        (2, 2, 0, 0, True),
+    ]
+    assert parts[1].folder == str(second)
+    text = table(parts)
+    assert "finished parts: 2; their tests: 3 passed, 1 failed, 1 skipped, in 9 s" in text
+    assert "of 3: not yet run to their end: [3]" in text
+    assert "FAILED (1/3) tests.a::two" in text
+    # A part stopped by its timeout is not counted among the finished ones.
+    assert "not yet run to their end: [2, 3]" in table(latest_parts([first]))
