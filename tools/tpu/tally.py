@@ -15,6 +15,7 @@ import re
 import sys
 import xml.etree.ElementTree as ElementTree
 
+
 PART_FILE = re.compile(r"part_(\d+)_of_(\d+)\.xml$")
 STOPPED = ("KeyboardInterrupt", "!!!!!!! Interrupted")
 
