@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._misc import check_int
+from ._init import zero_linear
 from ._splash import ATTENTION_RESIDUALS, check_block, multi_device_axes, splash_attention
 
 
@@ -48,6 +49,17 @@ SequenceStrategy: TypeAlias = Literal["ulysses", "ring"]
 heads) or `"ring"` (keys and values passed round the devices, online softmax)."""
 
 SEQUENCE_STRATEGIES: tuple[SequenceStrategy, ...] = get_args(SequenceStrategy)
+
+Heads: TypeAlias = Float[Array, "S heads head_dim"]
+"""The queries, keys or values of `S` tokens split into heads, `[S, heads, head_dim]`; also
+attention's result for `S` queries, heads kept apart."""
+
+KeyHeads: TypeAlias = Float[Array, "K heads head_dim"]
+"""The keys or values of the `K` tokens that `S` queries attend to (`Heads`), split into
+heads, `[K, heads, head_dim]`."""
+
+LinearPair: TypeAlias = tuple[eqx.nn.Linear, eqx.nn.Linear]
+"""The two linear maps of a two-layer MLP, in order."""
 
 
 def layer_norm(h: Float[Array, "*S D"], eps: float = _LN_EPS) -> Float[Array, "*S D"]:
@@ -89,6 +101,15 @@ def modulate(
     return h * (1 + scale[None, :]) + shift[None, :]
 
 
+def check_inputs(x: Array, t: Array, shape: tuple[int, ...]) -> None:
+    """Raise a `ValueError` naming `x` unless its shape is `shape`, or `t` unless it is a
+    scalar: the checks of a velocity network's `x` and `t`."""
+    if x.shape != shape:
+        raise ValueError(f"`x` must have shape {shape}, got {x.shape}.")
+    if t.shape != ():
+        raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
+
+
 def dense(linear: eqx.nn.Linear, h: Float[Array, "S I"]) -> Float[Array, "S O"]:
     """Apply `linear` to each row of `h`, as one matmul with the rows as the leading axis.
 
@@ -98,6 +119,31 @@ def dense(linear: eqx.nn.Linear, h: Float[Array, "S I"]) -> Float[Array, "S O"]:
     if linear.bias is not None:
         out = out + linear.bias[None, :]
     return out
+
+
+def silu_mlp(mlp: LinearPair, h: Float[Array, " I"]) -> Float[Array, "1 D"]:
+    """`Linear`, SiLU, `Linear` of one vector, as a row, `[1, D]`: diffusers' time and pooled
+    text embeddings (`TimestepEmbedding`, `PixArtAlphaTextProjection(act_fn="silu")`)."""
+    return dense(mlp[1], jax.nn.silu(dense(mlp[0], h[None])))
+
+
+def zero_final_layer(width: int, out_features: int, *, key: PRNGKeyArray) -> LinearPair:
+    """The zero-initialised linear maps of `final_layer`: the modulation (`width` to
+    `2 * width`) and the projection (`width` to `out_features`)."""
+    return zero_linear(width, 2 * width, key=key), zero_linear(width, out_features, key=key)
+
+
+def final_layer(
+    modulation: eqx.nn.Linear,
+    proj: eqx.nn.Linear,
+    c: Float[Array, " D"],
+    h: Float[Array, "S D"],
+) -> Float[Array, "S O"]:
+    """The output layer of SD3's and FLUX's transformers: diffusers'
+    `AdaLayerNormContinuous` of the tokens (`modulation(silu(c))` is scale, then shift), then
+    the linear map `proj` of each token."""
+    scale, shift = jnp.split(dense(modulation, jax.nn.silu(c)[None])[0], 2)
+    return dense(proj, modulate(layer_norm(h), shift, scale))
 
 
 def patchify(x: Float[Array, "H W C"], patch: int) -> Float[Array, "N P"]:
@@ -158,6 +204,10 @@ class AttentionSettings(eqx.Module):
         check_attention(self.kind, self.chunk, self.sequence)
 
 
+PLAIN_ATTENTION = AttentionSettings("xla", 512)
+"""Attention in its plain form (`"xla"`): the default where a layer takes `AttentionSettings`."""
+
+
 def attend(
     qkv: Float[Array, "3 S heads head_dim"], settings: AttentionSettings
 ) -> Float[Array, "S D"]:
@@ -169,10 +219,7 @@ def attend(
 
 
 def attend_to(
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "K heads head_dim"],
-    v: Float[Array, "K heads head_dim"],
-    settings: AttentionSettings,
+    q: Heads, k: KeyHeads, v: KeyHeads, settings: AttentionSettings
 ) -> Float[Array, "S D"]:
     """Multi-head attention of `S` queries over `K` keys and values (a cross-attention when
     they come from another sequence), heads merged back, `[S, D]`.
@@ -183,12 +230,7 @@ def attend_to(
     return attended.reshape(attended.shape[0], -1)
 
 
-def local_attention(
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "K heads head_dim"],
-    v: Float[Array, "K heads head_dim"],
-    settings: AttentionSettings,
-) -> Float[Array, "S heads head_dim"]:
+def local_attention(q: Heads, k: KeyHeads, v: KeyHeads, settings: AttentionSettings) -> Heads:
     """Multi-head attention of `S` queries over `K` keys and values held on one device,
     heads kept apart, `[S, heads, head_dim]`, as `settings.kind` chooses to compute it.
 
@@ -200,7 +242,7 @@ def local_attention(
     # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
     with jax.numpy_dtype_promotion("standard"):
         if settings.kind == "cudnn":
-            attended: Float[Array, "S heads head_dim"] = _cudnn_attention(q, k, v)
+            attended: Heads = _cudnn_attention(q, k, v)
         elif settings.kind == "chunked" and q.shape[0] > settings.chunk:
             attended = _chunked_attention(q, k, v, settings.chunk)
         elif settings.kind == "splash":
@@ -229,23 +271,12 @@ which a remat policy may save (`Remat`'s `"qkv"` and `"attention"`)."""
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _cudnn_attention(
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "K heads head_dim"],
-    v: Float[Array, "K heads head_dim"],
-) -> Float[Array, "S heads head_dim"]:
-    out: Float[Array, "S heads head_dim"] = jax.nn.dot_product_attention(
-        q, k, v, implementation="cudnn"
-    )
+def _cudnn_attention(q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
+    out: Heads = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
     return out
 
 
-def _fastest_attention(
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "K heads head_dim"],
-    v: Float[Array, "K heads head_dim"],
-    block: int,
-) -> Float[Array, "S heads head_dim"]:
+def _fastest_attention(q: Heads, k: KeyHeads, v: KeyHeads, block: int) -> Heads:
     """`"auto"`: splash on a TPU; cuDNN on a GPU for half-precision inputs; else plain.
     Chosen per platform as the program is lowered (`lax.platform_dependent`). On a mesh of
     several devices, where the splash kernel cannot run yet, a TPU takes the plain form."""
@@ -255,9 +286,7 @@ def _fastest_attention(
     # cuDNN's kernel refuses to be traced without a GPU, so its branch exists only with one.
     if jax.default_backend() == "gpu" and jnp.dtype(q.dtype) in _HALF:
         branches["cuda"] = _cudnn_attention
-    out: Float[Array, "S heads head_dim"] = jax.lax.platform_dependent(
-        q, k, v, default=plain_attention, **branches
-    )
+    out: Heads = jax.lax.platform_dependent(q, k, v, default=plain_attention, **branches)
     return out
 
 
@@ -265,11 +294,7 @@ HEADS_FIRST = (1, 0, 2)
 """The axis order that moves the heads of `[S, heads, head_dim]` to the front."""
 
 
-def plain_attention(
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "K heads head_dim"],
-    v: Float[Array, "K heads head_dim"],
-) -> Float[Array, "S heads head_dim"]:
+def plain_attention(q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
     """Softmax attention with every score materialised, `[S, heads, head_dim]`.
 
     What `jax.nn.dot_product_attention(q, k, v, implementation="xla")` computes, operation for
@@ -280,15 +305,11 @@ def plain_attention(
     run the same products about a third slower (`docs/performance.md`).
     """
     weights = jax.nn.softmax(attention_scores(q, k), axis=-1).astype(k.dtype)
-    out: Float[Array, "S heads head_dim"] = jnp.einsum(
-        "nqk,nkh->qnh", weights, jnp.transpose(v, HEADS_FIRST)
-    )
+    out: Heads = jnp.einsum("nqk,nkh->qnh", weights, jnp.transpose(v, HEADS_FIRST))
     return out
 
 
-def attention_scores(
-    q: Float[Array, "S heads head_dim"], k: Float[Array, "K heads head_dim"]
-) -> Float[Array, "heads S K"]:
+def attention_scores(q: Heads, k: KeyHeads) -> Float[Array, "heads S K"]:
     """The scaled attention scores `q k^T / sqrt(head_dim)` per head, in float32 (bfloat16
     products accumulated in float32), heads first: `plain_attention`'s and the ring's."""
     scale = jnp.asarray(1.0 / math.sqrt(q.shape[-1]), jnp.float32)
@@ -304,12 +325,7 @@ def attention_scores(
     return scaled
 
 
-def _chunked_attention(
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "K heads head_dim"],
-    v: Float[Array, "K heads head_dim"],
-    chunk: int,
-) -> Float[Array, "S heads head_dim"]:
+def _chunked_attention(q: Heads, k: KeyHeads, v: KeyHeads, chunk: int) -> Heads:
     """Attention over all keys for `chunk` queries at a time, each chunk rematerialised.
 
     Each query's softmax is over every key, as in the plain form, so the result is the
@@ -325,20 +341,16 @@ def _chunked_attention(
     return merge_chunks(jax.lax.map(one, chunk_queries(q, chunk)), q.shape[0])
 
 
-def chunk_queries(
-    q: Float[Array, "S heads head_dim"], chunk: int
-) -> Float[Array, "pieces chunk heads head_dim"]:
+def chunk_queries(q: Heads, chunk: int) -> Float[Array, "pieces chunk heads head_dim"]:
     """The queries zero-padded to a multiple of `chunk` and cut into `chunk`-query pieces."""
     pieces = -(-q.shape[0] // chunk)
     padded = jnp.pad(q, ((0, pieces * chunk - q.shape[0]), (0, 0), (0, 0)))
     return padded.reshape(pieces, chunk, *q.shape[1:])
 
 
-def merge_chunks(
-    out: Float[Array, "pieces chunk heads head_dim"], length: int
-) -> Float[Array, "S heads head_dim"]:
+def merge_chunks(out: Float[Array, "pieces chunk heads head_dim"], length: int) -> Heads:
     """The per-piece results of `chunk_queries`' pieces as one sequence, padding dropped."""
-    merged: Float[Array, "S heads head_dim"] = out.reshape(-1, *out.shape[2:])[:length]
+    merged: Heads = out.reshape(-1, *out.shape[2:])[:length]
     return merged
 
 

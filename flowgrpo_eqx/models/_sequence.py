@@ -33,8 +33,11 @@ from jaxtyping import Array, Float
 from .._distributed import SEQUENCE_AXIS
 from ._layers import (
     HEADS_FIRST,
+    PLAIN_ATTENTION,
     SEQUENCE_STRATEGIES,
     AttentionSettings,
+    Heads,
+    KeyHeads,
     SequenceStrategy,
     attend,
     attend_to,
@@ -45,7 +48,6 @@ from ._layers import (
 )
 
 
-_PLAIN = AttentionSettings("xla", 512)
 _MODEL_NAMES = ("x", "sequence_strategy")  # what a model's user passes: its input, its setting
 
 
@@ -112,7 +114,7 @@ class _Softmax(NamedTuple):
     weighted: Float[Array, "heads S head_dim"]
 
 
-def _start(q: Float[Array, "S heads head_dim"]) -> _Softmax:
+def _start(q: Heads) -> _Softmax:
     # Made "like" the queries, so that inside `shard_map` the state differs between devices
     # as they do (a loop's carry must keep its type).
     heads_first = jnp.transpose(q, HEADS_FIRST)
@@ -123,12 +125,7 @@ def _start(q: Float[Array, "S heads head_dim"]) -> _Softmax:
     )
 
 
-def _fold(
-    state: _Softmax,
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "K heads head_dim"],
-    v: Float[Array, "K heads head_dim"],
-) -> _Softmax:
+def _fold(state: _Softmax, q: Heads, k: KeyHeads, v: KeyHeads) -> _Softmax:
     """The state after one more block of keys and values."""
     scores = attention_scores(q, k)
     maximum = jnp.maximum(state.maximum, jnp.max(scores, axis=-1))
@@ -142,22 +139,22 @@ def _fold(
     )
 
 
-def _finish(state: _Softmax, dtype: jnp.dtype) -> Float[Array, "S heads head_dim"]:
+def _finish(state: _Softmax, dtype: jnp.dtype) -> Heads:
     out = (state.weighted / state.total[..., None]).astype(dtype)
-    result: Float[Array, "S heads head_dim"] = jnp.transpose(out, HEADS_FIRST)
+    result: Heads = jnp.transpose(out, HEADS_FIRST)
     return result
 
 
 def ring_attention(
-    q: Float[Array, "s heads head_dim"],
-    k: Float[Array, "s heads head_dim"],
-    v: Float[Array, "s heads head_dim"],
+    q: Heads,
+    k: Heads,
+    v: Heads,
     axis: str,
     size: int,
     whole_kv: tuple[Float[Array, "L heads head_dim"], Float[Array, "L heads head_dim"]]
     | None = None,
     chunk: int | None = None,
-) -> Float[Array, "s heads head_dim"]:
+) -> Heads:
     """Attention of this device's queries over the whole sequence, inside `shard_map`: the
     `size` devices of `axis` pass their blocks of keys and values round the ring, and each
     block is folded into an online softmax in float32. `whole_kv`, keys and values every
@@ -205,12 +202,12 @@ def _ring_chunk(settings: AttentionSettings) -> int | None:
 
 
 def ulysses_attention(
-    q: Float[Array, "s heads head_dim"],
-    k: Float[Array, "s heads head_dim"],
-    v: Float[Array, "s heads head_dim"],
+    q: Heads,
+    k: Heads,
+    v: Heads,
     axis: str,
-    settings: AttentionSettings = _PLAIN,
-) -> Float[Array, "s heads head_dim"]:
+    settings: AttentionSettings = PLAIN_ATTENTION,
+) -> Heads:
     """Attention of this device's `s` queries over the whole sequence, inside `shard_map`.
 
     Each device holds a contiguous `s = S / n` tokens of every head; `n`, the size of `axis`,
@@ -221,7 +218,7 @@ def ulysses_attention(
         for x in (q, k, v)
     ]
     attended = local_attention(whole[0], whole[1], whole[2], settings)
-    out: Float[Array, "s heads head_dim"] = jax.lax.all_to_all(  # type: ignore[no-untyped-call]
+    out: Heads = jax.lax.all_to_all(  # type: ignore[no-untyped-call]
         attended, axis, split_axis=0, concat_axis=1, tiled=True
     )
     return out
@@ -253,14 +250,14 @@ def _check_split(
 
 
 def sequence_parallel_attention(
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "S heads head_dim"],
-    v: Float[Array, "S heads head_dim"],
+    q: Heads,
+    k: Heads,
+    v: Heads,
     mesh: Mesh | None,
     axis: str,
     strategy: SequenceStrategy,
-    settings: AttentionSettings = _PLAIN,
-) -> Float[Array, "S heads head_dim"]:
+    settings: AttentionSettings = PLAIN_ATTENTION,
+) -> Heads:
     """Self-attention with the sequence split over `mesh`'s `axis`: what `plain_attention`
     computes, each device holding `S / n` of the tokens.
 
@@ -292,15 +289,15 @@ def sequence_parallel_attention(
 
 
 def _split_attention(
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "S heads head_dim"],
-    v: Float[Array, "S heads head_dim"],
+    q: Heads,
+    k: Heads,
+    v: Heads,
     mesh: Mesh | None,
     axis: str,
     size: int,
     strategy: SequenceStrategy,
     settings: AttentionSettings,
-) -> Float[Array, "S heads head_dim"]:
+) -> Heads:
     """`sequence_parallel_attention` once its split is checked (`_check_split`)."""
     spec = PartitionSpec(axis)  # type: ignore[no-untyped-call]
 
@@ -312,16 +309,11 @@ def _split_attention(
     split = jax.shard_map(
         local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names={axis}
     )
-    out: Float[Array, "S heads head_dim"] = split(q, k, v)
+    out: Heads = split(q, k, v)
     return out
 
 
-def attend_self(
-    q: Float[Array, "S heads head_dim"],
-    k: Float[Array, "S heads head_dim"],
-    v: Float[Array, "S heads head_dim"],
-    settings: AttentionSettings,
-) -> Float[Array, "S D"]:
+def attend_self(q: Heads, k: Heads, v: Heads, settings: AttentionSettings) -> Float[Array, "S D"]:
     """Self-attention of one token stream, heads merged back, `[S, D]`: over the tokens
     split by the current mesh's sequence axis (`settings.sequence`'s strategy), or on one
     device as `attend_to` without one."""
