@@ -16,6 +16,7 @@ from ._layers import (
     QKV,
     Attention,
     AttentionSettings,
+    check_inputs,
     dense,
     layer_norm,
     local_attention,
@@ -24,6 +25,7 @@ from ._layers import (
     patchify,
     sinusoidal_time_features,
     unpatchify,
+    zero_final_layer,
 )
 from ._splash import ATTENTION_RESIDUALS
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
@@ -287,8 +289,7 @@ class DiT(AbstractAttentionModel):
             k_emb, [((vocab_size, width), math.sqrt(3)), ((prompt_length, width), math.sqrt(3))]
         )
         self.blocks = layout.hold([_DiTBlock(width, heads, key=k) for k in k_blocks])
-        self.final_modulation = zero_linear(width, 2 * width, key=key)
-        self.final_proj = zero_linear(width, patch_dim, key=key)
+        self.final_modulation, self.final_proj = zero_final_layer(width, patch_dim, key=key)
 
     @property
     def block_groups(self) -> tuple[tuple[int, int], ...]:
@@ -332,11 +333,7 @@ class DiT(AbstractAttentionModel):
 
         - `ValueError`: naming `x`, `t` or `cond` when its shape is wrong.
         """
-        want = (self.image_size, self.image_size, self.channels)
-        if x.shape != want:
-            raise ValueError(f"`x` must have shape {want}, got {x.shape}.")
-        if t.shape != ():
-            raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
+        check_inputs(x, t, (self.image_size, self.image_size, self.channels))
         if cond.shape != (self.prompt_length,):
             raise ValueError(f"`cond` must have shape ({self.prompt_length},), got {cond.shape}.")
         dtype = self.pos_embed.dtype

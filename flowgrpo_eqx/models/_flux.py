@@ -11,22 +11,19 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._distributed import gather_weights
 from .._misc import check_int
+from ._conditioning import joint_conditioning, joint_embedders
 from ._init import init_linears, zero_linear
-from ._joint import (
-    TIME_FEATURES,
-    BlockShape,
-    JointAttention,
-    Stream,
-    check_text_shapes,
-    sd3_time_features,
-)
+from ._joint import BlockShape, JointAttention, Stream, check_text_shapes
 from ._layers import (
     Attention,
     AttentionSettings,
     SequenceStrategy,
+    check_inputs,
     dense,
+    final_layer,
     layer_norm,
     modulate,
+    zero_final_layer,
 )
 from ._rope import apply_rope, rope_tables
 from ._sequence import (
@@ -42,7 +39,6 @@ from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_
 
 
 _PACK = 2  # FLUX's pipelines pack 2 x 2 latent pixels into one token
-_PLAIN_ATTENTION = AttentionSettings("xla", 512)
 
 
 class FluxCondition(TypedDict):
@@ -91,6 +87,14 @@ _Rope: TypeAlias = tuple[
 ]
 """The rotary features `(cos, sin)` of the text tokens, then of the image tokens."""
 
+_Tokens: TypeAlias = Float[Array, "S D"]
+_Text: TypeAlias = Float[Array, "L D"]
+_Image: TypeAlias = Float[Array, "N D"]
+_Streams: TypeAlias = tuple[_Text, _Image]
+"""The text tokens and the image tokens, as the blocks take and give them."""
+_Vector: TypeAlias = Float[Array, " D"]
+"""The conditioning vector `c` (time, guidance and pooled text)."""
+
 
 @final
 class _FluxDoubleBlock(eqx.Module):
@@ -115,13 +119,8 @@ class _FluxDoubleBlock(eqx.Module):
         self.image = Stream(shape, False, key=k_image)
 
     def __call__(
-        self,
-        context: Float[Array, "L D"],
-        image: Float[Array, "N D"],
-        c: Float[Array, " D"],
-        rope: _Rope,
-        attention: AttentionSettings,
-    ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+        self, context: _Text, image: _Image, c: _Vector, rope: _Rope, attention: AttentionSettings
+    ) -> _Streams:
         silu_c = jax.nn.silu(c)
         mod_context = self.context.modulations(silu_c)
         mod_image = self.image.modulations(silu_c)
@@ -175,13 +174,8 @@ class _FluxSingleBlock(eqx.Module):
         )
 
     def __call__(
-        self,
-        context: Float[Array, "L D"],
-        image: Float[Array, "N D"],
-        c: Float[Array, " D"],
-        rope: _Rope,
-        attention: AttentionSettings,
-    ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+        self, context: _Text, image: _Image, c: _Vector, rope: _Rope, attention: AttentionSettings
+    ) -> _Streams:
         mod = dense(self.modulation, jax.nn.silu(c)[None])[0].reshape(3, c.shape[0])
         text_rope, image_rope = rope
         if streams_interleave(sequence_devices(), context.shape[0]):
@@ -210,16 +204,10 @@ class _FluxSingleBlock(eqx.Module):
             self._added(image, normed_image, attended_image, mod[2]),
         )
 
-    def _added(
-        self,
-        tokens: Float[Array, "S D"],
-        normed: Float[Array, "S D"],
-        attended: Float[Array, "S D"],
-        gate: Float[Array, " D"],
-    ) -> Float[Array, "S D"]:
+    def _added(self, tokens: _Tokens, normed: _Tokens, attended: _Tokens, gate: _Vector) -> _Tokens:
         """The tokens plus the gated projection of their attention and GELU hidden layer."""
         hidden = jax.nn.gelu(dense(self.proj_mlp, normed), approximate=True)
-        added: Float[Array, "S D"] = tokens + gate[None, :] * dense(
+        added: _Tokens = tokens + gate[None, :] * dense(
             self.proj_out, jnp.concatenate([attended, hidden], axis=1)
         )
         return added
@@ -404,31 +392,17 @@ class Flux(AbstractAttentionModel):
         width, token_dim = self.width, _PACK * _PACK * self.channels
         depth = self.double_depth + self.single_depth
         k_lin, k_final, *k_blocks = (jax.random.fold_in(key, i) for i in range(2 + depth))
-        linears = init_linears(
-            [
-                (token_dim, width),
-                (self.context_dim, width),
-                (TIME_FEATURES, width),
-                (width, width),
-                (self.pooled_dim, width),
-                (width, width),
-                (TIME_FEATURES, width),
-                (width, width),
-            ],
-            key=k_lin,
+        emb = joint_embedders(
+            token_dim, self.context_dim, self.pooled_dim, width, self.guidance_embeds, key=k_lin
         )
-        self.x_embed, self.context_embed = linears[0], linears[1]
-        self.time_mlp = (linears[2], linears[3])
-        self.pooled_mlp = (linears[4], linears[5])
-        self.guidance_mlp = (linears[6], linears[7]) if self.guidance_embeds else None
+        self.x_embed, self.context_embed, self.time_mlp, self.pooled_mlp, self.guidance_mlp = emb
         shape = BlockShape(width, self.heads, self.mlp_ratio, True)
         blocks: list[_FluxDoubleBlock | _FluxSingleBlock] = [
             _FluxDoubleBlock(shape, key=k) for k in k_blocks[: self.double_depth]
         ]
         blocks += [_FluxSingleBlock(shape, key=k) for k in k_blocks[self.double_depth :]]
         self.blocks = self.block_layout.hold(blocks)
-        self.final_modulation = zero_linear(width, 2 * width, key=k_final)
-        self.final_proj = zero_linear(width, token_dim, key=k_final)
+        self.final_modulation, self.final_proj = zero_final_layer(width, token_dim, key=k_final)
 
     @property
     def block_groups(self) -> tuple[tuple[int, int], ...]:
@@ -490,21 +464,13 @@ class Flux(AbstractAttentionModel):
         cos, sin = rope_tables(ids, self.axes_dims)
         return jnp.asarray(cos), jnp.asarray(sin)
 
-    def _blocks(
-        self,
-        context: Float[Array, "L D"],
-        image: Float[Array, "N D"],
-        c: Float[Array, " D"],
-    ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+    def _blocks(self, context: _Text, image: _Image, c: _Vector) -> _Streams:
         """Every block in turn, as `block_layout` runs them."""
         cos, sin = self.rope()
         length = self.context_length
         rope = ((cos[:length], sin[:length]), (cos[length:], sin[length:]))
 
-        def step(
-            block: _FluxDoubleBlock | _FluxSingleBlock,
-            carry: tuple[Float[Array, "L D"], Float[Array, "N D"]],
-        ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
+        def step(block: _FluxDoubleBlock | _FluxSingleBlock, carry: _Streams) -> _Streams:
             context, image = carry
             return block(context, split_tokens(image), c, rope, self.attention_settings)
 
@@ -568,29 +534,15 @@ class Flux(AbstractAttentionModel):
 
         - `ValueError`: naming `x`, `t` or `cond` when its shape or structure is wrong.
         """
-        want = (*self.image_size, self.channels)
-        if x.shape != want:
-            raise ValueError(f"`x` must have shape {want}, got {x.shape}.")
-        if t.shape != ():
-            raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
+        check_inputs(x, t, (*self.image_size, self.channels))
         outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
         context_in, pooled, guidance = outer._text(cond)
         dtype = outer.x_embed.weight.dtype
-
-        def embed(
-            mlp: tuple[eqx.nn.Linear, eqx.nn.Linear], h: Float[Array, " I"]
-        ) -> Float[Array, "1 D"]:
-            return dense(mlp[1], jax.nn.silu(dense(mlp[0], h[None])))
-
-        c = embed(outer.time_mlp, sd3_time_features(t).astype(dtype))
-        if outer.guidance_mlp is not None and guidance is not None:
-            c = c + embed(outer.guidance_mlp, sd3_time_features(guidance).astype(dtype))
-        c = (c + embed(outer.pooled_mlp, pooled))[0]
-
+        c = joint_conditioning(
+            outer.time_mlp, outer.pooled_mlp, t, pooled, dtype, outer.guidance_mlp, guidance
+        )
         image = dense(outer.x_embed, outer._pack(x.astype(dtype)))
         context = dense(outer.context_embed, context_in)
         _, image = self._blocks(context, image, c)
-
-        scale, shift = jnp.split(dense(outer.final_modulation, jax.nn.silu(c)[None])[0], 2)
-        out = dense(outer.final_proj, modulate(layer_norm(image), shift, scale))
+        out = final_layer(outer.final_modulation, outer.final_proj, c, image)
         return self._unpack(out).astype(x.dtype)

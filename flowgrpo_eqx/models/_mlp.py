@@ -8,7 +8,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._misc import check_int
 from ._init import init_linears
-from ._layers import sinusoidal_time_features
+from ._layers import check_inputs, sinusoidal_time_features
 
 
 def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
@@ -116,10 +116,7 @@ class MLPVelocity(eqx.Module):
 
         - `ValueError`: naming `x`, `t` or `cond` when its shape is wrong.
         """
-        if x.shape != (self.latent_dim,):
-            raise ValueError(f"`x` must have shape ({self.latent_dim},), got {x.shape}.")
-        if t.shape != ():
-            raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
+        check_inputs(x, t, (self.latent_dim,))
         if cond.shape != (self.cond_dim,):
             raise ValueError(f"`cond` must have shape ({self.cond_dim},), got {cond.shape}.")
         dtype = self.out.weight.dtype

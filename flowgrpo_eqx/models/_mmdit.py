@@ -14,30 +14,25 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._buffer import Buffer
 from .._distributed import gather_weights
 from .._misc import check_int
-from ._init import init_linears, uniform_arrays, zero_linear
-from ._joint import (
-    TIME_FEATURES,
-    BlockShape,
-    JointAttention,
-    Stream,
-    check_text_shapes,
-    sd3_time_features,
-)
+from ._conditioning import joint_conditioning, joint_embedders
+from ._init import uniform_arrays
+from ._joint import BlockShape, JointAttention, Stream, check_text_shapes
 from ._layers import (
+    PLAIN_ATTENTION,
     Attention,
     AttentionSettings,
     SequenceStrategy,
+    check_inputs,
     dense,
+    final_layer,
     layer_norm,
     modulate,
     patchify,
     unpatchify,
+    zero_final_layer,
 )
 from ._sequence import attend_joint, attend_self, split_tokens
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
-
-
-_PLAIN_ATTENTION = AttentionSettings("xla", 512)
 
 
 class MMDiTCondition(TypedDict):
@@ -123,7 +118,7 @@ class _MMDiTBlock(eqx.Module):
         context: Float[Array, "L D"],
         image: Float[Array, "N D"],
         c: Float[Array, " D"],
-        attention: AttentionSettings = _PLAIN_ATTENTION,
+        attention: AttentionSettings = PLAIN_ATTENTION,
     ) -> tuple[Float[Array, "L D"], Float[Array, "N D"]]:
         """Apply the block to both token streams, modulated by the vector `c`.
 
@@ -399,8 +394,6 @@ class MMDiT(AbstractAttentionModel):
     ) -> None:
         check_int("depth", depth, 1)
         dual = tuple(dual_attention_layers)
-        self.block_layout = block_layout(stacked, remat, block_groups(depth, dual))
-        self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
         width = 64 * depth if width is None else width
         heads = depth if heads is None else heads
         sample_size = image_size if sample_size is None else sample_size
@@ -423,6 +416,8 @@ class MMDiT(AbstractAttentionModel):
             dual=dual,
             pos_embed_max_size=pos_embed_max_size,
         )
+        self.block_layout = block_layout(stacked, remat, block_groups(depth, dual))
+        self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
         self.image_size = image_size
         self.channels = channels
         self.patch = patch
@@ -446,26 +441,10 @@ class MMDiT(AbstractAttentionModel):
         k_lin, k_emb, k_final, *k_blocks = (
             jax.random.fold_in(key, i) for i in range(3 + self.depth)
         )
-        (
-            self.patch_embed,
-            self.context_embed,
-            time_0,
-            time_1,
-            pooled_0,
-            pooled_1,
-        ) = init_linears(
-            [
-                (patch_dim, width),
-                (self.context_dim, width),
-                (TIME_FEATURES, width),
-                (width, width),
-                (self.pooled_dim, width),
-                (width, width),
-            ],
-            key=k_lin,
+        emb = joint_embedders(
+            patch_dim, self.context_dim, self.pooled_dim, width, guidance=False, key=k_lin
         )
-        self.time_mlp = (time_0, time_1)
-        self.pooled_mlp = (pooled_0, pooled_1)
+        self.patch_embed, self.context_embed, self.time_mlp, self.pooled_mlp, _ = emb
         self.pos_embed = Buffer(jax.device_put(self.position_table()))
         self.token_embed, self.token_pos_embed, self.pooled_token_embed = _token_tables(
             self.vocab_size, self.context_length, self.context_dim, self.pooled_dim, k_emb
@@ -476,8 +455,7 @@ class MMDiT(AbstractAttentionModel):
             for i, k in enumerate(k_blocks)
         ]
         self.blocks = self.block_layout.hold(blocks)
-        self.final_modulation = zero_linear(width, 2 * width, key=k_final)
-        self.final_proj = zero_linear(width, patch_dim, key=k_final)
+        self.final_modulation, self.final_proj = zero_final_layer(width, patch_dim, key=k_final)
 
     @property
     def block_groups(self) -> tuple[tuple[int, int], ...]:
@@ -629,27 +607,16 @@ class MMDiT(AbstractAttentionModel):
 
         - `ValueError`: naming `x`, `t` or `cond` when its shape or structure is wrong.
         """
-        want = (self.image_size, self.image_size, self.channels)
-        if x.shape != want:
-            raise ValueError(f"`x` must have shape {want}, got {x.shape}.")
-        if t.shape != ():
-            raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
+        check_inputs(x, t, (self.image_size, self.image_size, self.channels))
         # On a data mesh, the weights outside the blocks whole (the blocks gather their own).
         outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
         context_in, pooled = outer._text(cond)
         dtype = outer.pos_embed.value.dtype
-
-        time_in = sd3_time_features(t).astype(dtype)
-        c = dense(outer.time_mlp[1], jax.nn.silu(dense(outer.time_mlp[0], time_in[None])))
-        c = c + dense(outer.pooled_mlp[1], jax.nn.silu(dense(outer.pooled_mlp[0], pooled[None])))
-        c = c[0]
-
+        c = joint_conditioning(outer.time_mlp, outer.pooled_mlp, t, pooled, dtype)
         # The positional features are fixed, as SD3's buffer.
         pos = jax.lax.stop_gradient(outer.pos_embed.value)
         image = dense(outer.patch_embed, outer._patchify(x.astype(dtype))) + pos
         context = dense(outer.context_embed, context_in)
         context, image = self._blocks(context, image, c)
-
-        scale, shift = jnp.split(dense(outer.final_modulation, jax.nn.silu(c)[None])[0], 2)
-        out = dense(outer.final_proj, modulate(layer_norm(image), shift, scale))
+        out = final_layer(outer.final_modulation, outer.final_proj, c, image)
         return self._unpatchify(out).astype(x.dtype)

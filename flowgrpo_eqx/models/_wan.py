@@ -17,10 +17,12 @@ from ._layers import (
     AttentionSettings,
     SequenceStrategy,
     attend_to,
+    check_inputs,
     dense,
     layer_norm,
     modulate,
     rms_norm,
+    silu_mlp,
     time_features,
 )
 from ._rope import apply_rope, rope_tables
@@ -151,7 +153,8 @@ class _WanBlock(eqx.Module):
         attention: AttentionSettings,
     ) -> Float[Array, "S D"]:
         mod = self.table.astype(time.dtype) + time
-        h = h + mod[2][None, :] * self._self_attention(h, mod, heads, rope, attention)
+        attn_in = modulate(layer_norm(h, self.eps), mod[0], mod[1])
+        h = h + mod[2][None, :] * self.self_attn(attn_in, attn_in, heads, rope, attention)
         normed = h
         if self.cross_norm_weight is not None and self.cross_norm_bias is not None:
             normed = (
@@ -164,17 +167,6 @@ class _WanBlock(eqx.Module):
         )
         out: Float[Array, "S D"] = h + mod[5][None, :] * dense(self.fc2, hidden)
         return out
-
-    def _self_attention(
-        self,
-        h: Float[Array, "S D"],
-        mod: Float[Array, "6 D"],
-        heads: int,
-        rope: tuple[Float[Array, "S hd"], Float[Array, "S hd"]],
-        attention: AttentionSettings,
-    ) -> Float[Array, "S D"]:
-        normed = modulate(layer_norm(h, self.eps), mod[0], mod[1])
-        return self.self_attn(normed, normed, heads, rope, attention)
 
 
 def _check_wan(sizes: dict[str, Any], patch: tuple[int, ...], latent: tuple[int, ...]) -> None:
@@ -452,23 +444,14 @@ class Wan(AbstractAttentionModel):
 
         - `ValueError`: naming `x`, `t` or `cond` when its shape is wrong.
         """
-        want = (*self.latent_size, self.channels)
-        if x.shape != want:
-            raise ValueError(f"`x` must have shape {want}, got {x.shape}.")
-        if t.shape != ():
-            raise ValueError(f"`t` must be a scalar, got shape {t.shape}.")
+        check_inputs(x, t, (*self.latent_size, self.channels))
         if cond.shape != (self.context_length, self.text_dim):
             raise ValueError(
                 f"`cond` must have shape {(self.context_length, self.text_dim)}, got {cond.shape}."
             )
         outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
         dtype = outer.patch_embed.weight.dtype
-        temb = dense(
-            outer.time_mlp[1],
-            jax.nn.silu(
-                dense(outer.time_mlp[0], time_features(t, self.freq_dim).astype(dtype)[None])
-            ),
-        )
+        temb = silu_mlp(outer.time_mlp, time_features(t, self.freq_dim).astype(dtype))
         time = dense(outer.time_proj, jax.nn.silu(temb))[0].reshape(6, self.width)
         hidden = jax.nn.gelu(dense(outer.text_mlp[0], cond.astype(dtype)), approximate=True)
         context = dense(outer.text_mlp[1], hidden)
