@@ -41,6 +41,8 @@ DiffusersModel: TypeAlias = MMDiT | Flux | Wan | AutoencoderKL | AutoencoderKLWa
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 _LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 _NpArray = npt.NDArray[Any]
+_Fields: TypeAlias = dict[str, Any]
+"""A diffusers config, or a model's keyword arguments: values by name."""
 
 
 def _identity(array: _NpArray) -> _NpArray:
@@ -150,13 +152,17 @@ _FINAL: list[_Module] = [
 ]
 
 
-def _check_out_channels(config: dict[str, Any], channels: int) -> None:
+def _latent_channels(config: _Fields) -> int:
+    """The latent channels of an SD3 or Wan config (`in_channels`; `ValueError` unless
+    `out_channels` is the same)."""
+    channels: int = config.get("in_channels", 16)
     out_channels = config.get("out_channels") or channels
     if out_channels != channels:
         raise ValueError(
             f"config `out_channels` ({out_channels}) must equal `in_channels` ({channels}): "
             "the velocity has the latent's shape."
         )
+    return channels
 
 
 class _AbstractFormat(eqx.Module):
@@ -168,14 +174,12 @@ class _AbstractFormat(eqx.Module):
     default_context_length: eqx.AbstractClassVar[int]
 
     @abc.abstractmethod
-    def model_kwargs(
-        self, config: dict[str, Any], image_size: Any, context_length: int
-    ) -> dict[str, Any]:
+    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
         """The model's arguments for a diffusers config (`ValueError` if it cannot hold it);
         a key an older config lacks takes diffusers' default."""
 
     @abc.abstractmethod
-    def config(self, model: Any) -> dict[str, Any]:
+    def config(self, model: Any) -> _Fields:
         """The diffusers config of `model`."""
 
     @abc.abstractmethod
@@ -203,9 +207,7 @@ class _SD3Format(_AbstractFormat):
     model_type = MMDiT
     default_context_length = 333
 
-    def model_kwargs(
-        self, config: dict[str, Any], image_size: Any, context_length: int
-    ) -> dict[str, Any]:
+    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
         heads = config.get("num_attention_heads", 18)
         width = heads * config.get("attention_head_dim", 64)
         caption = config.get("caption_projection_dim", 1152)
@@ -221,8 +223,7 @@ class _SD3Format(_AbstractFormat):
                 f"config `qk_norm` must be None or 'rms_norm' (the per-head RMS norm `MMDiT` "
                 f"computes), got {qk_norm!r}."
             )
-        channels = config.get("in_channels", 16)
-        _check_out_channels(config, channels)
+        channels = _latent_channels(config)
         sample_size = config.get("sample_size", 128)
         return dict(
             image_size=sample_size if image_size is None else image_size,
@@ -242,7 +243,7 @@ class _SD3Format(_AbstractFormat):
             sample_size=sample_size,
         )
 
-    def config(self, model: MMDiT) -> dict[str, Any]:
+    def config(self, model: MMDiT) -> _Fields:
         return {
             "_class_name": self.class_name,
             "_diffusers_version": "0.31.0",
@@ -322,9 +323,7 @@ class _FluxFormat(_AbstractFormat):
     model_type = Flux
     default_context_length = 512
 
-    def model_kwargs(
-        self, config: dict[str, Any], image_size: Any, context_length: int
-    ) -> dict[str, Any]:
+    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
         # diffusers' FLUX embeds each packed token whole whatever `patch_size` says; the
         # output projection gives `patch_size**2 * out_channels` values per token, which must be
         # the token's `in_channels` for the result to be a velocity of the packed latent.
@@ -358,7 +357,7 @@ class _FluxFormat(_AbstractFormat):
             axes_dims=tuple(config.get("axes_dims_rope", (16, 56, 56))),
         )
 
-    def config(self, model: Flux) -> dict[str, Any]:
+    def config(self, model: Flux) -> _Fields:
         return {
             "_class_name": self.class_name,
             "_diffusers_version": "0.35.0",
@@ -433,9 +432,7 @@ class _WanFormat(_AbstractFormat):
     model_type = Wan
     default_context_length = 512
 
-    def model_kwargs(
-        self, config: dict[str, Any], image_size: Any, context_length: int
-    ) -> dict[str, Any]:
+    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
         # `qk_norm` and `rope_max_seq_len` are taken whatever their values: diffusers' Wan
         # attention RMS-normalises queries and keys whatever `qk_norm` says, and the rotary
         # table's length bounds the grid without changing a feature.
@@ -445,8 +442,7 @@ class _WanFormat(_AbstractFormat):
                     f"config `{name}` must be None: image conditioning (Wan's image-to-video "
                     f"models) is not built, got {config[name]!r}."
                 )
-        channels = config.get("in_channels", 16)
-        _check_out_channels(config, channels)
+        channels = _latent_channels(config)
         heads = config.get("num_attention_heads", 40)
         grid = (21, 60, 104) if image_size is None else tuple(image_size)
         patch = tuple(config.get("patch_size", (1, 2, 2)))
@@ -472,7 +468,7 @@ class _WanFormat(_AbstractFormat):
             cross_attn_norm=bool(config.get("cross_attn_norm", True)),
         )
 
-    def config(self, model: Wan) -> dict[str, Any]:
+    def config(self, model: Wan) -> _Fields:
         return {
             "_class_name": self.class_name,
             "_diffusers_version": "0.35.0",
@@ -568,6 +564,30 @@ class _WanFormat(_AbstractFormat):
 _FORMATS: tuple[_AbstractFormat, ...] = (_SD3Format(), _FluxFormat(), _WanFormat())
 
 
+@final
+@dataclasses.dataclass(frozen=True)
+class _AutoencoderFormat:
+    """An autoencoder in diffusers' format: its class (named as diffusers names it), the
+    constructor arguments of a config and the config of a model. Its keys are its leaves'
+    state-dict names (`state_dict_leaves`)."""
+
+    model_type: type[AutoencoderKL] | type[AutoencoderKLWan]
+    kwargs: Callable[[_Fields], _Fields]
+    config: Callable[[Any], _Fields]
+
+    def abstract(self, config: _Fields) -> Any:
+        """The model of a diffusers config, shape-evaluated."""
+        return eqx.filter_eval_shape(
+            lambda key: self.model_type(**self.kwargs(config), key=key), jax.random.key(0)
+        )
+
+
+_AUTOENCODERS = (
+    _AutoencoderFormat(AutoencoderKL, vae_kwargs, vae_config),
+    _AutoencoderFormat(AutoencoderKLWan, wan_vae_kwargs, wan_vae_config),
+)
+
+
 def _format_of(model: Any) -> _AbstractFormat:
     """The format of `model`'s class (`ValueError` naming `model` if none)."""
     for fmt in _FORMATS:
@@ -635,7 +655,7 @@ def _pos_entry(model: MMDiT) -> _Entry:
     )
 
 
-def _abstract(fmt: _AbstractFormat, kwargs: dict[str, Any]) -> Any:
+def _abstract(fmt: _AbstractFormat, kwargs: _Fields) -> Any:
     """The model of `kwargs`, shape-evaluated, with one module per block (as diffusers)."""
     return eqx.filter_eval_shape(
         lambda key: fmt.model_type(**kwargs, stacked=False, key=key), jax.random.key(0)
@@ -711,22 +731,13 @@ def load_diffusers(
     if not (folder / "config.json").exists():
         raise ValueError(f"`path` ({folder}) has no config.json.")
     config = json.loads((folder / "config.json").read_text())
-    if config.get("_class_name") == "AutoencoderKL":
-        abstract = eqx.filter_eval_shape(
-            lambda key: AutoencoderKL(**vae_kwargs(config), key=key), jax.random.key(0)
-        )
-        vae: AutoencoderKL = fill_from_state_dict(
-            abstract, read_safetensors_folder(folder, _WEIGHTS), dtype, "AutoencoderKL"
-        )
-        return vae
-    if config.get("_class_name") == "AutoencoderKLWan":
-        abstract_wan = eqx.filter_eval_shape(
-            lambda key: AutoencoderKLWan(**wan_vae_kwargs(config), key=key), jax.random.key(0)
-        )
-        wan_vae: AutoencoderKLWan = fill_from_state_dict(
-            abstract_wan, read_safetensors_folder(folder, _WEIGHTS), dtype, "AutoencoderKLWan"
-        )
-        return wan_vae
+    for vae in _AUTOENCODERS:
+        if config.get("_class_name") == vae.model_type.__name__:
+            tensors = read_safetensors_folder(folder, _WEIGHTS)
+            autoencoder: AutoencoderKL | AutoencoderKLWan = fill_from_state_dict(
+                vae.abstract(config), tensors, dtype, vae.model_type.__name__
+            )
+            return autoencoder
     fmt = _format_named(config.get("_class_name", _SD3Format.class_name))
     length = fmt.default_context_length if context_length is None else context_length
     model = _abstract(fmt, fmt.model_kwargs(config, image_size, length))
@@ -818,22 +829,13 @@ def save_diffusers(
     - `ValueError`: when `model` is none of them or has no diffusers counterpart (token-id
         conditioning, an MLP ratio other than 4).
     """
-    if isinstance(model, AutoencoderKL):
-        _save_tensors(
-            path,
-            {key: np.asarray(leaf) for key, leaf in state_dict_leaves(model).items()},
-            vae_config(model),
-            dtype,
-        )
-        return
-    if isinstance(model, AutoencoderKLWan):
-        _save_tensors(
-            path,
-            {key: np.asarray(leaf) for key, leaf in state_dict_leaves(model).items()},
-            wan_vae_config(model),
-            dtype,
-        )
-        return
+    for vae in _AUTOENCODERS:
+        if isinstance(model, vae.model_type):
+            leaves = state_dict_leaves(model)
+            _save_tensors(
+                path, {k: np.asarray(v) for k, v in leaves.items()}, vae.config(model), dtype
+            )
+            return
     fmt = _exportable_format(model)
     model = _on_host(model)
     tensors = {
@@ -843,7 +845,7 @@ def save_diffusers(
 
 
 def _save_tensors(
-    path: str | os.PathLike[str], tensors: dict[str, _NpArray], config: dict[str, Any], dtype: Any
+    path: str | os.PathLike[str], tensors: dict[str, _NpArray], config: _Fields, dtype: Any
 ) -> None:
     """Write `tensors` (in `dtype`, or their own) and `config` as a diffusers model folder."""
     folder = pathlib.Path(path)
