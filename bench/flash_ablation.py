@@ -1,0 +1,49 @@
+"""`python -m bench.flash_ablation VARIANT --out DIR [--seed S] [--epochs E]`: MixGRPO-Flash's
+rollout with one thing changed (docs/recipes.md, "Both collapse, and the compressed grid is
+why").
+
+Trains the demo's `--algorithm mixgrpo-flash` (the released window, 11 points, the model's
+time in thousandths) with the ODE part after the window replaced:
+
+- `released`: DPM-Solver++(2M) on the rest of the grid compressed by 0.4, as released;
+- `dpm_uncompressed`: DPM-Solver++(2M) on the uncompressed rest;
+- `euler_uncompressed`: Euler on the uncompressed rest (MixGRPO's rollout on 11 points).
+
+Everything else is the main job's defaults, with a held-out evaluation every 10 epochs; the
+run's `metrics.jsonl` in DIR holds the curve.
+"""
+
+import argparse
+
+from flowgrpo_eqx import DPMSolverPP2M, Euler
+from flowgrpo_eqx.shapes_demo import algorithms
+from flowgrpo_eqx.shapes_demo.cli import main as command_line
+
+
+VARIANTS = {
+    "released": dict(solver=DPMSolverPP2M(), compress_ratio=0.4),
+    "dpm_uncompressed": dict(solver=DPMSolverPP2M(), compress_ratio=None),
+    "euler_uncompressed": dict(solver=Euler(), compress_ratio=None),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.flash_ablation", description=__doc__)
+    parser.add_argument("variant", choices=tuple(VARIANTS))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=100)
+    arguments = parser.parse_args(argv)
+    algorithms.ALGORITHMS["mixgrpo-flash"] = algorithms.MixGRPO(
+        shift_every=20, rollout_steps=11, **VARIANTS[arguments.variant]
+    )
+    return command_line(
+        ["train", "--algorithm", "mixgrpo-flash", "--epochs", str(arguments.epochs)]
+        + ["--eval-every", "10", "--seed", str(arguments.seed), "--out", arguments.out]
+        + ["--quiet"],
+        own_process=True,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
