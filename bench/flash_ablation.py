@@ -14,17 +14,20 @@ run's `metrics.jsonl` in DIR holds the curve.
 """
 
 import argparse
+import dataclasses
 
-from flowgrpo_eqx import DPMSolverPP2M, Euler
+from flowgrpo_eqx import Euler
 from flowgrpo_eqx.shapes_demo import algorithms
 from flowgrpo_eqx.shapes_demo.cli import main as command_line
 
 
+RELEASED = algorithms.ALGORITHMS["mixgrpo-flash"]
 VARIANTS = {
-    "released": dict(solver=DPMSolverPP2M(), compress_ratio=0.4),
-    "dpm_uncompressed": dict(solver=DPMSolverPP2M(), compress_ratio=None),
+    "released": {},
+    "dpm_uncompressed": dict(compress_ratio=None),
     "euler_uncompressed": dict(solver=Euler(), compress_ratio=None),
 }
+"""What each variant changes of the registered MixGRPO-Flash."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=100)
     arguments = parser.parse_args(argv)
-    algorithms.ALGORITHMS["mixgrpo-flash"] = algorithms.MixGRPO(
-        shift_every=20, rollout_steps=11, **VARIANTS[arguments.variant]
-    )
+    variant = dataclasses.replace(RELEASED, **VARIANTS[arguments.variant])
+    algorithms.ALGORITHMS["mixgrpo-flash"] = variant
     return command_line(
         ["train", "--algorithm", "mixgrpo-flash", "--epochs", str(arguments.epochs)]
         + ["--eval-every", "10", "--seed", str(arguments.seed), "--out", arguments.out]
