@@ -18,9 +18,9 @@ from tests.test_objective import (
     STEP,
     LinearParams,
     LinearVelocity,
-    kind_of,
     make_batch,
     numpy_guided,
+    numpy_transitions,
     perturbed,
     rollout_info,
 )
@@ -45,28 +45,11 @@ def make_dppo(sde=SDES["flow"], key=0, **settings):
 
 def numpy_terms(objective, params, batch):
     """Each transition's log-ratio and KL in float64, and the kept set."""
-    sde = objective.sde
-    scale = objective.flow.guidance.scale
-    t_all = np.asarray(batch.timesteps, np.float64)
-    t_next_all = np.asarray(batch.next_timesteps, np.float64)
-    latents = np.asarray(batch.latents, np.float64)
-    next_latents = np.asarray(batch.next_latents, np.float64)
+    kept, means, std, log_ratio = numpy_transitions(objective, params, batch)
     old_means = np.asarray(batch.old_means, np.float64)
-    old = np.asarray(batch.old_log_probs, np.float64)
-    cond = np.asarray(batch.cond, np.float64)
-    mask = np.asarray(batch.transition_mask)
-    n, k = t_all.shape
-    log_ratio, kl, kept = np.zeros((n, k)), np.zeros((n, k)), np.zeros((n, k), bool)
-    for i in range(n):
-        for j in range(k):
-            t, t_next = t_all[i, j], t_next_all[i, j]
-            if not (mask[i, j] and ref.stochastic(t, t_next, sde.noise_level, kind_of(sde))):
-                continue
-            kept[i, j] = True
-            v = numpy_guided(params, latents[i, j], t, cond[i], scale)
-            mean, std = ref.transition(latents[i, j], v, t, t_next, sde.noise_level, kind_of(sde))
-            log_ratio[i, j] = ref.log_prob(next_latents[i, j], mean, std) - old[i, j]
-            kl[i, j] = ref.dppo_kl(mean, old_means[i, j], std, objective.normalise_kl)
+    kl = np.zeros(kept.shape)
+    for i, j in zip(*np.nonzero(kept), strict=True):
+        kl[i, j] = ref.dppo_kl(means[i, j], old_means[i, j], std[i, j], objective.normalise_kl)
     return log_ratio, kl, kept
 
 

@@ -15,10 +15,9 @@ from tests import numpy_reference as ref
 from tests.errors import exact_message
 from tests.test_objective import (
     STEP,
-    kind_of,
     make_batch,
     make_objective,
-    numpy_guided,
+    numpy_transitions,
     perturbed,
 )
 
@@ -29,30 +28,7 @@ def guarded(objective, guard):
 
 def numpy_parts(objective, policy, batch):
     """Per transition, in float64: the raw log-ratio, the transition std and the kept set."""
-    sde = objective.sde
-    scale = None if objective.flow.guidance is None else objective.flow.guidance.scale
-    t_all = np.asarray(batch.timesteps, np.float64)
-    t_next_all = np.asarray(batch.next_timesteps, np.float64)
-    latents = np.asarray(batch.latents, np.float64)
-    next_latents = np.asarray(batch.next_latents, np.float64)
-    old = np.asarray(batch.old_log_probs, np.float64)
-    cond = np.asarray(batch.cond, np.float64)
-    mask = np.asarray(batch.transition_mask)
-    n, k = t_all.shape
-    log_ratio, std, kept = np.zeros((n, k)), np.zeros((n, k)), np.zeros((n, k), bool)
-    for i in range(n):
-        for j in range(k):
-            t, t_next = t_all[i, j], t_next_all[i, j]
-            if not (
-                mask[i, j] and ref.stochastic(t, t_next, sde.noise_level, kind_of(sde), sde.window)
-            ):
-                continue
-            kept[i, j] = True
-            v = numpy_guided(policy, latents[i, j], t, cond[i], scale)
-            mean, std[i, j] = ref.transition(
-                latents[i, j], v, t, t_next, sde.noise_level, kind_of(sde), sde.window
-            )
-            log_ratio[i, j] = ref.log_prob(next_latents[i, j], mean, std[i, j]) - old[i, j]
+    kept, _, std, log_ratio = numpy_transitions(objective, policy, batch)
     return log_ratio, std, kept
 
 

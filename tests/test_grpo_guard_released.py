@@ -13,10 +13,10 @@ from tests.errors import exact_message
 from tests.test_objective import (
     STEP,
     LinearParams,
-    kind_of,
     make_batch,
     make_objective,
     numpy_guided,
+    numpy_transitions,
     perturbed,
 )
 
@@ -30,31 +30,12 @@ VARIANTS = {
 
 def numpy_loss(objective, guard, params, batch):
     """The guarded Flow-GRPO loss total in float64, from the released formulas."""
-    sde = objective.sde
-    scale = objective.flow.guidance.scale
+    kept, means, std, log_ratio = numpy_transitions(objective, params, batch)
+    old_means = np.asarray(batch.old_means, np.float64)
+    drift = np.zeros(kept.shape)
+    drift[kept] = np.mean((means[kept] - old_means[kept]) ** 2, axis=-1)
     t_all = np.asarray(batch.timesteps, np.float64)
     t_next_all = np.asarray(batch.next_timesteps, np.float64)
-    latents = np.asarray(batch.latents, np.float64)
-    next_latents = np.asarray(batch.next_latents, np.float64)
-    old_means = np.asarray(batch.old_means, np.float64)
-    old = np.asarray(batch.old_log_probs, np.float64)
-    cond = np.asarray(batch.cond, np.float64)
-    mask = np.asarray(batch.transition_mask)
-    n, k = t_all.shape
-    log_ratio, drift, std = np.zeros((n, k)), np.zeros((n, k)), np.zeros((n, k))
-    kept = np.zeros((n, k), bool)
-    for i in range(n):
-        for j in range(k):
-            t, t_next = t_all[i, j], t_next_all[i, j]
-            if not (mask[i, j] and ref.stochastic(t, t_next, sde.noise_level, kind_of(sde))):
-                continue
-            kept[i, j] = True
-            v = numpy_guided(params, latents[i, j], t, cond[i], scale)
-            mean, std[i, j] = ref.transition(
-                latents[i, j], v, t, t_next, sde.noise_level, kind_of(sde)
-            )
-            log_ratio[i, j] = ref.log_prob(next_latents[i, j], mean, std[i, j]) - old[i, j]
-            drift[i, j] = np.mean((mean - old_means[i, j]) ** 2)
     guarded, weights = ref.guard_released(
         log_ratio, drift, std, t_all, t_next_all, kept, guard.drift, guard.scale, guard.reweight
     )

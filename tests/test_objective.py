@@ -89,6 +89,38 @@ def numpy_guided(model, x, t, cond, scale):
     return v_null + scale * (v_cond - v_null)
 
 
+def numpy_transitions(objective, params, batch):
+    """Each kept transition of `batch` (masked in and stochastic), in float64 under `params`
+    guided as `objective.flow` is: `(kept [N, K], means [N, K, *latent], std [N, K],
+    log_ratio [N, K])`, the last to the recorded old log densities; zeros outside `kept`."""
+    sde = objective.sde
+    scale = None if objective.flow.guidance is None else objective.flow.guidance.scale
+    t_all = np.asarray(batch.timesteps, np.float64)
+    t_next_all = np.asarray(batch.next_timesteps, np.float64)
+    latents = np.asarray(batch.latents, np.float64)
+    next_latents = np.asarray(batch.next_latents, np.float64)
+    old = np.asarray(batch.old_log_probs, np.float64)
+    cond = np.asarray(batch.cond, np.float64)
+    mask = np.asarray(batch.transition_mask)
+    n, k = t_all.shape
+    kept = np.zeros((n, k), bool)
+    means, std, log_ratio = np.zeros(latents.shape), np.zeros((n, k)), np.zeros((n, k))
+    for i in range(n):
+        for j in range(k):
+            t, t_next = t_all[i, j], t_next_all[i, j]
+            if not (
+                mask[i, j] and ref.stochastic(t, t_next, sde.noise_level, kind_of(sde), sde.window)
+            ):
+                continue
+            kept[i, j] = True
+            v = numpy_guided(params, latents[i, j], t, cond[i], scale)
+            means[i, j], std[i, j] = ref.transition(
+                latents[i, j], v, t, t_next, sde.noise_level, kind_of(sde), sde.window
+            )
+            log_ratio[i, j] = ref.log_prob(next_latents[i, j], means[i, j], std[i, j]) - old[i, j]
+    return kept, means, std, log_ratio
+
+
 def rollout_info(final):
     """A `RolloutInfo` of rows whose final latents (and decoded samples) are `final`, with
     zero rewards: what an objective's `training_batch` reads of a rollout."""
