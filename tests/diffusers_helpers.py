@@ -1,12 +1,15 @@
 """What the tests against diffusers' fixtures share: the batched call, the relative error, the
 parameter count, and a LoRA policy whose adapters all do something."""
 
+import json
+import pathlib
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import load_file
 
 from flowgrpo_eqx import lora
 
@@ -70,3 +73,29 @@ def assert_layout_is(model: Any, keys: dict[str, list[int]]) -> None:
         assert entry.to_ours(np.empty(shape, np.float32)).shape == entry.where(model).shape, key
     reached = {id(entry.where(model)) for entry in layout.values()}
     assert reached == {id(leaf) for leaf in jax.tree.leaves(model)}
+
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def assert_saved_folder_matches(
+    original: pathlib.Path,
+    saved: pathlib.Path,
+    *,
+    same_fields: bool = False,
+    unsaved: tuple[str, ...] = (),
+) -> None:
+    """`save_diffusers`'s folder `saved` holds `original`'s weights, key for key and bit for
+    bit, and every config field it writes (but `_diffusers_version` and `unsaved`) has the
+    original's value; with `same_fields`, it writes exactly the original's fields."""
+    weights, saved_weights = load_file(original / WEIGHTS), load_file(saved / WEIGHTS)
+    assert set(saved_weights) == set(weights)
+    for key, value in weights.items():
+        np.testing.assert_array_equal(saved_weights[key], value, err_msg=key)
+    config = json.loads((original / "config.json").read_text())
+    written = json.loads((saved / "config.json").read_text())
+    if same_fields:
+        assert set(written) == set(config)
+    for key, value in written.items():
+        if key not in ("_diffusers_version", *unsaved):
+            assert config[key] == value, key

@@ -20,11 +20,10 @@ from safetensors.numpy import load_file, save_file
 
 from flowgrpo_eqx.models import AutoencoderKL, load_diffusers, save_diffusers
 from flowgrpo_eqx.models._mirror import state_dict_leaves
-from tests.diffusers_helpers import count, relative
+from tests.diffusers_helpers import WEIGHTS, assert_saved_folder_matches, count, relative
 
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
-WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 @pytest.fixture(scope="module", params=["vae_tiny", "vae_tiny_quant"])
@@ -80,14 +79,7 @@ def test_save_diffusers_round_trip(
 ) -> None:
     name, model, io = case
     save_diffusers(tmp_path, model)
-    original, saved = load_file(DATA / name / WEIGHTS), load_file(tmp_path / WEIGHTS)
-    assert set(saved) == set(original)
-    for key, value in original.items():
-        np.testing.assert_array_equal(saved[key], value, err_msg=key)
-    config = json.loads((DATA / name / "config.json").read_text())
-    for key, value in json.loads((tmp_path / "config.json").read_text()).items():
-        if key not in ("_diffusers_version", "force_upcast"):
-            assert config[key] == value, key
+    assert_saved_folder_matches(DATA / name, tmp_path, unsaved=("force_upcast",))
 
 
 def test_bfloat16_weights_decode_close_to_float32(
