@@ -349,7 +349,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         (`CFG`), a guidance-distilled model's input (`EmbeddedGuidance`), or `None`.
     - `sampler`: the ODE solver of `evaluate` and `preview`.
     - `steps`: the number of time points of their grid. (`sampler`, `steps`, `evaluate` and
-        `preview` are the interface the specification gives Flow-GRPO's objective; they
+        `preview` keep the interface of the README's `dew.objectives.rl.flow` table; they
         hand over to `evaluate_policy` and `preview_policy`, which sample any policy of any
         flow. The other objectives hold no evaluation settings.)
     - `pretrained`: initial policy weights (a model of the same structure), or `None` to
