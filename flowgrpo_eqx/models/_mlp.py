@@ -3,6 +3,7 @@
 from typing import final
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
@@ -14,12 +15,15 @@ from ._layers import check_inputs, sinusoidal_time_features
 def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     """SiLU (swish), `x * sigmoid(x)`, the activation of `MLPVelocity`'s hidden layers.
 
-    Written as `x * (1 + tanh(x / 2)) / 2`, the same function: XLA's CPU `tanh` is a cheap
-    rational approximation while its `logistic` is not; timed beside a large matmul on a
-    2-core CPU, a wide MLP's value-and-grad went from about 0.82 to 0.86 of the matmul's
-    FLOP/s. Agrees with `jax.nn.silu` to float32 resolution relative to `max(1, |x|)`; for
-    `x` below about -17 it returns 0 where the exact value is smaller than `2e-6` in
-    magnitude.
+    On a CPU it is written as `x * (1 + tanh(x / 2)) / 2`, the same function: XLA's CPU `tanh`
+    is a cheap rational approximation while its `logistic` is not; timed beside a large matmul
+    on a 2-core CPU, a wide MLP's value-and-grad went from about 0.82 to 0.86 of the matmul's
+    FLOP/s. Elsewhere it is `jax.nn.silu`: a TPU's float32 `tanh` is the coarser of the two
+    (the `tanh` form's value was 2.2e-5 of `max(1, |x|)` from the float64 statement on a v5e,
+    `jax.nn.silu`'s 6.1e-7). The choice is made when the program is lowered for its platform
+    (`jax.lax.platform_dependent`). On a CPU it agrees with the float64 statement to float32
+    resolution relative to `max(1, |x|)`; for `x` below about -17 it returns 0 where the
+    exact value is smaller than `2e-6` in magnitude.
 
     **Arguments:**
 
@@ -29,6 +33,10 @@ def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
 
     `silu(x)`, same shape and dtype.
     """
+    return jax.lax.platform_dependent(x, cpu=_silu_by_tanh, default=jax.nn.silu)
+
+
+def _silu_by_tanh(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     return x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
 
 
