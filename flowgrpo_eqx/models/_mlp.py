@@ -33,7 +33,10 @@ def silu(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
 
     `silu(x)`, same shape and dtype.
     """
-    return jax.lax.platform_dependent(x, cpu=_silu_by_tanh, default=jax.nn.silu)
+    out: Float[Array, "*shape"] = jax.lax.platform_dependent(
+        x, cpu=_silu_by_tanh, default=jax.nn.silu
+    )
+    return out
 
 
 def _silu_by_tanh(x: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
