@@ -32,7 +32,7 @@ import hypothesis
 import jax
 import pytest
 
-from tests import suite_parts
+from tests import suite_record
 
 
 # The suite's programs are small and most of its time is XLA compiling them: LLVM at -O0 and
@@ -134,8 +134,9 @@ def _accelerator_skips() -> dict[str, str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Long files first (`LONGEST_FILES`); in a mutation run, the tests by the duration mutmut
     recorded for each instead. On a TPU, the tests marked `several_processes` or `sockets`
-    are skipped with their marker's reason and the machine's. With `FLOWGRPO_TEST_PART=K/N`,
-    only part K of N runs (`tests.suite_parts`)."""
+    are skipped with their marker's reason and the machine's. With `FLOWGRPO_TEST_RESUME`, the
+    tests an earlier record finished are left out, and with `FLOWGRPO_TEST_RECORD` the run's
+    line is written (`tests.suite_record`)."""
     skips = _accelerator_skips()
     for item in items:
         for name, why in skips.items():
@@ -146,23 +147,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stats = pathlib.Path("mutmut-stats.json")
     if not MUTATION_RUN or not stats.exists():
         items[:] = _file_order(items)
-        _keep_part(config, items)
+        _resume_and_record(config, items)
         return
     durations = json.loads(stats.read_text())["duration_by_test"]
     items.sort(key=lambda item: durations.get(item.nodeid, float("inf")))
 
 
-def _keep_part(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect every test outside `FLOWGRPO_TEST_PART`'s part, if it is set."""
-    value = os.environ.get(suite_parts.VARIABLE)
-    if not value:
+_RECORDER = pytest.StashKey[suite_record.Recorder]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Opens `FLOWGRPO_TEST_RECORD`'s file, if it is set.
+
+    **Raises:**
+
+    - `pytest.UsageError`: naming the variable, when the run is spread over xdist workers,
+        whose events one file cannot order.
+    """
+    path = os.environ.get(suite_record.RECORD)
+    if not path:
         return
-    part, count = suite_parts.parse_part(value)
-    files = list(dict.fromkeys(item.nodeid.split("::")[0] for item in items))
-    kept = suite_parts.files_of_part(files, part, count)
-    dropped = [item for item in items if item.nodeid.split("::")[0] not in kept]
-    items[:] = [item for item in items if item.nodeid.split("::")[0] in kept]
-    config.hook.pytest_deselected(items=dropped)
+    if getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        raise pytest.UsageError(
+            f"{suite_record.RECORD} records a run in one process: run it with -p no:xdist"
+        )
+    recorder = suite_record.Recorder(pathlib.Path(path))
+    config.stash[_RECORDER] = recorder
+    config.pluginmanager.register(recorder, "flowgrpo-test-record")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Closes the record, if one is open."""
+    recorder = config.stash.get(_RECORDER, None)
+    if recorder is not None:
+        recorder.close()
+
+
+def _resume_and_record(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect what `FLOWGRPO_TEST_RESUME`'s records finished for this code, and write the
+    run's line to `FLOWGRPO_TEST_RECORD`'s file (`tests.suite_record`)."""
+    resume = os.environ.get(suite_record.RESUME)
+    recorder = config.stash.get(_RECORDER, None)
+    if not resume and recorder is None:
+        return
+    source = suite_record.source_digest(pathlib.Path(__file__).parent)
+    collected = [item.nodeid for item in items]
+    if resume:
+        folders = [pathlib.Path(folder) for folder in resume.split(os.pathsep) if folder]
+        try:
+            finished = suite_record.finished_tests(folders, source)
+        except ValueError as error:
+            raise pytest.UsageError(str(error)) from None
+        dropped = [item for item in items if item.nodeid in finished]
+        items[:] = [item for item in items if item.nodeid not in finished]
+        config.hook.pytest_deselected(items=dropped)
+    if recorder is not None:
+        recorder.run(source, jax.default_backend(), collected, len(items))
 
 
 @pytest.fixture

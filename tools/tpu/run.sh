@@ -5,12 +5,14 @@
 #                                          # TPU machine's own index lacks, into .whl-tpu/
 #   bash tools/tpu/run.sh test [ARGS...]   # there: install, then the suite (pytest ARGS)
 #   bash tools/tpu/run.sh python ARGS...   # there: install, then `python3 ARGS` (a bench, a job)
-#   bash tools/tpu/run.sh parts N K...     # there: parts K... of N of the suite, one after the
-#                                          # other, within FLOWGRPO_TPU_BUDGET seconds (570)
+#   bash tools/tpu/run.sh suite [FOLDER...] # there: the tests that the records in FOLDER...
+#                                          # have not finished, until FLOWGRPO_TPU_BUDGET
+#                                          # seconds (570) after the command began
 #
-# `parts` writes part_K_of_N.xml (JUnit) and .log for each part into $OUT (or tpu-parts/),
-# stops a part that would overrun the budget (its summary says so) and starts no part with
-# less than a minute left; `python tools/tpu/tally.py FOLDER...` then counts what ran.
+# `suite` writes its record (record-TIME.jsonl: each test's outcome as it ends) and its log
+# (suite-TIME.log) into $OUT (or tpu-records/), and resumes from the records of the earlier
+# commands carried in FOLDER... (tests/suite_record.py); `python -m tools.tpu.tally FOLDER...`
+# then counts what all of them finished.
 #
 # There, the machine's own JAX, jaxlib and libtpu stay first on the path: what pip installs
 # goes to a folder at the end of PYTHONPATH, from the machine's index (file:///opt/pypi/simple)
@@ -82,26 +84,20 @@ case "${1:-}" in
         install
         python3 "$@"
         ;;
-    parts)
+    suite)
         shift
-        count=$1
-        shift
-        folder="${OUT:-tpu-parts}"
+        folder="${OUT:-tpu-records}"
         mkdir -p "$folder"
-        budget="${FLOWGRPO_TPU_BUDGET:-570}"
-        for part in "$@"; do
-            left=$((budget - SECONDS))
-            if [ "$left" -lt 60 ]; then
-                echo "part $part of $count: not started, ${left} s left"
-                continue
-            fi
-            name="$folder/part_${part}_of_${count}"
-            status=0
-            FLOWGRPO_TEST_PART="$part/$count" FLOWGRPO_TPU_TIMEOUT="$left" bash "$0" test \
-                --junitxml="$name.xml" -q -p no:cacheprovider >"$name.log" 2>&1 || status=$?
-            echo "part $part of $count (exit $status, at ${SECONDS} s):" \
-                "$(grep -E '(passed|failed|error|skipped).* in [0-9.]+s' "$name.log" | tail -n 1)"
-        done
+        stamp="$(date -u +%Y%m%dT%H%M%SZ)"
+        resume="$(IFS=:; echo "$*")"
+        left=$((${FLOWGRPO_TPU_BUDGET:-570} - SECONDS))
+        status=0
+        FLOWGRPO_TEST_RECORD="$folder/record-$stamp.jsonl" FLOWGRPO_TEST_RESUME="$resume" \
+            FLOWGRPO_TPU_TIMEOUT="$left" bash "$0" test -q -p no:cacheprovider \
+            >"$folder/suite-$stamp.log" 2>&1 || status=$?
+        echo "suite (exit $status, at ${SECONDS} s):" \
+            "$(grep -E '(passed|failed|error|skipped|deselected).* in [0-9.]+s' \
+                "$folder/suite-$stamp.log" | tail -n 1)"
         ;;
     *)
         sed -n '2,13p' "$0"

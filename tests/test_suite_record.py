@@ -1,0 +1,137 @@
+"""The suite's record and resumption (`tests/suite_record.py`) and the TPU tally over them."""
+
+import json
+import pathlib
+
+import pytest
+
+from tests.suite_record import Recorder, finished_tests, read_records, source_digest
+from tools.tpu.tally import tally
+
+
+SAMPLE = """
+import pytest
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("the fixture broke")
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 == 2, "one is not two"
+
+def test_skips():
+    pytest.skip("not on this machine")
+
+def test_setup_errors(broken):
+    pass
+"""
+
+
+def _record_sample(tmp_path: pathlib.Path, record: pathlib.Path, source: str) -> None:
+    """Runs `SAMPLE` in this process with a `Recorder` on `record`, after a run line."""
+    sample = tmp_path / "sample" / "test_sample.py"
+    sample.parent.mkdir(exist_ok=True)
+    sample.write_text(SAMPLE)
+    (sample.parent / "pytest.ini").write_text("[pytest]\n")
+    recorder = Recorder(record)
+    names = ("passes", "fails", "skips", "setup_errors")
+    recorder.run(source, "cpu", [f"test_sample.py::test_{name}" for name in names], 4)
+    code = pytest.main(
+        [str(sample), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-c", str(sample.parent / "pytest.ini")],
+        plugins=[recorder],
+    )  # fmt: skip
+    recorder.close()
+    assert code == pytest.ExitCode.TESTS_FAILED
+
+
+def test_the_record_holds_each_outcome_and_a_resumed_run_leaves_out_what_finished(tmp_path):
+    folder = tmp_path / "records"
+    _record_sample(tmp_path, folder / "record-1.jsonl", "abc")
+    runs, results = read_records([folder / "record-1.jsonl"])
+    assert [(run.source, run.selected) for run in runs] == [("abc", 4)]
+    outcome = {test.split("::")[1]: r for test, r in results["abc"].items()}
+    assert {name: r.outcome for name, r in outcome.items()} == {
+        "test_passes": "passed",
+        "test_fails": "failed",
+        "test_skips": "skipped",
+        "test_setup_errors": "failed",
+    }
+    assert outcome["test_skips"].reason == "not on this machine"
+    assert "one is not two" in outcome["test_fails"].reason
+    assert "the fixture broke" in outcome["test_setup_errors"].reason
+    # Passed and skipped tests are done for this code only; failures run again.
+    done = finished_tests([folder], "abc")
+    assert {test.split("::")[1] for test in done} == {"test_passes", "test_skips"}
+    assert finished_tests([folder], "other code") == set()
+    with pytest.raises(ValueError, match="FLOWGRPO_TEST_RESUME names .*missing"):
+        finished_tests([tmp_path / "missing"], "abc")
+
+
+def test_a_test_that_began_and_never_ended_is_not_finished_and_a_later_outcome_wins(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    run = {"kind": "run", "source": "s", "backend": "tpu", "collected": ["a", "b", "c"]}
+    lines = [
+        {**run, "selected": 3},
+        {"kind": "start", "test": "a"},
+        {"kind": "outcome", "test": "a", "outcome": "failed", "seconds": 1.5, "reason": "x"},
+        {"kind": "start", "test": "b"},
+    ]
+    (first / "record-1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert finished_tests([first], "s") == set()
+    later = [
+        {**run, "selected": 2},
+        {"kind": "start", "test": "a"},
+        {"kind": "outcome", "test": "a", "outcome": "passed", "seconds": 2.0, "reason": ""},
+        {"kind": "start", "test": "b"},
+        {"kind": "outcome", "test": "b", "outcome": "skipped", "seconds": 0.0, "reason": "why"},
+    ]
+    (second / "record-2.jsonl").write_text("".join(json.dumps(e) + "\n" for e in later))
+    assert finished_tests([first, second], "s") == {"a", "b"}
+    text = tally([first, second])
+    assert "of 3 tests: 1 passed, 0 failed, 1 skipped, 1 not yet run to their end" in text
+    assert "skipped 1: why" in text
+    # Without the second folder: a's failure is named, b began and never ended.
+    alone = tally([first])
+    assert "FAILED a: x" in alone and "NOT ENDED b" in alone
+    assert "2 not yet run to their end" in alone
+
+
+def test_records_of_other_code_are_not_mixed_in(tmp_path):
+    old = {"kind": "run", "source": "old", "backend": "tpu", "collected": ["a"], "selected": 1}
+    new = {**old, "source": "new"}
+    passed = {"kind": "outcome", "test": "a", "outcome": "passed", "seconds": 1.0, "reason": ""}
+    (tmp_path / "record-1.jsonl").write_text(json.dumps(old) + "\n" + json.dumps(passed) + "\n")
+    (tmp_path / "record-2.jsonl").write_text(json.dumps(new) + "\n")
+    text = tally([tmp_path])
+    assert "code new" in text and "0 passed" in text and "1 not yet run" in text
+    assert "records of other code, not counted: old" in text
+
+
+def test_a_line_that_is_not_a_record_is_named(tmp_path):
+    record = tmp_path / "record-1.jsonl"
+    record.write_text('{"kind": "run", "source": "s"}\n')
+    with pytest.raises(ValueError, match=r"record-1.jsonl:1 is not a test record line"):
+        read_records([record])
+    record.write_text('{"kind": "start", "test": "a"}\n')
+    with pytest.raises(ValueError, match=r"record-1.jsonl:1: a 'start' line before the run"):
+        read_records([record])
+
+
+def test_the_source_digest_follows_the_code_and_not_the_pages(tmp_path):
+    (tmp_path / "flowgrpo_eqx").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "flowgrpo_eqx" / "a.py").write_text("x = 1\n")
+    (tmp_path / "docs" / "page.md").write_text("# a page\n")
+    before = source_digest(tmp_path)
+    (tmp_path / "docs" / "page.md").write_text("# a page, with its figures\n")
+    (tmp_path / "flowgrpo_eqx" / "__pycache__").mkdir()
+    (tmp_path / "flowgrpo_eqx" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    assert source_digest(tmp_path) == before
+    (tmp_path / "flowgrpo_eqx" / "a.py").write_text("x = 2\n")
+    assert source_digest(tmp_path) != before
