@@ -13,10 +13,12 @@ only for `read_timeout`.
 """
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, final
 
+from ._misc import check_int, check_number
 from ._reward_wire import TOKEN_ENV
 
 
@@ -54,6 +56,53 @@ reward or in it); more get 503. Bodies still arriving take no place."""
 DEFAULT_MAX_CONNECTIONS = 256
 """Open connections kept by `serve`; beyond it the longest-idle connection is closed."""
 
+
+@final
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """The limits a reward server holds `/score` requests to, each one and all at once: the
+    `limits` of `flowgrpo_eqx.reward_server.make_app` and `serve` (`serve` adds
+    `max_connections`).
+
+    **Arguments:**
+
+    - `max_request_bytes`: the largest request body accepted (413 beyond).
+    - `read_timeout`: seconds a request's body may take to arrive (408 beyond); under
+        `serve`, also for a request's head.
+    - `max_concurrent_requests`: `/score` requests with whole bodies held at once (503
+        beyond).
+    - `max_request_rows`: the most rows (samples) in one request (413 beyond).
+    - `max_decoded_bytes`: the most bytes of one request's arrays as the reward gets them
+        (413 beyond).
+    - `max_total_bytes`: the most bytes of request data held at once (429 beyond; 413 for a
+        request that alone needs more).
+    - `max_total_rows`: the most rows waiting for or in the reward at once (429 beyond; 413
+        for a request that alone holds more).
+
+    **Raises:**
+
+    - `ValueError`: naming the field, for a limit that is not a positive int, or a
+        `read_timeout` that is not a positive finite number.
+    """
+
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS
+    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES
+    max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES
+    max_total_rows: int = DEFAULT_MAX_TOTAL_ROWS
+
+    def __post_init__(self) -> None:
+        check_int("max_request_bytes", self.max_request_bytes, 1)
+        check_number("read_timeout", self.read_timeout, minimum=0, include_minimum=False)
+        check_int("max_concurrent_requests", self.max_concurrent_requests, 1)
+        check_int("max_request_rows", self.max_request_rows, 1)
+        check_int("max_decoded_bytes", self.max_decoded_bytes, 1)
+        check_int("max_total_bytes", self.max_total_bytes, 1)
+        check_int("max_total_rows", self.max_total_rows, 1)
+
+
 LIMIT_FLAGS: dict[str, str] = {
     "max_request_bytes": "--max-request-bytes",
     "max_request_rows": "--max-request-rows",
@@ -64,8 +113,8 @@ LIMIT_FLAGS: dict[str, str] = {
     "max_concurrent_requests": "--max-concurrent-requests",
     "max_connections": "--max-connections",
 }
-"""Each limit's flag, by its name as an argument of `serve` (the server's refusals name
-both)."""
+"""Each limit's flag, by its name as a field of `ServerLimits` or an argument of `serve`
+(the server's refusals name both)."""
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,10 +193,19 @@ def limit_settings(arguments: Mapping[str, Any]) -> dict[str, Any]:
 
     **Returns:**
 
-    The keyword arguments, by `serve`'s names.
+    The keyword arguments, by `serve`'s names: `limits` (a `ServerLimits`),
+    `max_connections` and `allow_unauthenticated`.
+
+    **Raises:**
+
+    - `ValueError`: naming the limit, for one out of range (see `ServerLimits`).
     """
-    names = (*LIMIT_FLAGS, "allow_unauthenticated")
-    return {name: arguments[name] for name in names}
+    fields = [field.name for field in dataclasses.fields(ServerLimits)]
+    return {
+        "limits": ServerLimits(**{name: arguments[name] for name in fields}),
+        "max_connections": arguments["max_connections"],
+        "allow_unauthenticated": arguments["allow_unauthenticated"],
+    }
 
 
 def server_token(flag: str | None) -> str | None:

@@ -16,7 +16,6 @@ axis exceeds the body's length: `_reward_wire.parse_request`).
 
 import argparse
 import asyncio
-import dataclasses
 import functools
 import hmac
 import ipaddress
@@ -31,7 +30,7 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
-from ._misc import check_int, check_number, is_int
+from ._misc import check_int, is_int
 from ._reward import FlowReward, RewardError, load_reward, reward_name, score
 from ._reward_wire import (
     NPY_CONTENT_TYPE,
@@ -42,15 +41,9 @@ from ._reward_wire import (
     parse_request,
 )
 from .reward_limits import (
-    DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_MAX_DECODED_BYTES,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_MAX_REQUEST_ROWS,
-    DEFAULT_MAX_TOTAL_BYTES,
-    DEFAULT_MAX_TOTAL_ROWS,
-    DEFAULT_READ_TIMEOUT,
     LIMIT_FLAGS,
+    ServerLimits,
     add_limit_arguments,
     limit_settings,
     server_token,
@@ -92,7 +85,7 @@ def _refusal(web_status: int, kind: str, message: str, limit: str | None = None)
 
 
 def _limit(name: str, value: int) -> str:
-    """The limit `name` (an argument of `serve`) as the server's refusals name it."""
+    """The limit `name` (a field of `ServerLimits`) as the server's refusals name it."""
     return f"the server's {name} ({LIMIT_FLAGS[name]}) {value}"
 
 
@@ -172,13 +165,7 @@ def make_app(
     reward: FlowReward,
     *,
     token: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    read_timeout: float = DEFAULT_READ_TIMEOUT,
-    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
-    max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS,
-    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
-    max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
-    max_total_rows: int = DEFAULT_MAX_TOTAL_ROWS,
+    limits: ServerLimits = ServerLimits(),
 ) -> web.Application:
     """The aiohttp application serving `reward`.
 
@@ -188,19 +175,20 @@ def make_app(
     same checks as a reward called in process, so a reward that raises, or returns a wrong shape or
     non-finite scores, gives a 500 naming it; the server keeps serving after any request.
 
-    A `/score` request is refused before its body is read, and its connection closed, when
-    the token is wrong (401), it has no Content-Length (411), or the Content-Length exceeds
-    `max_request_bytes` or `max_total_bytes` (413). A body that takes longer than
-    `read_timeout` gets 408 and its connection is closed. The body is read into one buffer,
-    each chunk counted as it arrives against `max_total_bytes` across all requests (429
-    beyond), and the arrays are views of it. Once the whole body has arrived it is checked
-    (400 for anything that is not the wire format) and held to the limits: more than
-    `max_request_rows` rows or `max_decoded_bytes` of arrays as the reward gets them (uint8
-    samples count as the float32 they become) get 413; `max_concurrent_requests` requests
-    already waiting for or in the reward give 503; its rows or bytes on top of those held
-    past `max_total_rows` or `max_total_bytes` give 429. Only then does it take a place, so
-    clients that send their bodies slowly cannot keep a fair request from the reward. Every
-    refusal by a limit names it (and its flag) in its message and as `"limit"`.
+    A `/score` request is held to the fields of `limits`. It is refused before its body is
+    read, and its connection closed, when the token is wrong (401), it has no Content-Length
+    (411), or the Content-Length exceeds `max_request_bytes` or `max_total_bytes` (413). A
+    body that takes longer than `read_timeout` gets 408 and its connection is closed. The
+    body is read into one buffer, each chunk counted as it arrives against
+    `max_total_bytes` across all requests (429 beyond), and the arrays are views of it.
+    Once the whole body has arrived it is checked (400 for anything that is not the wire
+    format) and held to the limits: more than `max_request_rows` rows or
+    `max_decoded_bytes` of arrays as the reward gets them (uint8 samples count as the
+    float32 they become) get 413; `max_concurrent_requests` requests already waiting for or
+    in the reward give 503; its rows or bytes on top of those held past `max_total_rows` or
+    `max_total_bytes` give 429. Only then does it take a place, so clients that send their
+    bodies slowly cannot keep a fair request from the reward. Every refusal by a limit names
+    it (and its flag) in its message and as `"limit"`.
 
     So the request data the server holds at once never exceed `max_total_bytes` (plus
     arrays that arrive unaligned, copied while a body is parsed, at most one body each); the
@@ -211,17 +199,7 @@ def make_app(
 
     - `reward`: the reward.
     - `token`: if set, `/score` requires `Authorization: Bearer <token>`.
-    - `max_request_bytes`: the largest request body accepted (413 beyond).
-    - `read_timeout`: seconds a request's body may take to arrive (408 beyond).
-    - `max_concurrent_requests`: `/score` requests with whole bodies held at once (503
-        beyond).
-    - `max_request_rows`: the most rows (samples) in one request (413 beyond).
-    - `max_decoded_bytes`: the most bytes of one request's arrays as the reward gets them
-        (413 beyond).
-    - `max_total_bytes`: the most bytes of request data held at once (429 beyond; 413 for a
-        request that alone needs more).
-    - `max_total_rows`: the most rows waiting for or in the reward at once (429 beyond; 413
-        for a request that alone holds more).
+    - `limits`: the limits above (`ServerLimits`; its defaults by default).
 
     **Returns:**
 
@@ -229,49 +207,21 @@ def make_app(
 
     **Raises:**
 
-    - `ValueError`: naming the argument, for a non-positive limit or `read_timeout`, or an
-        empty `token`.
+    - `ValueError`: naming the argument, for an empty `token` or `limits` that is not a
+        `ServerLimits`.
     """
-    check_int("max_request_bytes", max_request_bytes, 1)
-    check_number("read_timeout", read_timeout, minimum=0, include_minimum=False)
-    check_int("max_concurrent_requests", max_concurrent_requests, 1)
-    check_int("max_request_rows", max_request_rows, 1)
-    check_int("max_decoded_bytes", max_decoded_bytes, 1)
-    check_int("max_total_bytes", max_total_bytes, 1)
-    check_int("max_total_rows", max_total_rows, 1)
     if token is not None and not token:
         raise ValueError("`token` must be None or a non-empty string.")
-    limits = _Limits(
-        max_request_bytes=max_request_bytes,
-        read_timeout=read_timeout,
-        max_concurrent_requests=max_concurrent_requests,
-        max_request_rows=max_request_rows,
-        max_decoded_bytes=max_decoded_bytes,
-        max_total_bytes=max_total_bytes,
-        max_total_rows=max_total_rows,
-    )
+    if not isinstance(limits, ServerLimits):
+        raise ValueError(f"`limits` must be a ServerLimits, got {limits!r}.")
     server = _Server(reward, token, limits)
     # The Content-Length check refuses large bodies before reading them; aiohttp's own limit
     # stays as a second guard.
-    app = web.Application(client_max_size=max_request_bytes)
+    app = web.Application(client_max_size=limits.max_request_bytes)
     app.router.add_get("/health", server.health)
     app.router.add_post("/score", server.score_batch)
     app.on_cleanup.append(server.stop_scorer)
     return app
-
-
-@final
-@dataclasses.dataclass(frozen=True)
-class _Limits:
-    """`make_app`'s limits, by their names as its arguments."""
-
-    max_request_bytes: int
-    read_timeout: float
-    max_concurrent_requests: int
-    max_request_rows: int
-    max_decoded_bytes: int
-    max_total_bytes: int
-    max_total_rows: int
 
 
 @final
@@ -320,7 +270,7 @@ class _Server:
     """The handlers of `make_app`'s application, the limits they hold requests to, what the
     requests hold of them, and the one worker thread that calls the reward."""
 
-    def __init__(self, reward: FlowReward, token: str | None, limits: _Limits):
+    def __init__(self, reward: FlowReward, token: str | None, limits: ServerLimits):
         self.reward = reward
         self.name = reward_name(reward)
         self.token = token
@@ -606,15 +556,9 @@ def serve(
     port: int = 8000,
     token: str | None = None,
     ready: Callable[[int], None] | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    read_timeout: float = DEFAULT_READ_TIMEOUT,
-    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    limits: ServerLimits = ServerLimits(),
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     allow_unauthenticated: bool = False,
-    max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS,
-    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
-    max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
-    max_total_rows: int = DEFAULT_MAX_TOTAL_ROWS,
 ) -> None:
     """Serve `reward` until SIGINT or SIGTERM.
 
@@ -623,7 +567,7 @@ def serve(
     the signals are handled there.
 
     Besides `make_app`'s limits, a connection must send each request's head within
-    `read_timeout` of opening (or of its previous reply) or it is closed, and when
+    `limits.read_timeout` of opening (or of its previous reply) or it is closed, and when
     `max_connections` are open the longest-idle one is closed for a new one, so slow or
     half-open connections cannot exhaust the file descriptors and `/health` keeps answering.
 
@@ -634,20 +578,15 @@ def serve(
     - `port`: the port; 0 picks a free one.
     - `token`: if set, `/score` requires `Authorization: Bearer <token>`.
     - `ready`: called with the bound port once the server accepts requests.
-    - `max_request_bytes`: the largest request body accepted (413 beyond).
-    - `read_timeout`: seconds for a request's head, and then its body, to arrive.
-    - `max_concurrent_requests`: `/score` requests with whole bodies held at once (503
-        beyond).
+    - `limits`: the limits each request is held to, as in `make_app` (`ServerLimits`).
     - `max_connections`: open connections kept; the longest-idle one is closed beyond.
     - `allow_unauthenticated`: allow a `host` other than loopback without a `token`.
-    - `max_request_rows`, `max_decoded_bytes`, `max_total_bytes`, `max_total_rows`: as in
-        `make_app`.
 
     **Raises:**
 
     - `ValueError`: naming the argument, for a `port` outside 0..65535, a `host` off
-        loopback without a `token` (unless `allow_unauthenticated`), or a setting out of
-        range (as in `make_app`; a `max_connections` below 1).
+        loopback without a `token` (unless `allow_unauthenticated`), a `max_connections`
+        below 1, or an empty `token` or bad `limits` (as in `make_app`).
     - `OSError`: naming the address, when it cannot be listened on (the port is in use, the
         host is not this machine's).
     """
@@ -660,19 +599,11 @@ def serve(
             "allow_unauthenticated=True (--allow-unauthenticated) to mean it."
         )
     check_int("max_connections", max_connections, 1)
-    app = make_app(
-        reward,
-        token=token,
-        max_request_bytes=max_request_bytes,
-        read_timeout=read_timeout,
-        max_concurrent_requests=max_concurrent_requests,
-        max_request_rows=max_request_rows,
-        max_decoded_bytes=max_decoded_bytes,
-        max_total_bytes=max_total_bytes,
-        max_total_rows=max_total_rows,
-    )
+    app = make_app(reward, token=token, limits=limits)
     asyncio.run(
-        _serve(app, reward_name(reward), host, port, token, ready, read_timeout, max_connections)
+        _serve(
+            app, reward_name(reward), host, port, token, ready, limits.read_timeout, max_connections
+        )
     )
 
 

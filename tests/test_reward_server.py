@@ -5,6 +5,7 @@ scripted misbehaving server in `tests/reward_fixtures.py`) bound to a free port 
 the server itself, and is terminated at the end of the module.
 """
 
+import argparse
 import io
 import json
 import os
@@ -25,12 +26,13 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx import _http_reward, _reward_wire, reward_server
+from flowgrpo_eqx import _http_reward, _reward_wire, reward_limits, reward_server
 from flowgrpo_eqx._reward import score, to_uint8_images
 from flowgrpo_eqx._reward_wire import MAGIC, decode_request, encode_request
 from flowgrpo_eqx.reward_server import load_reward
 
 from . import reward_fixtures
+from .errors import raises_named
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -885,18 +887,48 @@ def test_a_url_ending_in_score_means_its_base_and_a_404_names_the_url(brightness
         ({"read_timeout": 0.0}, "read_timeout"),
         ({"read_timeout": float("inf")}, "read_timeout"),
         ({"max_concurrent_requests": 0}, "max_concurrent_requests"),
-        ({"max_connections": 0}, "max_connections"),
-        ({"token": ""}, "token"),
         ({"max_request_rows": 0}, "max_request_rows"),
         ({"max_decoded_bytes": 0}, "max_decoded_bytes"),
         ({"max_total_bytes": -1}, "max_total_bytes"),
         ({"max_total_rows": 0}, "max_total_rows"),
     ],
 )
+def test_server_limits_checked(kwargs, argument):
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        reward_server.ServerLimits(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"max_connections": 0}, "max_connections"),
+        ({"token": ""}, "token"),
+    ],
+)
 def test_server_settings_checked(kwargs, argument, monkeypatch):
     monkeypatch.setattr(reward_server, "_listening_socket", None)  # never reached
     with pytest.raises(ValueError, match=f"`{argument}`"):
         reward_server.serve(reward_fixtures.brightness, port=0, **kwargs)
+
+
+def test_limits_must_be_server_limits():
+    with raises_named("`limits` must be a ServerLimits, got {'max_request_bytes': 1}."):
+        reward_server.make_app(reward_fixtures.brightness, limits={"max_request_bytes": 1})
+
+
+def test_the_command_line_builds_server_limits_from_its_flags():
+    parser = argparse.ArgumentParser()
+    reward_limits.add_limit_arguments(parser)
+    settings = reward_limits.limit_settings(
+        vars(parser.parse_args(["--max-total-rows", "7", "--read-timeout", "2.5"]))
+    )
+    assert settings == {
+        "limits": reward_limits.ServerLimits(max_total_rows=7, read_timeout=2.5),
+        "max_connections": reward_limits.DEFAULT_MAX_CONNECTIONS,
+        "allow_unauthenticated": False,
+    }
+    with pytest.raises(ValueError, match="`max_request_rows`"):
+        reward_limits.limit_settings(vars(parser.parse_args(["--max-request-rows", "0"])))
 
 
 def test_decoded_arrays_view_a_writable_body_without_copies():
