@@ -17,54 +17,12 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._inputs import AbstractAutoEncoder
 from .._misc import check_int
+from ._autoencoder import Conv, posterior_moments, sample_posterior
 from ._layers import Attention, AttentionSettings, attend_to
-from ._mirror import Linear, uniform_init
+from ._mirror import Linear
 
 
 _EPS = 1e-6  # every GroupNorm of diffusers' AutoencoderKL
-
-
-@final
-class Conv(eqx.Module):
-    """A 2D convolution of a channels-last image with a torch-layout kernel.
-
-    **Arguments:**
-
-    - `in_channels`, `out_channels`: the channels.
-    - `size`: the kernel's side (1 or 3).
-    - `stride`: 1, or 2 for a downsampling convolution (padded on the right and bottom by
-        one, as diffusers' `Downsample2D` with `padding=0` pads).
-    - `key`: a JAX PRNG key for the initialisation.
-    """
-
-    weight: Float[Array, "out in kh kw"]
-    bias: Float[Array, " out"]
-    stride: int = eqx.field(static=True)
-
-    def __init__(
-        self, in_channels: int, out_channels: int, size: int, stride: int = 1, *, key: PRNGKeyArray
-    ) -> None:
-        k_w, k_b = jax.random.split(key)
-        fan_in = in_channels * size * size
-        self.weight = uniform_init(k_w, (out_channels, in_channels, size, size), fan_in)
-        self.bias = uniform_init(k_b, (out_channels,), fan_in)
-        self.stride = stride
-
-    def __call__(self, x: Float[Array, "H W C"]) -> Float[Array, "H2 W2 O"]:
-        side = self.weight.shape[-1]
-        if self.stride == 2:
-            padding = ((0, 1), (0, 1))
-        else:
-            padding = ((side // 2, side // 2), (side // 2, side // 2))
-        out = jax.lax.conv_general_dilated(
-            x[None],
-            self.weight.astype(x.dtype),
-            window_strides=(self.stride, self.stride),
-            padding=padding,
-            dimension_numbers=("NHWC", "OIHW", "NHWC"),
-        )[0]
-        result: Float[Array, "H2 W2 O"] = out + self.bias.astype(x.dtype)[None, None, :]
-        return result
 
 
 @final
@@ -558,9 +516,7 @@ class AutoencoderKL(AbstractAutoEncoder):
         h = self.encoder(image.astype(dtype), self.attention_settings)
         if self.quant_conv is not None:
             h = self.quant_conv(h)
-        h = h.astype(jnp.float32)
-        mean, logvar = h[..., : self.latent_channels], h[..., self.latent_channels :]
-        return mean, jnp.clip(logvar, -30.0, 20.0)
+        return posterior_moments(h, self.latent_channels)
 
     def encode(
         self, image: Float[Array, "H W C"], *, key: PRNGKeyArray | None = None
@@ -577,10 +533,7 @@ class AutoencoderKL(AbstractAutoEncoder):
 
         The latent, `[H / f, W / f, latent_channels]`, in the dtype of `image`.
         """
-        mean, logvar = self.moments(image)
-        z = mean
-        if key is not None:
-            z = mean + jnp.exp(0.5 * logvar) * jax.random.normal(key, mean.shape, jnp.float32)
+        z = sample_posterior(*self.moments(image), key)
         return ((z - self.shift_factor) * self.scaling_factor).astype(image.dtype)
 
     def decode(self, latent: Float[Array, "h w L"]) -> Float[Array, "H W C"]:

@@ -30,9 +30,9 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._misc import check_int, check_number
+from ._autoencoder import Conv, posterior_moments, sample_posterior
 from ._layers import Attention, AttentionSettings, attend_to
 from ._mirror import uniform_init
-from ._vae import Conv
 
 
 _PAST = 2  # the past frames of a 3-tap causal convolution (diffusers' CACHE_T)
@@ -832,9 +832,7 @@ class AutoencoderKLWan(eqx.Module):
             return self.encoder.step(frames, cache, settings)
 
         h = step(x, None)[0] if chunk is None else _in_chunks(step, x, chunk)
-        h = self.quant_conv(h).astype(jnp.float32)
-        mean, logvar = h[..., : self.z_dim], h[..., self.z_dim :]
-        return mean, jnp.clip(logvar, -30.0, 20.0)
+        return posterior_moments(self.quant_conv(h), self.z_dim)
 
     def encode(
         self,
@@ -862,10 +860,7 @@ class AutoencoderKLWan(eqx.Module):
 
         - `ValueError`: as `moments`.
         """
-        mean, logvar = self.moments(video, chunk=chunk)
-        z = mean
-        if key is not None:
-            z = mean + jnp.exp(0.5 * logvar) * jax.random.normal(key, mean.shape, jnp.float32)
+        z = sample_posterior(*self.moments(video, chunk=chunk), key)
         latents_mean, inverse_std = self._statistics()
         return ((z - latents_mean) * inverse_std).astype(video.dtype)
 
