@@ -9,7 +9,6 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._distributed import gather_weights
 from .._misc import check_int
 from ._conditioning import joint_conditioning, joint_embedders
 from ._init import init_linears, zero_linear
@@ -535,7 +534,7 @@ class Flux(AbstractAttentionModel):
         - `ValueError`: naming `x`, `t` or `cond` when its shape or structure is wrong.
         """
         check_inputs(x, t, (*self.image_size, self.channels))
-        outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
+        outer = self._outer_weights()
         context_in, pooled, guidance = outer._text(cond)
         dtype = outer.x_embed.weight.dtype
         c = joint_conditioning(

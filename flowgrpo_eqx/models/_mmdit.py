@@ -12,7 +12,6 @@ import numpy.typing as npt
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._buffer import Buffer
-from .._distributed import gather_weights
 from .._misc import check_int
 from ._conditioning import joint_conditioning, joint_embedders
 from ._init import uniform_arrays
@@ -608,8 +607,7 @@ class MMDiT(AbstractAttentionModel):
         - `ValueError`: naming `x`, `t` or `cond` when its shape or structure is wrong.
         """
         check_inputs(x, t, (self.image_size, self.image_size, self.channels))
-        # On a data mesh, the weights outside the blocks whole (the blocks gather their own).
-        outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
+        outer = self._outer_weights()
         context_in, pooled = outer._text(cond)
         dtype = outer.pos_embed.value.dtype
         c = joint_conditioning(outer.time_mlp, outer.pooled_mlp, t, pooled, dtype)

@@ -350,6 +350,13 @@ class AbstractLayeredModel(eqx.Module):
         new: _Model = eqx.tree_at(lambda m: (m.blocks, m.block_layout), self, (blocks, layout))
         return new
 
+    def _outer_weights(self: _Model) -> _Model:
+        """The model without its blocks (`blocks` empty), its other weights gathered whole on
+        a data mesh (`gather_weights`): what a call uses outside the blocks, which
+        `block_layout.run` gathers one at a time."""
+        outer: _Model = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
+        return outer
+
 
 class AbstractAttentionModel(AbstractLayeredModel):
     """A layered transformer whose attention an `AttentionSettings` chooses (`MMDiT`, `Flux`).

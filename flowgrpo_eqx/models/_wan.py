@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._distributed import gather_weights
 from .._misc import check_int, check_number
 from ._init import init_linears, zero_linear
 from ._layers import (
@@ -449,7 +448,7 @@ class Wan(AbstractAttentionModel):
             raise ValueError(
                 f"`cond` must have shape {(self.context_length, self.text_dim)}, got {cond.shape}."
             )
-        outer = gather_weights(eqx.tree_at(lambda m: m.blocks, self, ()))
+        outer = self._outer_weights()
         dtype = outer.patch_embed.weight.dtype
         temb = silu_mlp(outer.time_mlp, time_features(t, self.freq_dim).astype(dtype))
         time = dense(outer.time_proj, jax.nn.silu(temb))[0].reshape(6, self.width)
