@@ -47,8 +47,19 @@ def init_linears(dims: Sequence[tuple[int, int]], *, key: PRNGKeyArray) -> list[
     return [_linear_from(arrays[2 * i], arrays[2 * i + 1], key=key) for i in range(len(dims))]
 
 
+def ones(shape: tuple[int, ...]) -> Float[Array, "..."]:
+    """Float32 ones (a norm's initial scale), made on the host and put on the device, so that
+    eager construction compiles no program for them."""
+    out: Float[Array, "..."] = jax.device_put(np.ones(shape, dtype=np.float32))
+    return out
+
+
+def zeros(shape: tuple[int, ...]) -> Float[Array, "..."]:
+    """Float32 zeros (a norm's initial shift, a zero-initialised layer), as `ones` makes them."""
+    out: Float[Array, "..."] = jax.device_put(np.zeros(shape, dtype=np.float32))
+    return out
+
+
 def zero_linear(in_features: int, out_features: int, *, key: PRNGKeyArray) -> eqx.nn.Linear:
     """An `eqx.nn.Linear(in_features, out_features)` with zero weight and bias."""
-    weight = jax.device_put(np.zeros((out_features, in_features), dtype=np.float32))
-    bias = jax.device_put(np.zeros((out_features,), dtype=np.float32))
-    return _linear_from(weight, bias, key=key)
+    return _linear_from(zeros((out_features, in_features)), zeros((out_features,)), key=key)

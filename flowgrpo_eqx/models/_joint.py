@@ -7,10 +7,9 @@ from typing import Any, NamedTuple, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._init import init_linears, zero_linear
+from ._init import init_linears, ones, zero_linear
 from ._layers import dense, layer_norm, modulate, rms_norm, time_features
 
 
@@ -35,11 +34,6 @@ def check_text_shapes(
         raise ValueError(
             f"`cond['pooled']` must have shape ({pooled_dim},), got {cond['pooled'].shape}."
         )
-
-
-def _ones(n: int) -> Float[Array, " n"]:
-    ones: Float[Array, " n"] = jax.device_put(np.ones((n,), dtype=np.float32))
-    return ones
 
 
 @final
@@ -75,8 +69,8 @@ class JointAttention(eqx.Module):
         self.q, self.k, self.v = linears[:3]
         self.out = linears[3] if has_out else None
         head_dim = width // heads
-        self.norm_q = _ones(head_dim) if qk_norm else None
-        self.norm_k = _ones(head_dim) if qk_norm else None
+        self.norm_q = ones((head_dim,)) if qk_norm else None
+        self.norm_k = ones((head_dim,)) if qk_norm else None
 
     def qkv(self, h: Float[Array, "S D"]) -> Float[Array, "3 S heads head_dim"]:
         """The queries, keys and values of the (already modulated) tokens, split into heads."""

@@ -20,6 +20,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 from safetensors import safe_open
 
+from ._init import ones, zeros
 from ._layers import layer_norm
 
 
@@ -73,8 +74,8 @@ class LayerNorm(eqx.Module):
     eps: float = eqx.field(static=True)
 
     def __init__(self, width: int, eps: float) -> None:
-        self.weight = jnp.ones((width,), jnp.float32)
-        self.bias = jnp.zeros((width,), jnp.float32)
+        self.weight = ones((width,))
+        self.bias = zeros((width,))
         self.eps = eps
 
     def __call__(self, x: Float[Array, "*S D"]) -> Float[Array, "*S D"]:

@@ -19,6 +19,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
+from ._init import ones
 from ._layers import MASKED_SCORE, rms_norm
 from ._mirror import Embedding, Linear, fill_from_state_dict, read_safetensors_folder
 
@@ -44,7 +45,7 @@ class RMSNorm(eqx.Module):
     eps: float = eqx.field(static=True)
 
     def __init__(self, width: int, eps: float) -> None:
-        self.weight = jnp.ones((width,), jnp.float32)
+        self.weight = ones((width,))
         self.eps = eps
 
     def __call__(self, h: Float[Array, "L D"]) -> Float[Array, "L D"]:

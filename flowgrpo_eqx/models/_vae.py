@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._inputs import AbstractAutoEncoder
 from .._misc import check_int
 from ._autoencoder import Conv, posterior_moments, sample_posterior
+from ._init import ones, zeros
 from ._layers import Attention, AttentionSettings, attend_to
 from ._mirror import Linear
 
@@ -40,8 +41,8 @@ class GroupNorm(eqx.Module):
     groups: int = eqx.field(static=True)
 
     def __init__(self, groups: int, channels: int) -> None:
-        self.weight = jnp.ones((channels,), jnp.float32)
-        self.bias = jnp.zeros((channels,), jnp.float32)
+        self.weight = ones((channels,))
+        self.bias = zeros((channels,))
         self.groups = groups
 
     def __call__(self, x: Float[Array, "H W C"]) -> Float[Array, "H W C"]:

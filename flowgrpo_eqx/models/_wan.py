@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._misc import check_int, check_number
-from ._init import init_linears, zero_linear
+from ._init import init_linears, ones, zero_linear, zeros
 from ._layers import (
     Attention,
     AttentionSettings,
@@ -70,8 +70,8 @@ class _WanAttention(eqx.Module):
 
     def __init__(self, width: int, eps: float, *, key: PRNGKeyArray) -> None:
         self.q, self.k, self.v, self.out = init_linears([(width, width)] * 4, key=key)
-        self.norm_q = jax.device_put(np.ones((width,), np.float32))
-        self.norm_k = jax.device_put(np.ones((width,), np.float32))
+        self.norm_q = ones((width,))
+        self.norm_k = ones((width,))
         self.eps = eps
 
     def __call__(
@@ -134,8 +134,8 @@ class _WanBlock(eqx.Module):
         self.table = jax.random.normal(k_table, (6, width), jnp.float32) / math.sqrt(width)
         self.self_attn = _WanAttention(width, eps, key=k_self)
         if cross_attn_norm:
-            self.cross_norm_weight = jax.device_put(np.ones((width,), np.float32))
-            self.cross_norm_bias = jax.device_put(np.zeros((width,), np.float32))
+            self.cross_norm_weight = ones((width,))
+            self.cross_norm_bias = zeros((width,))
         else:
             self.cross_norm_weight = self.cross_norm_bias = None
         self.cross_attn = _WanAttention(width, eps, key=k_cross)

@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._misc import check_int, check_number
 from ._autoencoder import Conv, posterior_moments, sample_posterior
+from ._init import ones
 from ._layers import Attention, AttentionSettings, attend_to
 from ._mirror import uniform_init
 
@@ -164,7 +165,7 @@ class RMSNorm(eqx.Module):
 
     def __init__(self, channels: int, images: bool) -> None:
         shape = (channels, 1, 1) if images else (channels, 1, 1, 1)
-        self.gamma = jnp.ones(shape, jnp.float32)
+        self.gamma = ones(shape)
 
     def __call__(self, x: Float[Array, "*S C"]) -> Float[Array, "*S C"]:
         x32 = x.astype(jnp.float32)
