@@ -125,22 +125,13 @@ class _FluxDoubleBlock(eqx.Module):
         mod_image = self.image.modulations(silu_c)
         text_rope, image_rope = rope
         attended_image, attended_context = attend_joint(
-            apply_rope(
-                self.image.attn.qkv(self.image.attention_input(image, mod_image)), *image_rope
-            ),
-            apply_rope(
-                self.context.attn.qkv(self.context.attention_input(context, mod_context)),
-                *text_rope,
-            ),
+            apply_rope(self.image.qkv(image, mod_image), *image_rope),
+            apply_rope(self.context.qkv(context, mod_context), *text_rope),
             attention,
             text_first=True,
         )
-        new_image = self.image.feed_forward(
-            self.image.residual(image, attended_image, mod_image), mod_image
-        )
-        new_context = self.context.feed_forward(
-            self.context.residual(context, attended_context, mod_context), mod_context
-        )
+        new_image = self.image.update(image, attended_image, mod_image)
+        new_context = self.context.update(context, attended_context, mod_context)
         return new_context, new_image
 
 

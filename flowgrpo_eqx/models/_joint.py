@@ -145,13 +145,14 @@ class Stream(eqx.Module):
         )
         return out
 
-    def attention_input(
+    def qkv(
         self, h: Float[Array, "S D"], mod: Float[Array, "M D"]
-    ) -> Float[Array, "S D"]:
-        """The tokens normalised and modulated for the (joint) attention."""
+    ) -> Float[Array, "3 S heads head_dim"]:
+        """The queries, keys and values of the tokens, normalised and modulated first, for
+        the (joint) attention."""
         if self.pre_only:
-            return modulate(layer_norm(h), mod[1], mod[0])
-        return modulate(layer_norm(h), mod[0], mod[1])
+            return self.attn.qkv(modulate(layer_norm(h), mod[1], mod[0]))
+        return self.attn.qkv(modulate(layer_norm(h), mod[0], mod[1]))
 
     def residual(
         self, h: Float[Array, "S D"], attended: Float[Array, "S D"], mod: Float[Array, "M D"]
@@ -171,3 +172,10 @@ class Stream(eqx.Module):
         )
         out: Float[Array, "S D"] = h + mod[5][None, :] * dense(self.fc2, hidden)
         return out
+
+    def update(
+        self, h: Float[Array, "S D"], attended: Float[Array, "S D"], mod: Float[Array, "M D"]
+    ) -> Float[Array, "S D"]:
+        """The tokens after the block: the attention residual, then the feed-forward one
+        (unchanged if pre-only)."""
+        return self.feed_forward(self.residual(h, attended, mod), mod)

@@ -138,8 +138,8 @@ class _MMDiTBlock(eqx.Module):
         mod_image = self.image.modulations(silu_c)
         # diffusers' order, image tokens first: the same attention, the same rounding.
         attended_image, attended_context = attend_joint(
-            self.image.attn.qkv(self.image.attention_input(image, mod_image)),
-            self.context.attn.qkv(self.context.attention_input(context, mod_context)),
+            self.image.qkv(image, mod_image),
+            self.context.qkv(context, mod_context),
             attention,
             text_first=False,
         )
@@ -150,9 +150,7 @@ class _MMDiTBlock(eqx.Module):
             second = dense(self.attn2.out, attend_self(q, k, v, attention))
             new_image = new_image + mod_image[8][None, :] * second
         new_image = self.image.feed_forward(new_image, mod_image)
-        new_context = self.context.feed_forward(
-            self.context.residual(context, attended_context, mod_context), mod_context
-        )
+        new_context = self.context.update(context, attended_context, mod_context)
         return new_context, new_image
 
 
