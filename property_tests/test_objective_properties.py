@@ -14,6 +14,7 @@ from hypothesis import assume, given, strategies as st
 
 import flowgrpo_eqx.testing as T
 from property_tests import _strategies as S
+from tests.tolerances import rollout_log_prob_tolerance
 
 
 # --------------------------------------------------------------------------------------
@@ -373,7 +374,8 @@ def test_log_probs_match_numpy_per_entry(
     obj = config.objective()
     got = np.asarray(T.log_probs(obj, config.variables(obj), rollout.batch))
     assert got.shape == (rows, transitions)
-    np.testing.assert_allclose(got, rollout.own, rtol=1e-5, atol=2e-5)
+    rtol, atol = rollout_log_prob_tolerance()
+    np.testing.assert_allclose(got, rollout.own, rtol=rtol, atol=atol)
 
 
 # --------------------------------------------------------------------------------------
@@ -400,12 +402,13 @@ def test_transition_chunk_agrees(
     variables = config.variables(whole)
     T.assert_transition_chunk_agrees(whole, chunked, variables, rollout.batch)
     # Entry by entry, both agree with the sample's own NumPy log density.
+    rtol, atol = rollout_log_prob_tolerance()
     for obj in (whole, chunked):
         np.testing.assert_allclose(
             np.asarray(T.log_probs(obj, variables, rollout.batch)),
             rollout.own,
-            rtol=1e-5,
-            atol=2e-5,
+            rtol=rtol,
+            atol=atol,
         )
 
 

@@ -44,6 +44,8 @@ CODE = (
 
 Outcome = Literal["passed", "failed", "skipped"]
 
+MESSAGE_CHARACTERS = 1000
+
 
 def source_digest(root: pathlib.Path) -> str:
     """A digest of the code a run tests: every file of `CODE` below `root` except compiled
@@ -80,7 +82,7 @@ class Result:
     - `outcome`: `"passed"`, `"failed"` or `"skipped"`; `"started"` if it began and no
         outcome followed (its run was stopped or died in it).
     - `seconds`: its setup, call and teardown together (0 if it never ended).
-    - `reason`: why it was skipped, or the last line of its failure; empty otherwise.
+    - `reason`: why it was skipped, or its failure's message; empty otherwise.
     - `record`: the file it was read from.
     """
 
@@ -261,7 +263,8 @@ class Recorder:
 
 
 def _reason(report: pytest.TestReport) -> str:
-    """Why a phase was skipped, or its failure's message (first line); empty if it passed."""
+    """Why a phase was skipped, or its failure's message (its lines joined by " / ", at most
+    `MESSAGE_CHARACTERS`: enough for the figures of an `assert_allclose`); empty if it passed."""
     if report.passed:
         return ""
     if report.skipped and isinstance(report.longrepr, tuple):
@@ -269,4 +272,4 @@ def _reason(report: pytest.TestReport) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     message = str(getattr(crash, "message", "")) or report.longreprtext
     lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return lines[0] if lines else report.outcome
+    return " / ".join(lines)[:MESSAGE_CHARACTERS] if lines else report.outcome

@@ -61,7 +61,7 @@ def test_the_record_holds_each_outcome_and_a_resumed_run_leaves_out_what_finishe
         "test_setup_errors": "failed",
     }
     assert outcome["test_skips"].reason == "not on this machine"
-    assert "one is not two" in outcome["test_fails"].reason
+    assert outcome["test_fails"].reason == "AssertionError: one is not two / assert 1 == 2"
     assert "the fixture broke" in outcome["test_setup_errors"].reason
     # Passed and skipped tests are done for this code only; failures run again.
     done = finished_tests([folder], "abc")

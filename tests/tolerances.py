@@ -26,6 +26,7 @@ _LOG_PROB_RTOL = {"cpu": 1e-6, "tpu": 2e-5}
 _OPTIMIZER_RTOL = {"cpu": 1e-4, "tpu": 1e-3}
 _ON_POLICY_RATIO_ATOL = {"cpu": 1e-6, "tpu": 1e-5}
 _ACTIVATION_TOLERANCE = {"cpu": 3e-7, "tpu": 2e-6}
+_ROLLOUT_LOG_PROB_TOLERANCE = {"cpu": (1e-5, 2e-5), "tpu": (1e-4, 2e-4)}
 
 
 def attention_tolerance(dtype: str) -> float:
@@ -73,3 +74,11 @@ def activation_tolerance() -> float:
     The CPU's is float32 resolution. Measured on the v5e (`jax.nn.silu`, which `silu` is
     there): 6.1e-7 for the value, 8.5e-7 for the slope."""
     return _ACTIVATION_TOLERANCE[backend()]
+
+
+def rollout_log_prob_tolerance() -> tuple[float, float]:
+    """`(rtol, atol)` of the log densities an objective gives a rollout (the model's velocity,
+    then the SDE's Gaussian density) against the sample's own float64 density. Measured on
+    the v5e in the property tests' first failing examples at the CPU's row: 4.9e-5 absolute
+    (7.6e-5 relative); the largest over all their examples is not yet measured."""
+    return _ROLLOUT_LOG_PROB_TOLERANCE[backend()]

@@ -19,7 +19,7 @@
 # and the carried wheels. One process at a time holds the chip, so the suite runs in one
 # process (no -n). Set FLOWGRPO_TPU_SITE to install somewhere else than /tmp/flowgrpo-site, and
 # FLOWGRPO_TPU_TIMEOUT=SECONDS to interrupt the suite (as Ctrl-C would: it still prints its
-# summary) before a limit of the machine's.
+# summary; killed 15 s later if it has not ended) before a limit of the machine's.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -75,7 +75,9 @@ case "${1:-}" in
         python3 -c 'import jax; print("JAX", jax.__version__, "on", jax.devices())'
         # One process: the chip is held by the test process for the whole run.
         limit=()
-        [ -n "${FLOWGRPO_TPU_TIMEOUT:-}" ] && limit=(timeout -s INT "$FLOWGRPO_TPU_TIMEOUT")
+        # SIGINT first, as Ctrl-C would, for pytest's summary; SIGKILL 15 s later, since a
+        # tiny training run inside a test takes SIGINT as a request to stop and save.
+        [ -n "${FLOWGRPO_TPU_TIMEOUT:-}" ] && limit=(timeout -s INT -k 15 "$FLOWGRPO_TPU_TIMEOUT")
         "${limit[@]}" python3 -m pytest -p no:xdist \
             -o addopts="--jaxtyping-packages=flowgrpo_eqx,beartype.beartype" -rfEs "$@"
         ;;
