@@ -167,6 +167,29 @@ def read_records(
     return runs, results
 
 
+def record_files(folders: Iterable[pathlib.Path]) -> list[pathlib.Path]:
+    """The records (`*.jsonl`) of `folders`, folder by folder, each folder's in name order.
+
+    **Arguments:**
+
+    - `folders`: the folders, oldest first.
+
+    **Returns:**
+
+    The files, oldest first.
+
+    **Raises:**
+
+    - `ValueError`: naming a folder that does not exist (a mistyped path would rerun all).
+    """
+    files: list[pathlib.Path] = []
+    for folder in folders:
+        if not folder.is_dir():
+            raise ValueError(f"{str(folder)!r} is not a folder")
+        files.extend(sorted(folder.glob("*.jsonl")))
+    return files
+
+
 def finished_tests(folders: Iterable[pathlib.Path], source: str) -> set[str]:
     """The tests whose last outcome for `source` in the records of `folders` is passed or
     skipped: what a resumed run leaves out.
@@ -182,13 +205,12 @@ def finished_tests(folders: Iterable[pathlib.Path], source: str) -> set[str]:
 
     **Raises:**
 
-    - `ValueError`: naming a folder that does not exist (a mistyped path would rerun all).
+    - `ValueError`: naming the variable and a folder that does not exist.
     """
-    files: list[pathlib.Path] = []
-    for folder in folders:
-        if not folder.is_dir():
-            raise ValueError(f"{RESUME} names {str(folder)!r}, which is not a folder")
-        files.extend(sorted(folder.glob("*.jsonl")))
+    try:
+        files = record_files(folders)
+    except ValueError as error:
+        raise ValueError(f"{RESUME}: {error}") from None
     _, results = read_records(files)
     return {
         test

@@ -67,7 +67,7 @@ def test_the_record_holds_each_outcome_and_a_resumed_run_leaves_out_what_finishe
     done = finished_tests([folder], "abc")
     assert {test.split("::")[1] for test in done} == {"test_passes", "test_skips"}
     assert finished_tests([folder], "other code") == set()
-    with pytest.raises(ValueError, match="FLOWGRPO_TEST_RESUME names .*missing"):
+    with pytest.raises(ValueError, match="FLOWGRPO_TEST_RESUME: .*missing.* is not a folder"):
         finished_tests([tmp_path / "missing"], "abc")
 
 

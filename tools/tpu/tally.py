@@ -14,7 +14,7 @@ import collections
 import pathlib
 import sys
 
-from tests.suite_record import Result, Run, read_records
+from tests.suite_record import Result, Run, read_records, record_files
 
 
 def tally(folders: list[pathlib.Path]) -> str:
@@ -32,12 +32,7 @@ def tally(folders: list[pathlib.Path]) -> str:
 
     - `ValueError`: naming the folder, if one is missing or holds no run.
     """
-    files: list[pathlib.Path] = []
-    for folder in folders:
-        if not folder.is_dir():
-            raise ValueError(f"{folder} is not a folder")
-        files.extend(sorted(folder.glob("*.jsonl")))
-    runs, results = read_records(files)
+    runs, results = read_records(record_files(folders))
     if not runs:
         raise ValueError(f"no record of a run in {', '.join(map(str, folders))}")
     source = runs[-1].source
