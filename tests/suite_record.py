@@ -12,7 +12,7 @@ finished:
   records there (`*.jsonl`, read in name order) passed or was skipped, for the same code
   (`source_digest`). Failed tests and tests never finished run again.
 
-`python tools/tpu/tally.py FOLDER...` counts the records.
+`python -m tools.tpu.tally FOLDER...` counts the records.
 """
 
 import dataclasses

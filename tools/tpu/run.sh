@@ -102,7 +102,7 @@ case "${1:-}" in
                 "$folder/suite-$stamp.log" | tail -n 1)"
         ;;
     *)
-        sed -n '2,13p' "$0"
+        sed -n '2,15p' "$0"
         exit 2
         ;;
 esac

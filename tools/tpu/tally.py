@@ -47,27 +47,22 @@ def tally(folders: list[pathlib.Path]) -> str:
         "|---|---|---|",
     ]
     lines.extend(_run_row(run, last) for run in mine)
-    outcomes = collections.Counter(last[test].outcome for test in collected if test in last)
-    to_run = sum(1 for test in collected if test not in last or last[test].outcome == "started")
-    seconds = sum(last[test].seconds for test in collected if test in last)
+    known = [last[test] for test in collected if test in last]
+    outcomes = collections.Counter(result.outcome for result in known)
+    to_run = len(collected) - len(known) + outcomes["started"]
     lines += [
         "",
         f"of {len(collected)} tests: {outcomes['passed']} passed, {outcomes['failed']} failed, "
         f"{outcomes['skipped']} skipped, {to_run} not yet run to their end "
-        f"({seconds:.0f} s of tests)",
+        f"({sum(result.seconds for result in known):.0f} s of tests)",
     ]
-    reasons = collections.Counter(
-        last[test].reason
-        for test in collected
-        if last.get(test) and last[test].outcome == "skipped"
-    )
+    reasons = collections.Counter(r.reason for r in known if r.outcome == "skipped")
     lines.extend(f"skipped {count}: {reason}" for reason, count in reasons.most_common())
-    for test in collected:
-        result = last.get(test)
-        if result is not None and result.outcome == "failed":
-            lines.append(f"FAILED {test}: {result.reason}")
-        elif result is not None and result.outcome == "started":
-            lines.append(f"NOT ENDED {test} (in {result.record})")
+    for result in known:
+        if result.outcome == "failed":
+            lines.append(f"FAILED {result.test}: {result.reason}")
+        elif result.outcome == "started":
+            lines.append(f"NOT ENDED {result.test} (in {result.record})")
     others = sorted({run.source for run in runs} - {source})
     if others:
         lines.append(f"records of other code, not counted: {', '.join(others)}")
