@@ -22,7 +22,7 @@ from flowgrpo_eqx.models._layers import AttentionSettings, local_attention
 from tests import numpy_reference as ref
 from tests.diffusers_helpers import relative, vcall, velocity_and_sin_gradient
 from tests.errors import NAMED_ARGUMENT_ERRORS
-from tests.tolerances import attention_tolerance, fused_velocity_rtol
+from tests.tolerances import attention_tolerance, reference_model_rtol
 
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
@@ -123,7 +123,7 @@ def test_every_diffusers_model_computes_diffusers_velocity_with_fused_attention(
     fused = model.with_settings(attention=attention, attention_chunk=128)
     assert fused.attention == attention
     # The same function as diffusers' (the authority).
-    assert relative(np.asarray(vcall(fused, *inputs)), io["v"]) < fused_velocity_rtol()
+    assert relative(np.asarray(vcall(fused, *inputs)), io["v"]) < reference_model_rtol()
     # And the same gradient as plain attention's on moved weights.
     moved = _perturbed(model, seed=3)
     _, want = velocity_and_sin_gradient(moved, *inputs)

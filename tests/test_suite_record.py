@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from tests.suite_record import Recorder, finished_tests, read_records, source_digest
-from tools.tpu.tally import tally
+from tools.tpu.tally import main, tally, unfinished
 
 
 SAMPLE = """
@@ -100,6 +100,12 @@ def test_a_test_that_began_and_never_ended_is_not_finished_and_a_later_outcome_w
     alone = tally([first])
     assert "FAILED a: x" in alone and "NOT ENDED b" in alone
     assert "2 not yet run to their end" in alone
+    # What a run of changed code takes first: the failed, the unended, the never run.
+    assert unfinished([first]) == ["a", "b", "c"]
+    assert unfinished([first, second]) == ["c"]
+    listed = tmp_path / "unfinished.txt"
+    assert main([str(first), str(second), "--unfinished", str(listed)]) == 0
+    assert listed.read_text() == "c\n"
 
 
 def test_records_of_other_code_are_not_mixed_in(tmp_path):

@@ -20,7 +20,7 @@ _ATTENTION_TOLERANCE = {
     "cpu": {"float32": 1e-5, "bfloat16": 2e-2},
     "tpu": {"float32": 2e-4, "bfloat16": 2e-2},
 }
-_FUSED_VELOCITY_RTOL = {"cpu": 1e-4, "tpu": 1e-3}
+_REFERENCE_MODEL_RTOL = {"cpu": 1e-4, "tpu": 3e-3}
 _LOSS_RTOL = {"cpu": 1e-4, "tpu": 1e-3}
 _LOG_PROB_RTOL = {"cpu": 1e-6, "tpu": 2e-5}
 _OPTIMIZER_RTOL = {"cpu": 1e-4, "tpu": 1e-3}
@@ -38,10 +38,15 @@ def attention_tolerance(dtype: str) -> float:
     return _ATTENTION_TOLERANCE[backend()][dtype]
 
 
-def fused_velocity_rtol() -> float:
-    """A whole model's float32 velocity with fused attention against diffusers' (relative).
-    Measured on the v5e: 1.1e-4 (SD3.5), 1.5e-4 (Wan), 3.2e-4 (FLUX)."""
-    return _FUSED_VELOCITY_RTOL[backend()]
+def reference_model_rtol() -> float:
+    """A whole float32 model (a transformer, an autoencoder, a prompt encoder, a reward model)
+    against the float32 output of the implementation it ports (diffusers, transformers),
+    with any attention: the largest absolute error over the largest magnitude. Measured on
+    the v5e: 1.1e-4 (SD3.5), 1.5e-4 (Wan) and 3.2e-4 (FLUX) with splash attention; 1.1e-4
+    (SD3.5) and 1.35e-3 (SD3) with plain attention. The SD3 fixture has no q/k norm and
+    attention scores up to 169, so a score's last-bit error moves its softmax weight by about
+    1e-4 of itself (its CPU error, 8.7e-6, is five times SD3.5's too)."""
+    return _REFERENCE_MODEL_RTOL[backend()]
 
 
 def loss_rtol() -> float:
@@ -84,12 +89,13 @@ def rollout_log_prob_tolerance() -> tuple[float, float]:
     return _ROLLOUT_LOG_PROB_TOLERANCE[backend()]
 
 
-_TANH_MODEL_ATOL = {"tpu": 1e-4}
+_TANH_MODEL_ATOL = {"tpu": 2e-4}
 
 
 def tanh_model_atol(cpu_atol: float) -> float:
     """The absolute tolerance of the tests' small `tanh` MLP (the user model) against its
     float64 statement: `cpu_atol`, the test's own, on the CPU; on a TPU, whose float32 `tanh`
-    is coarse, at least 1e-4. Measured on the v5e: 2.2e-5 for one call of a LoRA-adapted
-    model, 2.7e-5 for its ODE sample after six steps."""
+    is coarse, at least 2e-4. Measured on the v5e: 2.2e-5 for one call of a LoRA-adapted
+    model, 2.8e-5 for an Euler ODE sample after six steps, 5.2e-5 for DPM-Solver++(2M) on
+    MixGRPO-Flash's compressed grid."""
     return max(cpu_atol, _TANH_MODEL_ATOL.get(backend(), 0.0))

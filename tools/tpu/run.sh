@@ -5,8 +5,10 @@
 #                                          # TPU machine's own index lacks, into .whl-tpu/
 #   bash tools/tpu/run.sh test [ARGS...]   # there: install, then the suite (pytest ARGS)
 #   bash tools/tpu/run.sh python ARGS...   # there: install, then `python3 ARGS` (a bench, a job)
-#   bash tools/tpu/run.sh suite [FOLDER...] # there: the tests that the records in FOLDER...
-#                                          # have not finished, until FLOWGRPO_TPU_BUDGET
+#   bash tools/tpu/run.sh suite [FOLDER...] [-- PYTEST_ARGS...]
+#                                          # there: the tests that the records in FOLDER...
+#                                          # have not finished (of PYTEST_ARGS's selection, as
+#                                          # `@FILE` of test ids), until FLOWGRPO_TPU_BUDGET
 #                                          # seconds (570) after the command began
 #
 # `suite` writes its record (record-TIME.jsonl: each test's outcome as it ends) and its log
@@ -91,18 +93,24 @@ case "${1:-}" in
         folder="${OUT:-tpu-records}"
         mkdir -p "$folder"
         stamp="$(date -u +%Y%m%dT%H%M%SZ)"
-        resume="$(IFS=:; echo "$*")"
+        folders=()
+        while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+            folders+=("$1")
+            shift
+        done
+        [ $# -gt 0 ] && shift
+        resume="$(IFS=:; echo "${folders[*]}")"
         left=$((${FLOWGRPO_TPU_BUDGET:-570} - SECONDS))
         status=0
         FLOWGRPO_TEST_RECORD="$folder/record-$stamp.jsonl" FLOWGRPO_TEST_RESUME="$resume" \
-            FLOWGRPO_TPU_TIMEOUT="$left" bash "$0" test -q -p no:cacheprovider \
+            FLOWGRPO_TPU_TIMEOUT="$left" bash "$0" test -q -p no:cacheprovider "$@" \
             >"$folder/suite-$stamp.log" 2>&1 || status=$?
         echo "suite (exit $status, at ${SECONDS} s):" \
             "$(grep -E '(passed|failed|error|skipped|deselected).* in [0-9.]+s' \
                 "$folder/suite-$stamp.log" | tail -n 1)"
         ;;
     *)
-        sed -n '2,15p' "$0"
+        sed -n '2,17p' "$0"
         exit 2
         ;;
 esac

@@ -7,6 +7,10 @@ test once, by its last outcome: passed, failed, skipped (with each reason and ho
 skipped), still to run (collected, never finished), and names every failure and every test
 that began and never ended (its run was stopped in it, or died). Records of other code are
 counted apart and not mixed in.
+
+`--unfinished FILE` also writes the ids of the tests that have not passed or been skipped,
+one per line, in the order collected: `bash tools/tpu/run.sh suite -- @FILE` runs them
+first when the code has changed since (docs/accelerators.md).
 """
 
 import argparse
@@ -32,13 +36,8 @@ def tally(folders: list[pathlib.Path]) -> str:
 
     - `ValueError`: naming the folder, if one is missing or holds no run.
     """
-    runs, results = read_records(record_files(folders))
-    if not runs:
-        raise ValueError(f"no record of a run in {', '.join(map(str, folders))}")
-    source = runs[-1].source
+    runs, source, collected, last = _newest(folders)
     mine = [run for run in runs if run.source == source]
-    collected = list(dict.fromkeys(test for run in mine for test in run.collected))
-    last: dict[str, Result] = results.get(source, {})
     lines = [
         f"code {source} (the newest run's); backends: "
         f"{', '.join(sorted({run.backend for run in mine}))}",
@@ -69,6 +68,39 @@ def tally(folders: list[pathlib.Path]) -> str:
     return "\n".join(lines)
 
 
+def unfinished(folders: list[pathlib.Path]) -> list[str]:
+    """The tests of the newest run's code that its records have not seen pass or be skipped
+    (failed, begun and never ended, or never run), in the order its runs collected them.
+
+    **Arguments:**
+
+    - `folders`: folders of `.jsonl` records, oldest first.
+
+    **Returns:**
+
+    The test ids.
+
+    **Raises:**
+
+    - `ValueError`: naming the folder, if one is missing or holds no run.
+    """
+    _, _, collected, last = _newest(folders)
+    done = {"passed", "skipped"}
+    return [test for test in collected if test not in last or last[test].outcome not in done]
+
+
+def _newest(folders: list[pathlib.Path]) -> tuple[list[Run], str, list[str], dict[str, Result]]:
+    """The runs of `folders`, the newest run's code, the tests its runs collected (in order)
+    and each one's last outcome for that code."""
+    runs, results = read_records(record_files(folders))
+    if not runs:
+        raise ValueError(f"no record of a run in {', '.join(map(str, folders))}")
+    source = runs[-1].source
+    mine = [run for run in runs if run.source == source]
+    collected = list(dict.fromkeys(test for run in mine for test in run.collected))
+    return runs, source, collected, results.get(source, {})
+
+
 def _run_row(run: Run, last: dict[str, Result]) -> str:
     ended = [r for r in last.values() if r.record == run.record and r.outcome != "started"]
     return f"| {run.record} | {len(ended)} | {sum(r.seconds for r in ended):.0f} |"
@@ -77,9 +109,19 @@ def _run_row(run: Run, last: dict[str, Result]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.tpu.tally", description=__doc__)
     parser.add_argument("folders", nargs="+", type=pathlib.Path)
+    parser.add_argument(
+        "--unfinished",
+        type=pathlib.Path,
+        metavar="FILE",
+        help="write the ids of the tests not yet passed or skipped to FILE, one per line",
+    )
     arguments = parser.parse_args(argv)
     try:
         print(tally(arguments.folders))
+        if arguments.unfinished is not None:
+            tests = unfinished(arguments.folders)
+            arguments.unfinished.write_text("".join(f"{test}\n" for test in tests))
+            print(f"{len(tests)} test ids not yet passed or skipped: {arguments.unfinished}")
     except ValueError as error:
         print(f"tally: {error}", file=sys.stderr)
         return 2
