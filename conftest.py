@@ -16,7 +16,8 @@ score measured is a lower bound for the full suite:
 
 - the test process uses a persistent compilation cache of its own: a program the mutant
   changed misses it and is compiled, an unchanged one is read back;
-- Hypothesis does not shrink a failing example (a failure is all the run needs to know);
+- Hypothesis does not shrink a failing example (a failure is all the run needs to know; on
+  a TPU too, where shrinking would compile a program per candidate);
 - the tests run fastest first, by the durations mutmut recorded, so that with `-x` a killed
   mutant stops at the cheapest test that kills it;
 - the property tests run a quarter of their examples (`PROPERTY_TESTS_SCALE=0.25` unless
@@ -73,11 +74,16 @@ if MUTATION_RUN:
     )
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+# A failing example's shrinking compiles a program for each smaller candidate: minutes on a
+# TPU's compiler, out of a command's ten. The first failing example is what a mutation run or
+# a TPU run needs; every example runs as on the CPU until one fails.
+if MUTATION_RUN or jax.default_backend() == "tpu":
     hypothesis.settings.register_profile(
-        "mutation",
+        "no-shrinking",
         phases=[hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate],
     )
-    hypothesis.settings.load_profile("mutation")
+    hypothesis.settings.load_profile("no-shrinking")
 
 
 LONGEST_FILES = (
