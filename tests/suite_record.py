@@ -92,6 +92,11 @@ class Result:
     reason: str
     record: str
 
+    @property
+    def finished(self) -> bool:
+        """Whether a resumed run leaves the test out: it passed or was skipped."""
+        return self.outcome in ("passed", "skipped")
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:
@@ -212,11 +217,7 @@ def finished_tests(folders: Iterable[pathlib.Path], source: str) -> set[str]:
     except ValueError as error:
         raise ValueError(f"{RESUME}: {error}") from None
     _, results = read_records(files)
-    return {
-        test
-        for test, result in results.get(source, {}).items()
-        if result.outcome in ("passed", "skipped")
-    }
+    return {test for test, result in results.get(source, {}).items() if result.finished}
 
 
 class Recorder:

@@ -36,8 +36,8 @@ def tally(folders: list[pathlib.Path]) -> str:
 
     - `ValueError`: naming the folder, if one is missing or holds no run.
     """
-    runs, source, collected, last = _newest(folders)
-    mine = [run for run in runs if run.source == source]
+    runs, mine, collected, last = _newest(folders)
+    source = mine[-1].source
     lines = [
         f"code {source} (the newest run's); backends: "
         f"{', '.join(sorted({run.backend for run in mine}))}",
@@ -85,20 +85,21 @@ def unfinished(folders: list[pathlib.Path]) -> list[str]:
     - `ValueError`: naming the folder, if one is missing or holds no run.
     """
     _, _, collected, last = _newest(folders)
-    done = {"passed", "skipped"}
-    return [test for test in collected if test not in last or last[test].outcome not in done]
+    return [test for test in collected if test not in last or not last[test].finished]
 
 
-def _newest(folders: list[pathlib.Path]) -> tuple[list[Run], str, list[str], dict[str, Result]]:
-    """The runs of `folders`, the newest run's code, the tests its runs collected (in order)
-    and each one's last outcome for that code."""
+def _newest(
+    folders: list[pathlib.Path],
+) -> tuple[list[Run], list[Run], list[str], dict[str, Result]]:
+    """The runs of `folders`; those of the newest run's code; the tests they collected (in
+    order) and each one's last outcome for that code."""
     runs, results = read_records(record_files(folders))
     if not runs:
         raise ValueError(f"no record of a run in {', '.join(map(str, folders))}")
     source = runs[-1].source
     mine = [run for run in runs if run.source == source]
     collected = list(dict.fromkeys(test for run in mine for test in run.collected))
-    return runs, source, collected, results.get(source, {})
+    return runs, mine, collected, results.get(source, {})
 
 
 def _run_row(run: Run, last: dict[str, Result]) -> str:
