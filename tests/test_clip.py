@@ -27,26 +27,26 @@ CLIP = pathlib.Path(__file__).resolve().parent / "data" / "clip"
 
 @pytest.mark.parametrize("name", ["text_l", "text_g"])
 def test_text_towers_match_transformers(name: str) -> None:
+    rtol = reference_model_rtol()
     model = load_clip(CLIP / name)
     assert isinstance(model, CLIPTextModel)
     io = dict(np.load(CLIP / name / "io.npz"))
     out = jax.vmap(model)(jnp.asarray(io["ids"]))
-    assert relative(np.asarray(out.hidden_states), io["hidden_states"]) < reference_model_rtol()
-    assert relative(np.asarray(out.last_hidden_state), io["last"]) < reference_model_rtol()
-    assert relative(np.asarray(out.pooled), io["pooled"]) < reference_model_rtol()
+    assert relative(np.asarray(out.hidden_states), io["hidden_states"]) < rtol
+    assert relative(np.asarray(out.last_hidden_state), io["last"]) < rtol
+    assert relative(np.asarray(out.pooled), io["pooled"]) < rtol
     masked = jax.vmap(model)(jnp.asarray(io["ids"]), jnp.asarray(io["mask"]))
     if name == "text_g":
         assert out.text_embeds is not None and masked.text_embeds is not None
-        assert relative(np.asarray(out.text_embeds), io["text_embeds"]) < reference_model_rtol()
-        assert (
-            relative(np.asarray(masked.text_embeds), io["pooled_masked"]) < reference_model_rtol()
-        )
+        assert relative(np.asarray(out.text_embeds), io["text_embeds"]) < rtol
+        assert relative(np.asarray(masked.text_embeds), io["pooled_masked"]) < rtol
     else:
         assert out.text_embeds is None
-        assert relative(np.asarray(masked.pooled), io["pooled_masked"]) < reference_model_rtol()
+        assert relative(np.asarray(masked.pooled), io["pooled_masked"]) < rtol
 
 
 def test_clip_model_features_and_pickscore_match_transformers() -> None:
+    rtol = reference_model_rtol()
     model = load_clip(CLIP / "model")
     assert isinstance(model, CLIPModel)
     io = dict(np.load(CLIP / "model" / "io.npz"))
@@ -54,14 +54,14 @@ def test_clip_model_features_and_pickscore_match_transformers() -> None:
     text = np.asarray(
         jax.vmap(model.text_features)(jnp.asarray(io["ids"]), jnp.asarray(io["mask"]))
     )
-    assert relative(image, io["image_features"]) < reference_model_rtol()
-    assert relative(text, io["text_features"]) < reference_model_rtol()
+    assert relative(image, io["image_features"]) < rtol
+    assert relative(text, io["text_features"]) < rtol
     # flow_grpo's statement in float64 on our features: the temperature times the cosine / 26.
     cosine = np.sum(image.astype(np.float64) * text, axis=1) / (
         np.linalg.norm(image.astype(np.float64), axis=1) * np.linalg.norm(text, axis=1)
     )
     score = np.exp(float(model.logit_scale)) * cosine / 26
-    np.testing.assert_allclose(score, io["pickscore"], rtol=reference_model_rtol())
+    np.testing.assert_allclose(score, io["pickscore"], rtol=rtol)
 
 
 def test_the_image_processor_in_jax() -> None:

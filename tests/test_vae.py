@@ -46,17 +46,18 @@ def _encode_decode(model: AutoencoderKL, image: Any, latent: Any, noise: Any) ->
 def test_encode_and_decode_match_diffusers(
     case: tuple[str, AutoencoderKL, dict[str, np.ndarray]],
 ) -> None:
+    rtol = reference_model_rtol()
     _, model, io = case
     mean, logvar, encoded, decoded, sampled = (
         np.asarray(a) for a in _encode_decode(model, io["image"], io["latent"], io["noise"])
     )
     assert encoded.shape == io["latent"].shape == (2, 8, 12, 4)
-    assert relative(mean, io["mean"]) < reference_model_rtol()
-    assert relative(logvar, io["logvar"]) < reference_model_rtol()
-    assert relative(encoded, io["latent"]) < reference_model_rtol()
-    assert relative(sampled, io["sampled"]) < reference_model_rtol()
+    assert relative(mean, io["mean"]) < rtol
+    assert relative(logvar, io["logvar"]) < rtol
+    assert relative(encoded, io["latent"]) < rtol
+    assert relative(sampled, io["sampled"]) < rtol
     assert decoded.shape == io["image"].shape
-    assert relative(decoded, io["decoded"]) < reference_model_rtol()
+    assert relative(decoded, io["decoded"]) < rtol
 
 
 def test_a_sampled_latent_draws_from_the_posterior(
