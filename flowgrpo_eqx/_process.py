@@ -90,11 +90,13 @@ class UniformGrid(AbstractTimeGrid):
 
     def times(self, shift: float, steps: int) -> Float[Array, " steps"]:
         uniform = jnp.linspace(1.0, 0.0, steps, dtype=jnp.float32)
-        # s u / (s u + 1 - u) equals s u / (1 + (s - 1) u) but is exact at u = 1 and u = 0
-        # in float32, so the grid starts at exactly 1 (the SDE's first-step guard needs it).
         scaled = shift * uniform
-        shifted: Float[Array, " steps"] = scaled / (scaled + (1 - uniform))
-        return shifted
+        shifted = scaled / (scaled + (1 - uniform))
+        # The SDE's first-step guard needs a first time of exactly 1. The form above gives it
+        # where division is correctly rounded (the CPU), but a TPU's float32 `s / s` is
+        # 0.99999994, so the endpoints are set rather than computed.
+        grid: Float[Array, " steps"] = shifted.at[0].set(1.0).at[-1].set(0.0)
+        return grid
 
 
 @final
