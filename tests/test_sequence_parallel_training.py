@@ -8,12 +8,15 @@ import pytest
 from tests.test_sequence_parallel import run_worker
 
 
+# Every test here reads the worker's report.
+pytestmark = pytest.mark.several_processes("runs a worker process on simulated devices")
+
+
 @pytest.fixture(scope="module")
 def epoch_report(tmp_path_factory):
     return run_worker("training", str(tmp_path_factory.mktemp("sequence")))["epoch"]
 
 
-@pytest.mark.several_processes("runs a worker process on simulated devices")
 def test_a_flow_grpo_epoch_split_over_devices_is_the_one_device_epoch(epoch_report):
     report = epoch_report
     assert report["moved"] > 1e-3  # the adapters trained, so equality says something
