@@ -35,9 +35,12 @@ from_index=(
     jaxtyping optax orbax-checkpoint safetensors pillow matplotlib tqdm
     "ml_dtypes>=0.5,<0.7" tensorboardX tensorboard aiohttp hypothesis pytest-xdist pytest-timeout
 )
-# Installed apart: its dependencies do not all resolve from the machine's index; the tests
-# that need it fail by name without it.
-optional=(wandb tokenizers)
+# Carried and installed without its one dependency, huggingface-hub, which serves only
+# `Tokenizer.from_pretrained` (a download); the library reads a folder's tokenizer.json.
+tokenizers=tokenizers==0.23.3
+# Installed apart: its dependencies do not all resolve from the machine's index (2026-12-06:
+# opentelemetry-exporter-http-transport); the tests that need it are skipped by name.
+optional=(wandb)
 
 install() {
     local site="${FLOWGRPO_TPU_SITE:-/tmp/flowgrpo-site}"
@@ -55,7 +58,11 @@ install() {
             --no-cache-dir --disable-pip-version-check --only-binary=:all: --target "$site"
             --index-url file:///opt/pypi/simple --find-links "$wheels")
         "${pip[@]}" "${carried[@]}" "${from_index[@]}"
-        "${pip[@]}" "${optional[@]}" || echo "not installed: ${optional[*]}" >&2
+        "${pip[@]}" --no-deps "$tokenizers"
+        local package
+        for package in "${optional[@]}"; do
+            "${pip[@]}" "$package" || echo "not installed: $package" >&2
+        done
         touch "$stamp"
         echo "installed into $site in $((SECONDS - started)) s"
     fi
@@ -68,7 +75,7 @@ case "${1:-}" in
         rm -rf "$wheels"
         python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
             --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-            -d "$wheels" "${carried[@]}"
+            -d "$wheels" "${carried[@]}" "$tokenizers"
         ls -l "$wheels"
         ;;
     test)
