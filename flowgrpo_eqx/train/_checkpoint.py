@@ -203,6 +203,11 @@ class _FinishingEventLoop(asyncio.SelectorEventLoop):
     on finishing, hands its result to the closed loop, which raises `RuntimeError: Event loop
     is closed` in TensorStore's thread and prints its traceback. Writes still going on would
     also race the removal of the unfinished checkpoint. This loop waits for them instead.
+
+    A write that failed in the loop's last turn before it stopped is done, but the callbacks
+    it scheduled have not run: among them `asyncio.gather`'s, which marks a second failure as
+    seen. Closed with them unrun, the loop would log `Task exception was never retrieved` with
+    the write's traceback when the task is collected, so one more turn runs them.
     """
 
     def close(self) -> None:
@@ -210,6 +215,7 @@ class _FinishingEventLoop(asyncio.SelectorEventLoop):
             pending = [task for task in asyncio.all_tasks(self) if not task.done()]
             if pending:
                 self.run_until_complete(asyncio.wait(pending, timeout=_LOOP_DRAIN_SECONDS))
+            self.run_until_complete(asyncio.sleep(0))
         super().close()
 
 
