@@ -78,14 +78,15 @@ if MUTATION_RUN:
 # A failing example's shrinking compiles a program for each smaller candidate: minutes on a
 # TPU's compiler, out of a command's ten. The first failing example is what a mutation run or
 # a TPU run needs; every example runs as on the CPU until one fails. The TPU machine's host
-# also stalls a draw now and then (1.2 s for one of a wire-format batch's four, the others
-# 2 ms), which Hypothesis's check of generation speed reads as a slow strategy; the CPU run
-# keeps that check.
+# also stalls now and then (1.2 s for one draw of a wire-format batch's four, the others
+# 2 ms), which Hypothesis's check of generation speed reads as a slow strategy and its
+# deadline as a slow example; the CPU run keeps both.
 if MUTATION_RUN or jax.default_backend() == "tpu":
     hypothesis.settings.register_profile(
         "no-shrinking",
         phases=[hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate],
         suppress_health_check=[hypothesis.HealthCheck.too_slow],
+        deadline=None,
     )
     hypothesis.settings.load_profile("no-shrinking")
 
