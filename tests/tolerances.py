@@ -91,6 +91,11 @@ def rollout_log_prob_tolerance() -> tuple[float, float]:
     return _ROLLOUT_LOG_PROB_TOLERANCE[backend()]
 
 
+def _at_least_off_the_cpu(cpu_atol: float, floors: dict[str, float]) -> float:
+    """`cpu_atol`, a test's own tolerance, raised to `floors[backend()]` where there is one."""
+    return max(cpu_atol, floors.get(backend(), 0.0))
+
+
 _TANH_MODEL_ATOL = {"tpu": 2e-4}
 
 
@@ -101,7 +106,7 @@ def tanh_model_atol(cpu_atol: float) -> float:
     model (8.3e-6 for one with random adapters, against a CPU atol of 4e-6), 2.8e-5 for an
     Euler ODE sample after six steps, 5.2e-5 for DPM-Solver++(2M) on MixGRPO-Flash's
     compressed grid."""
-    return max(cpu_atol, _TANH_MODEL_ATOL.get(backend(), 0.0))
+    return _at_least_off_the_cpu(cpu_atol, _TANH_MODEL_ATOL)
 
 
 _LOG_DENSITY_ATOL = {"tpu": 2e-4}
@@ -112,4 +117,4 @@ def log_density_atol(cpu_atol: float) -> float:
     statement: `cpu_atol`, the test's own, on the CPU; on a TPU, whose float32 `log` is off by
     tens of its last bits, at least 2e-4. Measured on the v5e: `-log(6.017) - log(2 pi) / 2`
     off by 4.9e-5, the same absolute error as `rollout_log_prob_tolerance`'s."""
-    return max(cpu_atol, _LOG_DENSITY_ATOL.get(backend(), 0.0))
+    return _at_least_off_the_cpu(cpu_atol, _LOG_DENSITY_ATOL)
