@@ -8,8 +8,7 @@ share a persistent compilation cache (JAX's own, keyed by the program, the JAX v
 the devices), which leaves their results unchanged and saves most of each run's start. The
 processes use it throughout; the test processes only for the duration of an in-process demo
 run (`tests.cli_helpers.compilation_cache`), since tests that count compilations must see
-real ones, unless `FLOWGRPO_TEST_COMPILATION_CACHE` names a folder for a cache of their own
-(a TPU run's, where compiling is most of the time).
+real ones.
 
 Under `bench/mutation.sh` (`FLOWGRPO_EQX_MUTATION=1`, docs/mutation.md) four things change.
 None can turn a surviving mutant into a killed one; the last can only do the opposite, so the
@@ -65,28 +64,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 MUTATION_RUN = os.environ.get("FLOWGRPO_EQX_MUTATION") == "1"
-TEST_PROCESS_CACHE = "FLOWGRPO_TEST_COMPILATION_CACHE"
-"""A folder: the test process keeps its compiled programs there, in JAX's persistent cache,
-so that a program compiled again (the same text from another test, or an earlier command on
-the same machine) is read back instead. For a TPU run, whose time is mostly the TPU compiler's
-(docs/accelerators.md); a test that counts compilations still sees every new program, since
-the cache is keyed by the program's text."""
-
-
-def _cache_compilations_in(folder: str) -> None:
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
 
 if MUTATION_RUN:
     os.environ.setdefault("PROPERTY_TESTS_SCALE", "0.25")
-    _cache_compilations_in(
-        os.path.join(tempfile.gettempdir(), f"flowgrpo-eqx-mutation-cache-{os.getuid()}")
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update(
+        "jax_compilation_cache_dir",
+        os.path.join(tempfile.gettempdir(), f"flowgrpo-eqx-mutation-cache-{os.getuid()}"),
     )
-elif os.environ.get(TEST_PROCESS_CACHE):
-    _cache_compilations_in(os.environ[TEST_PROCESS_CACHE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # A failing example's shrinking compiles a program for each smaller candidate: minutes on a
 # TPU's compiler, out of a command's ten. The first failing example is what a mutation run or

@@ -14,9 +14,7 @@
 # `suite` writes its record (record-TIME.jsonl: each test's outcome as it ends) and its log
 # (suite-TIME.log) into $OUT (or tpu-records/), and resumes from the records of the earlier
 # commands carried in FOLDER... (tests/suite_record.py); `python -m tools.tpu.tally FOLDER...`
-# then counts what all of them finished. Its test process keeps the programs it compiles in
-# .tpu-compilation-cache/ (FLOWGRPO_TEST_COMPILATION_CACHE, conftest.py): a program another
-# test or an earlier command on the same machine compiled is read back, not compiled again.
+# then counts what all of them finished.
 #
 # There, the machine's own JAX, jaxlib and libtpu stay first on the path: what pip installs
 # goes to a folder at the end of PYTHONPATH, from the machine's index (file:///opt/pypi/simple)
@@ -116,7 +114,6 @@ case "${1:-}" in
         resume="$(IFS=:; echo "${folders[*]}")"
         left=$((${FLOWGRPO_TPU_BUDGET:-570} - SECONDS))
         status=0
-        export FLOWGRPO_TEST_COMPILATION_CACHE="${FLOWGRPO_TEST_COMPILATION_CACHE:-$PWD/.tpu-compilation-cache}"
         FLOWGRPO_TEST_RECORD="$folder/record-$stamp.jsonl" FLOWGRPO_TEST_RESUME="$resume" \
             FLOWGRPO_TPU_TIMEOUT="$left" bash "$0" test -q -p no:cacheprovider "$@" \
             >"$folder/suite-$stamp.log" 2>&1 || status=$?
