@@ -123,7 +123,7 @@ def tanh_model_atol(cpu_atol: float, magnitude: float = 1.0) -> float:
     Measured on the v5e: 2.2e-5 for one call of a LoRA-adapted model (8.3e-6 for one with
     random adapters, against a CPU atol of 4e-6), 2.8e-5 for an Euler ODE sample after six
     steps, 5.2e-5 for DPM-Solver++(2M) on MixGRPO-Flash's compressed grid; 7.5e-4 for random
-    adapters whose outputs reach 13.5 (5.6e-5 of it, on an output of 0.34)."""
+    adapters whose outputs reach 13.5 (5.6e-5 of it, on an output of 1.005)."""
     return _at_least_off_the_cpu(cpu_atol, _TANH_MODEL_ATOL, magnitude)
 
 
