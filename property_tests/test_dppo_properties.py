@@ -88,12 +88,9 @@ def test_on_policy_nothing_is_masked_and_the_loss_is_the_unclipped_surrogate(
     # Two float32 programs' round-off in a gradient entry is of the size of the terms summed
     # into it, which is the gradient's, not that entry's: a scalar leaf of 0.016 beside
     # entries of 0.54 was 3.7e-7 off, as they were.
-    largest = max(float(jnp.max(jnp.abs(leaf))) for leaf in jax.tree.leaves(grpo_grads))
-    scale = max(largest, 1e-3)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grpo_grads), strict=True):
-        np.testing.assert_allclose(
-            np.asarray(got), np.asarray(want), atol=tolerances.gradient_agreement() * scale
-        )
+    T.assert_trees_close(
+        grads, grpo_grads, rtol=1e-7, atol=tolerances.gradient_agreement(), scale_floor=1e-3
+    )
     del value
 
 

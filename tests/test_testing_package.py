@@ -70,3 +70,15 @@ def test_reward_groups_are_float64_and_whole_groups(batch):
 def test_advantage_and_mask_strategies_have_the_batch_shapes(advantages, mask):
     assert advantages.dtype == np.float32 and advantages.shape in ((3,), (3, 2))
     assert mask.dtype == np.bool_ and mask.shape == (3, 2)
+
+
+def test_trees_close_takes_its_scale_from_want_above_the_floor():
+    """An error of 5e-8 on entries of 1e-3 is within `atol=1e-6` of the default floor of 1,
+    and 50 times too large once the floor lets the scale be the entries' own."""
+    want = {"w": jnp.full((3,), 1e-3, jnp.float32)}
+    got = {"w": want["w"].at[1].add(5e-8)}
+    fgt.assert_trees_close(got, want, rtol=0.0, atol=1e-6)
+    with pytest.raises(AssertionError, match="leaf 0"):
+        fgt.assert_trees_close(got, want, rtol=0.0, atol=1e-6, scale_floor=0.0)
+    with pytest.raises(ValueError, match="scale_floor"):
+        fgt.assert_trees_close(got, want, scale_floor=-1.0)

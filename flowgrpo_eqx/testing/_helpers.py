@@ -92,19 +92,37 @@ def all_finite(tree: PyTree[Any]) -> bool:
 
 
 def assert_trees_close(
-    got: PyTree[Any], want: PyTree[Any], rtol: float = 1e-4, atol: float = 1e-6
+    got: PyTree[Any],
+    want: PyTree[Any],
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+    *,
+    scale_floor: float = 1.0,
 ) -> None:
     """Leafwise closeness of two trees of arrays; `atol` is taken relative to the largest
-    entry of `want` (at least 1), since sums over transitions reorder.
+    entry of `want`, since sums over transitions reorder and a float32 program's round-off
+    in an entry is of the size of the terms summed into it, not of that entry.
+
+    **Arguments:**
+
+    - `got`, `want`: the trees; `want` sets the scale and `rtol`'s reference.
+    - `rtol`: the tolerance relative to each entry of `want`.
+    - `atol`: the tolerance relative to the scale.
+    - `scale_floor`: the least scale: with the default 1, `atol` is absolute for trees
+        whose entries are all below 1; a smaller floor keeps `atol` relative for small
+        gradients.
 
     **Raises:**
 
+    - `ValueError`: if `scale_floor` is negative.
     - `AssertionError`: naming the first leaf that differs.
     """
+    if not scale_floor >= 0:
+        raise ValueError(f"scale_floor must be at least 0, got {scale_floor}")
     want_leaves = gradient_leaves(want)
     got_leaves = gradient_leaves(got)
     assert len(got_leaves) == len(want_leaves), (len(got_leaves), len(want_leaves))
-    scale = max([float(np.max(np.abs(w))) for w in want_leaves if w.size] + [1.0])
+    scale = max([float(np.max(np.abs(w))) for w in want_leaves if w.size] + [scale_floor])
     for index, (g, w) in enumerate(zip(got_leaves, want_leaves, strict=True)):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * scale, err_msg=f"leaf {index}")
 
