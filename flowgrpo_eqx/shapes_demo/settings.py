@@ -432,7 +432,9 @@ class ObjectiveSettings:
     )
     clip_range: float = _setting(0.2, "PPO ratio clip", minimum=0, include_minimum=False)
     grpo_guard: bool = _setting(
-        False, "GRPO-Guard: the ratio normalised per step and 1/dt step weights (mathematics §5a)"
+        False,
+        "GRPO-Guard as released (GRPOGuard: the drift added back to the log-ratio, scaled per "
+        "step, and each step's loss divided by its mean(sqrt(dt))^2; mathematics §5a)",
     )
     adv_clip_max: float = _setting(5.0, "advantage clip", minimum=0, include_minimum=False)
     dppo_kl_threshold: float = _setting(
