@@ -168,12 +168,13 @@ _RECORDER = pytest.StashKey[suite_record.Recorder]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Opens `FLOWGRPO_TEST_RECORD`'s file, if it is set.
+    """Opens `FLOWGRPO_TEST_RECORD`'s file, if it is set, with `FLOWGRPO_TEST_DEADLINE`'s
+    deadline.
 
     **Raises:**
 
     - `pytest.UsageError`: naming the variable, when the run is spread over xdist workers,
-        whose events one file cannot order.
+        whose events one file cannot order, or the deadline is not a number.
     """
     path = os.environ.get(suite_record.RECORD)
     if not path:
@@ -182,7 +183,14 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"{suite_record.RECORD} records a run in one process: run it with -p no:xdist"
         )
-    recorder = suite_record.Recorder(pathlib.Path(path))
+    deadline = os.environ.get(suite_record.DEADLINE)
+    try:
+        when = float(deadline) if deadline else None
+    except ValueError:
+        raise pytest.UsageError(
+            f"{suite_record.DEADLINE} must be seconds since the epoch, got {deadline!r}"
+        ) from None
+    recorder = suite_record.Recorder(pathlib.Path(path), deadline=when)
     config.stash[_RECORDER] = recorder
     config.pluginmanager.register(recorder, "flowgrpo-test-record")
 

@@ -11,6 +11,10 @@ finished:
 - `FLOWGRPO_TEST_RESUME=FOLDER[:FOLDER...]` deselects each test whose last outcome in the
   records there (`*.jsonl`, read in name order) passed or was skipped, for the same code
   (`source_digest`). Failed tests and tests never finished run again.
+- `FLOWGRPO_TEST_DEADLINE=SECONDS` (since the epoch), with a record: when the command will be
+  interrupted (`tools/tpu/run.sh` sets it). No test starts in its last `START_MARGIN` seconds,
+  and a test that fails after it is left unfinished rather than failed, since the interrupt
+  itself may have failed it (a training run inside a test takes SIGINT as a request to stop).
 
 `python -m tools.tpu.tally FOLDER...` counts the records.
 """
@@ -19,7 +23,8 @@ import dataclasses
 import hashlib
 import json
 import pathlib
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import pytest
@@ -27,6 +32,11 @@ import pytest
 
 RECORD = "FLOWGRPO_TEST_RECORD"
 RESUME = "FLOWGRPO_TEST_RESUME"
+DEADLINE = "FLOWGRPO_TEST_DEADLINE"
+
+# Longer than every test but two took on the TPU (the sixth run's longest: 82 s, 68 s, then
+# 57 s), so that a test begun before it almost always ends before the interrupt.
+START_MARGIN = 60.0
 
 # What the tests run: the library, the tests themselves, the benches and tools they import,
 # and the configuration. The Markdown pages are left out, so that a page's figures can be
@@ -227,12 +237,24 @@ class Recorder:
     **Arguments:**
 
     - `path`: the record file (appended to; made with its folder if missing).
+    - `deadline`: when the run will be interrupted, in seconds since the epoch (`DEADLINE`),
+        or `None`: no test starts in its last `START_MARGIN` seconds, and a failure that ends
+        after it is not written, so the test stays begun and unfinished.
+    - `clock`: the time now, in seconds since the epoch.
     """
 
-    def __init__(self, path: pathlib.Path):
+    def __init__(
+        self,
+        path: pathlib.Path,
+        deadline: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
         self._phases: dict[str, list[tuple[str, float, str]]] = {}
+        self._deadline = deadline
+        self._clock = clock
+        self._session: pytest.Session | None = None
 
     def _write(self, event: dict[str, Any]) -> None:
         self._file.write(json.dumps(event) + "\n")
@@ -250,13 +272,19 @@ class Recorder:
             }
         )
 
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Keeps the session, to stop it before the deadline."""
+        self._session = session
+
     def pytest_runtest_logstart(self, nodeid: str) -> None:
         """A test begins."""
         self._write({"kind": "start", "test": nodeid})
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """One phase of a test (setup, call, teardown); after its teardown, the test's
-        outcome: failed if a phase failed, else skipped if one was skipped, else passed."""
+        outcome: failed if a phase failed, else skipped if one was skipped, else passed (a
+        failure after the deadline is not written), and the session stopped if the deadline
+        is less than `START_MARGIN` seconds away."""
         phases = self._phases.setdefault(report.nodeid, [])
         phases.append((report.outcome, report.duration, _reason(report)))
         if report.when != "teardown":
@@ -270,6 +298,12 @@ class Recorder:
                 break
             if phase_outcome == "skipped" and outcome == "passed":
                 outcome, reason = "skipped", phase_reason
+        now = self._clock()
+        if self._deadline is not None and now >= self._deadline - START_MARGIN:
+            if self._session is not None:
+                self._session.shouldstop = f"{DEADLINE}: less than {START_MARGIN:.0f} s left"
+            if outcome == "failed" and now >= self._deadline:
+                return
         self._write(
             {
                 "kind": "outcome",

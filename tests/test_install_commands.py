@@ -99,7 +99,22 @@ def test_the_scan_finds_the_readme_commands():
     assert {"-e .", '-e ".[dev]"', '-e ".[server]"', WHEEL} <= arguments
 
 
-@pytest.mark.parametrize("where, arguments", install_commands(), ids=lambda v: v)
+def _test_ids(commands: list[tuple[str, str]]) -> list[str]:
+    """Each command's test id: its file and its arguments, numbered from the second time the
+    same file holds the same command, but not its line, so that an edit above it in a page
+    (not in the code's digest, `tests/suite_record.py`) leaves the ids as they were."""
+    ids: list[str] = []
+    for where, arguments in commands:
+        name = f"{where.rsplit(':', 1)[0]}-{arguments}"
+        repeats = sum(1 for earlier in ids if earlier.split("#")[0] == name)
+        ids.append(f"{name}#{repeats + 1}" if repeats else name)
+    return ids
+
+
+COMMANDS = install_commands()
+
+
+@pytest.mark.parametrize("where, arguments", COMMANDS, ids=_test_ids(COMMANDS))
 def test_every_install_command_works_from_a_checkout_or_the_wheel(where, arguments):
     assert problem(arguments) is None, f"{where}: pip install {arguments}: {problem(arguments)}"
 

@@ -5,7 +5,13 @@ import pathlib
 
 import pytest
 
-from tests.suite_record import Recorder, finished_tests, read_records, source_digest
+from tests.suite_record import (
+    START_MARGIN,
+    Recorder,
+    finished_tests,
+    read_records,
+    source_digest,
+)
 from tools.tpu.tally import main, tally, unfinished
 
 
@@ -46,6 +52,55 @@ def _record_sample(tmp_path: pathlib.Path, record: pathlib.Path, source: str) ->
     )  # fmt: skip
     recorder.close()
     assert code == pytest.ExitCode.TESTS_FAILED
+
+
+IN_ORDER = """
+def test_first():
+    pass
+
+def test_second():
+    assert False, "stopped by the interrupt, perhaps"
+
+def test_third():
+    pass
+"""
+
+
+def _record_in_order(tmp_path, name, times):
+    """Runs `IN_ORDER` as `test_NAME.py` (a module name of its own: pytest imports each once
+    per process) with a `Recorder` whose deadline is 1000 and whose clock reads `times` at each
+    test's end; the exit code and the recorded results."""
+    sample = tmp_path / name / f"test_{name}.py"
+    sample.parent.mkdir()
+    sample.write_text(IN_ORDER)
+    (sample.parent / "pytest.ini").write_text("[pytest]\n")
+    record = tmp_path / "record-1.jsonl"
+    clock = iter(times)
+    recorder = Recorder(record, deadline=1000.0, clock=lambda: next(clock))
+    recorder.run("s", "cpu", [f"test_{name}.py::test_{n}" for n in ("first", "second", "third")], 3)
+    code = pytest.main(
+        [str(sample), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "-c", str(sample.parent / "pytest.ini")],
+        plugins=[recorder],
+    )  # fmt: skip
+    recorder.close()
+    _, results = read_records([record])
+    return code, {test.split("::")[1]: r.outcome for test, r in results["s"].items()}
+
+
+def test_no_test_starts_in_the_last_minute_and_a_failure_after_the_deadline_stays_unfinished(
+    tmp_path,
+):
+    code, outcomes = _record_in_order(tmp_path, "late", [0.0, 1001.0])
+    assert code == pytest.ExitCode.INTERRUPTED
+    assert outcomes == {"test_first": "passed", "test_second": "started"}
+    # Before the deadline but within the margin: the failure stands, and the run stops there.
+    code, outcomes = _record_in_order(tmp_path, "close", [0.0, 1000.0 - START_MARGIN / 2])
+    assert code == pytest.ExitCode.INTERRUPTED
+    assert outcomes == {"test_first": "passed", "test_second": "failed"}
+    code, outcomes = _record_in_order(tmp_path, "early", [0.0, 1.0, 2.0])
+    assert code == pytest.ExitCode.TESTS_FAILED
+    assert outcomes == {"test_first": "passed", "test_second": "failed", "test_third": "passed"}
 
 
 def test_the_record_holds_each_outcome_and_a_resumed_run_leaves_out_what_finished(tmp_path):

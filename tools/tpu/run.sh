@@ -88,9 +88,12 @@ case "${1:-}" in
         # SIGINT first, as Ctrl-C would, for pytest's summary; SIGKILL 15 s later, since a
         # tiny training run inside a test takes SIGINT as a request to stop and save.
         # The install (about 50 s on a fresh machine) counts: a command's limit is its whole time.
+        # The suite's record stops starting tests a minute before it (tests/suite_record.py).
         if [ -n "${FLOWGRPO_TPU_TIMEOUT:-}" ]; then
             remaining=$((FLOWGRPO_TPU_TIMEOUT - SECONDS))
-            limit=(timeout -s INT -k 15 "$((remaining > 0 ? remaining : 1))")
+            remaining=$((remaining > 0 ? remaining : 1))
+            limit=(timeout -s INT -k 15 "$remaining")
+            export FLOWGRPO_TEST_DEADLINE=$(($(date +%s) + remaining))
         fi
         "${limit[@]}" python3 -m pytest -p no:xdist \
             -o addopts="--jaxtyping-packages=flowgrpo_eqx,beartype.beartype" -rfEs "$@"
