@@ -1,5 +1,6 @@
 """Host-side group statistics: rewards stay float64 until the advantages are cast to float32."""
 
+import math
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
@@ -50,14 +51,16 @@ def check_normalisation(name: str, rows: int, groups: int, eps: float, std: Any)
 
     **Raises:**
 
-    - `ValueError`: naming `groups` (not an int >= 2), `name` (not a multiple of it),
-        `eps` (negative) or `std` (not `AdvantageStd`).
+    - `ValueError`: naming `groups` (not an int >= 2), `name` (no rows, or not a multiple of
+        `groups`), `eps` (negative or not finite) or `std` (not `AdvantageStd`).
     """
     check_groups(groups)
+    if rows == 0:
+        raise ValueError(f"`{name}` holds no rows.")
     if rows % groups != 0:
         raise ValueError(f"`{name}` has {rows} rows, not a multiple of `groups`={groups}.")
-    if not eps >= 0:
-        raise ValueError(f"`eps` must be >= 0, got {eps!r}.")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"`eps` must be a finite number >= 0, got {eps!r}.")
     if std not in ("group", "global"):
         raise ValueError(f"`std` must be 'group' or 'global', got {std!r}.")
 

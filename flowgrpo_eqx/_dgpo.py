@@ -32,7 +32,7 @@ from ._final_samples import (
     repeated_rows,
     row_mean,
 )
-from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables
+from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables, checked_flow
 from ._guided_flow import GuidedFlow
 from ._inputs import CFG
 from ._misc import check_int, check_mode, check_number, stop_gradient_arrays, zero_rows_unless
@@ -226,7 +226,8 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
     and the policy loss of row `i` at that time `sg(sigmoid(x_g)) A_i e_i`
     (`DGPOSurrogateLoss`, released), whose gradient is that of the group DPO loss
-    `softplus(x_g) / beta_dpo` (`GroupDPOLoss`). With `clip_range`, an example whose ratio
+    `group_size softplus(x_g) / beta_dpo` per group (`GroupDPOLoss`, which gives each of a
+    group's `n_g` counted rows `1 / n_g` of it). With `clip_range`, an example whose ratio
     `r = exp(e_ema - e)` to the EMA reference leaves `1 + clip_range` (for `A > 0`) or
     `1 - clip_range` (otherwise) keeps its value but trains no more (its `e` detached).
     The loss adds `kl_beta mean (v_theta - v_base)^2`; each row's loss is the mean over its
@@ -314,7 +315,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
                 raise ValueError(
                     f"`reference_guidance` must be a CFG or None, got {self.reference_guidance!r}."
                 )
-            if not self.flow.inputs.has_null:
+            if not checked_flow(self.flow).inputs.has_null:
                 raise ValueError(
                     "`reference_guidance` needs a null condition, but `inputs` has none: pass "
                     "InputSpec(null=...) or reference_guidance=None."
@@ -664,8 +665,8 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         **Raises:**
 
         - `ValueError`: naming `batch` if it is not `GroupedSamples` (say, `FinalSamples`);
-            naming `batch.timesteps` if it is `None`; as `training_times`, `reference`,
-            `ema_policy` or `GuidedFlow.call_model`.
+            naming `batch.timesteps` if it is `None`; as `training_times`,
+            `variables.reference_policy()`, `ema_policy` or `GuidedFlow.call_model`.
         - `EquinoxRuntimeError`: if a group has more than `group_size` counted rows.
         """
         check_batch_type(

@@ -135,6 +135,8 @@ def preview_policy(
     reward = scored if callable(scored) else None
     evaluation = evaluate_policy(flow, sampler, steps, policy, batch, key, reward=reward)
     num = int(evaluation.samples.shape[0])
+    if captions is not None and len(captions) != num:
+        raise ValueError(f"`captions` must have one entry per row ({num}), got {len(captions)}.")
     if scored is not None and not callable(scored):
         values = np.asarray(scored, dtype=np.float64)
         if values.shape != (num,):

@@ -100,11 +100,7 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
     pretrained: eqx.AbstractVar[Model | None]
 
     def __check_init__(self) -> None:
-        if not isinstance(self.flow, GuidedFlow):
-            raise ValueError(
-                "`flow` must be a GuidedFlow, as GuidedFlow(model, process, inputs, guidance=..., "
-                f"autoencoder=..., precision=...) builds one; got {self.flow!r}."
-            )
+        checked_flow(self.flow)
 
     def init(
         self,
@@ -182,3 +178,19 @@ class AbstractFlowObjective(eqx.Module, Generic[VariablesT]):
     def initial_policy(self) -> Model:
         """The policy `init` starts from: `pretrained` when given, else the flow's model."""
         return self.flow.model if self.pretrained is None else self.pretrained
+
+
+def checked_flow(flow: object) -> GuidedFlow:
+    """`flow`, checked to be a `GuidedFlow`: an objective's `__check_init__` that reads the
+    flow calls this first (Equinox runs a subclass's check before its base's).
+
+    **Raises:**
+
+    - `ValueError`: naming `flow`, if it is not a `GuidedFlow`.
+    """
+    if not isinstance(flow, GuidedFlow):
+        raise ValueError(
+            "`flow` must be a GuidedFlow, as GuidedFlow(model, process, inputs, guidance=..., "
+            f"autoencoder=..., precision=...) builds one; got {flow!r}."
+        )
+    return flow

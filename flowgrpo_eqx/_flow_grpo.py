@@ -386,8 +386,11 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     **Raises:**
 
     - `ValueError`: naming the argument, for `clip_range <= 0`, `adv_clip_max <= 0`,
-        `beta < 0`, `steps < 2`, `transition_chunk < 1`, a `guard` that is not an
-        `AbstractGRPOGuard`, an unknown `old_log_probs`, or guidance without a null condition.
+        `beta < 0`, `steps < 2`, `transition_chunk < 1`, a `remat` that is not a bool or
+        `None`, an `sde` that is not an `AbstractSDE`, a `sampler` that is not an
+        `AbstractSolver`, a `guard` that is not an `AbstractGRPOGuard`, an unknown
+        `old_log_probs`, `precision`, `matmul_precision` or `model_time` (`GuidedFlow`), or
+        guidance without a null condition.
     """
 
     flow: GuidedFlow
@@ -451,6 +454,8 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         check_number("clip_range", self.clip_range, minimum=0, include_minimum=False)
         check_number("adv_clip_max", self.adv_clip_max, minimum=0, include_minimum=False)
         check_int("transition_chunk", self.transition_chunk, 1, optional=True)
+        if self.remat is not None and not isinstance(self.remat, bool):
+            raise ValueError(f"`remat` must be a bool or None, got {self.remat!r}.")
         if self.guard is not None and not isinstance(self.guard, AbstractGRPOGuard):
             raise ValueError(
                 f"`guard` must be an AbstractGRPOGuard (GRPOGuard, EmpiricalGuard) or None, "
@@ -625,7 +630,8 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         - `ValueError`: naming `batch` if it is not `Transitions` (say, the `FinalSamples`
             of an ODE rollout), or the field, for a malformed batch (`check_transitions`);
             or naming `variables` when `beta > 0` and a policy without adapters comes
-            without its reference.
+            without its reference; or naming `guard` and `batch.old_means` when the guard
+            adds back the drift from the rollout's means and the batch has none.
         """
         check_transitions(batch, type(self).__name__)
         reference = self.kl_reference(variables)

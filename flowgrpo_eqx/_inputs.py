@@ -45,11 +45,16 @@ class InputSpec(eqx.Module):
     caption: Callable[[PyTree[Any]], list[str]] | None = None
 
     def __check_init__(self) -> None:
-        if isinstance(self.select, tuple) and not all(isinstance(k, str) for k in self.select):
-            raise ValueError(f"`select` must be a str or a tuple of str, got {self.select!r}.")
+        keys = self.select if isinstance(self.select, tuple) else (self.select,)
+        if self.select is not None and not all(isinstance(k, str) for k in keys):
+            raise ValueError(
+                f"`select` must be None, a str or a tuple of str, got {self.select!r}."
+            )
         if self.latent_shape is not None and not (
             isinstance(self.latent_shape, tuple)
-            and all(isinstance(d, int) and d > 0 for d in self.latent_shape)
+            and all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in self.latent_shape
+            )
         ):
             raise ValueError(
                 f"`latent_shape` must be a tuple of positive ints, got {self.latent_shape!r}."

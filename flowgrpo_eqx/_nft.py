@@ -175,7 +175,8 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     the mean over counted rows; no count gives 0 and zero gradients.
 
     The old policy (`NFTVariables.old_policy`) samples the rollout (the release samples with
-    a deterministic second-order solver: give the `FlowRollout` `Heun()`) and anchors the
+    a deterministic second-order solver: give the `FlowRollout`
+    `sampler=ODESampler(Heun())`, or this objective `solver=Heun()`) and anchors the
     implicit policies. It starts as the initial policy and follows the live one once per
     epoch (`end_epoch`) by `old_decay`; it holds the policy's trainable part alone. The
     velocity is the guided one (`GuidedFlow.velocity`); the release is guidance-free, the
@@ -363,7 +364,7 @@ class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
         **Raises:**
 
         - `ValueError`: naming `batch` if it is not `FinalSamples` (say, `Transitions`); as
-            `reference`, or `GuidedFlow.velocity`; naming `batch.timesteps` when
+            `variables.reference_policy()`, or `GuidedFlow.velocity`; naming `batch.timesteps` when
             `times="grid"` and the batch has none.
         """
         check_final_samples(batch, type(self).__name__)

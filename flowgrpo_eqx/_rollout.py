@@ -77,10 +77,12 @@ class FlowRollout(eqx.Module):
     **Raises:**
 
     - `ValueError`: naming the argument, for an `objective` that is not an
-        `AbstractRLObjective`, a `sampler` the objective refuses (for Flow-GRPO: anything but
-        an `SDESampler` of its `sde`) or that refuses the rollout's settings (see
-        `SDESampler`, `ODESampler`), `groups < 2`, `steps < 2`, or a `normalize_each`
-        combination without a `WeightedReward`.
+        `AbstractRLObjective`, a `reward` that is not callable, a `sampler` that is not an
+        `AbstractSampler`, one the objective refuses (for Flow-GRPO: anything that records no
+        transitions of its `sde`) or that refuses the rollout's settings (see `SDESampler`,
+        `ODESampler`), `groups < 2`, `steps < 2`, an unknown `advantage_std` or
+        `reward_combination`, a `normalize_each` combination without a `WeightedReward`, or
+        a `shared_noise` that is not a bool.
     """
 
     objective: AbstractRLObjective[Any, Any]
@@ -122,6 +124,11 @@ class FlowRollout(eqx.Module):
         if self.advantage_std not in ("group", "global"):
             raise ValueError(
                 f"`advantage_std` must be 'group' or 'global', got {self.advantage_std!r}."
+            )
+        if self.sampler is not None and not isinstance(self.sampler, AbstractSampler):
+            raise ValueError(
+                "`sampler` must be an AbstractSampler (SDESampler, ODESampler, MixSampler: "
+                f"ODESampler(Heun()) for a solver), got {self.sampler!r}."
             )
         self.active_sampler.check_rollout(self.flow, self.steps, self.groups, self.shared_noise)
 
@@ -248,7 +255,8 @@ class FlowRollout(eqx.Module):
         **Raises:**
 
         - `ValueError`: naming `rows` (and the leaf), before sampling anything, if it has no
-            array leaves, its leaves differ in their leading size, or it holds no rows.
+            array leaves, its leaves differ in their leading size, or it holds no rows; or
+            naming `InputSpec(latent_shape=...)` if the flow's inputs have no latent shape.
         - `RewardError`: naming the reward, if it raises or returns a wrong shape, NaN or inf.
         """
         check_source_rows("rows", rows)

@@ -47,6 +47,8 @@ def test_equal_rows_in_different_groups_do_not_merge():
         ({"rewards": np.zeros(4), "groups": 0}, "groups"),
         ({"rewards": np.zeros(4), "groups": 2, "std": "batch"}, "std"),
         ({"rewards": np.zeros(4), "groups": 2, "eps": -1.0}, "eps"),
+        ({"rewards": np.zeros(4), "groups": 2, "eps": np.inf}, "eps"),
+        ({"rewards": np.zeros(0), "groups": 2}, "rewards"),
         ({"rewards": np.array([0.0, np.nan]), "groups": 2}, "rewards"),
     ],
 )

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
+from flowgrpo_eqx._flow_base import checked_flow
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.train import MetricsLog
 from tests import numpy_reference as ref
@@ -358,6 +359,17 @@ def test_a_model_in_place_of_the_flow_is_named(objective_type, settings):
     model = LinearVelocity(jax.random.key(0))
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="flow"):
         objective_type(model, **settings)
+
+
+def test_every_objective_check_that_reads_the_flow_checks_it_first():
+    # Under this suite's runtime type checker the field's type refuses a model first; without
+    # it, Equinox runs a subclass's `__check_init__` (which reads `flow.inputs`) before the
+    # base's, so each such check goes through `checked_flow`.
+    model = LinearVelocity(jax.random.key(0))
+    with pytest.raises(ValueError, match="`flow` must be a GuidedFlow"):
+        checked_flow(model)
+    flow = make_objective().flow
+    assert checked_flow(flow) is flow
 
 
 def test_awm_trains_on_the_final_samples_of_an_sde_rollout():

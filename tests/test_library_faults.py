@@ -82,6 +82,20 @@ def test_infinite_shift_is_refused():
     assert np.all(np.isfinite(grid)) and grid[0] == 1.0 and grid[-1] == 0.0
 
 
+@pytest.mark.parametrize(
+    "settings, name",
+    [
+        ({"select": 5}, "select"),
+        ({"select": ("cond", 1)}, "select"),
+        ({"latent_shape": (True, 4)}, "latent_shape"),
+        ({"latent_shape": (4, 0)}, "latent_shape"),
+    ],
+)
+def test_a_malformed_input_spec_is_named(settings, name):
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match=name):
+        fg.InputSpec(**settings)
+
+
 def test_groups_of_one_are_refused():
     rewards = np.array([0.1, 0.7, 0.3, 0.9])
     why = r"^`groups` must be an int >= 2, got 1: .*a group of one sample has advantage 0"

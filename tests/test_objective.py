@@ -14,7 +14,7 @@ import pytest
 import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
 from tests import numpy_reference as ref
-from tests.errors import exact_message, raises_named
+from tests.errors import NAMED_ARGUMENT_ERRORS, exact_message, raises_named
 from tests.test_guided_flow import _Doubling
 from tests.tolerances import loss_rtol
 
@@ -469,6 +469,13 @@ def test_constructor_rejects_bad_settings(kwargs, name):
     with pytest.raises(ValueError, match=name):
         fg.FlowGRPOObjective(
             LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), **settings
+        )
+
+
+def test_a_remat_that_is_not_a_bool_is_named():
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="remat"):
+        fg.FlowGRPOObjective(
+            LinearVelocity(jax.random.key(0)), fg.RectifiedFlow(), fg.InputSpec(), remat=3
         )
 
 

@@ -264,6 +264,9 @@ def test_preview_png_and_evaluate_scores(tmp_path):
         image.load()
         assert image.format == "PNG" and image.size[0] > 0 and image.size[1] > 0
         assert len(np.unique(np.asarray(image.convert("L")))) > 2
+    # Captions are checked whether or not a picture is written.
+    with pytest.raises(ValueError, match=r"`captions` must have one entry per row \(3\), got 2"):
+        objective.preview(variables, rows, fg.Step(0, jax.random.key(1)), captions=["a", "b"])
 
 
 def test_shared_noise_one_start_per_group():
@@ -388,6 +391,9 @@ def test_nft_samples_with_its_own_solver_by_default_and_with_any_sampler():
     assert fg.FlowRollout(nft, CountingReward()).active_sampler == fg.ODESampler(nft.solver)
     sde = fg.SDESampler(fg.FlowSDE(0.5))
     assert fg.FlowRollout(nft, CountingReward(), sampler=sde).active_sampler is sde
+    # A solver is not a sampler: ODESampler(Heun()) is.
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="sampler"):
+        fg.FlowRollout(nft, CountingReward(), sampler=fg.Heun())
 
 
 def test_a_flow_grpo_rollout_samples_only_with_its_objectives_sde():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
 from .._custom_types import Mean, Model, Step
-from .._flow_base import AbstractFlowObjective, PolicyVariables
+from .._flow_base import AbstractFlowObjective, PolicyVariables, checked_flow
 from .._guided_flow import GuidedFlow
 from .._misc import check_leading_rows, check_number
 from .._trainable import TrainableFilter
@@ -77,7 +77,7 @@ class FlowMatchingObjective(AbstractFlowObjective[PolicyVariables]):
             raise ValueError(
                 f"`time_sampling` must be 'logit_normal' or 'uniform', got {self.time_sampling!r}."
             )
-        if self.cond_dropout > 0 and not self.flow.inputs.has_null:
+        if self.cond_dropout > 0 and not checked_flow(self.flow).inputs.has_null:
             raise ValueError("`cond_dropout` > 0 needs a null condition: pass InputSpec(null=...).")
 
     def variables_for(self, policy: Model, trainable: TrainableFilter | None) -> PolicyVariables:
