@@ -453,8 +453,8 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         **Raises:**
 
         - `ValueError`: naming `batch` if it is not `FinalSamples` (say, `Transitions`);
-            naming `batch.timesteps` if it is `None`; as `trained_indices`, `reference`,
-            `ema_policy` or `GuidedFlow.velocity`.
+            naming `batch.timesteps` if it is `None`; as `trained_indices`,
+            `variables.reference_policy()`, `ema_policy` or `GuidedFlow.velocity`.
         """
         check_final_samples(batch, type(self).__name__)
         keep = batch.mask

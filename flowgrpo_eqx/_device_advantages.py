@@ -36,8 +36,9 @@ def device_group_advantages(
     **Raises:**
 
     - `ValueError`: naming `groups`, `scores`, `eps` or `std` when it is not one the host
-        statement takes; at run time (`eqx.error_if`), naming `scores` when one is not
-        finite.
+        statement takes.
+    - `EquinoxRuntimeError` (from `eqx.error_if`, at run time): naming `scores` when one is
+        not finite.
     """
     if scores.ndim != 1:
         raise ValueError(f"`scores` must have shape [N], got {scores.shape}.")

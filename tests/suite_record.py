@@ -39,8 +39,9 @@ DEADLINE = "FLOWGRPO_TEST_DEADLINE"
 START_MARGIN = 60.0
 
 # What the tests run: the library, the tests themselves, the benches and tools they import,
-# and the configuration. The Markdown pages are left out, so that a page's figures can be
-# written after the run that measured them (the docs tests check every page in CI).
+# and the configuration. The pages of docs/ and the README are left out, so that a page's
+# figures can be written after the run that measured them (the docs tests check every page in
+# CI); bench/README.md, a page too, goes with the benches.
 CODE = (
     "flowgrpo_eqx",
     "tests",

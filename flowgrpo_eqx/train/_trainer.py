@@ -188,8 +188,8 @@ class Trainer(eqx.Module):
             raise ValueError(
                 f"`microbatches` ({self.microbatches}) must be 1 with "
                 f"{type(self.objective).__name__} as configured: its loss is not a sum of "
-                "per-row parts (`loss_sums_over_rows()` is false; GRPO-Guard's ratio "
-                "normalisation and step weights use whole-minibatch statistics)."
+                "per-row parts (`loss_sums_over_rows()` is false: say, GRPO-Guard's "
+                "whole-minibatch statistics, or DGPO's rows weighted by their group)."
             )
 
     def trainable_filter(self, policy: Model) -> TrainableFilter:
@@ -301,16 +301,17 @@ class Trainer(eqx.Module):
 
         **Returns:**
 
-        The new state and `{name: scalar}` metrics: `loss`, `grad_norm`, and every
-        auxiliary `Mean`'s value.
+        The new state and `{name: scalar}` metrics: `loss`, `grad_norm`, `count` (the loss
+        `Mean`'s count), and every auxiliary `Mean`'s value.
 
         **Raises:**
 
         - `ValueError`: as the objective's `loss`, raised while tracing the update (say,
             naming `batch` when it is not the batch type the objective trains on); naming
             `batch.advantages` when the batch has advantages and one of them is NaN or
-            infinite (they would make every trained parameter NaN). Both before anything is
-            donated: `state` stays usable (to retry with another batch, or to save).
+            infinite (they would make every trained parameter NaN); naming `microbatches` when
+            it does not divide the batch's rows. All before anything is donated: `state`
+            stays usable (to retry with another batch, or to save).
         - `EquinoxRuntimeError` (from `eqx.error_if`): naming `batch.advantages`, for a
             non-finite advantage when `update` is itself traced (inside the caller's own
             `jax.jit`), where the values are not known until the program runs.
