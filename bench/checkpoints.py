@@ -5,8 +5,8 @@ moments; no reference at beta 0), then times, side by side in rounds, one
 `Checkpointer.save` (Orbax: shards, `meta.json` with every file's SHA-256, the atomic rename)
 and one `eqx.tree_serialise_leaves` of the same state into a single file (the format checkpoints had
 before Orbax), on wall clock and on process CPU time, plus one `Checkpointer.restore`. Prints
-one JSON object: medians per round, their ratio, and what 200 epochs with a checkpoint every
-`checkpoint_every` epochs add.
+one JSON object: medians per round, their ratio, and what the main job's epochs with a
+checkpoint every `checkpoint_every` epochs add.
 """
 
 import json

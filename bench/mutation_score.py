@@ -19,7 +19,7 @@ ERRORED = {255}
 TIMEOUT = {24, -24, 152, 36}
 SURVIVED = {0}
 UNTESTED = {5, 33}
-MODULES = ["_advantages", "_process", "_sde", "_objective", "_guided_flow", "_nft"]
+MODULES = ["_advantages", "_process", "_sde", "_flow_grpo", "_guided_flow", "_nft"]
 EQUIVALENT = pathlib.Path(__file__).with_name("mutation_equivalent.txt")
 
 
