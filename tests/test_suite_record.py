@@ -36,21 +36,31 @@ def test_setup_errors(broken):
 """
 
 
-def _record_sample(tmp_path: pathlib.Path, record: pathlib.Path, source: str) -> None:
-    """Runs `SAMPLE` in this process with a `Recorder` on `record`, after a run line."""
-    sample = tmp_path / "sample" / "test_sample.py"
-    sample.parent.mkdir(exist_ok=True)
-    sample.write_text(SAMPLE)
+def _run_module(
+    folder: pathlib.Path, name: str, text: str, recorder: Recorder, source: str, tests: list[str]
+) -> pytest.ExitCode | int:
+    """Writes `text` as `folder/name/test_NAME.py` (a module name of its own: pytest imports
+    each once per process) and runs it in this process with `recorder`, after a run line that
+    collected `tests` (their names without `test_`); closes the record and returns the exit
+    code."""
+    sample = folder / name / f"test_{name}.py"
+    sample.parent.mkdir(parents=True, exist_ok=True)
+    sample.write_text(text)
     (sample.parent / "pytest.ini").write_text("[pytest]\n")
-    recorder = Recorder(record)
-    names = ("passes", "fails", "skips", "setup_errors")
-    recorder.run(source, "cpu", [f"test_sample.py::test_{name}" for name in names], 4)
+    recorder.run(source, "cpu", [f"test_{name}.py::test_{test}" for test in tests], len(tests))
     code = pytest.main(
         [str(sample), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          "-c", str(sample.parent / "pytest.ini")],
         plugins=[recorder],
     )  # fmt: skip
     recorder.close()
+    return code
+
+
+def _record_sample(tmp_path: pathlib.Path, record: pathlib.Path, source: str) -> None:
+    """Runs `SAMPLE` in this process with a `Recorder` on `record`, after a run line."""
+    names = ["passes", "fails", "skips", "setup_errors"]
+    code = _run_module(tmp_path, "sample", SAMPLE, Recorder(record), source, names)
     assert code == pytest.ExitCode.TESTS_FAILED
 
 
@@ -67,23 +77,12 @@ def test_third():
 
 
 def _record_in_order(tmp_path, name, times):
-    """Runs `IN_ORDER` as `test_NAME.py` (a module name of its own: pytest imports each once
-    per process) with a `Recorder` whose deadline is 1000 and whose clock reads `times` at each
-    test's end; the exit code and the recorded results."""
-    sample = tmp_path / name / f"test_{name}.py"
-    sample.parent.mkdir()
-    sample.write_text(IN_ORDER)
-    (sample.parent / "pytest.ini").write_text("[pytest]\n")
-    record = tmp_path / "record-1.jsonl"
+    """Runs `IN_ORDER` as `test_NAME.py` with a `Recorder` whose deadline is 1000 and whose
+    clock reads `times` at each test's end; the exit code and the recorded results."""
+    record = tmp_path / f"{name}.jsonl"
     clock = iter(times)
     recorder = Recorder(record, deadline=1000.0, clock=lambda: next(clock))
-    recorder.run("s", "cpu", [f"test_{name}.py::test_{n}" for n in ("first", "second", "third")], 3)
-    code = pytest.main(
-        [str(sample), "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-c", str(sample.parent / "pytest.ini")],
-        plugins=[recorder],
-    )  # fmt: skip
-    recorder.close()
+    code = _run_module(tmp_path, name, IN_ORDER, recorder, "s", ["first", "second", "third"])
     _, results = read_records([record])
     return code, {test.split("::")[1]: r.outcome for test, r in results["s"].items()}
 
