@@ -1,12 +1,11 @@
 """Host-side group statistics: rewards stay float64 until the advantages are cast to float32."""
 
-import math
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
-from ._misc import is_int
+from ._misc import check_number, is_int
 
 
 AdvantageStd: TypeAlias = Literal["group", "global"]
@@ -59,8 +58,7 @@ def check_normalisation(name: str, rows: int, groups: int, eps: float, std: Any)
         raise ValueError(f"`{name}` holds no rows.")
     if rows % groups != 0:
         raise ValueError(f"`{name}` has {rows} rows, not a multiple of `groups`={groups}.")
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"`eps` must be a finite number >= 0, got {eps!r}.")
+    check_number("eps", eps, minimum=0)
     if std not in ("group", "global"):
         raise ValueError(f"`std` must be 'group' or 'global', got {std!r}.")
 

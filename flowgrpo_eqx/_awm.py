@@ -32,7 +32,14 @@ from ._final_samples import (
 )
 from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables
 from ._guided_flow import GuidedFlow
-from ._misc import check_int, check_mode, check_number, stop_gradient_arrays, zero_rows_unless
+from ._misc import (
+    check_bool,
+    check_int,
+    check_mode,
+    check_number,
+    stop_gradient_arrays,
+    zero_rows_unless,
+)
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, SDESampler
 from ._sde import AbstractSDE, FlowSDE
@@ -264,8 +271,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         check_number("kl_beta", self.kl_beta, minimum=0)
         check_number("ema_beta", self.ema_beta, minimum=0)
         check_decay("ema_decay", self.ema_decay)
-        if not isinstance(self.off_policy, bool):
-            raise ValueError(f"`off_policy` must be a bool, got {self.off_policy!r}.")
+        check_bool("off_policy", self.off_policy)
         if not isinstance(self.sde, AbstractSDE):
             raise ValueError(f"`sde` must be an AbstractSDE, got {self.sde!r}.")
 

@@ -35,7 +35,14 @@ from ._final_samples import (
 from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables, checked_flow
 from ._guided_flow import GuidedFlow
 from ._inputs import CFG
-from ._misc import check_int, check_mode, check_number, stop_gradient_arrays, zero_rows_unless
+from ._misc import (
+    check_bool,
+    check_int,
+    check_mode,
+    check_number,
+    stop_gradient_arrays,
+    zero_rows_unless,
+)
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, ODESampler
 from ._solver import AbstractSolver, DPMSolverPP2M
@@ -321,9 +328,8 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
                     "InputSpec(null=...) or reference_guidance=None."
                 )
         check_number("clip_range", self.clip_range, minimum=0, include_minimum=False, optional=True)
-        for name in ("clip_kl", "shared_noise"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
+        check_bool("clip_kl", self.clip_kl)
+        check_bool("shared_noise", self.shared_noise)
         if self.clip_kl and self.clip_range is None:
             raise ValueError(
                 "`clip_kl` needs `clip_range`: it detaches the KL of the examples the ratio "

@@ -22,7 +22,7 @@ from ._custom_types import (
 )
 from ._flow_base import AbstractVariables, PolicyVariables
 from ._guided_flow import GuidedFlow
-from ._misc import check_int, check_number, zero_rows_unless
+from ._misc import check_bool, check_int, check_number, zero_rows_unless
 from ._policy_loss import (
     OldLogProbs,
     kept_inputs,
@@ -174,8 +174,7 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
 
     def __check_init__(self) -> None:
         check_number("kl_threshold", self.kl_threshold, minimum=0, include_minimum=False)
-        if not isinstance(self.normalise_kl, bool):
-            raise ValueError(f"`normalise_kl` must be a bool, got {self.normalise_kl!r}.")
+        check_bool("normalise_kl", self.normalise_kl)
         if not isinstance(self.sde, AbstractSDE):
             raise ValueError(f"`sde` must be an AbstractSDE, got {self.sde!r}.")
         for name in ("old_log_probs", "old_means"):
@@ -183,8 +182,7 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
             if value not in ("rollout", "update"):
                 raise ValueError(f"`{name}` must be 'rollout' or 'update', got {value!r}.")
         check_int("transition_chunk", self.transition_chunk, 1, optional=True)
-        if self.remat is not None and not isinstance(self.remat, bool):
-            raise ValueError(f"`remat` must be a bool or None, got {self.remat!r}.")
+        check_bool("remat", self.remat, optional=True)
 
     # ----------------------------------------------------------------------------------
     # The RL loop's interface

@@ -27,7 +27,7 @@ from ._evaluation import Evaluation, evaluate_policy, preview_policy
 from ._flow_base import AbstractVariables
 from ._guided_flow import GuidedFlow, MatmulPrecision, ModelTime, Precision, flow_from
 from ._inputs import CFG, AbstractAutoEncoder, AbstractGuidance, InputSpec
-from ._misc import check_int, check_number, stop_gradient_arrays, zero_rows_unless
+from ._misc import check_bool, check_int, check_number, stop_gradient_arrays, zero_rows_unless
 from ._policy_loss import (
     OldLogProbs,
     kept_inputs,
@@ -182,8 +182,7 @@ class GRPOGuard(AbstractGRPOGuard):
             raise ValueError(f"`drift` must be 'sample' or 'batch', got {self.drift!r}.")
         if self.scale not in ("batch", "sample"):
             raise ValueError(f"`scale` must be 'batch' or 'sample', got {self.scale!r}.")
-        if not isinstance(self.reweight, bool):
-            raise ValueError(f"`reweight` must be a bool, got {self.reweight!r}.")
+        check_bool("reweight", self.reweight)
 
     @property
     def needs_old_means(self) -> bool:
@@ -454,8 +453,7 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         check_number("clip_range", self.clip_range, minimum=0, include_minimum=False)
         check_number("adv_clip_max", self.adv_clip_max, minimum=0, include_minimum=False)
         check_int("transition_chunk", self.transition_chunk, 1, optional=True)
-        if self.remat is not None and not isinstance(self.remat, bool):
-            raise ValueError(f"`remat` must be a bool or None, got {self.remat!r}.")
+        check_bool("remat", self.remat, optional=True)
         if self.guard is not None and not isinstance(self.guard, AbstractGRPOGuard):
             raise ValueError(
                 f"`guard` must be an AbstractGRPOGuard (GRPOGuard, EmpiricalGuard) or None, "

@@ -46,6 +46,26 @@ def check_int(name: str, value: Any, minimum: int, *, optional: bool = False) ->
         raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
 
 
+def check_bool(name: str, value: Any, *, optional: bool = False) -> None:
+    """Raise a `ValueError` naming `name` unless `value` is a bool.
+
+    **Arguments:**
+
+    - `name`: the argument's name, for the message.
+    - `value`: the value to check.
+    - `optional`: whether `None` is allowed too.
+
+    **Raises:**
+
+    - `ValueError`: `"`name` must be a bool[ or None], got <value>."`.
+    """
+    if optional and value is None:
+        return
+    if not isinstance(value, bool):
+        allowed = "a bool or None" if optional else "a bool"
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
+
+
 def check_number(
     name: str,
     value: Any,

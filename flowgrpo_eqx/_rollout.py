@@ -20,7 +20,7 @@ from ._advantages import (
 from ._custom_types import FinalSamples, Model, RolloutInfo, Transitions
 from ._distributed import host_samples, place_rows, score_on_root, sequence_context
 from ._guided_flow import GuidedFlow
-from ._misc import check_int, check_source_rows, leading_rows, repeat_rows
+from ._misc import check_bool, check_int, check_source_rows, leading_rows, repeat_rows
 from ._reward import FlowReward, WeightedReward
 from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, Draw, Generated
@@ -119,8 +119,7 @@ class FlowRollout(eqx.Module):
                 "`reward_combination='normalize_each'` needs a WeightedReward (its terms are "
                 f"normalised one by one), got {self.reward!r}."
             )
-        if not isinstance(self.shared_noise, bool):
-            raise ValueError(f"`shared_noise` must be a bool, got {self.shared_noise!r}.")
+        check_bool("shared_noise", self.shared_noise)
         if self.advantage_std not in ("group", "global"):
             raise ValueError(
                 f"`advantage_std` must be 'group' or 'global', got {self.advantage_std!r}."

@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 from ._custom_types import FinalSamples, Model, Transitions
 from ._distributed import place_rows, row_sharding
 from ._guided_flow import GuidedFlow
-from ._misc import is_int
+from ._misc import check_bool, is_int
 from ._process import RectifiedFlow, UniformGrid
 from ._sde import AbstractSDE
 from ._solver import AbstractSolver, Euler
@@ -230,8 +230,7 @@ class SDESampler(AbstractSampler):
             raise ValueError(
                 f"`train_steps` must be None or an int >= 1, got {self.train_steps!r}."
             )
-        if not isinstance(self.record_means, bool):
-            raise ValueError(f"`record_means` must be a bool, got {self.record_means!r}.")
+        check_bool("record_means", self.record_means)
         if self.window_schedule is None:
             return
         if not isinstance(self.window_schedule, AbstractWindowSchedule):
@@ -469,8 +468,7 @@ class MixSampler(AbstractSampler):
         ratio = self.compress_ratio
         if ratio is not None and not (isinstance(ratio, float) and 0 < ratio <= 1):
             raise ValueError(f"`compress_ratio` must be None or a float in (0, 1], got {ratio!r}.")
-        if not isinstance(self.record_means, bool):
-            raise ValueError(f"`record_means` must be a bool, got {self.record_means!r}.")
+        check_bool("record_means", self.record_means)
 
     def check_rollout(self, flow: GuidedFlow, steps: int, groups: int, shared_noise: bool) -> None:
         del groups, shared_noise

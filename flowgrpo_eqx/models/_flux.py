@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._misc import check_int
+from .._misc import check_bool, check_int
 from ._conditioning import joint_conditioning, joint_embedders
 from ._init import init_linears, zero_linear
 from ._joint import BlockShape, JointAttention, Stream, check_text_shapes
@@ -359,8 +359,7 @@ class Flux(AbstractAttentionModel):
             ),
             axes,
         )
-        if not isinstance(guidance_embeds, bool):
-            raise ValueError(f"`guidance_embeds` must be a bool, got {guidance_embeds!r}.")
+        check_bool("guidance_embeds", guidance_embeds)
         self.block_layout = block_layout(stacked, remat, _flux_groups(double_depth, single_depth))
         self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
         self.image_size = (height, latent_width)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._distributed import gather_weights
+from .._misc import check_bool
 from ._layers import QKV, Attention, AttentionSettings, SequenceStrategy
 from ._splash import ATTENTION_RESIDUALS
 
@@ -268,8 +269,7 @@ def block_layout(
     - `ValueError`: naming `stacked` when it is not a bool, or `remat` when it is not one of
         its values.
     """
-    if not isinstance(stacked, bool):
-        raise ValueError(f"`stacked` must be a bool, got {stacked!r}.")
+    check_bool("stacked", stacked)
     if stacked:
         return StackedLayout(groups=groups, remat=remat)
     return UnstackedLayout(remat=remat)

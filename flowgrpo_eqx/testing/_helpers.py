@@ -12,6 +12,7 @@ from jaxtyping import Array, PyTree
 
 from .._custom_types import Aux, Mean, Step, Transitions
 from .._flow_grpo import FlowGRPOObjective, FlowGRPOVariables
+from .._misc import check_number
 
 
 TRANSITION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Transitions))
@@ -117,8 +118,7 @@ def assert_trees_close(
     - `ValueError`: if `scale_floor` is negative.
     - `AssertionError`: naming the first leaf that differs.
     """
-    if not scale_floor >= 0:
-        raise ValueError(f"scale_floor must be at least 0, got {scale_floor}")
+    check_number("scale_floor", scale_floor, minimum=0)
     want_leaves = gradient_leaves(want)
     got_leaves = gradient_leaves(got)
     assert len(got_leaves) == len(want_leaves), (len(got_leaves), len(want_leaves))
