@@ -7,6 +7,7 @@ README and the guides tell newcomers: no `huggingface-cli` (gone from huggingfac
 the library's `clip_range` default differs from the demo's.
 """
 
+import collections
 import inspect
 import pathlib
 import re
@@ -104,10 +105,11 @@ def _test_ids(commands: list[tuple[str, str]]) -> list[str]:
     same file holds the same command, but not its line, so that an edit above it in a page
     (not in the code's digest, `tests/suite_record.py`) leaves the ids as they were."""
     ids: list[str] = []
+    seen: collections.Counter[str] = collections.Counter()
     for where, arguments in commands:
         name = f"{where.rsplit(':', 1)[0]}-{arguments}"
-        repeats = sum(1 for earlier in ids if earlier.split("#")[0] == name)
-        ids.append(f"{name}#{repeats + 1}" if repeats else name)
+        seen[name] += 1
+        ids.append(f"{name}#{seen[name]}" if seen[name] > 1 else name)
     return ids
 
 
