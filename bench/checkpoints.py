@@ -9,6 +9,7 @@ one JSON object: medians per round, their ratio, and what the main job's epochs 
 checkpoint every `checkpoint_every` epochs add.
 """
 
+import argparse
 import json
 import pathlib
 import statistics
@@ -34,7 +35,10 @@ def _timed(action: object) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m bench.checkpoints", description=__doc__).parse_args(
+        argv
+    )
     config = make_config()
     folder = pathlib.Path(tempfile.mkdtemp(prefix="bench-checkpoints-"))
     job = ShapesJob(config, folder, quiet=True)

@@ -8,9 +8,9 @@ survived, were not reached by any test, or are listed as equivalent in
 score is `killed / (mutants run - equivalent)`, killed counting errors and timeouts.
 """
 
+import argparse
 import json
 import pathlib
-import sys
 from collections import Counter
 
 
@@ -79,5 +79,23 @@ def summarise(modules: list[str], root: pathlib.Path = pathlib.Path("mutants")) 
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python bench/mutation_score.py", description=__doc__)
+    parser.add_argument(
+        "modules",
+        nargs="*",
+        default=MODULES,
+        help=f"modules of flowgrpo_eqx whose mutants to count (default: {' '.join(MODULES)})",
+    )
+    parser.add_argument(
+        "--mutants",
+        type=pathlib.Path,
+        default=pathlib.Path("mutants"),
+        help="mutmut's folder of mutants and results (default: mutants)",
+    )
+    arguments = parser.parse_args(argv)
+    return summarise(arguments.modules, arguments.mutants)
+
+
 if __name__ == "__main__":
-    raise SystemExit(summarise(sys.argv[1:] or MODULES))
+    raise SystemExit(main())

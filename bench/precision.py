@@ -14,6 +14,7 @@ the ratio of the two bfloat16 cases' medians, measured side by side in this run.
 JSON object.
 """
 
+import argparse
 import glob
 import json
 import math
@@ -64,7 +65,8 @@ def _first_update(objective, trainer, variables, batch, rows) -> dict[str, float
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__).parse_args(argv)
     results = {}
     base_path = sorted(glob.glob(str(pathlib.Path(__file__).parent.parent / "flowgrpo_eqx" /
                                      "shapes_demo" / "checkpoints" / "base_*.eqx")))[0]  # fmt: skip
