@@ -130,23 +130,26 @@ def preview_policy(
 
     **Raises:**
 
-    - `ValueError`: if `scored` scores or `captions` do not have one entry per row.
+    - `ValueError`: if `scored` scores or `captions` do not have one entry per row (before
+        anything is sampled), or as `evaluate_policy`.
     """
-    reward = scored if callable(scored) else None
-    evaluation = evaluate_policy(flow, sampler, steps, policy, batch, key, reward=reward)
-    num = int(evaluation.samples.shape[0])
+    rows, _ = _rows_and_latent_shape(flow, batch)
+    num = leading_rows(rows)
     if captions is not None and len(captions) != num:
         raise ValueError(f"`captions` must have one entry per row ({num}), got {len(captions)}.")
+    values = None
     if scored is not None and not callable(scored):
         values = np.asarray(scored, dtype=np.float64)
         if values.shape != (num,):
             raise ValueError(f"`scored` must have shape [N] = ({num},), got {values.shape}.")
+    reward = scored if callable(scored) else None
+    evaluation = evaluate_policy(flow, sampler, steps, policy, batch, key, reward=reward)
+    if values is not None:
         evaluation = eqx.tree_at(
             lambda e: e.scores, evaluation, values, is_leaf=lambda x: x is None
         )
     ready: Evaluation = jax.block_until_ready(evaluation)  # type: ignore[no-untyped-call]
     if path is not None and jax.process_index() == 0:
-        rows, _ = _rows_and_latent_shape(flow, batch)
         host_rows = jax.tree.map(np.asarray, rows)
         if captions is None:
             if flow.inputs.caption is not None:

@@ -264,9 +264,18 @@ def test_preview_png_and_evaluate_scores(tmp_path):
         image.load()
         assert image.format == "PNG" and image.size[0] > 0 and image.size[1] > 0
         assert len(np.unique(np.asarray(image.convert("L")))) > 2
-    # Captions are checked whether or not a picture is written.
+    # Captions and scores are checked whether or not a picture is written, and before anything
+    # is sampled or scored.
+    calls = len(reward.calls)
     with pytest.raises(ValueError, match=r"`captions` must have one entry per row \(3\), got 2"):
-        objective.preview(variables, rows, fg.Step(0, jax.random.key(1)), captions=["a", "b"])
+        objective.preview(
+            variables, rows, fg.Step(0, jax.random.key(1)), scored=reward, captions=["a", "b"]
+        )
+    assert len(reward.calls) == calls
+    with pytest.raises(ValueError, match=r"`scored` must have shape \[N\] = \(3,\), got \(2,\)"):
+        objective.preview(
+            variables, rows, fg.Step(0, jax.random.key(1)), scored=[0.5, 1.0], path=str(path)
+        )
 
 
 def test_shared_noise_one_start_per_group():
