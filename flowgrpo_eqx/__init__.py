@@ -20,6 +20,7 @@ from ._awm import (
     TimeWeighting as TimeWeighting,
     UniformWeighting as UniformWeighting,
 )
+from ._buffer import Buffer as Buffer
 from ._consistency import (
     CheckLine as CheckLine,
     ConsistencyReport as ConsistencyReport,
@@ -143,6 +144,7 @@ from ._rl import AbstractRLObjective as AbstractRLObjective, Rescore as Rescore
 from ._rollout import FlowRollout as FlowRollout
 from ._sampling import (
     AbstractSampler as AbstractSampler,
+    Draw as Draw,
     Generated as Generated,
     MixSampler as MixSampler,
     ODESampler as ODESampler,
