@@ -27,6 +27,7 @@ score measured is a lower bound for the full suite:
 import json
 import os
 import pathlib
+import signal
 import tempfile
 
 import hypothesis
@@ -51,6 +52,13 @@ os.environ["XLA_FLAGS"] = " ".join(
 # both with float64 statements, so they run at the library's policy (docs/accelerators.md).
 if jax.default_backend() == "tpu":
     jax.config.update("jax_default_matmul_precision", "highest")
+
+# A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits an
+# ignored SIGINT, which `GracefulStop` rightly leaves ignored and every process a test starts
+# inherits. The signal tests send SIGINT as a terminal's Ctrl-C would, so the suite runs with
+# Python's own handler, as in a foreground run.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -574,6 +574,38 @@ def test_ignored_signal_stays_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.several_processes("runs signal tests in a pytest process of its own")
+def test_the_signal_tests_hold_when_the_suite_starts_with_sigint_ignored():
+    """A suite started in the background of a non-interactive shell inherits an ignored
+    SIGINT; `conftest.py` gives the test processes Python's handler back, so the signal tests
+    test the library and not how the suite was started."""
+    environment = {
+        **{name: value for name, value in os.environ.items() if not name.startswith("FLOWGRPO_")},
+        "JAX_PLATFORMS": "cpu",
+    }
+    ignoring = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    tests = [
+        f"tests/test_checkpoint_integrity.py::{name}"
+        for name in (
+            "test_handlers_are_restored_and_nothing_is_requested_without_a_signal",
+            "test_first_signal_requests_a_stop_second_kills[SIGINT]",
+        )
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", ignoring, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 passed" in result.stdout
+
+
 TWO_PROCESSES = """
     import json, os, signal, sys, time
     from flowgrpo_eqx._distributed import initialize
