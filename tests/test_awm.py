@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx._flow_base import checked_flow
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.train import MetricsLog
 from tests import numpy_reference as ref
@@ -361,15 +360,34 @@ def test_a_model_in_place_of_the_flow_is_named(objective_type, settings):
         objective_type(model, **settings)
 
 
-def test_every_objective_check_that_reads_the_flow_checks_it_first():
-    # Under this suite's runtime type checker the field's type refuses a model first; without
-    # it, Equinox runs a subclass's `__check_init__` (which reads `flow.inputs`) before the
-    # base's, so each such check goes through `checked_flow`.
+def run_checks_in_equinoxs_order(module):
+    """Equinox's checks at construction: each class's own `__check_init__`, subclass first."""
+    for kls in type(module).__mro__:
+        if "__check_init__" in kls.__dict__:
+            kls.__check_init__(module)
+
+
+@pytest.mark.parametrize(
+    "objective_type, settings",
+    [
+        (fg.AWMObjective, {}),
+        (fg.DGPOObjective, {"group_size": 4, "reference_guidance": fg.CFG(4.5)}),
+        (fg.DiffusionNFTObjective, {}),
+        (fg.train.FlowMatchingObjective, {"cond_dropout": 0.5}),
+    ],
+)
+def test_every_objective_check_that_reads_the_flow_checks_it_first(objective_type, settings):
+    # Under this suite's runtime type checker the field's type refuses a model before any
+    # check runs; without it, Equinox runs a subclass's `__check_init__` (DGPO's and flow
+    # matching's read `flow.inputs` with these settings) before the base's. So the model is
+    # put in place of a valid objective's flow and the checks run as Equinox runs them.
     model = LinearVelocity(jax.random.key(0))
+    inputs = fg.InputSpec(null=jnp.zeros(DIM))
+    objective = objective_type(fg.GuidedFlow(model, fg.RectifiedFlow(), inputs), **settings)
+    run_checks_in_equinoxs_order(objective)
+    object.__setattr__(objective, "flow", model)
     with pytest.raises(ValueError, match="`flow` must be a GuidedFlow"):
-        checked_flow(model)
-    flow = make_objective().flow
-    assert checked_flow(flow) is flow
+        run_checks_in_equinoxs_order(objective)
 
 
 def test_awm_trains_on_the_final_samples_of_an_sde_rollout():
