@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from ._custom_types import Latent, ScalarLike
-from ._misc import check_number
+from ._misc import check_int, check_number
 
 
 class AbstractProcess(eqx.Module):
@@ -172,8 +172,7 @@ class RectifiedFlow(AbstractProcess):
         return noise - data
 
     def timesteps(self, steps: int) -> Float[Array, " steps"]:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-            raise ValueError(f"`steps` must be an int of at least 2, got {steps!r}.")
+        check_int("steps", steps, 2)
         return self.grid.times(self.shift, steps)
 
 
@@ -206,8 +205,7 @@ def flux_shift(
 
     - `ValueError`: if `image_tokens` is not a positive int or `max_tokens == base_tokens`.
     """
-    if isinstance(image_tokens, bool) or not isinstance(image_tokens, int) or image_tokens < 1:
-        raise ValueError(f"`image_tokens` must be a positive int, got {image_tokens!r}.")
+    check_int("image_tokens", image_tokens, 1)
     if max_tokens == base_tokens:
         raise ValueError(f"`max_tokens` must differ from `base_tokens`, both {base_tokens}.")
     slope = (max_shift - base_shift) / (max_tokens - base_tokens)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from .._misc import check_int
 from ._clip import CLIPTextModel
 from ._flux import FluxCondition
 from ._mmdit import MMDiTCondition
@@ -47,8 +48,7 @@ class PromptTokenizer:
                 "PromptTokenizer reads tokenizer.json with the `tokenizers` package, which the "
                 "`encoders` extra of flowgrpo_eqx installs."
             ) from error
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"`length` must be a positive int, got {length!r}.")
+        check_int("length", length, 1)
         folder = pathlib.Path(path)
         if not (folder / "tokenizer.json").exists():
             raise ValueError(f"`path` ({folder}) has no tokenizer.json.")
