@@ -15,6 +15,7 @@ JSON object on stdout, progress on stderr.
 """
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -25,8 +26,18 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from bench._measure import xla_flops
 from bench._timing import interleave, log
 from flowgrpo_eqx import lora
+
+
+def _through(layers: list[Callable[[Array], Array]], x: Array) -> Array:
+    """`x` through `layers` in turn, with a GELU after each but the last."""
+    for index, layer in enumerate(layers):
+        x = layer(x)
+        if index < len(layers) - 1:
+            x = jax.nn.gelu(x)
+    return x
 
 
 class LinearStack(eqx.Module):
@@ -39,11 +50,7 @@ class LinearStack(eqx.Module):
         self.layers = tuple(eqx.nn.Linear(width, width, dtype=dtype, key=k) for k in keys)
 
     def __call__(self, x: Float[Array, " width"]) -> Float[Array, " width"]:
-        for index, layer in enumerate(self.layers):
-            x = layer(x)
-            if index < len(self.layers) - 1:
-                x = jax.nn.gelu(x)
-        return x
+        return _through(list(self.layers), x)
 
 
 class PerLayerStack(eqx.Module):
@@ -54,13 +61,11 @@ class PerLayerStack(eqx.Module):
     scale: float = eqx.field(static=True)
 
     def __call__(self, x: Float[Array, " width"]) -> Float[Array, " width"]:
-        layers = self.base.layers
-        for index, (layer, adapter) in enumerate(zip(layers, self.adapters, strict=True)):
-            low_rank = adapter.b @ (adapter.a @ x)
-            x = layer(x) + (self.scale * low_rank).astype(x.dtype)
-            if index < len(layers) - 1:
-                x = jax.nn.gelu(x)
-        return x
+        def adapted(layer: eqx.nn.Linear, adapter: lora.LoraAdapter) -> Callable[[Array], Array]:
+            return lambda x: layer(x) + (self.scale * (adapter.b @ (adapter.a @ x))).astype(x.dtype)
+
+        pairs = zip(self.base.layers, self.adapters, strict=True)
+        return _through([adapted(layer, adapter) for layer, adapter in pairs], x)
 
 
 def _loss(model: Callable[[Array], Array], tokens: Array, target: Array) -> Array:
@@ -80,13 +85,6 @@ def _value_and_grad(model: Any, trainable: Any) -> tuple[Callable[..., Any], Any
         return jax.value_and_grad(loss)(trained)
 
     return step, trained, frozen
-
-
-def _flops(compiled: Any) -> float | None:
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, list):
-        analysis = analysis[0] if analysis else None
-    return None if not analysis or "flops" not in analysis else float(analysis["flops"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,35 +129,27 @@ def main(argv: list[str] | None = None) -> None:
         "folded": _value_and_grad(folded, lora.adapter_filter(folded)),
         "per_layer": _value_and_grad(per_layer, per_layer_filter),
     }
-    forward = jax.jit(lambda model, tokens, target: _loss(model, tokens, target))
-
     log(f"compiling ({args.layers} x Linear({args.width}), {args.tokens} tokens, {dtype})")
-    flops: dict[str, float | None] = {
-        name: _flops(step.lower(trained, frozen, tokens, target).compile())
-        for name, (step, trained, frozen) in steps.items()
+    # Each program is compiled once: the FLOPs, the gradient check and the timing use it.
+    arguments = {
+        name: (trained, frozen, tokens, target) for name, (_, trained, frozen) in steps.items()
     }
-    flops["forward"] = _flops(forward.lower(base, tokens, target).compile())
+    compiled = {name: step.lower(*arguments[name]).compile() for name, (step, *_) in steps.items()}
+    arguments["forward"] = (base, tokens, target)
+    compiled["forward"] = jax.jit(_loss).lower(*arguments["forward"]).compile()
+    flops = {name: xla_flops(program) for name, program in compiled.items()}
+    variants = {
+        name: functools.partial(program, *arguments[name]) for name, program in compiled.items()
+    }
 
-    grads = {
-        name: steps[name][0](steps[name][1], steps[name][2], tokens, target)[1]
-        for name in ("folded", "per_layer")
-    }
-    folded_grads = [(g.a, g.b) for g in grads["folded"].adapters]
-    per_layer_grads = [(g.a, g.b) for g in grads["per_layer"].adapters]
+    folded_grads = variants["folded"]()[1].adapters
+    per_layer_grads = variants["per_layer"]()[1].adapters
     worst = 0.0
-    for (fa, fb), (pa, pb) in zip(folded_grads, per_layer_grads, strict=True):
-        for f, p in ((fa, pa), (fb, pb)):
-            f64, p64 = np.asarray(f, np.float64), np.asarray(p, np.float64)
-            worst = max(worst, float(np.max(np.abs(f64 - p64)) / (np.max(np.abs(p64)) + 1e-30)))
+    for f, p in zip(jax.tree.leaves(folded_grads), jax.tree.leaves(per_layer_grads), strict=True):
+        f64, p64 = np.asarray(f, np.float64), np.asarray(p, np.float64)
+        worst = max(worst, float(np.max(np.abs(f64 - p64)) / (np.max(np.abs(p64)) + 1e-30)))
     log(f"folded and per-layer adapter gradients differ by at most {worst:.2e} of their scale")
 
-    variants: dict[str, Callable[[], Any]] = {
-        name: (
-            lambda step=step, trained=trained, frozen=frozen: step(trained, frozen, tokens, target)
-        )
-        for name, (step, trained, frozen) in steps.items()
-    }
-    variants["forward"] = lambda: forward(base, tokens, target)
     log(f"timing {args.rounds} rounds")
     timings = interleave(variants, args.rounds)
     report = {
