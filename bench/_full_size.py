@@ -442,6 +442,17 @@ def rows(which: str) -> list[Row]:
         Row(
             "sd35m b8 lora32 adamw", "sd35_medium", 8, "nothing", "splash", program="adamw_lora"
         ),  # fmt: skip
+        *(
+            Row(
+                f"sd35m b8 lora32 adamw {remat}",
+                "sd35_medium",
+                8,
+                remat,
+                "splash",
+                program="adamw_lora",
+            )
+            for remat in ("qkv", "attention", "dots")
+        ),
         Row(
             "sd35m b8 full adamw", "sd35_medium", 8, "nothing", "splash", program="adamw_full"
         ),  # fmt: skip
