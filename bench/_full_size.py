@@ -218,6 +218,30 @@ def _concrete(tree: Any) -> Any:
     return jax.tree.unflatten(treedef, make())
 
 
+def plan_gib(memory: Any) -> dict[str, float]:
+    """A compiled program's memory plan in GiB, to two decimals.
+
+    **Arguments:**
+
+    - `memory`: the program's `Compiled.memory_analysis()`.
+
+    **Returns:**
+
+    `arguments`, `temporaries`, `outputs` and `aliased` (the bytes of outputs that reuse an
+    argument's buffer) as the compiler plans them, and `peak`, the compiler's own count of the
+    most bytes live at once over the program (`peak_memory_in_bytes`), which can be less than
+    the parts' sum.
+    """
+    gib = 2**30
+    return {
+        "arguments": round(memory.argument_size_in_bytes / gib, 2),
+        "temporaries": round(memory.temp_size_in_bytes / gib, 2),
+        "outputs": round(memory.output_size_in_bytes / gib, 2),
+        "aliased": round(memory.alias_size_in_bytes / gib, 2),
+        "peak": round(memory.peak_memory_in_bytes / gib, 2),
+    }
+
+
 def _peak_memory() -> int | None:
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
@@ -263,13 +287,7 @@ def measure(
         log(f"{row.name}: does not compile: {result['error'][:200]}")
         return result
     result["compile_seconds"] = round(time.perf_counter() - started, 1)
-    memory = compiled.memory_analysis()
-    result["plan_gib"] = {
-        "arguments": round(memory.argument_size_in_bytes / 2**30, 2),
-        "temporaries": round(memory.temp_size_in_bytes / 2**30, 2),
-        "outputs": round(memory.output_size_in_bytes / 2**30, 2),
-        "aliased": round(memory.alias_size_in_bytes / 2**30, 2),
-    }
+    result["plan_gib"] = plan_gib(compiled.memory_analysis())
     if sharding is not None:
         log(f"{row.name}: {json.dumps(result)}")
         return result

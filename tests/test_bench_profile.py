@@ -4,7 +4,7 @@ counted as matmul time (`bench._full_size.fusions_with_products`)."""
 import jax
 import jax.numpy as jnp
 
-from bench._full_size import LOOPS, fusions_with_products, op_kind
+from bench._full_size import LOOPS, fusions_with_products, op_kind, plan_gib
 
 
 # The shape of a TPU program's text (abridged from a compiled SD3.5 step): a product fused
@@ -59,3 +59,15 @@ def test_a_compiled_programs_products_are_found():
     products = fusions_with_products(text)
     assert products  # the product, alone or in the fusion that holds it
     assert all(name in text for name in products)
+
+
+def test_a_plans_peak_lies_between_its_largest_part_and_the_parts_sum():
+    # Two 0.25 GiB products in a row: the argument, the intermediate and the result are all
+    # a quarter GiB, so the rounding to two decimals keeps every part.
+    square = jax.ShapeDtypeStruct((8192, 8192), jnp.float32)
+    compiled = jax.jit(lambda a: jnp.tanh(a @ a) @ a).lower(square).compile()
+    plan = plan_gib(compiled.memory_analysis())
+    assert set(plan) == {"arguments", "temporaries", "outputs", "aliased", "peak"}
+    assert plan["arguments"] == plan["outputs"] == 0.25
+    parts = plan["arguments"] + plan["temporaries"] + plan["outputs"]
+    assert max(plan["arguments"], plan["outputs"]) <= plan["peak"] <= parts
