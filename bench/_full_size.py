@@ -6,8 +6,9 @@ squared error on the velocity with respect to every weight) or the **whole step 
 (`adamw`: the same gradient, the optimizer's update and the new weights; LoRA adapters of rank
 32 on every attention projection, or every weight). Reported per row: milliseconds (median of
 `--calls` calls after one warm-up), **MFU** (model FLOPs per second over the chip's peak), the
-compiled plan's memory and the device's peak memory. (XLA's own cost analysis counts a loop
-body once, so it says nothing of a scanned model's FLOPs.)
+compiled plan's memory with the compiler's own peak (`plan_gib`), and the device allocator's
+high-water mark in the process so far. (XLA's own cost analysis counts a loop body once, so it
+says nothing of a scanned model's FLOPs.)
 
 Model FLOPs are `3 x` the forward's matmul FLOPs, counted from the forward's jaxpr with plain
 attention (every `dot_general` at its shapes, as often as it runs: the model's function, the
