@@ -201,7 +201,7 @@ def model_flops(row: Row) -> float:
     return 3.0 * dot_flops(dot_generals(jax.make_jaxpr(_velocity)(model, x, t, cond).jaxpr))
 
 
-def _concrete(tree: Any) -> Any:
+def random_arguments(tree: Any) -> Any:
     """Random arrays for an abstract tree (bfloat16 weights around 0.02, inputs normal)."""
     leaves, treedef = jax.tree.flatten(tree)
 
@@ -292,7 +292,7 @@ def measure(
     if sharding is not None:
         log(f"{row.name}: {json.dumps(result)}")
         return result
-    concrete = _concrete(args)
+    concrete = random_arguments(args)
     jax.block_until_ready(compiled(*concrete))  # type: ignore[no-untyped-call]
     times = []
     for _ in range(calls):

@@ -1,0 +1,143 @@
+"""`tools.tpu.op_sources`: a profiled step's ops grouped by the JAX operation that made them,
+per pass, from the compiled program's metadata."""
+
+import gzip
+import json
+
+import pytest
+
+from tools.tpu.op_sources import capture, instruction_metadata, jax_operation, main, summarise
+
+
+# The shape of a TPU program's text (abridged from a compiled SD3.5 step): the same JAX
+# operation in the forward and in remat's recomputation, a padding inside the splash
+# wrapper's TPU branch, a multi-output fusion of the backward, a kernel's custom call with
+# no metadata, and a loop.
+FORWARD = "jit(train)/jvp(vmap())/while/body/closed_call/"
+BACKWARD = "jit(train)/transpose(jvp(vmap()))/while/body/closed_call/"
+INSTRUCTIONS = [
+    "%pad.7 = bf16[8,24,1536,64]{3,2,1,0:T(8,128)(2,1)} pad(%a, %z), padding=0_0x0_0x0_179x0_0, "
+    f'metadata={{op_name="{FORWARD}cond/branch_0_fun/jit(_pad)/pad" source_line=191}}',
+    "%copy.2 = f32[8,1024,24,64]{3,1,2,0:T(8,128)} copy(%b), metadata={op_name="
+    f'"{BACKWARD}checkpoint/rematted_computation/convert_element_type" source_line=78}}',
+    "%copy.4 = f32[8,1024,24,64]{3,1,2,0:T(8,128)} copy(%c), "
+    f'metadata={{op_name="{FORWARD}convert_element_type" source_line=78}}',
+    "%fusion.3 = (f32[8]{0}, bf16[8,64]{1,0}) fusion(%d), kind=kLoop, calls=%f, "
+    f'metadata={{op_name="{BACKWARD}reduce_sum"}}',
+    "%splash_mha_fwd_residuals.64 = (f32[8,512,128]{2,1,0:T(8,128)}, "
+    'bf16[8,24,1536,64]{3,2,1,0}) custom-call(%pad.7), custom_call_target="tpu_custom_call"',
+    "ROOT %while.9 = (s32[], bf16[8,64]{1,0}) while(%e), condition=%c, body=%b",
+]
+PROGRAM = (
+    "HloModule jit_train, is_scheduled=true\n\n"
+    "ENTRY %main.5 (x.1: bf16[8,64]) -> f32[8] {\n"
+    + "".join(f"  {line}\n" for line in INSTRUCTIONS)
+    + "}\n"
+)
+
+OPS = [
+    {"op": "pad.7", "ms": 2.0, "kind": "other"},
+    {"op": "copy.2", "ms": 3.0, "kind": "copies and transposes"},
+    {"op": "copy.4", "ms": 1.0, "kind": "copies and transposes"},
+    {"op": "fusion.3", "ms": 1.5, "kind": "reductions"},
+    {"op": "splash_mha_fwd_residuals.64", "ms": 5.0, "kind": "fused attention (Pallas kernels)"},
+    {"op": "while.9", "ms": 100.0, "kind": "loops"},
+]
+
+
+def test_each_instruction_has_its_result_type_and_op_name():
+    metadata = instruction_metadata(PROGRAM)
+    assert metadata["pad.7"] == (
+        "bf16",
+        f"{FORWARD}cond/branch_0_fun/jit(_pad)/pad",
+    )
+    assert metadata["copy.2"][0] == "f32"
+    assert metadata["fusion.3"] == ("tuple", f"{BACKWARD}reduce_sum")
+    assert metadata["splash_mha_fwd_residuals.64"] == ("tuple", "")
+
+
+@pytest.mark.parametrize(
+    ("op_name", "expected"),
+    [
+        ("jit(train)/jvp(vmap())/while/body/closed_call/mul", ("forward", "mul")),
+        (
+            "jit(train)/transpose(jvp(vmap()))/while/body/closed_call/checkpoint/"
+            "rematted_computation/cond/branch_0_fun/transpose",
+            ("recomputed", "cond/branch_0_fun/transpose"),
+        ),
+        (
+            "jit(train)/transpose(jvp(vmap()))/while/body/closed_call/checkpoint/add_any",
+            ("backward", "add_any"),
+        ),
+        ("jit(train)/broadcast_in_dim", ("forward", "broadcast_in_dim")),
+    ],
+)
+def test_the_pass_and_operation_are_read_from_the_op_name(op_name, expected):
+    assert jax_operation(op_name, "fusion.1") == expected
+
+
+def test_an_op_without_an_op_name_is_named_by_its_instruction():
+    assert jax_operation("", "splash_mha_dkv_no_residuals.22") == (
+        "unnamed",
+        "[splash_mha_dkv_no_residuals]",
+    )
+
+
+def test_the_same_operation_in_two_passes_is_one_group_and_loops_are_left_out():
+    rows = summarise(OPS, instruction_metadata(PROGRAM))
+    assert [(r["operation"], r["ms"]) for r in rows] == [
+        ("[splash_mha_fwd_residuals]", 5.0),
+        ("convert_element_type", 4.0),
+        ("cond/branch_0_fun/jit(_pad)/pad", 2.0),
+        ("reduce_sum", 1.5),
+    ]
+    converts = rows[1]
+    assert converts["result"] == "f32"
+    assert converts["ms_by_pass"] == {
+        "forward": 1.0,
+        "recomputed": 3.0,
+        "backward": 0.0,
+        "unnamed": 0.0,
+    }
+    assert rows[3]["ms_by_pass"]["backward"] == 1.5
+
+
+def test_summarise_prints_the_largest_groups_and_the_rest(tmp_path, capsys):
+    stem = tmp_path / "row"
+    (tmp_path / "row.ops.json").write_text(json.dumps(OPS))
+    with gzip.open(tmp_path / "row.hlo.txt.gz", "wt") as handle:
+        handle.write(PROGRAM)
+    assert main(["summarise", str(stem), "--top", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "| 5.0 | fused attention (Pallas kernels) | `[splash_mha_fwd_residuals]` |" in printed
+    assert "| 4.0 | copies and transposes | `convert_element_type` | f32 | 1.0 | 3.0 |" in printed
+    assert "4 groups, 12.5 ms per step; the 2 not shown: 3.5 ms" in printed
+
+
+def test_summarise_names_a_missing_capture(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["summarise", str(tmp_path / "absent")])
+    assert "absent.ops.json: capture the row first" in capsys.readouterr().err
+
+
+def test_capture_writes_the_program_and_the_ops_of_a_row(tmp_path, monkeypatch, capsys):
+    import jax
+    import jax.numpy as jnp
+
+    from bench import _full_size as full_size
+
+    # A small program in the row's place: the capture's steps, not the full-size model.
+    def program(row):
+        return (lambda a: jnp.tanh(a @ a).sum()), (jax.ShapeDtypeStruct((64, 64), jnp.float32),)
+
+    monkeypatch.setattr(full_size, "program", program)
+    capture("sd35m b8 splash nothing", tmp_path)
+    with gzip.open(tmp_path / "sd35m_b8_splash_nothing.hlo.txt.gz", "rt") as handle:
+        results = {result for result, _ in instruction_metadata(handle.read()).values()}
+    assert "f32" in results
+    ops = json.loads((tmp_path / "sd35m_b8_splash_nothing.ops.json").read_text())
+    if jax.default_backend() == "tpu":
+        assert ops and {"op", "ms", "calls", "kind", "thread"} <= set(ops[0])
+    else:
+        assert ops == []
+        assert "holds no device ops" in capsys.readouterr().out
