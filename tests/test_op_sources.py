@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from tools.tpu.op_sources import capture, instruction_metadata, jax_operation, main, summarise
+from tools.tpu.op_sources import (
+    by_function,
+    capture,
+    instruction_metadata,
+    jax_operation,
+    main,
+    summarise,
+)
 
 
 # The shape of a TPU program's text (abridged from a compiled SD3.5 step): the same JAX
@@ -19,18 +26,38 @@ INSTRUCTIONS = [
     "%pad.7 = bf16[8,24,1536,64]{3,2,1,0:T(8,128)(2,1)} pad(%a, %z), padding=0_0x0_0x0_179x0_0, "
     f'metadata={{op_name="{FORWARD}cond/branch_0_fun/jit(_pad)/pad" source_line=191}}',
     "%copy.2 = f32[8,1024,24,64]{3,1,2,0:T(8,128)} copy(%b), metadata={op_name="
-    f'"{BACKWARD}checkpoint/rematted_computation/convert_element_type" source_line=78}}',
+    f'"{BACKWARD}checkpoint/rematted_computation/convert_element_type" stack_frame_id=2}}',
     "%copy.4 = f32[8,1024,24,64]{3,1,2,0:T(8,128)} copy(%c), "
-    f'metadata={{op_name="{FORWARD}convert_element_type" source_line=78}}',
+    f'metadata={{op_name="{FORWARD}convert_element_type" stack_frame_id=2}}',
     "%fusion.3 = (f32[8]{0}, bf16[8,64]{1,0}) fusion(%d), kind=kLoop, calls=%f, "
-    f'metadata={{op_name="{BACKWARD}reduce_sum"}}',
+    f'metadata={{op_name="{BACKWARD}reduce_sum" stack_frame_id=3}}',
     "%splash_mha_fwd_residuals.64 = (f32[8,512,128]{2,1,0:T(8,128)}, "
     'bf16[8,24,1536,64]{3,2,1,0}) custom-call(%pad.7), custom_call_target="tpu_custom_call"',
     "ROOT %while.9 = (s32[], bf16[8,64]{1,0}) while(%e), condition=%c, body=%b",
 ]
+# The tables that number the source lines the stack frames point at.
+SOURCES = """FileNames
+1 "/work/main/flowgrpo_eqx/models/_layers.py"
+
+FunctionNames
+1 "rms_norm"
+2 "dense"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=79 end_line=79 column=2 end_column=9}
+2 {file_name_id=1 function_name_id=1 line=78 end_line=78 column=2 end_column=9}
+3 {file_name_id=1 function_name_id=2 line=120 end_line=120 column=2 end_column=9}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=1}
+
+"""
 PROGRAM = (
     "HloModule jit_train, is_scheduled=true\n\n"
-    "ENTRY %main.5 (x.1: bf16[8,64]) -> f32[8] {\n"
+    + SOURCES
+    + "ENTRY %main.5 (x.1: bf16[8,64]) -> f32[8] {\n"
     + "".join(f"  {line}\n" for line in INSTRUCTIONS)
     + "}\n"
 )
@@ -45,15 +72,17 @@ OPS = [
 ]
 
 
-def test_each_instruction_has_its_result_type_and_op_name():
+def test_each_instruction_has_its_result_type_op_name_and_source_line():
     metadata = instruction_metadata(PROGRAM)
-    assert metadata["pad.7"] == (
-        "bf16",
-        f"{FORWARD}cond/branch_0_fun/jit(_pad)/pad",
-    )
+    assert metadata["pad.7"] == ("bf16", f"{FORWARD}cond/branch_0_fun/jit(_pad)/pad", "")
     assert metadata["copy.2"][0] == "f32"
-    assert metadata["fusion.3"] == ("tuple", f"{BACKWARD}reduce_sum")
-    assert metadata["splash_mha_fwd_residuals.64"] == ("tuple", "")
+    assert metadata["copy.2"][2] == "models/_layers.py:78 rms_norm"
+    assert metadata["fusion.3"] == (
+        "tuple",
+        f"{BACKWARD}reduce_sum",
+        "models/_layers.py:120 dense",
+    )
+    assert metadata["splash_mha_fwd_residuals.64"] == ("tuple", "", "")
 
 
 @pytest.mark.parametrize(
@@ -76,11 +105,16 @@ def test_the_pass_and_operation_are_read_from_the_op_name(op_name, expected):
     assert jax_operation(op_name, "fusion.1") == expected
 
 
-def test_an_op_without_an_op_name_is_named_by_its_instruction():
-    assert jax_operation("", "splash_mha_dkv_no_residuals.22") == (
-        "unnamed",
-        "[splash_mha_dkv_no_residuals]",
-    )
+@pytest.mark.parametrize(
+    ("instruction", "name"),
+    [
+        ("splash_mha_dkv_no_residuals.22", "[splash_mha_dkv_no_residuals]"),
+        ("broadcast.245.clone", "[broadcast]"),
+        ("copy-done.3", "[copy-done]"),
+    ],
+)
+def test_an_op_without_an_op_name_is_named_by_its_instruction(instruction, name):
+    assert jax_operation("", instruction) == ("unnamed", name)
 
 
 def test_the_same_operation_in_two_passes_is_one_group_and_loops_are_left_out():
@@ -93,6 +127,7 @@ def test_the_same_operation_in_two_passes_is_one_group_and_loops_are_left_out():
     ]
     converts = rows[1]
     assert converts["result"] == "f32"
+    assert converts["source"] == "models/_layers.py:78 rms_norm"
     assert converts["ms_by_pass"] == {
         "forward": 1.0,
         "recomputed": 3.0,
@@ -110,8 +145,17 @@ def test_summarise_prints_the_largest_groups_and_the_rest(tmp_path, capsys):
     assert main(["summarise", str(stem), "--top", "2"]) == 0
     printed = capsys.readouterr().out
     assert "| 5.0 | fused attention (Pallas kernels) | `[splash_mha_fwd_residuals]` |" in printed
-    assert "| 4.0 | copies and transposes | `convert_element_type` | f32 | 1.0 | 3.0 |" in printed
+    assert (
+        "| 4.0 | copies and transposes | `convert_element_type` | f32 "
+        "| `models/_layers.py:78 rms_norm` | 1.0 | 3.0 | 0.0 | 0.0 |"
+    ) in printed
     assert "4 groups, 12.5 ms per step; the 2 not shown: 3.5 ms" in printed
+    # By function: the kernel's 5.0, then rms_norm's 4.0 (the pad has no source line and
+    # stands under its operation; the top 2 shown).
+    assert "| 5.0 | `[splash_mha_fwd_residuals]` |\n| 4.0 | `models/_layers.py rms_norm` |" in (
+        printed
+    )
+    assert "| 2.0 | `cond/branch_0_fun/jit(_pad)/pad` |" not in printed
 
 
 def test_summarise_names_a_missing_capture(tmp_path, capsys):
@@ -133,7 +177,7 @@ def test_capture_writes_the_program_and_the_ops_of_a_row(tmp_path, monkeypatch, 
     monkeypatch.setattr(full_size, "program", program)
     capture("sd35m b8 splash nothing", tmp_path)
     with gzip.open(tmp_path / "sd35m_b8_splash_nothing.hlo.txt.gz", "rt") as handle:
-        results = {result for result, _ in instruction_metadata(handle.read()).values()}
+        results = {result for result, _, _ in instruction_metadata(handle.read()).values()}
     assert "f32" in results
     ops = json.loads((tmp_path / "sd35m_b8_splash_nothing.ops.json").read_text())
     if jax.default_backend() == "tpu":
@@ -141,3 +185,23 @@ def test_capture_writes_the_program_and_the_ops_of_a_row(tmp_path, monkeypatch, 
     else:
         assert ops == []
         assert "holds no device ops" in capsys.readouterr().out
+
+
+def test_by_function_sums_every_line_of_a_function():
+    rows = summarise(
+        [*OPS, {"op": "copy.8", "ms": 0.5, "kind": "copies and transposes"}],
+        instruction_metadata(PROGRAM.replace("ROOT %while", EXTRA + "\n  ROOT %while")),
+    )
+    assert by_function(rows) == [
+        ("[splash_mha_fwd_residuals]", 5.0),
+        ("models/_layers.py rms_norm", 4.5),
+        ("cond/branch_0_fun/jit(_pad)/pad", 2.0),
+        ("models/_layers.py dense", 1.5),
+    ]
+
+
+# Another line of rms_norm (line 79, frame 1).
+EXTRA = (
+    "%copy.8 = f32[8,1024,1536]{2,1,0:T(8,128)} copy(%g), "
+    f'metadata={{op_name="{FORWARD}mul" stack_frame_id=1}}'
+)

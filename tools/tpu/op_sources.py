@@ -2,9 +2,9 @@
 
 `--profile-row` of `python -m bench.models --full-size` sums a step's device time by kind of
 XLA op (matrix products, the splash kernels, elementwise fusions, copies, reductions). This
-tool says what made each kind's ops: the JAX operation named in the compiled program's
-metadata (`op_name`), and whether it ran in the forward, the recomputed forward or the
-backward. Two steps, run from the repository's root:
+tool says what made each kind's ops: the JAX operation and the source line named in the
+compiled program's metadata (`op_name`, `stack_frame_id`), and whether it ran in the forward,
+the recomputed forward or the backward. Two steps, run from the repository's root:
 
     # on the TPU machine: DIR/ROW.hlo.txt.gz (the compiled program) and DIR/ROW.ops.json
     # (each XLA op's device ms and calls per step over three profiled steps, and its kind)
@@ -37,10 +37,50 @@ _WRAPPERS = re.compile(
 )
 
 
-def instruction_metadata(hlo_text: str) -> dict[str, tuple[str, str]]:
+def _numbered(hlo_text: str, title: str) -> dict[int, str]:
+    """The numbered lines of one of the program text's tables (`FileNames`, `FunctionNames`,
+    `FileLocations`, `StackFrames`): number to the rest of its line."""
+    lines = hlo_text.splitlines()
+    try:
+        start = lines.index(title) + 1
+    except ValueError:
+        return {}
+    table = {}
+    for line in lines[start:]:
+        entry = re.match(r"^(\d+) (.*)$", line)
+        if entry is None:
+            break
+        table[int(entry.group(1))] = entry.group(2)
+    return table
+
+
+def source_lines(hlo_text: str) -> dict[int, str]:
+    """Each stack frame of a compiled program's text by number: the source line it was
+    traced from, `file:line function` (the file's folder and name)."""
+    files = _numbered(hlo_text, "FileNames")
+    functions = _numbered(hlo_text, "FunctionNames")
+    locations = _numbered(hlo_text, "FileLocations")
+    found = {}
+    for number, frame in _numbered(hlo_text, "StackFrames").items():
+        location = re.search(r"file_location_id=(\d+)", frame)
+        place = locations.get(int(location.group(1))) if location else None
+        if place is None:
+            continue
+        ids = re.search(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)", place)
+        if ids is None:
+            continue
+        path = files.get(int(ids.group(1)), "?").strip('"').split("/")
+        function = functions.get(int(ids.group(2)), "?").strip('"')
+        found[number] = f"{'/'.join(path[-2:])}:{ids.group(3)} {function}"
+    return found
+
+
+def instruction_metadata(hlo_text: str) -> dict[str, tuple[str, str, str]]:
     """Each instruction of a compiled program's text (`Compiled.as_text()`) by name: the
-    element type of its result (`bf16`, `f32`, `tuple` for several results) and its
-    metadata's `op_name` (empty when it has none)."""
+    element type of its result (`bf16`, `f32`, `tuple` for several results), its metadata's
+    `op_name`, and the source line it was traced from (`source_lines`); empty where the
+    metadata has none."""
+    sources = source_lines(hlo_text)
     found = {}
     for line in hlo_text.splitlines():
         instruction = re.match(r"^\s*(?:ROOT )?%([\w.-]+) = (\(?)([a-z]\w*)?", line)
@@ -48,7 +88,12 @@ def instruction_metadata(hlo_text: str) -> dict[str, tuple[str, str]]:
             continue
         result = "tuple" if instruction.group(2) else (instruction.group(3) or "?")
         op_name = re.search(r'op_name="([^"]*)"', line)
-        found[instruction.group(1)] = (result, op_name.group(1) if op_name else "")
+        frame = re.search(r"stack_frame_id=(\d+)", line)
+        found[instruction.group(1)] = (
+            result,
+            op_name.group(1) if op_name else "",
+            sources.get(int(frame.group(1)), "") if frame else "",
+        )
     return found
 
 
@@ -60,7 +105,7 @@ def jax_operation(op_name: str, instruction: str) -> tuple[str, str]:
     pass, has one name. Without an `op_name`, the instruction's name without its number,
     in brackets (`[splash_mha_fwd_residuals]`)."""
     if not op_name:
-        return "unnamed", "[" + re.sub(r"\.\d+$", "", instruction) + "]"
+        return "unnamed", "[" + re.sub(r"(\.\d+|\.clone)+$", "", instruction) + "]"
     parts = op_name.split("/")
     step = parts[1:] if len(parts) > 1 else parts
     if "rematted_computation" in step:
@@ -74,10 +119,11 @@ def jax_operation(op_name: str, instruction: str) -> tuple[str, str]:
 
 
 def summarise(
-    ops: list[dict[str, Any]], metadata: dict[str, tuple[str, str]]
+    ops: list[dict[str, Any]], metadata: dict[str, tuple[str, str, str]]
 ) -> list[dict[str, Any]]:
-    """The ops' device time grouped by kind, JAX operation and result type, with each pass's
-    share, largest first. Loops (`while`), whose spans hold their bodies' ops, are left out.
+    """The ops' device time grouped by kind, JAX operation, result type and source line, with
+    each pass's share, largest first. Loops (`while`), whose spans hold their bodies' ops, are
+    left out.
 
     **Arguments:**
 
@@ -86,45 +132,63 @@ def summarise(
 
     **Returns:**
 
-    One dict a group: `kind`, `operation`, `result`, `ms` and `ms_by_pass`.
+    One dict a group: `kind`, `operation`, `result`, `source`, `ms` and `ms_by_pass`.
     """
-    groups: dict[tuple[str, str, str], dict[str, float]] = collections.defaultdict(
+    groups: dict[tuple[str, str, str, str], dict[str, float]] = collections.defaultdict(
         lambda: dict.fromkeys(PASSES, 0.0)
     )
     for op in ops:
         if op["kind"] == "loops":
             continue
-        result, op_name = metadata.get(op["op"], ("?", ""))
+        result, op_name, source = metadata.get(op["op"], ("?", "", ""))
         where, operation = jax_operation(op_name, op["op"])
-        groups[(op["kind"], operation, result)][where] += float(op["ms"])
+        groups[(op["kind"], operation, result, source)][where] += float(op["ms"])
     rows = [
         {
             "kind": kind,
             "operation": operation,
             "result": result,
+            "source": source,
             "ms": sum(by_pass.values()),
             "ms_by_pass": by_pass,
         }
-        for (kind, operation, result), by_pass in groups.items()
+        for (kind, operation, result, source), by_pass in groups.items()
     ]
     return sorted(rows, key=lambda row: -row["ms"])
 
 
+def by_function(rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """`summarise`'s groups summed by the function of their source line (`file function`,
+    every line of it; an op without a source under its operation), largest first."""
+    totals: collections.Counter[str] = collections.Counter()
+    for row in rows:
+        source = row["source"]
+        if source:
+            place, function = source.split(" ", 1)
+            totals[f"{place.rsplit(':', 1)[0]} {function}"] += row["ms"]
+        else:
+            totals[row["operation"]] += row["ms"]
+    return totals.most_common()
+
+
 def table(rows: list[dict[str, Any]], top: int) -> str:
-    """Markdown: the `top` largest groups, then a line for the rest."""
-    header = ["ms per step", "kind", "JAX operation", "result", *PASSES]
+    """Markdown: the `top` largest groups, a line for the rest, then the `top` functions
+    that made the most (`by_function`)."""
+    header = ["ms per step", "kind", "JAX operation", "result", "source", *PASSES]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows[:top]:
         passes = " | ".join(f"{row['ms_by_pass'][p]:.1f}" for p in PASSES)
         lines.append(
             f"| {row['ms']:.1f} | {row['kind']} | `{row['operation']}` | {row['result']} "
-            f"| {passes} |"
+            f"| {row['source'] and '`' + row['source'] + '`'} | {passes} |"
         )
     rest = sum(row["ms"] for row in rows[top:])
     lines.append(
         f"\n{len(rows)} groups, {sum(r['ms'] for r in rows):.1f} ms per step; "
-        f"the {max(len(rows) - top, 0)} not shown: {rest:.1f} ms"
+        f"the {max(len(rows) - top, 0)} not shown: {rest:.1f} ms\n"
     )
+    lines += ["| ms per step | made by |", "|---|---|"]
+    lines += [f"| {ms:.1f} | `{function}` |" for function, ms in by_function(rows)[:top]]
     return "\n".join(lines)
 
 
