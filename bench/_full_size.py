@@ -374,6 +374,30 @@ def fusions_with_products(hlo_text: str) -> set[str]:
     return found
 
 
+def thread_names(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], str]:
+    """The name of each thread (by process and thread id) of a `jax.profiler` trace's events."""
+    return {
+        (e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+
+
+def device_ops(events: list[dict[str, Any]], calls: int) -> dict[str, tuple[float, float]]:
+    """Each XLA op on the device's threads (`XLA Ops`) of a `jax.profiler` trace's events over
+    `calls` steps: its device milliseconds per step and its runs per step."""
+    threads = thread_names(events)
+    ms: dict[str, float] = {}
+    runs: dict[str, int] = {}
+    for event in events:
+        thread = threads.get((event.get("pid"), event.get("tid")), "")
+        if event.get("ph") == "X" and "XLA Ops" in thread:
+            op = str(event.get("name"))
+            ms[op] = ms.get(op, 0.0) + float(event.get("dur", 0.0)) / 1e3 / calls
+            runs[op] = runs.get(op, 0) + 1
+    return {op: (ms[op], runs[op] / calls) for op in ms}
+
+
 def summarise_trace(folder: str, calls: int, products: set[str] | None = None) -> dict[str, Any]:
     """A `jax.profiler` trace's device time per step, summed by kind of XLA op, the largest
     ops named. `products` (`fusions_with_products`) are counted as matmuls whatever their
@@ -383,16 +407,7 @@ def summarise_trace(folder: str, calls: int, products: set[str] | None = None) -
     from bench.models import trace_events
 
     events = trace_events(folder)
-    threads = {
-        (e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "thread_name"
-    }
-    ops: collections.Counter[str] = collections.Counter()
-    for event in events:
-        thread = threads.get((event.get("pid"), event.get("tid")), "")
-        if event.get("ph") == "X" and "XLA Ops" in thread:
-            ops[str(event.get("name"))] += float(event.get("dur", 0.0)) / 1e3 / calls
+    ops = collections.Counter({op: ms for op, (ms, _) in device_ops(events, calls).items()})
     kinds: collections.Counter[str] = collections.Counter()
     loops: collections.Counter[str] = collections.Counter()
     for name, ms in ops.items():
@@ -406,7 +421,7 @@ def summarise_trace(folder: str, calls: int, products: set[str] | None = None) -
         "device_ms_per_step_of_kinds": round(sum(kinds.values()), 2),
         "loops_ms_spanning_their_ops": {k: round(v, 2) for k, v in loops.most_common(10)},
         "largest_ops_ms": {name: round(ms, 2) for name, ms in ops.most_common(30)},
-        "threads": sorted(set(threads.values()))[:20],
+        "threads": sorted(set(thread_names(events).values()))[:20],
     }
 
 

@@ -4,7 +4,7 @@ counted as matmul time (`bench._full_size.fusions_with_products`)."""
 import jax
 import jax.numpy as jnp
 
-from bench._full_size import LOOPS, fusions_with_products, op_kind, plan_gib
+from bench._full_size import LOOPS, device_ops, fusions_with_products, op_kind, plan_gib
 
 
 # The shape of a TPU program's text (abridged from a compiled SD3.5 step): a product fused
@@ -71,3 +71,18 @@ def test_a_plans_peak_lies_between_its_largest_part_and_the_parts_sum():
     assert plan["arguments"] == plan["outputs"] == 0.25
     parts = plan["arguments"] + plan["temporaries"] + plan["outputs"]
     assert max(plan["arguments"], plan["outputs"]) <= plan["peak"] <= parts
+
+
+def test_device_ops_counts_the_device_threads_per_step():
+    # Two profiled steps: `fusion.1` ran twice a step on the device's threads (the
+    # asynchronous thread included), `copy.2` once; the host thread's event is not a device op.
+    events = [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "XLA Ops"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "Async XLA Ops"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 1, "args": {"name": "python3"}},
+        *({"ph": "X", "pid": 1, "tid": 1, "name": "fusion.1", "dur": 1500.0} for _ in range(3)),
+        {"ph": "X", "pid": 1, "tid": 2, "name": "fusion.1", "dur": 500.0},
+        *({"ph": "X", "pid": 1, "tid": 1, "name": "copy.2", "dur": 250.0} for _ in range(2)),
+        {"ph": "X", "pid": 2, "tid": 1, "name": "fusion.1", "dur": 9000.0},
+    ]
+    assert device_ops(events, calls=2) == {"fusion.1": (2.5, 2.0), "copy.2": (0.25, 1.0)}

@@ -213,38 +213,18 @@ def capture(name: str, out: pathlib.Path, steps: int = 3) -> None:
     with jax.profiler.trace(folder):
         for _ in range(steps):
             jax.block_until_ready(compiled(*arguments))
-    events = trace_events(folder)
-    threads = {
-        (e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "thread_name"
-    }
-    ms: collections.Counter[str] = collections.Counter()
-    calls: collections.Counter[str] = collections.Counter()
-    thread_of = {}
-    for event in events:
-        thread = threads.get((event.get("pid"), event.get("tid")), "")
-        if event.get("ph") == "X" and "XLA Ops" in thread:
-            op = str(event.get("name"))
-            ms[op] += float(event.get("dur", 0.0)) / 1e3 / steps
-            calls[op] += 1
-            thread_of[op] = thread
+    ops = full_size.device_ops(trace_events(folder), steps)
     products = full_size.fusions_with_products(text)
     rows = [
-        {
-            "op": op,
-            "ms": round(value, 4),
-            "calls": calls[op] / steps,
-            "kind": full_size.op_kind(op, products),
-            "thread": thread_of[op],
-        }
-        for op, value in ms.most_common()
+        {"op": op, "ms": round(ms, 4), "calls": runs, "kind": full_size.op_kind(op, products)}
+        for op, (ms, runs) in sorted(ops.items(), key=lambda item: -item[1][0])
     ]
     pathlib.Path(f"{stem}.ops.json").write_text(json.dumps(rows))
     if not rows:
         print(f"{name}: the trace holds no device ops ('XLA Ops' threads): run it on a TPU")
         return
-    print(f"{name}: {len(rows)} ops, {sum(ms.values()):.1f} ms per step with the loops' spans")
+    total = sum(row["ms"] for row in rows)
+    print(f"{name}: {len(rows)} ops, {total:.1f} ms per step with the loops' spans")
 
 
 def main(argv: list[str] | None = None) -> int:
