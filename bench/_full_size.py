@@ -309,9 +309,7 @@ def measure(
             with jax.profiler.trace(profile_folder):
                 for _ in range(3):
                     jax.block_until_ready(compiled(*concrete))  # type: ignore[no-untyped-call]
-            result["profile"] = summarise_trace(
-                profile_folder, 3, fusions_with_products(compiled.as_text())
-            )
+            result["profile"] = summarise_trace(profile_folder, 3, compiled.as_text())
         except Exception as error:  # noqa: BLE001 - the timing stands without the profile
             result["profile"] = f"failed: {error}"
     log(f"{row.name}: {json.dumps(result)}")
@@ -398,27 +396,49 @@ def device_ops(events: list[dict[str, Any]], calls: int) -> dict[str, tuple[floa
     return {op: (ms[op], runs[op] / calls) for op in ms}
 
 
-def summarise_trace(folder: str, calls: int, products: set[str] | None = None) -> dict[str, Any]:
-    """A `jax.profiler` trace's device time per step, summed by kind of XLA op, the largest
-    ops named. `products` (`fusions_with_products`) are counted as matmuls whatever their
-    names say."""
+def summarise_trace(folder: str, calls: int, program_text: str) -> dict[str, Any]:
+    """A `jax.profiler` trace's device time per step, summed by kind of XLA op and by the
+    function of the model that made the ops (`bench._op_sources.by_function`), the largest
+    ops named.
+
+    **Arguments:**
+
+    - `folder`: where the trace of `calls` steps was written.
+    - `calls`: how many steps it holds.
+    - `program_text`: the compiled program's text (`Compiled.as_text()`): its fusions that
+        hold a matrix product count as matmuls whatever their names say
+        (`fusions_with_products`), and its metadata names each op's source line.
+
+    **Returns:**
+
+    The summary, a dict for the row's JSON.
+    """
     import collections
 
+    from bench._op_sources import by_function, instruction_metadata, summarise
     from bench.models import trace_events
 
     events = trace_events(folder)
+    products = fusions_with_products(program_text)
     ops = collections.Counter({op: ms for op, (ms, _) in device_ops(events, calls).items()})
     kinds: collections.Counter[str] = collections.Counter()
     loops: collections.Counter[str] = collections.Counter()
     for name, ms in ops.items():
-        kind = op_kind(name, products or set())
+        kind = op_kind(name, products)
         if kind == LOOPS:
             loops[name] += ms
         else:
             kinds[kind] += ms
+    groups = summarise(
+        [{"op": name, "ms": ms, "kind": op_kind(name, products)} for name, ms in ops.items()],
+        instruction_metadata(program_text),
+    )
     return {
         "device_ms_per_step_by_kind": {k: round(v, 2) for k, v in kinds.most_common()},
         "device_ms_per_step_of_kinds": round(sum(kinds.values()), 2),
+        "device_ms_per_step_by_function": {
+            function: round(ms, 2) for function, ms in by_function(groups)[:15]
+        },
         "loops_ms_spanning_their_ops": {k: round(v, 2) for k, v in loops.most_common(10)},
         "largest_ops_ms": {name: round(ms, 2) for name, ms in ops.most_common(30)},
         "threads": sorted(set(thread_names(events).values()))[:20],

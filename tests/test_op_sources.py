@@ -1,19 +1,13 @@
-"""`tools.tpu.op_sources`: a profiled step's ops grouped by the JAX operation that made them,
-per pass, from the compiled program's metadata."""
+"""`bench._op_sources` and `tools.tpu.op_sources`: a profiled step's ops grouped by the JAX
+operation and source line that made them, per pass, from the compiled program's metadata."""
 
 import gzip
 import json
 
 import pytest
 
-from tools.tpu.op_sources import (
-    by_function,
-    capture,
-    instruction_metadata,
-    jax_operation,
-    main,
-    summarise,
-)
+from bench._op_sources import by_function, instruction_metadata, jax_operation, summarise
+from tools.tpu.op_sources import capture, main
 
 
 # The shape of a TPU program's text (abridged from a compiled SD3.5 step): the same JAX
@@ -205,3 +199,29 @@ EXTRA = (
     "%copy.8 = f32[8,1024,1536]{2,1,0:T(8,128)} copy(%g), "
     f'metadata={{op_name="{FORWARD}mul" stack_frame_id=1}}'
 )
+
+
+def test_the_bench_profile_sums_the_trace_by_kind_and_by_function(tmp_path):
+    from bench._full_size import summarise_trace
+
+    # A trace of two steps on the device's thread, as jax.profiler writes it.
+    thread = {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "XLA Ops"}}
+    spans = {"copy.2": 3000.0, "copy.4": 1000.0, "fusion.3": 1500.0, "while.9": 9000.0}
+    events = [thread] + [
+        {"ph": "X", "pid": 1, "tid": 1, "name": op, "dur": us / 2}
+        for op, us in spans.items()
+        for _ in range(2)
+    ]
+    (tmp_path / "plugins").mkdir()
+    with gzip.open(tmp_path / "plugins" / "host.trace.json.gz", "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    summary = summarise_trace(str(tmp_path), 2, PROGRAM)
+    assert summary["device_ms_per_step_by_kind"] == {
+        "copies and transposes": 2.0,
+        "elementwise fusions": 0.75,
+    }
+    assert summary["device_ms_per_step_by_function"] == {
+        "models/_layers.py rms_norm": 2.0,
+        "models/_layers.py dense": 0.75,
+    }
+    assert summary["loops_ms_spanning_their_ops"] == {"while.9": 4.5}
