@@ -36,6 +36,7 @@ import optax
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import Flux, MMDiT, Wan
 
+from ._op_sources import LOOPS
 from ._timing import log
 
 
@@ -443,11 +444,6 @@ def summarise_trace(folder: str, calls: int, program_text: str) -> dict[str, Any
         "largest_ops_ms": {name: round(ms, 2) for name, ms in ops.most_common(30)},
         "threads": sorted(set(thread_names(events).values()))[:20],
     }
-
-
-LOOPS = "loops"
-"""The kind of a `while` or `conditional` op: its span holds the ops of its body, each counted
-under its own kind, so a summary leaves it out of the kinds' sum."""
 
 
 def op_kind(name: str, products: set[str]) -> str:

@@ -11,6 +11,10 @@ import re
 from typing import Any
 
 
+LOOPS = "loops"
+"""The kind of a `while` or `conditional` op (`bench._full_size.op_kind`): its span holds the
+ops of its body, each counted under its own kind, so a summary leaves it out."""
+
 PASSES = ("forward", "recomputed", "backward", "unnamed")
 """Where an op runs in a training step: the forward, the forward recomputed for the backward
 (remat), or the backward; `unnamed` for an op without an `op_name` (a kernel's custom call,
@@ -123,7 +127,7 @@ def summarise(
         lambda: dict.fromkeys(PASSES, 0.0)
     )
     for op in ops:
-        if op["kind"] == "loops":
+        if op["kind"] == LOOPS:
             continue
         result, op_name, source = metadata.get(op["op"], ("?", "", ""))
         where, operation = jax_operation(op_name, op["op"])
