@@ -250,6 +250,12 @@ def _peak_memory() -> int | None:
     return None if peak is None else int(peak)
 
 
+def device_peak_tflops(device: jax.Device) -> float:
+    """The device kind's published bf16 peak (`PEAK_TFLOPS`), or for a kind not listed what a
+    large bf16 matmul reaches on it (`matmul_tflops`)."""
+    return PEAK_TFLOPS.get(device.device_kind, 0.0) or matmul_tflops()
+
+
 def matmul_tflops(size: int = 8192, calls: int = 10) -> float:
     """A `size`-cubed bf16 matmul's TFLOP/s on this device (mean of `calls`)."""
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
@@ -422,16 +428,16 @@ def summarise_trace(folder: str, calls: int, program_text: str) -> dict[str, Any
     events = trace_events(folder)
     products = fusions_with_products(program_text)
     ops = collections.Counter({op: ms for op, (ms, _) in device_ops(events, calls).items()})
+    kind_of = {name: op_kind(name, products) for name in ops}
     kinds: collections.Counter[str] = collections.Counter()
     loops: collections.Counter[str] = collections.Counter()
     for name, ms in ops.items():
-        kind = op_kind(name, products)
-        if kind == LOOPS:
+        if kind_of[name] == LOOPS:
             loops[name] += ms
         else:
-            kinds[kind] += ms
+            kinds[kind_of[name]] += ms
     groups = summarise(
-        [{"op": name, "ms": ms, "kind": op_kind(name, products)} for name, ms in ops.items()],
+        [{"op": name, "ms": ms, "kind": kind_of[name]} for name, ms in ops.items()],
         instruction_metadata(program_text),
     )
     return {
@@ -543,7 +549,7 @@ def run(which: str, calls: int, topology: str | None, profile: str | None) -> di
         report["compiled_for"] = f"{device.device_kind} (one chip, ahead of time)"
     else:
         device = jax.devices()[0]
-        peak = PEAK_TFLOPS.get(device.device_kind, 0.0) or matmul_tflops()
+        peak = device_peak_tflops(device)
         report["device"] = device.device_kind
         report["peak_tflops"] = peak
         report["matmul_tflops_8192"] = round(matmul_tflops(), 1)

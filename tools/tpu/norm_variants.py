@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(f"--row: {error}")
     device = jax.devices()[0]
-    peak = full_size.PEAK_TFLOPS.get(device.device_kind, 0.0) or full_size.matmul_tflops()
+    peak = full_size.device_peak_tflops(device)
     report: dict[str, Any] = {"jax": jax.__version__, "device": device.device_kind}
     for name, norm in VARIANTS.items():
         folder = tempfile.mkdtemp(prefix=f"flowgrpo-{name}-") if args.profile else None
