@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._init import init_linears, ones, zero_linear
-from ._layers import dense, layer_norm, modulate, rms_norm, time_features
+from ._layers import dense, head_rms_norm, layer_norm, modulate, time_features
 
 
 TIME_FEATURES = 256
@@ -76,13 +76,10 @@ class JointAttention(eqx.Module):
         """The queries, keys and values of the (already modulated) tokens, split into heads."""
         seq, width = h.shape
 
-        def heads(linear: eqx.nn.Linear) -> Float[Array, "S heads head_dim"]:
-            return dense(linear, h).reshape(seq, self.heads, width // self.heads)
-
-        q, k, v = heads(self.q), heads(self.k), heads(self.v)
+        q, k, v = dense(self.q, h), dense(self.k, h), dense(self.v, h)
         if self.norm_q is not None and self.norm_k is not None:
-            q, k = rms_norm(q, self.norm_q), rms_norm(k, self.norm_k)
-        return jnp.stack([q, k, v])
+            q, k = head_rms_norm(q, self.norm_q), head_rms_norm(k, self.norm_k)
+        return jnp.stack([q, k, v]).reshape(3, seq, self.heads, width // self.heads)
 
 
 @final
