@@ -14,6 +14,7 @@ from .._misc import check_int
 from ._init import init_linears, uniform_arrays, zero_linear
 from ._layers import (
     QKV,
+    WEIGHT_PRODUCT,
     Attention,
     AttentionSettings,
     check_inputs,
@@ -91,7 +92,7 @@ class _DiTBlock(eqx.Module):
         # Project straight to head-major `[3, heads, S, head_dim]` (no transposes of activations).
         weight = self.qkv.weight.reshape(3, self.heads, head_dim, width)
         bias = self.qkv.bias.reshape(3, self.heads, 1, head_dim)
-        qkv = named(jnp.einsum("sd,thed->thse", h, weight) + bias, QKV)
+        qkv = named(named(jnp.einsum("sd,thed->thse", h, weight), WEIGHT_PRODUCT) + bias, QKV)
         if attention.kind == "xla":
             # The DiT's own plain form, head-major throughout (the demo's programs).
             q = qkv[0] * (1 / math.sqrt(head_dim))
@@ -124,7 +125,7 @@ class _DiTBlock(eqx.Module):
 
         The updated tokens, `[S, D]`.
         """
-        mod = self.modulation(jax.nn.silu(c))
+        mod = named(self.modulation(jax.nn.silu(c)), WEIGHT_PRODUCT)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = jnp.split(mod, 6)
         attended = self._attention(modulate(layer_norm(h), shift_a, scale_a), attention)
         h = h + gate_a[None, :] * attended

@@ -153,7 +153,7 @@ def dense(linear: eqx.nn.Linear, h: Float[Array, "S I"]) -> Float[Array, "S O"]:
 
     (`jax.vmap(linear)` gives an `[O, S]` matmul and a transpose, which is slower on CPU.)
     """
-    out = h @ linear.weight.T
+    out = named(h @ linear.weight.T, WEIGHT_PRODUCT)
     if linear.bias is not None:
         out = out + linear.bias[None, :]
     return out
@@ -305,6 +305,11 @@ def named(x: _Named, name: str) -> _Named:
 QKV = "qkv"
 """The name (`jax.ad_checkpoint.checkpoint_name`) of an attention's queries, keys and values,
 which a remat policy may save (`Remat`'s `"qkv"` and `"attention"`)."""
+
+WEIGHT_PRODUCT = "weight_product"
+"""The name of a product of activations with a weight matrix (before its bias), which
+`Remat`'s `"dots"` saves: every other product (attention's, the query-key norm's
+block-diagonal sums in `head_rms_norm`) is recomputed in the backward pass."""
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

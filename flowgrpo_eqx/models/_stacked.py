@@ -18,7 +18,7 @@ import numpy as np
 
 from .._distributed import gather_weights
 from .._misc import check_bool
-from ._layers import QKV, Attention, AttentionSettings, SequenceStrategy
+from ._layers import QKV, WEIGHT_PRODUCT, Attention, AttentionSettings, SequenceStrategy
 from ._splash import ATTENTION_RESIDUALS
 
 
@@ -30,8 +30,8 @@ rest is recomputed there):
 - `"qkv"`: every attention's queries, keys and values (after their projections and norms);
 - `"attention"`: those and each attention's result (with `attention="splash"` also its
     softmax statistics), so the backward recomputes the token-wise layers but no attention;
-- `"dots"`: the output of every matmul with a weight (attention's scores and weighted sums
-    are recomputed);
+- `"dots"`: the output of every matmul with a weight (named `WEIGHT_PRODUCT`); attention's
+    scores and weighted sums, and the query-key norm's own products, are recomputed;
 - `None`: whatever XLA keeps (no rematerialisation).
 
 `docs/accelerators.md` gives each one's memory and speed for SD3.5-Medium on a TPU."""
@@ -60,9 +60,10 @@ def remat_policy(remat: Remat) -> Any:
     if remat == "attention":
         return jax.checkpoint_policies.save_only_these_names(QKV, ATTENTION_RESIDUALS)
     if remat == "dots":
-        # Under the library's vmap over rows a weight matmul has no batch dimension, and
-        # the attention's query-key products have one: this keeps the former only.
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        # By name, not by JAX's `dots_with_no_batch_dims_saveable`: that also keeps the
+        # query-key norm's block-diagonal products, `[S, width]` in float32 each, which took
+        # SD3.5-Medium's LoRA step at batch 8 over a TPU v5e's memory.
+        return jax.checkpoint_policies.save_only_these_names(WEIGHT_PRODUCT)
     return None
 
 
