@@ -7,24 +7,12 @@ import jax
 import numpy as np
 
 from flowgrpo_eqx.models import MMDiT, _joint
+from tests.tiny_mmdit import SD35_SHAPED, batch_of_two
 from tools.tpu.norm_variants import joint_attention_norm, split_heads_rms_norm
 
 
 def test_swapped_into_a_model_it_computes_the_same_velocity_and_is_put_back():
-    model = MMDiT(
-        image_size=8,
-        channels=4,
-        patch=2,
-        depth=2,
-        width=32,
-        heads=2,
-        context_length=3,
-        context_dim=12,
-        pooled_dim=10,
-        qk_norm="rms_norm",
-        dual_attention_layers=(0,),
-        key=jax.random.key(0),
-    )
+    model = MMDiT(**SD35_SHAPED, key=jax.random.key(0))
     params, static = eqx.partition(model, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -32,13 +20,7 @@ def test_swapped_into_a_model_it_computes_the_same_velocity_and_is_put_back():
         p + 0.1 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys, strict=True)
     ]
     model = eqx.combine(jax.tree.unflatten(treedef, noisy), static)
-    rng = np.random.default_rng(2)
-    x = rng.standard_normal((2, 8, 8, 4)).astype(np.float32)
-    t = rng.uniform(size=(2,)).astype(np.float32)
-    cond = {
-        "context": rng.standard_normal((2, 3, 12)).astype(np.float32),
-        "pooled": rng.standard_normal((2, 10)).astype(np.float32),
-    }
+    x, t, cond = batch_of_two(2)
 
     def velocity() -> np.ndarray:
         return np.asarray(jax.jit(jax.vmap(model))(x, t, cond))

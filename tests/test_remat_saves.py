@@ -12,41 +12,23 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from flowgrpo_eqx.models import MMDiT
+from tests.tiny_mmdit import SD35_SHAPED, batch_of_two
 
 
 _RESIDUAL = re.compile(r"^(\w+\[[\d,]*\]) (.*)$")
 
-SIZES = dict(
-    image_size=8,
-    channels=4,
-    patch=2,
-    depth=2,
-    width=32,
-    heads=2,
-    context_length=3,
-    context_dim=12,
-    pooled_dim=10,
-    dual_attention_layers=(0,),
-    remat="dots",
-)
+SIZES = {**SD35_SHAPED, "remat": "dots"}
 
 
 def _saved(model: Any) -> collections.Counter[str]:
     """The types (`f32[2,16,32]`) of what the value-and-gradient of a batch of two keeps
     for its backward pass, each with its count, the arguments left out."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((2, 8, 8, 4)), jnp.float32)
-    t = jnp.asarray([0.3, 0.7], jnp.float32)
-    cond = {
-        "context": jnp.asarray(rng.standard_normal((2, 3, 12)), jnp.float32),
-        "pooled": jnp.asarray(rng.standard_normal((2, 10)), jnp.float32),
-    }
+    x, t, cond = batch_of_two(0)
 
     def value(params: Any) -> jax.Array:
         return jnp.sum(jnp.sin(jax.vmap(eqx.combine(params, static))(x, t, cond)))
@@ -65,22 +47,15 @@ def _saved(model: Any) -> collections.Counter[str]:
 
 @pytest.mark.parametrize("stacked", [True, False])
 def test_dots_saves_nothing_for_the_query_key_norm(stacked: bool) -> None:
-    with_norm = _saved(MMDiT(**SIZES, qk_norm="rms_norm", stacked=stacked, key=jax.random.key(0)))
-    without = _saved(MMDiT(**SIZES, qk_norm=None, stacked=stacked, key=jax.random.key(0)))
+    with_norm = _saved(MMDiT(**SIZES, stacked=stacked, key=jax.random.key(0)))
+    without = _saved(MMDiT(**{**SIZES, "qk_norm": None}, stacked=stacked, key=jax.random.key(0)))
     assert with_norm == without
 
 
 def test_dots_saves_the_weight_products_and_nothing_saves_none_of_them() -> None:
-    dots = _saved(MMDiT(**SIZES, qk_norm="rms_norm", stacked=False, key=jax.random.key(0)))
+    dots = _saved(MMDiT(**SIZES, stacked=False, key=jax.random.key(0)))
     # Each block's image queries, keys and values, `[2 rows, 16 tokens, 32]`, three per
     # attention: the joint one in both blocks and block 0's second attention.
     assert dots["f32[2,16,32]"] >= 3 * 3
-    nothing = _saved(
-        MMDiT(
-            **{**SIZES, "remat": "nothing"},
-            qk_norm="rms_norm",
-            stacked=False,
-            key=jax.random.key(0),
-        )
-    )
+    nothing = _saved(MMDiT(**{**SIZES, "remat": "nothing"}, stacked=False, key=jax.random.key(0)))
     assert nothing["f32[2,16,32]"] < dots["f32[2,16,32]"]
