@@ -2,24 +2,16 @@
 swapped into a model for the library's, computes the same velocity (the library's against a
 float64 statement: `tests/test_head_rms_norm.py`)."""
 
-import equinox as eqx
 import jax
 import numpy as np
 
 from flowgrpo_eqx.models import MMDiT, _joint
-from tests.tiny_mmdit import SD35_SHAPED, batch_of_two
+from tests.tiny_models import SD35_SHAPED, batch_of_two, perturbed
 from tools.tpu.norm_variants import joint_attention_norm, split_heads_rms_norm
 
 
 def test_swapped_into_a_model_it_computes_the_same_velocity_and_is_put_back():
-    model = MMDiT(**SD35_SHAPED, key=jax.random.key(0))
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    noisy = [
-        p + 0.1 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys, strict=True)
-    ]
-    model = eqx.combine(jax.tree.unflatten(treedef, noisy), static)
+    model = perturbed(MMDiT(**SD35_SHAPED, key=jax.random.key(0)))
     x, t, cond = batch_of_two(2)
 
     def velocity() -> np.ndarray:

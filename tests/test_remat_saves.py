@@ -16,7 +16,7 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from flowgrpo_eqx.models import MMDiT
-from tests.tiny_mmdit import SD35_SHAPED, batch_of_two
+from tests.tiny_models import SD35_SHAPED, batch_of_two
 
 
 _RESIDUAL = re.compile(r"^(\w+\[[\d,]*\]) (.*)$")

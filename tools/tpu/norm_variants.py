@@ -16,17 +16,15 @@ the library's norm and with each variant, in one process (`--profile` adds each 
 profile, with the time by the function that made the ops). Compare the variants' `ms`.
 """
 
-import argparse
 import contextlib
-import json
+import functools
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import jax
 
 from flowgrpo_eqx.models._layers import rms_norm
+from tools.tpu._compare import compare
 
 
 def split_heads_rms_norm(h: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -60,32 +58,10 @@ def joint_attention_norm(norm: Callable[..., jax.Array] | None) -> Iterator[None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tools.tpu.norm_variants",
-        description=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--row", default="sd35m b8 splash nothing", help="a full-size row")
-    parser.add_argument("--calls", type=int, default=5, help="timed calls per variant (5)")
-    parser.add_argument("--profile", action="store_true", help="profile each variant too")
-    args = parser.parse_args(argv)
-    if args.calls < 1:
-        parser.error(f"--calls must be a positive number, got {args.calls}")
-    from bench import _full_size as full_size
-
-    try:
-        (row,) = full_size.rows(args.row)
-    except ValueError as error:
-        parser.error(f"--row: {error}")
-    device = jax.devices()[0]
-    peak = full_size.device_peak_tflops(device)
-    report: dict[str, Any] = {"jax": jax.__version__, "device": device.device_kind}
-    for name, norm in VARIANTS.items():
-        folder = tempfile.mkdtemp(prefix=f"flowgrpo-{name}-") if args.profile else None
-        with joint_attention_norm(norm):
-            report[name] = full_size.measure(row, args.calls, None, peak, folder)
-    print(json.dumps(report, indent=1))
-    return 0
+    variants = {
+        name: functools.partial(joint_attention_norm, norm) for name, norm in VARIANTS.items()
+    }
+    return compare("python -m tools.tpu.norm_variants", __doc__ or "", variants, argv)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""A tiny SD3.5-shaped MMDiT that the tests of the query-key norm share, and a batch of two
-inputs for it."""
+"""What the tests of the attention's variants share: a tiny SD3.5-shaped MMDiT, a batch of
+two inputs for it, and a model moved off its initialisation."""
 
 from typing import Any
 
+import equinox as eqx
+import jax
 import numpy as np
 
 
@@ -33,3 +35,15 @@ def batch_of_two(seed: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarra
         "pooled": rng.standard_normal((2, 10)).astype(np.float32),
     }
     return x, t, cond
+
+
+def perturbed(model: Any) -> Any:
+    """`model` with every float leaf moved by a fixed draw of scale 0.1, its
+    zero-initialised layers too (so that every path of the model reaches the velocity)."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    moved = [
+        p + 0.1 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys, strict=True)
+    ]
+    return eqx.combine(jax.tree.unflatten(treedef, moved), static)

@@ -1,0 +1,60 @@
+"""What the variant experiments (`tools/tpu/norm_variants.py`, `tools/tpu/joint_layout.py`)
+share: a full-size row of the bench measured once per variant, in one process, each variant
+a context within which the model is traced its way."""
+
+import argparse
+import json
+import tempfile
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import jax
+
+
+Variant = Callable[[], AbstractContextManager[Any]]
+"""A variant: a function that makes the context within which the row is traced and run."""
+
+
+def compare(prog: str, doc: str, variants: dict[str, Variant], argv: list[str] | None) -> int:
+    """Parse `argv` (`--row`, `--calls`, `--profile`), measure the row under each of
+    `variants` in turn (`bench._full_size.measure`) and print one JSON object: the JAX
+    version, the device, and each variant's measurement by its name.
+
+    **Arguments:**
+
+    - `prog`: the command's name in its usage line.
+    - `doc`: the module's docstring; what follows its first paragraph is the help text.
+    - `variants`: the contexts to measure in, by name, in the order to measure them.
+    - `argv`: the arguments (`None`: the command line's).
+
+    **Returns:**
+
+    0; a bad argument exits with argparse's usage error, naming it.
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=doc.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--row", default="sd35m b8 splash nothing", help="a full-size row")
+    parser.add_argument("--calls", type=int, default=5, help="timed calls per variant (5)")
+    parser.add_argument("--profile", action="store_true", help="profile each variant too")
+    args = parser.parse_args(argv)
+    if args.calls < 1:
+        parser.error(f"--calls must be a positive number, got {args.calls}")
+    from bench import _full_size as full_size
+
+    try:
+        (row,) = full_size.rows(args.row)
+    except ValueError as error:
+        parser.error(f"--row: {error}")
+    device = jax.devices()[0]
+    peak = full_size.device_peak_tflops(device)
+    report: dict[str, Any] = {"jax": jax.__version__, "device": device.device_kind}
+    for name, variant in variants.items():
+        folder = tempfile.mkdtemp(prefix=f"flowgrpo-{name}-") if args.profile else None
+        with variant():
+            report[name] = full_size.measure(row, args.calls, None, peak, folder)
+    print(json.dumps(report, indent=1))
+    return 0
