@@ -6,8 +6,9 @@ import jax
 import numpy as np
 
 from flowgrpo_eqx.models import MMDiT, _joint
+from flowgrpo_eqx.models._layers import rms_norm
 from tests.tiny_models import SD35_SHAPED, batch_of_two, perturbed
-from tools.tpu.norm_variants import joint_attention_norm, split_heads_rms_norm
+from tools.tpu.norm_variants import joint_attention_norm
 
 
 def test_swapped_into_a_model_it_computes_the_same_velocity_and_is_put_back():
@@ -19,8 +20,8 @@ def test_swapped_into_a_model_it_computes_the_same_velocity_and_is_put_back():
 
     library = velocity()
     assert np.abs(library).max() > 1e-2
-    with joint_attention_norm(split_heads_rms_norm):
-        assert _joint.head_rms_norm is split_heads_rms_norm
+    with joint_attention_norm(rms_norm):
+        assert _joint.head_rms_norm is rms_norm
         swapped = velocity()
-    assert _joint.head_rms_norm is not split_heads_rms_norm
+    assert _joint.head_rms_norm is not rms_norm
     np.testing.assert_allclose(swapped, library, rtol=1e-5, atol=1e-5)

@@ -76,10 +76,13 @@ class JointAttention(eqx.Module):
         """The queries, keys and values of the (already modulated) tokens, split into heads."""
         seq, width = h.shape
 
-        q, k, v = dense(self.q, h), dense(self.k, h), dense(self.v, h)
+        def heads(linear: eqx.nn.Linear) -> Float[Array, "S heads head_dim"]:
+            return dense(linear, h).reshape(seq, self.heads, width // self.heads)
+
+        q, k, v = heads(self.q), heads(self.k), heads(self.v)
         if self.norm_q is not None and self.norm_k is not None:
             q, k = head_rms_norm(q, self.norm_q), head_rms_norm(k, self.norm_k)
-        return jnp.stack([q, k, v]).reshape(3, seq, self.heads, width // self.heads)
+        return jnp.stack([q, k, v])
 
 
 @final

@@ -83,41 +83,39 @@ def rms_norm(
     return out
 
 
-def head_rms_norm(
-    h: Float[Array, "S W"], weight: Float[Array, " head_dim"], eps: float = 1e-6
-) -> Float[Array, "S W"]:
-    """`rms_norm` of each head's features in every row of `h`, the heads side by side
-    (`W = heads x head_dim`), each head with the same `weight`: diffusers'
-    `RMSNorm(head_dim, eps)` of the queries or keys split into heads (SD3's and FLUX's
-    `norm_q`, `norm_k`), statistics and scaling in float32, then the weight in its dtype.
+def head_rms_norm(h: Heads, weight: Float[Array, " head_dim"], eps: float = 1e-6) -> Heads:
+    """`rms_norm` of each head of `h`, `[S, heads, head_dim]`, with `weight`, `[head_dim]`:
+    diffusers' `RMSNorm(head_dim, eps)` of the queries or keys split into heads (SD3's and
+    FLUX's `norm_q`, `norm_k`), statistics and scaling in float32, then the weight in its
+    dtype.
 
-    Computed on `h`'s own `[S, W]` layout: each head's mean square, and the spreading of its
-    scale back over the head's features, are products with a block-diagonal 0/1 matrix at
-    `"highest"` precision (float32 to the last bits). Splitting SD3's 64-wide heads apart
-    leaves a TPU half-empty 128-lane rows to copy and reduce: on a TPU v5e the split form
-    took 128 ms of SD3.5-Medium's 1,136 ms training step, this one 43 ms of 1,024
-    (`docs/accelerators.md`).
+    Computed on the `[S, heads x head_dim]` layout the projections give: each head's mean
+    square, and the spreading of its scale back over the head's features, are products with
+    a block-diagonal 0/1 matrix at `"highest"` precision (float32 to the last bits). Reduced
+    over its last axis, `[S, heads, 64]` (SD3's heads) leaves a TPU half-empty 128-lane rows
+    to copy and reduce: on a TPU v5e that form took 128 ms of SD3.5-Medium's 1,136 ms
+    training step, this one 43 ms of 1,024 (`docs/accelerators.md`).
 
     **Arguments:**
 
-    - `h`: the rows, `[S, W]`.
-    - `weight`: the per-feature weight of one head, `[head_dim]`; `head_dim` divides `W`.
+    - `h`: the queries or keys, `[S, heads, head_dim]`.
+    - `weight`: the per-feature weight each head shares, `[head_dim]`.
     - `eps`: added to each head's mean square.
 
     **Returns:**
 
-    The normalised rows, `[S, W]`, in `weight`'s dtype.
+    The normalised heads, `[S, heads, head_dim]`, in `weight`'s dtype.
     """
-    dim = weight.shape[0]
-    heads = h.shape[-1] // dim
+    seq, heads, dim = h.shape
+    flat = h.reshape(seq, heads * dim).astype(jnp.float32)
     groups = (jnp.arange(heads * dim)[:, None] // dim == jnp.arange(heads)[None, :]).astype(
         jnp.float32
     )
     highest = jax.lax.Precision.HIGHEST
-    h32 = h.astype(jnp.float32)
-    mean_square = jnp.dot(h32 * h32, groups, precision=highest) / dim
+    mean_square = jnp.dot(flat * flat, groups, precision=highest) / dim
     scale = jnp.dot(jax.lax.rsqrt(mean_square + eps), groups.T, precision=highest)
-    out: Float[Array, "S W"] = (h32 * scale).astype(weight.dtype) * jnp.tile(weight, heads)[None, :]
+    normed = (flat * scale).astype(weight.dtype) * jnp.tile(weight, heads)[None, :]
+    out: Heads = normed.reshape(seq, heads, dim)
     return out
 
 

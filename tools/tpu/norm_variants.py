@@ -4,8 +4,8 @@ computed another way, timed beside the library's on one accelerator.
 The library's per-head RMSNorm of the queries and keys (`head_rms_norm`) works on the
 `[S, heads x head_dim]` layout the projections give: each head's sum of squares, and the
 spreading of its scale back over its features, are products with a block-diagonal 0/1
-matrix. The form it replaced, `split_heads`, splits the 64-wide heads apart first and reduces
-over the last axis (`rms_norm` on `[S, 24, 64]`); on a TPU v5e it took 128 ms of the
+matrix. The form it replaced, `split_heads`, reduces `[S, heads, head_dim]` over its last
+axis (`rms_norm` on `[S, 24, 64]`); on a TPU v5e it took 128 ms of the
 1,136 ms step of `sd35m b8 splash nothing` against the library's 43 ms of 1,024
 (docs/accelerators.md). This keeps the choice measurable on another chip.
 
@@ -27,17 +27,9 @@ from flowgrpo_eqx.models._layers import rms_norm
 from tools.tpu._compare import compare
 
 
-def split_heads_rms_norm(h: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """The function of `head_rms_norm` computed on the heads split apart: `h`, `[S, W]`, as
-    `[S, heads, head_dim]`, each head normalised by `rms_norm` over its last axis."""
-    seq, width = h.shape
-    dim = weight.shape[0]
-    return rms_norm(h.reshape(seq, width // dim, dim), weight, eps).reshape(seq, width)
-
-
 VARIANTS: dict[str, Callable[..., jax.Array] | None] = {
     "library": None,
-    "split_heads": split_heads_rms_norm,
+    "split_heads": rms_norm,
 }
 """The norms to time: `None` for the library's own."""
 
