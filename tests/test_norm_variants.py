@@ -1,13 +1,16 @@
 """`tools.tpu.norm_variants`: the query-key RMSNorm computed on the heads split apart,
 swapped into a model for the library's, computes the same velocity (the library's against a
-float64 statement: `tests/test_head_rms_norm.py`)."""
+float64 statement: `tests/test_head_rms_norm.py`); and the variant experiments' shared
+command line names a bad argument."""
 
 import jax
 import numpy as np
+import pytest
 
 from flowgrpo_eqx.models import MMDiT, _joint
 from flowgrpo_eqx.models._layers import rms_norm
 from tests.tiny_models import SD35_SHAPED, batch_of_two, perturbed
+from tools.tpu import joint_layout, norm_variants
 from tools.tpu.norm_variants import joint_attention_norm
 
 
@@ -25,3 +28,14 @@ def test_swapped_into_a_model_it_computes_the_same_velocity_and_is_put_back():
         swapped = velocity()
     assert _joint.head_rms_norm is not rms_norm
     np.testing.assert_allclose(swapped, library, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("main", [norm_variants.main, joint_layout.main])
+@pytest.mark.parametrize(
+    ("argv", "named"), [(["--calls", "0"], "--calls"), (["--row", "sd35m b3"], "--row")]
+)
+def test_the_experiments_name_a_bad_argument_before_measuring(main, argv, named, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    assert named in capsys.readouterr().err
