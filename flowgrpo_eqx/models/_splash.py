@@ -117,6 +117,25 @@ def _at_default_precision(make: Callable[[], Any]) -> Callable[[Array, Array, Ar
     return call
 
 
+def kernel_call(
+    queries: int, keys: int, heads: int, block: int, interpret: bool, dtype: Any
+) -> Callable[[Array, Array, Array], Array]:
+    """The splash kernel for `queries` queries over `keys` keys in `heads` heads, as a
+    function of the heads-first queries (already scaled), keys and values, each padded to
+    its multiple of the block (`_mask`), whose padded keys it masks.
+
+    Mosaic refuses a multi-pass precision for half-precision operands, which a caller's
+    `jax.default_matmul_precision` would ask of the kernel's products: for a half-precision
+    `dtype` the kernel runs at the default precision (`_at_default_precision`); float32
+    operands keep the caller's precision.
+    """
+    make = functools.partial(_kernel, queries, keys, heads, block, interpret)
+    if jnp.dtype(dtype).itemsize < 4:
+        return _at_default_precision(make)
+    kernel: Callable[[Array, Array, Array], Array] = make()
+    return kernel
+
+
 def multi_device_axes() -> tuple[str, ...]:
     """The axes of the current mesh (`jax.set_mesh`) of more than one device, where the
     library cannot call the kernel yet: XLA cannot partition a Mosaic kernel over an axis it
@@ -184,12 +203,7 @@ def splash_attention(
             x = jnp.transpose(x, (1, 0, 2))
             return jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0)))
 
-        # Mosaic refuses a multi-pass precision for half-precision operands, which a caller's
-        # `jax.default_matmul_precision` would ask of the kernel's products; float32 operands
-        # keep the caller's precision.
-        half = jnp.dtype(q.dtype).itemsize < 4
-        make = functools.partial(_kernel, queries, keys, heads, block, interpret)
-        call = _at_default_precision(make) if half else make()
+        call = kernel_call(queries, keys, heads, block, interpret, q.dtype)
         out = call(
             heads_first(q * scale, padded_q),
             heads_first(k, padded_kv),

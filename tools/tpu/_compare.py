@@ -3,10 +3,12 @@ share: a full-size row of the bench measured once per variant, in one process, e
 a context within which the model is traced its way."""
 
 import argparse
+import contextlib
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -14,6 +16,21 @@ import jax
 
 Variant = Callable[[], AbstractContextManager[Any]]
 """A variant: a function that makes the context within which the row is traced and run."""
+
+
+@contextlib.contextmanager
+def swapped(modules: Sequence[ModuleType], name: str, value: Any) -> Iterator[None]:
+    """Within the block, `name` in each of `modules` is `value` (left as it is when `value`
+    is `None`): a variant swaps the name a model's module looks up when the model is traced,
+    and the block puts the first module's own back in all of them after."""
+    library = getattr(modules[0], name)
+    for module in modules:
+        setattr(module, name, library if value is None else value)
+    try:
+        yield
+    finally:
+        for module in modules:
+            setattr(module, name, library)
 
 
 def compare(prog: str, doc: str, variants: dict[str, Variant], argv: list[str] | None) -> int:

@@ -21,11 +21,11 @@ one's device profile, with the time by the function that made the ops). Compare 
 variants' `ms`.
 """
 
-import contextlib
 import functools
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
@@ -33,17 +33,13 @@ import jax.numpy as jnp
 
 from flowgrpo_eqx.models import _flux, _mmdit, _sequence, _splash
 from flowgrpo_eqx.models._layers import QKV, AttentionSettings, named
-from tools.tpu._compare import compare
+from tools.tpu._compare import compare, swapped
 
 
 def _splash_call(
     seq: int, heads: int, block: int, interpret: bool, q: Any, k: Any, v: Any
 ) -> jax.Array:
-    half = jnp.dtype(q.dtype).itemsize < 4
-    make = functools.partial(_splash._kernel, seq, seq, heads, block, interpret)
-    call = _splash._at_default_precision(make) if half else make()
-    out: jax.Array = call(q, k, v)
-    return out
+    return _splash.kernel_call(seq, seq, heads, block, interpret, q.dtype)(q, k, v)
 
 
 def joined_padded_attend_joint(
@@ -86,18 +82,10 @@ VARIANTS: dict[str, Callable[..., tuple[jax.Array, jax.Array]] | None] = {
 """The joint attentions to time: `None` for the library's own."""
 
 
-@contextlib.contextmanager
-def joint_attention(attend_joint: Callable[..., Any] | None) -> Iterator[None]:
+def joint_attention(attend_joint: Callable[..., Any] | None) -> AbstractContextManager[None]:
     """Within the block, MMDiT's and FLUX's joint attention is `attend_joint` (the library's
-    when `None`): the experiment swaps the name the two modules look up when a model is
-    traced, and puts it back."""
-    library = _sequence.attend_joint
-    chosen = library if attend_joint is None else attend_joint
-    _mmdit.attend_joint = _flux.attend_joint = chosen
-    try:
-        yield
-    finally:
-        _mmdit.attend_joint = _flux.attend_joint = library
+    when `None`), put back after."""
+    return swapped([_mmdit, _flux], "attend_joint", attend_joint)
 
 
 def main(argv: list[str] | None = None) -> int:

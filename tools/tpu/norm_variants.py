@@ -16,15 +16,16 @@ the library's norm and with each variant, in one process (`--profile` adds each 
 profile, with the time by the function that made the ops). Compare the variants' `ms`.
 """
 
-import contextlib
 import functools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import jax
 
+from flowgrpo_eqx.models import _joint
 from flowgrpo_eqx.models._layers import rms_norm
-from tools.tpu._compare import compare
+from tools.tpu._compare import compare, swapped
 
 
 VARIANTS: dict[str, Callable[..., jax.Array] | None] = {
@@ -34,19 +35,10 @@ VARIANTS: dict[str, Callable[..., jax.Array] | None] = {
 """The norms to time: `None` for the library's own."""
 
 
-@contextlib.contextmanager
-def joint_attention_norm(norm: Callable[..., jax.Array] | None) -> Iterator[None]:
+def joint_attention_norm(norm: Callable[..., jax.Array] | None) -> AbstractContextManager[None]:
     """Within the block, the joint attention's query-key norm (MMDiT's and FLUX's) is `norm`
-    (the library's when `None`): the experiment swaps the name the module looks up when a
-    model is traced, and puts it back."""
-    from flowgrpo_eqx.models import _joint
-
-    library = _joint.head_rms_norm
-    _joint.head_rms_norm = library if norm is None else norm  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        _joint.head_rms_norm = library
+    (the library's when `None`), put back after."""
+    return swapped([_joint], "head_rms_norm", norm)
 
 
 def main(argv: list[str] | None = None) -> int:
