@@ -26,6 +26,7 @@ import io
 import json
 import math
 import struct
+import tokenize
 from collections.abc import Mapping
 from typing import Any, Literal, final
 
@@ -115,7 +116,9 @@ def _array_at(
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
         else:
             raise ValueError(f".npy version {version} is not accepted (1.0 and 2.0 are)")
-    except (ValueError, TypeError, OverflowError) as error:
+    # numpy reads a header that fails to parse again through `tokenize`, whose TokenError
+    # is none of the others.
+    except (ValueError, TypeError, OverflowError, tokenize.TokenError) as error:
         raise WireError("malformed_body", f"{what} is not a .npy array: {error}") from error
     if dtype.hasobject:
         raise WireError(

@@ -1141,3 +1141,14 @@ def test_a_long_4xx_or_a_redirect_is_not_retried_and_keeps_its_status(
         remote(samples, rows)
     assert backoffs == []
     assert get_json(scripted_url + "/count")["posts"][mode] == 1
+
+
+def test_a_npy_header_numpy_cannot_tokenize_is_a_malformed_body():
+    # numpy parses a failing header again through `tokenize`, whose own error (not a
+    # ValueError) an unbalanced bracket raises: it must still be the wire's 400.
+    blob = npy(np.zeros((5, 2), np.float32))
+    damaged = blob.replace(b"'descr':", b"'descr'[", 1)
+    assert damaged != blob
+    with pytest.raises(_reward_wire.WireError, match="not a .npy array") as raised:
+        decode_request(container([("samples", damaged)], rows="none"))
+    assert raised.value.kind == "malformed_body"
