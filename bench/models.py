@@ -315,11 +315,24 @@ def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, int]]:
                 yield item, times
 
 
-def dot_generals(jaxpr: Any, times: int = 1) -> dict[tuple, int]:
-    """Every `dot_general` of a jaxpr and how often it runs, by shapes, dtypes and parameters."""
+def _made_in(eqn: Any, functions: frozenset[str]) -> bool:
+    """Whether a function named in `functions` was on the stack when `eqn` was traced."""
+    traceback = eqn.source_info.traceback
+    return (
+        bool(functions)
+        and traceback is not None
+        and any(frame.function_name in functions for frame in traceback.frames)
+    )
+
+
+def dot_generals(
+    jaxpr: Any, times: int = 1, *, leaving_out: frozenset[str] = frozenset()
+) -> dict[tuple, int]:
+    """Every `dot_general` of a jaxpr and how often it runs, by shapes, dtypes and parameters,
+    but those traced inside a function named in `leaving_out`."""
     found: dict[tuple, int] = {}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
+        if eqn.primitive.name == "dot_general" and not _made_in(eqn, leaving_out):
             lhs, rhs = (v.aval for v in eqn.invars)
             key = (
                 lhs.shape,
@@ -332,7 +345,7 @@ def dot_generals(jaxpr: Any, times: int = 1) -> dict[tuple, int]:
             )
             found[key] = found.get(key, 0) + times
         for sub, count in _sub_jaxprs(eqn):
-            for key, n in dot_generals(sub, times * count).items():
+            for key, n in dot_generals(sub, times * count, leaving_out=leaving_out).items():
                 found[key] = found.get(key, 0) + n
     return found
 

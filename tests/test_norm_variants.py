@@ -41,14 +41,17 @@ def test_the_experiments_name_a_bad_argument_before_measuring(main, argv, named,
     assert named in capsys.readouterr().err
 
 
-def test_the_benchs_model_flops_do_not_count_the_norms_reduction_products():
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_the_benchs_model_flops_do_not_count_the_norms_reduction_products(precision):
     """The block-diagonal 0/1 products compute a per-head mean, not the architecture's
-    matmuls: the model's FLOPs are the same with the norm split into heads (no products)."""
+    matmuls: the model's FLOPs are the same with the norm split into heads (no products),
+    at the default matmul precision and at the one the suite sets on a TPU."""
     from bench import _full_size
 
     (row,) = _full_size.rows("sd35m b8 splash nothing")
-    library = _full_size.model_flops(row)
-    with joint_attention_norm(rms_norm):
-        split = _full_size.model_flops(row)
+    with jax.default_matmul_precision(precision):
+        library = _full_size.model_flops(row)
+        with joint_attention_norm(rms_norm):
+            split = _full_size.model_flops(row)
     assert library == split
     assert 58.5e12 < library < 58.7e12
