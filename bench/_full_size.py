@@ -12,8 +12,9 @@ says nothing of a scanned model's FLOPs.)
 
 Model FLOPs are `3 x` the forward's matmul FLOPs, counted from the forward's jaxpr with plain
 attention (every `dot_general` at its shapes, as often as it runs: the model's function, the
-same whatever implementation of attention or remat computes it): the forward once, the
-backward twice. The peak is the device kind's published bf16 figure (`PEAK_TFLOPS`); a large
+same whatever implementation of attention or remat computes it, but the products of a
+function named in `NOT_MODEL_PRODUCTS`, which are not the architecture's): the forward once,
+the backward twice. The peak is the device kind's published bf16 figure (`PEAK_TFLOPS`); a large
 bf16 matmul is timed beside it (`matmul_tflops`) to show what the chip reaches in practice.
 
 `--topology v5e` compiles every row ahead of time for one TPU v5e chip instead (on any host
