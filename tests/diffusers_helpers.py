@@ -1,5 +1,6 @@
-"""What the tests against diffusers' fixtures share: the batched call, the relative error, the
-parameter count, and a LoRA policy whose adapters all do something."""
+"""What the tests against diffusers' fixtures share: the batched call, the relative error,
+leafwise closeness of two gradients, the parameter count, and a LoRA policy whose adapters
+all do something."""
 
 import json
 import pathlib
@@ -38,6 +39,14 @@ def velocity_and_sin_gradient(model: Any, x: Any, t: Any, cond: Any) -> tuple[ja
 def relative(got: np.ndarray, want: np.ndarray) -> float:
     """The largest absolute error over the largest `|want|`."""
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def assert_leaves_close(got: Any, want: Any, tolerance: float) -> None:
+    """Each leaf of the tree `got` within `tolerance` times the largest `|entry|` of the same
+    leaf of `want` (a gradient's leaves differ in scale by orders of magnitude)."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        scale = float(np.max(np.abs(np.asarray(b)))) + 1e-30
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=tolerance * scale)
 
 
 def count(model: Any) -> int:

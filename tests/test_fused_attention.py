@@ -19,9 +19,14 @@ import pytest
 
 from flowgrpo_eqx.models import DiT, MMDiT, load_diffusers
 from flowgrpo_eqx.models._layers import AttentionSettings, local_attention
-from tests import numpy_reference as ref
-from tests.diffusers_helpers import relative, vcall, velocity_and_sin_gradient
+from tests.diffusers_helpers import (
+    assert_leaves_close,
+    relative,
+    vcall,
+    velocity_and_sin_gradient,
+)
 from tests.errors import NAMED_ARGUMENT_ERRORS
+from tests.tiny_models import assert_attention_statement
 from tests.tolerances import attention_tolerance, reference_model_rtol
 
 
@@ -66,12 +71,10 @@ def test_splash_attention_matches_the_float64_statement_in_values_and_gradients(
     assert out.dtype == jnp.dtype(dtype) and out.shape == (2, queries, heads, head_dim)
     tolerance = attention_tolerance(dtype)
     for row in range(2):
-        want = ref.attention(q[row], k[row], v[row])
-        assert relative(np.asarray(out[row], np.float64), want) < tolerance
-        want_grads = ref.attention_vjp(q[row], k[row], v[row], d_out[row])
-        for name, got, expected in zip("qkv", grads, want_grads, strict=True):
-            error = relative(np.asarray(got[row], np.float64), expected)
-            assert error < tolerance, (name, error)
+        row_grads = [g[row] for g in grads]
+        assert_attention_statement(
+            out[row], row_grads, q[row], k[row], v[row], d_out[row], tolerance
+        )
 
 
 def test_a_splash_block_that_is_not_a_multiple_of_128_is_named() -> None:
@@ -108,12 +111,6 @@ def _fixture(name: str) -> tuple[Any, dict[str, np.ndarray], tuple[Any, ...]]:
     return model, io, (io["x"], io["t"], {"context": io["context"], "pooled": io["pooled"]})
 
 
-def _assert_same_gradient(got: Any, want: Any, tolerance: float) -> None:
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        scale = float(np.max(np.abs(np.asarray(b)))) + 1e-30
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=tolerance * scale)
-
-
 @pytest.mark.parametrize("attention", ["splash", "auto"])
 @pytest.mark.parametrize("name", ["sd35_tiny", "flux_tiny", "wan_tiny"])
 def test_every_diffusers_model_computes_diffusers_velocity_with_fused_attention(
@@ -130,7 +127,7 @@ def test_every_diffusers_model_computes_diffusers_velocity_with_fused_attention(
     _, got = velocity_and_sin_gradient(
         moved.with_settings(attention=attention, attention_chunk=128), *inputs
     )
-    _assert_same_gradient(got, want, attention_tolerance("float32"))
+    assert_leaves_close(got, want, attention_tolerance("float32"))
 
 
 @pytest.mark.parametrize("remat", ["qkv", "attention"])
@@ -148,7 +145,7 @@ def test_dit_with_splash_attention_and_named_remat_computes_the_same(remat: str)
     scale = float(np.max(np.abs(np.asarray(want_v))))
     tolerance = attention_tolerance("float32")
     np.testing.assert_allclose(np.asarray(got_v), want_v, rtol=0, atol=tolerance * scale)
-    _assert_same_gradient(got_g, want_g, tolerance)
+    assert_leaves_close(got_g, want_g, tolerance)
 
 
 def test_auto_attention_is_the_platforms_fastest() -> None:

@@ -1,11 +1,15 @@
 """What the tests of the attention's variants share: a tiny SD3.5-shaped MMDiT, a batch of
-two inputs for it, and a model moved off its initialisation."""
+two inputs for it, a model moved off its initialisation, and the check of one example's
+attention and its gradient against the float64 statement."""
 
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
+
+from tests import numpy_reference as ref
+from tests.diffusers_helpers import relative
 
 
 SD35_SHAPED: dict[str, Any] = dict(
@@ -47,3 +51,23 @@ def perturbed(model: Any) -> Any:
         p + 0.1 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys, strict=True)
     ]
     return eqx.combine(jax.tree.unflatten(treedef, moved), static)
+
+
+def assert_attention_statement(
+    out: Any,
+    grads: Any,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    d_out: np.ndarray,
+    tolerance: float,
+) -> None:
+    """One example's attention `out`, `[S, heads, head_dim]`, and `grads`, the gradients of
+    `sum(out * d_out)` in its queries, keys and values, each within `tolerance` (`relative`
+    error) of the float64 statement (`numpy_reference.attention`, `attention_vjp`) at `q`,
+    `k`, `v`."""
+    assert relative(np.asarray(out, np.float64), ref.attention(q, k, v)) < tolerance
+    want = ref.attention_vjp(q, k, v, d_out)
+    for name, got, expected in zip("qkv", grads, want, strict=True):
+        error = relative(np.asarray(got, np.float64), expected)
+        assert error < tolerance, (name, error)
