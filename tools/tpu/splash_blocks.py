@@ -78,6 +78,7 @@ VARIANTS: dict[str, Blocks | None] = {
     "backward1024": Blocks(512, 512, 512, 1024, 1024, 512, pad_to=1024),
     "pad1408_whole": Blocks(1408, 1408, 1408, 1408, 1408, 1408),
     "pad1408_q128": Blocks(128, 1408, 1408, 128, 1408, 1408),
+    "whole": Blocks(1536, 1536, 512, 1536, 1536, 512),
 }
 """The variants, by name; `library` (`None`) is the library's own `_splash._mask`: at
 SD3.5's shape, blocks of 512 everywhere."""
