@@ -79,6 +79,12 @@ VARIANTS: dict[str, Blocks | None] = {
     "pad1408_whole": Blocks(1408, 1408, 1408, 1408, 1408, 1408),
     "pad1408_q128": Blocks(128, 1408, 1408, 128, 1408, 1408),
     "whole": Blocks(1536, 1536, 512, 1536, 1536, 512),
+    "kv2048": Blocks(512, 2048, 512, 512, 2048, 512),
+    "kv2304": Blocks(512, 2304, 512, 512, 2304, 512),
+    "kv3584": Blocks(512, 3584, 512, 512, 3584, 512),
+    "kv4608": Blocks(512, 4608, 512, 512, 4608, 512),
+    "kv7168": Blocks(512, 7168, 512, 512, 7168, 512),
+    "kv14336": Blocks(512, 14336, 512, 512, 14336, 512),
 }
 """The variants, by name; `library` (`None`) is the library's own `_splash._mask`: at
 SD3.5's shape, blocks of 512 everywhere."""
