@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowgrpo_eqx.models import DiT, MMDiT, load_diffusers
+from flowgrpo_eqx.models import DiT, MMDiT, _splash, load_diffusers
 from flowgrpo_eqx.models._layers import AttentionSettings, local_attention
 from tests.diffusers_helpers import (
     assert_leaves_close,
@@ -49,9 +49,10 @@ def _attention_and_vjp(q: Any, k: Any, v: Any, d_out: Any, settings: AttentionSe
 @pytest.mark.parametrize(
     ("queries", "keys", "heads", "head_dim", "block", "dtype"),
     [
-        (256, 256, 2, 64, 128, "float32"),  # two blocks each way, no padding
+        (256, 256, 2, 64, 128, "float32"),  # two blocks of queries, no padding
         (200, 200, 3, 64, 128, "float32"),  # padded queries and masked padded keys
         (130, 77, 2, 32, 256, "float32"),  # a cross-attention, shorter than one block
+        (130, 3000, 2, 32, 256, "float32"),  # keys in two blocks of 1,536, scored 256 at a time
         (200, 200, 2, 64, 128, "bfloat16"),
     ],
 )
@@ -75,6 +76,34 @@ def test_splash_attention_matches_the_float64_statement_in_values_and_gradients(
         assert_attention_statement(
             out[row], row_grads, q[row], k[row], v[row], d_out[row], tolerance
         )
+
+
+@pytest.mark.parametrize(
+    ("queries", "keys", "block", "want"),
+    [
+        # SD3.5-Medium at 512²: the joint attention and the image's own.
+        (1357, 1357, 512, (512, 1536, 1536, 1536)),
+        (1024, 1024, 512, (512, 1024, 1024, 1024)),
+        # FLUX at 1024² (4,608 tokens): 1,536 keys a block, the most that is read at once.
+        (4608, 4608, 512, (512, 1536, 4608, 4608)),
+        # Wan's 14,040 tokens, padded to 28 blocks of 512: 1,024 keys a block (28 = 2 * 14).
+        (14040, 14040, 512, (512, 1024, 14336, 14336)),
+        # Thirteen blocks of 512 keys (a prime count): read one at a time, as they are scored.
+        (6600, 6600, 512, (512, 512, 6656, 6656)),
+        # Shorter than one block: one block of the length rounded up to 128.
+        (200, 77, 512, (256, 128, 256, 128)),
+    ],
+)
+def test_the_kernel_reads_keys_in_few_blocks_scored_one_block_at_a_time(
+    queries: int, keys: int, block: int, want: tuple[int, int, int, int]
+) -> None:
+    _, sizes, padded_q, padded_kv = _splash._mask(queries, keys, 2, block)
+    assert (sizes.block_q, sizes.block_kv, padded_q, padded_kv) == want
+    assert sizes.block_q_dkv == sizes.block_q and sizes.block_kv_dkv == sizes.block_kv
+    scored = min(block, -(-keys // 128) * 128)
+    assert sizes.block_kv_compute == sizes.block_kv_dkv_compute == scored
+    assert sizes.block_kv % scored == 0 and padded_kv % sizes.block_kv == 0
+    assert sizes.block_kv <= max(_splash.KEY_BLOCK_LIMIT, scored)
 
 
 def test_a_splash_block_that_is_not_a_multiple_of_128_is_named() -> None:

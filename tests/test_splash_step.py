@@ -1,8 +1,8 @@
 """`tools.tpu.splash_step`: each variant's blocks, swapped into the library's
 `splash_attention`, compute the float64 statement of attention (`numpy_reference.attention`)
 in values and gradients (in Pallas's interpreter, as on the CPU the library's own kernel is:
-`tests/test_fused_attention.py`) with the keys (and the queries) in one block, the swap is
-undone, and the command line names a bad argument before it measures anything."""
+`tests/test_fused_attention.py`) with the keys read in blocks of the variant's size, the swap
+is undone, and the command line names a bad argument before it measures anything."""
 
 import jax
 import jax.numpy as jnp
@@ -13,15 +13,15 @@ from flowgrpo_eqx.models import _splash
 from tests.tiny_models import assert_attention_statement
 from tests.tolerances import attention_tolerance
 from tools.tpu import splash_step
-from tools.tpu.splash_step import VARIANTS, one_block
+from tools.tpu.splash_step import VARIANTS, key_blocks
 
 
 @pytest.mark.parametrize("name", [name for name in VARIANTS if name != "library"])
-def test_each_variant_reads_whole_rows_and_computes_attention(name):
+def test_each_variant_reads_its_key_blocks_and_computes_attention(name):
     rng = np.random.default_rng(11)
     q, k, v, d_out = (rng.standard_normal((300, 2, 64)) for _ in range(4))
     library_mask = _splash._mask
-    with one_block(VARIANTS[name]):
+    with key_blocks(VARIANTS[name]):
         assert _splash._mask is not library_mask
         _, sizes, padded_q, padded_kv = _splash._mask(300, 300, 2, 128)
         out, pullback = jax.vjp(
@@ -31,10 +31,10 @@ def test_each_variant_reads_whole_rows_and_computes_attention(name):
         grads = pullback(jnp.asarray(d_out, jnp.float32))
     assert _splash._mask is library_mask
     assert (padded_q, padded_kv) == _splash._mask(300, 300, 2, 128)[2:] == (384, 384)
-    assert (sizes.block_kv, sizes.block_kv_dkv) == (384, 384)
+    read = 128 if VARIANTS[name] == "by_block" else 384
+    assert (sizes.block_kv, sizes.block_kv_dkv) == (read, read)
+    assert (sizes.block_q, sizes.block_q_dkv) == (128, 128)
     assert (sizes.block_kv_compute, sizes.block_kv_dkv_compute) == (128, 128)
-    queries_block = 384 if VARIANTS[name] else 128
-    assert (sizes.block_q, sizes.block_q_dkv) == (queries_block, queries_block)
     assert_attention_statement(out, grads, q, k, v, d_out, attention_tolerance("float32"))
 
 

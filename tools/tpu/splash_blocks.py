@@ -1,13 +1,12 @@
 """`python -m tools.tpu.splash_blocks`: the splash kernel's block sizes, swept at one joint
 attention's shape.
 
-The library calls splash attention with one block for everything (`attention_chunk`, 512):
-queries and keys in blocks of 512, the scores computed 512 keys at a time, the same in the
-fused backward, each sequence padded to a multiple of 512. SD3.5-Medium's joint sequence at
-512² is 1,357 tokens, padded to 1,536, so 22% of the scores are of padding; its heads are 64
-wide. On a TPU v5e the splash kernels take 252 ms of the 1,024 ms full-gradient step
-(`docs/accelerators.md`): the forward kernel's 136 ms compute about 2.8 TFLOP of attention's
-products (24 joint attentions and 13 over the image alone, at batch 8), about 21 TFLOP/s.
+The library's splash kernel (`attention_chunk`, 512) pads each sequence to a multiple of 512,
+takes the queries 512 at a time and computes the scores 512 keys at a time, forward and in the
+fused backward; it reads the keys in blocks of up to 1,536 (`_splash.KEY_BLOCK_LIMIT`), which
+this sweep chose (`docs/accelerators.md`): before, it read them 512 at a time (`blocks512`).
+SD3.5-Medium's joint sequence at 512² is 1,357 tokens, padded to 1,536, so 22% of the scores
+are of padding; its heads are 64 wide.
 
 This tool times the library's `splash_attention` (its transposes, padding and kernel, as a
 model calls it, over a batch) with the kernel's block sizes swapped for each variant's,
@@ -79,19 +78,15 @@ VARIANTS: dict[str, Blocks | None] = {
     "pad1408_whole": Blocks(1408, 1408, 1408, 1408, 1408, 1408),
     "pad1408_q128": Blocks(128, 1408, 1408, 128, 1408, 1408),
     "whole": Blocks(1536, 1536, 512, 1536, 1536, 512),
-    "kv2048": Blocks(512, 2048, 512, 512, 2048, 512),
-    "kv2304": Blocks(512, 2304, 512, 512, 2304, 512),
-    "kv3584": Blocks(512, 3584, 512, 512, 3584, 512),
-    "kv4608": Blocks(512, 4608, 512, 512, 4608, 512),
-    "kv7168": Blocks(512, 7168, 512, 512, 7168, 512),
-    "kv14336": Blocks(512, 14336, 512, 512, 14336, 512),
+    "blocks512": Blocks(512, 512, 512, 512, 512, 512),
 }
 """The variants, by name; `library` (`None`) is the library's own `_splash._mask`: at
-SD3.5's shape, blocks of 512 everywhere."""
+SD3.5's shape, queries in blocks of 512 and keys in one block of 1,536, scored 512 at a time
+(`kv_whole`); `blocks512` is the library's blocks before the sweep."""
 
 
 def blocked_mask(blocks: Blocks) -> Callable[[int, int, int, int], tuple[Any, Any, int, int]]:
-    """A replacement for `_splash._mask` with `blocks` in place of the library's one block:
+    """A replacement for `_splash._mask` with `blocks` in place of the library's blocks:
     the multi-head mask over the padded lengths (padded keys masked), the kernel's block
     sizes, and the padded lengths of the queries and the keys."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
