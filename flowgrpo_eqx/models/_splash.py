@@ -188,8 +188,9 @@ def splash_attention(
     **Arguments:**
 
     - `q`, `k`, `v`: one example's queries, keys and values (float32 or bfloat16).
-    - `block`: the queries and keys per block, a multiple of 128 (less for a shorter
-        sequence); the sequences are padded to a multiple of it.
+    - `block`: the queries per block and the keys scored at a time, a multiple of 128
+        (less for a shorter sequence); the sequences are padded to a multiple of it, and
+        the keys are read in blocks of up to `KEY_BLOCK_LIMIT` (`_key_block`).
 
     **Returns:**
 
