@@ -60,6 +60,22 @@ def _key_block(padded: int, block: int) -> int:
     return block * max(n for n in range(1, min(most, blocks) + 1) if blocks % n == 0)
 
 
+def padded_keys_mask(padded_q: int, padded_kv: int, keys: int, heads: int) -> Any:
+    """The kernel's multi-head mask over `padded_q` queries and `padded_kv` keys, of which the
+    first `keys` are attended and the rest, padding, are masked out of every softmax."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as mask_lib,
+    )
+
+    if padded_kv == keys:
+        one: mask_lib.Mask = mask_lib.FullMask((padded_q, padded_kv))
+    else:
+        allowed = np.zeros((padded_q, padded_kv), np.bool_)
+        allowed[:, :keys] = True
+        one = mask_lib.NumpyMask(allowed)
+    return mask_lib.MultiHeadMask([one] * heads)
+
+
 @functools.lru_cache(maxsize=64)
 def _mask(queries: int, keys: int, heads: int, block: int) -> tuple[Any, Any, int, int]:
     """The mask and block sizes of the kernel for `queries` queries over `keys` keys of
@@ -69,17 +85,10 @@ def _mask(queries: int, keys: int, heads: int, block: int) -> tuple[Any, Any, in
     that size, the keys in blocks of `_key_block`, their scores computed `block` at a time."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
-        splash_attention_mask as mask_lib,
     )
 
     block_q, block_kv = _block(queries, block), _block(keys, block)
     padded_q, padded_kv = _round_up(queries, block_q), _round_up(keys, block_kv)
-    if padded_kv == keys:
-        one: mask_lib.Mask = mask_lib.FullMask((padded_q, padded_kv))
-    else:
-        allowed = np.zeros((padded_q, padded_kv), np.bool_)
-        allowed[:, :keys] = True
-        one = mask_lib.NumpyMask(allowed)
     keys_read = _key_block(padded_kv, block_kv)
     sizes = kernel_lib.BlockSizes(
         block_q=block_q,
@@ -90,7 +99,7 @@ def _mask(queries: int, keys: int, heads: int, block: int) -> tuple[Any, Any, in
         block_kv_dkv_compute=block_kv,
         use_fused_bwd_kernel=True,
     )
-    return mask_lib.MultiHeadMask([one] * heads), sizes, padded_q, padded_kv
+    return padded_keys_mask(padded_q, padded_kv, keys, heads), sizes, padded_q, padded_kv
 
 
 def _kernel(queries: int, keys: int, heads: int, block: int, interpret: bool) -> Any:

@@ -91,7 +91,6 @@ def blocked_mask(blocks: Blocks) -> Callable[[int, int, int, int], tuple[Any, An
     sizes, and the padded lengths of the queries and the keys."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
-        splash_attention_mask as mask_lib,
     )
 
     @functools.lru_cache(maxsize=16)
@@ -100,8 +99,6 @@ def blocked_mask(blocks: Blocks) -> Callable[[int, int, int, int], tuple[Any, An
         padded_kv = blocks.padded(
             keys, (blocks.kv, blocks.kv_compute, blocks.kv_dkv, blocks.kv_dkv_compute)
         )
-        allowed = np.zeros((padded_q, padded_kv), np.bool_)
-        allowed[:, :keys] = True
         sizes = kernel_lib.BlockSizes(
             block_q=blocks.q,
             block_kv=blocks.kv,
@@ -111,7 +108,7 @@ def blocked_mask(blocks: Blocks) -> Callable[[int, int, int, int], tuple[Any, An
             block_kv_dkv_compute=blocks.kv_dkv_compute,
             use_fused_bwd_kernel=True,
         )
-        heads_mask = mask_lib.MultiHeadMask([mask_lib.NumpyMask(allowed)] * heads)
+        heads_mask = _splash.padded_keys_mask(padded_q, padded_kv, keys, heads)
         return heads_mask, sizes, padded_q, padded_kv
 
     return mask
