@@ -5,6 +5,8 @@
 #                                          # TPU machine's own index lacks, into .whl-tpu/
 #   bash tools/tpu/run.sh test [ARGS...]   # there: install, then the suite (pytest ARGS)
 #   bash tools/tpu/run.sh python ARGS...   # there: install, then `python3 ARGS` (a bench, a job)
+#   bash tools/tpu/run.sh await            # there: wait (up to 120 s) for the process an
+#                                          # earlier command left holding the chip
 #   bash tools/tpu/run.sh suite [FOLDER...] [-- PYTEST_ARGS...]
 #                                          # there: the tests that the records in FOLDER...
 #                                          # have not finished (of PYTEST_ARGS's selection, as
@@ -71,6 +73,43 @@ install() {
     export PATH="$site/bin:$PATH"
 }
 
+# The process of `test` or `python` that holds the chip. Killed by a `timeout` (which signals
+# its whole process group), a JAX process can outlive its command by seconds while it still
+# holds libtpu's lock, and a process started meanwhile cannot open the chip ("Internal error
+# when accessing libtpu multi-process lockfile"): `test` and `python` first wait for it.
+holder="${FLOWGRPO_TPU_HOLDER:-/tmp/flowgrpo-tpu-holder.pid}"
+
+# Whether process $1 runs: not ended, nor ended and not yet reaped (a zombie).
+alive() {
+    local state
+    state="$(sed -E 's/^.*\) ([A-Za-z]).*$/\1/' "/proc/$1/stat" 2>/dev/null)" || return 1
+    [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
+}
+
+await_chip() {
+    local pid waited=0
+    pid="$(cat "$holder" 2>/dev/null || true)"
+    [ -n "$pid" ] || return 0
+    # A process of another name has taken a finished holder's id: nothing to wait for.
+    grep -qaE 'python|run\.sh' "/proc/$pid/cmdline" 2>/dev/null || return 0
+    while [ "$pid" != "$$" ] && alive "$pid"; do
+        if [ "$waited" -ge "${FLOWGRPO_TPU_AWAIT:-120}" ]; then
+            echo "process $pid still holds the chip after $waited s; going on" >&2
+            return 0
+        fi
+        [ "$waited" -eq 0 ] && echo "waiting for process $pid, which holds the chip" >&2
+        sleep 1
+        waited=$((waited + 1))
+    done
+}
+
+# This process becomes the chip's holder: the caller `exec`s the program next, keeping the
+# process id.
+hold_chip() {
+    await_chip
+    echo "$$" >"$holder"
+}
+
 case "${1:-}" in
     wheels)
         rm -rf "$wheels"
@@ -82,6 +121,7 @@ case "${1:-}" in
     test)
         shift
         install
+        hold_chip
         python3 -c 'import jax; print("JAX", jax.__version__, "on", jax.devices())'
         # One process: the chip is held by the test process for the whole run.
         limit=()
@@ -95,13 +135,17 @@ case "${1:-}" in
             limit=(timeout -s INT -k 15 "$remaining")
             export FLOWGRPO_TEST_DEADLINE=$(($(date +%s) + remaining))
         fi
-        "${limit[@]}" python3 -m pytest -p no:xdist \
+        exec "${limit[@]}" python3 -m pytest -p no:xdist \
             -o addopts="--jaxtyping-packages=flowgrpo_eqx,beartype.beartype" -rfEs "$@"
         ;;
     python)
         shift
         install
-        python3 "$@"
+        hold_chip
+        exec python3 "$@"
+        ;;
+    await)
+        await_chip
         ;;
     suite)
         shift
@@ -125,7 +169,7 @@ case "${1:-}" in
                 "$folder/suite-$stamp.log" | tail -n 1)"
         ;;
     *)
-        sed -n '2,17p' "$0"
+        sed -n '2,19p' "$0"
         exit 2
         ;;
 esac
