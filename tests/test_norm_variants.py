@@ -32,7 +32,12 @@ def test_swapped_into_a_model_it_computes_the_same_velocity_and_is_put_back():
 
 @pytest.mark.parametrize("main", [norm_variants.main, joint_layout.main])
 @pytest.mark.parametrize(
-    ("argv", "named"), [(["--calls", "0"], "--calls"), (["--row", "sd35m b3"], "--row")]
+    ("argv", "named"),
+    [
+        (["--calls", "0"], "--calls"),
+        (["--row", "sd35m b3"], "--row"),
+        (["--variants", "nonsense"], "--variants"),
+    ],
 )
 def test_the_experiments_name_a_bad_argument_before_measuring(main, argv, named, capsys):
     with pytest.raises(SystemExit) as stopped:

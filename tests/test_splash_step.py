@@ -4,6 +4,8 @@ in values and gradients (in Pallas's interpreter, as on the CPU the library's ow
 `tests/test_fused_attention.py`) with the keys read in blocks of the variant's size, the swap
 is undone, and the command line names a bad argument before it measures anything."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,10 +41,37 @@ def test_each_variant_reads_its_key_blocks_and_computes_attention(name):
 
 
 @pytest.mark.parametrize(
-    ("argv", "named"), [(["--calls", "0"], "--calls"), (["--row", "nonsense"], "--row")]
+    ("argv", "named"),
+    [
+        (["--calls", "0"], "--calls"),
+        (["--row", "nonsense"], "--row"),
+        (["--variants", "library,nonsense"], "--variants"),
+        (["--variants", ","], "--variants"),
+    ],
 )
 def test_the_command_names_a_bad_argument_before_measuring(argv, named, capsys):
     with pytest.raises(SystemExit) as stopped:
         splash_step.main(argv)
     assert stopped.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_the_command_measures_the_variants_named_in_their_order(monkeypatch, capsys):
+    from bench import _full_size as full_size
+
+    measured = []
+
+    def measure(row, calls, _, peak, folder):
+        measured.append((row.name, calls, _splash._mask))
+        return {"ms": 1.0}
+
+    monkeypatch.setattr(full_size, "measure", measure)
+    monkeypatch.setattr(full_size, "device_peak_tflops", lambda device: 197.0)
+    library_mask = _splash._mask
+    argv = ["--variants", "keys_by_block,library", "--calls", "2"]
+    assert splash_step.main(argv) == 0
+    assert [(name, calls) for name, calls, _ in measured] == [("sd35m b8 splash nothing", 2)] * 2
+    assert measured[0][2] is not library_mask and measured[1][2] is library_mask
+    assert _splash._mask is library_mask
+    report = json.loads(capsys.readouterr().out)
+    assert list(report)[2:] == ["keys_by_block", "library"]

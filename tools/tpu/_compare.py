@@ -34,9 +34,10 @@ def swapped(modules: Sequence[ModuleType], name: str, value: Any) -> Iterator[No
 
 
 def compare(prog: str, doc: str, variants: dict[str, Variant], argv: list[str] | None) -> int:
-    """Parse `argv` (`--row`, `--calls`, `--profile`), measure the row under each of
-    `variants` in turn (`bench._full_size.measure`) and print one JSON object: the JAX
-    version, the device, and each variant's measurement by its name.
+    """Parse `argv` (`--row`, `--calls`, `--profile`, `--variants`), measure the row under
+    each of the `variants` named (all by default) in turn (`bench._full_size.measure`) and
+    print one JSON object: the JAX version, the device, and each variant's measurement by its
+    name.
 
     **Arguments:**
 
@@ -57,9 +58,16 @@ def compare(prog: str, doc: str, variants: dict[str, Variant], argv: list[str] |
     parser.add_argument("--row", default="sd35m b8 splash nothing", help="a full-size row")
     parser.add_argument("--calls", type=int, default=5, help="timed calls per variant (5)")
     parser.add_argument("--profile", action="store_true", help="profile each variant too")
+    parser.add_argument(
+        "--variants", default=",".join(variants), help="names, comma-separated (all of them)"
+    )
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error(f"--calls must be a positive number, got {args.calls}")
+    names = [name for name in args.variants.split(",") if name]
+    unknown = [name for name in names if name not in variants]
+    if unknown or not names:
+        parser.error(f"--variants: unknown {unknown or names}; the variants: {list(variants)}")
     from bench import _full_size as full_size
 
     try:
@@ -69,7 +77,8 @@ def compare(prog: str, doc: str, variants: dict[str, Variant], argv: list[str] |
     device = jax.devices()[0]
     peak = full_size.device_peak_tflops(device)
     report: dict[str, Any] = {"jax": jax.__version__, "device": device.device_kind}
-    for name, variant in variants.items():
+    for name in names:
+        variant = variants[name]
         folder = tempfile.mkdtemp(prefix=f"flowgrpo-{name}-") if args.profile else None
         with variant():
             report[name] = full_size.measure(row, args.calls, None, peak, folder)
