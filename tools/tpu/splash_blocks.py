@@ -47,9 +47,14 @@ class Blocks:
 
     - `q`, `kv`, `kv_compute`: the forward's blocks of queries and keys, and of keys per
         product of scores.
-    - `q_dkv`, `kv_dkv`, `kv_dkv_compute`: the fused backward's.
+    - `q_dkv`, `kv_dkv`, `kv_dkv_compute`: the fused backward's (with `fused_backward`
+        off, the keys' and values' backward; the queries' takes `q` and `kv`).
     - `pad_to`: pad both sequences to a multiple of this, not of the blocks (every block
         must divide the padded length); `None`: the least multiple of every block.
+    - `keys_seq_minor`: the kernel holds the keys as `[head_dim, S]` (its `SEQ_MINOR`
+        layout: the scores are then a plain product, not one with the keys transposed).
+    - `fused_backward`: one backward kernel for every gradient (the library's), or one for
+        the queries' and another for the keys' and values'.
     """
 
     q: int
@@ -59,6 +64,8 @@ class Blocks:
     kv_dkv: int
     kv_dkv_compute: int
     pad_to: int | None = None
+    keys_seq_minor: bool = False
+    fused_backward: bool = True
 
     def padded(self, length: int, blocks: tuple[int, ...]) -> int:
         """`length` padded to a multiple of every one of `blocks` (and of `pad_to`)."""
@@ -79,10 +86,15 @@ VARIANTS: dict[str, Blocks | None] = {
     "pad1408_q128": Blocks(128, 1408, 1408, 128, 1408, 1408),
     "whole": Blocks(1536, 1536, 512, 1536, 1536, 512),
     "blocks512": Blocks(512, 512, 512, 512, 512, 512),
+    "q768_kv_whole": Blocks(768, 1536, 512, 768, 1536, 512),
+    "kv_whole_keys_seq_minor": Blocks(512, 1536, 512, 512, 1536, 512, keys_seq_minor=True),
+    "kv_whole_unfused_backward": Blocks(512, 1536, 512, 512, 1536, 512, fused_backward=False),
 }
 """The variants, by name; `library` (`None`) is the library's own `_splash._mask`: at
 SD3.5's shape, queries in blocks of 512 and keys in one block of 1,536, scored 512 at a time
-(`kv_whole`); `blocks512` is the library's blocks before the sweep."""
+(`kv_whole`); `blocks512` is the library's blocks before the sweep. The last three, not yet
+run on the chip, try the library's blocks with other queries' blocks, layout of the keys or
+backward kernels."""
 
 
 def blocked_mask(blocks: Blocks) -> Callable[[int, int, int, int], tuple[Any, Any, int, int]]:
@@ -92,6 +104,8 @@ def blocked_mask(blocks: Blocks) -> Callable[[int, int, int, int], tuple[Any, An
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
     )
+
+    layout = kernel_lib.QKVLayout
 
     @functools.lru_cache(maxsize=16)
     def mask(queries: int, keys: int, heads: int, block: int) -> tuple[Any, Any, int, int]:
@@ -106,7 +120,10 @@ def blocked_mask(blocks: Blocks) -> Callable[[int, int, int, int], tuple[Any, An
             block_q_dkv=blocks.q_dkv,
             block_kv_dkv=blocks.kv_dkv,
             block_kv_dkv_compute=blocks.kv_dkv_compute,
-            use_fused_bwd_kernel=True,
+            block_q_dq=None if blocks.fused_backward else blocks.q,
+            block_kv_dq=None if blocks.fused_backward else blocks.kv,
+            use_fused_bwd_kernel=blocks.fused_backward,
+            k_layout=layout.SEQ_MINOR if blocks.keys_seq_minor else layout.HEAD_DIM_MINOR,
         )
         heads_mask = _splash.padded_keys_mask(padded_q, padded_kv, keys, heads)
         return heads_mask, sizes, padded_q, padded_kv
