@@ -2,7 +2,8 @@
 `splash_attention`, compute the float64 statement of attention (`numpy_reference.attention`)
 in values and gradients (in Pallas's interpreter, as on the CPU the library's own kernel is:
 `tests/test_fused_attention.py`) with the keys read in blocks of the variant's size, the swap
-is undone, and the command line names a bad argument before it measures anything."""
+is undone, and the command measures the variants it names (its bad arguments:
+`tests/test_norm_variants.py`, with the other whole-step experiments')."""
 
 import json
 
@@ -38,22 +39,6 @@ def test_each_variant_reads_its_key_blocks_and_computes_attention(name):
     assert (sizes.block_q, sizes.block_q_dkv) == (128, 128)
     assert (sizes.block_kv_compute, sizes.block_kv_dkv_compute) == (128, 128)
     assert_attention_statement(out, grads, q, k, v, d_out, attention_tolerance("float32"))
-
-
-@pytest.mark.parametrize(
-    ("argv", "named"),
-    [
-        (["--calls", "0"], "--calls"),
-        (["--row", "nonsense"], "--row"),
-        (["--variants", "library,nonsense"], "--variants"),
-        (["--variants", ","], "--variants"),
-    ],
-)
-def test_the_command_names_a_bad_argument_before_measuring(argv, named, capsys):
-    with pytest.raises(SystemExit) as stopped:
-        splash_step.main(argv)
-    assert stopped.value.code == 2
-    assert named in capsys.readouterr().err
 
 
 def test_the_command_measures_the_variants_named_in_their_order(monkeypatch, capsys):
