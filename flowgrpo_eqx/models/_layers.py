@@ -33,9 +33,9 @@ Attention: TypeAlias = Literal["xla", "cudnn", "chunked", "splash", "auto"]
     `attention_chunk` queries at a time (forward and backward);
 - `"splash"`: Pallas's splash attention kernel for TPUs (`splash_attention`), blocks of
     `attention_chunk` queries and keys (a multiple of 128; the keys read up to 1,536 at a
-    time), the scores never in HBM; lowered
-    for another platform the same kernel runs in Pallas's interpreter (exact, slow: tests);
-    one device's attention: refused by name on a mesh of several devices;
+    time), the scores never in HBM; lowered for another platform the same kernel runs in
+    Pallas's interpreter (exact, slow: tests); one device's attention: refused by name on a
+    mesh of several devices;
 - `"auto"`: the fastest the platform the program is lowered for has: `"splash"` on a TPU,
     `"cudnn"` on a GPU for float16/bfloat16 inputs, `"xla"` otherwise (a CPU, float32 on a
     GPU, a mesh of several TPU devices, where the splash kernel cannot run yet).
