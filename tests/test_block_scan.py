@@ -12,6 +12,7 @@ import pytest
 from flowgrpo_eqx.models import DiT
 from tests.diffusers_helpers import assert_leaves_close
 from tests.errors import NAMED_ARGUMENT_ERRORS
+from tests.tiny_models import perturbed
 
 
 SIZES = dict(image_size=8, channels=3, patch=2, width=16, depth=3, heads=2, vocab_size=5)
@@ -19,14 +20,7 @@ SIZES = dict(image_size=8, channels=3, patch=2, width=16, depth=3, heads=2, voca
 
 def _perturbed() -> DiT:
     """A DiT whose zero-initialised layers are moved by a fixed draw."""
-    model = DiT(**SIZES, key=jax.random.key(0))
-    rng = np.random.default_rng(1)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    moved = jax.tree.map(
-        lambda p: p + jax.device_put((0.1 * rng.standard_normal(p.shape)).astype(p.dtype)),
-        params,
-    )
-    return eqx.combine(moved, static)
+    return perturbed(DiT(**SIZES, key=jax.random.key(0)))
 
 
 def _inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -26,7 +26,7 @@ from tests.diffusers_helpers import (
     velocity_and_sin_gradient,
 )
 from tests.errors import NAMED_ARGUMENT_ERRORS
-from tests.tiny_models import assert_attention_statement
+from tests.tiny_models import assert_attention_statement, perturbed
 from tests.tolerances import attention_tolerance, reference_model_rtol
 
 
@@ -116,16 +116,6 @@ def test_a_splash_block_that_is_not_a_multiple_of_128_is_named() -> None:
     assert AttentionSettings("chunked", 100).chunk == 100
 
 
-def _perturbed(model: Any, seed: int, scale: float = 0.1) -> Any:
-    """Every float parameter moved by Gaussian noise, away from a zero initialisation."""
-    rng = np.random.default_rng(seed)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    params = jax.tree.map(
-        lambda p: p + jnp.asarray(scale * rng.standard_normal(p.shape), p.dtype), params
-    )
-    return eqx.combine(params, static)
-
-
 def _fixture(name: str) -> tuple[Any, dict[str, np.ndarray], tuple[Any, ...]]:
     """A tiny diffusers-made model of `tests/data`, its inputs and diffusers' output."""
     io = dict(np.load(DATA / name / "io.npz"))
@@ -151,7 +141,7 @@ def test_every_diffusers_model_computes_diffusers_velocity_with_fused_attention(
     # The same function as diffusers' (the authority).
     assert relative(np.asarray(vcall(fused, *inputs)), io["v"]) < reference_model_rtol()
     # And the same gradient as plain attention's on moved weights.
-    moved = _perturbed(model, seed=3)
+    moved = perturbed(model, seed=3)
     _, want = velocity_and_sin_gradient(moved, *inputs)
     _, got = velocity_and_sin_gradient(
         moved.with_settings(attention=attention, attention_chunk=128), *inputs
@@ -161,7 +151,7 @@ def test_every_diffusers_model_computes_diffusers_velocity_with_fused_attention(
 
 @pytest.mark.parametrize("remat", ["qkv", "attention"])
 def test_dit_with_splash_attention_and_named_remat_computes_the_same(remat: str) -> None:
-    plain = _perturbed(
+    plain = perturbed(
         DiT(image_size=8, width=32, depth=2, heads=2, stacked=True, key=jax.random.key(0)), 5
     )
     rng = np.random.default_rng(0)

@@ -20,6 +20,7 @@ from flowgrpo_eqx.train import Trainer, default_optimizer
 from tests.cli_rewards import brightness
 from tests.diffusers_helpers import assert_leaves_close, velocity_and_sin_gradient
 from tests.errors import NAMED_ARGUMENT_ERRORS
+from tests.tiny_models import perturbed
 
 
 KEY = jax.random.key(0)
@@ -56,17 +57,6 @@ def _inputs(model: MMDiT, n: int, seed: int) -> tuple[np.ndarray, np.ndarray, di
     return x.astype(np.float32), t.astype(np.float32), jax.tree.map(np.float32, cond)
 
 
-def _perturb(model: Any, seed: int, scale: float = 0.1) -> Any:
-    """Add Gaussian noise to every float parameter, moving the model away from its zero init."""
-    rng = np.random.default_rng(seed)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    params = jax.tree.map(
-        lambda p: p + jax.device_put(scale * rng.standard_normal(p.shape).astype(p.dtype)),
-        params,
-    )
-    return eqx.combine(params, static)
-
-
 def _float_leaves(tree: Any) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))]
 
@@ -85,7 +75,7 @@ def test_shapes_dtype_zero_velocity_and_joint_attention() -> None:
     assert half.shape == x.shape and half.dtype == jnp.bfloat16
 
     # Away from the zero init (same structure and shapes: no recompilation).
-    model = _perturb(model, seed=3)
+    model = perturbed(model, seed=3)
     base = np.asarray(_vcall(model, x, t, cond))
     assert np.all(np.isfinite(base)) and np.any(base != 0)
     other_context = {**cond, "context": cond["context"] + 1.0}
@@ -127,7 +117,7 @@ def test_every_block_is_the_identity_at_init() -> None:
 
 
 def test_token_id_conditioning() -> None:
-    model = _perturb(_model(depth=1, vocab_size=5), seed=5)
+    model = perturbed(_model(depth=1, vocab_size=5), seed=5)
     ids = jnp.asarray([4, 0, 9], jnp.int32)
     context, pooled = model._text(ids)
     assert model.token_embed is not None and model.token_pos_embed is not None
@@ -266,7 +256,7 @@ def test_stacked_groups_follow_the_block_structure() -> None:
 def test_stacked_remat_and_chunked_attention_compute_the_same_velocity_and_gradient(
     settings: dict[str, Any],
 ) -> None:
-    stacked = _perturb(_model(**SD35_LIKE), seed=11)
+    stacked = perturbed(_model(**SD35_LIKE), seed=11)
     assert stacked.stacked and len(stacked.blocks) == 3
     assert (
         stacked.with_settings(stacked=False)
@@ -287,7 +277,7 @@ def test_stacked_remat_and_chunked_attention_compute_the_same_velocity_and_gradi
 def _unstacked_velocity_and_gradient() -> tuple[np.ndarray, Any]:
     """The reference of the settings test, computed once: the same parameters as one block
     after another (no scan, no remat, plain attention); the gradient restacked to compare."""
-    plain = _perturb(_model(**SD35_LIKE), seed=11).with_settings(stacked=False)
+    plain = perturbed(_model(**SD35_LIKE), seed=11).with_settings(stacked=False)
     assert not plain.stacked and len(plain.blocks) == 4
     x, t, cond = _inputs(plain, 2, 12)
     velocity, gradient = velocity_and_sin_gradient(plain, x, t, cond)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from flowgrpo_eqx.models import DiT, MLPVelocity, silu, sinusoidal_time_features
+from tests.tiny_models import perturbed
 from tests.tolerances import activation_tolerance
 
 
@@ -35,17 +36,6 @@ def _call(model: Any, x: Any, t: Any, cond: Any) -> jax.Array:
 
 def _num_params(model: Any) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-
-
-def _perturb(model: Any, seed: int, scale: float = 0.1) -> Any:
-    """Add Gaussian noise to every float parameter, moving the DiT away from its zero init."""
-    rng = np.random.default_rng(seed)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    params = jax.tree.map(
-        lambda p: p + jax.device_put(scale * rng.standard_normal(p.shape).astype(p.dtype)),
-        params,
-    )
-    return eqx.combine(params, static)
 
 
 def _normal(seed: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -243,7 +233,7 @@ def test_dit_zero_init_then_nonzero_and_vmap_consistent() -> None:
     # adaLN-Zero: the initial velocity is exactly zero.
     assert np.all(np.asarray(out) == 0.0)
     # After perturbing the parameters it is not.
-    model = _perturb(model, 1)
+    model = perturbed(model, seed=1)
     out = _vcall(model, x, t, cond)
     assert np.all(np.isfinite(np.asarray(out)))
     assert np.abs(np.asarray(out)).max() > 1e-3
@@ -253,7 +243,7 @@ def test_dit_zero_init_then_nonzero_and_vmap_consistent() -> None:
 
 
 def test_dit_depends_on_t_and_every_token() -> None:
-    model = _perturb(_small_dit(), 1)
+    model = perturbed(_small_dit(), seed=1)
     x = _normal(2, (8, 8, 3))
     cond = np.array([0, 1, 2, 3], dtype=np.int32)
     t = _scalar(0.4)
@@ -303,7 +293,7 @@ def test_dit_gradients_finite_and_start_nonzero() -> None:
     assert np.abs(np.asarray(grads.final_proj.weight)).max() > 0.0
     assert np.abs(np.asarray(grads.final_proj.bias)).max() > 0.0
     # Away from init every gradient is finite, and the deep parameters get one too.
-    grads = grad_fn(_perturb(model, 3), x, t, cond, target)
+    grads = grad_fn(perturbed(model, seed=3), x, t, cond, target)
     leaves = jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
     assert np.abs(np.asarray(grads.token_embed)).max() > 0.0

@@ -41,14 +41,16 @@ def batch_of_two(seed: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarra
     return x, t, cond
 
 
-def perturbed(model: Any) -> Any:
-    """`model` with every float leaf moved by a fixed draw of scale 0.1, its
-    zero-initialised layers too (so that every path of the model reaches the velocity)."""
+def perturbed(model: Any, seed: int = 1, scale: float = 0.1) -> Any:
+    """`model` with every float leaf moved by Gaussian noise of `scale` drawn from `seed`, its
+    zero-initialised layers too (so that every path of the model reaches the velocity and
+    every gradient is nonzero)."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
     moved = [
-        p + 0.1 * jax.random.normal(k, p.shape, p.dtype) for p, k in zip(leaves, keys, strict=True)
+        p + scale * jax.random.normal(k, p.shape, p.dtype)
+        for p, k in zip(leaves, keys, strict=True)
     ]
     return eqx.combine(jax.tree.unflatten(treedef, moved), static)
 
