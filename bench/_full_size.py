@@ -37,7 +37,8 @@ import optax
 from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import Flux, MMDiT, Wan
 
-from ._op_sources import LOOPS
+from ._op_sources import LOOPS, by_function, instruction_metadata, summarise, trace_events
+from ._products import dot_flops, dot_generals
 from ._timing import log
 
 
@@ -203,8 +204,6 @@ def model_flops(row: Row) -> float:
     """3 x the forward's matmul FLOPs (plain attention, no remat: the model's function), the
     products traced inside `NOT_MODEL_PRODUCTS` left out (0.3 of SD3.5-Medium's 58.9 TFLOP a
     step), whatever the default matmul precision."""
-    from bench.models import dot_flops, dot_generals
-
     plain = dataclasses.replace(row, remat=None, attention="xla", program="train")
     model, (x, t, cond) = _build(plain)
     jaxpr = jax.make_jaxpr(_velocity)(model, x, t, cond).jaxpr
@@ -430,9 +429,6 @@ def summarise_trace(folder: str, calls: int, program_text: str) -> dict[str, Any
     The summary, a dict for the row's JSON.
     """
     import collections
-
-    from bench._op_sources import by_function, instruction_metadata, summarise
-    from bench.models import trace_events
 
     events = trace_events(folder)
     products = fusions_with_products(program_text)

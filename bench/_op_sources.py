@@ -7,6 +7,9 @@ whole grouping.
 """
 
 import collections
+import glob
+import gzip
+import json
 import re
 from typing import Any
 
@@ -158,3 +161,12 @@ def by_function(rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
         else:
             totals[row["operation"]] += row["ms"]
     return totals.most_common()
+
+
+def trace_events(folder: str) -> list[dict[str, Any]]:
+    """The events of the newest `jax.profiler` trace written under `folder`."""
+    paths = sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))
+    with gzip.open(paths[-1]) as handle:
+        trace = json.load(handle)
+    events: list[dict[str, Any]] = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return events

@@ -31,11 +31,10 @@ Prints one JSON object on stdout (progress on stderr).
 import argparse
 import dataclasses
 import json
-import math
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -48,6 +47,8 @@ from flowgrpo_eqx.models import DiT, Flux, MMDiT, Wan
 
 from . import _baselines
 from ._measure import temp_bytes, xla_flops
+from ._op_sources import trace_events
+from ._products import dot_flops, dot_generals
 from ._setups import _perturb_zero_leaves
 from ._timing import interleave, log, median, summary
 
@@ -302,85 +303,6 @@ def programs(model: Any, x: jax.Array, t: jax.Array, cond: Any) -> dict[str, tup
 
 
 # -- the shaped-matmul ceiling ------------------------------------------------------------
-
-
-def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, int]]:
-    """The jaxprs an equation runs and how many times each runs."""
-    times = int(eqn.params["length"]) if eqn.primitive.name == "scan" else 1
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jax.extend.core.ClosedJaxpr):
-                yield item.jaxpr, times
-            elif isinstance(item, jax.extend.core.Jaxpr):
-                yield item, times
-
-
-def _made_in(eqn: Any, functions: frozenset[str]) -> bool:
-    """Whether a function named in `functions` was on the stack when `eqn` was traced."""
-    traceback = eqn.source_info.traceback
-    return (
-        bool(functions)
-        and traceback is not None
-        and any(frame.function_name in functions for frame in traceback.frames)
-    )
-
-
-def dot_generals(
-    jaxpr: Any, times: int = 1, *, leaving_out: frozenset[str] = frozenset()
-) -> dict[tuple, int]:
-    """Every `dot_general` of a jaxpr and how often it runs, by shapes, dtypes and parameters,
-    but those traced inside a function named in `leaving_out`."""
-    found: dict[tuple, int] = {}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general" and not _made_in(eqn, leaving_out):
-            lhs, rhs = (v.aval for v in eqn.invars)
-            key = (
-                lhs.shape,
-                str(lhs.dtype),
-                rhs.shape,
-                str(rhs.dtype),
-                eqn.params["dimension_numbers"],
-                eqn.params["precision"],
-                eqn.params["preferred_element_type"],
-            )
-            found[key] = found.get(key, 0) + times
-        for sub, count in _sub_jaxprs(eqn):
-            for key, n in dot_generals(sub, times * count, leaving_out=leaving_out).items():
-                found[key] = found.get(key, 0) + n
-    return found
-
-
-def dot_flops(dots: dict[tuple, int]) -> int:
-    """The FLOPs of `dot_generals`' matmuls, each as often as it runs: `2 x` batch x free
-    sizes of both sides x contracted size."""
-    flops = 0
-    for (lhs_shape, _, rhs_shape, _, dims, _, _), count in dots.items():
-        (contract, rhs_contract), (batch, rhs_batch) = dims
-        out_size = math.prod(
-            size
-            for axis, size in enumerate(lhs_shape)
-            if axis not in contract and axis not in batch
-        ) * math.prod(
-            size
-            for axis, size in enumerate(rhs_shape)
-            if axis not in rhs_contract and axis not in rhs_batch
-        )
-        batch_size = math.prod(lhs_shape[axis] for axis in batch)
-        contract_size = math.prod(lhs_shape[axis] for axis in contract)
-        flops += 2 * count * batch_size * out_size * contract_size
-    return flops
-
-
-def trace_events(folder: str) -> list[dict[str, Any]]:
-    """The events of the newest `jax.profiler` trace written under `folder`."""
-    import glob
-    import gzip
-
-    paths = sorted(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))
-    with gzip.open(paths[-1]) as handle:
-        trace = json.load(handle)
-    events: list[dict[str, Any]] = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return events
 
 
 def matmul_ceiling(function: Callable[..., Any], args: tuple) -> tuple[Callable[[], Any], dict]:

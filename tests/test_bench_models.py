@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench import models
+from bench import _products, models
 
 
 def _program(x: jax.Array, w: jax.Array, v: jax.Array) -> jax.Array:
@@ -20,7 +20,7 @@ ARGS = (jnp.ones((8, 16)), jnp.ones((16, 16)), jnp.ones((8, 4)))
 
 
 def test_dot_generals_counts_a_scan_body_once_per_iteration() -> None:
-    dots = models.dot_generals(jax.make_jaxpr(_program)(*ARGS).jaxpr)
+    dots = _products.dot_generals(jax.make_jaxpr(_program)(*ARGS).jaxpr)
     by_shapes = {(key[0], key[2]): count for key, count in dots.items()}
     assert by_shapes == {((8, 16), (16, 16)): 3, ((8, 16), (8, 4)): 1}
 

@@ -55,7 +55,7 @@ def capture(name: str, out: pathlib.Path, steps: int = 3) -> None:
     import jax
 
     from bench import _full_size as full_size
-    from bench.models import trace_events
+    from bench._op_sources import trace_events
 
     (row,) = full_size.rows(name)
     function, args = full_size.program(row)
