@@ -1,12 +1,16 @@
 """`tools.tpu.splash_blocks`: each variant of the splash kernel's block sizes, swapped into
 the library's `splash_attention`, computes the float64 statement of attention
 (`numpy_reference.attention`) in values and gradients (in Pallas's interpreter, as on the
-CPU the library's own kernel is: `tests/test_fused_attention.py`), the swap is undone, and
-the command line names a bad argument before it measures anything."""
+CPU the library's own kernel is: `tests/test_fused_attention.py`), the swap is undone, the
+command line names a bad argument before it measures anything, and a record of a sweep is
+drawn."""
+
+import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from PIL import Image
 
 from flowgrpo_eqx.models import _splash
 from tests.tiny_models import assert_attention_statement
@@ -57,3 +61,41 @@ def test_the_command_names_a_bad_argument_before_measuring(argv, named, capsys):
         splash_blocks.main(argv)
     assert stopped.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def _record(tmp_path, variants):
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({"device": "TPU v5 lite", "shape": [8, 1357, 24, 64], **variants}))
+    return str(path)
+
+
+def test_a_record_is_drawn_with_every_variant_failed_ones_too(tmp_path):
+    times = {"median": 3.9, "p25": 3.8, "p75": 4.0, "rounds": 20}
+    record = _record(
+        tmp_path,
+        {
+            "variants": {
+                "library": {"forward_ms": times, "gradient_ms": times},
+                "whole": {"error": "RESOURCE_EXHAUSTED"},
+            }
+        },
+    )
+    picture = tmp_path / "sweep.png"
+    assert splash_blocks.main(["--from-record", record, "--plot", str(picture)]) == 0
+    with Image.open(picture) as image:
+        assert image.format == "PNG" and image.width == 800
+
+
+@pytest.mark.parametrize(
+    ("variants", "argv_tail"),
+    [
+        ({"variants": {"library": {"forward_ms": None}}}, ["--plot", "x.png"]),
+        ({"rows": []}, ["--plot", "x.png"]),
+        ({"variants": {}}, []),
+    ],
+)
+def test_a_record_that_cannot_be_drawn_is_named(variants, argv_tail, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        splash_blocks.main(["--from-record", _record(tmp_path, variants), *argv_tail])
+    assert stopped.value.code == 2
+    assert "--from-record" in capsys.readouterr().err

@@ -15,12 +15,15 @@ compute. A variant is not the library's until it is faster in the whole step, an
 its own tests.
 
     bash tools/tpu/run.sh python -m tools.tpu.splash_blocks [--shape 8,1357,24,64]
-        [--rounds 20] [--variants NAME,...]
+        [--rounds 20] [--variants NAME,...] [--plot PNG]
+    python -m tools.tpu.splash_blocks --from-record RECORD.json --plot PNG
 
 Prints one JSON object: per variant its block sizes, padded lengths, milliseconds per call
 of the forward and of the value and gradient (median of interleaved rounds, with quartiles),
 and the largest difference of its output and gradient from the library's; a variant the
-kernel's compiler refuses gets its error instead. Progress goes to stderr.
+kernel's compiler refuses gets its error instead. Progress goes to stderr. `--plot` draws
+the medians and quartiles as a PNG, of this sweep or, with `--from-record`, of a record
+(the JSON an earlier sweep printed), anywhere.
 """
 
 import argparse
@@ -226,6 +229,59 @@ def sweep(
     return report
 
 
+def plot(report: dict[str, Any], path: str) -> None:
+    """Draw a sweep's `report` (`main`'s JSON) as a PNG at `path`: per variant, the median
+    milliseconds of the forward and of the value and gradient, with their quartiles, and the
+    variants that failed named as such.
+
+    **Raises:**
+
+    - `ValueError`: naming the record's part that is missing or not a sweep's.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = report.get("variants")
+    if not isinstance(variants, dict) or not variants:
+        raise ValueError("the record has no `variants` of a sweep")
+    names = list(variants)
+    figure, axis = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5), dpi=100)
+    rows = np.arange(len(names))
+    for offset, (program, label) in enumerate(
+        [("forward_ms", "forward"), ("gradient_ms", "value and gradient")]
+    ):
+        medians, spans = [], []
+        for name in names:
+            times = variants[name].get(program)
+            if times is None and "error" not in variants[name]:
+                raise ValueError(f"the record's variant {name!r} has neither {program} nor error")
+            times = times or {"median": np.nan, "p25": np.nan, "p75": np.nan}
+            medians.append(times["median"])
+            spans.append((times["median"] - times["p25"], times["p75"] - times["median"]))
+        axis.barh(
+            rows + 0.4 * offset - 0.2,
+            medians,
+            height=0.4,
+            xerr=np.asarray(spans).T,
+            label=label,
+        )
+    for row, name in enumerate(names):
+        if "error" in variants[name]:
+            axis.text(0, row, " does not compile", va="center", fontsize=8)
+    axis.set_yticks(rows, names)
+    axis.invert_yaxis()
+    axis.set_xlabel("ms per call (median of interleaved rounds; bars: quartiles)")
+    shape = "x".join(str(size) for size in report.get("shape", []))
+    axis.set_title(f"splash attention's blocks, {shape} on {report.get('device', '?')}")
+    axis.grid(axis="x", alpha=0.3)
+    figure.legend(loc="lower center", ncol=2, frameon=False)
+    figure.tight_layout(rect=(0, 0.05, 1, 1))
+    figure.savefig(path)
+    plt.close(figure)
+
+
 def _shape(text: str) -> tuple[int, int, int, int]:
     sizes = tuple(int(part) for part in text.split(","))
     if len(sizes) != 4 or min(sizes) < 1:
@@ -244,7 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="8,1357,24,64", help="batch,S,heads,head_dim")
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds (20)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="names, comma-separated")
+    parser.add_argument("--plot", metavar="PNG", help="draw the sweep as a PNG")
+    parser.add_argument(
+        "--from-record", metavar="JSON", help="plot this record of a sweep, measuring nothing"
+    )
     args = parser.parse_args(argv)
+    if args.from_record is not None:
+        if args.plot is None:
+            parser.error("--from-record draws a record: give --plot PNG")
+        try:
+            with open(args.from_record) as handle:
+                plot(json.load(handle), args.plot)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            parser.error(f"--from-record: {args.from_record}: {error!r}")
+        return 0
     try:
         shape = _shape(args.shape)
     except ValueError as error:
@@ -263,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         "variants": sweep(names, shape, args.rounds),
     }
     print(json.dumps(report, indent=1))
+    if args.plot is not None:
+        plot(report, args.plot)
     return 0
 
 
