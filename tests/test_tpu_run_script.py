@@ -56,18 +56,16 @@ def test_await_gives_up_after_its_limit_and_says_so(tmp_path: pathlib.Path) -> N
 
 @pytest.mark.parametrize("holder_is", ["absent", "finished", "another_program"])
 def test_await_does_not_wait_without_a_live_holder(holder_is: str, tmp_path: pathlib.Path) -> None:
-    other = subprocess.Popen(["sleep", "60"])
+    holder = _python_sleeping(0) if holder_is == "finished" else subprocess.Popen(["sleep", "60"])
     try:
         if holder_is == "finished":
-            finished = _python_sleeping(0)
-            finished.wait()
-            (tmp_path / "holder.pid").write_text(f"{finished.pid}\n")
-        elif holder_is == "another_program":
-            (tmp_path / "holder.pid").write_text(f"{other.pid}\n")
+            holder.wait()
+        if holder_is != "absent":
+            (tmp_path / "holder.pid").write_text(f"{holder.pid}\n")
         done = _await(tmp_path / "holder.pid")
     finally:
-        other.kill()
-        other.wait()
+        holder.kill()
+        holder.wait()
     assert done.returncode == 0
     assert "holds the chip" not in done.stderr
 

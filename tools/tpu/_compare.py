@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import json
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
@@ -31,6 +31,17 @@ def swapped(modules: Sequence[ModuleType], name: str, value: Any) -> Iterator[No
     finally:
         for module in modules:
             setattr(module, name, library)
+
+
+def chosen_variants(parser: argparse.ArgumentParser, text: str, known: Iterable[str]) -> list[str]:
+    """The variants `text` names, comma-separated, in its order; argparse's usage error naming
+    `--variants` (through `parser`) when it names none or one not in `known`."""
+    known = list(known)
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        parser.error(f"--variants: unknown {unknown or names}; the variants: {known}")
+    return names
 
 
 def compare(prog: str, doc: str, variants: dict[str, Variant], argv: list[str] | None) -> int:
@@ -64,10 +75,7 @@ def compare(prog: str, doc: str, variants: dict[str, Variant], argv: list[str] |
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error(f"--calls must be a positive number, got {args.calls}")
-    names = [name for name in args.variants.split(",") if name]
-    unknown = [name for name in names if name not in variants]
-    if unknown or not names:
-        parser.error(f"--variants: unknown {unknown or names}; the variants: {list(variants)}")
+    names = chosen_variants(parser, args.variants, variants)
     from bench import _full_size as full_size
 
     try:

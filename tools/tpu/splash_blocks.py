@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flowgrpo_eqx.models import _splash
-from tools.tpu._compare import swapped
+from tools.tpu._compare import chosen_variants, swapped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +269,7 @@ def plot(report: dict[str, Any], path: str) -> None:
         )
     for row, name in enumerate(names):
         if "error" in variants[name]:
-            axis.text(0, row, " does not compile", va="center", fontsize=8)
+            axis.text(0, row, " failed (its error is in the record)", va="center", fontsize=8)
     axis.set_yticks(rows, names)
     axis.invert_yaxis()
     axis.set_xlabel("ms per call (median of interleaved rounds; bars: quartiles)")
@@ -320,10 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--shape: {error}")
     if args.rounds < 1:
         parser.error(f"--rounds must be a positive number, got {args.rounds}")
-    names = [name for name in args.variants.split(",") if name]
-    unknown = [name for name in names if name not in VARIANTS]
-    if unknown or not names:
-        parser.error(f"--variants: unknown {unknown or names}; the variants: {list(VARIANTS)}")
+    names = chosen_variants(parser, args.variants, VARIANTS)
     device = jax.devices()[0]
     report = {
         "jax": jax.__version__,
