@@ -7,6 +7,7 @@ drawn."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +20,24 @@ from tools.tpu import splash_blocks
 from tools.tpu.splash_blocks import VARIANTS, Blocks, kernel_blocks
 
 
-@pytest.mark.parametrize("name", [name for name in VARIANTS if name != "library"])
+BEYOND_THE_CHIPS_VMEM = {"pad1408_whole", "whole"}
+"""The variants whose float32 forward needs more of a TPU v5e's scoped VMEM (16 MiB) than it
+has (27.94 MiB at 200 tokens, padded to a whole block; the bfloat16 sweep's record says the
+same at SD3.5's shape): compiled for the chip, they fail there, and only there."""
+
+
+def _variant(name):
+    on_tpu = jax.default_backend() == "tpu"
+    beyond = pytest.mark.xfail(
+        on_tpu and name in BEYOND_THE_CHIPS_VMEM,
+        reason="more scoped VMEM than a TPU v5e has",
+        raises=jax.errors.JaxRuntimeError,
+        strict=True,
+    )
+    return pytest.param(name, marks=beyond)
+
+
+@pytest.mark.parametrize("name", [_variant(name) for name in VARIANTS if name != "library"])
 def test_each_variant_computes_attention_and_its_gradient(name):
     rng = np.random.default_rng(7)
     q, k, v, d_out = (rng.standard_normal((1, 200, 2, 64)) for _ in range(4))

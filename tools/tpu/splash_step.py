@@ -34,20 +34,29 @@ MaskMaker = Callable[[int, int, int, int], tuple[Any, Any, int, int]]
 """`_splash._mask`'s signature: queries, keys, heads and block to the multi-head mask, the
 kernel's block sizes and the padded lengths of the queries and the keys."""
 
-KeyBlocks: TypeAlias = Literal["by_block", "whole"]
-"""How a variant reads the keys: in blocks of the computing block, or all in one block."""
+KeyBlocks: TypeAlias = Literal["by_block", "whole", "seq_minor"]
+"""How a variant reads the keys: in blocks of the computing block, all in one block, or in
+the library's blocks laid out sequence-minor (`[heads, head_dim, S]`: the kernel transposes
+them once and scores them without transposing each block)."""
 
 
 def keys_read(library: MaskMaker, blocks: KeyBlocks) -> MaskMaker:
     """A replacement for `_splash._mask` (`library`): the same mask, padding and computing
     blocks, with the kernel's key blocks, forward and backward, of the computing block's
-    size (`"by_block"`) or of all the padded keys (`"whole"`)."""
+    size (`"by_block"`) or of all the padded keys (`"whole"`), or the library's key blocks
+    with the keys laid out sequence-minor (`"seq_minor"`)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib,
+    )
 
     @functools.lru_cache(maxsize=64)
     def mask(queries: int, keys: int, heads: int, block: int) -> tuple[Any, Any, int, int]:
         heads_mask, sizes, padded_q, padded_kv = library(queries, keys, heads, block)
-        read = sizes.block_kv_compute if blocks == "by_block" else padded_kv
-        replaced = dataclasses.replace(sizes, block_kv=read, block_kv_dkv=read)
+        if blocks == "seq_minor":
+            replaced = dataclasses.replace(sizes, k_layout=kernel_lib.QKVLayout.SEQ_MINOR)
+        else:
+            read = sizes.block_kv_compute if blocks == "by_block" else padded_kv
+            replaced = dataclasses.replace(sizes, block_kv=read, block_kv_dkv=read)
         return heads_mask, replaced, padded_q, padded_kv
 
     return mask
@@ -66,6 +75,7 @@ VARIANTS: dict[str, KeyBlocks | None] = {
     "library": None,
     "keys_by_block": "by_block",
     "keys_whole": "whole",
+    "keys_seq_minor": "seq_minor",
 }
 """The variants, by name: `key_blocks`'s argument."""
 
