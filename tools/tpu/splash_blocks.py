@@ -95,9 +95,10 @@ VARIANTS: dict[str, Blocks | None] = {
 }
 """The variants, by name; `library` (`None`) is the library's own `_splash._mask`: at
 SD3.5's shape, queries in blocks of 512 and keys in one block of 1,536, scored 512 at a time
-(`kv_whole`); `blocks512` is the library's blocks before the sweep. The last three, not yet
-run on the chip, try the library's blocks with other queries' blocks, layout of the keys or
-backward kernels."""
+(`kv_whole`); `blocks512` is the library's blocks before the sweep. The last three try the
+library's blocks with other queries' blocks, layout of the keys or backward kernels (measured
+on a TPU v5e: `docs/accelerators.md`). `pad1408_whole` and `whole` do not fit that chip's
+scoped VMEM."""
 
 
 def blocked_mask(blocks: Blocks) -> Callable[[int, int, int, int], tuple[Any, Any, int, int]]:

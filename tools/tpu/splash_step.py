@@ -10,10 +10,13 @@ and gradient 14%; this command measured what that is worth in the whole step, wh
 the library's. Each variant keeps the library's padding and computing blocks and reads the
 keys in blocks of the computing block (`keys_by_block`, the library's before) or of the whole
 padded sequence (`keys_whole`, whatever its length: at SD3.5's 1,357 and 1,024 tokens it is
-the library's; at 4,608 tokens of 128-wide heads it overflows the kernel's on-chip memory).
-A variant is not the library's until it is faster here, and then with its own tests.
+the library's; at 4,608 tokens of 128-wide heads it overflows the kernel's on-chip memory),
+or in the library's blocks held sequence-minor (`keys_seq_minor`, the sweep's fastest
+forward). A variant is not the library's until it is faster here, and then with its own
+tests.
 
     bash tools/tpu/run.sh python -m tools.tpu.splash_step [--row ROW] [--calls 5] [--profile]
+        [--variants NAME,...]
 
 Prints one JSON object: the bench's measurement of the row (`bench._full_size.measure`)
 under each variant, in one process. Compare the variants' `ms`.
