@@ -99,6 +99,8 @@ def test_the_kernel_reads_keys_in_few_blocks_scored_one_block_at_a_time(
 ) -> None:
     _, sizes, padded_q, padded_kv = _splash._mask(queries, keys, 2, block)
     assert (sizes.block_q, sizes.block_kv, padded_q, padded_kv) == want
+    assert sizes.k_layout.name == "SEQ_MINOR"
+    assert sizes.q_layout.name == sizes.v_layout.name == "HEAD_DIM_MINOR"
     assert sizes.block_q_dkv == sizes.block_q and sizes.block_kv_dkv == sizes.block_kv
     scored = min(block, -(-keys // 128) * 128)
     assert sizes.block_kv_compute == sizes.block_kv_dkv_compute == scored

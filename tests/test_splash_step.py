@@ -34,10 +34,10 @@ def test_each_variant_reads_its_key_blocks_and_computes_attention(name):
         grads = pullback(jnp.asarray(d_out, jnp.float32))
     assert _splash._mask is library_mask
     assert (padded_q, padded_kv) == _splash._mask(300, 300, 2, 128)[2:] == (384, 384)
-    read = {"by_block": 128, "whole": 384, "seq_minor": 384}[VARIANTS[name]]
+    read = {"by_block": 128, "whole": 384, "head_dim_minor": 384}[VARIANTS[name]]
     assert (sizes.block_kv, sizes.block_kv_dkv) == (read, read)
-    seq_minor = VARIANTS[name] == "seq_minor"
-    assert (sizes.k_layout.name == "SEQ_MINOR") == seq_minor
+    head_dim_minor = VARIANTS[name] == "head_dim_minor"
+    assert sizes.k_layout.name == ("HEAD_DIM_MINOR" if head_dim_minor else "SEQ_MINOR")
     assert (sizes.block_q, sizes.block_q_dkv) == (128, 128)
     assert (sizes.block_kv_compute, sizes.block_kv_dkv_compute) == (128, 128)
     assert_attention_statement(out, grads, q, k, v, d_out, attention_tolerance("float32"))

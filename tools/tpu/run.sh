@@ -24,7 +24,8 @@
 # process (no -n). Set FLOWGRPO_TPU_SITE to install somewhere else than /tmp/flowgrpo-site, and
 # FLOWGRPO_TPU_TIMEOUT=SECONDS to interrupt the suite SECONDS after `test` began, the install
 # included (as Ctrl-C would: it still prints its summary; killed 15 s later if it has not
-# ended), before a limit of the machine's.
+# ended), before a limit of the machine's. What the install says goes to stderr, so a `python`
+# command's stdout is its own (a bench's JSON, redirected to a file in $OUT).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -67,7 +68,7 @@ install() {
             "${pip[@]}" "$package" || echo "not installed: $package" >&2
         done
         touch "$stamp"
-        echo "installed into $site in $((SECONDS - started)) s"
+        echo "installed into $site in $((SECONDS - started)) s" >&2
     fi
     export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$site:$PWD"
     export PATH="$site/bin:$PATH"

@@ -5,6 +5,8 @@ The library's splash kernel (`attention_chunk`, 512) pads each sequence to a mul
 takes the queries 512 at a time and computes the scores 512 keys at a time, forward and in the
 fused backward; it reads the keys in blocks of up to 1,536 (`_splash.KEY_BLOCK_LIMIT`), which
 this sweep chose (`docs/accelerators.md`): before, it read them 512 at a time (`blocks512`).
+It holds the keys sequence-minor, the sweep's fastest forward (`kv_whole_keys_seq_minor`);
+`kv_whole` is the same blocks in the kernel's default layout.
 SD3.5-Medium's joint sequence at 512² is 1,357 tokens, padded to 1,536, so 22% of the scores
 are of padding; its heads are 64 wide.
 
@@ -95,9 +97,10 @@ VARIANTS: dict[str, Blocks | None] = {
 }
 """The variants, by name; `library` (`None`) is the library's own `_splash._mask`: at
 SD3.5's shape, queries in blocks of 512 and keys in one block of 1,536, scored 512 at a time
-(`kv_whole`); `blocks512` is the library's blocks before the sweep. The last three try the
-library's blocks with other queries' blocks, layout of the keys or backward kernels (measured
-on a TPU v5e: `docs/accelerators.md`). `pad1408_whole` and `whole` do not fit that chip's
+and held sequence-minor (`kv_whole_keys_seq_minor`); `blocks512` is the library's blocks
+before the sweep, `kv_whole` the library's blocks in the kernel's default layout. The last
+three try those blocks with other queries' blocks, layout of the keys or backward kernels
+(measured on a TPU v5e: `docs/accelerators.md`). `pad1408_whole` and `whole` do not fit that chip's
 scoped VMEM."""
 
 

@@ -11,9 +11,10 @@ the library's. Each variant keeps the library's padding and computing blocks and
 keys in blocks of the computing block (`keys_by_block`, the library's before) or of the whole
 padded sequence (`keys_whole`, whatever its length: at SD3.5's 1,357 and 1,024 tokens it is
 the library's; at 4,608 tokens of 128-wide heads it overflows the kernel's on-chip memory),
-or in the library's blocks held sequence-minor (`keys_seq_minor`, the sweep's fastest
-forward). A variant is not the library's until it is faster here, and then with its own
-tests.
+or in the library's blocks held head-dim-minor (`keys_head_dim_minor`, the kernel's default
+layout: the library holds them sequence-minor, the sweep's fastest forward, which this
+command measured 0.4-0.6% faster in the steps of SD3.5-Medium, FLUX.1 and Wan 2.1). A
+variant is not the library's until it is faster here, and then with its own tests.
 
     bash tools/tpu/run.sh python -m tools.tpu.splash_step [--row ROW] [--calls 5] [--profile]
         [--variants NAME,...]
@@ -37,17 +38,18 @@ MaskMaker = Callable[[int, int, int, int], tuple[Any, Any, int, int]]
 """`_splash._mask`'s signature: queries, keys, heads and block to the multi-head mask, the
 kernel's block sizes and the padded lengths of the queries and the keys."""
 
-KeyBlocks: TypeAlias = Literal["by_block", "whole", "seq_minor"]
-"""How a variant reads the keys: in blocks of the computing block, all in one block, or in
-the library's blocks laid out sequence-minor (`[heads, head_dim, S]`: the kernel transposes
-them once and scores them without transposing each block)."""
+KeyBlocks: TypeAlias = Literal["by_block", "whole", "head_dim_minor"]
+"""How a variant reads the keys: in blocks of the computing block, all in one block (both in
+the library's sequence-minor layout, `[heads, head_dim, S]`), or in the library's blocks laid
+out head-dim-minor (`[heads, S, head_dim]`, the kernel's default: each block's scores
+transpose it)."""
 
 
 def keys_read(library: MaskMaker, blocks: KeyBlocks) -> MaskMaker:
     """A replacement for `_splash._mask` (`library`): the same mask, padding and computing
     blocks, with the kernel's key blocks, forward and backward, of the computing block's
     size (`"by_block"`) or of all the padded keys (`"whole"`), or the library's key blocks
-    with the keys laid out sequence-minor (`"seq_minor"`)."""
+    with the keys laid out head-dim-minor (`"head_dim_minor"`)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,
     )
@@ -55,8 +57,8 @@ def keys_read(library: MaskMaker, blocks: KeyBlocks) -> MaskMaker:
     @functools.lru_cache(maxsize=64)
     def mask(queries: int, keys: int, heads: int, block: int) -> tuple[Any, Any, int, int]:
         heads_mask, sizes, padded_q, padded_kv = library(queries, keys, heads, block)
-        if blocks == "seq_minor":
-            replaced = dataclasses.replace(sizes, k_layout=kernel_lib.QKVLayout.SEQ_MINOR)
+        if blocks == "head_dim_minor":
+            replaced = dataclasses.replace(sizes, k_layout=kernel_lib.QKVLayout.HEAD_DIM_MINOR)
         else:
             read = sizes.block_kv_compute if blocks == "by_block" else padded_kv
             replaced = dataclasses.replace(sizes, block_kv=read, block_kv_dkv=read)
@@ -78,7 +80,7 @@ VARIANTS: dict[str, KeyBlocks | None] = {
     "library": None,
     "keys_by_block": "by_block",
     "keys_whole": "whole",
-    "keys_seq_minor": "seq_minor",
+    "keys_head_dim_minor": "head_dim_minor",
 }
 """The variants, by name: `key_blocks`'s argument."""
 
