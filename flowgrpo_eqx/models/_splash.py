@@ -85,7 +85,7 @@ def _mask(queries: int, keys: int, heads: int, block: int) -> tuple[Any, Any, in
     that size, the keys in blocks of `_key_block`, their scores computed `block` at a time.
     The kernel holds the keys sequence-minor (`[heads, head_dim, S]`, its `SEQ_MINOR`
     layout): it transposes them once and scores each block as a plain product. On a TPU v5e
-    that made the whole training step of SD3.5-Medium, FLUX.1 and Wan 2.1 0.4-0.6% faster
+    that made the whole training step of SD3.5-Medium, FLUX.1 and Wan 2.1 0.3-0.6% faster
     than the keys held head-dim-minor (`docs/accelerators.md`)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as kernel_lib,

@@ -13,7 +13,7 @@ padded sequence (`keys_whole`, whatever its length: at SD3.5's 1,357 and 1,024 t
 the library's; at 4,608 tokens of 128-wide heads it overflows the kernel's on-chip memory),
 or in the library's blocks held head-dim-minor (`keys_head_dim_minor`, the kernel's default
 layout: the library holds them sequence-minor, the sweep's fastest forward, which this
-command measured 0.4-0.6% faster in the steps of SD3.5-Medium, FLUX.1 and Wan 2.1). A
+command measured 0.3-0.6% faster in the steps of SD3.5-Medium, FLUX.1 and Wan 2.1). A
 variant is not the library's until it is faster here, and then with its own tests.
 
     bash tools/tpu/run.sh python -m tools.tpu.splash_step [--row ROW] [--calls 5] [--profile]
