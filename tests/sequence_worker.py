@@ -37,6 +37,7 @@ from flowgrpo_eqx.models import Flux, MMDiT, Wan
 from flowgrpo_eqx.models._layers import SEQUENCE_STRATEGIES, AttentionSettings, plain_attention
 from flowgrpo_eqx.models._sequence import join_streams, part_streams, sequence_parallel_attention
 from flowgrpo_eqx.train import Checkpointer, Trainer, default_optimizer, rl_epoch
+from tests.tiny_models import perturbed
 
 
 def relative(got, want) -> float:
@@ -89,18 +90,6 @@ def attention_report() -> dict:
     except ValueError as error:
         report["indivisible"] = str(error)
     return report
-
-
-def perturbed(model, seed: int):
-    """`model` with every float array moved by N(0, 0.1^2) noise: a fresh model's zero
-    modulations and projections would make every velocity and most gradients exactly 0."""
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    moved = [
-        x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
-    ]
-    return eqx.combine(jax.tree.unflatten(tree, moved), static)
 
 
 def text(key, rows: int, length: int = 8) -> dict:
