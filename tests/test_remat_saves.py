@@ -12,10 +12,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from flowgrpo_eqx.models import MMDiT
+from flowgrpo_eqx.models import DiT, MMDiT
 from tests.tiny_models import SD35_SHAPED, batch_of_two
 
 
@@ -24,11 +25,12 @@ _RESIDUAL = re.compile(r"^(\w+\[[\d,]*\]) (.*)$")
 SIZES = {**SD35_SHAPED, "remat": "dots"}
 
 
-def _saved(model: Any) -> collections.Counter[str]:
-    """The types (`f32[2,16,32]`) of what the value-and-gradient of a batch of two keeps
-    for its backward pass, each with its count, the arguments left out."""
+def _saved(model: Any, batch: Any = None) -> collections.Counter[str]:
+    """The types (`f32[2,16,32]`) of what the value-and-gradient of a batch of two
+    (`batch_of_two`'s unless given) keeps for its backward pass, each with its count, the
+    arguments left out."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    x, t, cond = batch_of_two(0)
+    x, t, cond = batch_of_two(0) if batch is None else batch
 
     def value(params: Any) -> jax.Array:
         return jnp.sum(jnp.sin(jax.vmap(eqx.combine(params, static))(x, t, cond)))
@@ -59,3 +61,28 @@ def test_dots_saves_the_weight_products_and_nothing_saves_none_of_them() -> None
     assert dots["f32[2,16,32]"] >= 3 * 3
     nothing = _saved(MMDiT(**{**SIZES, "remat": "nothing"}, stacked=False, key=jax.random.key(0)))
     assert nothing["f32[2,16,32]"] < dots["f32[2,16,32]"]
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_a_remat_per_block_saves_the_products_of_the_blocks_it_names(stacked: bool) -> None:
+    # Per block of the DiT (16 image and 4 prompt tokens, width 32), `"dots"` saves the
+    # feed-forward's hidden products, `[2, 20, 128]`, and the stacked queries, keys and
+    # values, `[2, 3, 2, 20, 16]`; `"nothing"` saves neither. Stacked, the k blocks of the
+    # first run save them k-deep.
+    sizes = dict(image_size=8, patch=2, width=32, depth=4, heads=2, vocab_size=5, stacked=stacked)
+    rng = np.random.default_rng(0)
+    batch = (
+        jnp.asarray(rng.standard_normal((2, 8, 8, 3)), jnp.float32),
+        jnp.asarray([0.3, 0.8], jnp.float32),
+        jnp.asarray([[0, 1, 2, 3], [4, 4, 0, 1]], jnp.int32),
+    )
+    products = ("2,20,128", "2,3,2,20,16")
+    for k in range(5):
+        remat = ("dots",) * k + ("nothing",) * (4 - k)
+        saved = _saved(DiT(**sizes, remat=remat, key=jax.random.key(0)), batch)
+        for shape in products:
+            if stacked:
+                deep = {depth: saved[f"f32[{depth},{shape}]"] for depth in range(1, 5)}
+                assert deep == {depth: int(depth == k) for depth in range(1, 5)}, (k, saved)
+            else:
+                assert saved[f"f32[{shape}]"] == k, (k, saved)

@@ -30,6 +30,7 @@ from ._prompts import (
     SD3PromptEncoder as SD3PromptEncoder,
     WanPromptEncoder as WanPromptEncoder,
 )
+from ._stacked import BlockRemat as BlockRemat, Remat as Remat
 from ._t5 import FeedForward as FeedForward, T5Encoder as T5Encoder, load_t5 as load_t5
 from ._vae import AutoencoderKL as AutoencoderKL
 from ._wan import Wan as Wan

@@ -27,6 +27,7 @@ from ..lora import LoraModel
 from ._flux import Flux
 from ._mirror import fill_from_state_dict, read_safetensors_folder, state_dict_leaves
 from ._mmdit import MMDiT, pos_crop
+from ._stacked import StackedLayout
 from ._vae import AutoencoderKL, vae_config, vae_kwargs
 from ._wan import Wan
 from ._wan_vae import AutoencoderKLWan, wan_vae_config, wan_vae_kwargs
@@ -926,18 +927,18 @@ def _unstacked_adapters(
 ) -> tuple[Any, list[tuple[str, _NpArray, _NpArray]]]:
     """The base with one module per block (on the host) and each block's `(path, a, b)`.
 
-    An adapter of a stacked group's layer (`.blocks[g]...`, `a` `[n, rank, in]`) becomes
-    one per block of the group (`.blocks[start + j]...`, `a[j]`).
+    An adapter of a stacked run's layer (`.blocks[g]...`, `a` `[n, rank, in]`) becomes
+    one per block of the run (`.blocks[start + j]...`, `a[j]`).
     """
     base = model.base
     layers: list[tuple[str, _NpArray, _NpArray]] = []
     for layer_path, adapter in zip(model.layer_paths, model.adapters, strict=True):
         a, b = np.asarray(adapter.a), np.asarray(adapter.b)
         found = re.fullmatch(r"\.blocks\[(\d+)\](.*)", layer_path)
-        if not base.stacked or found is None:
+        if not isinstance(base.block_layout, StackedLayout) or found is None:
             layers.append((layer_path, a, b))
             continue
-        start, stop = base.block_groups[int(found.group(1))]
+        start, stop = base.block_layout.runs[int(found.group(1))]
         layers += [
             (f".blocks[{start + j}]{found.group(2)}", a[j], b[j]) for j in range(stop - start)
         ]

@@ -29,7 +29,7 @@ from ._layers import (
     zero_final_layer,
 )
 from ._splash import ATTENTION_RESIDUALS
-from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
+from ._stacked import AbstractAttentionModel, AbstractBlockLayout, BlockRemat, block_layout
 
 
 _TIME_FEATURES = 64
@@ -188,7 +188,8 @@ class DiT(AbstractAttentionModel):
     - `prompt_length`: the number of prompt tokens.
     - `stacked`: whether the blocks are held stacked and scanned over (`blocks` is then one
         stacked block), or one module per block.
-    - `remat`: what each block keeps for the backward pass (`Remat`).
+    - `remat`: what each block keeps for the backward pass, for every block or one per block
+        (`BlockRemat`).
     - `attention`: how attention is computed (`Attention`): `"xla"` (the default) is the
         DiT's own plain form, head-major throughout; the others as for `MMDiT`.
     - `attention_chunk`: the queries per chunk of `"chunked"` attention, the block of
@@ -233,7 +234,7 @@ class DiT(AbstractAttentionModel):
         vocab_size: int = 8,
         prompt_length: int = 4,
         stacked: bool = False,
-        remat: Remat = None,
+        remat: BlockRemat = None,
         attention: Attention = "xla",
         attention_chunk: int = 512,
         *,

@@ -34,7 +34,7 @@ from ._sequence import (
     split_tokens,
     streams_interleave,
 )
-from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
+from ._stacked import AbstractAttentionModel, AbstractBlockLayout, BlockRemat, block_layout
 
 
 _PACK = 2  # FLUX's pipelines pack 2 x 2 latent pixels into one token
@@ -332,7 +332,7 @@ class Flux(AbstractAttentionModel):
         guidance_embeds: bool = False,
         axes_dims: tuple[int, int, int] = (8, 12, 12),
         stacked: bool = True,
-        remat: Remat = None,
+        remat: BlockRemat = None,
         attention: Attention = "xla",
         attention_chunk: int = 512,
         sequence_strategy: SequenceStrategy = "ulysses",

@@ -31,7 +31,7 @@ from ._layers import (
     zero_final_layer,
 )
 from ._sequence import attend_joint, attend_self, split_tokens
-from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
+from ._stacked import AbstractAttentionModel, AbstractBlockLayout, BlockRemat, block_layout
 
 
 class MMDiTCondition(TypedDict):
@@ -316,7 +316,9 @@ class MMDiT(AbstractAttentionModel):
     - `stacked`: whether the blocks are held stacked per group and scanned over (see
         above), or as one module per block (`blocks[i]` is block `i`).
     - `remat`: what each block keeps for the backward pass (`Remat`: `"nothing"`, `"qkv"`,
-        `"attention"`, `"dots"` or `None`).
+        `"attention"`, `"dots"` or `None`), or a tuple with one of those per block
+        (`BlockRemat`: e.g. `("dots",) * 8 + ("nothing",) * 16` saves the products of the
+        first 8 of 24 blocks and recomputes the rest).
     - `attention`: `"xla"`, `"cudnn"`, `"chunked"`, `"splash"` or `"auto"` (`Attention`).
     - `attention_chunk`: the queries per chunk of `"chunked"` attention; the block of
         `"splash"` (a multiple of 128).
@@ -382,7 +384,7 @@ class MMDiT(AbstractAttentionModel):
         pos_embed_max_size: int | None = None,
         sample_size: int | None = None,
         stacked: bool = True,
-        remat: Remat = None,
+        remat: BlockRemat = None,
         attention: Attention = "xla",
         attention_chunk: int = 512,
         sequence_strategy: SequenceStrategy = "ulysses",

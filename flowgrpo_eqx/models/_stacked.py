@@ -38,6 +38,13 @@ rest is recomputed there):
 
 REMATS: tuple[Remat, ...] = ("nothing", "qkv", "attention", "dots", None)
 
+BlockRemat: TypeAlias = Remat | tuple[Remat, ...]
+"""A model's `remat`: one `Remat` for every block, or a tuple with one `Remat` per block, in
+order. A tuple spends memory where it buys the most: on one chip, saving the products
+(`"dots"`) in as many blocks as memory holds and recomputing the rest (`"nothing"`) is faster
+than either for all blocks (`docs/accelerators.md`). Stacked, the blocks are held in runs of
+one structure and one `Remat`, one scan each."""
+
 _Block = TypeVar("_Block")
 _Carry = TypeVar("_Carry")
 _Step: TypeAlias = Callable[[_Block, _Carry], _Carry]
@@ -45,10 +52,76 @@ _Model = TypeVar("_Model", bound="AbstractLayeredModel")
 _AttentionModel = TypeVar("_AttentionModel", bound="AbstractAttentionModel")
 
 
-def check_remat(remat: Any) -> None:
-    """Raise a `ValueError` naming `remat` unless it is one of `REMATS`."""
-    if remat not in REMATS:
-        raise ValueError(f"`remat` must be one of {REMATS}, got {remat!r}.")
+def check_remat(remat: Any, depth: int | None = None) -> None:
+    """Raise a `ValueError` naming `remat` unless it is a `BlockRemat` (one of `REMATS`, or a
+    tuple of them, `depth` long when `depth` is given)."""
+    if isinstance(remat, tuple):
+        if not remat or any(policy not in REMATS for policy in remat):
+            raise ValueError(
+                f"`remat` must be one of {REMATS} or a non-empty tuple of them (one per "
+                f"block), got {remat!r}."
+            )
+        if depth is not None and len(remat) != depth:
+            raise ValueError(
+                f"`remat` must hold one policy per block ({depth}), got {len(remat)}: {remat!r}."
+            )
+    elif remat not in REMATS:
+        raise ValueError(
+            f"`remat` must be one of {REMATS} or a tuple of them (one per block), got {remat!r}."
+        )
+
+
+def block_remats(remat: BlockRemat, depth: int) -> tuple[Remat, ...]:
+    """The `Remat` of each of `depth` blocks.
+
+    **Arguments:**
+
+    - `remat`: one policy for every block, or one per block.
+    - `depth`: the number of blocks.
+
+    **Returns:**
+
+    A tuple of `depth` policies.
+
+    **Raises:**
+
+    - `ValueError`: naming `remat` when it is not a `BlockRemat` of `depth` blocks.
+    """
+    check_remat(remat, depth)
+    if isinstance(remat, tuple):
+        return remat
+    return (remat,) * depth
+
+
+def runs_of_one_remat(
+    groups: tuple[tuple[int, int], ...], remat: BlockRemat
+) -> tuple[tuple[int, int], ...]:
+    """`groups` split wherever the blocks' `Remat` changes: the `[start, stop)` runs a
+    `StackedLayout` holds and scans, each of one structure and one policy.
+
+    **Arguments:**
+
+    - `groups`: consecutive `[start, stop)` runs of blocks of one structure.
+    - `remat`: one policy for every block, or one per block.
+
+    **Returns:**
+
+    The runs, consecutive from 0; `groups` itself when `remat` is one policy.
+
+    **Raises:**
+
+    - `ValueError`: naming `remat` when it is a tuple whose length is not the depth.
+    """
+    remats = block_remats(remat, groups[-1][1])
+    runs = []
+    for start, stop in groups:
+        run_start = start
+        for index in range(start + 1, stop):
+            if remats[index] != remats[index - 1]:
+                runs.append((run_start, index))
+                run_start = index
+        runs.append((run_start, stop))
+    return tuple(runs)
 
 
 def remat_policy(remat: Remat) -> Any:
@@ -104,7 +177,7 @@ class AbstractBlockLayout(eqx.Module):
     The layout changes how the blocks are held and compiled, never what they compute.
     """
 
-    remat: eqx.AbstractVar[Remat]
+    remat: eqx.AbstractVar[BlockRemat]
 
     @abc.abstractmethod
     def hold(self, blocks: Sequence[_Block]) -> tuple[_Block, ...]:
@@ -137,8 +210,14 @@ class AbstractBlockLayout(eqx.Module):
         """
 
     @abc.abstractmethod
-    def _fold(self, held: Sequence[_Block], step: _Step[_Block, _Carry], carry: _Carry) -> _Carry:
-        """`step` over the held blocks in order, threading `carry`."""
+    def _fold(
+        self,
+        held: Sequence[_Block],
+        step_for: Callable[[Remat], _Step[_Block, _Carry]],
+        carry: _Carry,
+    ) -> _Carry:
+        """`step_for(policy)` over the held blocks in order, each with its policy, threading
+        `carry`."""
 
     def run(
         self,
@@ -146,7 +225,8 @@ class AbstractBlockLayout(eqx.Module):
         step: Callable[[_Block, _Carry], _Carry],
         carry: _Carry,
     ) -> _Carry:
-        """Every block in turn, each block's weights gathered whole, rematerialised per `remat`.
+        """Every block in turn, each block's weights gathered whole, rematerialised per its
+        `remat`.
 
         Inside a step on a data mesh (`jax.set_mesh`), `gather_weights` gathers each block's
         weights as the loop reaches it (the FSDP pattern: only weights travel, the
@@ -166,9 +246,18 @@ class AbstractBlockLayout(eqx.Module):
         def gathered(block: _Block, carry: _Carry) -> _Carry:
             return step(gather_weights(block), carry)
 
-        if self.remat is not None:
-            gathered = jax.checkpoint(gathered, policy=remat_policy(self.remat))
-        return self._fold(held, gathered, carry)
+        steps: dict[Remat, _Step[_Block, _Carry]] = {}
+
+        def step_for(remat: Remat) -> _Step[_Block, _Carry]:
+            if remat not in steps:
+                steps[remat] = (
+                    gathered
+                    if remat is None
+                    else jax.checkpoint(gathered, policy=remat_policy(remat))
+                )
+            return steps[remat]
+
+        return self._fold(held, step_for, carry)
 
 
 @final
@@ -177,53 +266,61 @@ class UnstackedLayout(AbstractBlockLayout):
 
     **Arguments:**
 
-    - `remat`: what each block keeps for the backward pass (`Remat`).
+    - `remat`: what each block keeps for the backward pass (`BlockRemat`).
 
     **Raises:**
 
-    - `ValueError`: naming `remat` when it is not one of its values.
+    - `ValueError`: naming `remat` when it is not a `BlockRemat` (and, when the blocks are
+        held, when a tuple's length is not their number).
     """
 
-    remat: Remat = eqx.field(static=True)
+    remat: BlockRemat = eqx.field(static=True)
 
     def __check_init__(self) -> None:
         check_remat(self.remat)
 
     def hold(self, blocks: Sequence[_Block]) -> tuple[_Block, ...]:
+        check_remat(self.remat, len(blocks))
         return tuple(blocks)
 
     def every_block(self, held: Sequence[_Block]) -> tuple[_Block, ...]:
         return tuple(held)
 
-    def _fold(self, held: Sequence[_Block], step: _Step[_Block, _Carry], carry: _Carry) -> _Carry:
-        for block in held:
-            carry = step(block, carry)
+    def _fold(
+        self,
+        held: Sequence[_Block],
+        step_for: Callable[[Remat], _Step[_Block, _Carry]],
+        carry: _Carry,
+    ) -> _Carry:
+        for block, remat in zip(held, block_remats(self.remat, len(held)), strict=True):
+            carry = step_for(remat)(block, carry)
         return carry
 
 
 @final
 class StackedLayout(AbstractBlockLayout):
-    """One module per group of consecutive blocks of one structure, scanned with `lax.scan`.
+    """One module per run of consecutive blocks of one structure and one `Remat`, scanned
+    with `lax.scan`.
 
-    Each group's arrays have a leading block axis, so the compiled program and its compile
-    time do not grow with the depth.
+    Each run's arrays have a leading block axis, so the compiled program and its compile
+    time do not grow with the depth. With one `Remat` for every block the runs are `groups`.
 
     **Arguments:**
 
-    - `groups`: the `[start, stop)` block indices of each group, consecutive from 0.
-    - `remat`: what each block keeps for the backward pass (`Remat`).
+    - `groups`: the `[start, stop)` indices of each group of blocks of one structure,
+        consecutive from 0.
+    - `remat`: what each block keeps for the backward pass (`BlockRemat`).
 
     **Raises:**
 
     - `ValueError`: naming `groups` when the groups are empty or not consecutive non-empty
-        runs from 0, or `remat` when it is not one of its values.
+        runs from 0, or `remat` when it is not a `BlockRemat` of the groups' depth.
     """
 
     groups: tuple[tuple[int, int], ...] = eqx.field(static=True)
-    remat: Remat = eqx.field(static=True)
+    remat: BlockRemat = eqx.field(static=True)
 
     def __check_init__(self) -> None:
-        check_remat(self.remat)
         stops = [0] + [stop for _, stop in self.groups]
         starts = [start for start, _ in self.groups]
         if not self.groups or starts != stops[:-1] or any(a >= b for a, b in self.groups):
@@ -231,21 +328,35 @@ class StackedLayout(AbstractBlockLayout):
                 f"`groups` must be consecutive non-empty [start, stop) runs from 0, "
                 f"got {self.groups!r}."
             )
+        check_remat(self.remat, self.groups[-1][1])
+
+    @property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """The `[start, stop)` runs held stacked: `groups` split where the `Remat` changes."""
+        return runs_of_one_remat(self.groups, self.remat)
 
     def hold(self, blocks: Sequence[_Block]) -> tuple[_Block, ...]:
         depth = self.groups[-1][1]
         if len(blocks) != depth:
             raise ValueError(f"`blocks` must be {depth} blocks, got {len(blocks)}.")
-        return tuple(stack_blocks(blocks[start:stop]) for start, stop in self.groups)
+        return tuple(stack_blocks(blocks[start:stop]) for start, stop in self.runs)
 
     def every_block(self, held: Sequence[_Block]) -> tuple[_Block, ...]:
         return tuple(block for group in held for block in unstack_block(group))
 
-    def _fold(self, held: Sequence[_Block], step: _Step[_Block, _Carry], carry: _Carry) -> _Carry:
-        def body(carry: _Carry, block: _Block) -> tuple[_Carry, None]:
-            return step(block, carry), None
+    def _fold(
+        self,
+        held: Sequence[_Block],
+        step_for: Callable[[Remat], _Step[_Block, _Carry]],
+        carry: _Carry,
+    ) -> _Carry:
+        remats = block_remats(self.remat, self.groups[-1][1])
+        for group, (start, _) in zip(held, self.runs, strict=True):
+            step = step_for(remats[start])
 
-        for group in held:
+            def body(carry: _Carry, block: _Block, step: Any = step) -> tuple[_Carry, None]:
+                return step(block, carry), None
+
             carry, _ = jax.lax.scan(body, carry, group)
         return carry
 
@@ -258,7 +369,7 @@ def block_layout(
     **Arguments:**
 
     - `stacked`: whether the blocks are stacked per group.
-    - `remat`: what each block keeps for the backward pass (`Remat`).
+    - `remat`: what each block keeps for the backward pass (`BlockRemat`).
     - `groups`: the `[start, stop)` runs of blocks of one structure.
 
     **Returns:**
@@ -267,10 +378,11 @@ def block_layout(
 
     **Raises:**
 
-    - `ValueError`: naming `stacked` when it is not a bool, or `remat` when it is not one of
-        its values.
+    - `ValueError`: naming `stacked` when it is not a bool, or `remat` when it is not a
+        `BlockRemat` of the groups' depth.
     """
     check_bool("stacked", stacked)
+    check_remat(remat, groups[-1][1] if groups else None)
     if stacked:
         return StackedLayout(groups=groups, remat=remat)
     return UnstackedLayout(remat=remat)
@@ -293,7 +405,7 @@ def relayout(
     """
     same_form = type(layout) is type(new) and (
         not isinstance(new, StackedLayout)
-        or (isinstance(layout, StackedLayout) and layout.groups == new.groups)
+        or (isinstance(layout, StackedLayout) and layout.runs == new.runs)
     )
     if same_form:
         return held
@@ -316,14 +428,14 @@ class AbstractLayeredModel(eqx.Module):
         return isinstance(self.block_layout, StackedLayout)
 
     @property
-    def remat(self) -> Remat:
-        """What each block keeps for the backward pass (`Remat`)."""
+    def remat(self) -> BlockRemat:
+        """What each block keeps for the backward pass (`BlockRemat`)."""
         return self.block_layout.remat
 
     def relaid(
         self: _Model,
         stacked: bool | None,
-        remat: Remat | Literal["keep"],
+        remat: BlockRemat | Literal["keep"],
         groups: tuple[tuple[int, int], ...],
     ) -> _Model:
         """The same model with its blocks in another layout.
@@ -331,7 +443,7 @@ class AbstractLayeredModel(eqx.Module):
         **Arguments:**
 
         - `stacked`: the block layout; `None` keeps it.
-        - `remat`: the rematerialisation policy; `"keep"` keeps it.
+        - `remat`: the rematerialisation policy (`BlockRemat`); `"keep"` keeps it.
         - `groups`: the `[start, stop)` runs of blocks of one structure.
 
         **Returns:**
@@ -403,7 +515,7 @@ class AbstractAttentionModel(AbstractLayeredModel):
         self: _AttentionModel,
         *,
         stacked: bool | None = None,
-        remat: Remat | Literal["keep"] = "keep",
+        remat: BlockRemat | Literal["keep"] = "keep",
         attention: Attention | None = None,
         attention_chunk: int | None = None,
         sequence_strategy: SequenceStrategy | None = None,
@@ -413,7 +525,7 @@ class AbstractAttentionModel(AbstractLayeredModel):
         **Arguments:**
 
         - `stacked`: the block layout; `None` keeps it.
-        - `remat`: the rematerialisation policy; `"keep"` keeps it.
+        - `remat`: the rematerialisation policy (`BlockRemat`); `"keep"` keeps it.
         - `attention`: the attention implementation; `None` keeps it.
         - `attention_chunk`: the query chunk of chunked attention; `None` keeps it.
         - `sequence_strategy`: how attention runs over tokens split by a sequence axis

@@ -26,7 +26,7 @@ from ._layers import (
 )
 from ._rope import apply_rope, rope_tables
 from ._sequence import attend_self, split_tokens
-from ._stacked import AbstractAttentionModel, AbstractBlockLayout, Remat, block_layout
+from ._stacked import AbstractAttentionModel, AbstractBlockLayout, BlockRemat, block_layout
 
 
 def wan_rope_dims(head_dim: int) -> tuple[int, int, int]:
@@ -286,7 +286,7 @@ class Wan(AbstractAttentionModel):
         eps: float = 1e-6,
         cross_attn_norm: bool = True,
         stacked: bool = True,
-        remat: Remat = None,
+        remat: BlockRemat = None,
         attention: Attention = "xla",
         attention_chunk: int = 512,
         sequence_strategy: SequenceStrategy = "ulysses",
