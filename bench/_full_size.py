@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from flowgrpo_eqx import lora
-from flowgrpo_eqx.models import Flux, MMDiT, Wan
+from flowgrpo_eqx.models import BlockRemat, Flux, MMDiT, Remat, Wan
 
 from ._op_sources import LOOPS, by_function, instruction_metadata, summarise, trace_events
 from ._products import dot_flops, dot_generals
@@ -56,7 +56,7 @@ class Row:
     name: str
     model: str
     batch: int
-    remat: str | None
+    remat: BlockRemat
     attention: str
     attention_chunk: int = 512
     program: str = "train"  # "train", "adamw_lora", "adamw_full"
@@ -480,8 +480,22 @@ def op_kind(name: str, products: set[str]) -> str:
     return "other"
 
 
+SD35_MEDIUM_DEPTH = 24
+WAN_1_3B_DEPTH = 30
+
+
+def first_blocks(saving: Remat, blocks: int, rest: Remat, depth: int) -> tuple[Remat, ...]:
+    """A remat per block: `saving` in the first `blocks` of `depth` blocks, `rest` after."""
+    return (saving,) * blocks + (rest,) * (depth - blocks)
+
+
 def rows(which: str) -> list[Row]:
-    """The rows of `--full-size` (`which`: `all`, or a comma-separated list of row names)."""
+    """The rows of `--full-size` (`which`: `all`, or a comma-separated list of row names).
+
+    `dotsK` rows save the products (`"dots"`) of the first K blocks and recompute the rest
+    (`"nothing"`); `attentionK` LoRA rows save attention (`"attention"`) in the first K and
+    the products in the rest.
+    """
     table = [
         Row("sd35m b4 xla nothing", "sd35_medium", 4, "nothing", "xla"),
         Row("sd35m b8 splash nothing", "sd35_medium", 8, "nothing", "splash"),
@@ -491,6 +505,16 @@ def rows(which: str) -> list[Row]:
         Row("sd35m b8 splash256 nothing", "sd35_medium", 8, "nothing", "splash", 256),
         Row("sd35m b8 splash768 nothing", "sd35_medium", 8, "nothing", "splash", 768),
         Row("sd35m b16 splash nothing", "sd35_medium", 16, "nothing", "splash"),
+        *(
+            Row(
+                f"sd35m b8 splash dots{k}",
+                "sd35_medium",
+                8,
+                first_blocks("dots", k, "nothing", SD35_MEDIUM_DEPTH),
+                "splash",
+            )
+            for k in (6, 8, 10, 12, 14, 16)
+        ),
         Row("sd35m b16 splash attention", "sd35_medium", 16, "attention", "splash"),
         Row(
             "sd35m b8 splash nothing highest",
@@ -514,6 +538,17 @@ def rows(which: str) -> list[Row]:
             )
             for remat in ("qkv", "attention", "dots")
         ),
+        *(
+            Row(
+                f"sd35m b8 lora32 adamw attention{k}",
+                "sd35_medium",
+                8,
+                first_blocks("attention", k, "dots", SD35_MEDIUM_DEPTH),
+                "splash",
+                program="adamw_lora",
+            )
+            for k in (8, 12, 16)
+        ),
         Row(
             "sd35m b8 full adamw", "sd35_medium", 8, "nothing", "splash", program="adamw_full"
         ),  # fmt: skip
@@ -527,6 +562,16 @@ def rows(which: str) -> list[Row]:
             resolution=1024,
         ),  # fmt: skip
         Row("wan1.3b 480x832x33 b1", "wan_1_3b", 1, "nothing", "splash"),
+        *(
+            Row(
+                f"wan1.3b 480x832x33 b1 dots{k}",
+                "wan_1_3b",
+                1,
+                first_blocks("dots", k, "nothing", WAN_1_3B_DEPTH),
+                "splash",
+            )
+            for k in (8, 10, 12, 14, 16)
+        ),
     ]
     if which == "all":
         return table
