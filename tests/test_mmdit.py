@@ -251,6 +251,7 @@ def test_stacked_groups_follow_the_block_structure() -> None:
         dict(),
         dict(remat="dots"),
         dict(remat="nothing", attention="chunked", attention_chunk=7),
+        dict(remat=("dots", "nothing", "qkv", "nothing")),
     ],
 )
 def test_stacked_remat_and_chunked_attention_compute_the_same_velocity_and_gradient(
@@ -270,7 +271,9 @@ def test_stacked_remat_and_chunked_attention_compute_the_same_velocity_and_gradi
     want, want_grads = _unstacked_velocity_and_gradient()
     velocity, gradient = velocity_and_sin_gradient(other, x, t, cond)
     np.testing.assert_allclose(np.asarray(velocity), want, rtol=0, atol=1e-6)
-    assert_leaves_close(gradient, want_grads, 1e-5)
+    # A remat per block holds the first group of two blocks in two runs: the reference's
+    # gradient is restacked to the same runs.
+    assert_leaves_close(gradient, want_grads.with_settings(remat=other.remat), 1e-5)
 
 
 @functools.cache
