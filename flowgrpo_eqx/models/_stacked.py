@@ -48,6 +48,8 @@ one structure and one `Remat`, one scan each."""
 _Block = TypeVar("_Block")
 _Carry = TypeVar("_Carry")
 _Step: TypeAlias = Callable[[_Block, _Carry], _Carry]
+_Steps: TypeAlias = Callable[[Remat], _Step[_Block, _Carry]]
+"""The step of one block under a given `Remat`."""
 _Model = TypeVar("_Model", bound="AbstractLayeredModel")
 _AttentionModel = TypeVar("_AttentionModel", bound="AbstractAttentionModel")
 
@@ -210,14 +212,9 @@ class AbstractBlockLayout(eqx.Module):
         """
 
     @abc.abstractmethod
-    def _fold(
-        self,
-        held: Sequence[_Block],
-        step_for: Callable[[Remat], _Step[_Block, _Carry]],
-        carry: _Carry,
-    ) -> _Carry:
-        """`step_for(policy)` over the held blocks in order, each with its policy, threading
-        `carry`."""
+    def _fold(self, held: Sequence[_Block], steps: _Steps[_Block, _Carry], carry: _Carry) -> _Carry:
+        """`steps(policy)` over the held blocks in order, each block with its policy,
+        threading `carry`."""
 
     def run(
         self,
@@ -246,18 +243,18 @@ class AbstractBlockLayout(eqx.Module):
         def gathered(block: _Block, carry: _Carry) -> _Carry:
             return step(gather_weights(block), carry)
 
-        steps: dict[Remat, _Step[_Block, _Carry]] = {}
+        checkpointed: dict[Remat, _Step[_Block, _Carry]] = {}
 
-        def step_for(remat: Remat) -> _Step[_Block, _Carry]:
-            if remat not in steps:
-                steps[remat] = (
+        def steps(remat: Remat) -> _Step[_Block, _Carry]:
+            if remat not in checkpointed:
+                checkpointed[remat] = (
                     gathered
                     if remat is None
                     else jax.checkpoint(gathered, policy=remat_policy(remat))
                 )
-            return steps[remat]
+            return checkpointed[remat]
 
-        return self._fold(held, step_for, carry)
+        return self._fold(held, steps, carry)
 
 
 @final
@@ -286,14 +283,9 @@ class UnstackedLayout(AbstractBlockLayout):
     def every_block(self, held: Sequence[_Block]) -> tuple[_Block, ...]:
         return tuple(held)
 
-    def _fold(
-        self,
-        held: Sequence[_Block],
-        step_for: Callable[[Remat], _Step[_Block, _Carry]],
-        carry: _Carry,
-    ) -> _Carry:
+    def _fold(self, held: Sequence[_Block], steps: _Steps[_Block, _Carry], carry: _Carry) -> _Carry:
         for block, remat in zip(held, block_remats(self.remat, len(held)), strict=True):
-            carry = step_for(remat)(block, carry)
+            carry = steps(remat)(block, carry)
         return carry
 
 
@@ -344,15 +336,10 @@ class StackedLayout(AbstractBlockLayout):
     def every_block(self, held: Sequence[_Block]) -> tuple[_Block, ...]:
         return tuple(block for group in held for block in unstack_block(group))
 
-    def _fold(
-        self,
-        held: Sequence[_Block],
-        step_for: Callable[[Remat], _Step[_Block, _Carry]],
-        carry: _Carry,
-    ) -> _Carry:
+    def _fold(self, held: Sequence[_Block], steps: _Steps[_Block, _Carry], carry: _Carry) -> _Carry:
         remats = block_remats(self.remat, self.groups[-1][1])
         for group, (start, _) in zip(held, self.runs, strict=True):
-            step = step_for(remats[start])
+            step = steps(remats[start])
 
             def body(carry: _Carry, block: _Block, step: Any = step) -> tuple[_Carry, None]:
                 return step(block, carry), None
