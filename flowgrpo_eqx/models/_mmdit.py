@@ -317,8 +317,8 @@ class MMDiT(AbstractAttentionModel):
         above), or as one module per block (`blocks[i]` is block `i`).
     - `remat`: what each block keeps for the backward pass (`Remat`: `"nothing"`, `"qkv"`,
         `"attention"`, `"dots"` or `None`), or a tuple with one of those per block
-        (`BlockRemat`: e.g. `("dots",) * 8 + ("nothing",) * 16` saves the products of the
-        first 8 of 24 blocks and recomputes the rest).
+        (`BlockRemat`: e.g. `("dots",) * 12 + ("nothing",) * 12` saves the products of the
+        first 12 of 24 blocks and recomputes the rest).
     - `attention`: `"xla"`, `"cudnn"`, `"chunked"`, `"splash"` or `"auto"` (`Attention`).
     - `attention_chunk`: the queries per chunk of `"chunked"` attention; the block of
         `"splash"` (a multiple of 128).
