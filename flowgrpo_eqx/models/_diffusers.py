@@ -27,7 +27,6 @@ from ..lora import LoraModel
 from ._flux import Flux
 from ._mirror import fill_from_state_dict, read_safetensors_folder, state_dict_leaves
 from ._mmdit import MMDiT, pos_crop
-from ._stacked import StackedLayout
 from ._vae import AutoencoderKL, vae_config, vae_kwargs
 from ._wan import Wan
 from ._wan_vae import AutoencoderKLWan, wan_vae_config, wan_vae_kwargs
@@ -935,7 +934,7 @@ def _unstacked_adapters(
     for layer_path, adapter in zip(model.layer_paths, model.adapters, strict=True):
         a, b = np.asarray(adapter.a), np.asarray(adapter.b)
         found = re.fullmatch(r"\.blocks\[(\d+)\](.*)", layer_path)
-        if not isinstance(base.block_layout, StackedLayout) or found is None:
+        if not base.stacked or found is None:
             layers.append((layer_path, a, b))
             continue
         start, stop = base.block_layout.runs[int(found.group(1))]

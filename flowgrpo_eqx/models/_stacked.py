@@ -244,16 +244,10 @@ class AbstractBlockLayout(eqx.Module):
         def gathered(block: _Block, carry: _Carry) -> _Carry:
             return step(gather_weights(block), carry)
 
-        checkpointed: dict[Remat, _Step[_Block, _Carry]] = {}
-
         def steps(remat: Remat) -> _Step[_Block, _Carry]:
-            if remat not in checkpointed:
-                checkpointed[remat] = (
-                    gathered
-                    if remat is None
-                    else jax.checkpoint(gathered, policy=remat_policy(remat))
-                )
-            return checkpointed[remat]
+            if remat is None:
+                return gathered
+            return jax.checkpoint(gathered, policy=remat_policy(remat))
 
         return self._fold(held, steps, carry)
 
