@@ -480,8 +480,8 @@ def op_kind(name: str, products: set[str]) -> str:
     return "other"
 
 
-SD35_MEDIUM_DEPTH = 24
-WAN_1_3B_DEPTH = 30
+SD35_MEDIUM_DEPTH = MMDiT.sd35_medium_config()["depth"]
+WAN_1_3B_DEPTH = Wan.t2v_1_3b_config()["depth"]
 
 
 def first_blocks(saving: Remat, blocks: int, rest: Remat, depth: int) -> tuple[Remat, ...]:
