@@ -26,7 +26,7 @@ from tests.diffusers_helpers import (
     velocity_and_sin_gradient,
 )
 from tests.errors import NAMED_ARGUMENT_ERRORS
-from tests.tiny_models import assert_attention_statement, perturbed
+from tests.tiny_models import assert_attention_statement, dit_batch_of_two, perturbed
 from tests.tolerances import attention_tolerance, reference_model_rtol
 
 
@@ -156,10 +156,7 @@ def test_dit_with_splash_attention_and_named_remat_computes_the_same(remat: str)
     plain = perturbed(
         DiT(image_size=8, width=32, depth=2, heads=2, stacked=True, key=jax.random.key(0)), 5
     )
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((2, 8, 8, 3)).astype(np.float32)
-    t = rng.uniform(size=(2,)).astype(np.float32)
-    cond = rng.integers(0, 8, size=(2, 4)).astype(np.int32)
+    x, t, cond = dit_batch_of_two(0)
     want_v, want_g = velocity_and_sin_gradient(plain, x, t, cond)
     fused = plain.with_settings(attention="splash", attention_chunk=128, remat=remat)
     got_v, got_g = velocity_and_sin_gradient(fused, x, t, cond)

@@ -12,12 +12,11 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from flowgrpo_eqx.models import DiT, MMDiT
-from tests.tiny_models import SD35_SHAPED, batch_of_two
+from tests.tiny_models import SD35_SHAPED, batch_of_two, dit_batch_of_two
 
 
 _RESIDUAL = re.compile(r"^(\w+\[[\d,]*\]) (.*)$")
@@ -70,12 +69,7 @@ def test_a_remat_per_block_saves_the_products_of_the_blocks_it_names(stacked: bo
     # values, `[2, 3, 2, 20, 16]`; `"nothing"` saves neither. Stacked, the k blocks of the
     # first run save them k-deep.
     sizes = dict(image_size=8, patch=2, width=32, depth=4, heads=2, vocab_size=5, stacked=stacked)
-    rng = np.random.default_rng(0)
-    batch = (
-        jnp.asarray(rng.standard_normal((2, 8, 8, 3)), jnp.float32),
-        jnp.asarray([0.3, 0.8], jnp.float32),
-        jnp.asarray([[0, 1, 2, 3], [4, 4, 0, 1]], jnp.int32),
-    )
+    batch = dit_batch_of_two(0, vocab_size=5)
     products = ("2,20,128", "2,3,2,20,16")
     for k in range(5):
         remat = ("dots",) * k + ("nothing",) * (4 - k)

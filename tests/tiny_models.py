@@ -41,6 +41,16 @@ def batch_of_two(seed: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarra
     return x, t, cond
 
 
+def dit_batch_of_two(seed: int, vocab_size: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Images, times and prompt tokens of two examples for an 8 x 8 RGB `DiT` with 4 prompt
+    tokens below `vocab_size`."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 8, 8, 3)).astype(np.float32)
+    t = rng.uniform(size=(2,)).astype(np.float32)
+    cond = rng.integers(0, vocab_size, size=(2, 4)).astype(np.int32)
+    return x, t, cond
+
+
 def perturbed(model: Any, seed: int = 1, scale: float = 0.1) -> Any:
     """`model` with every float leaf moved by Gaussian noise of `scale` drawn from `seed`, its
     zero-initialised layers too (so that every path of the model reaches the velocity and
