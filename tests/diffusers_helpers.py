@@ -108,3 +108,34 @@ def assert_saved_folder_matches(
     for key, value in written.items():
         if key not in ("_diffusers_version", *unsaved):
             assert config[key] == value, key
+
+
+def assert_exported_lora_merges(
+    policy: Any, weights: pathlib.Path, folder: pathlib.Path
+) -> set[str]:
+    """Write `policy`'s adapters (`save_diffusers_lora`) and its merged model
+    (`save_diffusers` of `lora.merge`) under `folder`, and check that every exported module's
+    weight in `weights` (its base's diffusers file) plus `lora_B @ lora_A` is the merged
+    weight: the adapters' scale `alpha / rank` is folded into `lora_B`, and a convolution's
+    `lora_B` is `[out, rank, 1, ...]` over `lora_A`'s `[rank, in, *kernel]`.
+
+    **Returns:**
+
+    The diffusers names of the exported modules (without the `transformer.` prefix).
+    """
+    from flowgrpo_eqx.models import save_diffusers, save_diffusers_lora
+
+    save_diffusers_lora(folder / "lora", policy)
+    save_diffusers(folder / "merged", lora.merge(policy))
+    adapters = load_file(folder / "lora" / "pytorch_lora_weights.safetensors")
+    base, merged = load_file(weights), load_file(folder / "merged" / WEIGHTS)
+    modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in adapters}
+    assert len(adapters) == 2 * len(modules)
+    for module in modules:
+        a = adapters[f"transformer.{module}.lora_A.weight"]
+        b = adapters[f"transformer.{module}.lora_B.weight"]
+        update = np.tensordot(b.reshape(b.shape[:2]), a, axes=1)
+        np.testing.assert_allclose(
+            base[f"{module}.weight"] + update, merged[f"{module}.weight"], atol=1e-5, err_msg=module
+        )
+    return modules

@@ -25,6 +25,7 @@ from flowgrpo_eqx import lora
 from flowgrpo_eqx.models import MMDiT, load_diffusers, save_diffusers, save_diffusers_lora
 from tests.diffusers_helpers import (
     WEIGHTS,
+    assert_exported_lora_merges,
     assert_layout_is,
     assert_saved_folder_matches,
     count,
@@ -204,24 +205,10 @@ def test_stacked_and_unstacked_loads_compute_the_same(name: str, tmp_path: pathl
 def test_lora_adapters_export(tmp_path: pathlib.Path) -> None:
     model = _model("sd35_tiny")
     policy = random_lora(model)
-    save_diffusers_lora(tmp_path / "lora", policy)
-    save_diffusers(tmp_path / "merged", lora.merge(policy))
-    adapters = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
-    base = load_file(DATA / "sd35_tiny" / WEIGHTS)
-    merged = load_file(tmp_path / "merged" / WEIGHTS)
-    modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in adapters}
-    assert len(adapters) == 2 * len(modules) == 2 * len(policy.layer_paths)
+    # The patch convolution's adapters too: `lora_A` `[r, C, p, p]`, `lora_B` `[out, r, 1, 1]`.
+    modules = assert_exported_lora_merges(policy, DATA / "sd35_tiny" / WEIGHTS, tmp_path)
+    assert len(modules) == len(policy.layer_paths)
     assert "pos_embed.proj" in modules and "transformer_blocks.0.attn2.to_q" in modules
-    for module in modules:
-        a = adapters[f"transformer.{module}.lora_A.weight"]
-        b = adapters[f"transformer.{module}.lora_B.weight"]
-        weight = base[f"{module}.weight"]
-        if weight.ndim == 4:  # The patch convolution: a [r, C, p, p], b [out, r, 1, 1].
-            update = np.einsum("or,rcpq->ocpq", b[:, :, 0, 0], a)
-        else:
-            update = b @ a
-        # The adapters' scale `alpha / rank` is folded into `lora_B`.
-        np.testing.assert_allclose(weight + update, merged[f"{module}.weight"], atol=1e-5)
     with pytest.raises(ValueError, match="LoraModel"):
         save_diffusers_lora(tmp_path / "x", model)  # type: ignore[arg-type]
 
