@@ -1,6 +1,6 @@
-"""What the variant experiments (`tools/tpu/norm_variants.py`, `tools/tpu/joint_layout.py`)
-share: a full-size row of the bench measured once per variant, in one process, each variant
-a context within which the model is traced its way."""
+"""What the variant experiments (`tools/tpu/norm_variants.py`, `tools/tpu/joint_layout.py`,
+`tools/tpu/rope_variants.py`) share: a full-size row of the bench measured once per
+variant, in one process, each variant a context within which the model is traced its way."""
 
 import argparse
 import contextlib
@@ -44,7 +44,13 @@ def chosen_variants(parser: argparse.ArgumentParser, text: str, known: Iterable[
     return names
 
 
-def compare(prog: str, doc: str, variants: dict[str, Variant], argv: list[str] | None) -> int:
+def compare(
+    prog: str,
+    doc: str,
+    variants: dict[str, Variant],
+    argv: list[str] | None,
+    default_row: str = "sd35m b8 splash nothing",
+) -> int:
     """Parse `argv` (`--row`, `--calls`, `--profile`, `--variants`), measure the row under
     each of the `variants` named (all by default) in turn (`bench._full_size.measure`) and
     print one JSON object: the JAX version, the device, and each variant's measurement by its
@@ -56,6 +62,7 @@ def compare(prog: str, doc: str, variants: dict[str, Variant], argv: list[str] |
     - `doc`: the module's docstring; what follows its first paragraph is the help text.
     - `variants`: the contexts to measure in, by name, in the order to measure them.
     - `argv`: the arguments (`None`: the command line's).
+    - `default_row`: the row measured when `--row` is not given.
 
     **Returns:**
 
@@ -66,7 +73,7 @@ def compare(prog: str, doc: str, variants: dict[str, Variant], argv: list[str] |
         description=doc.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--row", default="sd35m b8 splash nothing", help="a full-size row")
+    parser.add_argument("--row", default=default_row, help=f"a full-size row ({default_row})")
     parser.add_argument("--calls", type=int, default=5, help="timed calls per variant (5)")
     parser.add_argument("--profile", action="store_true", help="profile each variant too")
     parser.add_argument(
