@@ -64,13 +64,14 @@ class Row:
     resolution: int = 512
     frames: int = 33
     matmul_precision: str | None = None
+    stacked: bool = True
 
 
 def _build(row: Row, mmdit_config: dict[str, Any] | None = None) -> tuple[Any, tuple[Any, ...]]:
     """The model (abstract) and its abstract per-batch inputs; `mmdit_config` replaces the
     published SD3.5-Medium configuration (`bench.precision_programs`: fewer blocks)."""
     layout = dict(
-        stacked=True,
+        stacked=row.stacked,
         remat=row.remat,
         attention=row.attention,
         attention_chunk=row.attention_chunk,
@@ -494,7 +495,9 @@ def rows(which: str) -> list[Row]:
 
     `dotsK` rows save the products (`"dots"`) of the first K blocks and recompute the rest
     (`"nothing"`); `attentionK` LoRA rows save attention (`"attention"`) in the first K and
-    the products in the rest.
+    the products in the rest. Rows are stacked (a scan per run of blocks) but those named
+    `unstacked`, whose blocks are one module each in a Python loop: saved products then stay
+    one buffer per block rather than slices of a stacked one.
     """
     table = [
         Row("sd35m b4 xla nothing", "sd35_medium", 4, "nothing", "xla"),
@@ -514,6 +517,14 @@ def rows(which: str) -> list[Row]:
                 "splash",
             )
             for k in (6, 8, 10, 12, 14, 16)
+        ),
+        Row(
+            "sd35m b8 splash dots12 unstacked",
+            "sd35_medium",
+            8,
+            first_blocks("dots", 12, "nothing", SD35_MEDIUM_DEPTH),
+            "splash",
+            stacked=False,
         ),
         Row("sd35m b16 splash attention", "sd35_medium", 16, "attention", "splash"),
         Row(
@@ -571,6 +582,14 @@ def rows(which: str) -> list[Row]:
                 "splash",
             )
             for k in (8, 10, 12, 14, 16)
+        ),
+        Row(
+            "wan1.3b 480x832x33 b1 dots12 unstacked",
+            "wan_1_3b",
+            1,
+            first_blocks("dots", 12, "nothing", WAN_1_3B_DEPTH),
+            "splash",
+            stacked=False,
         ),
     ]
     if which == "all":
