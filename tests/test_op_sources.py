@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench._op_sources import by_function, instruction_metadata, jax_operation, summarise
-from tools.tpu.op_sources import capture, main
+from tools.tpu.op_sources import by_category, capture, main
 
 
 # The shape of a TPU program's text (abridged from a compiled SD3.5 step): the same JAX
@@ -225,3 +225,52 @@ def test_the_bench_profile_sums_the_trace_by_kind_and_by_function(tmp_path):
         "models/_layers.py dense": 0.75,
     }
     assert summary["loops_ms_spanning_their_ops"] == {"while.9": 4.5}
+
+
+def test_by_category_sums_the_functions_in_the_categories_order_then_the_rest():
+    functions = [
+        ("models/_stacked.py StackedLayout._fold", 4.0),
+        ("models/_layers.py dense", 3.0),
+        ("[splash_mha_fwd_residuals]", 2.0),
+        ("[splash_mha_dkv_no_residuals]", 1.5),
+        ("models/_layers.py attend_to", 1.0),
+        ("models/_splash.py splash_attention.<locals>.run", 0.75),
+        ("models/_rope.py apply_rope.<locals>.rotate", 0.5),
+        ("models/_layers.py named", 0.25),
+        ("models/_layers.py head_rms_norm", 0.125),
+        ("[copy-done]", 0.0625),
+    ]
+    assert by_category(functions) == [
+        ("products with the weights", 3.0),
+        ("attention kernels", 3.5),
+        ("moving queries, keys and values", 1.75),
+        ("norms", 0.125),
+        ("rotary embedding", 0.5),
+        ("the scan over the blocks", 4.0),
+        ("the rest", 0.3125),
+    ]
+
+
+def _captured(folder, name):
+    (folder / f"{name}.ops.json").write_text(json.dumps(OPS))
+    with gzip.open(folder / f"{name}.hlo.txt.gz", "wt") as handle:
+        handle.write(PROGRAM)
+    return str(folder / name)
+
+
+def test_plot_draws_each_captured_row(tmp_path):
+    from PIL import Image
+
+    stems = [_captured(tmp_path, "row_a"), _captured(tmp_path, "row_b")]
+    picture = tmp_path / "steps.png"
+    assert main(["plot", *stems, "--out", str(picture)]) == 0
+    with Image.open(picture) as image:
+        assert image.format == "PNG" and image.width == 1100
+
+
+def test_plot_names_a_missing_capture(tmp_path, capsys):
+    stems = [_captured(tmp_path, "row_a"), str(tmp_path / "absent")]
+    with pytest.raises(SystemExit):
+        main(["plot", *stems, "--out", str(tmp_path / "x.png")])
+    assert "absent.ops.json: capture the row first" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

@@ -13,6 +13,8 @@ from the repository's root:
     bash tools/tpu/run.sh python -m tools.tpu.op_sources capture "sd35m b8 splash nothing" --out DIR
     # anywhere: the Markdown table of the largest groups
     python -m tools.tpu.op_sources summarise DIR/sd35m_b8_splash_nothing --top 30
+    # anywhere: one bar per captured row, its time by what made it (CATEGORIES)
+    python -m tools.tpu.op_sources plot DIR/ROW [DIR/ROW ...] --out PNG
 
 The trace itself (tens of MB) stays on the machine; the two files come back.
 """
@@ -47,6 +49,88 @@ def table(rows: list[dict[str, Any]], top: int) -> str:
     lines += ["| ms per step | made by |", "|---|---|"]
     lines += [f"| {ms:.1f} | `{function}` |" for function, ms in by_function(rows)[:top]]
     return "\n".join(lines)
+
+
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("products with the weights", ("models/_layers.py dense",)),
+    ("attention kernels", ("[splash_mha",)),
+    (
+        "moving queries, keys and values",
+        (
+            "models/_splash.py",
+            "models/_sequence.py",
+            "models/_layers.py attend",
+            "models/_joint.py JointAttention.qkv",
+            "models/_wan.py _WanAttention",
+        ),
+    ),
+    (
+        "norms",
+        (
+            "models/_layers.py head_rms_norm",
+            "models/_layers.py rms_norm",
+            "models/_layers.py layer_norm",
+        ),
+    ),
+    ("rotary embedding", ("models/_rope.py",)),
+    ("the scan over the blocks", ("models/_stacked.py",)),
+)
+"""What `plot` draws: each category and the beginnings of the `by_function` names it sums;
+what none begins is `the rest`."""
+
+
+def by_category(functions: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """`by_function`'s totals summed by `CATEGORIES`, in their order, then `the rest`."""
+    totals = {name: 0.0 for name, _ in CATEGORIES} | {"the rest": 0.0}
+    for function, ms in functions:
+        category = next(
+            (name for name, starts in CATEGORIES if function.startswith(starts)), "the rest"
+        )
+        totals[category] += ms
+    return list(totals.items())
+
+
+def _read(stem: pathlib.Path) -> list[dict[str, Any]]:
+    with gzip.open(f"{stem}.hlo.txt.gz", "rt") as handle:
+        metadata = instruction_metadata(handle.read())
+    rows: list[dict[str, Any]] = summarise(
+        json.loads(pathlib.Path(f"{stem}.ops.json").read_text()), metadata
+    )
+    return rows
+
+
+def plot(stems: list[pathlib.Path], path: pathlib.Path) -> None:
+    """Draw each captured row (`DIR/ROW`, as `capture` wrote it) as one bar of its step's
+    device time by category (`by_category`), each part labelled in ms where it is wide
+    enough, and write a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [by_category(by_function(_read(stem))) for stem in stems]
+    names = [stem.name.replace("_", " ") for stem in stems]
+    figure, axis = plt.subplots(figsize=(11, 0.7 * len(stems) + 2.0), dpi=100)
+    widest = max(sum(ms for _, ms in row) for row in parts)
+    colours = plt.get_cmap("tab10").colors
+    for index, (category, _) in enumerate(parts[0]):
+        starts = [sum(ms for _, ms in row[:index]) for row in parts]
+        widths = [row[index][1] for row in parts]
+        axis.barh(names, widths, left=starts, label=category, color=colours[index])
+        for bar, (start, width) in enumerate(zip(starts, widths, strict=True)):
+            if width > 0.06 * widest:
+                axis.text(start + width / 2, bar, f"{width:.0f}", ha="center", va="center")
+    for bar, row in enumerate(parts):
+        total = sum(ms for _, ms in row)
+        axis.text(total, bar, f" {total:.0f} ms", va="center")
+    axis.invert_yaxis()
+    axis.set_xlim(0, widest * 1.12)
+    axis.set_xlabel("device ms per step, by what made the ops (python -m tools.tpu.op_sources)")
+    axis.set_title("Where a step's device time goes")
+    figure.legend(loc="lower center", ncol=4, frameon=False, fontsize=9)
+    figure.tight_layout(rect=(0, 0.12, 1, 1))
+    figure.savefig(path)
+    plt.close(figure)
 
 
 def capture(name: str, out: pathlib.Path, steps: int = 3) -> None:
@@ -97,22 +181,26 @@ def main(argv: list[str] | None = None) -> int:
     read = verbs.add_parser("summarise", help="anywhere: the table of a captured row")
     read.add_argument("stem", type=pathlib.Path, help="DIR/ROW, without .ops.json")
     read.add_argument("--top", type=int, default=30, help="groups to list (30)")
+    draw = verbs.add_parser("plot", help="anywhere: captured rows as bars by category")
+    draw.add_argument("stems", type=pathlib.Path, nargs="+", help="DIR/ROW, as for summarise")
+    draw.add_argument("--out", type=pathlib.Path, required=True, help="the PNG to write")
     args = parser.parse_args(argv)
     if args.verb == "capture":
         if not args.out.is_dir():
             parser.error(f"--out {args.out} is not a folder")
         capture(args.row, args.out)
         return 0
+    stems = args.stems if args.verb == "plot" else [args.stem]
+    for stem in stems:
+        for path in (pathlib.Path(f"{stem}.ops.json"), pathlib.Path(f"{stem}.hlo.txt.gz")):
+            if not path.is_file():
+                parser.error(f"no {path}: capture the row first")
+    if args.verb == "plot":
+        plot(stems, args.out)
+        return 0
     if args.top < 1:
         parser.error(f"--top must be a positive number, got {args.top}")
-    ops_path = pathlib.Path(f"{args.stem}.ops.json")
-    hlo_path = pathlib.Path(f"{args.stem}.hlo.txt.gz")
-    for path in (ops_path, hlo_path):
-        if not path.is_file():
-            parser.error(f"no {path}: capture the row first")
-    with gzip.open(hlo_path, "rt") as handle:
-        metadata = instruction_metadata(handle.read())
-    print(table(summarise(json.loads(ops_path.read_text()), metadata), args.top))
+    print(table(_read(args.stem), args.top))
     return 0
 
 
