@@ -485,6 +485,10 @@ SD35_MEDIUM_DEPTH = MMDiT.sd35_medium_config()["depth"]
 WAN_1_3B_DEPTH = Wan.t2v_1_3b_config()["depth"]
 
 
+_UNSTACKED_TWINS = ("sd35m b8 splash dots12", "wan1.3b 480x832x33 b1 dots12")
+"""The rows that also run with their blocks one module each (`<name> unstacked`)."""
+
+
 def first_blocks(saving: Remat, blocks: int, rest: Remat, depth: int) -> tuple[Remat, ...]:
     """A remat per block: `saving` in the first `blocks` of `depth` blocks, `rest` after."""
     return (saving,) * blocks + (rest,) * (depth - blocks)
@@ -517,14 +521,6 @@ def rows(which: str) -> list[Row]:
                 "splash",
             )
             for k in (6, 8, 10, 12, 14, 16)
-        ),
-        Row(
-            "sd35m b8 splash dots12 unstacked",
-            "sd35_medium",
-            8,
-            first_blocks("dots", 12, "nothing", SD35_MEDIUM_DEPTH),
-            "splash",
-            stacked=False,
         ),
         Row("sd35m b16 splash attention", "sd35_medium", 16, "attention", "splash"),
         Row(
@@ -583,14 +579,11 @@ def rows(which: str) -> list[Row]:
             )
             for k in (8, 10, 12, 14, 16)
         ),
-        Row(
-            "wan1.3b 480x832x33 b1 dots12 unstacked",
-            "wan_1_3b",
-            1,
-            first_blocks("dots", 12, "nothing", WAN_1_3B_DEPTH),
-            "splash",
-            stacked=False,
-        ),
+    ]
+    table += [
+        dataclasses.replace(row, name=f"{row.name} unstacked", stacked=False)
+        for row in table
+        if row.name in _UNSTACKED_TWINS
     ]
     if which == "all":
         return table
