@@ -5,13 +5,18 @@ flag, its TOML key and its name in `make_config` are the field's name, unique ov
 sections. `config.JobConfig` holds one of each section and checks what crosses sections.
 """
 
-import dataclasses
 import math
-import types
 import typing
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import Literal, TypeAlias
 
-from .. import OldLogProbs, ParamSharding, Precision, RewardCombination, check_int, check_number
+from .. import OldLogProbs, ParamSharding, Precision, RewardCombination
+from .._settings import (
+    MAX_SEED as MAX_SEED,
+    section,
+    seed_setting,
+    setting,
+    split_optional as split_optional,
+)
 from .task import NUM_TRAIN_PROMPTS
 
 
@@ -49,118 +54,13 @@ LogName: TypeAlias = Literal["tensorboard", "wandb"]
 REWARD_NAMES: tuple[RewardName, ...] = typing.get_args(RewardName)
 
 
-MAX_SEED = 2**32 - 1
-"""The largest seed a setting takes (NumPy's range; JAX keys take the seed plus a small
-offset as a 64-bit int)."""
-
 MAX_PARAMETERS = 2**32
 """The largest DiT the settings describe, in parameters (at least `12 x depth x width**2`:
 the blocks' attention and MLP weights; 16 GiB in float32). A model beyond it is refused
 before anything is allocated, rather than aborting with `std::bad_alloc`."""
 
 
-def _setting(default: Any, help: str, **bounds: int | float | bool) -> Any:
-    """A setting: its default, its help text, and for a number the bounds that `check_int`
-    or `check_number` holds it to (`minimum`, `maximum`, `include_minimum`,
-    `include_maximum`)."""
-    return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
-
-
-def _seed_setting(help: str) -> Any:
-    """A seed: 0 by default, any unsigned 32-bit integer."""
-    return _setting(0, help, minimum=0, maximum=MAX_SEED)
-
-
-def split_optional(annotation: Any) -> tuple[bool, Any]:
-    """Whether a setting's type admits `None`, and the type without it.
-
-    **Arguments:**
-
-    - `annotation`: the field's type (`X | None` and `Optional[Literal[...]]` alike).
-
-    **Returns:**
-
-    `(optional, base)`: `base` is `X` for an optional type, else `annotation` itself.
-    """
-    args = typing.get_args(annotation)
-    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    if not (union and type(None) in args):
-        return False, annotation
-    return True, next(a for a in args if a is not type(None))
-
-
-def _check_setting(name: str, annotation: Any, value: Any, bounds: dict[str, Any]) -> None:
-    """Check one setting against its declared type: a `Literal`'s values, a bool, a bounded
-    int or number, a string, a tuple of `Literal` values; `X | None` also allows `None`.
-
-    **Raises:**
-
-    - `ValueError`: `"Setting `name` must be ..."`.
-    """
-    optional, base = split_optional(annotation)
-    if optional and value is None:
-        return
-    none = " or none" if optional else ""
-    try:
-        if typing.get_origin(base) is Literal:
-            allowed = typing.get_args(base)
-            if value not in allowed:
-                raise ValueError(f"`{name}` must be one of {allowed}{none}, got {value!r}.")
-        elif typing.get_origin(base) is tuple:
-            allowed = typing.get_args(typing.get_args(base)[0])
-            if not isinstance(value, tuple) or any(item not in allowed for item in value):
-                raise ValueError(f"`{name}` must name values from {allowed}, got {value!r}.")
-        elif base is bool:
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}` must be true or false, got {value!r}.")
-        elif base is int:
-            check_int(name, value, bounds["minimum"], optional=optional)
-            if "maximum" in bounds and value > bounds["maximum"]:
-                raise ValueError(
-                    f"`{name}` must be an int in {bounds['minimum']}..{bounds['maximum']}, "
-                    f"got {value!r}."
-                )
-        elif base is float:
-            check_number(name, value, optional=optional, **bounds)
-        elif not isinstance(value, base):
-            raise ValueError(f"`{name}` must be a {base.__name__}{none}, got {value!r}.")
-    except ValueError as error:
-        # The library's checks say `None`; a setting is written `none` in flags and files.
-        raise ValueError(f"Setting {str(error).replace('None or ', 'none or ')}") from None
-
-
-_Section = TypeVar("_Section")
-
-
-@typing.dataclass_transform(frozen_default=True)
-def _section(cls: type[_Section]) -> type[_Section]:
-    """`cls` as a frozen dataclass whose fields are checked against their types and bounds
-    when it is made (`_check_fields`), before its own `__post_init__`, if it has one."""
-    own_check = cls.__dict__.get("__post_init__")
-
-    def post_init(self: Any) -> None:
-        _check_fields(self)
-        if own_check is not None:
-            own_check(self)
-
-    setattr(cls, "__post_init__", post_init)  # noqa: B010
-    return dataclasses.dataclass(frozen=True)(cls)
-
-
-def _check_fields(section: Any) -> None:
-    """Check every field of a section against its declared type and bounds.
-
-    **Raises:**
-
-    - `ValueError`: naming the first setting of the wrong type or outside its range.
-    """
-    hints = typing.get_type_hints(type(section))
-    for field in dataclasses.fields(section):
-        value = getattr(section, field.name)
-        _check_setting(field.name, hints[field.name], value, field.metadata["bounds"])
-
-
-@_section
+@section
 class ModelSettings:
     """The DiT that is pretrained and fine-tuned, its LoRA adapters and its precision.
 
@@ -170,24 +70,24 @@ class ModelSettings:
         or a `width` and `depth` whose DiT would exceed `MAX_PARAMETERS`.
     """
 
-    width: int = _setting(64, "DiT token width", minimum=1)
-    depth: int = _setting(4, "DiT blocks", minimum=1)
-    heads: int = _setting(4, "attention heads per block", minimum=1)
-    patch: int = _setting(4, "patch side in pixels (16 / patch tokens per side)", minimum=1)
-    lora_rank: int = _setting(
+    width: int = setting(64, "DiT token width", minimum=1)
+    depth: int = setting(4, "DiT blocks", minimum=1)
+    heads: int = setting(4, "attention heads per block", minimum=1)
+    patch: int = setting(4, "patch side in pixels (16 / patch tokens per side)", minimum=1)
+    lora_rank: int = setting(
         0,
         "rank of LoRA adapters on every linear layer of the DiT, trained alone (0: full "
         "fine-tuning)",
         minimum=0,
     )
-    lora_alpha: float | None = _setting(
+    lora_alpha: float | None = setting(
         None,
         "LoRA scale numerator: updates are (alpha / rank) B A (none: 2 x rank, the "
         "Flow-GRPO release's ratio)",
         minimum=0,
         include_minimum=False,
     )
-    precision: Precision = _setting(
+    precision: Precision = setting(
         "float32",
         "float32 | bfloat16 (the model computes in bfloat16; master weights, the SDE, ratios "
         "and advantages stay float32 or wider)",
@@ -213,31 +113,31 @@ class ModelSettings:
         return float(2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha)
 
 
-@_section
+@section
 class PretrainingSettings:
     """The base model's flow-matching pretraining.
 
-    A bad value raises a `ValueError` naming the setting (`_section`).
+    A bad value raises a `ValueError` naming the setting (`section`).
     """
 
-    pretrain_steps: int = _setting(10000, "flow-matching steps of the base model", minimum=0)
-    pretrain_batch: int = _setting(64, "images per flow-matching step", minimum=1)
-    pretrain_lr: float = _setting(
+    pretrain_steps: int = setting(10000, "flow-matching steps of the base model", minimum=0)
+    pretrain_batch: int = setting(64, "images per flow-matching step", minimum=1)
+    pretrain_lr: float = setting(
         1e-3, "flow-matching AdamW learning rate", minimum=0, include_minimum=False
     )
-    cond_dropout: float = _setting(
+    cond_dropout: float = setting(
         0.1,
         "probability of the null prompt in pretraining (CFG)",
         minimum=0,
         maximum=1,
         include_maximum=False,
     )
-    pretrain_seed: int = _seed_setting(
+    pretrain_seed: int = seed_setting(
         "seed of the base model: its initial weights and pretraining data"
     )
 
 
-@_section
+@section
 class RolloutSettings:
     """What one epoch's rollout samples: its prompts and groups, its time grid, which
     transitions are stochastic and recorded, and the guidance.
@@ -248,37 +148,37 @@ class RolloutSettings:
         than the rollout, or a moving window whose transitions are not the trained ones.
     """
 
-    prompts_per_epoch: int = _setting(16, "training prompts per rollout", minimum=1)
-    groups: int = _setting(16, "samples per prompt (the GRPO group)", minimum=2)
-    rollout_steps: int = _setting(
+    prompts_per_epoch: int = setting(16, "training prompts per rollout", minimum=1)
+    groups: int = setting(16, "samples per prompt (the GRPO group)", minimum=2)
+    rollout_steps: int = setting(
         6,
         "time-grid points of the rollout sampler (steps - 1 transitions)",
         minimum=2,
     )
-    train_steps: int | None = _setting(
+    train_steps: int | None = setting(
         2, "leading transitions recorded and trained (none: all)", minimum=1
     )
-    sde_steps: int | None = _setting(
+    sde_steps: int | None = setting(
         2,
         "leading transitions that sample noise, ODE after (Flow-GRPO-Fast; none: all)",
         minimum=1,
     )
-    shared_noise: bool = _setting(
+    shared_noise: bool = setting(
         True, "every sample of a group starts from the same noise (groups differ)"
     )
-    window_schedule: WindowScheduleName = _setting(
+    window_schedule: WindowScheduleName = setting(
         "fixed",
         "fixed (the first sde_steps transitions) | random (a random position per rollout) | "
         "sliding (later by window_stride every window_shift_every epochs) | progressive "
         "(MixGRPO as released: the same, cut short of the grid's last two transitions, empty "
         "at its last position, then from the first again)",
     )
-    window_shift_every: int = _setting(20, "epochs between moves of the moving window", minimum=1)
-    window_stride: int = _setting(
+    window_shift_every: int = setting(20, "epochs between moves of the moving window", minimum=1)
+    window_stride: int = setting(
         1, "transitions per move of the moving window (0: never, progressive only)", minimum=0
     )
-    noise_level: float = _setting(0.7, "SDE noise level a", minimum=0)
-    guidance_scale: float = _setting(
+    noise_level: float = setting(0.7, "SDE noise level a", minimum=0)
+    guidance_scale: float = setting(
         3.0,
         "classifier-free guidance scale (rollout, loss and evaluation)",
         minimum=0,
@@ -313,7 +213,7 @@ class RolloutSettings:
         return min(self.prompts_per_epoch, NUM_TRAIN_PROMPTS) * self.groups
 
 
-@_section
+@section
 class RewardSettings:
     """What scores a rollout's samples: one built-in reward, a weighted sum of them, the
     user's own, or a reward server.
@@ -323,36 +223,34 @@ class RewardSettings:
     - `ValueError`: naming the setting, for a bad value or rewards that exclude each other.
     """
 
-    reward: RewardName = _setting(
+    reward: RewardName = setting(
         "partial",
         "partial | strict (the task checker) | jpeg_incompressibility: one built-in reward, "
         "used when reward_weights is none (naming it, --custom-reward or --reward-url turns "
         "the default reward_weights off)",
     )
-    reward_weights: str | None = _setting(
+    reward_weights: str | None = setting(
         "partial=1,strict=1",
         "a weighted sum of built-in rewards instead of --reward, e.g. partial=1,strict=0.5 "
         "(none: --reward alone)",
     )
-    reward_combination: RewardCombination = _setting(
+    reward_combination: RewardCombination = setting(
         "normalize_each",
         "sum (normalise the weighted sum in each group) | normalize_each (normalise each "
         "reward of --reward-weights in its group, then combine)",
     )
-    custom_reward: str | None = _setting(
+    custom_reward: str | None = setting(
         None, "package.module:callable of your own FlowReward, used instead of --reward"
     )
-    reward_url: str | None = _setting(
+    reward_url: str | None = setting(
         None,
         "score through a reward server at this URL instead of in process (flowgrpo-eqx "
         "serve-reward; token from --reward-token or FLOWGRPO_REWARD_TOKEN)",
     )
-    reward_timeout: float = _setting(
+    reward_timeout: float = setting(
         60.0, "seconds one request to the reward server may take", minimum=0, include_minimum=False
     )
-    reward_retries: int = _setting(
-        2, "retries of a failed reward request (with backoff)", minimum=0
-    )
+    reward_retries: int = setting(2, "retries of a failed reward request (with backoff)", minimum=0)
 
     def __post_init__(self) -> None:
         self._check_choice()
@@ -386,7 +284,7 @@ class RewardSettings:
             raise ValueError("Settings `custom_reward` and `reward_url` exclude each other.")
 
 
-@_section
+@section
 class ObjectiveSettings:
     """Which RL algorithm fine-tunes the base model, and the settings of each one's objective
     (all kept, whichever is chosen; `algorithms.ALGORITHMS[algorithm]` checks those that
@@ -397,7 +295,7 @@ class ObjectiveSettings:
     - `ValueError`: naming the setting, for a bad value.
     """
 
-    algorithm: AlgorithmName = _setting(
+    algorithm: AlgorithmName = setting(
         "flow_grpo",
         "flow_grpo (clipped policy gradient on SDE transitions) | nft (DiffusionNFT: "
         "negative-aware flow matching on final samples; adv_clip_max is its A_max) | awm "
@@ -410,14 +308,14 @@ class ObjectiveSettings:
         "| dppo (Flow-DPPO as released: the unclipped ratio surrogate, each step dropped "
         "where its KL to the rollout's policy reaches dppo_kl_threshold and it pushes further)",
     )
-    nft_beta: float = _setting(
+    nft_beta: float = setting(
         1.0,
         "nft: strength of the implicit positive and negative policies, in (0, 1]",
         minimum=0,
         maximum=1,
         include_minimum=False,
     )
-    nft_old_decay: float = _setting(
+    nft_old_decay: float = setting(
         0.5,
         "nft: the cap of the released ramp min(0.001 step, cap) by which the old (sampling) "
         "policy keeps its weights at each epoch's end (0: the live policy)",
@@ -425,31 +323,31 @@ class ObjectiveSettings:
         maximum=1,
         include_maximum=False,
     )
-    beta: float = _setting(
+    beta: float = setting(
         0.0,
         "KL weight to the base model (0: none; without LoRA, > 0 keeps a frozen copy of it)",
         minimum=0,
     )
-    clip_range: float = _setting(0.2, "PPO ratio clip", minimum=0, include_minimum=False)
-    grpo_guard: bool = _setting(
+    clip_range: float = setting(0.2, "PPO ratio clip", minimum=0, include_minimum=False)
+    grpo_guard: bool = setting(
         False,
         "GRPO-Guard as released (GRPOGuard: the drift added back to the log-ratio, scaled per "
         "step, and each step's loss divided by its mean(sqrt(dt))^2; mathematics §5a)",
     )
-    adv_clip_max: float = _setting(5.0, "advantage clip", minimum=0, include_minimum=False)
-    dppo_kl_threshold: float = _setting(
+    adv_clip_max: float = setting(5.0, "advantage clip", minimum=0, include_minimum=False)
+    dppo_kl_threshold: float = setting(
         1e-5,
         "dppo: the per-step KL (a mean over the latent's coordinates) from which a step that "
         "pushes further is dropped",
         minimum=0,
         include_minimum=False,
     )
-    transition_chunk: int | None = _setting(
+    transition_chunk: int | None = setting(
         None,
         "transitions per scanned chunk of the loss (none: all at once)",
         minimum=1,
     )
-    old_log_probs: OldLogProbs | None = _setting(
+    old_log_probs: OldLogProbs | None = setting(
         None,
         "rollout | update: the ratio's old log densities as the rollout recorded them, or "
         "recomputed by the update's own program before each rollout's first update (exact "
@@ -458,7 +356,7 @@ class ObjectiveSettings:
     )
 
 
-@_section
+@section
 class TrainingSettings:
     """The optimisation: epochs, updates per rollout, the optimizer, the EMA, how parameters
     lie on the devices, and the run's seed.
@@ -468,20 +366,20 @@ class TrainingSettings:
     - `ValueError`: naming the setting, for a bad value.
     """
 
-    epochs: int = _setting(300, "Flow-GRPO epochs (one rollout each)", minimum=1)
-    inner_epochs: int = _setting(1, "passes over each rollout", minimum=1)
-    minibatch_rows: int | None = _setting(
+    epochs: int = setting(300, "Flow-GRPO epochs (one rollout each)", minimum=1)
+    inner_epochs: int = setting(1, "passes over each rollout", minimum=1)
+    minibatch_rows: int | None = setting(
         64, "rows per optimizer update (none: the whole rollout)", minimum=1
     )
-    learning_rate: float = _setting(
+    learning_rate: float = setting(
         1e-4, "AdamW learning rate (the peak, with a schedule)", minimum=0, include_minimum=False
     )
-    lr_schedule: LrSchedule = _setting("cosine", "constant | cosine (to 0 at the last update)")
-    weight_decay: float = _setting(0.0, "AdamW decoupled weight decay", minimum=0)
-    max_grad_norm: float = _setting(
+    lr_schedule: LrSchedule = setting("cosine", "constant | cosine (to 0 at the last update)")
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay", minimum=0)
+    max_grad_norm: float = setting(
         1.0, "global-norm gradient clip", minimum=0, include_minimum=False
     )
-    ema_decay: float | None = _setting(
+    ema_decay: float | None = setting(
         None,
         "decay of an EMA of the policy (of the adapters with LoRA) kept in the train state "
         "(none: off)",
@@ -489,49 +387,49 @@ class TrainingSettings:
         maximum=1,
         include_maximum=False,
     )
-    param_sharding: ParamSharding = _setting(
+    param_sharding: ParamSharding = setting(
         "replicated",
         "replicated (a full copy of parameters and optimizer state per device) | fsdp "
         "(each large array split over the devices)",
     )
-    fsdp_min_elements: int = _setting(
+    fsdp_min_elements: int = setting(
         1024, "with fsdp, arrays smaller than this stay replicated", minimum=1
     )
-    seed: int = _seed_setting(
+    seed: int = seed_setting(
         "seed of the Flow-GRPO run: rollout noise and minibatch order (not the base model)"
     )
 
 
-@_section
+@section
 class EvaluationSettings:
     """The held-out measure and the preview pictures.
 
-    A bad value raises a `ValueError` naming the setting (`_section`).
+    A bad value raises a `ValueError` naming the setting (`section`).
     """
 
-    eval_steps: int = _setting(21, "ODE steps of held-out evaluation", minimum=2)
-    eval_samples_per_prompt: int = _setting(
+    eval_steps: int = setting(21, "ODE steps of held-out evaluation", minimum=2)
+    eval_samples_per_prompt: int = setting(
         8, "held-out samples per prompt (fixed noise)", minimum=1
     )
-    eval_every: int = _setting(20, "epochs between held-out evaluations", minimum=1)
-    preview_prompts: int = _setting(
+    eval_every: int = setting(20, "epochs between held-out evaluations", minimum=1)
+    preview_prompts: int = setting(
         8, "prompts in samples_before.png / samples_after.png", minimum=1
     )
-    eval_seed: int = _seed_setting(
+    eval_seed: int = seed_setting(
         "seed of the held-out evaluation's fixed noise (runs compare on the same samples)"
     )
 
 
-@_section
+@section
 class LoggingSettings:
     """What a run keeps: checkpoints and metrics writers.
 
-    A bad value raises a `ValueError` naming the setting (`_section`).
+    A bad value raises a `ValueError` naming the setting (`section`).
     """
 
-    checkpoint_every: int = _setting(10, "epochs between checkpoints", minimum=1)
-    keep_checkpoints: int = _setting(3, "checkpoints kept", minimum=1)
-    log: tuple[LogName, ...] = _setting(
+    checkpoint_every: int = setting(10, "epochs between checkpoints", minimum=1)
+    keep_checkpoints: int = setting(3, "checkpoints kept", minimum=1)
+    log: tuple[LogName, ...] = setting(
         (), "metrics writers besides metrics.jsonl: tensorboard, wandb (comma-separated)"
     )
 
