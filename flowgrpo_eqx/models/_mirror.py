@@ -189,7 +189,27 @@ def fill_from_state_dict(
 
 
 def _read_file(file: pathlib.Path) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file as a NumPy array (bfloat16 via `ml_dtypes`)."""
+    """Every tensor of one safetensors file as a NumPy array (bfloat16 via `ml_dtypes`).
+
+    **Raises:**
+
+    - `ValueError`: naming `file` when it is missing, empty, truncated or not a safetensors
+        file.
+    """
+    if not file.is_file():
+        raise ValueError(f"{file} is missing: the folder's weights name it.")
+    try:
+        return _read_tensors(file)
+    except Exception as error:  # noqa: BLE001 - safetensors' errors are of its own types
+        size = file.stat().st_size
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({size} bytes; "
+            f"{type(error).__name__}: {error}): it is empty, truncated or damaged. Download or "
+            "write it again."
+        ) from None
+
+
+def _read_tensors(file: pathlib.Path) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
     raw: list[str] = []
     with safe_open(str(file), framework="numpy") as f:
@@ -212,6 +232,36 @@ def _read_file(file: pathlib.Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def conversion_command(folder: pathlib.Path) -> str:
+    """The one command that rewrites a PyTorch `.bin` checkpoint folder as safetensors, in
+    place, with the library that wrote it (diffusers for a `_class_name` config, transformers
+    for an `architectures` one).
+
+    **Arguments:**
+
+    - `folder`: the model folder.
+
+    **Returns:**
+
+    A shell command.
+    """
+    config: dict[str, Any] = {}
+    try:
+        loaded = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config = loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        pass
+    if "_class_name" in config:
+        library, name = "diffusers", str(config["_class_name"])
+    else:
+        library, name = "transformers", str((config.get("architectures") or ["AutoModel"])[0])
+    path = str(folder).replace("'", "\\'")
+    return (
+        f"python -c \"import {library}; {library}.{name}.from_pretrained('{path}')"
+        f".save_pretrained('{path}', safe_serialization=True)\""
+    )
+
+
 def read_safetensors_folder(folder: pathlib.Path, name: str) -> dict[str, np.ndarray]:
     """The state dict of a model folder: the file `name` (`model.safetensors`,
     `diffusion_pytorch_model.safetensors`), or the shards its `name.index.json` lists.
@@ -227,15 +277,40 @@ def read_safetensors_folder(folder: pathlib.Path, name: str) -> dict[str, np.nda
 
     **Raises:**
 
-    - `ValueError`: naming `path` when the folder holds neither.
+    - `ValueError`: naming `path` when the folder holds neither (and, when it holds a PyTorch
+        `.bin` checkpoint instead, the one command that converts it); naming the index when
+        it is not JSON or has no `weight_map` of file names; naming a shard or the file
+        when it is missing, empty, truncated or damaged.
     """
     if (folder / name).exists():
         return _read_file(folder / name)
     index = folder / f"{name}.index.json"
     if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         tensors: dict[str, np.ndarray] = {}
-        for shard in sorted(set(weight_map.values())):
+        for shard in _shards(index):
             tensors.update(_read_file(folder / shard))
         return tensors
+    if any(folder.glob("*.bin")):
+        raise ValueError(
+            f"`path` ({folder}) holds a PyTorch .bin checkpoint, which this library does not "
+            "read (it reads safetensors, without torch). Convert it once, in an environment "
+            f"with torch: {conversion_command(folder)}"
+        )
     raise ValueError(f"`path` ({folder}) holds neither {name} nor {index.name}.")
+
+
+def _shards(index: pathlib.Path) -> list[str]:
+    """The shard files a safetensors index lists (its `weight_map`'s values)."""
+    try:
+        loaded = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{index} is not a readable JSON file: {error}") from None
+    weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(shard, str) and "/" not in shard for shard in weight_map.values()
+    ):
+        raise ValueError(
+            f"{index} has no `weight_map` of tensor names to shard files in this folder, as "
+            "a sharded safetensors checkpoint's index has."
+        )
+    return sorted(set(weight_map.values()))
