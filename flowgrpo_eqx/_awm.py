@@ -172,7 +172,7 @@ class AWMVariables(AbstractEMAVariables, AbstractReferenceVariables):
 @final
 class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     """Advantage Weighted Matching (arXiv 2509.25050) as the authors' released
-    `scripts/train_sd3_awm.py` computes it (`docs/mathematics.md` §9); the defaults are its
+    `scripts/train_sd3_awm.py` computes it (`docs/mathematics/awm.md` §9); the defaults are its
     GenEval recipe (`config/dgx_awm.py`, `geneval_sd3_no_cfg_1node`).
 
     Trained on final samples `x_0` and one advantage `A` per row. Each minibatch draws

@@ -214,7 +214,7 @@ class GroupedSamples(eqx.Module):
 @final
 class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
     """Direct Group Preference Optimization (arXiv 2510.08425) as the authors' released
-    `scripts/train_sd3_dgpo.py` computes it (`docs/mathematics.md` §10); the defaults are
+    `scripts/train_sd3_dgpo.py` computes it (`docs/mathematics/dgpo.md` §10); the defaults are
     its default recipe (`config/dgpo.py`, `general_ocr_sd3_4gpu`: rollout with CFG,
     training without).
 

@@ -118,7 +118,7 @@ def divergence_mask(
 class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
     """Flow-DPPO (arXiv:2606.11025) as its authors released it: Flow-GRPO's ratio surrogate
     without the clip, each term dropped by an exact per-step KL trust region on the side the
-    advantage pushes (`docs/mathematics.md` §12).
+    advantage pushes (`docs/mathematics/dppo.md` §12).
 
     Each recorded transition is the SDE's Gaussian `N(mu, s^2 I)`, and the old policy's is
     `N(mu_old, s^2 I)` with the same std, so their KL is exact and cheap:

@@ -106,7 +106,7 @@ class AbstractGRPOGuard(eqx.Module):
     its spread differs from step to step, so the clip catches too few positive-advantage
     updates. `GRPOGuard` removes the drift analytically, as the released code does;
     `EmpiricalGuard` removes the step's empirical mean. The formulas, and how they relate to
-    the paper and to the released code, are in `docs/mathematics.md` (§5a).
+    the paper and to the released code, are in `docs/mathematics/flow_grpo.md` (§5a).
     """
 
     @property
@@ -156,7 +156,7 @@ class GRPOGuard(AbstractGRPOGuard):
     - the guarded log-ratio is `(log_ratio + b) * S`; gradients flow through `b`;
     - with `reweight`, each kept surrogate is divided by `mean_k(sqrt(dt))^2`.
 
-    The three published forms (`docs/mathematics.md` §5a): the authors' fix, the default,
+    The three published forms (`docs/mathematics/flow_grpo.md` §5a): the authors' fix, the default,
     `GRPOGuard()`; the released code (the batch-global drift of flow_grpo issue #244),
     `GRPOGuard(drift="batch")`; per-sample `S` without reweighting (as a widely used
     third-party trainer), `GRPOGuard(scale="sample", reweight=False)`. All need the rollout's

@@ -153,7 +153,7 @@ class NFTVariables(AbstractReferenceVariables):
 @final
 class DiffusionNFTObjective(AbstractRLObjective[NFTVariables, FinalSamples]):
     """DiffusionNFT: negative-aware flow matching on final samples, weighted by reward; by
-    default as the authors' released code computes it (`docs/mathematics.md` §8).
+    default as the authors' released code computes it (`docs/mathematics/nft.md` §8).
 
     Each row's advantage `A` becomes an optimality probability
     `r = 1/2 + 1/2 clip(A / adv_max, -1, 1)` in [0, 1]. Its clean latent `x_0` is noised at

@@ -1,7 +1,7 @@
 """The stochastic processes Flow-GRPO samples with and scores under.
 
 Both rollout and rescoring use the same SDE instance, so recorded log densities and rescored
-ones agree. `docs/mathematics.md` states every formula here.
+ones agree. `docs/mathematics/index.md` states every formula here.
 """
 
 import abc

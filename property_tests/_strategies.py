@@ -179,7 +179,7 @@ BETA_FREE_CONFIGS = tuple(c for c in CONFIGS if c.beta == 0)
 
 
 # --------------------------------------------------------------------------------------
-# Independent NumPy statements (docs/mathematics.md §2, §5).
+# Independent NumPy statements (docs/mathematics/index.md §2, flow_grpo.md §5).
 
 
 def kept_numpy(

@@ -1,4 +1,5 @@
-"""Property tests of `group_advantages` (docs/mathematics.md §7), against independent NumPy."""
+"""Property tests of `group_advantages` (docs/mathematics/index.md §7), against independent
+NumPy."""
 
 import numpy as np
 from hypothesis import assume, given, strategies as st

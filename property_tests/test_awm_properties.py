@@ -1,4 +1,4 @@
-"""Properties of AWM as released (docs/mathematics.md §9): on-policy the ratio is exactly 1 and
+"""Properties of AWM as released (docs/mathematics/awm.md §9): on-policy the ratio is exactly 1 and
 the loss is `-mean(A')`; the loss's denominators are the counted rows, whatever the masked
 rows hold, and a batch's `Mean` is the sum of its disjoint masks' `Mean`s."""
 

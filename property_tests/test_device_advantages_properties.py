@@ -1,5 +1,5 @@
 """`device_group_advantages` (float32, on the device) against the float64 statement of
-docs/mathematics.md §7 (`tests/numpy_reference.group_advantages`), within the tolerance its
+docs/mathematics/index.md §7 (`tests/numpy_reference.group_advantages`), within the tolerance its
 docstring promises."""
 
 import jax.numpy as jnp

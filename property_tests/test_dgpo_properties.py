@@ -1,4 +1,4 @@
-"""Properties of DGPO as released (docs/mathematics.md §10): the released surrogate and the
+"""Properties of DGPO as released (docs/mathematics/dgpo.md §10): the released surrogate and the
 group DPO loss have one gradient; the loss reads rewards only through their group
 advantages, so the shifts those ignore leave it unchanged; with shared noise it does not
 depend on the order of the rows; and without advantages nothing but the KL trains."""

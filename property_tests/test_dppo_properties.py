@@ -1,4 +1,4 @@
-"""Properties of Flow-DPPO (docs/mathematics.md §12): on-policy it is Flow-GRPO's unclipped
+"""Properties of Flow-DPPO (docs/mathematics/dppo.md §12): on-policy it is Flow-GRPO's unclipped
 surrogate, its mask only grows with the KL, and its loss is a mean over every trained
 transition, dropped ones included, as released.
 

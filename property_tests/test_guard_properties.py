@@ -1,4 +1,4 @@
-"""Properties of GRPO-Guard's RatioNorm and step weights (docs/mathematics.md §5a)."""
+"""Properties of GRPO-Guard's RatioNorm and step weights (docs/mathematics/flow_grpo.md §5a)."""
 
 import jax.numpy as jnp
 import numpy as np

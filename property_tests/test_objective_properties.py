@@ -1,4 +1,4 @@
-"""Property tests of `FlowGRPOObjective.loss` / `log_probs` (docs/mathematics.md §5, §6).
+"""Property tests of `FlowGRPOObjective.loss` / `log_probs` (docs/mathematics/flow_grpo.md §5, §6).
 
 The model is a tiny MLP defined in `_strategies.py`; batches are rollout-like (next latents
 sampled from the configuration's own transitions). See `_strategies.py` for why shapes and

@@ -1,6 +1,6 @@
-"""Properties of the released algorithms (docs/mathematics.md §5a and §8): DiffusionNFT's loss
-where the policy is still the old policy, and GRPO-Guard's guarded log-ratio under the old
-transition."""
+"""Properties of the released algorithms (docs/mathematics/flow_grpo.md §5a, nft.md §8):
+DiffusionNFT's loss where the policy is still the old policy, and GRPO-Guard's guarded
+log-ratio under the old transition."""
 
 import equinox as eqx
 import jax

@@ -1,6 +1,7 @@
-"""Property tests of `FlowSDE` and the time grid (docs/mathematics.md §1-§4).
+"""Property tests of `FlowSDE` and the time grid (docs/mathematics/index.md §1-§4).
 
-Every expectation is an independent float64 NumPy statement of the formulas in docs/mathematics.md.
+Every expectation is an independent float64 NumPy statement of the formulas in
+docs/mathematics/index.md.
 """
 
 import math

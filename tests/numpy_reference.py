@@ -1,4 +1,4 @@
-"""Independent float64 NumPy statements of `docs/mathematics.md`: the tests' only oracle.
+"""Independent float64 NumPy statements of `docs/mathematics/`: the tests' only oracle.
 
 Nothing here imports `flowgrpo_eqx`: every formula is written out again from that page. The
 example tests and the Hypothesis properties both import it.
@@ -155,7 +155,7 @@ def per_reward_advantages(components, weights, groups, eps=1e-4):
 
 
 def nft_loss(data, noise, t, v_theta, v_old, advantages, mask, beta, adv_max):
-    """DiffusionNFT (mathematics.md §8), row by row in float64: `(total, count)`.
+    """DiffusionNFT (mathematics/nft.md §8), row by row in float64: `(total, count)`.
 
     `data`, `noise`, `v_theta`, `v_old`: `[N, D]`; `t`, `advantages`: `[N]`; `mask`: `[N]`.
     `v_theta` and `v_old` are the velocities at `x_t = (1 - t) data + t noise`.
@@ -246,8 +246,9 @@ def nft_decay(step, flat, rate, maximum):
 
 
 # ---------------------------------------------------------------------------------------------
-# AWM (docs/mathematics.md §9), from the authors' release: github scxue/advantage_weighted_matching
-# at be51372, advantage_weighted_matching/scripts/train_sd3_awm.py (cited below by line).
+# AWM (docs/mathematics/awm.md §9), from the authors' release: github
+# scxue/advantage_weighted_matching at be51372,
+# advantage_weighted_matching/scripts/train_sd3_awm.py (cited below by line).
 
 AWM_RELEASE = "scxue/advantage_weighted_matching@be51372 scripts/train_sd3_awm.py"
 
@@ -481,7 +482,7 @@ def mixgrpo_windows(
 
 
 # ---------------------------------------------------------------------------------------------
-# DGPO (docs/mathematics.md §10), from the authors' release: github Luo-Yihong/DGPO at 01ceb4b,
+# DGPO (docs/mathematics/dgpo.md §10), from the authors' release: github Luo-Yihong/DGPO at 01ceb4b,
 # scripts/train_sd3_dgpo.py (cited below by line), with flow_grpo/ema.py and config/dgpo.py.
 
 DGPO_RELEASE = "Luo-Yihong/DGPO@01ceb4b scripts/train_sd3_dgpo.py"
@@ -582,9 +583,10 @@ def dgpo_samples_with_ema(global_step, switch_ema_ref):
 
 
 # ---------------------------------------------------------------------------------------------
-# Flow-DPPO (docs/mathematics.md §12), from the authors' release: github Tencent-Hunyuan/UniRL at
-# 1a7b501, unirl/algorithms/flowdppo.py (cited below by line; verl-omni's `FlowDPPOLoss`,
-# verl_omni/trainer/diffusion/diffusion_algos.py lines 375-443, computes the same).
+# Flow-DPPO (docs/mathematics/dppo.md §12), from the authors' release: github
+# Tencent-Hunyuan/UniRL at 1a7b501, unirl/algorithms/flowdppo.py (cited below by line;
+# verl-omni's `FlowDPPOLoss`, verl_omni/trainer/diffusion/diffusion_algos.py lines 375-443,
+# computes the same).
 
 DPPO_RELEASE = "Tencent-Hunyuan/UniRL@1a7b501 unirl/algorithms/flowdppo.py"
 

@@ -1,4 +1,4 @@
-"""AWM as released (docs/mathematics.md §9) against the float64 NumPy statements `awm_*` of
+"""AWM as released (docs/mathematics/awm.md §9) against the float64 NumPy statements `awm_*` of
 `numpy_reference`: the loss and its gradient, the trained grid indices, the advantages, the
 EMA schedule, the on-policy ratio, the defaults and messages, and the demo's command line."""
 

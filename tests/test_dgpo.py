@@ -1,4 +1,4 @@
-"""DGPO as released (docs/mathematics.md §10) against the float64 NumPy statements `dgpo_*` of
+"""DGPO as released (docs/mathematics/dgpo.md §10) against the float64 NumPy statements `dgpo_*` of
 `numpy_reference`: the loss and its gradient, the quantised times, the epoch's indices, the
 EMA reference and the rollout's switch to it, the defaults and messages, and the demo."""
 

@@ -1,4 +1,4 @@
-"""Flow-DPPO (docs/mathematics.md §12) against the float64 NumPy statement of its release
+"""Flow-DPPO (docs/mathematics/dppo.md §12) against the float64 NumPy statement of its release
 (`numpy_reference.dppo_kl`, `dppo_dropped`, `dppo_loss`): the loss and its gradient, the
 asymmetric divergence mask, where the anchors come from, and the constructor's checks."""
 

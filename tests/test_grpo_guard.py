@@ -1,4 +1,5 @@
-"""GRPO-Guard (docs/mathematics.md §5a) against the float64 NumPy statement in numpy_reference."""
+"""GRPO-Guard (docs/mathematics/flow_grpo.md §5a) against the float64 NumPy statement in
+numpy_reference."""
 
 import math
 

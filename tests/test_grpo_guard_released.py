@@ -1,5 +1,5 @@
-"""The released GRPO-Guard forms (docs/mathematics.md §5a) against the float64 NumPy statement
-`numpy_reference.guard_released`: the loss and its gradient for each variant."""
+"""The released GRPO-Guard forms (docs/mathematics/flow_grpo.md §5a) against the float64 NumPy
+statement `numpy_reference.guard_released`: the loss and its gradient for each variant."""
 
 import equinox as eqx
 import jax

@@ -1,4 +1,4 @@
-"""DiffusionNFTObjective against an independent float64 NumPy statement (mathematics.md §8),
+"""DiffusionNFTObjective against an independent float64 NumPy statement (mathematics/nft.md §8),
 its exact identities, and `--algorithm nft` through the command line."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""DiffusionNFT as released (docs/mathematics.md §8) against the float64 NumPy statement
+"""DiffusionNFT as released (docs/mathematics/nft.md §8) against the float64 NumPy statement
 `numpy_reference.nft_released_row`: the loss and its gradient, the adaptive weights held
 without gradient, and the ramped old-policy decay."""
 

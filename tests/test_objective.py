@@ -1,4 +1,4 @@
-"""FlowGRPOObjective against an independent float64 NumPy statement (docs/mathematics.md §2-§6)."""
+"""FlowGRPOObjective against an independent float64 NumPy statement (docs/mathematics/, §2-§6)."""
 
 import dataclasses
 import math

@@ -349,7 +349,7 @@ class MixGRPO(AbstractAlgorithm):
     the grid (`MixSampler`); Euler ODE steps before the window, and after it `solver` on the
     rest of the grid, compressed by `compress_ratio` for Flash and Flash*.
 
-    As released (`docs/mathematics.md` §11): the window is the release's progressive one
+    As released (`docs/mathematics/mixgrpo.md` §11): the window is the release's progressive one
     (`ProgressiveWindow`): it moves one transition later (`window_stride`: the scripts'
     `prog_overlap` with `prog_overlap_step` 1; 0 for Flash*, whose window never moves) every
     `shift_every` epochs (`iters_per_group`: 25, and 20 for Flash and Flash*; one iteration
@@ -439,7 +439,7 @@ class MixGRPO(AbstractAlgorithm):
 @final
 class FlowDPPO(AbstractAlgorithm):
     """Flow-DPPO as released (github `Tencent-Hunyuan/UniRL`, `FlowDPPO/`,
-    `unirl/algorithms/flowdppo.py`; `docs/mathematics.md` §12): Flow-GRPO's unclipped ratio
+    `unirl/algorithms/flowdppo.py`; `docs/mathematics/dppo.md` §12): Flow-GRPO's unclipped ratio
     surrogate on the SDE transitions the rollout records, each step dropped where its exact
     KL to the rollout's policy reaches `dppo_kl_threshold` (1e-5, the release's) and its
     ratio already moved the way its advantage pushes. As released: no ratio or advantage
