@@ -4,9 +4,9 @@ text encoders: what diffusers' `StableDiffusion3Pipeline.encode_prompt`,
 pipelines' tokenization with the `tokenizers` package.
 """
 
-import json
 import pathlib
-from typing import Any, final
+from collections.abc import Sequence
+from typing import final
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -22,10 +22,16 @@ from ._t5 import T5Encoder
 
 @final
 class PromptTokenizer:
-    """A pipeline's tokenizer folder (`tokenizer.json`, and `tokenizer_config.json` for the
-    padding token), read with the `tokenizers` package (no transformers): prompts to token ids
-    padded to a fixed length and truncated to it, as the pipelines call their tokenizers
-    (`padding="max_length"`, `truncation=True`).
+    """A pipeline's tokenizer folder, read with the `tokenizers` package (no transformers):
+    prompts to token ids padded to a fixed length and truncated to it, as the pipelines call
+    their tokenizers (`padding="max_length"`, `truncation=True`), with transformers' ids.
+
+    The folder is read in the first layout it holds: `tokenizer.json` (read as it is);
+    CLIP's `vocab.json` + `merges.txt` (SD3's and FLUX.1's CLIP tokenizers, PickScore's
+    processor, as published: built as transformers' `CLIPTokenizer` builds them); T5's or
+    umT5's `spiece.model` (built as transformers' `T5TokenizerFast` builds it, with the
+    `extra_ids` sentinels). `tokenizer_config.json` (or `special_tokens_map.json`) names the
+    special tokens and the padding token (CLIP's default `<|endoftext|>`, T5's `<pad>`).
 
     **Arguments:**
 
@@ -35,66 +41,104 @@ class PromptTokenizer:
 
     **Raises:**
 
-    - `ValueError`: naming `path` when the folder has no `tokenizer.json`, or `length` when it
-        is not a positive int.
+    - `ValueError`: naming `length` when it is not a positive int; naming `path` when the
+        folder holds none of the files above (the message lists them), or only one of
+        `vocab.json` and `merges.txt`, or names no padding token; naming the file that is
+        not JSON, not a tokenizer file, not a SentencePiece model, or that names a padding
+        token (or start or end token) not in the vocabulary.
     - `ImportError`: naming the `tokenizers` package when it is not installed.
     """
 
     def __init__(self, path: str | pathlib.Path, length: int) -> None:
+        check_int("length", length, 1)
         try:
-            from tokenizers import Tokenizer
+            from ._tokenizer_files import read_tokenizer
         except ImportError as error:  # pragma: no cover - the package is a dependency of dev
             raise ImportError(
-                "PromptTokenizer reads tokenizer.json with the `tokenizers` package, which the "
+                "PromptTokenizer reads tokenizer files with the `tokenizers` package, which the "
                 "`encoders` extra of flowgrpo_eqx installs."
             ) from error
-        check_int("length", length, 1)
         folder = pathlib.Path(path)
-        if not (folder / "tokenizer.json").exists():
-            raise ValueError(f"`path` ({folder}) has no tokenizer.json.")
-        self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        settings: dict[str, Any] = {}
-        if (folder / "tokenizer_config.json").exists():
-            settings = json.loads((folder / "tokenizer_config.json").read_text())
-        pad = settings.get("pad_token")
-        if isinstance(pad, dict):
-            pad = pad.get("content")
-        pad_id = self._tokenizer.token_to_id(pad) if pad is not None else None
+        self._tokenizer, pad = read_tokenizer(folder)
+        if pad is None:
+            raise ValueError(
+                f"`path` ({folder}) names no pad_token (tokenizer_config.json or "
+                "special_tokens_map.json) and its tokenizer.json sets no padding."
+            )
+        pad_id = self._tokenizer.token_to_id(pad)
+        if pad_id is None:
+            raise ValueError(
+                f"`path` ({folder}): the pad_token {pad!r} of tokenizer_config.json (or "
+                "special_tokens_map.json) is not in the vocabulary."
+            )
         self._tokenizer.enable_truncation(length)
-        self._tokenizer.enable_padding(
-            length=length, pad_id=pad_id or 0, pad_token=pad if pad is not None else "[PAD]"
-        )
+        self._tokenizer.enable_padding(length=length, pad_id=pad_id, pad_token=pad)
         self.length = length
 
-    def __call__(self, prompts: list[str]) -> np.ndarray:
+    def __call__(self, prompts: Sequence[str]) -> np.ndarray:
         """The token ids of `prompts`.
 
         **Arguments:**
 
-        - `prompts`: the prompts.
+        - `prompts`: the prompts (a list or tuple of strings, not one string).
 
         **Returns:**
 
         `[len(prompts), length]` int32.
+
+        **Raises:**
+
+        - `ValueError`: naming `prompts` when it is one string, or when a prompt is not a
+            string or is not valid Unicode (a lone surrogate).
         """
         return self.encode(prompts)[0]
 
-    def encode(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """The token ids of `prompts` and their attention masks, from one tokenization.
 
         **Arguments:**
 
-        - `prompts`: the prompts.
+        - `prompts`: the prompts (a list or tuple of strings, not one string).
 
         **Returns:**
 
         `(ids, mask)`, each `[len(prompts), length]` int32; the mask is 1 for the prompts'
         tokens and 0 for the padding.
+
+        **Raises:**
+
+        - `ValueError`: naming `prompts` when it is one string, or when a prompt is not a
+            string or is not valid Unicode (a lone surrogate).
         """
-        encodings = self._tokenizer.encode_batch(list(prompts))
-        ids: np.ndarray = np.asarray([e.ids for e in encodings], np.int32)
+        texts = _check_prompts(prompts)
+        encodings = self._tokenizer.encode_batch(texts)
+        shape = (len(texts), self.length)
+        ids: np.ndarray = np.asarray([e.ids for e in encodings], np.int32).reshape(shape)
         mask: np.ndarray = np.asarray([e.attention_mask for e in encodings], np.int32)
-        return ids, mask
+        return ids, mask.reshape(shape)
+
+
+def _check_prompts(prompts: Sequence[str]) -> list[str]:
+    if isinstance(prompts, str | bytes):
+        raise ValueError(
+            f"`prompts` must be a list of strings, got one {type(prompts).__name__} "
+            f"({prompts[:40]!r}); wrap a single prompt in a list."
+        )
+    if not isinstance(prompts, Sequence):
+        raise ValueError(f"`prompts` must be a list of strings, got {type(prompts).__name__}.")
+    texts = list(prompts)
+    for index, prompt in enumerate(texts):
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"`prompts[{index}]` must be a string, got {type(prompt).__name__} ({prompt!r})."
+            )
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"`prompts[{index}]` is not valid Unicode ({error.reason} at {error.start})."
+            ) from error
+    return texts
 
 
 @final
