@@ -10,7 +10,7 @@ import pytest
 from flowgrpo_eqx.models import MMDiT, _joint
 from flowgrpo_eqx.models._layers import rms_norm
 from tests.tiny_models import SD35_SHAPED, batch_of_two, perturbed
-from tools.tpu import joint_layout, norm_variants, rope_variants, splash_step
+from tools.tpu import joint_layout, norm_variants, splash_step
 from tools.tpu.norm_variants import joint_attention_norm
 
 
@@ -31,7 +31,7 @@ def test_swapped_into_a_model_it_computes_the_same_velocity_and_is_put_back():
 
 
 @pytest.mark.parametrize(
-    "main", [norm_variants.main, joint_layout.main, splash_step.main, rope_variants.main]
+    "main", [norm_variants.main, joint_layout.main, splash_step.main]
 )
 @pytest.mark.parametrize(
     ("argv", "named"),

@@ -1,6 +1,6 @@
-"""What the variant experiments (`tools/tpu/norm_variants.py`, `tools/tpu/joint_layout.py`,
-`tools/tpu/rope_variants.py`) share: a full-size row of the bench measured once per
-variant, in one process, each variant a context within which the model is traced its way."""
+"""What the variant experiments (`tools/tpu/norm_variants.py`, `tools/tpu/joint_layout.py`)
+share: a full-size row of the bench measured once per variant, in one process, each variant a
+context within which the model is traced its way."""
 
 import argparse
 import contextlib
