@@ -10,7 +10,7 @@ import pytest
 from flowgrpo_eqx.models import MMDiT, _joint
 from flowgrpo_eqx.models._layers import rms_norm
 from tests.tiny_models import SD35_SHAPED, batch_of_two, perturbed
-from tools.tpu import norm_variants, splash_step
+from tools.tpu import norm_variants
 from tools.tpu.norm_variants import joint_attention_norm
 
 
@@ -30,7 +30,7 @@ def test_swapped_into_a_model_it_computes_the_same_velocity_and_is_put_back():
     np.testing.assert_allclose(swapped, library, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("main", [norm_variants.main, splash_step.main])
+@pytest.mark.parametrize("main", [norm_variants.main])
 @pytest.mark.parametrize(
     ("argv", "named"),
     [

@@ -1,4 +1,4 @@
-"""What the variant experiments (`tools/tpu/norm_variants.py`, `tools/tpu/splash_step.py`)
+"""What the variant experiments (`tools/tpu/norm_variants.py`, `tools/tpu/splash_blocks.py`)
 share: a full-size row of the bench measured once per variant, in one process, each variant a
 context within which the model is traced its way."""
 
