@@ -8,17 +8,20 @@ One process writes a run folder at a time: `lock_run_folder` holds an advisory l
 `LOCK_FILE` for the whole run, and a second writer is refused naming the first's pid and host.
 """
 
-import contextlib
-import fcntl
 import json
-import os
 import pathlib
-import shutil
-import socket
-from collections.abc import Iterator
 from typing import Any
 
-from ..train import Checkpointer, CheckpointError
+from ..train import (
+    LOCK_FILE as LOCK_FILE,
+    Checkpointer,
+    CheckpointError,
+    RunFolderError as RunFolderError,
+    check_out_folder as check_out_folder,
+    lock_run_folder as lock_run_folder,
+    move_run_aside,
+    replaced_name as replaced_name,
+)
 from .config import JobConfig
 
 
@@ -53,17 +56,6 @@ RUN_FILES: tuple[str, ...] = (
 FINISHED_FILES: tuple[str, ...] = ("summary.json", "policy.eqx", "policy.lora")
 """What marks a run as finished: the files its last step writes."""
 
-LOCK_FILE = "run.lock"
-"""The run folder's lock file: held (`fcntl.flock`) by the process writing the folder, and
-holding that process's pid and host; it stays when the run ends, unlocked."""
-
-
-class RunFolderError(ValueError):
-    """The run folder holds another run, or `--resume` would change what the run computes.
-
-    A `ValueError` whose message says what differs and how to go on.
-    """
-
 
 def identity(config: JobConfig) -> dict[str, Any]:
     """The settings that determine a run's result, as JSON values.
@@ -81,66 +73,6 @@ def identity(config: JobConfig) -> dict[str, Any]:
     }
     loaded: dict[str, Any] = json.loads(json.dumps(values))
     return loaded
-
-
-def check_out_folder(out: pathlib.Path) -> None:
-    """Refuse an `--out` that cannot be a folder, before any work: a file, or a path under one.
-
-    **Arguments:**
-
-    - `out`: the folder a command writes into (created if missing).
-
-    **Raises:**
-
-    - `RunFolderError`: naming `out` (and the file above it), saying a folder is needed.
-    """
-    for existing in (out, *out.parents):
-        if not existing.exists():
-            continue
-        if existing.is_dir():
-            return
-        where = "is a file" if existing == out else f"lies under {existing}, which is a file"
-        raise RunFolderError(
-            f"`--out` {out} {where}, not a folder: the command writes its files into a folder "
-            "(created if missing). Pass the path of a folder, or move the file."
-        )
-
-
-@contextlib.contextmanager
-def lock_run_folder(out: pathlib.Path) -> Iterator[None]:
-    """Hold the run folder's advisory lock (`LOCK_FILE`, `fcntl.flock`) for the duration.
-
-    The lock goes with the open file: it is released when the block ends, and by the
-    operating system when the process dies, however it dies.
-
-    **Arguments:**
-
-    - `out`: the run folder (created if missing).
-
-    **Raises:**
-
-    - `RunFolderError`: naming the pid and host recorded by the process that holds the
-        lock, if another one does; as `check_out_folder`.
-    """
-    check_out_folder(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / LOCK_FILE
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(descriptor, 4096, 0).decode(errors="replace").strip()
-            raise RunFolderError(
-                f"{out} is in use by another run ({holder or 'a process that has not said who'} "
-                f"holds {path}): one process writes a run folder at a time. Wait for it to end "
-                "(or stop it), or train into another folder."
-            ) from None
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(descriptor)
 
 
 def holds_a_run(out: pathlib.Path) -> bool:
@@ -278,17 +210,9 @@ def check_resumable(metadata: dict[str, Any], path: pathlib.Path) -> None:
         )
 
 
-def replaced_name(out: pathlib.Path) -> pathlib.Path:
-    """Where `replace_run` moves the run in `out`: `<out>.replaced-<k>`, the first free k."""
-    index = 1
-    while (candidate := out.with_name(f"{out.name}.replaced-{index}")).exists():
-        index += 1
-    return candidate
-
-
 def replace_run(out: pathlib.Path) -> pathlib.Path | None:
-    """Move the run in `out` aside, keeping the folder's cached base models and its lock
-    file (`LOCK_FILE`, which the caller may hold) in place.
+    """Move the run in `out` aside (`move_run_aside`), keeping the folder's cached base models
+    and its lock file (`LOCK_FILE`, which the caller may hold) in place.
 
     **Arguments:**
 
@@ -300,11 +224,4 @@ def replace_run(out: pathlib.Path) -> pathlib.Path | None:
     """
     if not holds_a_run(out):
         return None
-    target = replaced_name(out)
-    target.mkdir()
-    for entry in sorted(out.iterdir()):
-        if entry.name != LOCK_FILE:
-            shutil.move(str(entry), str(target / entry.name))
-    for base in target.glob("base_*.eqx"):
-        shutil.copy2(base, out / base.name)
-    return target
+    return move_run_aside(out, keep=("base_*.eqx",))

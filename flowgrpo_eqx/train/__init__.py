@@ -19,6 +19,7 @@ from ._loops import (
     minibatch_indices as minibatch_indices,
     minibatches as minibatches,
     rl_epoch as rl_epoch,
+    rl_updates as rl_updates,
     supervised_steps as supervised_steps,
 )
 from ._metrics_log import MetricsLog as MetricsLog
@@ -26,6 +27,14 @@ from ._preemption import (
     PREEMPTED_EXIT_STATUS as PREEMPTED_EXIT_STATUS,
     GracefulStop as GracefulStop,
     exit_now as exit_now,
+)
+from ._run_folder import (
+    LOCK_FILE as LOCK_FILE,
+    RunFolderError as RunFolderError,
+    check_out_folder as check_out_folder,
+    lock_run_folder as lock_run_folder,
+    move_run_aside as move_run_aside,
+    replaced_name as replaced_name,
 )
 from ._trainer import (
     Trainer as Trainer,
