@@ -145,16 +145,77 @@ def rl_epoch(
     - `TrainingDiverged`: with the epoch and its metrics, if the loss, the gradient norm or
         the policy's parameters are not finite after the epoch's updates.
     """
-    objective = trainer.objective
-    if not isinstance(objective, AbstractRLObjective):
-        raise ValueError(
-            f"`trainer` must train an AbstractRLObjective, got {type(objective).__name__}."
-        )
+    objective = _rl_objective(trainer)
     check_int("inner_epochs", inner_epochs, 1)
     rollout_key, shuffle_key = jax.random.split(key)
     collected, info = rollout.collect(
         objective.sampling_policy(state.variables), rows, rollout_key, epoch
     )
+    state, summary = rl_updates(
+        trainer,
+        state,
+        collected,
+        info,
+        shuffle_key,
+        epoch=epoch,
+        inner_epochs=inner_epochs,
+        minibatch_rows=minibatch_rows,
+        after_updates=after_updates,
+    )
+    return state, summary, info
+
+
+def _rl_objective(trainer: Trainer) -> AbstractRLObjective[Any, Any]:
+    objective = trainer.objective
+    if not isinstance(objective, AbstractRLObjective):
+        raise ValueError(
+            f"`trainer` must train an AbstractRLObjective, got {type(objective).__name__}."
+        )
+    return objective
+
+
+def rl_updates(
+    trainer: Trainer,
+    state: TrainState,
+    collected: Any,
+    info: RolloutInfo,
+    key: PRNGKeyArray,
+    *,
+    epoch: int = 1,
+    inner_epochs: int = 1,
+    minibatch_rows: int | None = None,
+    after_updates: Callable[[TrainState, Any, RolloutInfo], None] | None = None,
+) -> tuple[TrainState, dict[str, float]]:
+    """The updates of one epoch on what a rollout collected: `rl_epoch` after its rollout,
+    for a loop that collects its own way (say, scoring on the device in the program that
+    samples).
+
+    The objective turns the collected batch into its training batch (`training_batch`),
+    which the trainer rescores first when it comes as a `Rescore`; the rows are shuffled by
+    `key` and cut into minibatches, one optimizer update each, `inner_epochs` times; then
+    the objective ends the epoch at the optimizer step reached (`end_epoch`).
+
+    **Arguments:**
+
+    - `trainer`, `state`, `epoch`, `inner_epochs`, `minibatch_rows`, `after_updates`: as
+        for `rl_epoch`.
+    - `collected`: the rollout's batch (`Transitions` or `FinalSamples`, as
+        `FlowRollout.collect` gives it).
+    - `info`: the rollout's `RolloutInfo`.
+    - `key`: the shuffle's key.
+
+    **Returns:**
+
+    The new state and the epoch's mean metrics, as `rl_epoch`'s.
+
+    **Raises:**
+
+    - `ValueError`: naming `trainer` or `inner_epochs`, as `rl_epoch`; as `minibatch_count`.
+    - `TrainingDiverged`: as `rl_epoch`.
+    """
+    objective = _rl_objective(trainer)
+    check_int("inner_epochs", inner_epochs, 1)
+    shuffle_key = key
     collected_at = time.perf_counter()
     requested = objective.training_batch(collected, info)
     batch = requested.batch if isinstance(requested, Rescore) else requested
@@ -198,7 +259,7 @@ def rl_epoch(
         seconds_update=updated_at - collected_at,
         **objective.batch_metrics(batch),
     )
-    return state, summary, info
+    return state, summary
 
 
 def supervised_steps(

@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 from .._custom_types import Mean, Model, PerRow, Step
 from .._distributed import mesh_of
 from .._flow_base import AbstractFlowObjective, AbstractVariables
-from .._misc import check_int, check_number, leading_rows, own_copy
+from .._misc import check_bool, check_int, check_number, leading_rows, own_copy
 from .._rl import BatchT, Rescore
 from .._trainable import TrainableFilter, default_trainable, split_trainable
 
@@ -130,8 +130,14 @@ class Trainer(eqx.Module):
         policy, the frozen KL reference) all hold that trainable part, so a filter that
         trains a LoRA policy's adapters and base weights together keeps both in each.
     - `ema_decay`: the decay of an exponential moving average of the policy's trainable
-        part kept in `TrainState.ema`, updated after every optimizer step; `None` (the
-        default) keeps none.
+        part kept in `TrainState.ema`, updated after every `ema_every`-th optimizer step;
+        `None` (the default) keeps none.
+    - `ema_every`: optimizer steps between EMA updates: the average moves after step `s`
+        (counted from 1) when `ema_every` divides `s`. 1 (the default) updates every step.
+    - `ema_warmup`: whether the decay of the update after step `s` is
+        `min((1 + s') / (10 + s'), ema_decay)` with `s' = s - 1` the steps before it (the
+        decay flow_grpo's `EMAModuleWrapper` gives, so early averages follow the weights
+        closely), rather than `ema_decay` throughout (the default).
     - `microbatches`: how many microbatches of rows one update accumulates gradients over
         (one optimizer step), so that the rows a device holds are not bounded by activation
         memory. The loss is a `Mean(total, count)`: the update sums the microbatches'
@@ -158,6 +164,8 @@ class Trainer(eqx.Module):
     trainable: TrainableFilter | None = eqx.field(static=True)
     ema_decay: float | None
     microbatches: int = eqx.field(static=True)
+    ema_every: int = eqx.field(static=True)
+    ema_warmup: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -167,12 +175,16 @@ class Trainer(eqx.Module):
         trainable: TrainableFilter | None = None,
         ema_decay: float | None = None,
         microbatches: int = 1,
+        ema_every: int = 1,
+        ema_warmup: bool = False,
     ):
         self.objective = objective
         self.optimizer = default_optimizer() if optimizer is None else optimizer
         self.trainable = trainable
         self.ema_decay = ema_decay
         self.microbatches = microbatches
+        self.ema_every = ema_every
+        self.ema_warmup = ema_warmup
 
     def __check_init__(self) -> None:
         if not isinstance(self.optimizer, optax.GradientTransformation):
@@ -184,6 +196,8 @@ class Trainer(eqx.Module):
             "ema_decay", self.ema_decay, minimum=0, maximum=1, include_maximum=False, optional=True
         )
         check_int("microbatches", self.microbatches, 1)
+        check_int("ema_every", self.ema_every, 1)
+        check_bool("ema_warmup", self.ema_warmup)
         if self.microbatches > 1 and not self.objective.loss_sums_over_rows():
             raise ValueError(
                 f"`microbatches` ({self.microbatches}) must be 1 with "
@@ -406,11 +420,13 @@ class Trainer(eqx.Module):
         policy = eqx.combine(trainable, frozen)
         ema = state.ema
         if self.ema_decay is not None:
-            decay = self.ema_decay
+            decay = self._ema_decay(state.step)
+            moves = (state.step + 1) % self.ema_every == 0
 
             def blend(average: Any, current: Any) -> Any:
                 if eqx.is_inexact_array(average):
-                    return decay * average + (1.0 - decay) * current
+                    moved = decay * average + (1.0 - decay) * current
+                    return jnp.where(moves, moved.astype(average.dtype), average)
                 return average
 
             ema = jax.tree.map(blend, ema, trainable)
@@ -425,6 +441,14 @@ class Trainer(eqx.Module):
             ema=ema,
         )
         return new_state, metrics, aux
+
+    def _ema_decay(self, done: Int[Array, ""]) -> Float[Array, ""] | float:
+        """The decay of the EMA update after the step that follows `done` steps."""
+        assert self.ema_decay is not None
+        if not self.ema_warmup:
+            return self.ema_decay
+        steps = done.astype(jnp.float32)
+        return jnp.minimum((1.0 + steps) / (10.0 + steps), self.ema_decay)
 
     def _accumulate(
         self,
