@@ -12,6 +12,7 @@ from ._clip import (
 from ._diffusers import (
     DiffusersModel as DiffusersModel,
     DiffusersTransformer as DiffusersTransformer,
+    diffusers_layers as diffusers_layers,
     load_diffusers as load_diffusers,
     save_diffusers as save_diffusers,
     save_diffusers_lora as save_diffusers_lora,

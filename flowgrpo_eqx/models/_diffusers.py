@@ -14,7 +14,7 @@ import json
 import os
 import pathlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, final
 
 import equinox as eqx
@@ -921,6 +921,16 @@ def _linear_paths(model: Any) -> dict[int, str]:
     return {id(node): jax.tree_util.keystr(path) for path, node in nodes if is_linear(node)}
 
 
+def _linears(model: Any) -> dict[str, eqx.nn.Linear]:
+    """Every `eqx.nn.Linear` of `model` by the `keystr` of its path."""
+
+    def is_linear(node: Any) -> bool:
+        return isinstance(node, eqx.nn.Linear)
+
+    nodes = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_linear)[0]
+    return {jax.tree_util.keystr(path): node for path, node in nodes if is_linear(node)}
+
+
 def _unstacked_adapters(
     model: LoraModel[Any],
 ) -> tuple[Any, list[tuple[str, _NpArray, _NpArray]]]:
@@ -942,3 +952,73 @@ def _unstacked_adapters(
             (f".blocks[{start + j}]{found.group(2)}", a[j], b[j]) for j in range(stop - start)
         ]
     return _on_host(base), layers
+
+
+def diffusers_layers(
+    model: DiffusersTransformer, targets: Sequence[str]
+) -> Callable[[Any], list[eqx.nn.Linear]]:
+    """Which linear layers of an `MMDiT`, `Flux` or `Wan` diffusers' module names pick, under
+    PEFT's `target_modules` rule: a module is adapted when its name equals a target or ends
+    with `"." + target` (`"attn.to_q"` picks every block's `attn.to_q`). The result is a
+    `where` for `lora.add`, so adapters go where a PEFT config of the same targets puts them
+    and `save_diffusers_lora` writes them under the same names.
+
+    **Arguments:**
+
+    - `model`: the transformer (stacked or not; a stacked run's layer is picked when its
+        blocks' layers are).
+    - `targets`: diffusers module names or suffixes, e.g. flow_grpo's `("attn.to_q",
+        "attn.to_k", ...)`.
+
+    **Returns:**
+
+    `where(model) -> [eqx.nn.Linear, ...]`.
+
+    **Raises:**
+
+    - `ValueError`: naming `model` when it is not one of those, or `targets` when it is empty
+        or a target picks no layer (the message lists some of the model's module names).
+    """
+    fmt = _format_of(model)
+    if isinstance(targets, str) or not targets:
+        raise ValueError(f"`targets` must be a non-empty list of module names, got {targets!r}.")
+    unstacked = (
+        eqx.filter_eval_shape(lambda m: m.with_settings(stacked=False), model)
+        if model.stacked
+        else model
+    )
+    paths = _linear_paths(unstacked)
+    by_name = {module.name: paths[id(module.where(unstacked))] for module in fmt.modules(unstacked)}
+    chosen: set[str] = set()
+    for target in targets:
+        picked = [
+            path for name, path in by_name.items() if name == target or name.endswith("." + target)
+        ]
+        if not picked:
+            examples = ", ".join(sorted(by_name)[:6])
+            raise ValueError(
+                f"`targets` names {target!r}, which picks no layer of this "
+                f"{type(model).__name__} (module names such as {examples})."
+            )
+        chosen.update(picked)
+    held = sorted({_held_path(model, path) for path in chosen})
+
+    def where(current: Any) -> list[eqx.nn.Linear]:
+        layers = _linears(current)
+        return [layers[path] for path in held]
+
+    return where
+
+
+def _held_path(model: DiffusersTransformer, path: str) -> str:
+    """The path of the layer that holds an unstacked layer `.blocks[i]...` in `model`'s
+    layout (`.blocks[g]...` of the run that holds block `i`)."""
+    found = re.fullmatch(r"\.blocks\[(\d+)\](.*)", path)
+    if not model.stacked or found is None:
+        return path
+    block = int(found.group(1))
+    layout: Any = model.block_layout  # a stacked model's StackedLayout
+    for held, (start, stop) in enumerate(layout.runs):
+        if start <= block < stop:
+            return f".blocks[{held}]{found.group(2)}"
+    raise AssertionError(f"block {block} is in no run")

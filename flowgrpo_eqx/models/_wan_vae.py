@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._inputs import AbstractAutoEncoder
 from .._misc import check_int, check_number
 from ._autoencoder import Conv, posterior_moments, sample_posterior
 from ._init import ones
@@ -599,7 +600,7 @@ def _check_floats(name: str, values: Sequence[float], count: int, positive: bool
 
 
 @final
-class AutoencoderKLWan(eqx.Module):
+class AutoencoderKLWan(AbstractAutoEncoder):
     """Wan 2.1's video autoencoder: diffusers' `AutoencoderKLWan` (`is_residual=False`).
 
     On one unbatched channels-last video in `[-1, 1]` (`[F, H, W, 3]`, `F = 1 + 4k` frames)
