@@ -1,4 +1,5 @@
-"""`bench.models`' shaped-matmul ceiling counts each matmul as often as the program runs it."""
+"""`bench.models`' shaped-matmul ceiling counts each matmul as often as the program runs it, and
+the full-size rows count the model's FLOPs without the query-key norm's products."""
 
 import jax
 import jax.numpy as jnp
@@ -36,3 +37,24 @@ def test_the_profile_argument_is_checked() -> None:
         models.main(["--profile", "mmdit:nowhere"])
     with pytest.raises(SystemExit):
         models.main(["--models", "unet"])
+
+
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_the_full_size_model_flops_leave_out_the_query_key_norms_products(
+    precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The norm's block-diagonal 0/1 products compute a per-head mean, not the architecture's
+    matmuls (`NOT_MODEL_PRODUCTS`): the model's FLOPs are the same as with the norm computed
+    on the heads split apart (no products), at the default matmul precision and at the one
+    the suite sets on a TPU."""
+    from bench import _full_size
+    from flowgrpo_eqx.models import _joint
+    from flowgrpo_eqx.models._layers import rms_norm
+
+    (row,) = _full_size.rows("sd35m b8 splash nothing")
+    with jax.default_matmul_precision(precision):
+        library = _full_size.model_flops(row)
+        monkeypatch.setattr(_joint, "head_rms_norm", rms_norm)
+        split = _full_size.model_flops(row)
+    assert library == split
+    assert 58.5e12 < library < 58.7e12
