@@ -14,7 +14,7 @@
 #                                          # seconds (570) after the command began
 #
 # `suite` writes its record (record-TIME.jsonl: each test's outcome as it ends) and its log
-# (suite-TIME.log) into $OUT (or tpu-records/), and resumes from the records of the earlier
+# (suite-TIME.log) into $OUT (or suite-records/), and resumes from the records of the earlier
 # commands carried in FOLDER... (tests/suite_record.py); `python -m tools.tpu.tally FOLDER...`
 # then counts what all of them finished.
 #
@@ -150,7 +150,7 @@ case "${1:-}" in
         ;;
     suite)
         shift
-        folder="${OUT:-tpu-records}"
+        folder="${OUT:-suite-records}"
         mkdir -p "$folder"
         stamp="$(date -u +%Y%m%dT%H%M%SZ)"
         folders=()
