@@ -42,6 +42,7 @@ The functions that build the vocabularies (`clip_vocabulary`, `sentencepiece_mod
 `write_clip_folder`, `write_t5_folder`) are used by `tools/make_pipeline_fixtures.py` too.
 """
 
+import functools
 import io
 import itertools
 import json
@@ -81,6 +82,34 @@ _EXTRA_LINES = [
     "Ein Foto einer Katze auf einem roten Stuhl in Zürich, schön und groß.",
     "日本の猫の写真。一只猫坐在红色的椅子上。",
     "Ωmega α β γ, “quoted” and ‘single’ — dashes… and ½ cup.",
+]
+_SCENES = [
+    "A weathered fisherman mending nets beside a wooden pier at dawn.",
+    "Steam rises from a ceramic teapot on a windowsill covered in frost.",
+    "Children flying bright kites above a windswept meadow of wildflowers.",
+    "An abandoned greenhouse overgrown with ivy, sunlight streaming through broken glass.",
+    "A vintage typewriter surrounded by crumpled paper and a flickering candle.",
+    "Neon signs reflected in rain puddles along a narrow alley at midnight.",
+    "A golden retriever splashing through shallow waves on a pebble beach.",
+    "Snowcapped volcanoes towering over terraced rice fields and misty valleys.",
+    "An astronomer peering through a brass telescope inside a domed observatory.",
+    "Freshly baked croissants cooling on a marble counter in a quiet bakery.",
+    "A hummingbird hovering near scarlet hibiscus blossoms in the tropical heat.",
+    "Ancient stone ruins half buried in desert sand beneath a violet twilight.",
+    "A jazz quartet performing in a smoky basement club with velvet curtains.",
+    "Paper lanterns drifting across a calm lake during a summer festival.",
+    "A tiny robot watering succulents on a cluttered apartment balcony.",
+    "Glaciers calving into turquoise water while seals rest on floating ice.",
+    "An elderly couple dancing in a sunlit kitchen full of copper pans.",
+    "Autumn leaves swirling around a cobblestone plaza with a bronze fountain.",
+    "A submarine exploring bioluminescent coral reefs deep under the ocean.",
+    "Thunderclouds gathering over endless wheat fields and a lonely windmill.",
+    "A chess match in a crowded park, pigeons pecking at scattered breadcrumbs.",
+    "Watercolor sketch of a sleepy harbor town with pastel houses and sailboats.",
+    "A knight in polished armor resting under an oak tree beside his horse.",
+    "Macro photograph of morning dew clinging to a spider web.",
+    "Futuristic train gliding silently through a forest of glass skyscrapers.",
+    "A library ladder leaning against shelves stacked with leather-bound books.",
 ]
 
 PROMPTS = [
@@ -160,9 +189,10 @@ def corpus() -> list[str]:
         place = _PLACES[len(lines) % len(_PLACES)]
         other = _OBJECTS[(len(lines) * 7) % len(_OBJECTS)]
         lines.append(f"{style} {count} {color} {thing} {place} a {other}")
-    return lines + _EXTRA_LINES * 4
+    return lines + _SCENES * 2 + _EXTRA_LINES * 4
 
 
+@functools.cache
 def clip_vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """CLIP's vocabulary in CLIP's order, learned from `corpus()`: the 256 byte symbols, their
     `</w>` forms, the symbol of each of `CLIP_MERGES` merges (the most frequent pair each time,
@@ -278,6 +308,7 @@ def sentencepiece_model(*, umt5: bool, small_rules: bool, vocab_size: int = 600)
     `</s>` 1, `<unk>` 2, no `<s>`) or umT5's (`<s>` 2 and `<unk>` 3), NFKC normalisation
     (`nmt_nfkc`, T5's) or the small table `_SMALL_RULES`."""
     import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2
 
     ids = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3) if umt5 else {}
     ids = ids or dict(pad_id=0, eos_id=1, unk_id=2, bos_id=-1)
@@ -305,7 +336,12 @@ def sentencepiece_model(*, umt5: bool, small_rules: bool, vocab_size: int = 600)
             **rules,
             **ids,
         )
-    return model.getvalue()
+    # The trainer records the table's (temporary) path: clear it, so the file is the same
+    # from run to run and in every folder that holds it.
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model.getvalue())
+    proto.normalizer_spec.ClearField("normalization_rule_tsv")
+    return proto.SerializeToString(deterministic=True)
 
 
 def write_t5_folder(folder: pathlib.Path, model: bytes, extra_ids: int, *, legacy: bool) -> None:
