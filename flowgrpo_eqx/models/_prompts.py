@@ -33,6 +33,12 @@ class PromptTokenizer:
     `extra_ids` sentinels). `tokenizer_config.json` (or `special_tokens_map.json`) names the
     special tokens and the padding token (CLIP's default `<|endoftext|>`, T5's `<pad>`).
 
+    As transformers 5's `T5TokenizerFast` does, a `spiece.model` folder gives a piece outside
+    the vocabulary id 2 whatever the model's own unknown id (2 in T5's, 3 in an umT5-like
+    model, where SentencePiece itself gives 3). A `tokenizer.json` is read as it is: one
+    written by transformers 4 keeps its unknown id, where transformers 5 would rebuild the
+    tokenizer from its vocabulary and give 2.
+
     **Arguments:**
 
     - `path`: the folder (a pipeline's `tokenizer/`, `tokenizer_2/` or `tokenizer_3/`).
