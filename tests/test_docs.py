@@ -29,7 +29,7 @@ import flowgrpo_eqx
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 # The demo application is documented by its page (docs/demo.md), not in the API reference.
-NOT_REFERENCED = {"flowgrpo_eqx.shapes_demo"}
+NOT_REFERENCED = {"flowgrpo_eqx.shapes_demo", "flowgrpo_eqx.cli"}  # the demo, the program
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^\n`]*)$")
 _NO_RUN = re.compile(r"^\s*<!--\s*no-run(?::\s*(?P<reason>.*?))?\s*-->\s*$")

@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flowgrpo-eqx",
         description="Flow-GRPO for rectified-flow models in JAX/Equinox, on an embedded "
         "compositional shapes task.",
+        epilog="Fine-tune a published diffusers pipeline instead: flowgrpo-eqx finetune "
+        "CONFIG.toml (flowgrpo-eqx finetune --help), and export a run's checkpoint with "
+        "flowgrpo-eqx export RUN.",
     )
     # Also before the subcommand (`flowgrpo-eqx --preset tiny train`), where people put it.
     parser.add_argument(

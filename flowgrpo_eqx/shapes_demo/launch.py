@@ -201,7 +201,7 @@ def _start_children(
         arguments = [
             sys.executable,
             "-m",
-            "flowgrpo_eqx.shapes_demo.cli",
+            "flowgrpo_eqx.cli",
             *command,
             "--coordinator",
             address,

@@ -1,0 +1,548 @@
+"""A published pipeline folder (or random weights of a published size) as the parts the
+trainer uses: the transformer, the VAE, the prompt encoders with their tokenizers, the time
+grid and the guidance, one class per model kind (`PIPELINE_KINDS`)."""
+
+import abc
+import dataclasses
+import gc
+import math
+import pathlib
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, final
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import (
+    CFG,
+    AbstractAutoEncoder,
+    AbstractGuidance,
+    DiffusersGrid,
+    EmbeddedGuidance,
+    FluxGrid,
+    RectifiedFlow,
+    flux_shift,
+)
+from ..models import (
+    AutoencoderKL,
+    AutoencoderKLWan,
+    Flux,
+    FluxPromptEncoder,
+    MMDiT,
+    PromptTokenizer,
+    SD3PromptEncoder,
+    Wan,
+    WanPromptEncoder,
+    load_clip,
+    load_diffusers,
+    load_t5,
+)
+from ._config import FinetuneConfig
+from ._kinds import ModelKind, PipelineError, pipeline_kind, read_json
+
+
+Rows = dict[str, np.ndarray]
+"""Per-prompt arrays by field: `{"context": [P, T, D], ...}`."""
+
+ENCODE_BATCH = 8
+"""Prompts embedded per call of the text encoders (the last call is padded to it, so the
+encoders compile once)."""
+
+
+@dataclasses.dataclass
+class TextSide:
+    """The text encoders and their tokenizers: prompts to the transformer's condition.
+
+    `embed` runs them; `close` drops them (T5-XXL alone is 9.5 GB in bfloat16), after which
+    `embed` refuses."""
+
+    encode: Callable[[list[str]], Rows] | None
+
+    def embed(self, prompts: list[str], progress: Callable[[int], None] | None = None) -> Rows:
+        """The condition of every prompt, `ENCODE_BATCH` at a time.
+
+        **Arguments:**
+
+        - `prompts`: the prompts (at least one).
+        - `progress`: called with the number of prompts embedded after each call.
+
+        **Returns:**
+
+        `{field: [len(prompts), ...]}` NumPy arrays.
+        """
+        if self.encode is None:
+            raise RuntimeError("The text encoders were closed: embed every prompt before.")
+        pieces: list[Rows] = []
+        for start in range(0, len(prompts), ENCODE_BATCH):
+            chunk = prompts[start : start + ENCODE_BATCH]
+            padded = chunk + [chunk[-1]] * (ENCODE_BATCH - len(chunk))
+            rows = self.encode(padded)
+            pieces.append({name: value[: len(chunk)] for name, value in rows.items()})
+            if progress is not None:
+                progress(len(chunk))
+        return {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
+
+    def close(self) -> None:
+        """Drop the encoders and free their memory."""
+        self.encode = None
+        gc.collect()
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """What the trainer takes from a pipeline: the model, its autoencoder, the process and
+    guidance, the latent shape, which fields of the rows condition the model, and the text
+    side (closed once the prompts are embedded)."""
+
+    kind: ModelKind
+    transformer: Any
+    vae: AbstractAutoEncoder
+    process: RectifiedFlow
+    guidance: AbstractGuidance | None
+    latent_shape: tuple[int, ...]
+    select: tuple[str, ...] | str
+    text: TextSide
+    needs_null: bool
+
+
+def _dtype(config: FinetuneConfig) -> Any:
+    return jnp.bfloat16 if config.pipeline.dtype == "bfloat16" else jnp.float32
+
+
+def _jit_encoder(encoder: Any, call: Callable[[Any, list[np.ndarray]], Any]) -> Any:
+    """`encoder` compiled over a batch: `call(encoder, ids...)` vmapped."""
+    batched = eqx.filter_jit(lambda enc, *ids: jax.vmap(lambda *one: call(enc, list(one)))(*ids))
+    return lambda *ids: batched(encoder, *ids)
+
+
+def _as_numpy(rows: Any, dtype: Any) -> Rows:
+    if not isinstance(rows, dict):
+        rows = {"context": rows}
+    return {name: np.asarray(jnp.asarray(value, dtype)) for name, value in rows.items()}
+
+
+def _random_rows(shapes: Mapping[str, tuple[int, ...]], prompts: list[str], dtype: Any) -> Rows:
+    """Stand-in embeddings of `shapes` for random weights: each prompt's drawn from a key
+    of its text, so a prompt always gets the same one."""
+    rows: dict[str, list[np.ndarray]] = {name: [] for name in shapes}
+    for prompt in prompts:
+        seed = int.from_bytes(prompt.encode("utf-8", "surrogatepass")[-8:].rjust(8, b"\0"), "big")
+        rng = np.random.default_rng([len(prompt), seed])
+        for name, shape in shapes.items():
+            rows[name].append(rng.standard_normal(shape, np.float32).astype(dtype))
+    return {name: np.stack(values) for name, values in rows.items()}
+
+
+class AbstractPipelineKind(abc.ABC):
+    """How one model kind's pipeline is read and what it gives the trainer."""
+
+    pipeline_class: ClassVar[str]
+    subfolders: ClassVar[tuple[str, ...]]
+
+    @abc.abstractmethod
+    def latent_shape(self, config: FinetuneConfig) -> tuple[int, ...]:
+        """The latent of one sample at the configured size.
+
+        **Raises:**
+
+        - `PipelineError`: naming the setting, for a size the VAE or the patches cannot take.
+        """
+
+    @abc.abstractmethod
+    def transformer(self, folder: pathlib.Path | None, config: FinetuneConfig) -> Any:
+        """The transformer from `folder/transformer`, or random of the published size."""
+
+    @abc.abstractmethod
+    def vae(self, folder: pathlib.Path | None, config: FinetuneConfig) -> AbstractAutoEncoder:
+        """The VAE from `folder/vae`, or random of the published size."""
+
+    @abc.abstractmethod
+    def text(self, folder: pathlib.Path | None, config: FinetuneConfig, model: Any) -> TextSide:
+        """The text side from the folder's encoders and tokenizers, or stand-in embeddings of
+        the model's condition for random weights."""
+
+    @abc.abstractmethod
+    def process(self, folder: pathlib.Path | None, config: FinetuneConfig) -> RectifiedFlow:
+        """The time grid of the pipeline's scheduler."""
+
+    @abc.abstractmethod
+    def guidance(self, config: FinetuneConfig) -> AbstractGuidance | None:
+        """The guidance at the configured scale."""
+
+    select: ClassVar[tuple[str, ...] | str]
+    needs_null: ClassVar[bool]
+
+    def check_folder(self, folder: pathlib.Path) -> None:
+        """Refuse a pipeline folder that lacks a subfolder the kind reads.
+
+        **Raises:**
+
+        - `PipelineError`: naming the missing subfolder.
+        """
+        for name in self.subfolders:
+            if not (folder / name).is_dir():
+                raise PipelineError(
+                    f"{folder} has no {name}/ folder: a {self.pipeline_class} folder holds "
+                    f"{', '.join(f'{n}/' for n in self.subfolders)}."
+                )
+
+    def scheduler_shift(self, folder: pathlib.Path | None, default: float) -> float:
+        """The scheduler's `shift` (or `flow_shift`), from `scheduler/scheduler_config.json`."""
+        if folder is None or not (folder / "scheduler").is_dir():
+            return default
+        config = read_json(folder / "scheduler" / "scheduler_config.json", "the scheduler")
+        value = config.get("flow_shift", config.get("shift", default))
+        if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise PipelineError(
+                f"{folder / 'scheduler' / 'scheduler_config.json'} gives the shift {value!r}; a "
+                "positive number was expected."
+            )
+        return float(value)
+
+
+def _side(config: FinetuneConfig, name: str, multiple: int) -> int:
+    """An image side in latent pixels, refused unless `multiple` divides it."""
+    height, width = config.image_size()
+    value = height if name == "height" else width
+    if value % multiple:
+        raise PipelineError(
+            f"Setting `sampling.{name}` (or `sampling.resolution`) = {value} must be a multiple "
+            f"of {multiple}: the VAE downsamples by 8 and the transformer's patches are 2 "
+            "latent pixels wide."
+        )
+    return value // 8
+
+
+@final
+class SD3Kind(AbstractPipelineKind):
+    """SD3 and SD3.5 (`StableDiffusion3Pipeline`): `MMDiT`, `AutoencoderKL`, CLIP-L, OpenCLIP
+    bigG and T5 joined as `encode_prompt` joins them, classifier-free guidance."""
+
+    pipeline_class: ClassVar[str] = "StableDiffusion3Pipeline"
+    subfolders: ClassVar[tuple[str, ...]] = (
+        "transformer",
+        "vae",
+        "text_encoder",
+        "text_encoder_2",
+        "text_encoder_3",
+        "tokenizer",
+        "tokenizer_2",
+        "tokenizer_3",
+    )
+    select: ClassVar[tuple[str, ...] | str] = ("context", "pooled")
+    needs_null: ClassVar[bool] = True
+
+    def latent_shape(self, config: FinetuneConfig) -> tuple[int, ...]:
+        height, width = _side(config, "height", 16), _side(config, "width", 16)
+        if height != width:
+            raise PipelineError(
+                "SD3's transformer takes square images: set `sampling.resolution` rather than "
+                f"`sampling.height` ({height * 8}) and `sampling.width` ({width * 8})."
+            )
+        return (height, height, 16)
+
+    def transformer(self, folder: pathlib.Path | None, config: FinetuneConfig) -> Any:
+        size = self.latent_shape(config)[0]
+        length = 77 + (config.prompts.text_length or 256)
+        if folder is None:
+            settings = MMDiT.sd35_medium_config()
+            return _random(
+                lambda key: MMDiT(
+                    **{**settings, "image_size": size, "context_length": length}, key=key
+                ),
+                _dtype(config),
+            )
+        return load_diffusers(
+            folder / "transformer", image_size=size, context_length=length, dtype=_dtype(config)
+        )
+
+    def vae(self, folder: pathlib.Path | None, config: FinetuneConfig) -> AbstractAutoEncoder:
+        if folder is None:
+            return _random_vae(
+                lambda key: AutoencoderKL(**AutoencoderKL.sd3_config(), key=key), _dtype(config)
+            )
+        vae = load_diffusers(folder / "vae", dtype=_dtype(config))
+        return _checked_vae(vae, AutoencoderKL, folder)
+
+    def text(self, folder: pathlib.Path | None, config: FinetuneConfig, model: Any) -> TextSide:
+        length = config.prompts.text_length or 256
+        dtype = _dtype(config)
+        if folder is None:
+            shapes = {"context": (77 + length, model.context_dim), "pooled": (model.pooled_dim,)}
+            return TextSide(lambda prompts: _random_rows(shapes, prompts, dtype))
+        encoder = SD3PromptEncoder(
+            _clip(folder / "text_encoder", dtype),
+            _clip(folder / "text_encoder_2", dtype),
+            load_t5(folder / "text_encoder_3", dtype=dtype),
+        )
+        tokenizers = (
+            PromptTokenizer(folder / "tokenizer", 77),
+            PromptTokenizer(folder / "tokenizer_2", 77),
+            PromptTokenizer(folder / "tokenizer_3", length),
+        )
+        run = _jit_encoder(encoder, lambda enc, ids: enc(*ids))
+
+        def encode(prompts: list[str]) -> Rows:
+            ids = [jnp.asarray(tokenizer(prompts)) for tokenizer in tokenizers]
+            return _as_numpy(run(*ids), dtype)
+
+        return TextSide(encode)
+
+    def process(self, folder: pathlib.Path | None, config: FinetuneConfig) -> RectifiedFlow:
+        return RectifiedFlow(shift=self.scheduler_shift(folder, 3.0), grid=DiffusersGrid())
+
+    def guidance(self, config: FinetuneConfig) -> AbstractGuidance | None:
+        scale = config.sampling.guidance_scale
+        return None if scale is None or scale <= 1.0 else CFG(scale)
+
+
+@final
+class FluxKind(AbstractPipelineKind):
+    """FLUX.1-dev and FLUX.1-schnell (`FluxPipeline`): `Flux`, `AutoencoderKL`, CLIP-L's
+    pooled state and T5's states, the guidance embedded (dev) or none (schnell)."""
+
+    pipeline_class: ClassVar[str] = "FluxPipeline"
+    subfolders: ClassVar[tuple[str, ...]] = (
+        "transformer",
+        "vae",
+        "text_encoder",
+        "text_encoder_2",
+        "tokenizer",
+        "tokenizer_2",
+    )
+    select: ClassVar[tuple[str, ...] | str] = ("context", "pooled")
+    needs_null: ClassVar[bool] = False
+
+    def __init__(self, distilled_guidance: bool) -> None:
+        self.distilled_guidance = distilled_guidance
+
+    def latent_shape(self, config: FinetuneConfig) -> tuple[int, ...]:
+        return (_side(config, "height", 16), _side(config, "width", 16), 16)
+
+    def transformer(self, folder: pathlib.Path | None, config: FinetuneConfig) -> Any:
+        height, width, _ = self.latent_shape(config)
+        length = config.prompts.text_length or 512
+        if folder is None:
+            settings = Flux.dev_config() if self.distilled_guidance else Flux.schnell_config()
+            return _random(
+                lambda key: Flux(
+                    **{**settings, "image_size": (height, width), "context_length": length},
+                    key=key,
+                ),
+                _dtype(config),
+            )
+        return load_diffusers(
+            folder / "transformer",
+            image_size=(height, width),
+            context_length=length,
+            dtype=_dtype(config),
+        )
+
+    def vae(self, folder: pathlib.Path | None, config: FinetuneConfig) -> AbstractAutoEncoder:
+        if folder is None:
+            return _random_vae(
+                lambda key: AutoencoderKL(**AutoencoderKL.flux_config(), key=key), _dtype(config)
+            )
+        return _checked_vae(
+            load_diffusers(folder / "vae", dtype=_dtype(config)), AutoencoderKL, folder
+        )
+
+    def text(self, folder: pathlib.Path | None, config: FinetuneConfig, model: Any) -> TextSide:
+        length = config.prompts.text_length or 512
+        dtype = _dtype(config)
+        if folder is None:
+            shapes = {"context": (length, model.context_dim), "pooled": (model.pooled_dim,)}
+            return TextSide(lambda prompts: _random_rows(shapes, prompts, dtype))
+        encoder = FluxPromptEncoder(
+            _clip(folder / "text_encoder", dtype), load_t5(folder / "text_encoder_2", dtype=dtype)
+        )
+        tokenizers = (
+            PromptTokenizer(folder / "tokenizer", 77),
+            PromptTokenizer(folder / "tokenizer_2", length),
+        )
+        run = _jit_encoder(encoder, lambda enc, ids: enc(*ids))
+
+        def encode(prompts: list[str]) -> Rows:
+            ids = [jnp.asarray(tokenizer(prompts)) for tokenizer in tokenizers]
+            return _as_numpy(run(*ids), dtype)
+
+        return TextSide(encode)
+
+    def process(self, folder: pathlib.Path | None, config: FinetuneConfig) -> RectifiedFlow:
+        height, width, _ = self.latent_shape(config)
+        dynamic = self.distilled_guidance
+        if folder is not None and (folder / "scheduler").is_dir():
+            scheduler = read_json(folder / "scheduler" / "scheduler_config.json", "the scheduler")
+            dynamic = bool(scheduler.get("use_dynamic_shifting", dynamic))
+        if dynamic:
+            return RectifiedFlow(shift=flux_shift((height // 2) * (width // 2)), grid=FluxGrid())
+        return RectifiedFlow(shift=self.scheduler_shift(folder, 1.0), grid=FluxGrid())
+
+    def guidance(self, config: FinetuneConfig) -> AbstractGuidance | None:
+        if not self.distilled_guidance:
+            return None
+        return EmbeddedGuidance(config.sampling.guidance_scale or 0.0)
+
+
+@final
+class WanKind(AbstractPipelineKind):
+    """Wan 2.1 text-to-video (`WanPipeline`): `Wan`, `AutoencoderKLWan`, umT5's states with
+    the padding zeroed, classifier-free guidance with the negative prompt."""
+
+    pipeline_class: ClassVar[str] = "WanPipeline"
+    subfolders: ClassVar[tuple[str, ...]] = ("transformer", "vae", "text_encoder", "tokenizer")
+    select: ClassVar[tuple[str, ...] | str] = "context"
+    needs_null: ClassVar[bool] = True
+
+    def latent_shape(self, config: FinetuneConfig) -> tuple[int, ...]:
+        frames = config.sampling.frames or 1
+        if (frames - 1) % 4:
+            raise PipelineError(
+                f"Setting `sampling.frames` = {frames} must be 1 + 4k: Wan's VAE keeps the "
+                "first frame and compresses the rest by 4."
+            )
+        return (1 + (frames - 1) // 4, _side(config, "height", 16), _side(config, "width", 16), 16)
+
+    def transformer(self, folder: pathlib.Path | None, config: FinetuneConfig) -> Any:
+        size = self.latent_shape(config)[:3]
+        length = config.prompts.text_length or 512
+        if folder is None:
+            return _random(
+                lambda key: Wan(
+                    **{**Wan.t2v_1_3b_config(), "latent_size": size, "context_length": length},
+                    key=key,
+                ),
+                _dtype(config),
+            )
+        return load_diffusers(
+            folder / "transformer", image_size=size, context_length=length, dtype=_dtype(config)
+        )
+
+    def vae(self, folder: pathlib.Path | None, config: FinetuneConfig) -> AbstractAutoEncoder:
+        if folder is None:
+            return _random_vae(
+                lambda key: AutoencoderKLWan(**AutoencoderKLWan.wan_2_1_config(), key=key),
+                _dtype(config),
+            )
+        return _checked_vae(
+            load_diffusers(folder / "vae", dtype=_dtype(config)), AutoencoderKLWan, folder
+        )
+
+    def text(self, folder: pathlib.Path | None, config: FinetuneConfig, model: Any) -> TextSide:
+        length = config.prompts.text_length or 512
+        dtype = _dtype(config)
+        if folder is None:
+            shapes = {"context": (length, model.text_dim)}
+            return TextSide(lambda prompts: _random_rows(shapes, prompts, dtype))
+        encoder = WanPromptEncoder(load_t5(folder / "text_encoder", dtype=dtype))
+        tokenizer = PromptTokenizer(folder / "tokenizer", length)
+        run = _jit_encoder(encoder, lambda enc, ids: enc(*ids))
+
+        def encode(prompts: list[str]) -> Rows:
+            ids, mask = tokenizer.encode(prompts)
+            return _as_numpy(run(jnp.asarray(ids), jnp.asarray(mask)), dtype)
+
+        return TextSide(encode)
+
+    def process(self, folder: pathlib.Path | None, config: FinetuneConfig) -> RectifiedFlow:
+        return RectifiedFlow(shift=self.scheduler_shift(folder, 3.0))
+
+    def guidance(self, config: FinetuneConfig) -> AbstractGuidance | None:
+        scale = config.sampling.guidance_scale
+        return None if scale is None or scale <= 1.0 else CFG(scale)
+
+
+PIPELINE_KINDS: dict[ModelKind, AbstractPipelineKind] = {
+    "sd3": SD3Kind(),
+    "flux-dev": FluxKind(distilled_guidance=True),
+    "flux-schnell": FluxKind(distilled_guidance=False),
+    "wan": WanKind(),
+}
+"""How each model kind's pipeline is read."""
+
+
+def _random(make: Callable[[Any], Any], dtype: Any) -> Any:  # noqa: ANN401
+    """A model of random weights made on the device in `dtype` (each weight drawn and cast
+    in one program, so the float32 draw of the whole model never lives at once)."""
+
+    def draw(key: Any) -> Any:
+        model = make(key)
+        return jax.tree.map(
+            lambda leaf: leaf.astype(dtype) if eqx.is_inexact_array(leaf) else leaf, model
+        )
+
+    return eqx.filter_jit(draw)(jax.random.key(0))
+
+
+def _random_vae(make: Callable[[Any], Any], dtype: Any) -> AbstractAutoEncoder:
+    """A VAE of random weights (`_random`)."""
+    vae: AbstractAutoEncoder = _random(make, dtype)
+    return vae
+
+
+def _clip(folder: pathlib.Path, dtype: Any) -> Any:
+    from ..models import CLIPTextModel
+
+    model = load_clip(folder, dtype=dtype)
+    if not isinstance(model, CLIPTextModel):
+        raise PipelineError(
+            f"{folder} holds a {type(model).__name__}; a pipeline's text encoder is a "
+            "CLIPTextModel or CLIPTextModelWithProjection."
+        )
+    return model
+
+
+def _checked_vae(vae: Any, expected: type[Any], folder: pathlib.Path) -> AbstractAutoEncoder:
+    if not isinstance(vae, expected):
+        raise PipelineError(
+            f"{folder / 'vae'} holds a {type(vae).__name__}; this pipeline's VAE is an "
+            f"{expected.__name__}."
+        )
+    checked: AbstractAutoEncoder = vae
+    return checked
+
+
+def load_pipeline(config: FinetuneConfig, *, text: bool = True) -> Pipeline:
+    """Read the configured pipeline folder (or make random weights of its published size),
+    with the transformer at the configured settings (remat, attention).
+
+    **Arguments:**
+
+    - `config`: a resolved configuration.
+    - `text`: whether to load the text encoders and tokenizers (`False`: a closed text side,
+        for a run whose prompts are embedded already).
+
+    **Returns:**
+
+    The `Pipeline`.
+
+    **Raises:**
+
+    - `PipelineError`: naming the folder and what is missing or not supported (a folder that
+        is not a pipeline, a missing subfolder, another pipeline class, a size the model
+        cannot take); `ValueError` from the loaders, naming the file.
+    """
+    folder = None if config.pipeline.path is None else pathlib.Path(config.pipeline.path)
+    kind = config.kind if folder is None else pipeline_kind(folder)
+    reader = PIPELINE_KINDS[kind]
+    if folder is not None:
+        reader.check_folder(folder)
+    latent_shape = reader.latent_shape(config)
+    transformer = reader.transformer(folder, config)
+    transformer = transformer.with_settings(
+        remat=None if config.precision.remat == "none" else config.precision.remat,
+        attention=config.precision.attention,
+    )
+    return Pipeline(
+        kind=kind,
+        transformer=transformer,
+        vae=reader.vae(folder, config),
+        process=reader.process(folder, config),
+        guidance=reader.guidance(config),
+        latent_shape=latent_shape,
+        select=reader.select,
+        text=reader.text(folder, config, transformer) if text else TextSide(None),
+        needs_null=reader.needs_null and reader.guidance(config) is not None,
+    )
