@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._advantages import (
     AdvantageStd,
@@ -173,7 +173,7 @@ class FlowRollout(eqx.Module):
         """
         return self.flow.process.timesteps(self.steps)
 
-    def draw(self, policy: Model, rows: PyTree[Any], first: int = 0) -> Draw:
+    def draw(self, policy: Model, rows: PyTree[Any], first: int | Int[Array, ""] = 0) -> Draw:
         """What `generate` samples: the flow, the policy, the rows and the recorded window.
 
         **Arguments:**
@@ -206,7 +206,11 @@ class FlowRollout(eqx.Module):
         return Draw(self.flow, policy, rows, jnp.asarray(first, jnp.int32), self.steps, self.mesh)
 
     def generate(
-        self, policy: Model, rows: PyTree[Any], key: PRNGKeyArray, first: int = 0
+        self,
+        policy: Model,
+        rows: PyTree[Any],
+        key: PRNGKeyArray,
+        first: int | Int[Array, ""] = 0,
     ) -> Generated:
         """Sample rows already repeated into groups: what the sampler records, the final
         latents and the decoded samples.

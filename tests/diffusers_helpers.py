@@ -127,8 +127,24 @@ def assert_exported_lora_merges(
 
     save_diffusers_lora(folder / "lora", policy)
     save_diffusers(folder / "merged", lora.merge(policy))
-    adapters = load_file(folder / "lora" / "pytorch_lora_weights.safetensors")
-    base, merged = load_file(weights), load_file(folder / "merged" / WEIGHTS)
+    return assert_merged_is_base_plus_adapters(
+        folder / "lora", weights, folder / "merged" / WEIGHTS
+    )
+
+
+def assert_merged_is_base_plus_adapters(
+    lora_folder: pathlib.Path, weights: pathlib.Path, merged_weights: pathlib.Path
+) -> set[str]:
+    """Check that every module of the exported adapters in `lora_folder` has, in
+    `merged_weights`, its weight in `weights` (the base's diffusers file) plus `lora_B @
+    lora_A` (see `assert_exported_lora_merges`).
+
+    **Returns:**
+
+    The diffusers names of the exported modules (without the `transformer.` prefix).
+    """
+    adapters = load_file(lora_folder / "pytorch_lora_weights.safetensors")
+    base, merged = load_file(weights), load_file(merged_weights)
     modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in adapters}
     assert len(adapters) == 2 * len(modules)
     for module in modules:

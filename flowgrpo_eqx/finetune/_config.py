@@ -21,7 +21,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeAlias
 
-from .._settings import MAX_SEED, section, setting, split_optional
+from .. import RewardCombination
+from .._settings import MAX_SEED, check_setting, section, setting, split_optional
 from ._algorithms import ALGORITHM_TABLES, AlgorithmName, AlgorithmSettings, algorithm_settings
 from ._kinds import MODEL_KINDS, PUBLISHED_SIZES, ModelKind
 
@@ -165,6 +166,18 @@ class SamplingSettings:
     batch: int = setting(8, "samples per rollout program call, per data slot", minimum=1)
     eval_batch: int = setting(16, "samples per evaluation call, per data slot", minimum=1)
     shared_noise: bool = setting(False, "a group's samples start from one noise draw")
+    time_shift: float | None = setting(
+        None,
+        "sample on the uniform grid shifted by this (DanceGRPO's and MixGRPO's --shift) "
+        "instead of the scheduler's grid",
+        minimum=0,
+        include_minimum=False,
+    )
+    reward_combination: RewardCombination = setting(
+        "sum",
+        "sum: advantages of the weighted sum of the rewards; normalize_each: each reward "
+        "normalised in its group, then the weighted sum (MixGRPO's advantage_aggr)",
+    )
 
     def __post_init__(self) -> None:
         if self.resolution is not None and (self.height is not None or self.width is not None):
@@ -405,7 +418,14 @@ def _make_section(cls: type[Any], where: str, table: Mapping[str, Any], source: 
                 f"{source}: unknown setting `{where}.{key}`.{_nearest(key, known, where)}"
             )
         values[key] = _from_toml(hints[key], value)
-    return _checked(lambda: cls(**values), where, source)
+    bounds = {field.name: field.metadata["bounds"] for field in dataclasses.fields(cls)}
+
+    def make() -> Any:
+        for key, value in values.items():
+            check_setting(key, hints[key], value, bounds[key])
+        return cls(**values)
+
+    return _checked(make, where, source)
 
 
 def _checked(make: Any, where: str, source: str) -> Any:
@@ -501,11 +521,16 @@ def config_from_table(
             raise ConfigError(
                 f"{source}: algorithm {chosen!r} has no setting `algorithm.{chosen}.{key}`.{hint}"
             )
-    algorithm = _checked(
-        lambda: algorithm_settings(chosen, {k: _from_toml(hints[k], v) for k, v in own.items()}),
-        f"algorithm.{chosen}",
-        source,
-    )
+    own_values = {k: _from_toml(hints[k], v) for k, v in own.items()}
+    own_fields = dataclasses.fields(settings_cls)  # type: ignore[arg-type]
+    own_bounds = {field.name: field.metadata["bounds"] for field in own_fields}
+
+    def make_algorithm() -> AlgorithmSettings:
+        for key, value in own_values.items():
+            check_setting(key, hints[key], value, own_bounds[key])
+        return algorithm_settings(chosen, own_values)
+
+    algorithm = _checked(make_algorithm, f"algorithm.{chosen}", source)
     rewards = {
         name: _reward_term(name, term, source)
         for name, term in dict(table.get("reward", {})).items()

@@ -15,11 +15,13 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import (
     AbstractRLObjective,
+    AdvantageStd,
     Euler,
     FlowRollout,
     Generated,
     GuidedFlow,
     InputSpec,
+    RewardCombination,
     device_group_advantages,
     lora,
     with_part,
@@ -201,7 +203,7 @@ def rollout_program(
 ) -> tuple[Generated, dict[str, Float[Array, " N"]]]:
     """One rollout call: sample the rows' groups, decode, and score with every device term, in
     one compiled program (nothing comes back to the host)."""
-    generated = rollout.generate(policy, rows, key, first)  # type: ignore[arg-type]
+    generated = rollout.generate(policy, rows, key, first)
     return generated, score_terms(terms, generated.samples, rows)
 
 
@@ -210,13 +212,22 @@ def advantages_program(
     scores: dict[str, Float[Array, " N"]],
     weights: dict[str, float],
     groups: int,
-    std: str,
+    std: AdvantageStd,
+    combination: RewardCombination,
 ) -> tuple[Float[Array, " N"], Float[Array, " N"]]:
     """The weighted total of the device terms' scores and its group advantages, on the
-    device."""
-    total = sum(weights[name] * values for name, values in scores.items())
+    device: of the total (`"sum"`), or each term normalised in its group then weighted
+    (`"normalize_each"`, as `per_reward_advantages`)."""
+    names = sorted(scores)
+    total = sum(weights[name] * scores[name] for name in names)
     assert isinstance(total, jax.Array)
-    return total, device_group_advantages(total, groups, std=std)  # type: ignore[arg-type]
+    if combination == "sum":
+        return total, device_group_advantages(total, groups, std=std)
+    advantages = sum(
+        weights[name] * device_group_advantages(scores[name], groups, std=std) for name in names
+    )
+    assert isinstance(advantages, jax.Array)
+    return total, advantages
 
 
 @eqx.filter_jit

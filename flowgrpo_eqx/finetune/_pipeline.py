@@ -142,8 +142,11 @@ class AbstractPipelineKind(abc.ABC):
     subfolders: ClassVar[tuple[str, ...]]
 
     @abc.abstractmethod
-    def latent_shape(self, config: FinetuneConfig) -> tuple[int, ...]:
-        """The latent of one sample at the configured size.
+    def latent_shape(
+        self, config: FinetuneConfig, folder: pathlib.Path | None = None
+    ) -> tuple[int, ...]:
+        """The latent of one sample at the configured size: as the pipeline computes it from
+        its VAE's `config.json` in `folder`, or the published VAE's (`None`).
 
         **Raises:**
 
@@ -202,17 +205,48 @@ class AbstractPipelineKind(abc.ABC):
         return float(value)
 
 
-def _side(config: FinetuneConfig, name: str, multiple: int) -> int:
-    """An image side in latent pixels, refused unless `multiple` divides it."""
+def _side(config: FinetuneConfig, name: str, factor: int) -> int:
+    """An image side in latent pixels for a VAE that downsamples by `factor`, refused unless
+    `2 factor` divides it (the transformer's patches are 2 latent pixels wide)."""
     height, width = config.image_size()
     value = height if name == "height" else width
-    if value % multiple:
+    if value % (2 * factor):
         raise PipelineError(
             f"Setting `sampling.{name}` (or `sampling.resolution`) = {value} must be a multiple "
-            f"of {multiple}: the VAE downsamples by 8 and the transformer's patches are 2 "
-            "latent pixels wide."
+            f"of {2 * factor}: the VAE downsamples by {factor} and the transformer's patches are "
+            "2 latent pixels wide."
         )
-    return value // 8
+    return value // factor
+
+
+def _vae_field(folder: pathlib.Path | None, name: str, default: Any) -> Any:
+    """A field of the pipeline's `vae/config.json` (`default` without a folder, or where the
+    file leaves it out)."""
+    if folder is None or not (folder / "vae").is_dir():
+        return default
+    return read_json(folder / "vae" / "config.json", "the pipeline's VAE").get(name, default)
+
+
+def _positive_int(value: Any, folder: pathlib.Path | None, name: str) -> int:
+    if type(value) is not int or value < 1:
+        raise PipelineError(
+            f"{folder} vae/config.json gives `{name}` = {value!r}; a positive int was expected."
+        )
+    return value
+
+
+def _image_vae(folder: pathlib.Path | None) -> tuple[int, int]:
+    """`AutoencoderKL`'s downsampling and latent channels, as `StableDiffusion3Pipeline` and
+    `FluxPipeline` compute them from its config: `vae_scale_factor = 2 **
+    (len(block_out_channels) - 1)` (8 for the published VAEs) and `latent_channels`."""
+    levels = _vae_field(folder, "block_out_channels", [128, 256, 512, 512])  # SD3's, FLUX's
+    if not isinstance(levels, list) or not levels:
+        raise PipelineError(
+            f"{folder} vae/config.json gives `block_out_channels` = {levels!r}; a non-empty "
+            "list was expected."
+        )
+    channels = _positive_int(_vae_field(folder, "latent_channels", 16), folder, "latent_channels")
+    return 2 ** (len(levels) - 1), channels
 
 
 @final
@@ -234,17 +268,20 @@ class SD3Kind(AbstractPipelineKind):
     select: ClassVar[tuple[str, ...] | str] = ("context", "pooled")
     needs_null: ClassVar[bool] = True
 
-    def latent_shape(self, config: FinetuneConfig) -> tuple[int, ...]:
-        height, width = _side(config, "height", 16), _side(config, "width", 16)
+    def latent_shape(
+        self, config: FinetuneConfig, folder: pathlib.Path | None = None
+    ) -> tuple[int, ...]:
+        factor, channels = _image_vae(folder)
+        height, width = _side(config, "height", factor), _side(config, "width", factor)
         if height != width:
             raise PipelineError(
                 "SD3's transformer takes square images: set `sampling.resolution` rather than "
-                f"`sampling.height` ({height * 8}) and `sampling.width` ({width * 8})."
+                f"`sampling.height` ({height * factor}) and `sampling.width` ({width * factor})."
             )
-        return (height, height, 16)
+        return (height, height, channels)
 
     def transformer(self, folder: pathlib.Path | None, config: FinetuneConfig) -> Any:
-        size = self.latent_shape(config)[0]
+        size = self.latent_shape(config, folder)[0]
         length = 77 + (config.prompts.text_length or 256)
         if folder is None:
             settings = MMDiT.sd35_medium_config()
@@ -318,11 +355,14 @@ class FluxKind(AbstractPipelineKind):
     def __init__(self, distilled_guidance: bool) -> None:
         self.distilled_guidance = distilled_guidance
 
-    def latent_shape(self, config: FinetuneConfig) -> tuple[int, ...]:
-        return (_side(config, "height", 16), _side(config, "width", 16), 16)
+    def latent_shape(
+        self, config: FinetuneConfig, folder: pathlib.Path | None = None
+    ) -> tuple[int, ...]:
+        factor, channels = _image_vae(folder)
+        return (_side(config, "height", factor), _side(config, "width", factor), channels)
 
     def transformer(self, folder: pathlib.Path | None, config: FinetuneConfig) -> Any:
-        height, width, _ = self.latent_shape(config)
+        height, width, _ = self.latent_shape(config, folder)
         length = config.prompts.text_length or 512
         if folder is None:
             settings = Flux.dev_config() if self.distilled_guidance else Flux.schnell_config()
@@ -371,7 +411,7 @@ class FluxKind(AbstractPipelineKind):
         return TextSide(encode)
 
     def process(self, folder: pathlib.Path | None, config: FinetuneConfig) -> RectifiedFlow:
-        height, width, _ = self.latent_shape(config)
+        height, width, _ = self.latent_shape(config, folder)
         dynamic = self.distilled_guidance
         if folder is not None and (folder / "scheduler").is_dir():
             scheduler = read_json(folder / "scheduler" / "scheduler_config.json", "the scheduler")
@@ -396,17 +436,33 @@ class WanKind(AbstractPipelineKind):
     select: ClassVar[tuple[str, ...] | str] = "context"
     needs_null: ClassVar[bool] = True
 
-    def latent_shape(self, config: FinetuneConfig) -> tuple[int, ...]:
+    def latent_shape(
+        self, config: FinetuneConfig, folder: pathlib.Path | None = None
+    ) -> tuple[int, ...]:
+        # WanPipeline's `vae_scale_factor_temporal` and `_spatial` (4 and 8 published) and
+        # the latent channels, `z_dim` (16 published), from the VAE's config.
+        temporal = _positive_int(
+            _vae_field(folder, "scale_factor_temporal", 4), folder, "scale_factor_temporal"
+        )
+        spatial = _positive_int(
+            _vae_field(folder, "scale_factor_spatial", 8), folder, "scale_factor_spatial"
+        )
+        channels = _positive_int(_vae_field(folder, "z_dim", 16), folder, "z_dim")
         frames = config.sampling.frames or 1
-        if (frames - 1) % 4:
+        if (frames - 1) % temporal:
             raise PipelineError(
-                f"Setting `sampling.frames` = {frames} must be 1 + 4k: Wan's VAE keeps the "
-                "first frame and compresses the rest by 4."
+                f"Setting `sampling.frames` = {frames} must be 1 + {temporal}k: Wan's VAE keeps "
+                f"the first frame and compresses the rest by {temporal}."
             )
-        return (1 + (frames - 1) // 4, _side(config, "height", 16), _side(config, "width", 16), 16)
+        return (
+            1 + (frames - 1) // temporal,
+            _side(config, "height", spatial),
+            _side(config, "width", spatial),
+            channels,
+        )
 
     def transformer(self, folder: pathlib.Path | None, config: FinetuneConfig) -> Any:
-        size = self.latent_shape(config)[:3]
+        size = self.latent_shape(config, folder)[:3]
         length = config.prompts.text_length or 512
         if folder is None:
             return _random(
@@ -529,17 +585,18 @@ def load_pipeline(config: FinetuneConfig, *, text: bool = True) -> Pipeline:
     reader = PIPELINE_KINDS[kind]
     if folder is not None:
         reader.check_folder(folder)
-    latent_shape = reader.latent_shape(config)
+    latent_shape = reader.latent_shape(config, folder)
     transformer = reader.transformer(folder, config)
     transformer = transformer.with_settings(
         remat=None if config.precision.remat == "none" else config.precision.remat,
         attention=config.precision.attention,
     )
+    shift = config.sampling.time_shift
     return Pipeline(
         kind=kind,
         transformer=transformer,
         vae=reader.vae(folder, config),
-        process=reader.process(folder, config),
+        process=reader.process(folder, config) if shift is None else RectifiedFlow(shift=shift),
         guidance=reader.guidance(config),
         latent_shape=latent_shape,
         select=reader.select,

@@ -269,8 +269,11 @@ def host_scores(
     - `RewardError`: naming the reward, if it raises, returns the wrong shape, NaN or inf.
     """
     rows = {
-        "prompt": np.asarray([prompts.prompts[i] for i in indices], dtype=object),
-        "metadata": np.asarray([json.dumps(prompts.metadata[i]) for i in indices], dtype=object),
+        "prompt": np.asarray([prompts.prompts[i] for i in indices], dtype=np.str_),
+        "metadata": np.asarray(
+            [json.dumps(prompts.metadata[i], ensure_ascii=False) for i in indices],
+            dtype=np.str_,
+        ),
     }
     return {term.name: score(term.reward, samples, rows) for term in terms}
 

@@ -32,6 +32,7 @@ from .. import (
     host_samples,
     local_copy,
     lora,
+    per_reward_advantages,
     preview_grid,
     shard_parameters,
     sync_processes,
@@ -479,18 +480,30 @@ class _Run:
                     f"Reward {name!r} gave non-finite scores at rows {bad[:10].tolist()} (a "
                     "sample decoded to NaN, or the reward model's weights hold NaN)."
                 )
+        combination = self.config.sampling.reward_combination
         if not job.host_terms:
             weights = {term.name: term.weight for term in job.device_terms}
-            total, advantages = advantages_program(device_scores, weights, groups, std)
-            return np.asarray(total, np.float64), np.asarray(advantages, np.float32), per_term
+            on_device = advantages_program(device_scores, weights, groups, std, combination)
+            return (
+                np.asarray(on_device[0], np.float64),
+                np.asarray(on_device[1], np.float32),
+                per_term,
+            )
         samples = host_samples(generated.samples)
         here = samples if jax.process_index() == 0 else None
         per_term.update(_host_scores_on_root(job.host_terms, here, self.train_prompts, prompts))
         weights = {t.name: t.weight for t in job.device_terms} | {
             t.name: t.weight for t in job.host_terms
         }
-        total = np.sum([weights[name] * values for name, values in per_term.items()], axis=0)
-        return total, group_advantages(total, groups, std=std), per_term
+        names = sorted(per_term)
+        totals: np.ndarray = np.sum([weights[name] * per_term[name] for name in names], axis=0)
+        if combination == "sum":
+            return totals, group_advantages(totals, groups, std=std), per_term
+        components = np.stack([per_term[name] for name in names])
+        weighted = per_reward_advantages(
+            components, [weights[name] for name in names], groups, std=std
+        )
+        return totals, weighted, per_term
 
     def evaluate(self, state: TrainState, picture: str, title: str) -> dict[str, float]:
         """The evaluation policy on the held-out prompts: ODE samples from fixed noise, each
