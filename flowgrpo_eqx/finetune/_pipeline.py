@@ -39,6 +39,7 @@ from ..models import (
     load_diffusers,
     load_t5,
 )
+from ..models._mirror import conversion_command
 from ._config import FinetuneConfig
 from ._kinds import ModelKind, PipelineError, pipeline_kind, read_json
 
@@ -558,6 +559,45 @@ def _checked_vae(vae: Any, expected: type[Any], folder: pathlib.Path) -> Abstrac
         )
     checked: AbstractAutoEncoder = vae
     return checked
+
+
+def check_pipeline(config: FinetuneConfig) -> None:
+    """Refuse, before anything is loaded or written, a pipeline folder that lacks a subfolder
+    its kind reads, and a size its VAE or its transformer's patches cannot take.
+
+    **Arguments:**
+
+    - `config`: a resolved configuration.
+
+    **Raises:**
+
+    - `PipelineError`: naming the folder, the subfolder (a tokenizer folder whose files are
+        missing or damaged) or the setting.
+    """
+    reader = PIPELINE_KINDS[config.kind]
+    if config.pipeline.path is not None:
+        folder = pathlib.Path(config.pipeline.path)
+        reader.check_folder(folder)
+        for name in reader.subfolders:
+            weights = folder / name
+            if not name.startswith("tokenizer") and not any(weights.glob("*.safetensors*")):
+                converted = conversion_command(weights) if any(weights.glob("*.bin")) else None
+                raise PipelineError(
+                    f"{weights} holds no safetensors weights"
+                    + (
+                        f": it holds a PyTorch .bin checkpoint, which this library does not read "
+                        f"(it reads safetensors, without torch). Convert it once, in an "
+                        f"environment with torch: {converted}"
+                        if converted
+                        else "."
+                    )
+                )
+            if name.startswith("tokenizer"):
+                try:
+                    PromptTokenizer(folder / name, 77)
+                except ValueError as error:
+                    raise PipelineError(f"{folder / name} cannot be read: {error}") from None
+    reader.latent_shape(config)
 
 
 def load_pipeline(config: FinetuneConfig, *, text: bool = True) -> Pipeline:

@@ -55,7 +55,7 @@ from ..train import (
 from ._config import FinetuneConfig, config_to_toml
 from ._export import export_policy
 from ._job import Job, advantages_program, evaluation_program, rollout_program
-from ._pipeline import Pipeline, load_pipeline
+from ._pipeline import Pipeline, check_pipeline, load_pipeline
 from ._plan import MeshPlan
 from ._prompts import EmbeddingStore, PromptSet, read_prompts
 from ._rewards import DeviceTerm, HostTerm, build_terms, host_scores
@@ -129,6 +129,7 @@ def run_finetune(
         raise RunFolderError("`--resume` and `--replace` exclude each other.")
     check_out_folder(out)
     config = config.resolved()
+    check_pipeline(config)
     plan = MeshPlan.of(config)
     train = read_prompts(config.prompts.train, "prompts.train")
     heldout = None
