@@ -6,7 +6,6 @@ loads by its keys alone (`load_clip`). The towers are called on one example (tok
 a channels-last image `[H, W, 3]` already resized and normalised) and vmapped by the caller.
 """
 
-import json
 import pathlib
 from typing import Any, Literal, NamedTuple, TypeAlias, final
 
@@ -16,12 +15,18 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
+from ._images import UNIT, check_image
 from ._layers import MASKED_SCORE
 from ._mirror import (
     Embedding,
     LayerNorm,
     Linear,
+    check_token_ids,
+    config_error,
+    config_int,
+    config_object,
     fill_from_state_dict,
+    read_config_json,
     read_safetensors_folder,
     uniform_init,
 )
@@ -341,7 +346,8 @@ class CLIPTextModel(eqx.Module):
 
         **Arguments:**
 
-        - `ids`: the token ids, `[L]`, `L <= max_position_embeddings`.
+        - `ids`: the token ids, `[L]`, `1 <= L <= max_position_embeddings`, each in `[0,
+            vocab_size)`.
         - `attention_mask`: 1 for the prompt's tokens, 0 for padding the queries may not see
             (as the tokenizer returns it); `None`: every token (the SD3 pipelines' call).
 
@@ -351,7 +357,10 @@ class CLIPTextModel(eqx.Module):
 
         **Raises:**
 
-        - `ValueError`: naming `ids` when it is longer than `max_position_embeddings`.
+        - `ValueError`: naming `ids` when it is not `[L]` integer ids with `1 <= L <=
+            max_position_embeddings`, or (for concrete ids) holds an id outside `[0,
+            vocab_size)`; naming `attention_mask` when it is not `[L]` of ints.
+        - `EquinoxRuntimeError`: for a traced id outside `[0, vocab_size)`.
         """
         return _encode_text(
             self.text_model,
@@ -372,8 +381,8 @@ def _encode_text(
     attention_mask: Int[Array, " L"] | None,
 ) -> TextOutput:
     """The text tower's states for one prompt (`CLIPTextModel.__call__`)."""
-    if ids.ndim != 1 or ids.shape[0] > max_length:
-        raise ValueError(f"`ids` must be [L] with L <= {max_length}, got {ids.shape}.")
+    vocab_size = model.embeddings.token_embedding.weight.shape[0]
+    ids = check_token_ids("ids", ids, vocab_size, attention_mask, max_length)
     length = ids.shape[0]
     allowed = jnp.tril(jnp.ones((length, length), jnp.bool_))
     if attention_mask is not None:
@@ -557,6 +566,10 @@ class CLIPModel(eqx.Module):
         **Returns:**
 
         `[projection_dim]`.
+
+        **Raises:**
+
+        - `ValueError`, `EquinoxRuntimeError`: as `CLIPTextModel.__call__`'s.
         """
         max_length = self.text_model.embeddings.position_embedding.weight.shape[0]
         output = _encode_text(
@@ -584,24 +597,33 @@ class CLIPModel(eqx.Module):
 
         **Raises:**
 
-        - `ValueError`: naming `pixels` when its shape is not the tower's.
+        - `ValueError`: naming `pixels` when it is not float or its shape is not the
+            tower's.
         """
         want = (self.image_size, self.image_size)
-        if pixels.ndim != 3 or pixels.shape[:2] != want:
-            raise ValueError(f"`pixels` must be [{want[0]}, {want[1]}, C], got {pixels.shape}.")
+        channels = self.vision_model.embeddings.patch_embedding.weight.shape[1]
+        check_image("pixels", pixels, ("H", "W", "C"), channels, rule="float (`clip_pixels`)")
+        if pixels.shape[:2] != want:
+            raise ValueError(
+                f"`pixels` must be [{want[0]}, {want[1]}, {channels}], got {pixels.shape}."
+            )
         out: Float[Array, " P"] = self.visual_projection(self.vision_model(pixels))
         return out
 
 
-def _tower_shape(config: dict[str, Any]) -> TowerShape:
-    return TowerShape(
-        config["hidden_size"],
-        config["num_attention_heads"],
-        config["intermediate_size"],
-        config["num_hidden_layers"],
-        config.get("hidden_act", "quick_gelu"),
-        config.get("layer_norm_eps", 1e-5),
-    )
+def _tower_shape(config: dict[str, Any], file: pathlib.Path, where: str = "") -> TowerShape:
+    """A tower's shape from its config (`where`: the field holding it, `"text_config."`)."""
+    try:
+        return TowerShape(
+            config_int(config, where + "hidden_size", file),
+            config_int(config, where + "num_attention_heads", file),
+            config_int(config, where + "intermediate_size", file),
+            config_int(config, where + "num_hidden_layers", file),
+            config.get("hidden_act", "quick_gelu"),
+            config.get("layer_norm_eps", 1e-5),
+        )
+    except ValueError as error:
+        raise config_error(file, error) from None
 
 
 _IGNORED = ("position_ids",)
@@ -623,48 +645,60 @@ def load_clip(path: str | pathlib.Path, *, dtype: Any = None) -> CLIPTextModel |
 
     **Raises:**
 
-    - `ValueError`: when the folder's `architectures` is none of those, or the checkpoint
-        does not fit the config (every unused key, missing leaf and wrong shape listed).
+    - `ValueError`: naming `path` when the folder has no `config.json` or its
+        `architectures` is none of those; naming the config file when it is not a JSON
+        object (binary, not JSON) or lacks a field the model needs (`text_config`,
+        `hidden_size`, ...) or gives one of the wrong type; naming the weights file when it
+        is missing, empty, truncated or damaged (or the one command that converts a `.bin`
+        checkpoint); or when the checkpoint does not fit the config (every unused key,
+        missing leaf and wrong shape listed).
     """
     folder = pathlib.Path(path)
-    config = json.loads((folder / "config.json").read_text())
-    architecture = (config.get("architectures") or [""])[0]
-    tensors = read_safetensors_folder(folder, "model.safetensors")
-    model: CLIPTextModel | CLIPModel
+    config = read_config_json(folder, "a transformers CLIP folder")
+    file = folder / "config.json"
+    architectures = config.get("architectures")
+    architecture = architectures[0] if isinstance(architectures, list) and architectures else ""
     if architecture in ("CLIPTextModel", "CLIPTextModelWithProjection"):
         with_projection = architecture == "CLIPTextModelWithProjection"
+        shape = _tower_shape(config, file)
+        text_sizes = dict(
+            vocab_size=config_int(config, "vocab_size", file, 49408),
+            max_position_embeddings=config_int(config, "max_position_embeddings", file, 77),
+            eos_token_id=config_int(config, "eos_token_id", file, 2, minimum=0),
+        )
+        projection = config_int(config, "projection_dim", file, 512) if with_projection else None
+        tensors = read_safetensors_folder(folder, "model.safetensors")
         if not any(key.startswith("text_model.") for key in tensors):
             # transformers 5 writes a `CLIPTextModel`'s keys without the `text_model.` that
             # the published checkpoints (and its own `CLIPTextModelWithProjection`) have.
             tensors = {f"text_model.{key}": value for key, value in tensors.items()}
-        model = eqx.filter_eval_shape(
-            lambda key: CLIPTextModel(
-                _tower_shape(config),
-                config.get("vocab_size", 49408),
-                config.get("max_position_embeddings", 77),
-                config.get("eos_token_id", 2),
-                config.get("projection_dim", 512) if with_projection else None,
-                key=key,
-            ),
+        model: CLIPTextModel | CLIPModel = eqx.filter_eval_shape(
+            lambda key: CLIPTextModel(shape, **text_sizes, projection_dim=projection, key=key),
             jax.random.key(0),
         )
     elif architecture == "CLIPModel":
-        text, vision = config["text_config"], config["vision_config"]
-        model = eqx.filter_eval_shape(
-            lambda key: CLIPModel(
-                _tower_shape(text),
-                _tower_shape(vision),
-                config.get("projection_dim", 512),
-                text.get("vocab_size", 49408),
-                text.get("max_position_embeddings", 77),
-                text.get("eos_token_id", 2),
-                vision.get("image_size", 224),
-                vision.get("patch_size", 32),
-                vision.get("num_channels", 3),
-                key=key,
+        text = config_object(config, "text_config", file)
+        vision = config_object(config, "vision_config", file)
+        text_shape = _tower_shape(text, file, "text_config.")
+        vision_shape = _tower_shape(vision, file, "vision_config.")
+        sizes = dict(
+            projection_dim=config_int(config, "projection_dim", file, 512),
+            vocab_size=config_int(text, "text_config.vocab_size", file, 49408),
+            max_position_embeddings=config_int(
+                text, "text_config.max_position_embeddings", file, 77
             ),
-            jax.random.key(0),
+            eos_token_id=config_int(text, "text_config.eos_token_id", file, 2, minimum=0),
+            image_size=config_int(vision, "vision_config.image_size", file, 224),
+            patch_size=config_int(vision, "vision_config.patch_size", file, 32),
+            channels=config_int(vision, "vision_config.num_channels", file, 3),
         )
+        tensors = read_safetensors_folder(folder, "model.safetensors")
+        try:
+            model = eqx.filter_eval_shape(
+                lambda key: CLIPModel(text_shape, vision_shape, **sizes, key=key), jax.random.key(0)
+            )
+        except ValueError as error:
+            raise config_error(file, error) from None
     else:
         raise ValueError(
             f"`path` ({folder}): config `architectures` must be CLIPTextModel, "
@@ -694,7 +728,8 @@ def clip_pixels(
 
     **Arguments:**
 
-    - `images`: one channels-last image in `[0, 1]`.
+    - `images`: one channels-last image, float in `[0, 1]`, with as many channels as `mean`
+        (3).
     - `size`: the tower's `image_size`.
     - `mean`, `std`: the normalisation (OpenAI's CLIP statistics by default, which OpenCLIP
         and PickScore's processor use too).
@@ -702,7 +737,25 @@ def clip_pixels(
     **Returns:**
 
     `[size, size, C]` float32.
+
+    **Raises:**
+
+    - `ValueError`: naming `images` when it is not float (uint8 is refused: convert it with
+        `x / 255`), not `[H, W, C]` with `C` the channels of `mean`, or has an empty side;
+        naming `size` when it is not a positive int, or `std` when it is not as long as
+        `mean`.
     """
+    check_int("size", size, 1)
+    if len(std) != len(mean):
+        raise ValueError(f"`std` must have as many entries as `mean` ({len(mean)}), got {std}.")
+    check_image(
+        "images",
+        images,
+        ("H", "W", "C"),
+        len(mean),
+        rule=UNIT,
+        hint="It processes one image: vmap it over a batch; score a video's frames one by one.",
+    )
     quantised = jnp.round(jnp.clip(images.astype(jnp.float32), 0.0, 1.0) * 255.0) / 255.0
     height, width, channels = quantised.shape
     if min(height, width) != size:

@@ -25,7 +25,13 @@ from safetensors.numpy import save_file
 
 from ..lora import LoraModel
 from ._flux import Flux
-from ._mirror import fill_from_state_dict, read_safetensors_folder, state_dict_leaves
+from ._mirror import (
+    config_error,
+    fill_from_state_dict,
+    read_config_json,
+    read_safetensors_folder,
+    state_dict_leaves,
+)
 from ._mmdit import MMDiT, pos_crop
 from ._vae import AutoencoderKL, vae_config, vae_kwargs
 from ._wan import Wan
@@ -723,19 +729,25 @@ def load_diffusers(
 
     **Raises:**
 
-    - `ValueError`: when the config is not one of those classes' or not one the model can
+    - `ValueError`: naming `path` when the folder has no `config.json`; naming the config
+        file when it is not a JSON object (binary, not JSON), or an autoencoder's config
+        gives values the module cannot be built with; naming the weights file when it is
+        missing, empty, truncated or damaged (or the one command that converts a `.bin`
+        checkpoint); when the config is not one of those classes' or not one the model can
         hold, or a key of the checkpoint maps to no leaf (all such keys listed), or a leaf
         has no key (all listed), or a tensor's shape is wrong.
     """
     folder = pathlib.Path(path)
-    if not (folder / "config.json").exists():
-        raise ValueError(f"`path` ({folder}) has no config.json.")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config_json(folder, "a diffusers transformer or vae folder")
     for vae in _AUTOENCODERS:
         if config.get("_class_name") == vae.model_type.__name__:
+            try:
+                abstract = vae.abstract(config)
+            except (TypeError, ValueError) as error:
+                raise config_error(folder / "config.json", ValueError(error)) from None
             tensors = read_safetensors_folder(folder, _WEIGHTS)
             autoencoder: AutoencoderKL | AutoencoderKLWan = fill_from_state_dict(
-                vae.abstract(config), tensors, dtype, vae.model_type.__name__
+                abstract, tensors, dtype, vae.model_type.__name__
             )
             return autoencoder
     fmt = _format_named(config.get("_class_name", _SD3Format.class_name))

@@ -10,7 +10,7 @@ text and image towers (CLIP, T5) are built this way; the transformers keep their
 import json
 import math
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, final
 
 import equinox as eqx
@@ -230,6 +230,197 @@ def _read_tensors(file: pathlib.Path) -> dict[str, np.ndarray]:
             chunk = np.asarray(data[start + begin : start + end]).view(np.dtype(jnp.bfloat16))
             tensors[name] = chunk.reshape(header[name]["shape"])
     return tensors
+
+
+def read_config_json(folder: pathlib.Path, what: str) -> dict[str, Any]:
+    """A model folder's `config.json`, as a dict.
+
+    **Arguments:**
+
+    - `folder`: the model folder.
+    - `what`: what the folder should hold, for the messages (`"a transformers CLIP
+        folder"`).
+
+    **Returns:**
+
+    The parsed JSON object.
+
+    **Raises:**
+
+    - `ValueError`: naming `path` when the folder has no `config.json`; naming the file when
+        it cannot be read, is not UTF-8 text (a binary file), is not JSON, or holds something
+        other than a JSON object.
+    """
+    file = folder / "config.json"
+    if not file.is_file():
+        raise ValueError(f"`path` ({folder}) has no config.json: it must be {what}.")
+    try:
+        data = file.read_bytes()
+    except OSError as error:
+        raise ValueError(f"{file} cannot be read: {error.strerror or error}.") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{file} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset "
+            f"{error.start}): a model's config.json is JSON text, as {what} holds it."
+        ) from None
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{file} is not JSON ({error}): {what} holds its config there.") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(
+            f"{file} must hold a JSON object of the model's settings, got {type(loaded).__name__}."
+        )
+    return loaded
+
+
+def config_object(config: Mapping[str, Any], name: str, file: pathlib.Path) -> dict[str, Any]:
+    """The JSON object a config holds under `name` (CLIP's `text_config`).
+
+    **Arguments:**
+
+    - `config`: the parsed config (or the part of it holding `name`).
+    - `name`: the field, as the message names it (`"text_config"`).
+    - `file`: the config file, for the message.
+
+    **Returns:**
+
+    The object.
+
+    **Raises:**
+
+    - `ValueError`: naming the file and the field when it is missing or not an object.
+    """
+    value = config.get(name.rsplit(".", 1)[-1])
+    if not isinstance(value, dict):
+        got = "nothing" if value is None else type(value).__name__
+        raise ValueError(f"{file}: `{name}` must be a JSON object of settings, got {got}.")
+    return value
+
+
+_REQUIRED = object()
+
+
+def config_int(
+    config: Mapping[str, Any],
+    name: str,
+    file: pathlib.Path,
+    default: Any = _REQUIRED,
+    minimum: int = 1,
+) -> int:
+    """An int setting of a config: present (or `default`) and `>= minimum`.
+
+    **Arguments:**
+
+    - `config`: the parsed config (or the part of it holding the field).
+    - `name`: the field, as the message names it (`"text_config.hidden_size"`: the part
+        after the last dot is looked up).
+    - `file`: the config file, for the message.
+    - `default`: the value when the field is absent; by default the field is required.
+    - `minimum`: the smallest value allowed.
+
+    **Returns:**
+
+    The int.
+
+    **Raises:**
+
+    - `ValueError`: naming the file and the field when it is missing (and required), not an
+        int, or below `minimum`.
+    """
+    key = name.rsplit(".", 1)[-1]
+    if key not in config:
+        if default is _REQUIRED:
+            raise ValueError(f"{file} has no `{name}` (an int >= {minimum}), which it needs.")
+        return int(default)
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{file}: `{name}` must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def config_error(file: pathlib.Path, error: ValueError) -> ValueError:
+    """`error` (a model constructor's refusal of a value a config gave) with the config file
+    named first.
+
+    **Arguments:**
+
+    - `file`: the config file.
+    - `error`: the refusal.
+
+    **Returns:**
+
+    A `ValueError` to raise.
+    """
+    return ValueError(f"{file} gives a model this library cannot build: {error}")
+
+
+def check_token_ids(
+    name: str, ids: Any, vocab_size: int, mask: Any = None, max_length: int | None = None
+) -> Any:
+    """Check one prompt's token ids for an embedding table of `vocab_size` entries.
+
+    The dtype and shape are checked at once (they are known while tracing). The values are
+    checked at once when `ids` is a concrete array; inside a traced function (`jit`, `vmap`)
+    an id outside `[0, vocab_size)` raises from the compiled program (`eqx.error_if`), where
+    `jnp.take` would otherwise read NaN past the table or wrap a negative id round to its
+    last entries.
+
+    **Arguments:**
+
+    - `name`: the argument's name, for the messages.
+    - `ids`: the token ids, `[L]`.
+    - `vocab_size`: the table's entries.
+    - `mask`: the attention mask given with them, or `None`; checked to be `[L]` of ints.
+    - `max_length`: the most ids allowed, or `None`.
+
+    **Returns:**
+
+    `ids` (under tracing, with the range check attached).
+
+    **Raises:**
+
+    - `ValueError`: naming `name` when `ids` is not `[L]` of integers with `1 <= L` (`<=
+        max_length`), or a concrete id is outside `[0, vocab_size)`; naming `attention_mask`
+        when `mask` is not `[L]` of integers or bools.
+    - `EquinoxRuntimeError`: from the compiled program, for a traced id out of range.
+    """
+    dtype = getattr(ids, "dtype", None)
+    shape = tuple(getattr(ids, "shape", ()))
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"`{name}` must be integer token ids (a tokenizer's int32 ids), got "
+            f"{dtype if dtype is not None else type(ids).__name__}."
+        )
+    longest = "" if max_length is None else f" <= {max_length}"
+    if len(shape) != 1 or shape[0] < 1 or (max_length is not None and shape[0] > max_length):
+        raise ValueError(f"`{name}` must be [L] with 1 <= L{longest}, got shape {shape}.")
+    if mask is not None:
+        mask_dtype = getattr(mask, "dtype", None)
+        if (
+            mask_dtype is None
+            or not (jnp.issubdtype(mask_dtype, jnp.integer) or mask_dtype == jnp.bool_)
+            or tuple(mask.shape) != shape
+        ):
+            raise ValueError(
+                f"`attention_mask` must be [L] = {shape} of ints (1 for a prompt's tokens, 0 for "
+                f"padding), as `{name}` is, got {getattr(mask, 'shape', None)} of {mask_dtype}."
+            )
+    allowed = f"in [0, {vocab_size}) (the embedding table's {vocab_size} entries)"
+    if isinstance(ids, jax.core.Tracer):
+        bad = (ids < 0) | (ids >= vocab_size)
+        return eqx.error_if(ids, bad, f"`{name}` holds a token id outside {allowed}.")
+    values = np.asarray(ids)
+    outside = np.flatnonzero((values < 0) | (values >= vocab_size))
+    if outside.size:
+        where = int(outside[0])
+        raise ValueError(
+            f"`{name}` holds token id {int(values[where])} at position {where}; ids must be "
+            f"{allowed}."
+        )
+    return ids
 
 
 def conversion_command(folder: pathlib.Path) -> str:

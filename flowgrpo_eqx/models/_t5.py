@@ -7,7 +7,6 @@ block only) and `encoder.block[i].layer[1]` (the feed-forward), then `encoder.fi
 Called on one prompt's token ids and vmapped by the caller.
 """
 
-import json
 import math
 import pathlib
 from typing import Any, Literal, TypeAlias, final
@@ -21,7 +20,16 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._misc import check_int
 from ._init import ones
 from ._layers import MASKED_SCORE, rms_norm
-from ._mirror import Embedding, Linear, fill_from_state_dict, read_safetensors_folder
+from ._mirror import (
+    Embedding,
+    Linear,
+    check_token_ids,
+    config_error,
+    config_int,
+    fill_from_state_dict,
+    read_config_json,
+    read_safetensors_folder,
+)
 
 
 FeedForward: TypeAlias = Literal["gated-gelu", "relu"]
@@ -344,14 +352,22 @@ class T5Encoder(eqx.Module):
 
         **Arguments:**
 
-        - `ids`: the token ids, `[L]`.
+        - `ids`: the token ids, `[L]`, `L >= 1`, each in `[0, vocab_size)`.
         - `attention_mask`: 1 for the prompt's tokens, 0 for padding no query may see;
             `None`: every token (the SD3 and FLUX pipelines' call).
 
         **Returns:**
 
         `[L, width]`.
+
+        **Raises:**
+
+        - `ValueError`: naming `ids` when it is not `[L]` integer ids with `L >= 1`, or (for
+            concrete ids) holds an id outside `[0, vocab_size)`; naming `attention_mask`
+            when it is not `[L]` of ints.
+        - `EquinoxRuntimeError`: for a traced id outside `[0, vocab_size)`.
         """
+        ids = check_token_ids("ids", ids, self.shared.weight.shape[0], attention_mask)
         buckets = jnp.asarray(
             relative_position_buckets(ids.shape[0], self.num_buckets, self.max_distance)
         )
@@ -391,38 +407,53 @@ def load_t5(path: str | pathlib.Path, *, dtype: Any = None) -> T5Encoder:
 
     **Raises:**
 
-    - `ValueError`: naming the config's field for what the module does not compute (a
-        decoder, another feed-forward), or listing what of the checkpoint does not fit.
+    - `ValueError`: naming `path` when the folder has no `config.json`; naming the config
+        file when it is not a JSON object (binary, not JSON), lacks a size the encoder needs
+        (`vocab_size`, `d_model`, `d_ff`, `num_heads`, `d_kv`, `num_layers`) or gives one
+        that is not a positive int, or names what the module does not compute (another
+        feed-forward); naming the weights file when it is missing, empty, truncated or
+        damaged; or listing what of the checkpoint does not fit.
     """
     folder = pathlib.Path(path)
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config_json(folder, "a transformers T5EncoderModel or UMT5EncoderModel folder")
+    file = folder / "config.json"
     umt5 = config.get("model_type") == "umt5"
     feed_forward = config.get("feed_forward_proj", "relu")
     if feed_forward not in _FEED_FORWARDS:
         raise ValueError(
-            f"config `feed_forward_proj` must be one of {_FEED_FORWARDS}, got {feed_forward!r}."
+            f"{file}: `feed_forward_proj` must be one of {_FEED_FORWARDS}, got {feed_forward!r}."
         )
+    arguments = {
+        argument: config_int(config, name, file)
+        for argument, name in (
+            ("vocab_size", "vocab_size"),
+            ("width", "d_model"),
+            ("ff_width", "d_ff"),
+            ("heads", "num_heads"),
+            ("head_dim", "d_kv"),
+            ("layers", "num_layers"),
+        )
+    }
+    arguments["num_buckets"] = config_int(config, "relative_attention_num_buckets", file, 32)
+    arguments["max_distance"] = config_int(config, "relative_attention_max_distance", file, 128)
+    eps = config.get("layer_norm_epsilon", 1e-6)
     tensors = read_safetensors_folder(folder, "model.safetensors")
     # The token table is tied: written as `shared.weight`, `encoder.embed_tokens.weight` or both.
     table = tensors.pop("encoder.embed_tokens.weight", None)
     if "shared.weight" not in tensors and table is not None:
         tensors["shared.weight"] = table
-    model = eqx.filter_eval_shape(
-        lambda key: T5Encoder(
-            config["vocab_size"],
-            config["d_model"],
-            config["d_ff"],
-            config["num_heads"],
-            config["d_kv"],
-            config["num_layers"],
-            feed_forward,
-            config.get("relative_attention_num_buckets", 32),
-            config.get("relative_attention_max_distance", 128),
-            config.get("layer_norm_epsilon", 1e-6),
-            umt5,
-            key=key,
-        ),
-        jax.random.key(0),
-    )
+    try:
+        model = eqx.filter_eval_shape(
+            lambda key: T5Encoder(
+                **arguments,
+                feed_forward=feed_forward,
+                eps=eps,
+                per_layer_position_bias=umt5,
+                key=key,
+            ),
+            jax.random.key(0),
+        )
+    except ValueError as error:
+        raise config_error(file, error) from None
     loaded: T5Encoder = fill_from_state_dict(model, tensors, dtype, "T5Encoder")
     return loaded

@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._inputs import AbstractAutoEncoder
 from .._misc import check_int
 from ._autoencoder import Conv, posterior_moments, sample_posterior
+from ._images import check_image
 from ._init import ones, zeros
 from ._layers import Attention, AttentionSettings, attend_to
 from ._mirror import Linear
@@ -350,6 +351,9 @@ class Decoder(eqx.Module):
         return self.conv_out(jax.nn.silu(self.conv_norm_out(h)))
 
 
+_ONE_IMAGE = "It encodes one image: vmap it over a batch [N, H, W, C]."
+
+
 def _check_vae(
     block_out_channels: Sequence[int], layers: int, groups: int, channels: dict[str, int]
 ) -> None:
@@ -506,10 +510,14 @@ class AutoencoderKL(AbstractAutoEncoder):
 
         **Raises:**
 
-        - `ValueError`: naming `image` when its sides are not multiples of the factor.
+        - `ValueError`: naming `image` when it is not float (uint8 is refused: convert it
+            with `x / 127.5 - 1`), not `[H, W, in_channels]`, empty, or its sides are not
+            multiples of the factor.
         """
         factor = 2 ** (self.levels - 1)
-        if image.ndim != 3 or image.shape[0] % factor or image.shape[1] % factor:
+        channels = self.encoder.conv_in.weight.shape[1]
+        check_image("image", image, ("H", "W", "C"), channels, hint=_ONE_IMAGE)
+        if image.shape[0] % factor or image.shape[1] % factor:
             raise ValueError(
                 f"`image` must be [H, W, C] with H and W multiples of {factor}, got {image.shape}."
             )
@@ -527,12 +535,16 @@ class AutoencoderKL(AbstractAutoEncoder):
 
         **Arguments:**
 
-        - `image`: `[H, W, in_channels]` in `[-1, 1]`.
+        - `image`: `[H, W, in_channels]` float in `[-1, 1]`.
         - `key`: a JAX PRNG key to sample the posterior; `None` for its mean.
 
         **Returns:**
 
         The latent, `[H / f, W / f, latent_channels]`, in the dtype of `image`.
+
+        **Raises:**
+
+        - `ValueError`: as `moments`.
         """
         z = sample_posterior(*self.moments(image), key)
         return ((z - self.shift_factor) * self.scaling_factor).astype(image.dtype)
@@ -551,12 +563,10 @@ class AutoencoderKL(AbstractAutoEncoder):
 
         **Raises:**
 
-        - `ValueError`: naming `latent` when its channels are not `latent_channels`.
+        - `ValueError`: naming `latent` when it is not float, or not `[h, w,
+            latent_channels]` with sides of at least 1.
         """
-        if latent.ndim != 3 or latent.shape[-1] != self.latent_channels:
-            raise ValueError(
-                f"`latent` must be [h, w, {self.latent_channels}], got {latent.shape}."
-            )
+        check_image("latent", latent, ("h", "w", "L"), self.latent_channels, rule="float")
         dtype = self.decoder.conv_in.weight.dtype
         z = (latent.astype(jnp.float32) / self.scaling_factor + self.shift_factor).astype(dtype)
         if self.post_quant_conv is not None:

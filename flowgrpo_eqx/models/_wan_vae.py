@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._inputs import AbstractAutoEncoder
 from .._misc import check_int, check_number
 from ._autoencoder import Conv, posterior_moments, sample_posterior
+from ._images import check_image
 from ._init import ones
 from ._layers import Attention, AttentionSettings, attend_to
 from ._mirror import uniform_init
@@ -807,17 +808,23 @@ class AutoencoderKLWan(AbstractAutoEncoder):
 
         **Raises:**
 
-        - `ValueError`: naming `video` when its shape is not that, or `chunk` when it is not a
+        - `ValueError`: naming `video` when it is not float (uint8 is refused: convert it
+            with `x / 127.5 - 1`) or its shape is not that, or `chunk` when it is not a
             positive multiple of 4.
         """
         factor = self.spatial_factor
         channels = self.encoder.conv_in.weight.shape[1]
+        check_image(
+            "video",
+            video,
+            ("F", "H", "W", "C"),
+            channels,
+            hint="It encodes one video: vmap it over a batch [N, F, H, W, C].",
+        )
         if (
-            video.ndim != 4
-            or (video.shape[0] - 1) % _FRAME_GROUP
+            (video.shape[0] - 1) % _FRAME_GROUP
             or video.shape[1] % factor
             or video.shape[2] % factor
-            or video.shape[3] != channels
         ):
             raise ValueError(
                 f"`video` must be [F, H, W, {channels}] with F - 1 a multiple of 4 and H and W "
@@ -886,11 +893,10 @@ class AutoencoderKLWan(AbstractAutoEncoder):
 
         **Raises:**
 
-        - `ValueError`: naming `latent` when it is not `[f, h, w, z_dim]`, or `chunk` when it
-            is not a positive int.
+        - `ValueError`: naming `latent` when it is not float or not `[f, h, w, z_dim]` with
+            sides of at least 1, or `chunk` when it is not a positive int.
         """
-        if latent.ndim != 4 or latent.shape[-1] != self.z_dim:
-            raise ValueError(f"`latent` must be [f, h, w, {self.z_dim}], got {latent.shape}.")
+        check_image("latent", latent, ("f", "h", "w", "L"), self.z_dim, rule="float")
         check_int("chunk", chunk, 1, optional=True)
         latents_mean, inverse_std = self._statistics()
         dtype = self.decoder.conv_in.weight.dtype

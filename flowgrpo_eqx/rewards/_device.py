@@ -5,6 +5,7 @@ from typing import Any, final
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
@@ -47,7 +48,7 @@ class DeviceReward:
 
         **Arguments:**
 
-        - `samples`: `[N, *sample]` in [-1, 1].
+        - `samples`: `[N, *sample]`, float in [-1, 1], `N >= 1`.
         - `rows`: the rows, one per sample.
 
         **Returns:**
@@ -56,13 +57,35 @@ class DeviceReward:
 
         **Raises:**
 
-        - `ValueError`: naming `rows` when it has no entry `key`.
+        - `ValueError`: naming `samples` when it is not a float array (uint8 is refused:
+            convert it with `x / 127.5 - 1`) of at least one sample; naming `rows` when it
+            has no entry `key`, or the entry (or row) whose leading axis is not `N`; and
+            whatever `score` refuses of one sample (naming its argument).
         """
+        dtype = getattr(samples, "dtype", None)
+        shape = tuple(getattr(samples, "shape", ()))
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"`samples` must be float in [-1, 1]; convert uint8 with x / 127.5 - 1, got "
+                f"{dtype if dtype is not None else type(samples).__name__}."
+            )
+        if not shape or shape[0] < 1:
+            raise ValueError(f"`samples` must be [N, *sample] with N >= 1, got shape {shape}.")
         condition = rows
+        where = "rows"
         if self.key is not None:
             if not isinstance(rows, dict) or self.key not in rows:
                 raise ValueError(f"`rows` must hold the entry {self.key!r} for this reward.")
             condition = rows[self.key]
+            where = f"rows[{self.key!r}]"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(condition):
+            leading = tuple(getattr(leaf, "shape", ()))[:1]
+            if leading != shape[:1]:
+                name = where + jax.tree_util.keystr(path)
+                raise ValueError(
+                    f"`{name}` must have one row per sample, [N = {shape[0]}, ...], got shape "
+                    f"{tuple(getattr(leaf, 'shape', ()))}."
+                )
         scores = self._batched(jax.device_put(samples), jax.device_put(condition))
         out: npt.NDArray[np.float64] = np.asarray(scores, np.float64)
         return out

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..models import CLIPModel, clip_pixels
+from ..models._images import check_image
 
 
 def text_embedding(
@@ -29,6 +30,12 @@ def text_embedding(
     return out
 
 
+_ONE_IMAGE = (
+    "A reward scores one image: vmap it over a batch [N, H, W, C] (`DeviceReward` does); "
+    "score a video [F, H, W, C] by its frames."
+)
+
+
 def image_embedding(model: CLIPModel, image: Float[Array, "H W C"]) -> Float[Array, " P"]:
     """One decoded image's projected features, of unit length, in float32: the image in
     `[-1, 1]` mapped to `[0, 1]` and put through the CLIP image processor (`clip_pixels`).
@@ -36,12 +43,19 @@ def image_embedding(model: CLIPModel, image: Float[Array, "H W C"]) -> Float[Arr
     **Arguments:**
 
     - `model`: the CLIP model.
-    - `image`: a channels-last image in `[-1, 1]`.
+    - `image`: a channels-last image, float in `[-1, 1]`.
 
     **Returns:**
 
     `[projection_dim]`.
+
+    **Raises:**
+
+    - `ValueError`: naming `image` when it is not float (uint8 is refused: convert it with
+        `x / 127.5 - 1`) or not one `[H, W, C]` image of the tower's channels.
     """
+    channels = model.vision_model.embeddings.patch_embedding.weight.shape[1]
+    check_image("image", image, ("H", "W", "C"), channels, hint=_ONE_IMAGE)
     pixels = clip_pixels((image.astype(jnp.float32) + 1.0) / 2.0, model.image_size)
     features = model.image_features(pixels.astype(model.logit_scale.dtype)).astype(jnp.float32)
     out: Float[Array, " P"] = features / jnp.linalg.norm(features)
@@ -80,13 +94,28 @@ class AbstractCLIPReward(eqx.Module):
 
         **Arguments:**
 
-        - `image`: a decoded channels-last image in `[-1, 1]`.
-        - `prompt`: the prompt's `prompt_embedding`.
+        - `image`: a decoded channels-last image, float in `[-1, 1]`.
+        - `prompt`: the prompt's `prompt_embedding`, `[projection_dim]` float.
 
         **Returns:**
 
         The score, a float32 scalar.
+
+        **Raises:**
+
+        - `ValueError`: naming `image` when it is not float (uint8 is refused: convert it
+            with `x / 127.5 - 1`) or not one `[H, W, C]` image of the tower's channels (a
+            video `[F, H, W, C]` is refused: score its frames); naming `prompt` when it is
+            not a float `[projection_dim]` embedding.
         """
+        width = self.model.text_projection.weight.shape[0]
+        dtype = getattr(prompt, "dtype", None)
+        shape = tuple(getattr(prompt, "shape", ()))
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or shape != (width,):
+            raise ValueError(
+                f"`prompt` must be one prompt's float embedding [{width}] (`prompt_embedding`), "
+                f"got shape {shape} of {dtype}."
+            )
         return self.of_cosine(jnp.dot(image_embedding(self.model, image), prompt))
 
     @abc.abstractmethod
