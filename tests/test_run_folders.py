@@ -2,6 +2,7 @@
 refused by name, before any work, and nothing of the old run is touched."""
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 import flowgrpo_eqx.train as fg_train
 from flowgrpo_eqx.shapes_demo import make_config
 from flowgrpo_eqx.shapes_demo.run_folder import FREE_ON_RESUME, LOCK_FILE, identity
-from tests.cli_helpers import environment, run_cli, with_base
+from tests.cli_helpers import TIMEOUT, command, environment, epochs_done, run_cli, with_base
 
 
 TINY = ("train", "--preset", "tiny", "--quiet")
@@ -272,9 +273,39 @@ def test_resuming_a_run_without_a_complete_checkpoint_says_what_happened(
     else:
         assert "stopped while writing its first checkpoint, which never completed" in line
         assert str(checkpoints / ".tmp-00000001") in line
-    assert f"--replace (the old run moves to {copy.parent / 'run.replaced-1'})" in line
+    restart = f"flowgrpo-eqx train --config {copy / 'config.toml'} --out {copy} --replace"
+    assert f"Start it afresh in the same folder with: {restart} (the old run's files" in line
+    assert f"move to {copy.parent / 'run.replaced-1'})" in line
     assert "checkpointed, but" not in line
     assert snapshot(copy) == before
+
+
+@pytest.mark.several_processes("runs a process under a file-size limit")
+def test_a_first_checkpoint_that_cannot_be_written_then_resume_gives_the_command_that_starts_over(
+    tiny_base, tmp_path
+):
+    """Under `ulimit -f 100` the run stopped with a named error, then `--resume` refused
+    (no checkpoint exists) and said only to pass --replace: it now gives the command that
+    starts the run afresh in the same folder, and that command does."""
+    out = with_base(tiny_base, tmp_path / "run")
+    train = command(*TINY, "--epochs", "2", "--checkpoint-every", "1", "--out", str(out))
+    limited = ["sh", "-c", 'ulimit -f 100 && exec "$@"', "sh", *train]
+    # No compilation cache: an entry past the limit would not be written.
+    env = {k: v for k, v in environment().items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    stopped = subprocess.run(limited, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr[-2000:]
+    assert "File too large while writing a checkpoint" in stopped.stderr
+    resumed = run_cli(*TINY, "--epochs", "2", "--checkpoint-every", "1", "--resume", "--out", out)
+    assert resumed.returncode == 1 and "Traceback" not in resumed.stderr
+    (line,) = resumed.stderr.splitlines()
+    restart = f"flowgrpo-eqx train --config {out / 'config.toml'} --out {out} --replace"
+    assert f"Start it afresh in the same folder with: {restart} " in line
+    program, *arguments = shlex.split(restart)
+    assert program == "flowgrpo-eqx"
+    again = run_cli(*arguments, "--quiet")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"Moved the run that was in {out} to {out.parent / 'run.replaced-1'}" in again.stdout
+    assert epochs_done(out) == 2
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ One process writes a run folder at a time: `lock_run_folder` holds an advisory l
 
 import json
 import pathlib
+import shlex
 from typing import Any
 
 from ..train import (
@@ -99,7 +100,8 @@ def check_run_folder(out: pathlib.Path, config: JobConfig, *, resume: bool) -> N
         that checkpoint has done, or when no checkpoint is left of a run that finished
         (`FINISHED_FILES`) or began checkpointing (its `checkpoints` folder exists: the
         message says whether a first checkpoint's write was cut short, or the folder is
-        empty): starting over would overwrite what it wrote.
+        empty, and gives the command that starts the run afresh in the same folder,
+        `restart_command`): starting over would overwrite what it wrote.
     - `CheckpointError`: naming the checkpoint, if its `meta.json` does not record what a
         run resumes from (`check_resumable`).
     - `CheckpointVersionError`: if the newest checkpoint was written by another version.
@@ -169,10 +171,30 @@ def _check_nothing_lost(out: pathlib.Path, checkpoints: Checkpointer) -> None:
                 "(or its checkpoints were removed)"
             )
         raise RunFolderError(
-            f"{out} holds a run with no checkpoint to resume from: {happened}. --resume would "
-            "start over and overwrite its metrics. Start the run afresh with --replace (the "
-            f"old run moves to {replaced_name(out)}), or train into another folder."
+            f"{out} holds a run with no checkpoint to resume from: {happened}. Nothing of it "
+            "can be resumed, and --resume would start over and overwrite its metrics. Start "
+            f"it afresh in the same folder with: {restart_command(out)} (the old run's files "
+            f"move to {replaced_name(out)}), or train into another folder."
         )
+
+
+def restart_command(out: pathlib.Path) -> str:
+    """The command that starts the run in `out` afresh in the same folder: its own settings
+    (its `config.toml`, read before the old run is moved aside) with `--replace`.
+
+    **Arguments:**
+
+    - `out`: the run folder.
+
+    **Returns:**
+
+    The shell command; without a `config.toml` in `out`, the command with the settings left
+    for the user to give again.
+    """
+    config = out / "config.toml"
+    settings = ["--config", str(config)] if config.is_file() else []
+    command = shlex.join(["flowgrpo-eqx", "train", *settings, "--out", str(out), "--replace"])
+    return command if settings else f"{command} with the run's settings as flags"
 
 
 def check_resumable(metadata: dict[str, Any], path: pathlib.Path) -> None:
