@@ -41,8 +41,10 @@ adapters moved the base's output, that diffusers and peft logged no warning whil
 unexpected or ignored key would), and that the adapters diffusers holds are every key of the
 file, with its values. It writes `tests/data/pipelines/<name>_export.npz`: the inputs,
 `v_transformer` and `v_lora` (diffusers' two outputs), `lora_keys` (the keys diffusers took,
-sorted), and `digest_lora` / `digest_transformer` (`tensors_digest` of each exported folder),
-which `tests/test_finetune_export.py` checks our export against.
+sorted), `load_warnings` (what diffusers logged while loading: SD3's and FLUX's loaders note
+that the file has no key for a text encoder, and nothing else may be logged), `versions`, and
+`digest_lora` / `digest_transformer` (`tensors_digest` of each exported folder), which
+`tests/test_finetune_export.py` checks our export against.
 """
 
 import hashlib
