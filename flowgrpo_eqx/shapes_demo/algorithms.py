@@ -88,8 +88,44 @@ class JobPieces:
     reward: FlowReward
 
 
+ALGORITHM_SETTINGS: frozenset[str] = frozenset(
+    {
+        "nft_beta",
+        "nft_old_decay",
+        "dppo_kl_threshold",
+        "beta",
+        "clip_range",
+        "grpo_guard",
+        "adv_clip_max",
+        "transition_chunk",
+        "old_log_probs",
+        "noise_level",
+        "sde_steps",
+        "train_steps",
+        "window_schedule",
+        "window_shift_every",
+        "window_stride",
+    }
+)
+"""The settings that some algorithms read and others do not (each algorithm's `reads` says
+which of these it reads; every other setting is read by all). A setting the chosen algorithm
+does not read is refused when named (`config.make_config`), and at a value other than its
+default wherever it comes from (`config.JobConfig`)."""
+
+_SDE_ROLLOUT = frozenset({"noise_level", "sde_steps"})
+_RECORDED_WINDOW = frozenset(
+    {"train_steps", "window_schedule", "window_shift_every", "window_stride"}
+)
+_RATIO = frozenset({"transition_chunk", "old_log_probs"})
+_CLIPS = frozenset({"beta", "clip_range", "adv_clip_max"})
+
+
 class AbstractAlgorithm(eqx.Module):
-    """An RL algorithm of the main job: its settings checks, its objective and its rollout."""
+    """An RL algorithm of the main job: its settings checks, its objective and its rollout,
+    and which of `ALGORITHM_SETTINGS` it reads (`reads`)."""
+
+    reads: eqx.AbstractClassVar[frozenset[str]]
+    """The settings of `ALGORITHM_SETTINGS` its objective, rollout or checks read."""
 
     @abc.abstractmethod
     def check(self, config: Settings) -> None:
@@ -167,6 +203,9 @@ class AbstractAlgorithm(eqx.Module):
 class FlowGRPO(AbstractAlgorithm):
     """Flow-GRPO: the clipped policy gradient on SDE transitions the rollout records."""
 
+    reads: ClassVar[frozenset[str]] = (
+        _CLIPS | {"grpo_guard"} | _RATIO | _SDE_ROLLOUT | _RECORDED_WINDOW
+    )
     trains_on_ratios: ClassVar[bool] = True
 
     def check(self, config: Settings) -> None:
@@ -191,6 +230,7 @@ class NFT(AbstractAlgorithm):
     """DiffusionNFT: negative-aware flow matching on final samples of a deterministic
     rollout, as released."""
 
+    reads: ClassVar[frozenset[str]] = frozenset({"nft_beta", "nft_old_decay", "adv_clip_max"})
     trains_on_ratios: ClassVar[bool] = False
 
     def check(self, config: Settings) -> None:
@@ -247,6 +287,7 @@ class AWM(AbstractAlgorithm):
         LoRA at 3e-4 with one accumulated update per epoch is for SD3.5-M.
     """
 
+    reads: ClassVar[frozenset[str]] = _CLIPS | _SDE_ROLLOUT | {"window_schedule"}
     trains_on_ratios: ClassVar[bool] = False
 
     def check(self, config: Settings) -> None:
@@ -307,6 +348,7 @@ class DGPO(AbstractAlgorithm):
         release's: the release's LoRA at 3e-4 is for SD3.5-M.
     """
 
+    reads: ClassVar[frozenset[str]] = _CLIPS
     trains_on_ratios: ClassVar[bool] = False
 
     def check(self, config: Settings) -> None:
@@ -388,6 +430,9 @@ class MixGRPO(AbstractAlgorithm):
     - `rollout_steps`: the default `rollout_steps`, or `None` for the job's.
     """
 
+    reads: ClassVar[frozenset[str]] = (
+        _CLIPS | {"grpo_guard"} | _RATIO | _SDE_ROLLOUT | _RECORDED_WINDOW
+    )
     trains_on_ratios: ClassVar[bool] = True
     model_time: ClassVar[ModelTime] = "thousandths"
 
@@ -456,6 +501,9 @@ class FlowDPPO(AbstractAlgorithm):
         steps, 2 updates per rollout, LoRA at 3e-4).
     """
 
+    reads: ClassVar[frozenset[str]] = (
+        frozenset({"dppo_kl_threshold"}) | _RATIO | _SDE_ROLLOUT | _RECORDED_WINDOW
+    )
     trains_on_ratios: ClassVar[bool] = True
 
     def check(self, config: Settings) -> None:

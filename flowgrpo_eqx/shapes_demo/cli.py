@@ -29,12 +29,21 @@ import sys
 import threading
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..reward_limits import add_limit_arguments, limit_settings, server_token
 from ..train import PREEMPTED_EXIT_STATUS, exit_now
-from .config import SETTINGS, JobConfig, Setting, config_to_toml, make_config, read_config_file
+from .config import (
+    SETTINGS,
+    JobConfig,
+    Setting,
+    UnreadSettingWarning,
+    config_to_toml,
+    make_config,
+    read_config_file,
+)
 from .eval_target import eval_target
 from .settings import MAX_SEED, split_optional
 
@@ -402,7 +411,18 @@ def _configure_and_run(command: str, arguments: dict[str, Any]) -> int:
             if target.config_file is not None:
                 from_file = read_config_file(target.config_file)
                 print(f"Settings from {target.config_file}.", flush=True)
-        config = make_config(arguments["preset"], **{**from_file, **overrides})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UnreadSettingWarning)
+            config = make_config(
+                arguments["preset"], file_settings=from_file, named=set(overrides), **overrides
+            )
+        for warning in caught:
+            if issubclass(warning.category, UnreadSettingWarning):
+                print(f"flowgrpo-eqx: warning: {warning.message}", file=sys.stderr, flush=True)
+            else:
+                warnings.warn_explicit(
+                    warning.message, warning.category, warning.filename, warning.lineno
+                )
     except (ValueError, TypeError) as error:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)
         return 2

@@ -11,10 +11,11 @@ import json
 import os
 import tomllib
 import typing
-from collections.abc import Mapping
+import warnings
+from collections.abc import Collection, Mapping
 from typing import Any
 
-from .algorithms import ALGORITHMS, AbstractAlgorithm
+from .algorithms import ALGORITHM_SETTINGS, ALGORITHMS, AbstractAlgorithm
 from .settings import (
     EvaluationSettings,
     LoggingSettings,
@@ -34,15 +35,18 @@ class JobConfig:
     lists them as flags.
 
     Each section checks its own settings when it is made; `JobConfig` checks what crosses
-    sections: the minibatch against the rollout, and the settings the chosen algorithm
-    refuses (`algorithms.AbstractAlgorithm.check`). `make_config` and `from_settings` make
-    one from settings by name.
+    sections: the minibatch against the rollout, the settings the chosen algorithm refuses
+    (`algorithms.AbstractAlgorithm.check`), and that no setting the chosen algorithm does
+    not read (`algorithms.ALGORITHM_SETTINGS` outside its `reads`) is set to other than its
+    default, where it would be written to `config.toml` and ignored. `make_config` and
+    `from_settings` make one from settings by name.
 
     **Raises:**
 
     - `ValueError`: naming the setting, for settings that do not fit together (a
         `minibatch_rows` that does not divide a rollout's rows, `shared_noise` with `nft`,
-        ...).
+        `clip_range` other than its default with `dppo`, which has no ratio clip, ...); a
+        setting the algorithm does not read is named with the algorithms that read it.
     """
 
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
@@ -56,6 +60,9 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         self.chosen_algorithm.check(self)
+        unread = unread_settings(self)
+        if unread:
+            raise ValueError(_unread_message(self.objective.algorithm, unread, "at"))
         rows = self.rollout.rollout_rows
         minibatch_rows = self.training.minibatch_rows
         if minibatch_rows is not None and rows % minibatch_rows != 0:
@@ -289,8 +296,106 @@ PRESETS: dict[str, dict[str, Any]] = {
 """Named sets of overrides: `default` (the main job) and `tiny` (a smoke run for tests)."""
 
 
-def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
-    """A `JobConfig` from a preset and overrides, checked as a whole.
+class UnreadSettingWarning(UserWarning):
+    """Settings a config file gives that the chosen algorithm does not read: they are left at
+    their defaults (`make_config`'s `file_settings`)."""
+
+
+def readers(name: str) -> list[str]:
+    """The algorithms (by name) that read setting `name`.
+
+    **Arguments:**
+
+    - `name`: a setting's name.
+
+    **Returns:**
+
+    The names in `ALGORITHMS`' order: every algorithm for a setting outside
+    `ALGORITHM_SETTINGS`.
+    """
+    return [key for key, algorithm in ALGORITHMS.items() if name in _read_by(algorithm)]
+
+
+def _read_by(algorithm: AbstractAlgorithm) -> frozenset[str]:
+    """Every setting `algorithm` reads: all but those of `ALGORITHM_SETTINGS` outside its
+    `reads`."""
+    return frozenset(SETTINGS) - (ALGORITHM_SETTINGS - algorithm.reads)
+
+
+def algorithm_default(algorithm: AbstractAlgorithm, name: str) -> Any:
+    """The default of setting `name` under `algorithm`: the algorithm's own
+    (`default_settings`), else the setting's.
+
+    **Arguments:**
+
+    - `algorithm`: the algorithm.
+    - `name`: a setting's name.
+
+    **Returns:**
+
+    The default value.
+    """
+    return algorithm.default_settings().get(name, SETTINGS[name].default)
+
+
+def unread_settings(config: JobConfig) -> dict[str, Any]:
+    """The settings of `config` that its algorithm does not read, set to other than their
+    default under it.
+
+    **Arguments:**
+
+    - `config`: the configuration.
+
+    **Returns:**
+
+    `{setting: value}`, in `SETTINGS`' order.
+    """
+    algorithm = config.chosen_algorithm
+    unread = ALGORITHM_SETTINGS - algorithm.reads
+    return {
+        name: value
+        for name, value in config.settings().items()
+        if name in unread and value != algorithm_default(algorithm, name)
+    }
+
+
+def _unread_message(algorithm: str, names: Mapping[str, Any] | list[str], how: str) -> str:
+    """The refusal (or warning) of settings `names` that algorithm `algorithm` does not read:
+    each named with its value (`how` `"at"`) and the algorithms that read it."""
+    listed = []
+    for name in names:
+        value = f"={names[name]!r}" if isinstance(names, Mapping) else ""
+        listed.append(f"`{name}`{value} (read by {', '.join(readers(name)) or 'none'})")
+    one = len(listed) == 1
+    subject = "Setting " if one else "Settings "
+    verb = "is" if one else "are"
+    if how == "file":
+        return (
+            f"{subject}{'; '.join(listed)} of the config file {verb} not read by algorithm "
+            f"'{algorithm}': left at {'its default' if one else 'their defaults'}."
+        )
+    return (
+        f"{subject}{'; '.join(listed)} {verb} not read by algorithm '{algorithm}': leave "
+        f"{'it' if one else 'them'} out (or at the default), or choose an algorithm that "
+        f"reads {'it' if one else 'them'}."
+    )
+
+
+def make_config(
+    preset: str = "default",
+    *,
+    file_settings: Mapping[str, Any] | None = None,
+    named: Collection[str] = (),
+    **overrides: Any,
+) -> JobConfig:
+    """A `JobConfig` from a preset, a config file's settings and overrides, checked as a
+    whole (precedence: preset < file < overrides).
+
+    A setting the chosen algorithm does not read (`algorithms.ALGORITHM_SETTINGS` outside its
+    `reads`) is refused at a value other than its default (`JobConfig`), and among `named`
+    (what a user named on the command line) whatever its value; from `file_settings` (a
+    run's `config.toml` holds every setting), one other than its default is left at its
+    default, with one `UnreadSettingWarning` naming every such setting.
 
     The default reward is the weighted sum `reward_weights` (partial and strict, each
     normalised in its group); a preset or override that chooses one reward (`reward`,
@@ -300,21 +405,55 @@ def make_config(preset: str = "default", **overrides: Any) -> JobConfig:
     (`algorithms.AbstractAlgorithm.default_settings`; `nft` samples with a deterministic
     solver, so it turns `shared_noise` off unless named).
 
+    **Arguments:**
+
+    - `preset`: a name of `PRESETS`.
+    - `file_settings`: the settings of a config file (`read_config_file`), or `None`.
+    - `named`: the settings the user named (flags), of `overrides`.
+    - `overrides`: settings by name.
+
+    **Returns:**
+
+    The `JobConfig`.
+
     **Raises:**
 
-    - `ValueError`: for an unknown preset or setting, or a bad value (naming the setting).
+    - `ValueError`: for an unknown preset or setting, a bad value (naming the setting), or a
+        named setting the chosen algorithm does not read (naming the algorithms that do).
     """
     if preset not in PRESETS:
         raise ValueError(f"`preset` must be one of {sorted(PRESETS)}, got {preset!r}.")
-    settings = {**PRESETS[preset], **overrides}
+    from_file = dict(file_settings or {})
+    settings = {**PRESETS[preset], **from_file, **overrides}
+    chosen = settings.get("algorithm", ObjectiveSettings().algorithm)
+    algorithm = ALGORITHMS.get(chosen)
+    unread_named: list[str] = []
+    if algorithm is not None:
+        unread = ALGORITHM_SETTINGS - algorithm.reads
+        unread_named = [name for name in SETTINGS if name in named and name in unread]
+        ignored = {
+            name: from_file[name]
+            for name in SETTINGS
+            if name in from_file
+            and name not in overrides
+            and name in unread
+            and from_file[name] != algorithm_default(algorithm, name)
+        }
+        if ignored:
+            warnings.warn(_unread_message(chosen, ignored, "file"), UnreadSettingWarning, 2)
+            for name in ignored:
+                del settings[name]
     if "reward_weights" not in settings and any(name in settings for name in _ONE_REWARD):
         settings.update(reward_weights=None)
         settings.setdefault("reward_combination", "sum")
-    algorithm = ALGORITHMS.get(settings.get("algorithm", ObjectiveSettings().algorithm))
     if algorithm is not None:
         for key, value in algorithm.default_settings().items():
             settings.setdefault(key, value)
-    return JobConfig.from_settings(settings)
+    # Made first, so that what the algorithm's own checks refuse is said in their words.
+    config = JobConfig.from_settings(settings)
+    if unread_named:
+        raise ValueError(_unread_message(chosen, unread_named, "named"))
+    return config
 
 
 _ONE_REWARD = ("reward", "custom_reward", "reward_url")

@@ -23,6 +23,7 @@ from ..train import (
     move_run_aside,
     replaced_name as replaced_name,
 )
+from .algorithms import ALGORITHM_SETTINGS
 from .config import JobConfig
 
 
@@ -96,8 +97,9 @@ def check_run_folder(out: pathlib.Path, config: JobConfig, *, resume: bool) -> N
 
     - `RunFolderError`: without `resume`, if `out` holds a run (the message says how to
         continue it or start fresh); with `resume`, naming every identity setting whose value
-        differs from the newest checkpoint's (both values), or an `epochs` below the epochs
-        that checkpoint has done, or when no checkpoint is left of a run that finished
+        differs from the newest checkpoint's (both values; but those the algorithm does not
+        read), or an `epochs` below the epochs that checkpoint has done, or when no
+        checkpoint is left of a run that finished
         (`FINISHED_FILES`) or began checkpointing (its `checkpoints` folder exists: the
         message says whether a first checkpoint's write was cut short, or the folder is
         empty, and gives the command that starts the run afresh in the same folder,
@@ -123,10 +125,13 @@ def check_run_folder(out: pathlib.Path, config: JobConfig, *, resume: bool) -> N
     check_resumable(metadata, path)
     recorded = metadata["settings"]
     now = identity(config)
+    # A setting the algorithm does not read cannot change what the run computes (a run
+    # checkpointed with one at another value resumes at its default).
+    unread = ALGORITHM_SETTINGS - config.chosen_algorithm.reads
     changed = [
         f"{name}: {recorded.get(name)!r} in the checkpoint, {now.get(name)!r} now"
         for name in sorted(set(recorded) | set(now))
-        if recorded.get(name) != now.get(name)
+        if recorded.get(name) != now.get(name) and name not in unread
     ]
     if changed:
         raise RunFolderError(
