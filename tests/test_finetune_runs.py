@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from flowgrpo_eqx.finetune import read_config, run_finetune
 from flowgrpo_eqx.models import load_diffusers
 
-from .cli_helpers import compilation_cache
+from .cli_helpers import compilation_cache, run_process
 from .diffusers_helpers import WEIGHTS, assert_merged_is_base_plus_adapters
 from .finetune_helpers import PICKSCORE, PROCESSOR, tiny_table, write_config
 
@@ -164,3 +164,34 @@ def test_export_writes_any_checkpoint(tmp_path: pathlib.Path) -> None:
     ours, final = _adapters(tmp_path / "exported"), _adapters(out)
     for key in final:
         np.testing.assert_array_equal(ours[key], final[key])
+
+
+@pytest.mark.several_processes("runs flowgrpo-eqx finetune as two processes")
+@pytest.mark.sockets("the processes' coordinator listens on a loopback port")
+def test_two_processes_train_as_one(tmp_path: pathlib.Path) -> None:
+    """`flowgrpo-eqx launch --local 2 -- finetune ...` splits each rollout and update over two
+    processes on `jax.distributed` (the host reward on process 0), and ends where one process
+    ends, to float rounding."""
+    table = tiny_table(
+        tmp_path,
+        "sd35",
+        rewards=REWARDS["sd35"],
+        training={"epochs": 1},
+        evaluation={"before": False},
+    )
+    one = tmp_path / "one"
+    _run(write_config(tmp_path / "one.toml", table), one)
+    # The same calls of 4 samples and microbatches of 2, each cut over the two processes.
+    table["sampling"]["batch"], table["training"]["batch"] = 2, 1
+    config = write_config(tmp_path / "two.toml", table)
+    two = tmp_path / "two"
+    result = run_process("launch", "--local", "2", "--", "finetune", str(config), "--out",
+                         str(two), "--quiet")  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ours, theirs = _adapters(one), _adapters(two)
+    assert sorted(ours) == sorted(theirs)
+    for key in ours:
+        np.testing.assert_allclose(theirs[key], ours[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    first = json.loads((two / "metrics.jsonl").read_text().splitlines()[-1])
+    alone = json.loads((one / "metrics.jsonl").read_text().splitlines()[-1])
+    assert first["reward_mean"] == pytest.approx(alone["reward_mean"], rel=1e-4)

@@ -519,3 +519,24 @@ def test_docs_example_runs(tmp_path: Any, monkeypatch: Any) -> None:
     assert leaves_equal(namespace["reference"], base)
     loaded = eqx.tree_deserialise_leaves(tmp_path / "policy.eqx", base)
     assert leaves_equal(loaded, namespace["export"])
+
+
+def test_float32_adapters_over_a_bfloat16_base_merge_in_float32() -> None:
+    """`lora.add(dtype=jnp.float32)` keeps the adapters in float32 over a bfloat16 base; the
+    merged weight is the base's plus the update computed in float32, cast back to bfloat16."""
+    layer = eqx.nn.Linear(6, 5, key=jax.random.key(0))
+    layer = eqx.tree_at(lambda m: m.weight, layer, layer.weight.astype(jnp.bfloat16))
+    adapted = lora.add(layer, 2, alpha=3.0, key=jax.random.key(1), dtype=jnp.float32)
+    b = jax.random.normal(jax.random.key(2), (5, 2), jnp.float32)
+    adapted = eqx.tree_at(lambda m: m.adapters[0].b, adapted, b)
+    assert adapted.adapters[0].a.dtype == jnp.float32 and b.dtype == jnp.float32
+    merged = lora.merge(adapted).weight
+    assert merged.dtype == jnp.bfloat16
+    a = np.asarray(adapted.adapters[0].a, np.float64)
+    expected = np.asarray(layer.weight, np.float64) + 1.5 * np.asarray(b, np.float64) @ a
+    np.testing.assert_allclose(np.asarray(merged, np.float64), expected, rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(
+        np.asarray(merged), np.asarray(expected.astype(np.float32).astype(jnp.bfloat16))
+    )
+    same = lora.add(layer, 2, key=jax.random.key(1))
+    assert same.adapters[0].a.dtype == jnp.bfloat16  # the weight's dtype by default

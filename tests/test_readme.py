@@ -119,8 +119,14 @@ def _section(text: str, heading: str) -> str:
 def test_the_first_screen_says_what_it_is_then_install_a_short_run_the_main_job_and_the_library():
     text = README.read_text()
     headings = re.findall(r"^## (.+)$", text, flags=re.M)
-    first = ["Install", "A one-minute run", "The main job", "The library in ten lines"]
-    assert headings[:4] == first
+    first = [
+        "Install",
+        "A one-minute run",
+        "The main job",
+        "Fine-tune a published model",
+        "The library in ten lines",
+    ]
+    assert headings[:5] == first
     # What it is comes before any of them.
     assert "library for **online RL fine-tuning" in text[: text.index("\n## Install\n")]
     install = _section(text, "Install")
@@ -128,6 +134,10 @@ def test_the_first_screen_says_what_it_is_then_install_a_short_run_the_main_job_
     assert "flowgrpo-eqx train --preset tiny" in _section(text, "A one-minute run")
     main_job = _section(text, "The main job")
     assert "flowgrpo-eqx train --out" in main_job
+    finetune = _section(text, "Fine-tune a published model")
+    assert "flowgrpo-eqx finetune configs/" in finetune
+    for config in re.findall(r"`(configs/[^`]+\.toml)`", finetune):
+        assert (README.parent / config).is_file(), config
     # Its time on a CPU and on a TPU, as ranges.
     assert re.search(r"\d to \d+ minutes on one TPU", main_job)
     assert "minutes on a 2-core CPU" in main_job and re.search(r"\d+ to \d+ s wall", main_job)

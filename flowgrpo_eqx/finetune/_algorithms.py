@@ -106,6 +106,9 @@ class FlowGRPOSettings(AlgorithmSettings):
         "global", "advantages' std over the whole rollout (global) or each group (group)"
     )
     grpo_guard: bool = setting(False, "GRPO-Guard's ratio normalisation")
+    transition_chunk: int | None = setting(
+        None, "transitions the loss evaluates at once (none: all; 1 bounds memory)", minimum=1
+    )
 
     def rollout_advantage_std(self) -> AdvantageStd:
         return self.advantage_std_over
@@ -120,6 +123,7 @@ class FlowGRPOSettings(AlgorithmSettings):
             clip_range=self.clip_range,
             adv_clip_max=self.adv_clip_max,
             guard=GRPOGuard() if self.grpo_guard else None,
+            transition_chunk=self.transition_chunk,
             guidance=parts.flow.guidance,
             autoencoder=parts.flow.autoencoder,
             precision=parts.flow.precision,
@@ -259,6 +263,9 @@ class MixGRPOSettings(AlgorithmSettings):
         maximum=1,
         include_minimum=False,
     )
+    transition_chunk: int | None = setting(
+        None, "transitions the loss evaluates at once (none: all; 1 bounds memory)", minimum=1
+    )
 
     def objective(self, parts: JobParts) -> FlowGRPOObjective:
         return FlowGRPOObjective(
@@ -273,6 +280,7 @@ class MixGRPOSettings(AlgorithmSettings):
             autoencoder=parts.flow.autoencoder,
             precision=parts.flow.precision,
             model_time="thousandths",
+            transition_chunk=self.transition_chunk,
             steps=parts.eval_steps + 1,
             pretrained=parts.policy,
         )
@@ -318,6 +326,9 @@ class DPPOSettings(AlgorithmSettings):
         maximum=1,
         include_minimum=False,
     )
+    transition_chunk: int | None = setting(
+        None, "transitions the loss evaluates at once (none: all; 1 bounds memory)", minimum=1
+    )
 
     def objective(self, parts: JobParts) -> FlowDPPOObjective:
         return FlowDPPOObjective(
@@ -325,6 +336,7 @@ class DPPOSettings(AlgorithmSettings):
             kl_threshold=self.kl_threshold,
             sde=FlowSDE(self.noise_level),
             old_means="rollout",
+            transition_chunk=self.transition_chunk,
             pretrained=parts.policy,
         )
 

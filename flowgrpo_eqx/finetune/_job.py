@@ -36,8 +36,9 @@ from ._rewards import CombinedReward, DeviceTerm, HostTerm, score_terms
 
 
 def make_policy(transformer: Any, config: FinetuneConfig) -> Any:
-    """The trained policy: the transformer with float32 LoRA adapters on the configured
-    targets (`lora.rank` > 0), or the transformer itself (every weight trained).
+    """The trained policy: the transformer with float32 LoRA adapters (whatever the base's
+    dtype) on the configured targets (`lora.rank` > 0), or the transformer itself (every
+    weight trained).
 
     **Raises:**
 
@@ -49,7 +50,9 @@ def make_policy(transformer: Any, config: FinetuneConfig) -> Any:
     assert settings.targets is not None
     where = diffusers_layers(transformer, settings.targets)
     key = jax.random.key(config.seed + 1)
-    policy = lora.add(transformer, settings.rank, alpha=settings.alpha, key=key, where=where)
+    policy = lora.add(
+        transformer, settings.rank, alpha=settings.alpha, key=key, where=where, dtype=jnp.float32
+    )
     adapters = lora.adapters(policy)
     if settings.init == "kaiming":
         # PEFT's default: A ~ kaiming-uniform with a = sqrt(5), bound 1 / sqrt(fan_in).
@@ -68,10 +71,7 @@ def make_policy(transformer: Any, config: FinetuneConfig) -> Any:
             adapters,
             is_leaf=lambda node: isinstance(node, lora.LoraAdapter),
         )
-    as_float32 = jax.tree.map(
-        lambda leaf: leaf.astype(jnp.float32) if eqx.is_inexact_array(leaf) else leaf, adapters
-    )
-    return lora.with_adapters(policy, as_float32)
+    return lora.with_adapters(policy, adapters)
 
 
 def make_optimizer(training: TrainingSettings, total_updates: int) -> optax.GradientTransformation:

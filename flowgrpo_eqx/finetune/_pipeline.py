@@ -4,6 +4,7 @@ grid and the guidance, one class per model kind (`PIPELINE_KINDS`)."""
 
 import abc
 import dataclasses
+import functools
 import gc
 import math
 import pathlib
@@ -521,16 +522,25 @@ PIPELINE_KINDS: dict[ModelKind, AbstractPipelineKind] = {
 
 
 def _random(make: Callable[[Any], Any], dtype: Any) -> Any:  # noqa: ANN401
-    """A model of random weights made on the device in `dtype` (each weight drawn and cast
-    in one program, so the float32 draw of the whole model never lives at once)."""
+    """A model of random weights in `dtype`: its structure traced abstractly from `make(key)`,
+    each floating-point weight drawn from N(0, 0.02^2) by a small program per shape (a stacked
+    model has few), so no program of the whole model's size is compiled."""
+    abstract = eqx.filter_eval_shape(make, jax.random.key(0))
+    leaves, treedef = jax.tree.flatten(abstract)
+    drawn = []
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            drawn.append(leaf)
+        elif jnp.issubdtype(leaf.dtype, jnp.floating):
+            drawn.append(_normal(jax.random.key(index), leaf.shape, jnp.dtype(dtype)))
+        else:
+            drawn.append(jnp.zeros(leaf.shape, leaf.dtype))
+    return jax.tree.unflatten(treedef, drawn)
 
-    def draw(key: Any) -> Any:
-        model = make(key)
-        return jax.tree.map(
-            lambda leaf: leaf.astype(dtype) if eqx.is_inexact_array(leaf) else leaf, model
-        )
 
-    return eqx.filter_jit(draw)(jax.random.key(0))
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def _random_vae(make: Callable[[Any], Any], dtype: Any) -> AbstractAutoEncoder:

@@ -121,20 +121,15 @@ _CLIP_L_VISION = TowerShape(1024, 16, 4096, 24, "quick_gelu", 1e-5)
 
 
 def _random_clip(kind: str, dtype: Any) -> CLIPModel:
+    """PickScore's CLIP-ViT-H-14 (or CLIP score's ViT-L/14) with random weights in `dtype`."""
+    from ._pipeline import _random
+
     text, vision, width = (
         (_PICKSCORE_TEXT, _PICKSCORE_VISION, 1024)
         if kind == "pickscore"
         else (_CLIP_L_TEXT, _CLIP_L_VISION, 768)
     )
-
-    def draw(key: Any) -> CLIPModel:
-        model = CLIPModel(text, vision, width, key=key)
-        cast: CLIPModel = jax.tree.map(
-            lambda leaf: leaf.astype(dtype) if eqx.is_inexact_array(leaf) else leaf, model
-        )
-        return cast
-
-    made: CLIPModel = eqx.filter_jit(draw)(jax.random.key(1))
+    made: CLIPModel = _random(lambda key: CLIPModel(text, vision, width, key=key), dtype)
     return made
 
 

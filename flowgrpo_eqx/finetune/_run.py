@@ -473,7 +473,7 @@ class _Run:
         job = self.job
         groups = self.config.sampling.group_size
         std = self.config.algorithm_table.rollout_advantage_std()
-        per_term = {name: np.asarray(v, np.float64) for name, v in device_scores.items()}
+        per_term = {name: _on_host(v, np.float64) for name, v in device_scores.items()}
         for name, values in per_term.items():
             bad = np.flatnonzero(~np.isfinite(values))
             if bad.size:
@@ -486,8 +486,8 @@ class _Run:
             weights = {term.name: term.weight for term in job.device_terms}
             on_device = advantages_program(device_scores, weights, groups, std, combination)
             return (
-                np.asarray(on_device[0], np.float64),
-                np.asarray(on_device[1], np.float32),
+                _on_host(on_device[0], np.float64),
+                _on_host(on_device[1], np.float32),
                 per_term,
             )
         samples = host_samples(generated.samples)
@@ -532,7 +532,7 @@ class _Run:
                 job.flow, steps, policy, rows, noise, job.device_terms
             )
             for name, term_scores in scores.items():
-                device_scores[name].append(np.asarray(term_scores, np.float64)[:real])
+                device_scores[name].append(_on_host(term_scores, np.float64)[:real])
             wanted = max(0, min(config.prompts.preview, count) - start)
             if wanted or job.host_terms:
                 on_host = host_samples(samples)[:real]
@@ -623,6 +623,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float | np.floating | np.integer) and not isinstance(value, bool)
 
 
+def _on_host(values: Any, dtype: Any) -> np.ndarray:
+    """A row-sharded device array whole on the host of every process (`host_samples`)."""
+    return np.asarray(host_samples(values), dtype)
+
+
 def _concatenate(pieces: list[Any]) -> Any:
     if len(pieces) == 1:
         return pieces[0]
@@ -637,7 +642,8 @@ def _host_scores_on_root(
         assert samples is not None
         return host_scores(terms, samples, prompts, indices)
     return {
-        term.name: score_on_root(_OneTerm(term, prompts, indices), samples, {}) for term in terms
+        term.name: score_on_root(_OneTerm(term, prompts, indices), samples, {"index": indices})
+        for term in terms
     }
 
 

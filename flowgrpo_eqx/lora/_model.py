@@ -97,7 +97,8 @@ def merge(model: LoraModel[ModelT]) -> ModelT:
     """The base model with the adapters folded into its weights.
 
     Each adapted layer's weight becomes `W + (alpha / rank) b @ a` (the product `b @ a` at
-    full float32 precision), cast to the dtype of `W`. The result has the structure of the
+    full float32 precision, the sum in the wider of `W`'s and the adapters' dtypes), cast to
+    the dtype of `W`. The result has the structure of the
     base model: it serialises into it and needs nothing from this module to run.
 
     **Arguments:**
@@ -122,9 +123,9 @@ def merge(model: LoraModel[ModelT]) -> ModelT:
             return node
         weight = node.weight
         update = jnp.matmul(adapter.b, adapter.a, precision=jax.lax.Precision.HIGHEST)
-        return eqx.tree_at(
-            lambda layer: layer.weight, node, (weight + scale * update).astype(weight.dtype)
-        )
+        wider = max(weight.dtype, update.dtype, key=lambda dtype: jnp.dtype(dtype).itemsize)
+        merged = weight.astype(wider) + scale * update.astype(wider)
+        return eqx.tree_at(lambda layer: layer.weight, node, merged.astype(weight.dtype))
 
     merged: ModelT = jax.tree_util.tree_map_with_path(fold, model.base, is_leaf=is_linear)
     return merged

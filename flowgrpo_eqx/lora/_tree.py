@@ -73,6 +73,7 @@ def add(
     key: PRNGKeyArray,
     alpha: float | int | None = None,
     where: Callable[[ModelT], eqx.nn.Linear | Sequence[eqx.nn.Linear]] | None = None,
+    dtype: Any = None,
 ) -> LoraModel[ModelT]:
     """Put low-rank adapters on some `eqx.nn.Linear` layers of `model`.
 
@@ -94,6 +95,10 @@ def add(
     - `where`: which layers to adapt: `None` for every `eqx.nn.Linear` in `model`, or a
         callable like `eqx.tree_at`'s `where`, returning one `eqx.nn.Linear` of `model` or a
         sequence of them, e.g. `lambda m: [block.qkv for block in m.blocks]`.
+    - `dtype`: the adapters' dtype; `None` (the default) takes each layer's weight's. Float32
+        adapters over a bfloat16 base keep the trained weights (and the optimizer's view of
+        them) in float32, as PEFT's adapters over a half-precision model are; the merged
+        weight is computed in the wider of the two and cast to the base's.
 
     **Returns:**
 
@@ -123,13 +128,13 @@ def add(
                 f"matrix (shape {jnp.shape(weight)}, dtype {weight.dtype})."
             )
         shapes.append((*weight.shape[:-2], rank, weight.shape[-1]))
-        dtypes.append(weight.dtype)
+        dtypes.append(weight.dtype if dtype is None else jnp.dtype(dtype))
     draws = chunked_random_arrays(
         key, [(shape, 1.0 / rank) for shape in shapes], jax.random.normal, dtypes
     )
     adapters = tuple(
-        LoraAdapter(a=draw, b=zeros((*linears[path].weight.shape[:-1], rank), dtype))
-        for path, draw, dtype in zip(paths, draws, dtypes, strict=True)
+        LoraAdapter(a=draw, b=zeros((*linears[path].weight.shape[:-1], rank), adapter_dtype))
+        for path, draw, adapter_dtype in zip(paths, draws, dtypes, strict=True)
     )
     return LoraModel(
         base=model, adapters=adapters, layer_paths=tuple(paths), rank=rank, alpha=float(alpha)
