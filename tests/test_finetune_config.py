@@ -69,7 +69,8 @@ def test_overrides_apply_and_parse_toml_values(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(ALGORITHM_TABLES))
 def test_every_algorithm_has_its_own_table(tmp_path: pathlib.Path, name: str) -> None:
-    config = config_from_table(tiny_table(tmp_path, "sd35", algorithm=name))
+    shift = {"time_shift": 3.0} if "flash" in name else {}
+    config = config_from_table(tiny_table(tmp_path, "sd35", algorithm=name, sampling=shift))
     assert config.algorithm.name == name
     printed = config_to_toml(config.resolved())
     assert f"[algorithm.{name}]" in printed
@@ -93,6 +94,8 @@ def test_every_algorithm_has_its_own_table(tmp_path: pathlib.Path, name: str) ->
         ("pipeline.random_weights='sd3.5-medium'", "`pipeline.path` or `random_weights` must "
          "be given"),
         ("sampling.height=512", "`sampling.resolution` excludes `height` and `width`"),
+        ("algorithm.name='mixgrpo-flash'", "`sampling.time_shift` must be given with "
+         "`algorithm.mixgrpo-flash.compress_ratio`"),
     ],
 )  # fmt: skip
 def test_a_bad_setting_is_named(tmp_path: pathlib.Path, override: str, message: str) -> None:

@@ -299,6 +299,14 @@ class FinetuneConfig:
                 "(pickscore, clipscore, http or python), e.g. [reward.pickscore] kind = "
                 '"pickscore", model = "PickScore_v1".'
             )
+        compressed = getattr(self.algorithm_table, "compress_ratio", None)
+        if compressed is not None and self.sampling.time_shift is None:
+            raise ConfigError(
+                f"Setting `sampling.time_shift` must be given with `algorithm."
+                f"{self.algorithm.name}.compress_ratio`: MixGRPO-Flash rebuilds the grid after "
+                "its window as the release does, on the uniform grid shifted by `--shift` (3 in "
+                "its scripts), not on a scheduler's grid."
+            )
         rows = self.sampling.prompts_per_epoch * self.sampling.group_size
         if rows % self.training.updates_per_epoch:
             raise ConfigError(

@@ -154,6 +154,7 @@ def run_finetune(
             embedded = _embed(out, config, pipeline, train, heldout, device_terms, quiet, log)
             mesh = data_mesh(plan.devices, sequence=plan.sequence) if plan.devices > 1 else None
             job = Job.build(config, plan, pipeline, embedded.null, device_terms, host_terms, mesh)
+            pipeline.transformer = None  # the job holds it, until its state holds its own copy
             writers = make_writers(config.logging.writers, out) if root else None
             run = _Run(job, out, train, heldout, embedded, checkpoints, writers, log, started)
             try:
@@ -359,6 +360,7 @@ class _Run:
 
     def start(self, resume: bool) -> tuple[TrainState, int]:
         state = self.job.trainer.init(jax.random.key(self.config.seed + 2))
+        self.job = self.job.without_model_arrays()
         if self.job.mesh is not None:
             state = shard_parameters(
                 state,
