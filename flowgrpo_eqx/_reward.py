@@ -88,7 +88,14 @@ def check_finite_samples(name: str, samples: Any) -> None:
         )
     if array.ndim == 0 or not np.issubdtype(array.dtype, np.inexact):
         return
-    bad = np.flatnonzero(~np.isfinite(array.reshape(array.shape[0], -1)).all(axis=1))
+    flat = array.reshape(array.shape[0], -1)
+    step = _rows_per_block(flat[0].nbytes)
+    bad = np.concatenate(
+        [
+            start + np.flatnonzero(~np.isfinite(flat[start : start + step]).all(axis=1))
+            for start in range(0, flat.shape[0], step)
+        ]
+    )
     if bad.size:
         shown = bad[:10].tolist()
         more = f" and {bad.size - 10} more" if bad.size > 10 else ""
@@ -228,7 +235,7 @@ def to_uint8_images(samples: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:
 
     - `ValueError`: if `samples` is not a batch of images.
     """
-    array = np.asarray(samples, dtype=np.float64)
+    array = np.asarray(samples)
     if array.ndim == 3:
         array = array[..., None]
     if array.ndim != 4 or array.shape[-1] not in (1, 3, 4):
@@ -236,9 +243,26 @@ def to_uint8_images(samples: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:
             f"`samples` must be images [N, H, W] or [N, H, W, C] with C in (1, 3, 4), got "
             f"shape {array.shape}."
         )
-    scaled = np.round((np.clip(array, -1.0, 1.0) + 1.0) * 127.5)
-    images: npt.NDArray[np.uint8] = scaled.astype(np.uint8)
+    images: npt.NDArray[np.uint8] = np.empty(array.shape, np.uint8)
+    # A block of images at a time, in float64: no temporary larger than a block.
+    step = _rows_per_block(8 * array[0].size)
+    for start in range(0, array.shape[0], step):
+        block = np.array(array[start : start + step], dtype=np.float64)
+        np.clip(block, -1.0, 1.0, out=block)
+        block += 1.0
+        block *= 127.5
+        np.round(block, out=block)
+        images[start : start + step] = block.astype(np.uint8)
     return images
+
+
+_BLOCK_BYTES = 16 << 20
+"""The bytes of the temporaries the host rewards work in at a time (a block of rows)."""
+
+
+def _rows_per_block(row_bytes: int) -> int:
+    """Rows of `row_bytes` each that fit `_BLOCK_BYTES` (at least one)."""
+    return max(1, _BLOCK_BYTES // max(1, row_bytes))
 
 
 def jpeg_sizes_kb(samples: npt.NDArray[Any], quality: int = 95) -> npt.NDArray[np.float64]:

@@ -303,6 +303,31 @@ class WireRequest:
         samples = 4 * self.samples.size if self.uint8 else self.samples.nbytes
         return int(samples + sum(leaf.nbytes for leaf in self.leaves()))
 
+    def row_bytes(self) -> int:
+        """The bytes of one row of the arrays as the reward gets them (`decoded_bytes` per
+        row).
+
+        **Returns:**
+
+        The bytes, at least 1.
+        """
+        return max(1, -(-self.decoded_bytes() // max(1, self.count)))
+
+    def part(self, start: int, stop: int) -> "WireRequest":
+        """Rows `start` to `stop` of the request: views of its samples and of every array of
+        its rows.
+
+        **Arguments:**
+
+        - `start`, `stop`: the rows, `0 <= start < stop <= count`.
+
+        **Returns:**
+
+        The `WireRequest` of those rows, its samples still as they were sent.
+        """
+        rows = None if self.rows is None else _slice_rows(self.rows, start, stop)
+        return WireRequest(self.samples[start:stop], rows, self.uint8)
+
     def decoded(self) -> tuple[npt.NDArray[Any], Any]:
         """The arrays as the reward gets them.
 
@@ -310,11 +335,27 @@ class WireRequest:
 
         `(samples, rows)`: uint8 samples become float32 `x / 127.5 - 1`, computed in float64
         and rounded once (float32 arithmetic would round twice and miss the nearest float32
-        for some levels), a new array; other samples and the rows are returned as they are.
+        for some levels), a new array made a block at a time (no temporary larger than a
+        block); other samples and the rows are returned as they are.
         """
-        if self.uint8:
-            return _UINT8_TO_FLOAT32[self.samples], self.rows
-        return self.samples, self.rows
+        if not self.uint8:
+            return self.samples, self.rows
+        out = np.empty(self.samples.shape, np.float32)
+        flat_in, flat_out = self.samples.reshape(-1), out.reshape(-1)
+        for start in range(0, flat_in.size, _DECODE_BLOCK):
+            stop = start + _DECODE_BLOCK
+            flat_out[start:stop] = _UINT8_TO_FLOAT32[flat_in[start:stop]]
+        return out, self.rows
+
+
+_DECODE_BLOCK = 1 << 20
+"""uint8 samples decoded per step: the table lookup's index array is 8 bytes an element."""
+
+
+def _slice_rows(rows: Any, start: int, stop: int) -> Any:
+    if isinstance(rows, Mapping):
+        return {key: _slice_rows(value, start, stop) for key, value in rows.items()}
+    return rows[start:stop]
 
 
 def decode_request(body: Any) -> tuple[npt.NDArray[Any], Any]:

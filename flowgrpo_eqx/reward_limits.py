@@ -10,6 +10,13 @@ at most `max_total_rows` rows waiting for or in the reward (429 beyond, retried 
 place among those only once its whole body has arrived, so clients that send slowly hold
 nothing but their connection (bounded by `max_connections`) and what they have sent, and
 only for `read_timeout`.
+
+Each peer (a client address: an IPv4 address, or an IPv6 /64) holds at most half of each
+total by default: `max_connections_per_peer` connections, `max_bytes_per_peer` bytes,
+`max_rows_per_peer` rows and `max_requests_per_peer` places (429 beyond), so that one
+misbehaving client cannot starve the others. The reward is called on chunks of at most
+`score_chunk_bytes` of samples as it gets them, so that its own working memory (and uint8
+samples' float32) is bounded by a chunk, not by a request.
 """
 
 import argparse
@@ -56,6 +63,27 @@ reward or in it); more get 503. Bodies still arriving take no place."""
 DEFAULT_MAX_CONNECTIONS = 256
 """Open connections kept by `serve`; beyond it the longest-idle connection is closed."""
 
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 32
+"""Open connections one peer may hold under `serve` by default; beyond it that peer's
+longest-idle connection is closed, or the new one is answered 429 and closed."""
+
+DEFAULT_MAX_BYTES_PER_PEER = DEFAULT_MAX_REQUEST_BYTES
+"""The most bytes of request data one peer may hold at once by default (half of
+`DEFAULT_MAX_TOTAL_BYTES`, and room for one request of `DEFAULT_MAX_REQUEST_BYTES`); 429
+beyond."""
+
+DEFAULT_MAX_ROWS_PER_PEER = DEFAULT_MAX_REQUEST_ROWS
+"""The most rows one peer may have waiting for or in the reward by default (half of
+`DEFAULT_MAX_TOTAL_ROWS`); 429 beyond."""
+
+DEFAULT_MAX_REQUESTS_PER_PEER = 2
+"""The most places one peer may take at once by default (half of
+`DEFAULT_MAX_CONCURRENT_REQUESTS`); 429 beyond."""
+
+DEFAULT_SCORE_CHUNK_BYTES = 32 << 20
+"""The most bytes of samples (as the reward gets them: uint8 as float32) one call of the
+reward scores by default; a larger request is scored in chunks of rows."""
+
 
 @final
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +106,17 @@ class ServerLimits:
         request that alone needs more).
     - `max_total_rows`: the most rows waiting for or in the reward at once (429 beyond; 413
         for a request that alone holds more).
+    - `max_connections_per_peer`: under `serve`, the open connections one peer may hold
+        (beyond it its longest-idle connection is closed, or the new one answered 429).
+    - `max_bytes_per_peer`: the most bytes of request data one peer may hold at once (429
+        beyond; 413 for a request that alone needs more).
+    - `max_rows_per_peer`: the most rows one peer may have waiting for or in the reward (429
+        beyond; 413 for a request that alone holds more).
+    - `max_requests_per_peer`: the most places one peer may take at once (429 beyond).
+    - `score_chunk_bytes`: the most bytes of samples, as the reward gets them, per call of
+        the reward: a larger request is scored in chunks of rows, each decoded only when it
+        is scored. A reward whose score of a sample depends on the other samples of its call
+        must be served with this at least `max_decoded_bytes`.
 
     **Raises:**
 
@@ -92,15 +131,28 @@ class ServerLimits:
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES
     max_total_rows: int = DEFAULT_MAX_TOTAL_ROWS
+    max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER
+    max_bytes_per_peer: int = DEFAULT_MAX_BYTES_PER_PEER
+    max_rows_per_peer: int = DEFAULT_MAX_ROWS_PER_PEER
+    max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER
+    score_chunk_bytes: int = DEFAULT_SCORE_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         check_int("max_request_bytes", self.max_request_bytes, 1)
         check_number("read_timeout", self.read_timeout, minimum=0, include_minimum=False)
-        check_int("max_concurrent_requests", self.max_concurrent_requests, 1)
-        check_int("max_request_rows", self.max_request_rows, 1)
-        check_int("max_decoded_bytes", self.max_decoded_bytes, 1)
-        check_int("max_total_bytes", self.max_total_bytes, 1)
-        check_int("max_total_rows", self.max_total_rows, 1)
+        for name in (
+            "max_concurrent_requests",
+            "max_request_rows",
+            "max_decoded_bytes",
+            "max_total_bytes",
+            "max_total_rows",
+            "max_connections_per_peer",
+            "max_bytes_per_peer",
+            "max_rows_per_peer",
+            "max_requests_per_peer",
+            "score_chunk_bytes",
+        ):
+            check_int(name, getattr(self, name), 1)
 
 
 LIMIT_FLAGS: dict[str, str] = {
@@ -112,6 +164,11 @@ LIMIT_FLAGS: dict[str, str] = {
     "read_timeout": "--read-timeout",
     "max_concurrent_requests": "--max-concurrent-requests",
     "max_connections": "--max-connections",
+    "max_connections_per_peer": "--max-connections-per-peer",
+    "max_bytes_per_peer": "--max-bytes-per-peer",
+    "max_rows_per_peer": "--max-rows-per-peer",
+    "max_requests_per_peer": "--max-requests-per-peer",
+    "score_chunk_bytes": "--score-chunk-bytes",
 }
 """Each limit's flag, by its name as a field of `ServerLimits` or an argument of `serve`
 (the server's refusals name both)."""
@@ -176,6 +233,41 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_CONNECTIONS,
         help=f"open connections kept; the longest-idle is closed beyond "
         f"(default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--max-connections-per-peer",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS_PER_PEER,
+        help=f"open connections one client address keeps; beyond, its longest-idle is closed "
+        f"or the new one gets 429 (default {DEFAULT_MAX_CONNECTIONS_PER_PEER})",
+    )
+    parser.add_argument(
+        "--max-bytes-per-peer",
+        type=int,
+        default=DEFAULT_MAX_BYTES_PER_PEER,
+        help=f"most bytes of request data one client address holds at once, 429 beyond "
+        f"(default {DEFAULT_MAX_BYTES_PER_PEER})",
+    )
+    parser.add_argument(
+        "--max-rows-per-peer",
+        type=int,
+        default=DEFAULT_MAX_ROWS_PER_PEER,
+        help=f"most rows one client address has waiting for or in the reward, 429 beyond "
+        f"(default {DEFAULT_MAX_ROWS_PER_PEER})",
+    )
+    parser.add_argument(
+        "--max-requests-per-peer",
+        type=int,
+        default=DEFAULT_MAX_REQUESTS_PER_PEER,
+        help=f"/score requests one client address has held at once, 429 beyond "
+        f"(default {DEFAULT_MAX_REQUESTS_PER_PEER})",
+    )
+    parser.add_argument(
+        "--score-chunk-bytes",
+        type=int,
+        default=DEFAULT_SCORE_CHUNK_BYTES,
+        help=f"most bytes of samples (uint8 as float32) per call of the reward; larger "
+        f"requests are scored in chunks of rows (default {DEFAULT_SCORE_CHUNK_BYTES})",
     )
     parser.add_argument(
         "--allow-unauthenticated",

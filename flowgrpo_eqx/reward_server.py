@@ -16,9 +16,11 @@ axis exceeds the body's length: `_reward_wire.parse_request`).
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import hmac
 import ipaddress
+import json
 import logging
 import signal
 import socket
@@ -101,7 +103,29 @@ class _Truncated(Exception):
 
 @final
 class _OverCapacity(Exception):
-    """The body's next bytes would take the server past its `max_total_bytes`."""
+    """The body's next bytes would take the server past its `max_total_bytes`, or the peer
+    past its `max_bytes_per_peer` (`limit` says which)."""
+
+    def __init__(self, limit: str):
+        super().__init__(limit)
+        self.limit = limit
+
+
+def _peer_key(peername: Any) -> str:
+    """The peer a connection's address belongs to, for the per-peer limits: an IPv4
+    address, or an IPv6 /64 (one host's usual allocation; an IPv4-mapped address is its
+    IPv4 address); anything else (a Unix socket) as it is."""
+    host = peername[0] if isinstance(peername, tuple) and peername else peername
+    text = str(host or "local")
+    try:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return text
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
 
 
 _LOGGED_CLIENT_BYTES = 120
@@ -142,8 +166,9 @@ async def _read_body(request: web.Request, length: int, hold: "_Hold") -> npt.ND
             chunk = await request.content.readany()
             if not chunk or filled + len(chunk) > length:
                 raise _Truncated
-            if not hold.take(len(chunk)):
-                raise _OverCapacity
+            refused = hold.take(len(chunk))
+            if refused is not None:
+                raise _OverCapacity(refused)
             buffer[filled : filled + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
             filled += len(chunk)
     except BaseException:
@@ -153,12 +178,22 @@ async def _read_body(request: web.Request, length: int, hold: "_Hold") -> npt.ND
     return buffer
 
 
-def _beyond_body(parsed: WireRequest, body: npt.NDArray[np.uint8]) -> int:
-    """The bytes `parsed` takes besides its body's: the float32 samples that uint8 ones
-    become, and arrays copied because they arrived unaligned."""
+def _chunk_rows(parsed: WireRequest, chunk_bytes: int) -> int:
+    """The rows of `parsed` the reward scores per call: as many as fit `chunk_bytes` of
+    arrays as the reward gets them (at least one)."""
+    return max(1, min(parsed.count, chunk_bytes // parsed.row_bytes()))
+
+
+def _beyond_body(parsed: WireRequest, body: npt.NDArray[np.uint8], chunk_bytes: int) -> int:
+    """The bytes `parsed` takes besides its body's: the float32 samples that one chunk of
+    uint8 ones becomes (`_score_decoded` decodes a chunk at a time), and arrays copied
+    because they arrived unaligned."""
     arrays = [parsed.samples, *parsed.leaves()]
     copied = sum(array.nbytes for array in arrays if not np.may_share_memory(array, body))
-    return int(copied + (4 * parsed.samples.size if parsed.uint8 else 0))
+    if not parsed.uint8:
+        return int(copied)
+    per_row = parsed.samples.size // max(1, parsed.count)
+    return int(copied + 4 * per_row * _chunk_rows(parsed, chunk_bytes))
 
 
 def make_app(
@@ -177,23 +212,30 @@ def make_app(
 
     A `/score` request is held to the fields of `limits`. It is refused before its body is
     read, and its connection closed, when the token is wrong (401), it has no Content-Length
-    (411), or the Content-Length exceeds `max_request_bytes` or `max_total_bytes` (413). A
-    body that takes longer than `read_timeout` gets 408 and its connection is closed. The
-    body is read into one buffer, each chunk counted as it arrives against
-    `max_total_bytes` across all requests (429 beyond), and the arrays are views of it.
-    Once the whole body has arrived it is checked (400 for anything that is not the wire
-    format) and held to the limits: more than `max_request_rows` rows or
-    `max_decoded_bytes` of arrays as the reward gets them (uint8 samples count as the
-    float32 they become) get 413; `max_concurrent_requests` requests already waiting for or
-    in the reward give 503; its rows or bytes on top of those held past `max_total_rows` or
-    `max_total_bytes` give 429. Only then does it take a place, so clients that send their
-    bodies slowly cannot keep a fair request from the reward. Every refusal by a limit names
-    it (and its flag) in its message and as `"limit"`.
+    (411), or the Content-Length exceeds `max_request_bytes`, `max_total_bytes` or
+    `max_bytes_per_peer` (413). A body that takes longer than `read_timeout` gets 408 and
+    its connection is closed. The body is read into one buffer, each chunk counted as it
+    arrives against `max_total_bytes` across all requests and `max_bytes_per_peer` across
+    its peer's (429 beyond), and the arrays are views of it. Once the whole body has
+    arrived it is checked (400 for anything that is not the wire format) and held to the
+    limits: more than `max_request_rows` rows or `max_decoded_bytes` of arrays as the reward
+    gets them (uint8 samples count as the float32 they become) get 413;
+    `max_concurrent_requests` requests already waiting for or in the reward give 503; its
+    peer's `max_requests_per_peer` places already taken, or its rows or bytes on top of
+    those its peer holds past `max_rows_per_peer` or `max_bytes_per_peer`, or on top of
+    all held past `max_total_rows` or `max_total_bytes`, give 429. Only then does it take a
+    place, so clients that send their bodies slowly cannot keep a fair request from the
+    reward, and one peer (an IPv4 address or an IPv6 /64) holds at most its share of each
+    total. Every refusal by a limit names it (and its flag) in its message and as
+    `"limit"`.
 
-    So the request data the server holds at once never exceed `max_total_bytes` (plus
-    arrays that arrive unaligned, copied while a body is parsed, at most one body each); the
-    reward's own working memory for the one request it scores comes on top. uint8 samples
-    become float32 on the reward's thread, just before the reward is called.
+    The reward is called on chunks of the request's rows of at most `score_chunk_bytes` of
+    arrays as it gets them (uint8 samples become float32 a chunk at a time, on the reward's
+    thread, just before the call), and the scores are joined: what a reward scores sample
+    by sample is the same, and its working memory is that of a chunk. So the server holds
+    at most `max_total_bytes` of request data (plus arrays that arrive unaligned, copied
+    while a body is parsed, at most one body each), and on top of it the reward's working
+    memory for one chunk.
 
     **Arguments:**
 
@@ -230,28 +272,37 @@ class _Hold:
     then of its decoded arrays) and, once admitted, rows and a place. Released once: when
     its handler ends, or, once it is handed to the reward's thread, when that is done."""
 
-    def __init__(self, server: "_Server"):
+    def __init__(self, server: "_Server", peer: str):
         self.server = server
+        self.peer = peer
+        self.use = server.peers.setdefault(peer, _PeerUse())
+        self.use.holds += 1
         self.bytes = 0
         self.rows = 0
         self.placed = False
         self.handed_over = False
         self.released = False
 
-    def take(self, count: int) -> bool:
+    def take(self, count: int) -> str | None:
         """Count `count` more bytes, unless the server would then hold more than its
-        `max_total_bytes`; whether they were counted."""
-        server = self.server
-        if server.bytes_held + count > server.limits.max_total_bytes:
-            return False
+        `max_total_bytes` or the peer more than its `max_bytes_per_peer`; `None` when they
+        were counted, else the limit's name."""
+        server, limits = self.server, self.server.limits
+        if self.use.bytes + count > limits.max_bytes_per_peer:
+            return "max_bytes_per_peer"
+        if server.bytes_held + count > limits.max_total_bytes:
+            return "max_total_bytes"
         server.bytes_held += count
+        self.use.bytes += count
         self.bytes += count
-        return True
+        return None
 
     def admit(self, rows: int) -> None:
         """Take a place for a request of `rows` rows."""
         self.server.rows_held += rows
         self.server.placed += 1
+        self.use.rows += rows
+        self.use.requests += 1
         self.rows = rows
         self.placed = True
 
@@ -263,6 +314,25 @@ class _Hold:
         self.server.bytes_held -= self.bytes
         self.server.rows_held -= self.rows
         self.server.placed -= int(self.placed)
+        use = self.use
+        use.bytes -= self.bytes
+        use.rows -= self.rows
+        use.requests -= int(self.placed)
+        use.holds -= 1
+        if use.holds == 0:
+            self.server.peers.pop(self.peer, None)
+
+
+@final
+@dataclasses.dataclass
+class _PeerUse:
+    """What one peer's requests hold: bytes, rows and places, and how many requests hold
+    anything (the entry is dropped when none does)."""
+
+    bytes: int = 0
+    rows: int = 0
+    requests: int = 0
+    holds: int = 0
 
 
 @final
@@ -279,6 +349,7 @@ class _Server:
         self.placed = 0  # requests waiting for or in the reward
         self.rows_held = 0  # their rows
         self.bytes_held = 0  # bodies as they arrive, and the arrays of those requests
+        self.peers: dict[str, _PeerUse] = {}  # the same, by peer
 
     async def health(self, request: web.Request) -> web.Response:
         del request
@@ -292,7 +363,8 @@ class _Server:
             return refusal
         length = request.content_length
         assert length is not None  # refused above otherwise
-        hold = _Hold(self)
+        transport = request.transport
+        hold = _Hold(self, _peer_key(transport.get_extra_info("peername") if transport else None))
         try:
             return await self._score(request, length, hold)
         finally:
@@ -312,6 +384,7 @@ class _Server:
         for name, value in (
             ("max_request_bytes", limits.max_request_bytes),
             ("max_total_bytes", limits.max_total_bytes),
+            ("max_bytes_per_peer", limits.max_bytes_per_peer),
         ):
             if length > value:
                 return _refusal(
@@ -335,14 +408,18 @@ class _Server:
             await response.write_eof()
             request.protocol.force_close()
             return response
-        except _OverCapacity:
+        except _OverCapacity as over:
+            held = (
+                f"your address already holds {hold.use.bytes} bytes of requests"
+                if over.limit == "max_bytes_per_peer"
+                else f"the server already holds {self.bytes_held} bytes of requests"
+            )
             return _refusal(
                 429,
                 "over_capacity",
-                f"the server already holds {self.bytes_held} bytes of requests; this body's "
-                f"{length} would pass {_limit('max_total_bytes', limits.max_total_bytes)}: "
-                "retry later.",
-                "max_total_bytes",
+                f"{held}; this body's {length} would pass "
+                f"{_limit(over.limit, getattr(limits, over.limit))}: retry later.",
+                over.limit,
             )
         except (_Truncated, ConnectionError):
             # A connection lost mid-body (a reset, or a client that gave up) is answered as
@@ -356,11 +433,11 @@ class _Server:
                 parsed = await loop.run_in_executor(None, parse_request, body)
         except WireError as error:
             return _error(400, error.kind, str(error))
-        refusal = self._admit(parsed, _beyond_body(parsed, body), hold)
+        refusal = self._admit(parsed, _beyond_body(parsed, body, limits.score_chunk_bytes), hold)
         del body  # the arrays keep what they view
         if refusal is not None:
             return refusal
-        future = self.scorer.submit(_score_decoded, self.reward, parsed)
+        future = self.scorer.submit(_score_decoded, self.reward, parsed, limits.score_chunk_bytes)
         del parsed
         hold.handed_over = True
         future.add_done_callback(functools.partial(_release_on, loop, hold))
@@ -373,19 +450,19 @@ class _Server:
     def _admit(self, parsed: WireRequest, beyond: int, hold: _Hold) -> web.Response | None:
         """Give the request whose body `hold` holds a place, with `beyond` more bytes for
         its arrays, or the reply that refuses it: 413 for what no wait can help, 503 when
-        every place is taken, 429 when the rows or bytes held would pass their totals."""
+        every place is taken, 429 when its peer's places are taken or the rows or bytes held
+        would pass its peer's share or the totals."""
         limits = self.limits
         rows = parsed.count
         decoded = parsed.decoded_bytes()
+        needed = f"{hold.bytes + beyond} bytes with its body"
         too_large = [
             (rows > limits.max_request_rows, "max_request_rows", f"{rows} rows"),
             (decoded > limits.max_decoded_bytes, "max_decoded_bytes", self._decoded(parsed)),
             (rows > limits.max_total_rows, "max_total_rows", f"{rows} rows"),
-            (
-                hold.bytes + beyond > limits.max_total_bytes,
-                "max_total_bytes",
-                f"{hold.bytes + beyond} bytes with its body",
-            ),
+            (rows > limits.max_rows_per_peer, "max_rows_per_peer", f"{rows} rows"),
+            (hold.bytes + beyond > limits.max_total_bytes, "max_total_bytes", needed),
+            (hold.bytes + beyond > limits.max_bytes_per_peer, "max_bytes_per_peer", needed),
         ]
         for over, name, what in too_large:
             if over:
@@ -400,6 +477,25 @@ class _Server:
                 f"({_limit('max_concurrent_requests', limits.max_concurrent_requests)}).",
                 "max_concurrent_requests",
             )
+        use = hold.use
+        if use.requests >= limits.max_requests_per_peer:
+            return _error(
+                429,
+                "over_capacity",
+                f"your address already has {use.requests} requests being served "
+                f"({_limit('max_requests_per_peer', limits.max_requests_per_peer)}): retry "
+                "later.",
+                "max_requests_per_peer",
+            )
+        if use.rows + rows > limits.max_rows_per_peer:
+            return _error(
+                429,
+                "over_capacity",
+                f"your address's requests being served hold {use.rows} rows; this one's "
+                f"{rows} would pass {_limit('max_rows_per_peer', limits.max_rows_per_peer)}: "
+                "retry later.",
+                "max_rows_per_peer",
+            )
         if self.rows_held + rows > limits.max_total_rows:
             return _error(
                 429,
@@ -408,14 +504,19 @@ class _Server:
                 f"would pass {_limit('max_total_rows', limits.max_total_rows)}: retry later.",
                 "max_total_rows",
             )
-        if not hold.take(beyond):
+        refused = hold.take(beyond)
+        if refused is not None:
+            held = (
+                f"your address already holds {use.bytes} bytes of requests"
+                if refused == "max_bytes_per_peer"
+                else f"the server already holds {self.bytes_held} bytes of requests"
+            )
             return _error(
                 429,
                 "over_capacity",
-                f"the server already holds {self.bytes_held} bytes of requests; this one's "
-                f"{beyond} more for its arrays would pass "
-                f"{_limit('max_total_bytes', limits.max_total_bytes)}: retry later.",
-                "max_total_bytes",
+                f"{held}; this one's {beyond} more for its arrays would pass "
+                f"{_limit(refused, getattr(limits, refused))}: retry later.",
+                refused,
             )
         hold.admit(rows)
         return None
@@ -432,11 +533,28 @@ class _Server:
         self.scorer.shutdown(wait=False, cancel_futures=True)
 
 
-def _score_decoded(reward: FlowReward, parsed: WireRequest) -> npt.NDArray[np.float64]:
-    """`score` on the reward's thread: uint8 samples become float32 only now, so that a
-    request waiting for the reward holds only its body."""
-    samples, rows = parsed.decoded()
-    return score(reward, samples, rows)
+def _score_decoded(
+    reward: FlowReward, parsed: WireRequest, chunk_bytes: int
+) -> npt.NDArray[np.float64]:
+    """`score` on the reward's thread, on chunks of rows of at most `chunk_bytes` of arrays
+    as the reward gets them: uint8 samples become float32 a chunk at a time, only now, so
+    that a request waiting for the reward holds only its body, and the reward works on a
+    chunk at a time."""
+    step = _chunk_rows(parsed, chunk_bytes)
+    if step >= parsed.count:
+        return score(reward, *parsed.decoded())
+    scores = np.empty(parsed.count, np.float64)
+    for start in range(0, parsed.count, step):
+        stop = min(start + step, parsed.count)
+        samples, rows = parsed.part(start, stop).decoded()
+        try:
+            scores[start:stop] = score(reward, samples, rows)
+        except RewardError as error:
+            raise RewardError(
+                f"{error} (rows {start} to {stop - 1} of the request, scored as one chunk of "
+                f"{_limit('score_chunk_bytes', chunk_bytes)})"
+            ) from error
+    return scores
 
 
 def _release_on(loop: asyncio.AbstractEventLoop, hold: _Hold, future: Future[Any]) -> None:
@@ -471,21 +589,29 @@ def _is_loopback(host: str) -> bool:
 
 @final
 class _Connections:
-    """Closes connections that sit idle, and the longest-idle one when there are too many.
+    """Closes connections that sit idle, the longest-idle one when there are too many, and
+    a peer's connections beyond its share.
 
     A connection is idle from when it opens, or its last handler returns, until a request's
     head has arrived and its handler starts; idle for `read_timeout`, it is closed. aiohttp
     alone waits for a request head forever, so half-open connections could pile up until
-    the process ran out of file descriptors and `/health` stopped answering.
+    the process ran out of file descriptors and `/health` stopped answering. One peer (an
+    IPv4 address or an IPv6 /64) keeps at most `per_peer` connections: beyond it, its
+    longest-idle one on keep-alive is closed, or, when it has none (all busy, say with slow
+    uploads, or just opened), the new one is answered 429 and closed, so that it cannot take
+    the places of other clients.
     """
 
-    def __init__(self, read_timeout: float, limit: int):
+    def __init__(self, read_timeout: float, limit: int, per_peer: int):
         self.factory: Callable[[], Any] | None = None  # aiohttp's, once its runner is set up
         self.read_timeout = read_timeout
         self.limit = limit
+        self.per_peer = per_peer
         self.idle_since: dict[Any, float] = {}  # idle connection -> loop time it went idle
         self.busy: set[Any] = set()
         self.connecting: set[Any] = set()
+        self.peer_of: dict[Any, str] = {}  # connected connection -> its peer
+        self.served: set[Any] = set()  # connections through one request or more
 
     def __call__(self) -> Any:
         """A new connection's protocol (asyncio's protocol factory)."""
@@ -495,7 +621,48 @@ class _Connections:
         self.connecting.add(connection)  # no transport yet: asyncio connects it next
         self._idle(connection, loop)
         self._trim(loop, retries=4)
+        loop.call_soon(self._place, connection, loop, 4)
         return connection
+
+    def _place(self, connection: Any, loop: asyncio.AbstractEventLoop, retries: int) -> None:
+        """Count a new connection for its peer once it is connected (a loop turn or two
+        after the factory), and hold the peer to `per_peer`."""
+        transport = connection.transport
+        if transport is None:
+            if connection in self.connecting and retries > 0:
+                loop.call_soon(self._place, connection, loop, retries - 1)
+            return
+        peer = _peer_key(transport.get_extra_info("peername"))
+        self.peer_of[connection] = peer
+        mine = [c for c, p in self.peer_of.items() if p == peer and c.transport is not None]
+        if len(mine) <= self.per_peer:
+            return
+        # A connection idle on keep-alive after a reply can go; one not yet through its first
+        # request's head is as new as this one, which is refused instead.
+        idle = [c for c in mine if c in self.idle_since and c in self.served]
+        if idle:
+            self._close(min(idle, key=self.idle_since.__getitem__))
+            return
+        message = (
+            f"your address already holds {len(mine) - 1} connections "
+            f"({_limit('max_connections_per_peer', self.per_peer)}): retry later."
+        )
+        body = json.dumps(
+            {"error": "over_capacity", "message": message, "limit": "max_connections_per_peer"}
+        ).encode()
+        head = (
+            "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+        )
+        # Sent, then the connection half-closed and read no more: the client reads the reply
+        # before the connection goes, a second later, whatever it had sent meanwhile.
+        transport.write(head.encode("ascii") + body)
+        transport.pause_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.idle_since.pop(connection, None)
+        self.peer_of.pop(connection, None)
+        loop.call_later(1.0, transport.close)
 
     def _trim(self, loop: asyncio.AbstractEventLoop, retries: int) -> None:
         """Close the longest-idle connections beyond `limit`; connections still being
@@ -516,6 +683,8 @@ class _Connections:
             elif connection not in self.connecting:
                 del self.idle_since[connection]
         self.busy = {c for c in self.busy if c.transport is not None}
+        self.peer_of = {c: p for c, p in self.peer_of.items() if c.transport is not None}
+        self.served = {c for c in self.served if c.transport is not None}
 
     def _idle(self, connection: Any, loop: asyncio.AbstractEventLoop) -> None:
         since = loop.time()
@@ -529,6 +698,8 @@ class _Connections:
     def _close(self, connection: Any) -> None:
         self.idle_since.pop(connection, None)
         self.connecting.discard(connection)
+        self.peer_of.pop(connection, None)
+        self.served.discard(connection)
         if connection.transport is not None:
             connection.transport.close()
 
@@ -546,6 +717,7 @@ class _Connections:
         finally:
             self.busy.discard(connection)
             if connection.transport is not None:
+                self.served.add(connection)
                 self._idle(connection, asyncio.get_running_loop())
 
 
@@ -567,9 +739,12 @@ def serve(
     the signals are handled there.
 
     Besides `make_app`'s limits, a connection must send each request's head within
-    `limits.read_timeout` of opening (or of its previous reply) or it is closed, and when
-    `max_connections` are open the longest-idle one is closed for a new one, so slow or
-    half-open connections cannot exhaust the file descriptors and `/health` keeps answering.
+    `limits.read_timeout` of opening (or of its previous reply) or it is closed, when
+    `max_connections` are open the longest-idle one is closed for a new one, and one peer
+    keeps at most `limits.max_connections_per_peer` connections (beyond, its longest-idle
+    one is closed, or the new one answered 429), so slow or half-open connections cannot
+    exhaust the file descriptors, and one client's cannot crowd out the others: `/health`
+    and other clients keep being answered.
 
     **Arguments:**
 
@@ -600,11 +775,7 @@ def serve(
         )
     check_int("max_connections", max_connections, 1)
     app = make_app(reward, token=token, limits=limits)
-    asyncio.run(
-        _serve(
-            app, reward_name(reward), host, port, token, ready, limits.read_timeout, max_connections
-        )
-    )
+    asyncio.run(_serve(app, reward_name(reward), host, port, token, ready, limits, max_connections))
 
 
 async def _serve(
@@ -614,9 +785,10 @@ async def _serve(
     port: int,
     token: str | None,
     ready: Callable[[int], None] | None,
-    read_timeout: float,
+    limits: ServerLimits,
     max_connections: int,
 ) -> None:
+    read_timeout = limits.read_timeout
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
@@ -627,7 +799,7 @@ async def _serve(
     protocol_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _OneLineProtocolErrors) for f in protocol_log.filters):
         protocol_log.addFilter(_OneLineProtocolErrors())
-    connections = _Connections(read_timeout, max_connections)
+    connections = _Connections(read_timeout, max_connections, limits.max_connections_per_peer)
     app.middlewares.append(connections.middleware)
     await runner.setup()
     assert runner.server is not None
@@ -666,7 +838,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     `--token` is refused); `serve`'s limits are flags (`--max-request-bytes`,
     `--max-request-rows`, `--max-decoded-bytes`, `--max-total-bytes`, `--max-total-rows`,
     `--read-timeout`, `--max-concurrent-requests`, `--max-connections`,
-    `--allow-unauthenticated`).
+    `--max-connections-per-peer`, `--max-bytes-per-peer`, `--max-rows-per-peer`,
+    `--max-requests-per-peer`, `--score-chunk-bytes`, `--allow-unauthenticated`).
 
     **Arguments:**
 

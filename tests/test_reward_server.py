@@ -153,6 +153,19 @@ limits_url = server_fixture(
 slow_limits_url = server_fixture(
     reward_args("slow", "--max-concurrent-requests", "2", "--max-total-rows", "3")
 )
+# Small per-peer shares of small totals, for one hostile peer (127.0.0.2) beside a client.
+PEER_BYTES = 200_000
+peers_url = server_fixture(
+    reward_args(
+        "slow",
+        *("--read-timeout", "20", "--max-connections", "64", "--max-connections-per-peer", "8"),
+        *("--max-total-bytes", str(2 * PEER_BYTES), "--max-bytes-per-peer", str(PEER_BYTES)),
+        *("--max-request-bytes", str(PEER_BYTES), "--max-total-rows", "8"),
+        *("--max-rows-per-peer", "4", "--max-requests-per-peer", "2"),
+    )
+)
+# Chunks of a few rows.
+chunks_url = server_fixture(reward_args("brightness", "--score-chunk-bytes", "2000"))
 
 
 def batch(count=6, shape=(8, 8, 3), seed=0, dtype=np.float32):
@@ -891,6 +904,11 @@ def test_a_url_ending_in_score_means_its_base_and_a_404_names_the_url(brightness
         ({"max_decoded_bytes": 0}, "max_decoded_bytes"),
         ({"max_total_bytes": -1}, "max_total_bytes"),
         ({"max_total_rows": 0}, "max_total_rows"),
+        ({"max_connections_per_peer": 0}, "max_connections_per_peer"),
+        ({"max_bytes_per_peer": 0}, "max_bytes_per_peer"),
+        ({"max_rows_per_peer": -2}, "max_rows_per_peer"),
+        ({"max_requests_per_peer": 0}, "max_requests_per_peer"),
+        ({"score_chunk_bytes": 0}, "score_chunk_bytes"),
     ],
 )
 def test_server_limits_checked(kwargs, argument):
@@ -920,10 +938,21 @@ def test_the_command_line_builds_server_limits_from_its_flags():
     parser = argparse.ArgumentParser()
     reward_limits.add_limit_arguments(parser)
     settings = reward_limits.limit_settings(
-        vars(parser.parse_args(["--max-total-rows", "7", "--read-timeout", "2.5"]))
+        vars(
+            parser.parse_args(
+                ["--max-total-rows", "7", "--read-timeout", "2.5", "--max-rows-per-peer", "3"]
+                + ["--score-chunk-bytes", "4096", "--max-connections-per-peer", "5"]
+            )
+        )
     )
     assert settings == {
-        "limits": reward_limits.ServerLimits(max_total_rows=7, read_timeout=2.5),
+        "limits": reward_limits.ServerLimits(
+            max_total_rows=7,
+            read_timeout=2.5,
+            max_rows_per_peer=3,
+            score_chunk_bytes=4096,
+            max_connections_per_peer=5,
+        ),
         "max_connections": reward_limits.DEFAULT_MAX_CONNECTIONS,
         "allow_unauthenticated": False,
     }
@@ -1152,3 +1181,185 @@ def test_a_npy_header_numpy_cannot_tokenize_is_a_malformed_body():
     with pytest.raises(_reward_wire.WireError, match="not a .npy array") as raised:
         decode_request(container([("samples", damaged)], rows="none"))
     assert raised.value.kind == "malformed_body"
+
+
+# --- one peer against the others -----------------------------------------------------------
+
+HOSTILE = "127.0.0.2"
+"""The hostile peer's address: on Linux every 127.x.y.z is this machine, and the server
+tells its connections from those of 127.0.0.1 by it."""
+
+
+def connect_from(address, url, timeout=20.0):
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout, source_address=(address, 0))
+
+
+def post_from(address, url, body):
+    """POST `body` to `url`'s /score from `address`; (status, JSON or bytes) of the reply."""
+    with connect_from(address, url) as sock:
+        sock.sendall(head(Content_Length=len(body), Content_Type=_reward_wire.CONTENT_TYPE) + body)
+        reply = one_reply(sock, limit=30.0)
+    status = int(reply.split(b" ", 2)[1]) if reply else 0
+    return status, reply.partition(b"\r\n\r\n")[2]
+
+
+def fair_calls(url, count=3):
+    """`count` calls of a well-behaved `HttpReward` from 127.0.0.1, each scored."""
+    samples, _ = batch(count=2)
+    remote = fg.HttpReward(url, timeout=20.0, retries=2)
+    for _ in range(count):
+        assert remote(samples, {"sleep": np.zeros(2, bool)}).shape == (2,)
+
+
+@pytest.mark.sockets("serves or calls a reward over HTTP")
+def test_one_peers_slow_uploads_beyond_its_connections_do_not_starve_another(peers_url):
+    """300 slow uploads (more than --max-connections) made three real HttpReward calls and
+    /health fail with connection resets: they were busy, so no idle connection could be
+    closed for a new one, and each new one was closed. One peer now keeps at most
+    --max-connections-per-peer (8 here); its next ones are answered 429 naming the limit."""
+    body_head = head(Content_Length=100_000, Content_Type=_reward_wire.CONTENT_TYPE)
+    held, refused = [], []
+    try:
+        for _ in range(80):  # beyond the server's 64 connections in all
+            sock = connect_from(HOSTILE, peers_url)
+            try:
+                sock.sendall(body_head + b"x" * 10)
+            except OSError:
+                pass
+            held.append(sock)
+        time.sleep(0.5)
+        fair_calls(peers_url)
+        assert get_json(peers_url + "/health")["status"] == "ok"
+        for sock in held:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable:
+                try:
+                    refused.append(one_reply(sock, limit=5.0))
+                except (AssertionError, OSError):
+                    refused.append(b"")
+    finally:
+        for sock in held:
+            sock.close()
+    assert len(held) - len(refused) <= 8
+    # Beyond its share, a peer's new connections are answered 429 naming the limit (or, while
+    # more than --max-connections are open at once, closed as the longest idle).
+    said = [reply for reply in refused if reply]
+    assert len(said) > len(refused) // 2
+    for reply in said:
+        assert reply.startswith(b"HTTP/1.1 429"), reply[:100]
+        assert b'"limit": "max_connections_per_peer"' in reply
+        assert b"--max-connections-per-peer" in reply
+
+
+@pytest.mark.sockets("serves or calls a reward over HTTP")
+def test_one_peers_held_bodies_do_not_take_the_whole_byte_budget(peers_url):
+    """Two 256 MiB uploads held one byte short of complete took the whole --max-total-bytes,
+    so every real client got 429 until they timed out. One peer now holds at most
+    --max-bytes-per-peer; its second body gets 429 naming it, and others are served."""
+    first = connect_from(HOSTILE, peers_url)
+    second = connect_from(HOSTILE, peers_url)
+    try:
+        for sock in (first, second):
+            sock.sendall(head(Content_Length=PEER_BYTES, Content_Type=_reward_wire.CONTENT_TYPE))
+        first.sendall(bytes(PEER_BYTES - 1))
+        time.sleep(0.3)
+        try:
+            second.sendall(bytes(PEER_BYTES - 1))
+        except OSError:
+            pass
+        reply = one_reply(second)
+        assert reply.startswith(b"HTTP/1.1 429"), reply[:200]
+        error = json.loads(reply.partition(b"\r\n\r\n")[2])
+        assert error["limit"] == "max_bytes_per_peer" and "--max-bytes-per-peer" in error["message"]
+        fair_calls(peers_url)
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.sockets("serves or calls a reward over HTTP")
+def test_one_peers_stream_of_requests_leaves_rows_and_places_for_another(peers_url):
+    """Four senders of 65536-row requests took the rows and places: 3,133 of their requests
+    got 429, and so did all three real calls. One peer now holds at most --max-rows-per-peer
+    rows and --max-requests-per-peer places; a real call waits at most behind what it holds."""
+    samples, _ = batch(count=4)
+    body = encode_request(samples, {"sleep": np.ones(4, bool)})
+    stop = threading.Event()
+    statuses = []
+
+    def send():
+        while not stop.is_set():
+            statuses.append(post_from(HOSTILE, peers_url, body))
+
+    senders = [threading.Thread(target=send, daemon=True) for _ in range(4)]
+    for sender in senders:
+        sender.start()
+    try:
+        time.sleep(0.5)
+        fair_calls(peers_url, count=2)
+    finally:
+        stop.set()
+        for sender in senders:
+            sender.join(30)
+    limits = {json.loads(reply)["limit"] for status, reply in statuses if status == 429}
+    assert limits <= {"max_rows_per_peer", "max_requests_per_peer"} and limits, statuses[:3]
+
+
+@pytest.mark.sockets("serves or calls a reward over HTTP")
+def test_a_large_request_is_scored_in_chunks_as_it_would_be_whole(chunks_url):
+    """The reward is called on chunks of --score-chunk-bytes (here 2 rows of 8x8x3 float32
+    and their rows): what it scores sample by sample comes back the same, bit for bit."""
+    samples, rows = batch(count=25)
+    got = fg.HttpReward(chunks_url)(samples, rows)
+    assert same_bits(got, reward_fixtures.brightness(samples, rows))
+    as_uint8 = fg.HttpReward(chunks_url, images_as_uint8=True)(samples, rows)
+    sent, _ = decode_request(encode_request(samples, rows, images_as_uint8=True))
+    assert same_bits(as_uint8, reward_fixtures.brightness(sent, rows))
+
+
+def test_a_chunk_the_reward_refuses_is_named_by_its_rows_in_the_request():
+    samples = np.zeros((10, 4, 4, 3), np.float32)
+    samples[7, 0, 0, 0] = np.nan
+    parsed = _reward_wire.parse_request(encode_request(samples, None))
+    with pytest.raises(fg.RewardError) as raised:
+        reward_server._score_decoded(fg.JpegIncompressibility(), parsed, 3 * 4 * 4 * 3 * 4)
+    said = str(raised.value)
+    assert "at rows [1]" in said and "(rows 6 to 8 of the request, scored as one chunk" in said
+    assert "score_chunk_bytes (--score-chunk-bytes) 576" in said
+
+
+def test_the_memory_a_request_is_scored_in_is_a_chunks_not_the_requests():
+    """The shipped JPEG reward took a server 28.9 times a 60 MiB body of uint8 images (+1.7
+    GB) and 6.9 times a 188 MiB float32 one: the uint8 samples became float32 all at once
+    (through an 8-byte index per byte), and the reward copied the whole batch to float64
+    several times. Scored in chunks, a request's scoring allocates about a chunk's worth."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    samples = rng.uniform(-1, 1, (600, 32, 32, 3)).astype(np.float32)  # 7 MiB as float32
+    reward = fg.JpegIncompressibility()
+    want = reward(samples, None)
+    for uint8 in (False, True):
+        body = np.frombuffer(encode_request(samples, None, images_as_uint8=uint8), np.uint8)
+        parsed = _reward_wire.parse_request(body.copy())
+        tracemalloc.start()
+        try:
+            got = reward_server._score_decoded(reward, parsed, 1 << 20)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, (uint8, peak)
+        if not uint8:
+            assert same_bits(got, want)
+
+
+def test_the_peer_of_an_address_is_its_ipv4_address_or_its_ipv6_64():
+    key = reward_server._peer_key
+    assert key(("127.0.0.2", 4567)) == "127.0.0.2"
+    assert key(("2001:db8:1:2:aaaa::1", 80, 0, 0)) == key(("2001:db8:1:2:bbbb::9", 81, 0, 0))
+    assert key(("2001:db8:1:2::1", 80, 0, 0)) == "2001:db8:1:2::/64"
+    assert key(("2001:db8:1:3::1", 80, 0, 0)) != key(("2001:db8:1:2::1", 80, 0, 0))
+    assert key(("::ffff:10.0.0.7", 80, 0, 0)) == "10.0.0.7"
+    assert key(("fe80::1%eth0", 80, 0, 2)) == "fe80::/64"
+    assert key(None) == "local"
