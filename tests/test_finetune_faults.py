@@ -124,7 +124,7 @@ def _train_batch_not_dividing(tmp: pathlib.Path) -> tuple[str, ...]:
 
 def _resolution(tmp: pathlib.Path) -> tuple[str, ...]:
     del tmp
-    return ("sampling.resolution=24",)
+    return ("sampling.resolution=18",)  # the tiny VAE downsamples by 2: multiples of 4
 
 
 def _wan_frames(tmp: pathlib.Path) -> tuple[str, ...]:
@@ -155,8 +155,8 @@ CASES: list[tuple[Callable[[pathlib.Path], tuple[str, ...]], type[Exception], st
      r"samples"),
     (_train_batch_not_dividing, MeshPlanError, r"`training.batch`=3 .* must divide an "
      r"update's 2 samples"),
-    (_resolution, PipelineError, r"`sampling.height` \(or `sampling.resolution`\) = 24 must be "
-     r"a multiple of 16"),
+    (_resolution, PipelineError, r"`sampling.height` \(or `sampling.resolution`\) = 18 must be "
+     r"a multiple of 4: the VAE downsamples by 2"),
     (_wan_frames, PipelineError, r"`sampling.frames` = 4 must be 1 \+ 4k"),
 ]  # fmt: skip
 

@@ -6,8 +6,10 @@ import abc
 import dataclasses
 import functools
 import gc
+import html
 import math
 import pathlib
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, final
 
@@ -414,12 +416,19 @@ class FluxKind(AbstractPipelineKind):
 
     def process(self, folder: pathlib.Path | None, config: FinetuneConfig) -> RectifiedFlow:
         height, width, _ = self.latent_shape(config, folder)
-        dynamic = self.distilled_guidance
+        scheduler: dict[str, Any] = {"use_dynamic_shifting": self.distilled_guidance}
         if folder is not None and (folder / "scheduler").is_dir():
             scheduler = read_json(folder / "scheduler" / "scheduler_config.json", "the scheduler")
-            dynamic = bool(scheduler.get("use_dynamic_shifting", dynamic))
-        if dynamic:
-            return RectifiedFlow(shift=flux_shift((height // 2) * (width // 2)), grid=FluxGrid())
+        if scheduler.get("use_dynamic_shifting", self.distilled_guidance):
+            # FluxPipeline's `calculate_shift`, with its scheduler's fields.
+            shift = flux_shift(
+                (height // 2) * (width // 2),
+                base_tokens=int(scheduler.get("base_image_seq_len", 256)),
+                max_tokens=int(scheduler.get("max_image_seq_len", 4096)),
+                base_shift=float(scheduler.get("base_shift", 0.5)),
+                max_shift=float(scheduler.get("max_shift", 1.15)),
+            )
+            return RectifiedFlow(shift=shift, grid=FluxGrid())
         return RectifiedFlow(shift=self.scheduler_shift(folder, 1.0), grid=FluxGrid())
 
     def guidance(self, config: FinetuneConfig) -> AbstractGuidance | None:
@@ -499,7 +508,7 @@ class WanKind(AbstractPipelineKind):
         run = _jit_encoder(encoder, lambda enc, ids: enc(*ids))
 
         def encode(prompts: list[str]) -> Rows:
-            ids, mask = tokenizer.encode(prompts)
+            ids, mask = tokenizer.encode([wan_prompt_clean(prompt) for prompt in prompts])
             return _as_numpy(run(jnp.asarray(ids), jnp.asarray(mask)), dtype)
 
         return TextSide(encode)
@@ -510,6 +519,29 @@ class WanKind(AbstractPipelineKind):
     def guidance(self, config: FinetuneConfig) -> AbstractGuidance | None:
         scale = config.sampling.guidance_scale
         return None if scale is None or scale <= 1.0 else CFG(scale)
+
+
+def wan_prompt_clean(prompt: str) -> str:
+    """A prompt as `WanPipeline` cleans it before its tokenizer: `ftfy.fix_text` where `ftfy`
+    is installed (as diffusers does), HTML entities unescaped twice, runs of whitespace made one
+    space, the ends stripped.
+
+    **Arguments:**
+
+    - `prompt`: the prompt.
+
+    **Returns:**
+
+    The cleaned prompt.
+    """
+    try:
+        import ftfy  # type: ignore[import-not-found, unused-ignore]
+
+        prompt = ftfy.fix_text(prompt)
+    except ImportError:
+        pass
+    prompt = html.unescape(html.unescape(prompt)).strip()
+    return re.sub(r"\s+", " ", prompt).strip()
 
 
 PIPELINE_KINDS: dict[ModelKind, AbstractPipelineKind] = {
@@ -607,7 +639,8 @@ def check_pipeline(config: FinetuneConfig) -> None:
                     PromptTokenizer(folder / name, 77)
                 except ValueError as error:
                     raise PipelineError(f"{folder / name} cannot be read: {error}") from None
-    reader.latent_shape(config)
+    folder_or_none = None if config.pipeline.path is None else pathlib.Path(config.pipeline.path)
+    reader.latent_shape(config, folder_or_none)
 
 
 def load_pipeline(config: FinetuneConfig, *, text: bool = True) -> Pipeline:
