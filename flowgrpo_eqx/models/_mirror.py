@@ -408,17 +408,17 @@ def check_token_ids(
                 f"`attention_mask` must be [L] = {shape} of ints (1 for a prompt's tokens, 0 for "
                 f"padding), as `{name}` is, got {getattr(mask, 'shape', None)} of {mask_dtype}."
             )
-    allowed = f"in [0, {vocab_size}) (the embedding table's {vocab_size} entries)"
+    table = f"[0, {vocab_size}) (the embedding table's {vocab_size} entries)"
     if isinstance(ids, jax.core.Tracer):
         bad = (ids < 0) | (ids >= vocab_size)
-        return eqx.error_if(ids, bad, f"`{name}` holds a token id outside {allowed}.")
+        return eqx.error_if(ids, bad, f"`{name}` holds a token id outside {table}.")
     values = np.asarray(ids)
     outside = np.flatnonzero((values < 0) | (values >= vocab_size))
     if outside.size:
         where = int(outside[0])
         raise ValueError(
             f"`{name}` holds token id {int(values[where])} at position {where}; ids must be "
-            f"{allowed}."
+            f"in {table}."
         )
     return ids
 
