@@ -153,10 +153,21 @@ def run_finetune(
             pipeline = load_pipeline(config)
             embedded = _embed(out, config, pipeline, train, heldout, device_terms, quiet, log)
             mesh = data_mesh(plan.devices, sequence=plan.sequence) if plan.devices > 1 else None
-            job = Job.build(config, plan, pipeline, embedded.null, device_terms, host_terms, mesh)
-            pipeline.transformer = None  # the job holds it, until its state holds its own copy
             writers = make_writers(config.logging.writers, out) if root else None
-            run = _Run(job, out, train, heldout, embedded, checkpoints, writers, log, started)
+            # The run alone holds the job, and so the model, until the trainer's state holds its
+            # own copy (`_Run.start`): then the job keeps only the model's shapes.
+            run = _Run(
+                Job.build(config, plan, pipeline, embedded.null, device_terms, host_terms, mesh),
+                out,
+                train,
+                heldout,
+                embedded,
+                checkpoints,
+                writers,
+                log,
+                started,
+            )
+            pipeline.transformer = None
             try:
                 return run.train(stop, resume=resume, quiet=quiet)
             finally:
