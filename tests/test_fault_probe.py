@@ -106,3 +106,14 @@ def test_a_real_fault_is_run_and_named(tmp_path):
     outcome = attempt(fault, tmp_path)
     assert outcome.verdict == "named", outcome.detail
     assert "`coordinator` must be HOST:PORT" in outcome.detail
+
+
+def test_the_tpu_scripts_faults_are_each_held_or_named(tmp_path):
+    """`tools/tpu/run.sh` in a sandbox (a copy of the script, a `python3` without a network):
+    an unreachable index, folders it did not make, variables that are not seconds."""
+    from tools.fault_probe import _tpu_script
+
+    outcomes = [attempt(fault, tmp_path) for fault in _tpu_script.faults()]
+    assert len(outcomes) == 8
+    for outcome in outcomes:
+        assert outcome.verdict in ("held", "named"), (outcome.name, outcome.detail)

@@ -17,7 +17,15 @@ import time
 from ._probe import FINDINGS, PASSING, Fault, Outcome, attempt
 
 
-GROUP_MODULES = ("_settings", "_run_folders", "_server", "_client", "_library")
+GROUP_MODULES = (
+    "_settings",
+    "_run_folders",
+    "_server",
+    "_client",
+    "_library",
+    "_image_side",
+    "_tpu_script",
+)
 """The modules of faults, each with `faults() -> list[Fault]`, in the order they run."""
 
 

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import subprocess
@@ -454,7 +455,8 @@ def _continue_with(
 def _file_size_limit(workdir: pathlib.Path) -> Judgement:
     """A fresh run under `ulimit -f 100` (its base model shared with the reference): its first
     checkpoint cannot be written. It must stop with one named line (no traceback of Orbax's
-    threads), and `--resume` must then say that no checkpoint was ever completed."""
+    threads), `--resume` must then say that no checkpoint was ever completed and give the
+    command that starts the run afresh in the same folder, and that command must."""
     out = workdir / "run"
     out.mkdir()
     base = next(reference_run().glob("base_*.eqx"))
@@ -465,10 +467,30 @@ def _file_size_limit(workdir: pathlib.Path) -> Judgement:
     first = judge_refusal(ran, limit=LIMIT, names=("File too large while writing a checkpoint",))
     if first.verdict != "named":
         return first
-    again = _refused(out, _train(out, "--resume"), ("no checkpoint to resume from",))
+    kept = _kept(out)
+    resumed = run(_train(out, "--resume"), timeout=LIMIT, env=_env())
+    again = judge_refusal(
+        resumed, limit=LIMIT, names=("no checkpoint to resume from",), kept=(kept, _kept(out))
+    )
     if again.verdict != "named":
         return again
-    return Judgement("named", f"{first.detail[:90]} ...; then --resume: {again.detail[-110:]}")
+    line = resumed.stderr.strip()
+    given = line.partition("in the same folder with: ")[2].partition(" (the old run")[0]
+    words = shlex.split(given) if given.startswith("flowgrpo-eqx train ") else []
+    if "--replace" not in words:
+        return Judgement("unnamed", f"--resume gave no command to start over: {line[-200:]}")
+    restarted = run(flowgrpo_eqx(*words[1:], "--quiet"), timeout=LIMIT, env=_env())
+    if (failure := raw_failure(restarted, LIMIT)) is not None:
+        return failure
+    if restarted.status != 0 or not (out / "summary.json").exists():
+        said = restarted.stderr.strip()[-200:]
+        return Judgement(
+            "unnamed", f"`{given}` did not start over (exit {restarted.status}): {said}"
+        )
+    return Judgement(
+        "held",
+        f"{first.detail[:70]} ...; --resume gave `{given[-90:]}`, which ran the job afresh",
+    )
 
 
 def _eval_while_training(workdir: pathlib.Path) -> Judgement:

@@ -12,6 +12,7 @@ the task) come back as the server's documented 500 `reward_failed`, naming the p
 are judged `named` only when the message names it.
 """
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -35,7 +36,7 @@ import numpy.typing as npt
 
 from flowgrpo_eqx import HttpReward, RewardError
 from flowgrpo_eqx._reward_wire import CONTENT_TYPE, MAGIC, TOKEN_ENV, encode_request, npy_bytes
-from flowgrpo_eqx.reward_limits import DEFAULT_MAX_TOTAL_BYTES
+from flowgrpo_eqx.reward_limits import DEFAULT_MAX_TOTAL_BYTES, DEFAULT_SCORE_CHUNK_BYTES
 
 from ._probe import (
     Fault,
@@ -244,11 +245,11 @@ def _check_stopped(process: subprocess.Popen[bytes], out: pathlib.Path, err: pat
 
 
 @contextlib.contextmanager
-def serving(workdir: pathlib.Path, *flags: str) -> Iterator[Server]:
-    """A fresh `serve-reward partial` on a free loopback port with `flags` (after `FAST`),
+def serving(workdir: pathlib.Path, *flags: str, reward: str = "partial") -> Iterator[Server]:
+    """A fresh `serve-reward REWARD` on a free loopback port with `flags` (after `FAST`),
     stopped with SIGTERM afterwards: the exit must be 0, with no traceback printed."""
     out, err = workdir / "server.out", workdir / "server.err"
-    command = flowgrpo_eqx("serve-reward", "partial", "--port", "0", *FAST, *flags)
+    command = flowgrpo_eqx("serve-reward", reward, "--port", "0", *FAST, *flags)
     with open(out, "wb") as out_file, open(err, "wb") as err_file:
         process = subprocess.Popen(
             command, env=environment(), stdin=subprocess.DEVNULL, stdout=out_file,
@@ -506,8 +507,9 @@ def judge_refusal(
     return Judgement("named", shown)
 
 
-def judge_scores(reply: Reply, count: int) -> Judgement:
-    """`held` for a 200 holding `count` finite float64 scores in [0, 1]."""
+def judge_scores(reply: Reply, count: int, bounds: tuple[float, float] = (0.0, 1.0)) -> Judgement:
+    """`held` for a 200 holding `count` finite float64 scores in `bounds` ([0, 1], the
+    shapes task's rewards)."""
     if reply.status != 200:
         verdict: Verdict = "unnamed" if 400 <= reply.status < 500 else "traceback"
         raise Finding(verdict, f"a fair request got {reply.status}: {reply.said()[:200]}")
@@ -517,9 +519,12 @@ def judge_scores(reply: Reply, count: int) -> Judgement:
         raise Finding("unnamed", f"200, but not .npy: {error}") from None
     if scores.dtype != np.float64 or scores.shape != (count,):
         raise Finding("unnamed", f"200, but {scores.dtype} {scores.shape}, not float64 ({count},)")
-    if not (np.isfinite(scores).all() and (0 <= scores).all() and (scores <= 1).all()):
-        raise Finding("unnamed", f"200, but scores {scores.tolist()} are not in [0, 1]")
-    return Judgement("held", f"200 in {reply.seconds:.2f} s: scores {scores.round(3).tolist()}")
+    low, high = bounds
+    if not (np.isfinite(scores).all() and (low <= scores).all() and (scores <= high).all()):
+        outside = scores[~((low <= scores) & (scores <= high))][:5].tolist()
+        raise Finding("unnamed", f"200, but scores such as {outside} are not in [{low}, {high}]")
+    shown = scores[:8].round(3).tolist()
+    return Judgement("held", f"200 in {reply.seconds:.2f} s: scores {shown}")
 
 
 def _declared_count(body: bytes) -> int:
@@ -827,7 +832,8 @@ def _big_uint8_body() -> bytes:
 def _big_uint8_bodies(count: int, workdir: pathlib.Path) -> Judgement:
     """`count` bodies of 188 MiB uint8 images at once to the default server: each gets 413
     naming --max-decoded-bytes (752 MiB as float32, over 256 MiB) or, while others are
-    held, 429 naming --max-total-bytes; the server's peak memory grows by at most
+    held, 429 naming --max-bytes-per-peer (all come from one address) or --max-total-bytes;
+    the server's peak memory grows by at most
     `BIG_BODY_MULTIPLE` bodies for one, and by the default --max-total-bytes (512 MiB) and
     one body for several."""
     data = request_bytes(_big_uint8_body())
@@ -854,7 +860,7 @@ def _big_uint8_bodies(count: int, workdir: pathlib.Path) -> Judgement:
     for reply in replies:
         if isinstance(reply, BaseException):
             raise reply
-        names = ("max_decoded_bytes", "max_total_bytes")
+        names = ("max_decoded_bytes", "max_total_bytes", "max_bytes_per_peer")
         judgement = judge_refusal(reply, names)
         if judgement.verdict != "named" or reply.status not in (413, 429):
             return judgement
@@ -951,6 +957,172 @@ def _health_during_decode(workdir: pathlib.Path) -> Judgement:
     return Judgement("held", f"/health answered in {answered:.2f} s; {scored.detail[:60]}")
 
 
+# --- one peer against the others ----------------------------------------------------------
+
+HOSTILE = "127.0.0.2"
+"""The hostile peer's address (on Linux, every 127.x.y.z is this machine); the well-behaved
+client calls from 127.0.0.1."""
+
+
+def _hostile(server: Server, timeout: float = REPLY_LIMIT) -> socket.socket:
+    """A new connection to the server from `HOSTILE`."""
+    return socket.create_connection(
+        ("127.0.0.1", server.port), timeout=timeout, source_address=(HOSTILE, 0)
+    )
+
+
+def _first_bytes(sock: socket.socket, count: int = 12) -> bytes:
+    """What `sock` has received first (nothing when the server reset it)."""
+    try:
+        return sock.recv(count)
+    except OSError:
+        return b""
+
+
+def _fair_calls(server: Server, count: int = 3) -> str:
+    """`count` calls of `HttpReward(url)` with its defaults (timeout 30 s, 2 retries) from
+    127.0.0.1, each of which must be scored, and `/health` between them; what they took."""
+    client = HttpReward(f"http://127.0.0.1:{server.port}")
+    seconds = []
+    for index in range(count):
+        started = time.monotonic()
+        try:
+            client(images(8), {"tokens": tokens(8)})
+        except RewardError as error:
+            said = " ".join(str(error).split())[:220]
+            raise Finding(
+                "hang", f"call {index + 1} of a client beside it failed: {said}"
+            ) from None
+        seconds.append(time.monotonic() - started)
+        server.health(f"after call {index + 1} of a client beside it")
+    return f"{count} calls beside it scored in {min(seconds):.1f} to {max(seconds):.1f} s"
+
+
+def _peer_slow_uploads(workdir: pathlib.Path) -> Judgement:
+    """300 slow uploads from one address (more than --max-connections, each busy reading its
+    body, none idle): three real `HttpReward` calls and /health once failed with connection
+    resets. One peer keeps at most --max-connections-per-peer; the others are answered 429."""
+    head = request_bytes(length=1_000_000)
+    with serving(workdir, "--read-timeout", "30") as server:
+        held: list[socket.socket] = []
+        try:
+            for _ in range(300):
+                sock = _hostile(server)
+                with contextlib.suppress(OSError):
+                    sock.sendall(head + bytes(100))
+                held.append(sock)
+            time.sleep(0.5)
+            fair = _fair_calls(server)
+            readable, _, _ = select.select(held, [], [], 0)
+            answered = sum(1 for sock in readable if _first_bytes(sock).startswith(b"HTTP/1.1 429"))
+        finally:
+            for sock in held:
+                sock.close()
+        server.health("after the fault")
+    return Judgement("held", f"{fair}; {answered} of its 300 answered 429")
+
+
+def _peer_held_bodies(workdir: pathlib.Path) -> Judgement:
+    """Two 256 MiB bodies from one address, each held one byte short of complete: they once
+    took the whole --max-total-bytes, and every real client got 429 until they timed out.
+    The second is refused past --max-bytes-per-peer, and a client beside them is scored."""
+    size = 256 << 20
+    chunk = bytes(1 << 20)
+    with serving(workdir, "--read-timeout", "30") as server:
+        bodies = [_hostile(server, timeout=60.0) for _ in range(2)]
+        try:
+            for sock in bodies:
+                sock.sendall(request_bytes(length=size))
+                left = size - 1
+                with contextlib.suppress(OSError):
+                    while left:
+                        left -= sock.send(chunk[: min(len(chunk), left)])
+            time.sleep(0.3)
+            readable, _, _ = select.select(bodies, [], [], 0)
+            refused = [_first_bytes(sock, 4096) for sock in readable]
+            fair = _fair_calls(server)
+        finally:
+            for sock in bodies:
+                sock.close()
+        server.health("after the fault")
+    said = [reply for reply in refused if b"max_bytes_per_peer" in reply]
+    if not said:
+        return Judgement("accepted", f"neither body was refused past max_bytes_per_peer: {fair}")
+    return Judgement("held", f"{fair}; its second body got 429 max_bytes_per_peer")
+
+
+def _peer_row_senders(workdir: pathlib.Path) -> Judgement:
+    """Four threads of one address sending 64 kB requests of 65536 1x1 uint8 images to
+    `jpeg_incompressibility`: they once took every row and place (3,133 of theirs got 429,
+    and so did all three real calls). One peer holds at most --max-rows-per-peer and
+    --max-requests-per-peer, and a client beside it waits at most behind what it holds."""
+    body = request_bytes(encode_request(np.zeros((65536, 1, 1), np.float32), None,
+                                        images_as_uint8=True))  # fmt: skip
+    statuses: collections.Counter[str] = collections.Counter()
+    stop = threading.Event()
+    with serving(workdir, "--read-timeout", "30", reward="jpeg_incompressibility") as server:
+
+        def send() -> None:
+            while not stop.is_set():
+                try:
+                    with _hostile(server, timeout=60.0) as sock:
+                        sock.sendall(body)
+                        first = sock.recv(12)
+                    statuses[first[9:12].decode("latin-1") or "closed"] += 1
+                except OSError as error:
+                    statuses[type(error).__name__] += 1
+
+        senders = [threading.Thread(target=send, daemon=True) for _ in range(4)]
+        for sender in senders:
+            sender.start()
+        try:
+            time.sleep(1.0)
+            fair = _fair_calls(server)
+        finally:
+            stop.set()
+            for sender in senders:
+                sender.join(60.0)
+        server.health("after the fault")
+    return Judgement("held", f"{fair}; its requests: {dict(statuses)}")
+
+
+JPEG_MEMORY_SLACK = 64 << 20
+"""Bytes of peak memory a scored request may add beyond its body and two chunks (the
+float32 of one, the JPEG reward's blocks): buffers, the reply, the allocator's keep."""
+
+
+def _scored_memory(
+    samples: npt.NDArray[np.float32], uint8: bool, workdir: pathlib.Path
+) -> Judgement:
+    """One request scored by `jpeg_incompressibility` under the default limits: it must be
+    scored, and the server's peak memory grow by at most the body, two chunks of
+    --score-chunk-bytes and `JPEG_MEMORY_SLACK` (a 60 MiB uint8 body once grew it 28.9
+    times, a 188 MiB float32 one 6.9 times)."""
+    data = request_bytes(encode_request(samples, None, images_as_uint8=uint8))
+    body = len(data)
+    with serving(workdir, "--read-timeout", "60", reward="jpeg_incompressibility") as server:
+        time.sleep(0.3)
+        before = server.peak_memory()
+        reply = server.exchange(data, limit=120.0)
+        grown = server.peak_memory() - before
+        server.health("after the fault")
+    # JPEG sizes in kB: a 64x64 image of noise at quality 95 is a few kB, never 100.
+    judge_scores(reply, samples.shape[0], bounds=(0.0, 100.0))
+    bound = body + 2 * DEFAULT_SCORE_CHUNK_BYTES + JPEG_MEMORY_SLACK
+    shown = f"peak memory grew {grown / body:.2f} bodies ({grown >> 20} MiB of {body >> 20} MiB)"
+    if grown > bound:
+        return Judgement("accepted", f"{shown}, over the bound {bound >> 20} MiB")
+    return Judgement("held", f"scored; {shown}")
+
+
+def _uint8_images_60_mib() -> npt.NDArray[np.float32]:
+    return np.random.default_rng(0).uniform(-1, 1, (20480, 32, 32, 3)).astype(np.float32)
+
+
+def _float32_images_188_mib() -> npt.NDArray[np.float32]:
+    return np.random.default_rng(0).uniform(-1, 1, (4000, 64, 64, 3)).astype(np.float32)
+
+
 HTTP_FAULTS: tuple[tuple[str, Callable[[pathlib.Path], Judgement]], ...] = (
     ("GET /score", functools.partial(
         _raw_refused, request_bytes(method="GET", path="/score"), ("method not allowed",))),
@@ -1008,6 +1180,15 @@ HTTP_FAULTS: tuple[tuple[str, Callable[[pathlib.Path], Judgement]], ...] = (
     ("a reset halfway through a body", _disconnect_mid_body),
     ("60 idle connections, 8 allowed", _idle_flood),
     ("/health during a 4000-image batch", _health_during_decode),
+    ("300 slow uploads from one peer, HttpReward from another", _peer_slow_uploads),
+    ("two 256 MiB bodies held a byte short by one peer, HttpReward from another",
+     _peer_held_bodies),
+    ("four senders of 65536-row requests from one peer, HttpReward from another",
+     _peer_row_senders),
+    ("a 60 MiB body of uint8 images scored by jpeg_incompressibility",
+     lambda workdir: _scored_memory(_uint8_images_60_mib(), True, workdir)),
+    ("a 188 MiB body of float32 images scored by jpeg_incompressibility",
+     lambda workdir: _scored_memory(_float32_images_188_mib(), False, workdir)),
 )  # fmt: skip
 """(fault name, probe) for faults of HTTP and of connections."""
 

@@ -7,7 +7,7 @@ import functools
 import pathlib
 from collections.abc import Sequence
 
-from ._probe import Fault, Finding, Judgement, flowgrpo_eqx, judge_refusal, run
+from ._probe import Fault, Finding, Judgement, flowgrpo_eqx, judge_refusal, raw_failure, run
 
 
 LIMIT = 120.0
@@ -124,6 +124,55 @@ CONFIG_FAULTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # Bytes no UTF-8 text holds (written through surrogateescape): 0xf1 0xf2.
     ("config not UTF-8 text", "width = 16\n\udcf1\udcf2 = 3\n", ("is not UTF-8 text",)),
 )
+
+
+# (fault name, flags after `train --preset tiny`, words one of which the refusal must hold):
+# settings that the chosen algorithm does not read, which were written to config.toml and
+# ignored.
+UNREAD_FAULTS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("--dppo-kl-threshold 0.5 with flow_grpo", ("--dppo-kl-threshold", "0.5"),
+     ("`dppo_kl_threshold`=0.5 (read by dppo) is not read by algorithm 'flow_grpo'",)),
+    ("--clip-range 0.01 with dppo", ("--algorithm", "dppo", "--clip-range", "0.01"),
+     ("`clip_range`=0.01 (read by flow_grpo",)),
+    ("--clip-range at its default with dppo", ("--algorithm", "dppo", "--clip-range", "0.2"),
+     ("`clip_range` (read by flow_grpo",)),
+    ("--adv-clip-max 2 with dppo", ("--algorithm", "dppo", "--adv-clip-max", "2"),
+     ("`adv_clip_max`",)),
+    ("--grpo-guard true with dgpo", ("--algorithm", "dgpo", "--grpo-guard", "true"),
+     ("`grpo_guard`",)),
+    ("--noise-level 0.3 with nft", ("--algorithm", "nft", "--noise-level", "0.3"),
+     ("`noise_level`",)),
+    ("--nft-beta 0.5 with awm", ("--algorithm", "awm", "--nft-beta", "0.5"), ("`nft_beta`",)),
+    ("--window-stride 2 with dgpo", ("--algorithm", "dgpo", "--window-stride", "2"),
+     ("`window_stride`",)),
+)  # fmt: skip
+
+
+def _config_unread(workdir: pathlib.Path) -> Judgement:
+    """A config file giving `clip_range = 0.01` and `grpo_guard = true`, with `--algorithm
+    dppo`: its values are left at their defaults with one warning naming both (the file may
+    be another run's config.toml), and the settings printed hold the defaults."""
+    config = workdir / "config.toml"
+    config.write_text("clip_range = 0.01\ngrpo_guard = true\ndppo_kl_threshold = 0.001\n")
+    ran = run(
+        flowgrpo_eqx("train", "--preset", "tiny", "--config", config, "--algorithm", "dppo",
+                     "--print-config"),
+        timeout=LIMIT, cwd=workdir,
+    )  # fmt: skip
+    failure = raw_failure(ran, LIMIT)
+    if failure is not None:
+        return failure
+    said = [line for line in ran.stderr.splitlines() if line.strip()]
+    printed = ran.stdout.splitlines()
+    if ran.status != 0:
+        return Judgement("unnamed", f"refused (exit {ran.status}): {' '.join(said)[-200:]}")
+    if "clip_range = 0.01" in printed or "grpo_guard = true" in printed:
+        return Judgement("accepted", "the settings printed hold the values dppo ignores")
+    if len(said) != 1 or "`clip_range`=0.01" not in said[0] or "`grpo_guard`" not in said[0]:
+        return Judgement("unnamed", f"{len(said)} lines: {' '.join(said)[-200:]}")
+    if "dppo_kl_threshold = 0.001" not in printed:
+        return Judgement("lost", "the setting dppo reads was not kept")
+    return Judgement("held", f"one warning, the defaults kept: {said[0][:150]}")
 
 
 def _train_refused(flags: Sequence[str], names: Sequence[str], workdir: pathlib.Path) -> Judgement:
@@ -281,6 +330,14 @@ def faults() -> list[Fault]:
         Fault("config", name, functools.partial(_config_refused, text, names))
         for name, text, names in CONFIG_FAULTS
     ]
+    found += [
+        Fault("unread settings", name, functools.partial(_train_refused, flags, names))
+        for name, flags, names in UNREAD_FAULTS
+    ]
+    found.append(
+        Fault("unread settings", "a config file's clip_range and grpo_guard with dppo",
+              _config_unread)
+    )  # fmt: skip
     found += [
         Fault("commands", "eval of a run folder that does not exist", _eval_of_missing_run),
         Fault("commands", "eval of an empty folder", _eval_of_empty_folder),
