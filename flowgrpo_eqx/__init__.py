@@ -6,6 +6,7 @@ from ._advantages import (
     RewardCombination as RewardCombination,
     group_advantages as group_advantages,
     per_reward_advantages as per_reward_advantages,
+    reward_advantages as reward_advantages,
 )
 from ._awm import (
     AbstractAWMWeighting as AbstractAWMWeighting,

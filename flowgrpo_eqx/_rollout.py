@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._advantages import (
+    ADVANTAGE_STDS,
     AdvantageStd,
     RewardCombination,
     check_groups,
@@ -45,7 +46,8 @@ class FlowRollout(eqx.Module):
 
     The final latents are decoded to samples in [-1, 1], the reward runs once on the host,
     and advantages use the population group std with epsilon 1e-4 in float64 (cast to
-    float32 after normalisation), as Flow-GRPO's `PerPromptStatTracker`. Deterministic
+    float32 after normalisation), as Flow-GRPO's `PerPromptStatTracker` (`advantage_std` picks
+    another release's statistic). Deterministic
     transitions and every transition of a zero-advantage row are masked (not dropped:
     shapes stay static).
 
@@ -58,7 +60,10 @@ class FlowRollout(eqx.Module):
     - `steps`: time points of the rollout grid; `steps=11` draws ten transitions.
     - `sampler`: an `AbstractSampler` (`SDESampler`, `ODESampler`), or `None` (default) for
         the objective's own (`objective.rollout_sampler(None)`).
-    - `advantage_std`: `"group"` (default) or `"global"` (the release's `global_std`).
+    - `advantage_std`: `"group"` (default), `"global"` (flow_grpo's `global_std`), or their
+        unbiased forms with epsilon 1e-8: `"group_unbiased"` (DanceGRPO's) and
+        `"global_unbiased"` (Flow-DPPO's, UniRL's `adv_use_global_std`); see
+        `group_advantages`.
     - `reward_combination`: `"sum"` (default) normalises the reward's scores within each
         group; `"normalize_each"` needs a `WeightedReward` and normalises each of its terms
         within its group before the weighted sum (`per_reward_advantages`), so no term's
@@ -120,9 +125,10 @@ class FlowRollout(eqx.Module):
                 f"normalised one by one), got {self.reward!r}."
             )
         check_bool("shared_noise", self.shared_noise)
-        if self.advantage_std not in ("group", "global"):
+        if self.advantage_std not in ADVANTAGE_STDS:
+            choices = ", ".join(repr(choice) for choice in ADVANTAGE_STDS)
             raise ValueError(
-                f"`advantage_std` must be 'group' or 'global', got {self.advantage_std!r}."
+                f"`advantage_std` must be one of {choices}, got {self.advantage_std!r}."
             )
         if self.sampler is not None and not isinstance(self.sampler, AbstractSampler):
             raise ValueError(

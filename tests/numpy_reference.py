@@ -138,6 +138,39 @@ def group_advantages(rewards, groups, eps=1e-4, std="group"):
     return out.reshape(-1)
 
 
+def unbiased_std(values):
+    """torch's `x.std()`: the Bessel-corrected (ddof 1) standard deviation, in float64."""
+    values = [float(x) for x in values]
+    mean = math.fsum(values) / len(values)
+    return math.sqrt(math.fsum((x - mean) ** 2 for x in values) / (len(values) - 1))
+
+
+def dancegrpo_advantages(rewards, groups):
+    """DanceGRPO's group advantages (`train_grpo_flux.py` `train_one_step`, `use_group`):
+    `(r - group_rewards.mean()) / (group_rewards.std() + 1e-8)`, torch's unbiased std."""
+    r = np.asarray(rewards, np.float64)
+    out = np.empty_like(r)
+    for start in range(0, r.size, groups):
+        group = r[start : start + groups]
+        mean = math.fsum(group) / groups
+        spread = unbiased_std(group) + 1e-8
+        out[start : start + groups] = [(x - mean) / spread for x in group]
+    return out
+
+
+def unirl_global_std_advantages(rewards, groups):
+    """UniRL's `RolloutTrack.compute_advantages(use_global_std=True)` (Flow-DPPO's recipe):
+    each group's mean, one batch-wide `rewards.std() + 1e-8`, torch's unbiased std."""
+    r = np.asarray(rewards, np.float64)
+    spread = unbiased_std(r) + 1e-8
+    out = np.empty_like(r)
+    for start in range(0, r.size, groups):
+        group = r[start : start + groups]
+        mean = math.fsum(group) / groups
+        out[start : start + groups] = [(x - mean) / spread for x in group]
+    return out
+
+
 def per_reward_advantages(components, weights, groups, eps=1e-4):
     """`sum_k w_k (r_k - mean_group) / (std_group + eps)`, term by term, in float64."""
     scores = np.asarray(components, np.float64)

@@ -1,7 +1,9 @@
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
+from flowgrpo_eqx._advantages import check_std
 from tests import numpy_reference as ref
 from tests.errors import NAMED_ARGUMENT_ERRORS, exact_message
 
@@ -155,3 +157,74 @@ def test_per_reward_messages_give_the_expected_shapes():
         ValueError, match=exact_message("`weights` must be finite, got [1.0, nan].")
     ):
         fg.per_reward_advantages(np.zeros((2, 4)), [1.0, np.nan], groups=2)
+
+
+# --------------------------------------------------------------------------------------
+# The unbiased statistics of DanceGRPO and of UniRL's Flow-DPPO recipe (torch's
+# `x.std() + 1e-8`), against their float64 statements.
+
+RELEASED_UNBIASED = {
+    "group_unbiased": ref.dancegrpo_advantages,
+    "global_unbiased": ref.unirl_global_std_advantages,
+}
+
+
+@pytest.mark.parametrize("std", sorted(RELEASED_UNBIASED))
+@pytest.mark.parametrize("groups, prompts, spread", [(16, 48, 1.0), (16, 48, 0.02), (4, 6, 1.0)])
+def test_unbiased_statistics_are_the_releases(std, groups, prompts, spread):
+    rng = np.random.default_rng(groups + prompts)
+    rewards = rng.normal(size=groups * prompts) * spread + 0.5
+    got = fg.group_advantages(rewards, groups, std=std)
+    want = RELEASED_UNBIASED[std](rewards, groups)
+    # A float32 cast of the float64 statement: agreement to float32 round-off.
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=2e-7)
+    device = np.asarray(
+        fg.device_group_advantages(jnp.asarray(rewards, jnp.float32), groups, std=std)
+    )
+    np.testing.assert_allclose(device, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_the_population_statistic_is_not_the_release_of_flow_dppo():
+    # What `"global"` (population std + 1e-4) moves against UniRL's `"global_unbiased"`: more
+    # than float32 round-off, so Flow-DPPO's recipe needs the unbiased one.
+    rng = np.random.default_rng(0)
+    for prompts, groups, spread, least in (
+        (48, 16, 1.0, 4e-4),
+        (48, 16, 0.02, 3e-3),
+        (6, 4, 1.0, 1e-2),
+    ):
+        rewards = rng.normal(size=prompts * groups) * spread
+        population = fg.group_advantages(rewards, groups, std="global")
+        unbiased = ref.unirl_global_std_advantages(rewards, groups)
+        moved = np.max(np.abs(population - unbiased)) / np.max(np.abs(unbiased))
+        assert moved > least, (prompts, groups, spread, moved)
+
+
+def test_reward_advantages_are_each_terms_group_advantages():
+    rng = np.random.default_rng(5)
+    components = np.stack([rng.normal(size=12), 3.0 * rng.normal(size=12)])
+    got = fg.reward_advantages(components, 4, std="group_unbiased")
+    assert got.shape == (2, 12) and got.dtype == np.float32
+    for term, row in zip(got, components, strict=True):
+        np.testing.assert_allclose(term, ref.dancegrpo_advantages(row, 4), rtol=2e-7, atol=2e-7)
+    weights = np.array([1.0, 0.5])
+    np.testing.assert_allclose(
+        weights @ got.astype(np.float64),
+        fg.per_reward_advantages(components, weights, 4, std="group_unbiased"),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    with pytest.raises(
+        ValueError, match=exact_message("`components` must have shape [R, N], got (4,).")
+    ):
+        fg.reward_advantages(np.zeros(4), groups=2)
+
+
+def test_an_unknown_std_is_refused_with_the_choices():
+    message = (
+        "`std` must be one of 'group', 'global', 'group_unbiased', 'global_unbiased', got 'batch'."
+    )
+    with pytest.raises(ValueError, match=exact_message(message)):
+        check_std("batch")
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="std"):
+        fg.group_advantages(np.zeros(4), groups=2, std="batch")
