@@ -179,6 +179,7 @@ from ._window import (
     AtEnd as AtEnd,
     FixedWindow as FixedWindow,
     ProgressiveWindow as ProgressiveWindow,
+    RandomSteps as RandomSteps,
     RandomWindow as RandomWindow,
     SlidingWindow as SlidingWindow,
 )

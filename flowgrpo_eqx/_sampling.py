@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 from ._custom_types import FinalSamples, Model, Transitions
 from ._distributed import place_rows, row_sharding
@@ -25,7 +25,7 @@ from ._misc import check_bool, is_int
 from ._process import RectifiedFlow, UniformGrid
 from ._sde import AbstractSDE
 from ._solver import AbstractSolver, Euler
-from ._window import AbstractWindowSchedule
+from ._window import AbstractWindowSchedule, RandomSteps
 
 
 @final
@@ -200,8 +200,9 @@ class SDESampler(AbstractSampler):
         (`FixedWindow`, `RandomWindow`, `SlidingWindow`, `ProgressiveWindow`) that places,
         for each collect, up to `count` consecutive stochastic transitions (the others are
         ODE steps) and records `count` transitions from its `recorded_first` (those outside
-        the window masked). The position is a traced value: moving it never recompiles.
-        Needs `train_steps=None` and an `sde` with `window=None`.
+        the window masked), or `RandomSteps`, which draws `count` separate ones and records
+        them. The position is a traced value: moving it never recompiles. Needs
+        `train_steps=None` and an `sde` with `window=None`.
     - `record_means`: if `True`, each recorded transition's Gaussian mean is kept as
         `Transitions.old_means`, which the released GRPO-Guard (`GRPOGuard`) needs for its
         drift term; `False` (default) records none (one latent-sized array less per
@@ -289,9 +290,10 @@ class SDESampler(AbstractSampler):
     ) -> Generated:
         """One `lax.scan` over the grid recording `recorded_transitions(steps)` transitions.
 
-        With a `window_schedule`, only the window's transitions (`first .. stop - 1`, `stop`
-        the schedule's `stochastic_stop`) draw noise and the whole trajectory is recorded,
-        then `count` transitions sliced out at the schedule's `recorded_first`, both traced.
+        With a `window_schedule`, only its stochastic transitions (`stochastic_steps`: the
+        window `first .. stop - 1`, or `RandomSteps`' chosen ones) draw noise and the whole
+        trajectory is recorded, then its `count` recorded transitions (`recorded_steps`)
+        taken out, both traced.
         """
         steps, first = draw.steps, draw.first
         recorded = self.recorded_transitions(steps)
@@ -300,16 +302,13 @@ class SDESampler(AbstractSampler):
         grid = draw.grid()
         if self.window_schedule is not None:
             transitions = steps - 1
-            stop = self.window_schedule.stochastic_stop(first, transitions)
-            recorded_first = self.window_schedule.recorded_first(first, transitions)
+            stochastic = self.window_schedule.stochastic_steps(first, transitions)
+            chosen = self.window_schedule.recorded_steps(first, transitions)
             indices = jnp.arange(transitions)
             x, every = jax.lax.scan(
-                path.windowed(first, stop), start, (grid[:-1], grid[1:], noise, indices)
+                path.windowed(stochastic), start, (grid[:-1], grid[1:], noise, indices)
             )
-            recorded_arrays = jax.tree.map(
-                lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, recorded_first, recorded, axis=0),
-                every,
-            )
+            recorded_arrays = jax.tree.map(lambda leaf: jnp.take(leaf, chosen, axis=0), every)
         else:
             head = (grid[:recorded], grid[1 : recorded + 1], noise[:recorded])
             x, recorded_arrays = jax.lax.scan(lambda x, xs: path.recording(x, xs), start, head)
@@ -446,7 +445,8 @@ class MixSampler(AbstractSampler):
     **Raises:**
 
     - `ValueError`: naming the argument, for an `sde` or `window_schedule` or `solver` of the
-        wrong type, or a `compress_ratio` outside (0, 1]; and, when
+        wrong type, a `RandomSteps` schedule (no window), or a `compress_ratio` outside
+        (0, 1]; and, when
         a rollout checks it, a window longer than the trajectory or a `compress_ratio` with
         another process.
     """
@@ -465,6 +465,12 @@ class MixSampler(AbstractSampler):
         ):
             if not isinstance(value, kind):
                 raise ValueError(f"`{name}` must be an {kind.__name__}, got {value!r}.")
+        if isinstance(self.window_schedule, RandomSteps):
+            raise ValueError(
+                "`window_schedule` must place a window (the solver takes over after its last "
+                f"step), got {self.window_schedule!r}, whose steps are separate: sample those "
+                "with an SDESampler."
+            )
         ratio = self.compress_ratio
         if ratio is not None and not (isinstance(ratio, float) and 0 < ratio <= 1):
             raise ValueError(f"`compress_ratio` must be None or a float in (0, 1], got {ratio!r}.")
@@ -513,7 +519,7 @@ class MixSampler(AbstractSampler):
             host_grid = np.asarray(draw.grid())
             lasts = _last_stochastic(self.sde, host_grid, schedule)
         last = jnp.asarray(lasts)[first]
-        windowed = path.windowed(first, schedule.stochastic_stop(first, transitions))
+        windowed = path.windowed(schedule.stochastic_steps(first, transitions))
 
         def body(x: Array, inputs: tuple[Array, Array, Array, Array]) -> tuple[Array, Any]:
             skipped = jax.eval_shape(windowed, x, inputs)[1]
@@ -657,7 +663,7 @@ def _step_noise(
 
 class _SDEPath(eqx.Module):
     """The scan bodies of an SDE trajectory: a step that records, one that does not, and
-    one that draws noise only inside a window `first .. stop - 1` of traced bounds. (Its methods
+    one that draws noise only where a traced mask of the transitions allows. (Its methods
     reach `lax.scan` through closures: a bound method of a module holding tracers cannot
     be hashed.)"""
 
@@ -697,13 +703,13 @@ class _SDEPath(eqx.Module):
         return x_next, None
 
     def windowed(
-        self, first: Int[Array, ""], stop: Int[Array, ""]
+        self, stochastic: Bool[Array, " transitions"]
     ) -> Callable[[Array, tuple[Array, Array, Array, Array]], tuple[Array, tuple[Array, ...]]]:
         def step(
             x: Array, inputs: tuple[Array, Array, Array, Array]
         ) -> tuple[Array, tuple[Array, ...]]:
             t, t_next, z, index = inputs
-            allowed = (index >= first) & (index < stop)
+            allowed = stochastic[index]
             x_next, log_prob, mean = self.transition(x, t, t_next, z, allowed)
             return x_next, self.record(x, x_next, log_prob, mean)
 
@@ -718,21 +724,20 @@ def _transitions_batch(
     schedule: AbstractWindowSchedule | None,
 ) -> Transitions:
     """The `Transitions` batch of the recorded transitions (`SDESampler.batch`,
-    `MixSampler.batch`): with a `schedule`, `count` from its `recorded_first`, stochastic
-    only in its window."""
+    `MixSampler.batch`): with a `schedule`, its `recorded_steps`, stochastic only where its
+    `stochastic_steps` are."""
     if generated.latents is None or generated.next_latents is None or generated.log_probs is None:
         raise ValueError("`generated` holds no transitions: it came from an ODESampler.")
     num, recorded = generated.log_probs.shape
     grid, first = np.asarray(draw.grid()), int(draw.first)
-    start, stop = first, first + recorded
+    indices = np.arange(recorded)
+    in_window = np.ones((recorded,), bool)
     if schedule is not None:
         transitions = grid.shape[0] - 1
-        start = int(schedule.recorded_first(first, transitions))
-        stop = int(schedule.stochastic_stop(first, transitions))
-    timesteps = np.broadcast_to(grid[start : start + recorded], (num, recorded))
-    next_timesteps = np.broadcast_to(grid[start + 1 : start + recorded + 1], (num, recorded))
-    indices = np.arange(start, start + recorded)
-    in_window = (indices >= first) & (indices < stop)
+        indices = np.asarray(schedule.recorded_steps(first, transitions))
+        in_window = np.asarray(schedule.stochastic_steps(first, transitions))[indices]
+    timesteps = np.broadcast_to(grid[indices], (num, recorded))
+    next_timesteps = np.broadcast_to(grid[indices + 1], (num, recorded))
     stochastic = np.asarray(sde.is_stochastic(timesteps, next_timesteps)) & in_window
     host_advantages = np.asarray(advantages, np.float32)
     placed = draw.place(

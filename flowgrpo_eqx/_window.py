@@ -6,16 +6,20 @@ deterministic (ODE) steps. The rollout records `count` transitions from `recorde
 (`first`, unless the window sits too near the end for `count` to fit) and makes stochastic
 those before `stochastic_stop` (`first + count`, unless the schedule cuts the window). It
 passes `first` to its compiled generation as a traced value, so moving the window never
-recompiles.
+recompiles. `RandomSteps` is no window: its `first` codes a set of separate transitions
+(bit `i` for transition `i`), which `stochastic_steps` and `recorded_steps` read, as they read
+any schedule's window.
 """
 
 import abc
+import numbers
 from typing import Literal, TypeAlias, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int, PRNGKeyArray
+import numpy as np
+from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from ._misc import check_int
 
@@ -89,6 +93,43 @@ class AbstractWindowSchedule(eqx.Module):
         """
         del transitions
         return jnp.asarray(first, jnp.int32) + self.count
+
+    def stochastic_steps(
+        self, first: Int[Array, ""] | int, transitions: int
+    ) -> Bool[Array, " transitions"]:
+        """Which transitions sample noise (and are trained) for the position `first` (traced
+        or not): the window `first .. stochastic_stop - 1`, for every schedule but
+        `RandomSteps`.
+
+        **Arguments:**
+
+        - `first`: the position (`first`'s result).
+        - `transitions`: how many transitions the rollout's grid has.
+
+        **Returns:**
+
+        `[transitions]` bools.
+        """
+        indices = jnp.arange(transitions)
+        stop = self.stochastic_stop(first, transitions)
+        return (indices >= jnp.asarray(first, jnp.int32)) & (indices < stop)
+
+    def recorded_steps(self, first: Int[Array, ""] | int, transitions: int) -> Int[Array, " count"]:
+        """The `count` transitions the rollout records for the position `first` (traced or
+        not), in order: `recorded_first + 0 .. count - 1`, for every schedule but
+        `RandomSteps`.
+
+        **Arguments:**
+
+        - `first`: the position (`first`'s result).
+        - `transitions`: how many transitions the rollout's grid has.
+
+        **Returns:**
+
+        `[count]` int32 indices of the grid's transitions.
+        """
+        start = self.recorded_first(first, transitions)
+        return start + jnp.arange(self.count, dtype=jnp.int32)
 
     def window(self, epoch: int, transitions: int, key: PRNGKeyArray) -> tuple[int, int]:
         """The transitions this epoch's rollout makes stochastic and trains (before the SDE's
@@ -349,3 +390,159 @@ class ProgressiveWindow(AbstractWindowSchedule):
         """`min(first + count, transitions - end_margin)`: the release's cut."""
         stop = jnp.asarray(first, jnp.int32) + self.count
         return jnp.minimum(stop, transitions - self.end_margin)
+
+
+@final
+class RandomSteps(AbstractWindowSchedule):
+    """Separate SDE steps drawn at random for each rollout, the ODE elsewhere: UniRL's sparse
+    SDE schedule (github `Tencent-Hunyuan/UniRL`, `unirl/utils/scheduler_utils.py`
+    `AllSDEScheduler` with `num_sde_steps`, resolved per rollout by
+    `DiffusionSamplingParams.resolve_sde_indices(rollout_id)`), Flow-DPPO's released rollout
+    (`examples/diffusion/sd3_flowdppo.yaml`: 3 of the first 5 of 10 steps,
+    `RandomSteps(3, fraction=(0.0, 0.5))`).
+
+    With `T` transitions, the pool is transitions `int(T start) .. int(T stop) - 1`
+    (`normalize_timestep_fraction`); epoch `e` (the release's rollout `e - 1`) draws
+    `np.random.default_rng(e - 1).choice(pool, count, replace=False)`, exactly the release's
+    draw: the same steps for every row of the rollout, and for every run whatever its seed
+    (the release keys them by the rollout's index alone). With `count` equal to the pool's
+    size the whole pool is taken every rollout. The chosen transitions sample noise, are
+    recorded (in order: `recorded_steps`) and trained; every other transition is an ODE
+    (Euler) step, as the release's `eta = 0` steps.
+
+    `first` is the chosen set as a bit mask (bit `i` for transition `i`, so the pool must end
+    by transition 30), which is also what `RolloutInfo.window_start` reports. It is no
+    window: a `MixSampler` refuses it, and `recorded_first`, `stochastic_stop` and `window`
+    raise.
+
+    **Arguments:**
+
+    - `count`: how many transitions are stochastic and trained per rollout (the release's
+        `num_sde_steps`).
+    - `fraction`: `(start, stop)` in `[0, 1]`, `start <= stop`: the pool's bounds as fractions
+        of the trajectory (the release's `timestep_fraction`); `(0.0, 1.0)` by default.
+
+    **Raises:**
+
+    - `ValueError`: naming the argument, for a `count` < 1 or a `fraction` that is not two
+        numbers with `0 <= start <= stop <= 1`; from `first` (and when a rollout checks the
+        schedule), naming `count` if the pool holds fewer transitions, or `fraction` if the
+        pool reaches past transition 30; naming `epoch` if it is not an int >= 1.
+    """
+
+    count: int
+    fraction: tuple[float, float] = (0.0, 1.0)
+
+    def __check_init__(self) -> None:
+        fraction = self.fraction
+        if not (
+            isinstance(fraction, tuple)
+            and len(fraction) == 2
+            and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in fraction)
+            and 0.0 <= fraction[0] <= fraction[1] <= 1.0
+        ):
+            raise ValueError(
+                "`fraction` must be a pair (start, stop) of numbers with 0 <= start <= stop "
+                f"<= 1, got {fraction!r}."
+            )
+
+    def pool(self, transitions: int) -> range:
+        """The transitions the steps are drawn from: `int(T start) .. int(T stop) - 1` for
+        `T = transitions`, as the release's `_effective_start` and `_effective_end`."""
+        start, stop = self.fraction
+        return range(int(transitions * float(start)), int(transitions * float(stop)))
+
+    def check_fits(self, transitions: int) -> None:
+        """Raise unless `count` transitions fit in the pool and the pool fits a bit mask.
+
+        **Arguments:**
+
+        - `transitions`: how many transitions the rollout's grid has.
+
+        **Raises:**
+
+        - `ValueError`: naming `count` or `fraction`.
+        """
+        pool = self.pool(transitions)
+        if self.count > len(pool):
+            raise ValueError(
+                f"`count`={self.count} steps do not fit in the pool of `fraction`="
+                f"{self.fraction} on a trajectory of {transitions} transitions (transitions "
+                f"{pool.start} .. {pool.stop - 1}, {len(pool)} of them)."
+            )
+        if pool.stop > 31:
+            raise ValueError(
+                f"`fraction`={self.fraction} reaches transition {pool.stop - 1} of "
+                f"{transitions}; the chosen steps are a 31-bit mask, so the pool must end by "
+                "transition 30."
+            )
+
+    def steps(self, epoch: int, transitions: int) -> tuple[int, ...]:
+        """The transitions epoch `epoch` samples with noise and trains, in order: the
+        release's `AllSDEScheduler.get_sde_indices(epoch - 1)`.
+
+        **Arguments:**
+
+        - `epoch`: the epoch, from 1.
+        - `transitions`: how many transitions the rollout's grid has.
+
+        **Returns:**
+
+        `count` increasing transition indices.
+
+        **Raises:**
+
+        - `ValueError`: as `first`.
+        """
+        self.check_fits(transitions)
+        check_int("epoch", epoch, 1)
+        pool = list(self.pool(transitions))
+        if self.count >= len(pool):
+            return tuple(pool)
+        chosen = np.random.default_rng(epoch - 1).choice(pool, size=self.count, replace=False)
+        return tuple(sorted(int(i) for i in chosen))
+
+    def first(self, epoch: int, transitions: int, key: PRNGKeyArray) -> int:
+        """The chosen steps (`steps`) as a bit mask; `key` is unused (the release keys the
+        draw by the rollout's index alone)."""
+        del key
+        return sum(1 << i for i in self.steps(epoch, transitions))
+
+    def stochastic_steps(
+        self, first: Int[Array, ""] | int, transitions: int
+    ) -> Bool[Array, " transitions"]:
+        """The bits of `first`: transition `i` is stochastic where bit `i` is set."""
+        bits = jnp.right_shift(
+            jnp.asarray(first, jnp.int32), jnp.arange(transitions, dtype=jnp.int32)
+        )
+        return (bits & 1).astype(bool)
+
+    def recorded_steps(self, first: Int[Array, ""] | int, transitions: int) -> Int[Array, " count"]:
+        """The set bits of `first`, in increasing order."""
+        chosen = self.stochastic_steps(first, transitions)
+        indices: Int[Array, " count"] = jnp.nonzero(chosen, size=self.count)[0].astype(jnp.int32)
+        return indices
+
+    def recorded_first(self, first: Int[Array, ""] | int, transitions: int) -> Int[Array, ""]:
+        """Refused: the steps are separate (`recorded_steps`).
+
+        **Raises:**
+
+        - `ValueError`: always.
+        """
+        raise ValueError(_NO_WINDOW)
+
+    def stochastic_stop(self, first: Int[Array, ""] | int, transitions: int) -> Int[Array, ""]:
+        """Refused: the steps are separate (`stochastic_steps`).
+
+        **Raises:**
+
+        - `ValueError`: always.
+        """
+        raise ValueError(_NO_WINDOW)
+
+
+_NO_WINDOW = (
+    "RandomSteps draws separate transitions, not a window: read them with `stochastic_steps` "
+    "and `recorded_steps`."
+)

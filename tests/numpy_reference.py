@@ -521,6 +521,29 @@ def mixgrpo_windows(
 DGPO_RELEASE = "Luo-Yihong/DGPO@01ceb4b scripts/train_sd3_dgpo.py"
 
 
+def unirl_sde_indices(num_timesteps, timestep_fraction, num_sde_steps, rollout_id):
+    """UniRL's `AllSDEScheduler(num_timesteps, timestep_fraction, num_sde_steps)
+    .get_sde_indices(rollout_id)` (`unirl/utils/scheduler_utils.py`), sorted as
+    `resolve_sde_indices` returns them: the pool `int(T start) .. int(T end) - 1`, all of it
+    when it holds no more than `num_sde_steps`, else `default_rng(rollout_id).choice`."""
+    start, end = timestep_fraction
+    pool = list(range(int(num_timesteps * start), int(num_timesteps * end)))
+    if num_sde_steps >= len(pool):
+        return pool
+    chosen = np.random.default_rng(int(rollout_id)).choice(pool, size=num_sde_steps, replace=False)
+    return sorted(int(i) for i in chosen)
+
+
+def unirl_kl_sigma(sigmas, target_steps, eta, sigma_max=0.99):
+    """UniRL's `FlowDPPO._compute_sigma_t` with `add_kl_coefficient=True`, in float64:
+    `sqrt(s / (1 - min(s, 0.99))) eta sqrt(-(s_next - s))` per target step."""
+    out = []
+    for i in target_steps:
+        s, s_next = float(sigmas[i]), float(sigmas[i + 1])
+        out.append(math.sqrt(s / (1.0 - min(s, sigma_max))) * eta * math.sqrt(-(s_next - s)))
+    return np.asarray(out)
+
+
 def dgpo_rollout_sigmas(num_steps, flow_shift=3.0):
     """The start times of the release's rollout (lines 557-559: diffusers'
     `DPMSolverMultistepScheduler` with `use_flow_sigmas` and `flow_shift` 3):

@@ -313,3 +313,118 @@ def test_moving_the_window_never_recompiles(schedule):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert starts == [1, 2, 3, 4]
     assert compiles == []
+
+
+# --------------------------------------------------------------------------------------
+# RandomSteps: UniRL's sparse SDE steps (Flow-DPPO's released rollout).
+
+
+@pytest.mark.parametrize(
+    "transitions, fraction, count",
+    [(10, (0.0, 0.5), 3), (10, (0.0, 1.0), 4), (25, (0.2, 0.9), 5), (5, (0.0, 0.5), 2)],
+)
+def test_random_steps_are_the_releases_draw_at_every_rollout(transitions, fraction, count):
+    schedule = fg.RandomSteps(count, fraction=fraction)
+    key = jax.random.key(0)
+    for epoch in range(1, 201):
+        want = ref.unirl_sde_indices(transitions, fraction, count, epoch - 1)
+        assert list(schedule.steps(epoch, transitions)) == want
+        first = schedule.first(epoch, transitions, key)
+        assert first == sum(1 << i for i in want)
+        chosen = np.asarray(schedule.stochastic_steps(first, transitions))
+        assert np.flatnonzero(chosen).tolist() == want
+        assert np.asarray(schedule.recorded_steps(first, transitions)).tolist() == want
+
+
+def test_random_steps_cover_the_pool_and_nothing_else():
+    schedule = fg.RandomSteps(3, fraction=(0.0, 0.5))
+    seen = np.zeros(10, int)
+    for epoch in range(1, 401):
+        seen[list(schedule.steps(epoch, 10))] += 1
+    assert seen[5:].sum() == 0 and seen[:5].min() > 200  # each of 0..4 about 240 times
+
+
+def test_random_steps_sample_the_chosen_transitions_and_the_ode_elsewhere():
+    schedule = fg.RandomSteps(COUNT, fraction=(0.0, 1.0))
+    rollout = scheduled_rollout(schedule)
+    objective = objective_of(rollout)
+    variables = objective.init(jax.random.key(0))
+    key = jax.random.key(5)
+    epoch = 3
+    chosen = list(schedule.steps(epoch, STEPS - 1))
+    batch, info = rollout.collect(variables.policy, ROWS, key, epoch=epoch)
+    assert info.window_start == sum(1 << i for i in chosen)
+    grid = ref.grid(STEPS, 2.0)
+    np.testing.assert_allclose(np.asarray(batch.timesteps)[0], grid[chosen], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(batch.next_timesteps)[0], grid[np.add(chosen, 1)], rtol=1e-6
+    )
+    live = np.asarray(batch.advantages) != 0
+    assert live.any() and np.asarray(batch.transition_mask)[live].all()
+    rescored = objective.log_probs(variables, batch)
+    np.testing.assert_allclose(np.asarray(rescored), np.asarray(batch.old_log_probs), atol=1e-5)
+    # The trajectory: ODE steps up to the first chosen transition, a noisy one there.
+    net = variables.policy
+    start = np.asarray(jax.random.normal(jax.random.split(key)[0], (6, *LATENT)), np.float64)
+    rows = np.repeat(ROWS["cond"], 2, axis=0).astype(np.float64)
+    for row in range(6):
+        expected = numpy_ode(net, start[row], grid[: chosen[0] + 1], rows[row])
+        np.testing.assert_allclose(np.asarray(batch.latents)[row, 0], expected, atol=2e-5)
+        x = np.asarray(batch.latents, np.float64)[row, 0]
+        ode_step = numpy_ode(net, x, grid[chosen[0] : chosen[0] + 2], rows[row])
+        assert np.max(np.abs(np.asarray(batch.next_latents)[row, 0] - ode_step)) > 1e-2
+    # After the last chosen one: the ODE to t = 0.
+    generated = rollout.generate(
+        variables.policy,
+        {k: np.repeat(v, 2, axis=0) for k, v in ROWS.items()},
+        key,
+        info.window_start,
+    )
+    last = np.asarray(generated.next_latents, np.float64)[:, -1]
+    for row in range(6):
+        expected = numpy_ode(net, last[row], grid[chosen[-1] + 1 :], rows[row])
+        np.testing.assert_allclose(
+            np.asarray(generated.final)[row], expected, atol=tolerances.tanh_model_atol(2e-5)
+        )
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: fg.RandomSteps(3, fraction=(0.0, 0.5)).first(1, 5, jax.random.key(0)),
+            "`count`=3 steps do not fit in the pool of `fraction`=(0.0, 0.5) on a trajectory "
+            "of 5 transitions (transitions 0 .. 1, 2 of them).",
+        ),
+        (
+            lambda: fg.RandomSteps(2, fraction=(0.5, 1.0)).first(1, 64, jax.random.key(0)),
+            "`fraction`=(0.5, 1.0) reaches transition 63 of 64; the chosen steps are a 31-bit "
+            "mask, so the pool must end by transition 30.",
+        ),
+        (
+            lambda: fg.RandomSteps(2, fraction=(0.6, 0.5)),
+            "`fraction` must be a pair (start, stop) of numbers with 0 <= start <= stop <= 1, "
+            "got (0.6, 0.5).",
+        ),
+        (
+            lambda: fg.RandomSteps(0),
+            "`count` must be an int >= 1, got 0.",
+        ),
+        (
+            lambda: fg.MixSampler(fg.FlowSDE(), fg.RandomSteps(2)),
+            "`window_schedule` must place a window (the solver takes over after its last "
+            "step), got RandomSteps(count=2), whose steps are separate: "
+            "sample those with an SDESampler.",
+        ),
+        (
+            lambda: fg.RandomSteps(2).stochastic_stop(3, 6),
+            "RandomSteps draws separate transitions, not a window: read them with "
+            "`stochastic_steps` and `recorded_steps`.",
+        ),
+    ],
+)
+def test_random_steps_refusals_are_named(make, message):
+    from tests.errors import raises_named
+
+    with raises_named(message):
+        make()
