@@ -67,9 +67,13 @@ from ._distributed import (
     sync_processes as sync_processes,
 )
 from ._dppo import (
+    AbstractKLStd as AbstractKLStd,
     DPPOAux as DPPOAux,
     FlowDPPOObjective as FlowDPPOObjective,
     OldMeans as OldMeans,
+    ReleasedKLStd as ReleasedKLStd,
+    TransitionKLStd as TransitionKLStd,
+    UnitKLStd as UnitKLStd,
     divergence_mask as divergence_mask,
 )
 from ._evaluation import (

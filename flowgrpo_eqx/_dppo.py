@@ -1,5 +1,6 @@
 """`FlowDPPOObjective`: Flow-DPPO's divergence-masked policy objective, as released."""
 
+import abc
 from dataclasses import KW_ONLY
 from typing import Any, Literal, TypeAlias, final
 
@@ -15,6 +16,7 @@ from ._custom_types import (
     PerRow,
     PerTransition,
     RolloutInfo,
+    Scalar,
     Step,
     TransitionMask,
     Transitions,
@@ -35,8 +37,9 @@ from ._policy_loss import (
 )
 from ._rl import AbstractRLObjective, Rescore
 from ._sampling import AbstractSampler, SDESampler
-from ._sde import AbstractSDE, FlowSDE
+from ._sde import AbstractSDE, FlowSDE, compute_dtype
 from ._trainable import TrainableFilter
+from ._window import AbstractWindowSchedule, RandomSteps
 
 
 OldMeans: TypeAlias = Literal["rollout", "update"]
@@ -114,6 +117,105 @@ def divergence_mask(
     return (kl >= kl_threshold) & pushing
 
 
+class AbstractKLStd(eqx.Module):
+    """The std `s` Flow-DPPO's KL divides the squared mean shift by, `mean_coords (mu_theta -
+    mu_old)^2 / (2 s^2)`: a variant per source (`ReleasedKLStd`, `TransitionKLStd`,
+    `UnitKLStd`)."""
+
+    @abc.abstractmethod
+    def __call__(
+        self, sde: AbstractSDE, t: Scalar, t_next: Scalar, transition_std: Scalar
+    ) -> Scalar:
+        """The KL's std for one transition `t -> t_next`.
+
+        **Arguments:**
+
+        - `sde`: the objective's SDE.
+        - `t`, `t_next`: the transition's times.
+        - `transition_std`: the SDE's own std of the transition (0 when deterministic).
+
+        **Returns:**
+
+        The scalar std, in `transition_std`'s dtype; `transition_std` where that is 0 (a
+        deterministic transition has no KL).
+        """
+
+
+@final
+class ReleasedKLStd(AbstractKLStd):
+    """The release's KL std (UniRL `unirl/algorithms/flowdppo.py`, `_compute_sigma_t`, lines
+    342-368): the Flow-SDE formula recomputed from the grid whatever the sampler,
+    `sqrt(t / (1 - min(t, sigma_max))) a sqrt(t - t_next)`, `a` the SDE's `noise_level` (the
+    release's `eta`). At `t = 1` its clamp makes it `10 a sqrt(1 - t_next)` where the
+    transition's own std is `a` (the release's transition, like `FlowSDE`, guards with
+    `t* = t_next`), so the first step's KL is `100 (1 - t_next)` times smaller than the
+    transition's std would make it (1/3.57 on SD3's grid of 10 steps); every other step of a
+    `FlowSDE` gets its own std.
+
+    **Arguments:**
+
+    - `sigma_max`: the clamp, 0.99 as released.
+
+    **Raises:**
+
+    - `ValueError`: naming `sigma_max` unless it is a number in (0, 1).
+    """
+
+    sigma_max: float = 0.99
+
+    def __check_init__(self) -> None:
+        check_number(
+            "sigma_max",
+            self.sigma_max,
+            minimum=0,
+            maximum=1,
+            include_minimum=False,
+            include_maximum=False,
+        )
+
+    def __call__(
+        self, sde: AbstractSDE, t: Scalar, t_next: Scalar, transition_std: Scalar
+    ) -> Scalar:
+        dtype = compute_dtype(jnp.asarray(transition_std).dtype, jnp.asarray(t).dtype)
+        t = jnp.asarray(t, dtype)
+        t_next = jnp.asarray(t_next, dtype)
+        level = jnp.sqrt(t / (1 - jnp.minimum(t, self.sigma_max))) * sde.noise_level
+        std = level * jnp.sqrt(-(t_next - t))
+        return jnp.where(transition_std > 0, std, jnp.asarray(transition_std, dtype))
+
+
+@final
+class TransitionKLStd(AbstractKLStd):
+    """The transition's own std `s` (the SDE's, mathematics §2): the exact Gaussian KL at every
+    step, the first included. This is the fix of the release's open pull request #38
+    (`fix(flowdppo): align KL sigma_t with SDE transition at sigma==1`, then `derive KL
+    sigma_t from each SDE strategy`, `SDEStrategy.transition_std`), not the released code."""
+
+    def __call__(
+        self, sde: AbstractSDE, t: Scalar, t_next: Scalar, transition_std: Scalar
+    ) -> Scalar:
+        del sde, t, t_next
+        return jnp.asarray(transition_std)
+
+
+@final
+class UnitKLStd(AbstractKLStd):
+    """1: the squared mean shift over 2 alone, the release's `add_kl_coefficient: false`
+    (`_compute_sigma_t` returns ones, lines 353-354)."""
+
+    def __call__(
+        self, sde: AbstractSDE, t: Scalar, t_next: Scalar, transition_std: Scalar
+    ) -> Scalar:
+        del sde, t, t_next
+        std = jnp.asarray(transition_std)
+        return jnp.where(std > 0, jnp.ones_like(std), std)
+
+
+RELEASED_SDE_STEPS = RandomSteps(3, fraction=(0.0, 0.5))
+"""The release's SDE steps: 3 drawn per rollout among the first half of the transitions
+(`examples/diffusion/sd3_flowdppo.yaml`, `num_sde_steps: 3`, `timestep_fraction: [0.0, 0.5]`)."""
+
+
 @final
 class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
     """Flow-DPPO (arXiv:2606.11025) as its authors released it: Flow-GRPO's ratio surrogate
@@ -121,15 +223,22 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
     advantage pushes (`docs/mathematics/dppo.md` §12).
 
     Each recorded transition is the SDE's Gaussian `N(mu, s^2 I)`, and the old policy's is
-    `N(mu_old, s^2 I)` with the same std, so their KL is exact and cheap:
-    `kl = mean_coords (mu_theta - mu_old)^2 / (2 s^2)` (the released mean over the latent
-    coordinates, not the sum; `normalise_kl=False` divides by 2 alone). With
+    `N(mu_old, s^2 I)` with the same std, so their KL is cheap:
+    `kl = mean_coords (mu_theta - mu_old)^2 / (2 sigma^2)` (the released mean over the latent
+    coordinates, not the sum), `sigma` the `kl_std`: the release's recomputed Flow-SDE std,
+    clamped at `t = 1` (`ReleasedKLStd`, the default), the transition's own `s` (the exact KL,
+    `TransitionKLStd`, the release's open fix) or 1 (`UnitKLStd`). With
     `r = exp(log p_theta - old_log_prob)` and `A` the advantage (not clipped, as released),
     a term is dropped (`divergence_mask`) when `kl >= kl_threshold` and `r > 1, A > 0` or
     `r < 1, A < 0`; `loss = sum_kept (-A r, 0 where dropped) / D` over the kept set (masked-in
     and stochastic) of size `D`: dropped terms count in the denominator, as released. No KL
     to a reference model (the release has none), no ratio clip, no advantage clip; the KL
     carries no gradient (it only masks).
+
+    The default rollout (`rollout_sampler(None)`) samples the release's steps: `sde_steps`,
+    3 transitions drawn per rollout among the first half (`RandomSteps`), the ODE elsewhere.
+    Its advantages are the rollout's: the release normalises over the batch with each group's
+    mean, `FlowRollout(advantage_std="global_unbiased")`.
 
     The old means come, as released, from the policy that sampled the batch, rescored by the
     trainer's own update program before the first update (`old_means="update"`: the batch
@@ -142,10 +251,15 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
         precision; the rollout samples with its guidance and the loss rescores with it.
     - `kl_threshold`: the KL threshold `delta`, > 0 (default 1e-5, the release's
         `kl_mask_threshold`, calibrated for the coordinate mean).
-    - `normalise_kl`: whether the squared mean shift is divided by `2 s^2` (the exact KL,
-        default, the release's `add_kl_coefficient=True`) or by 2 (`False`).
+    - `kl_std`: an `AbstractKLStd`, the std the KL divides by: `ReleasedKLStd()` (default,
+        the release's `add_kl_coefficient=True`), `TransitionKLStd()` (the release's open
+        fix) or `UnitKLStd()` (`add_kl_coefficient=False`).
     - `sde`: the SDE of the rollout and the rescoring (`FlowSDE()` by default, noise 0.7 as
         the release's `eta`).
+    - `sde_steps`: the window schedule of the default rollout (`rollout_sampler(None)`):
+        `RandomSteps(3, fraction=(0.0, 0.5))` by default, as released; `None` for the
+        `sde`'s own stochastic transitions (all of them, or its `window`). Must be `None`
+        with an `sde` that has a `window`.
     - `old_log_probs`: `"rollout"` (default, the release's `old_logp_source="rollout"`) or
         `"update"` (its `"replay"`: recomputed by the update program, an exact ratio 1 at
         the first update in any precision).
@@ -156,16 +270,18 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
     **Raises:**
 
     - `ValueError`: naming the argument, for a `kl_threshold` that is not a finite number
-        > 0, a `normalise_kl` or `remat` that is not a bool, `transition_chunk < 1`, an
-        unknown `old_log_probs` or `old_means`, a `flow` that is not a `GuidedFlow`, or a `sde`
-        that is not an `AbstractSDE`.
+        > 0, a `kl_std` that is not an `AbstractKLStd`, a `remat` that is not a bool,
+        `transition_chunk < 1`, an unknown `old_log_probs` or `old_means`, a `flow` that is
+        not a `GuidedFlow`, a `sde` that is not an `AbstractSDE`, or a `sde_steps` that is not
+        a window schedule or sits beside the `sde`'s `window`.
     """
 
     flow: GuidedFlow
     _: KW_ONLY
     kl_threshold: float = 1e-5
-    normalise_kl: bool = eqx.field(default=True, static=True)
+    kl_std: AbstractKLStd = ReleasedKLStd()
     sde: AbstractSDE = FlowSDE()
+    sde_steps: AbstractWindowSchedule | None = RELEASED_SDE_STEPS
     old_log_probs: OldLogProbs = eqx.field(default="rollout", static=True)
     old_means: OldMeans = eqx.field(default="update", static=True)
     transition_chunk: int | None = None
@@ -174,9 +290,25 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
 
     def __check_init__(self) -> None:
         check_number("kl_threshold", self.kl_threshold, minimum=0, include_minimum=False)
-        check_bool("normalise_kl", self.normalise_kl)
+        if not isinstance(self.kl_std, AbstractKLStd):
+            raise ValueError(
+                "`kl_std` must be an AbstractKLStd (ReleasedKLStd, TransitionKLStd, "
+                f"UnitKLStd), got {self.kl_std!r}."
+            )
         if not isinstance(self.sde, AbstractSDE):
             raise ValueError(f"`sde` must be an AbstractSDE, got {self.sde!r}.")
+        if self.sde_steps is not None:
+            if not isinstance(self.sde_steps, AbstractWindowSchedule):
+                raise ValueError(
+                    "`sde_steps` must be None or an AbstractWindowSchedule (RandomSteps, "
+                    f"FixedWindow, ...), got {self.sde_steps!r}."
+                )
+            if self.sde.window is not None:
+                raise ValueError(
+                    "`sde_steps` must be None with an `sde` that has a `window` (the window "
+                    f"places the noise), got {self.sde_steps!r} beside window="
+                    f"{self.sde.window!r}."
+                )
         for name in ("old_log_probs", "old_means"):
             value = getattr(self, name)
             if value not in ("rollout", "update"):
@@ -192,10 +324,10 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
         return PolicyVariables(policy=policy)
 
     def rollout_sampler(self, requested: AbstractSampler | None) -> AbstractSampler:
-        """`SDESampler(sde)`, recording the means with `old_means="rollout"`, by default; a
-        requested sampler only if it records transitions of this `sde` (and, with
-        `old_means="rollout"`, their means): `AbstractSampler.records_transitions_of` and
-        `records_means`.
+        """`SDESampler(sde, window_schedule=sde_steps)`, recording the means with
+        `old_means="rollout"`, by default; a requested sampler only if it records transitions
+        of this `sde` (and, with `old_means="rollout"`, their means):
+        `AbstractSampler.records_transitions_of` and `records_means`.
 
         **Raises:**
 
@@ -205,7 +337,7 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
         """
         needs_means = self.old_means == "rollout"
         if requested is None:
-            return SDESampler(self.sde, record_means=needs_means)
+            return SDESampler(self.sde, window_schedule=self.sde_steps, record_means=needs_means)
         sampler = transition_sampler(self.sde, requested, "Flow-DPPO")
         if needs_means and not sampler.records_means():
             raise ValueError(
@@ -354,27 +486,47 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
         old_mean: Float[Array, " *latent"],
         std: Float[ArrayLike, ""],
     ) -> Float[Array, ""]:
-        """The KL between one transition's Gaussian and the old policy's, of equal std.
+        """The KL between one transition's Gaussian and the old policy's, given the KL's std.
 
         **Arguments:**
 
         - `mean`: the policy's transition mean.
         - `old_mean`: the old policy's.
-        - `std`: their shared std `s`.
+        - `std`: the KL's std `sigma` (`kl_std`'s value for the transition).
 
         **Returns:**
 
-        `mean_coords (mean - old_mean)^2 / (2 s^2)` (`/ 2` with `normalise_kl=False`); 0
-        when `s == 0` (a deterministic transition).
+        `mean_coords (mean - old_mean)^2 / (2 sigma^2)`; 0 when `sigma == 0` (a
+        deterministic transition).
         """
         difference = mean - old_mean.astype(mean.dtype)
         squared = jnp.mean(difference**2)
-        if not self.normalise_kl:
-            return squared / 2
         std = jnp.asarray(std, mean.dtype)
         positive = std > 0
         safe_std = jnp.where(positive, std, 1.0)
         return jnp.where(positive, squared / (2 * safe_std**2), 0.0)
+
+    def kl_stds(
+        self,
+        t: Float[Array, " B"],
+        t_next: Float[Array, " B"],
+        transition_std: Float[Array, " B"],
+    ) -> Float[Array, " B"]:
+        """`kl_std` of a batch of transitions.
+
+        **Arguments:**
+
+        - `t`, `t_next`: `[B]` the transitions' times.
+        - `transition_std`: `[B]` the SDE's std of each.
+
+        **Returns:**
+
+        `[B]` the KL's stds.
+        """
+        stds: Float[Array, " B"] = jax.vmap(lambda a, b, s: self.kl_std(self.sde, a, b, s))(
+            t, t_next, transition_std
+        )
+        return stds
 
     def loss(
         self, variables: PolicyVariables, batch: Transitions, step: Step
@@ -460,7 +612,8 @@ class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
             )
             log_prob = jax.vmap(self.sde.log_prob)(chunk["x_next"], mean, std)
             anchor = jax.lax.stop_gradient(mean)
-            kl = jax.vmap(self.divergence)(anchor, chunk["old_mean"], std)
+            sigma = self.kl_stds(chunk["t"], chunk["t_next"], std)
+            kl = jax.vmap(self.divergence)(anchor, chunk["old_mean"], sigma)
             per = {"log_ratio": log_prob - chunk["old"], "kl": kl}
             if report_log_probs:
                 per["log_prob"] = log_prob

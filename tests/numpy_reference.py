@@ -647,14 +647,12 @@ def dgpo_samples_with_ema(global_step, switch_ema_ref):
 DPPO_RELEASE = "Tencent-Hunyuan/UniRL@1a7b501 unirl/algorithms/flowdppo.py"
 
 
-def dppo_kl(mean, old_mean, std, normalise=True):
+def dppo_kl(mean, old_mean, sigma):
     """`_gaussian_kl_div` (lines 43-51) reduced by line 93: `(mu - mu_old)^2 / (2 sigma_t^2)`
-    averaged over the latent coordinates (not summed); `sigma_t` the transition's std
-    (`_compute_sigma_t`, lines 342-368), or 1 without `add_kl_coefficient` (lines
-    353-354)."""
+    averaged over the latent coordinates (not summed); `sigma_t` from `_compute_sigma_t`
+    (lines 342-368: `unirl_kl_sigma`, or 1 without `add_kl_coefficient`, lines 353-354)."""
     d = np.asarray(mean, np.float64) - np.asarray(old_mean, np.float64)
-    sigma = float(std) if normalise else 1.0
-    return float(np.mean(d**2 / (2 * sigma**2)))
+    return float(np.mean(d**2 / (2 * float(sigma) ** 2)))
 
 
 def dppo_dropped(kl, ratio, advantage, threshold):

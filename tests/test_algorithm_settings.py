@@ -117,6 +117,7 @@ ANOTHER_VALUE: dict[str, Any] = {
     "nft_beta": 0.5,
     "nft_old_decay": 0.25,
     "dppo_kl_threshold": 1e-3,
+    "dppo_kl_std": "transition",
     "beta": 0.01,
     "clip_range": 0.05,
     "grpo_guard": True,

@@ -43,13 +43,27 @@ def make_dppo(sde=SDES["flow"], key=0, **settings):
     return fg.FlowDPPOObjective(flow, sde=sde, **settings)
 
 
+def kl_sigma(objective, t, t_next, std):
+    """The KL's std in float64: the release's `_compute_sigma_t` (`ReleasedKLStd`), the
+    transition's own (`TransitionKLStd`, its open fix), or 1 (`UnitKLStd`)."""
+    kind = type(objective.kl_std)
+    if kind is fg.ReleasedKLStd:
+        grid = np.asarray([t, t_next], np.float64)
+        sigma_max = objective.kl_std.sigma_max
+        return float(ref.unirl_kl_sigma(grid, [0], objective.sde.noise_level, sigma_max)[0])
+    return float(std) if kind is fg.TransitionKLStd else 1.0
+
+
 def numpy_terms(objective, params, batch):
     """Each transition's log-ratio and KL in float64, and the kept set."""
     kept, means, std, log_ratio = numpy_transitions(objective, params, batch)
     old_means = np.asarray(batch.old_means, np.float64)
+    t_all = np.asarray(batch.timesteps, np.float64)
+    t_next_all = np.asarray(batch.next_timesteps, np.float64)
     kl = np.zeros(kept.shape)
     for i, j in zip(*np.nonzero(kept), strict=True):
-        kl[i, j] = ref.dppo_kl(means[i, j], old_means[i, j], std[i, j], objective.normalise_kl)
+        sigma = kl_sigma(objective, t_all[i, j], t_next_all[i, j], std[i, j])
+        kl[i, j] = ref.dppo_kl(means[i, j], old_means[i, j], sigma)
     return log_ratio, kl, kept
 
 
@@ -75,13 +89,13 @@ def old_means_of(objective, model, batch):
     return jnp.asarray(means, jnp.float32)
 
 
-def setup(seed, sde=SDES["flow"], size=0.05, **settings):
+def setup(seed, sde=SDES["flow"], size=0.05, steps=8, n=5, **settings):
     """An objective, a policy moved off the old one, and a batch with the old policy's
     means and (noisy) log densities, its threshold set between two of its KLs."""
     objective = make_dppo(sde=sde, **settings)
     old_policy = objective.init(jax.random.key(1)).policy
     policy = perturbed(old_policy, jax.random.key(2), size)
-    batch = make_batch(seed=seed, steps=8)
+    batch = make_batch(seed=seed, steps=steps, n=n)
     rescored = np.asarray(objective.log_probs(fg.PolicyVariables(old_policy), batch))
     noise = np.random.default_rng(seed).normal(size=rescored.shape) * 0.05
     batch = eqx.tree_at(
@@ -115,11 +129,20 @@ def value_and_grad(objective, variables, batch):
     return float(total), float(count), aux, grads
 
 
+KL_STDS = {
+    "released": fg.ReleasedKLStd(),
+    "transition": fg.TransitionKLStd(),
+    "unit": fg.UnitKLStd(),
+}
+
+
 @pytest.mark.parametrize(
-    "kind, normalise_kl", [("flow", True), ("cps", True), ("flow", False)], ids=str
+    "kind, kl_std",
+    [("flow", "released"), ("flow", "transition"), ("cps", "released"), ("flow", "unit")],
+    ids=str,
 )
-def test_loss_aux_and_gradient_match_numpy(kind, normalise_kl):
-    objective, variables, batch = setup(3, SDES[kind], normalise_kl=normalise_kl)
+def test_loss_aux_and_gradient_match_numpy(kind, kl_std):
+    objective, variables, batch = setup(3, SDES[kind], kl_std=KL_STDS[kl_std])
     total, count, aux, grads = value_and_grad(objective, variables, batch)
     params = LinearParams.of(variables.policy)
     want, want_count, dropped = numpy_loss(objective, params, batch)
@@ -276,9 +299,16 @@ def test_the_update_program_anchors_the_kl_and_the_ratio_exactly():
 
 def test_an_epoch_of_the_default_objective_starts_inside_the_trust_region():
     # One update per epoch (all rows at once): the epoch's metrics are the first update's,
-    # whose anchors (the means, by default) the update program recomputed.
+    # whose anchors (the means, by default) the update program recomputed. The release's
+    # grid of 10 steps, 3 of the first 5 stochastic.
     objective = make_dppo(old_log_probs="update")
-    rollout = fg.FlowRollout(objective, lambda s, r: np.asarray(s).sum(axis=1), groups=4, steps=5)
+    rollout = fg.FlowRollout(
+        objective,
+        lambda s, r: np.asarray(s).sum(axis=1),
+        groups=4,
+        steps=11,
+        advantage_std="global_unbiased",
+    )
     assert not objective.rollout_sampler(None).record_means
     trainer = Trainer(objective)
     state = trainer.init(jax.random.key(1))
@@ -289,7 +319,7 @@ def test_an_epoch_of_the_default_objective_starts_inside_the_trust_region():
 
 
 def test_the_rollout_anchor_needs_recorded_means():
-    objective = make_dppo(old_means="rollout")
+    objective = make_dppo(old_means="rollout", sde_steps=None)
     assert objective.rollout_sampler(None) == fg.SDESampler(objective.sde, record_means=True)
     message = (
         "`sampler` must record the rollout's means (`record_means=True`): with "
@@ -330,9 +360,76 @@ def test_the_loss_without_old_means_is_refused_by_name():
 def test_the_default_is_the_release():
     objective = make_dppo()
     assert objective.kl_threshold == 1e-5
-    assert objective.normalise_kl is True
+    assert objective.kl_std == fg.ReleasedKLStd(0.99)
     assert (objective.old_log_probs, objective.old_means) == ("rollout", "update")
     assert make_dppo(sde=fg.FlowSDE()).sde == fg.FlowSDE(0.7)
+    # The release's rollout: 3 SDE steps drawn per rollout among the first 5 of 10.
+    sampler = objective.rollout_sampler(None)
+    assert sampler.window_schedule == fg.RandomSteps(3, fraction=(0.0, 0.5))
+    for epoch in range(1, 21):
+        steps = sampler.window_schedule.steps(epoch, 10)
+        assert list(steps) == ref.unirl_sde_indices(10, (0.0, 0.5), 3, epoch - 1)
+
+
+# The KL's std on SD3's grid of 10 steps (shift 3), as `_compute_sigma_t` computes it with
+# the release's eta 0.7, and as the release's open fix computes it (the transition's std).
+SD3_GRID = ref.grid(11, 3.0)
+
+
+def test_the_released_kl_std_is_the_releases_and_differs_at_the_first_step_only():
+    t, t_next = jnp.asarray(SD3_GRID[:-1], jnp.float32), jnp.asarray(SD3_GRID[1:], jnp.float32)
+    sde = fg.FlowSDE(0.7)
+    _, transition_std = jax.vmap(lambda a, b: sde.transition(jnp.zeros(2), jnp.zeros(2), a, b))(
+        t, t_next
+    )
+    released = jax.vmap(lambda a, b, s: fg.ReleasedKLStd()(sde, a, b, s))(t, t_next, transition_std)
+    want = ref.unirl_kl_sigma(np.float32(SD3_GRID).astype(np.float64), range(10), 0.7)
+    np.testing.assert_allclose(np.asarray(released), want, rtol=2e-6)
+    fixed = jax.vmap(lambda a, b, s: fg.TransitionKLStd()(sde, a, b, s))(t, t_next, transition_std)
+    np.testing.assert_array_equal(np.asarray(fixed), np.asarray(transition_std))
+    # After the first step the two agree; at t = 1 the clamp makes the KL 100 (1 - t_next)
+    # times smaller: 1/3.57 on this grid.
+    np.testing.assert_allclose(np.asarray(released)[1:], np.asarray(transition_std)[1:], rtol=2e-6)
+    kl_ratio = float((released[0] / transition_std[0]) ** 2)
+    np.testing.assert_allclose(kl_ratio, 100 * (1 - SD3_GRID[1]), rtol=1e-5)
+    assert 3.56 < kl_ratio < 3.58
+    unit = fg.UnitKLStd()(sde, t[0], t_next[0], transition_std[0])
+    assert float(unit) == 1.0
+    assert float(fg.ReleasedKLStd()(sde, t[0], t_next[0], jnp.float32(0.0))) == 0.0
+
+
+def test_the_first_steps_kl_decides_the_mask_differently():
+    # A batch of first-step transitions only, its threshold their median KL under the
+    # transition's std: the released KL std (100 (1 - t_next) times smaller there) lets
+    # through terms that the transition's std drops.
+    objective, variables, batch = setup(
+        3, size=0.2, steps=7, n=12, kl_std=fg.TransitionKLStd(), kl_threshold=1.0
+    )
+    first = np.asarray(batch.timesteps) == 1.0
+    batch = eqx.tree_at(
+        lambda b: b.transition_mask, batch, jnp.asarray(np.asarray(batch.transition_mask) & first)
+    )
+    params = LinearParams.of(variables.policy)
+    log_ratio, fixed_kl, kept = numpy_terms(objective, params, batch)
+    assert kept.sum() >= 6
+    objective = eqx.tree_at(lambda o: o.kl_threshold, objective, float(np.median(fixed_kl[kept])))
+    released = eqx.tree_at(lambda o: o.kl_std, objective, fg.ReleasedKLStd())
+    _, released_kl, _ = numpy_terms(released, params, batch)
+    t_next = np.asarray(batch.next_timesteps, np.float64)[kept]
+    np.testing.assert_allclose(released_kl[kept], fixed_kl[kept] / (100 * (1 - t_next)), rtol=1e-6)
+    advantages = np.repeat(np.asarray(batch.advantages)[:, None], kept.shape[1], 1)
+    drops = {}
+    for candidate, kl in ((objective, fixed_kl), (released, released_kl)):
+        total, count, dropped = ref.dppo_loss(
+            log_ratio, kl, advantages, kept, candidate.kl_threshold
+        )
+        value, aux = candidate.loss(variables, batch, STEP)
+        np.testing.assert_allclose(float(aux.kl.value), kl[kept].mean(), rtol=2e-4)
+        np.testing.assert_allclose(float(value.total), total, rtol=2e-4, atol=1e-6)
+        drops[candidate.kl_std] = dropped
+    fixed_dropped, released_dropped = drops[fg.TransitionKLStd()], drops[fg.ReleasedKLStd()]
+    assert (released_dropped <= fixed_dropped).all()
+    assert fixed_dropped.sum() > released_dropped.sum()
 
 
 @pytest.mark.parametrize(
@@ -341,7 +438,21 @@ def test_the_default_is_the_release():
         ({"kl_threshold": 0.0}, "`kl_threshold` must be a finite number > 0, got 0.0."),
         ({"kl_threshold": -1e-5}, "`kl_threshold` must be a finite number > 0, got -1e-05."),
         ({"kl_threshold": float("nan")}, "`kl_threshold` must be a finite number > 0, got nan."),
-        ({"normalise_kl": 1}, "`normalise_kl` must be a bool, got 1."),
+        (
+            {"kl_std": "released"},
+            "`kl_std` must be an AbstractKLStd (ReleasedKLStd, TransitionKLStd, UnitKLStd), got "
+            "'released'.",
+        ),
+        (
+            {"sde": fg.FlowSDE(0.7, window=(1.0, 0.5))},
+            "`sde_steps` must be None with an `sde` that has a `window` (the window places the "
+            "noise), got RandomSteps(count=3, fraction=(0.0, 0.5)) beside window=(1.0, 0.5).",
+        ),
+        (
+            {"sde_steps": 3},
+            "`sde_steps` must be None or an AbstractWindowSchedule (RandomSteps, "
+            "FixedWindow, ...), got 3.",
+        ),
         ({"old_means": "replay"}, "`old_means` must be 'rollout' or 'update', got 'replay'."),
         (
             {"old_log_probs": "replay"},
@@ -363,7 +474,7 @@ def test_the_demo_builds_the_released_objective_and_refuses_what_it_lacks():
 
     config = make_config("tiny", algorithm="dppo")
     algorithm = config.chosen_algorithm
-    assert algorithm.trains_on_ratios and algorithm.advantage_std == "global"
+    assert algorithm.trains_on_ratios and algorithm.advantage_std == "global_unbiased"
     job = JobPieces(
         config=config,
         model=LinearVelocity(jax.random.key(0)),
@@ -374,15 +485,34 @@ def test_the_demo_builds_the_released_objective_and_refuses_what_it_lacks():
     objective = algorithm.objective(job, None)
     assert isinstance(objective, fg.FlowDPPOObjective)
     assert objective.kl_threshold == config.objective.dppo_kl_threshold == 1e-5
+    assert objective.kl_std == fg.ReleasedKLStd()
     # float32: both anchors from the rollout, which records its means.
     assert (objective.old_log_probs, objective.old_means) == ("rollout", "rollout")
-    assert algorithm.sampler(job).record_means
-    named = make_config("tiny", algorithm="dppo", dppo_kl_threshold=1e-3, old_log_probs="update")
+    sampler = algorithm.sampler(job)
+    assert sampler.record_means and sampler.sde == objective.sde == fg.FlowSDE(0.7)
+    # The tiny grid's 3 transitions: the first half widened to the job's 2 SDE steps.
+    assert sampler.window_schedule == objective.sde_steps
+    assert sampler.window_schedule.steps(1, 3) == (0, 1)
+    named = make_config(
+        "tiny",
+        algorithm="dppo",
+        dppo_kl_threshold=1e-3,
+        dppo_kl_std="transition",
+        old_log_probs="update",
+    )
     job = JobPieces(named, job.model, job.inputs, job.guidance, job.reward)
     objective = named.chosen_algorithm.objective(job, None)
-    assert objective.kl_threshold == 1e-3
+    assert objective.kl_threshold == 1e-3 and objective.kl_std == fg.TransitionKLStd()
     assert (objective.old_log_probs, objective.old_means) == ("update", "update")
     assert not named.chosen_algorithm.sampler(job).record_means
+    # The release's grid and steps: 3 drawn among the first 5 of 10 transitions.
+    released = make_config("tiny", algorithm="dppo", rollout_steps=11, sde_steps=3, train_steps=3)
+    job = JobPieces(released, job.model, job.inputs, job.guidance, job.reward)
+    assert released.chosen_algorithm.sampler(job).window_schedule == fg.RandomSteps(
+        3, fraction=(0.0, 0.5)
+    )
+    with pytest.raises(ValueError, match="`train_steps`=2 must equal `sde_steps`=3"):
+        make_config("tiny", algorithm="dppo", rollout_steps=11, sde_steps=3)
     with pytest.raises(ValueError, match="`beta` .* must be 0 with algorithm 'dppo'"):
         make_config("tiny", algorithm="dppo", beta=0.01)
     with pytest.raises(ValueError, match="`grpo_guard` must be false with algorithm 'dppo'"):

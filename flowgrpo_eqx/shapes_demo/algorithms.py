@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from .. import (
     CFG,
+    AbstractKLStd,
     AbstractRLObjective,
     AbstractSampler,
     AbstractSolver,
@@ -43,14 +44,19 @@ from .. import (
     OldLogProbs,
     ProgressiveWindow,
     RampedDecay,
+    RandomSteps,
     RandomWindow,
     RectifiedFlow,
+    ReleasedKLStd,
     SDESampler,
     SlidingWindow,
+    TransitionKLStd,
+    UnitKLStd,
     window_for_indices,
 )
 from .settings import (
     AlgorithmName,
+    DPPOKLStdName,
     EvaluationSettings,
     ModelSettings,
     ObjectiveSettings,
@@ -93,6 +99,7 @@ ALGORITHM_SETTINGS: frozenset[str] = frozenset(
         "nft_beta",
         "nft_old_decay",
         "dppo_kl_threshold",
+        "dppo_kl_std",
         "beta",
         "clip_range",
         "grpo_guard",
@@ -484,25 +491,34 @@ class MixGRPO(AbstractAlgorithm):
 @final
 class FlowDPPO(AbstractAlgorithm):
     """Flow-DPPO as released (github `Tencent-Hunyuan/UniRL`, `FlowDPPO/`,
-    `unirl/algorithms/flowdppo.py`; `docs/mathematics/dppo.md` §12): Flow-GRPO's unclipped ratio
-    surrogate on the SDE transitions the rollout records, each step dropped where its exact
-    KL to the rollout's policy reaches `dppo_kl_threshold` (1e-5, the release's) and its
-    ratio already moved the way its advantage pushes. As released: no ratio or advantage
-    clip, no KL to the base model, advantages over the global reward std
-    (`adv_use_global_std`). Adapted to this task:
+    `unirl/algorithms/flowdppo.py`, `examples/diffusion/sd3_flowdppo.yaml`;
+    `docs/mathematics/dppo.md` §12): Flow-GRPO's unclipped ratio surrogate on the SDE
+    transitions the rollout records, each step dropped where its KL to the rollout's policy
+    reaches `dppo_kl_threshold` (1e-5, the release's) and its ratio already moved the way its
+    advantage pushes. As released: the KL's std recomputed and clamped at `t = 1`
+    (`dppo_kl_std` released; `transition` is the release's open fix), no ratio or advantage
+    clip, no KL to the base model, advantages over the batch's unbiased reward std plus 1e-8
+    with each group's mean (`adv_use_global_std`), and the SDE on steps drawn per rollout among
+    the first half of the grid (`RandomSteps`), the ODE elsewhere. Adapted to this task:
 
+    - The rollout's steps are the job's `sde_steps` (2) drawn among the first half of its
+        `rollout_steps - 1` transitions, widened to hold them (the release draws 3 of 5 of
+        10): on the job's 5 transitions the first half is transitions 0 and 1, so both every
+        rollout, the job's leading window; `--rollout-steps 11 --sde-steps 3` is the
+        release's 3 of 5. `sde_steps` none makes every transition stochastic; `train_steps`
+        must be none or `sde_steps` (the drawn steps are the trained ones). A moving
+        `window_schedule` replaces the drawn steps with its window.
     - The KL's anchor (the rollout policy's means) and the ratio's old log densities come
         from the rollout in float32, and from the update program in bfloat16 (the job's
         `old_log_probs` rule; an explicit `old_log_probs` setting sets both): the release
         replays the means at the pre-update weights, which in float32 is the rollout's to
         about 1e-7, one update-program run per minibatch fewer.
-    - The SDE, its window of `sde_steps` trained transitions, the step size and the
-        updates per epoch are the job's (the release trains 3 of the first 5 of 10 SD3.5
-        steps, 2 updates per rollout, LoRA at 3e-4).
+    - The step size and the updates per epoch are the job's (the release makes 2 updates per
+        rollout, LoRA at 3e-4).
     """
 
     reads: ClassVar[frozenset[str]] = (
-        frozenset({"dppo_kl_threshold"}) | _RATIO | _SDE_ROLLOUT | _RECORDED_WINDOW
+        frozenset({"dppo_kl_threshold", "dppo_kl_std"}) | _RATIO | _SDE_ROLLOUT | _RECORDED_WINDOW
     )
     trains_on_ratios: ClassVar[bool] = True
 
@@ -517,32 +533,76 @@ class FlowDPPO(AbstractAlgorithm):
                 "Setting `grpo_guard` must be false with algorithm 'dppo': its KL mask "
                 "replaces the clip that GRPO-Guard regulates."
             )
+        rollout = config.rollout
+        steps = dppo_steps(rollout)
+        if steps is not None and rollout.train_steps not in (None, steps.count):
+            raise ValueError(
+                f"Setting `train_steps`={rollout.train_steps} must equal `sde_steps`="
+                f"{rollout.sde_steps} (or be none) with algorithm 'dppo': its drawn SDE "
+                "steps are the trained ones."
+            )
 
     def default_settings(self) -> dict[str, Any]:
         return {}
 
     def objective(self, job: JobPieces, base: Any) -> FlowDPPOObjective:
-        """Flow-DPPO's objective on the job's SDE and guidance, its threshold the
-        `dppo_kl_threshold` setting."""
+        """Flow-DPPO's objective on the job's guidance, its KL std and threshold the
+        `dppo_kl_std` and `dppo_kl_threshold` settings, its SDE steps `dppo_steps`."""
         config = job.config
         anchor = self.old_log_probs(config)
+        steps = dppo_steps(config.rollout)
+        sde = rollout_sde(config.rollout)
+        if steps is not None:
+            sde = FlowSDE(config.rollout.noise_level)
         return FlowDPPOObjective(
             job_flow(job, guidance=job.guidance),
             kl_threshold=config.objective.dppo_kl_threshold,
-            sde=rollout_sde(config.rollout),
+            kl_std=DPPO_KL_STDS[config.objective.dppo_kl_std],
+            sde=sde,
+            sde_steps=steps,
             old_log_probs=anchor,
             old_means=anchor,
             transition_chunk=config.objective.transition_chunk,
             pretrained=base,
         )
 
-    advantage_std: ClassVar[AdvantageStd] = "global"
+    advantage_std: ClassVar[AdvantageStd] = "global_unbiased"
 
     def sampler(self, job: JobPieces) -> SDESampler:
-        """The job's SDE, recording the trained window (`window_sampler`), and its means
-        when they are the KL's anchor."""
+        """The job's SDE on the drawn steps (`dppo_steps`), or the moving window
+        (`window_sampler`), recording its means when they are the KL's anchor."""
+        rollout = job.config.rollout
         record_means = self.old_log_probs(job.config) == "rollout"
-        return window_sampler(job.config.rollout, record_means=record_means)
+        steps = dppo_steps(rollout)
+        if steps is None:
+            return window_sampler(rollout, record_means=record_means)
+        return SDESampler(
+            FlowSDE(rollout.noise_level), window_schedule=steps, record_means=record_means
+        )
+
+
+DPPO_KL_STDS: dict[DPPOKLStdName, AbstractKLStd] = {
+    "released": ReleasedKLStd(),
+    "transition": TransitionKLStd(),
+    "unit": UnitKLStd(),
+}
+"""The `dppo_kl_std` setting's variants."""
+
+
+def dppo_steps(rollout: RolloutSettings) -> RandomSteps | None:
+    """Flow-DPPO's SDE steps on the job's grid: `sde_steps` drawn per rollout among the first
+    half of the transitions (the release's `timestep_fraction` [0, 0.5]), the half widened to
+    `sde_steps` where it holds fewer; every transition with `sde_steps` none; `None` with a
+    moving `window_schedule` (its window places the noise)."""
+    if rollout.window_schedule != "fixed":
+        return None
+    transitions = rollout.rollout_steps - 1
+    if rollout.sde_steps is None:
+        return RandomSteps(transitions)
+    count = rollout.sde_steps
+    if count <= int(transitions * 0.5):
+        return RandomSteps(count, fraction=(0.0, 0.5))
+    return RandomSteps(count, fraction=(0.0, min(1.0, (count + 0.5) / transitions)))
 
 
 ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {

@@ -167,6 +167,7 @@ SETTING_ORDER: tuple[str, ...] = (
     "nft_beta",
     "nft_old_decay",
     "dppo_kl_threshold",
+    "dppo_kl_std",
     "prompts_per_epoch",
     "groups",
     "rollout_steps",

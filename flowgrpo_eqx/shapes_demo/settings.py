@@ -48,6 +48,11 @@ unclipped policy gradient on recorded SDE transitions, masked by a per-step KL t
 The type of the `algorithm` setting: the names of `algorithms.ALGORITHMS`, the registry the
 flags and files take their choices from (`config.REGISTRY_CHOICES`)."""
 
+DPPOKLStdName: TypeAlias = Literal["released", "transition", "unit"]
+"""The std Flow-DPPO's KL divides by (`FlowDPPOObjective.kl_std`): the release's recomputed
+Flow-SDE std, clamped at `t = 1` (`ReleasedKLStd`); each transition's own (`TransitionKLStd`,
+the release's open fix); or 1 (`UnitKLStd`)."""
+
 LogName: TypeAlias = Literal["tensorboard", "wandb"]
 """Where a run's metrics go besides `metrics.jsonl`."""
 
@@ -341,6 +346,12 @@ class ObjectiveSettings:
         "pushes further is dropped",
         minimum=0,
         include_minimum=False,
+    )
+    dppo_kl_std: DPPOKLStdName = setting(
+        "released",
+        "dppo: the std its KL divides by: released (the release's, clamped at t = 1) | "
+        "transition (each transition's own: the release's open fix) | unit (1: the release's "
+        "add_kl_coefficient false)",
     )
     transition_chunk: int | None = setting(
         None,
