@@ -38,6 +38,13 @@ from ._custom_types import (
     StepRatios as StepRatios,
     Transitions as Transitions,
 )
+from ._dancegrpo import (
+    DanceGRPOAux as DanceGRPOAux,
+    DanceGRPOObjective as DanceGRPOObjective,
+    DanceSampler as DanceSampler,
+    DanceSDE as DanceSDE,
+    RewardTransitions as RewardTransitions,
+)
 from ._decay import RampedDecay as RampedDecay
 from ._device_advantages import device_group_advantages as device_group_advantages
 from ._dgpo import (

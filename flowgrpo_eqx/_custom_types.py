@@ -442,7 +442,13 @@ class RolloutInfo(eqx.Module):
     - `reward_calls_here`: how many times this process called the reward (1 on process 0,
         0 elsewhere).
     - `window_start`: the window's position, its first stochastic transition (a window
-        schedule's `first`; 0 without one).
+        schedule's `first`; 0 without one; `RandomSteps`' bit mask of its steps).
+    - `reward_advantages`: `[R, N]` each reward's own group-normalised advantages, when the
+        rollout normalises a `WeightedReward`'s terms one by one
+        (`reward_combination="normalize_each"`); `None` otherwise. The batch's advantages are
+        their weighted sum; an objective that combines them otherwise (DanceGRPO's
+        multi-reward loss) reads them here.
+    - `reward_weights`: `[R]` the terms' weights, with `reward_advantages`; else `None`.
     """
 
     rewards: npt.NDArray[np.float64]
@@ -454,6 +460,8 @@ class RolloutInfo(eqx.Module):
     seconds: dict[str, float]
     reward_calls_here: int
     window_start: int
+    reward_advantages: npt.NDArray[np.float32] | None = None
+    reward_weights: tuple[float, ...] | None = None
 
 
 __all__ = [

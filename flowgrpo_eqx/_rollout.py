@@ -17,6 +17,7 @@ from ._advantages import (
     check_groups,
     group_advantages,
     per_reward_advantages,
+    reward_advantages,
 )
 from ._custom_types import FinalSamples, Model, RolloutInfo, Transitions
 from ._distributed import host_samples, place_rows, score_on_root, sequence_context
@@ -281,6 +282,7 @@ class FlowRollout(eqx.Module):
         samples = host_samples(generated.samples)
         is_root = jax.process_index() == 0
         here = samples if is_root else None
+        term_advantages, term_weights = None, None
         if isinstance(self.reward, WeightedReward) and self.reward_combination == "normalize_each":
             terms = self.reward.terms
             components = np.stack([score_on_root(term, here, host_rows) for term, _ in terms])
@@ -289,6 +291,8 @@ class FlowRollout(eqx.Module):
             advantages = per_reward_advantages(
                 components, weights, self.groups, std=self.advantage_std
             )
+            term_advantages = reward_advantages(components, self.groups, std=self.advantage_std)
+            term_weights = tuple(float(weight) for weight in weights)
         else:
             rewards = score_on_root(self.reward, here, host_rows)
             advantages = group_advantages(rewards, self.groups, std=self.advantage_std)
@@ -311,6 +315,8 @@ class FlowRollout(eqx.Module):
             },
             reward_calls_here=int(is_root),
             window_start=first,
+            reward_advantages=term_advantages,
+            reward_weights=term_weights,
         )
         return batch, info
 

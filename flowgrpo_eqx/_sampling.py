@@ -42,6 +42,8 @@ class Generated(eqx.Module):
     - `samples`: `[N, *sample]` the decoded samples in [-1, 1].
     - `means`: `[N, K, *latent]` the means of their Gaussians, when the sampler records them
         (`SDESampler(record_means=True)`); `None` otherwise.
+    - `steps`: `[N, K]` the grid index of each recorded transition, when rows record
+        different ones (`DanceSampler`); `None` when every row records the same.
     """
 
     latents: Float[Array, " N K *latent"] | None
@@ -50,6 +52,7 @@ class Generated(eqx.Module):
     final: Float[Array, " N *latent"]
     samples: Float[Array, " N *sample"]
     means: Float[Array, " N K *latent"] | None = None
+    steps: Int[Array, " N K"] | None = None
 
 
 @final

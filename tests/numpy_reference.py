@@ -544,6 +544,60 @@ def unirl_kl_sigma(sigmas, target_steps, eta, sigma_max=0.99):
     return np.asarray(out)
 
 
+def sd3_time_shift(shift, t):
+    """DanceGRPO's `sd3_time_shift` (`train_grpo_flux.py` lines 127-128)."""
+    t = np.asarray(t, np.float64)
+    return (shift * t) / (1 + (shift - 1) * t)
+
+
+def dance_step(x, v, sigmas, index, eta):
+    """DanceGRPO's `flux_step` with `sde_solver=True` (`train_grpo_flux.py` lines 131-153),
+    in float64 and its order of operations: `(prev_sample_mean, std_dev_t,
+    pred_original_sample)`."""
+    x = np.asarray(x, np.float64)
+    v = np.asarray(v, np.float64)
+    sigma = float(sigmas[index])
+    dsigma = float(sigmas[index + 1]) - sigma
+    prev_sample_mean = x + dsigma * v
+    pred_original_sample = x - sigma * v
+    delta_t = sigma - float(sigmas[index + 1])
+    std_dev_t = eta * math.sqrt(delta_t)
+    score_estimate = -(x - pred_original_sample * (1 - sigma)) / sigma**2
+    log_term = -0.5 * eta**2 * score_estimate
+    prev_sample_mean = prev_sample_mean + log_term * dsigma
+    return prev_sample_mean, std_dev_t, pred_original_sample
+
+
+def dance_log_prob(prev_sample, prev_sample_mean, std_dev_t):
+    """`flux_step`'s log density (lines 159-167): the mean over coordinates of
+    `-(x - mu)^2 / (2 std^2) - log std - log sqrt(2 pi)`."""
+    r = np.asarray(prev_sample, np.float64) - np.asarray(prev_sample_mean, np.float64)
+    per = -(r**2) / (2 * std_dev_t**2) - math.log(std_dev_t) - math.log(math.sqrt(2 * math.pi))
+    return float(np.mean(per))
+
+
+def dancegrpo_loss(log_ratio, advantages, weights, kept, clip_range, adv_clip_max):
+    """DanceGRPO's loss (`train_grpo_flux.py` lines 589-603; with several rewards
+    `train_grpo_hunyuan.py` lines 455-477): each kept transition's
+    `sum_k w_k max(-A_k r, -A_k clip(r, 1 - eps, 1 + eps))`, `A_k` each reward's advantage
+    clipped to `adv_clip_max`; the release averages them over its rows and
+    `train_timesteps` (the kept set). Returns `(total, count)`."""
+    log_ratio = np.asarray(log_ratio, np.float64)
+    a = np.asarray(advantages, np.float64)
+    total, count = 0.0, 0
+    for i in range(log_ratio.shape[0]):
+        for j in range(log_ratio.shape[1]):
+            if not kept[i, j]:
+                continue
+            count += 1
+            ratio = math.exp(log_ratio[i, j])
+            clipped = min(max(ratio, 1.0 - clip_range), 1.0 + clip_range)
+            for k, weight in enumerate(weights):
+                advantage = min(max(a[i, k], -adv_clip_max), adv_clip_max)
+                total += weight * max(-advantage * ratio, -advantage * clipped)
+    return total, count
+
+
 def dgpo_rollout_sigmas(num_steps, flow_shift=3.0):
     """The start times of the release's rollout (lines 557-559: diffusers'
     `DPMSolverMultistepScheduler` with `use_flow_sigmas` and `flow_shift` 3):
