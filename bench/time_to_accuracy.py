@@ -46,6 +46,7 @@ ROWS: dict[str, tuple[str, list[str]]] = {
         ["--algorithm", "mixgrpo-flash-star"],
     ),
     "dppo": ("Flow-DPPO as released, adapted", ["--algorithm", "dppo"]),
+    "dancegrpo": ("DanceGRPO as released, adapted", ["--algorithm", "dancegrpo"]),
 }
 
 

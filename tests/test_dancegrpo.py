@@ -363,3 +363,31 @@ def test_a_batch_of_one_advantage_per_row_trains_as_one_reward():
     np.testing.assert_array_equal(
         np.asarray(made.advantages)[:, 0], np.asarray(batch.transitions.advantages)
     )
+
+
+def test_the_demo_builds_the_released_objective():
+    from flowgrpo_eqx.shapes_demo import make_config
+    from flowgrpo_eqx.shapes_demo.algorithms import JobPieces
+
+    config = make_config("tiny", algorithm="dancegrpo")
+    algorithm = config.chosen_algorithm
+    assert algorithm.trains_on_ratios and algorithm.advantage_std == "group_unbiased"
+    assert config.rollout.noise_level == 0.3
+    job = JobPieces(
+        config=config,
+        model=LinearVelocity(jax.random.key(0)),
+        inputs=fg.InputSpec(null=jnp.asarray(NULL), latent_shape=(DIM,)),
+        guidance=fg.CFG(config.rollout.guidance_scale),
+        reward=lambda samples, rows: np.zeros(len(samples)),
+    )
+    objective = algorithm.objective(job, None)
+    assert isinstance(objective, fg.DanceGRPOObjective)
+    assert objective.flow.model_time == "thousandths" and objective.sde == fg.DanceSDE(0.3)
+    assert objective.clip_range == config.objective.clip_range
+    assert algorithm.sampler(job) == fg.DanceSampler(fg.DanceSDE(0.3), 0.6)
+    # The ratios the histograms show are DanceGRPO's own.
+    assert algorithm.flow_grpo_objective(job, None).sde == objective.sde
+    with pytest.raises(ValueError, match="`beta`=0.01 .* is not read by algorithm 'dancegrpo'"):
+        make_config("tiny", algorithm="dancegrpo", beta=0.01)
+    with pytest.raises(ValueError, match="`rollout_steps` must be at least 4"):
+        make_config("tiny", algorithm="dancegrpo", rollout_steps=3)

@@ -206,6 +206,7 @@ ALGORITHM_SETTINGS: dict[str, dict[str, Any]] = {
     "mixgrpo-flash": {"window": 2},
     "mixgrpo-flash-star": {"window": 2},
     "dppo": {},
+    "dancegrpo": {},
 }
 """Each algorithm's table, cut to the tiny grid of 4 steps."""
 

@@ -17,6 +17,9 @@ from .. import (
     AbstractSampler,
     AdvantageStd,
     AWMObjective,
+    DanceGRPOObjective,
+    DanceSampler,
+    DanceSDE,
     DGPOObjective,
     DiffusionNFTObjective,
     DPMSolverPP2M,
@@ -36,7 +39,15 @@ from .._settings import section, setting
 
 
 AlgorithmName: TypeAlias = Literal[
-    "flow_grpo", "nft", "awm", "dgpo", "mixgrpo", "mixgrpo-flash", "mixgrpo-flash-star", "dppo"
+    "flow_grpo",
+    "nft",
+    "awm",
+    "dgpo",
+    "mixgrpo",
+    "mixgrpo-flash",
+    "mixgrpo-flash-star",
+    "dppo",
+    "dancegrpo",
 ]
 """The `algorithm.name` setting's values."""
 
@@ -348,6 +359,48 @@ class DPPOSettings(AlgorithmSettings):
         )
 
 
+@section
+class DanceGRPOSettings(AlgorithmSettings):
+    """DanceGRPO (github XueZeyue/DanceGRPO, `fastvideo/train_grpo_flux.py` and its
+    `scripts/finetune/finetune_flux_grpo.sh`): the clipped ratio on the transitions of a
+    constant-noise SDE, every step noisy but the last, each sample trained on its own random
+    `timestep_fraction` of the steps before the last, the model fed its time in thousandths,
+    advantages per group with the unbiased std. The run's rewards give one advantage (their
+    weighted sum of advantages), so one surrogate, where the release's multi-reward trainer
+    sums one per reward."""
+
+    name: ClassVar[str] = "dancegrpo"
+    advantage_std: ClassVar[AdvantageStd] = "group_unbiased"
+
+    clip_range: float = setting(1e-4, "PPO ratio clip", minimum=0, include_minimum=False)
+    adv_clip_max: float = setting(5.0, "advantage clip", minimum=0, include_minimum=False)
+    noise_level: float = setting(0.3, "SDE noise level eta (constant over the steps)", minimum=0)
+    timestep_fraction: float = setting(
+        0.6,
+        "fraction of the steps before the last each sample trains, drawn at random per sample",
+        minimum=0,
+        maximum=1,
+        include_minimum=False,
+    )
+    transition_chunk: int | None = setting(
+        None, "transitions the loss evaluates at once (none: all; 1 bounds memory)", minimum=1
+    )
+
+    def objective(self, parts: JobParts) -> DanceGRPOObjective:
+        return DanceGRPOObjective(
+            dataclasses.replace(parts.flow, model_time="thousandths"),
+            sde=DanceSDE(self.noise_level),
+            clip_range=self.clip_range,
+            adv_clip_max=self.adv_clip_max,
+            timestep_fraction=self.timestep_fraction,
+            transition_chunk=self.transition_chunk,
+            pretrained=parts.policy,
+        )
+
+    def sampler(self, parts: JobParts) -> DanceSampler:
+        return DanceSampler(DanceSDE(self.noise_level), self.timestep_fraction)
+
+
 ALGORITHM_TABLES: dict[str, type[AlgorithmSettings]] = {
     "flow_grpo": FlowGRPOSettings,
     "nft": NFTSettings,
@@ -357,6 +410,7 @@ ALGORITHM_TABLES: dict[str, type[AlgorithmSettings]] = {
     "mixgrpo-flash": MixGRPOSettings,
     "mixgrpo-flash-star": MixGRPOSettings,
     "dppo": DPPOSettings,
+    "dancegrpo": DanceGRPOSettings,
 }
 """Each algorithm's settings table, by its name (the MixGRPO variants share one, with the
 defaults of `MIXGRPO_VARIANTS`)."""

@@ -25,6 +25,9 @@ from .. import (
     AdvantageStd,
     AtEnd,
     AWMObjective,
+    DanceGRPOObjective,
+    DanceSampler,
+    DanceSDE,
     DGPOObjective,
     DiffusionNFTObjective,
     DPMSolverPP2M,
@@ -581,6 +584,80 @@ class FlowDPPO(AbstractAlgorithm):
         )
 
 
+@final
+class DanceGRPO(AbstractAlgorithm):
+    """DanceGRPO as released (github `XueZeyue/DanceGRPO`, `fastvideo/train_grpo_flux.py`,
+    `train_grpo_hunyuan.py`, `scripts/finetune/finetune_flux_grpo.sh`;
+    `docs/mathematics/dancegrpo.md` §13): Flow-GRPO's clipped ratio on the transitions of
+    DanceGRPO's constant-noise SDE (`DanceSDE`), every step stochastic but the last, each
+    sample trained on its own random 60% of the steps before the last (`DanceSampler`), the
+    model fed its time in thousandths. As released: advantages per group with the unbiased std
+    plus 1e-8, each clipped to `adv_clip_max` (5), one clipped surrogate per reward (the
+    partial and strict rewards, each normalised in its group), initial noise shared by a group,
+    no KL to the base model. Adapted to this task:
+
+    - The job's grid (6 points: 2 of the 4 steps before the last per sample, where the
+        release trains 9 of FLUX.1's 15), its guidance, noise level 0.3 (the release's eta;
+        `noise_level`), and its `sde_steps`, `train_steps` and window unread (every step
+        is noisy).
+    - The clip is the job's `clip_range` (0.2), the step size and updates per epoch the
+        job's (the release's clip 1e-4 and learning rate 1e-5 are for FLUX.1's full
+        fine-tuning, as MixGRPO's, which is built on this code).
+    """
+
+    reads: ClassVar[frozenset[str]] = (
+        frozenset({"clip_range", "adv_clip_max", "noise_level"}) | _RATIO
+    )
+    trains_on_ratios: ClassVar[bool] = True
+    model_time: ClassVar[ModelTime] = "thousandths"
+
+    def check(self, config: Settings) -> None:
+        if config.rollout.rollout_steps < 4:
+            raise ValueError(
+                "Setting `rollout_steps` must be at least 4 with algorithm 'dancegrpo': each "
+                "sample trains int(0.6 (rollout_steps - 2)) steps, got "
+                f"{config.rollout.rollout_steps!r}."
+            )
+
+    def default_settings(self) -> dict[str, Any]:
+        """The release's noise level."""
+        return {"noise_level": 0.3}
+
+    def objective(self, job: JobPieces, base: Any) -> DanceGRPOObjective:
+        """DanceGRPO's objective on the job's guidance and clips."""
+        config = job.config
+        return DanceGRPOObjective(
+            GuidedFlow(
+                job.model,
+                RectifiedFlow(),
+                job.inputs,
+                job.guidance,
+                precision=config.model.precision,
+                model_time=self.model_time,
+            ),
+            sde=DanceSDE(config.rollout.noise_level),
+            clip_range=config.objective.clip_range,
+            adv_clip_max=config.objective.adv_clip_max,
+            old_log_probs=self.old_log_probs(config),
+            transition_chunk=config.objective.transition_chunk,
+            pretrained=base,
+        )
+
+    def flow_grpo_objective(self, job: JobPieces, base: Any) -> FlowGRPOObjective:
+        """Flow-GRPO's objective on DanceGRPO's SDE: its `log_probs` and `kept` are
+        DanceGRPO's, so the policy-ratio histograms rescore what DanceGRPO trains."""
+        objective = super().flow_grpo_objective(job, base)
+        sde = DanceSDE(job.config.rollout.noise_level)
+        replaced: FlowGRPOObjective = eqx.tree_at(lambda o: o.sde, objective, sde)
+        return replaced
+
+    advantage_std: ClassVar[AdvantageStd] = "group_unbiased"
+
+    def sampler(self, job: JobPieces) -> DanceSampler:
+        """`DanceSampler` with the job's noise level and the release's 60%."""
+        return DanceSampler(DanceSDE(job.config.rollout.noise_level), 0.6)
+
+
 DPPO_KL_STDS: dict[DPPOKLStdName, AbstractKLStd] = {
     "released": ReleasedKLStd(),
     "transition": TransitionKLStd(),
@@ -618,6 +695,7 @@ ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {
         shift_every=20, stride=0, solver=DPMSolverPP2M(), compress_ratio=0.2, rollout_steps=23
     ),
     "dppo": FlowDPPO(),
+    "dancegrpo": DanceGRPO(),
 }
 """Every algorithm, by its name in the `algorithm` setting."""
 

@@ -34,7 +34,15 @@ MixGRPO's released window (`ProgressiveWindow`): later by `window_stride` every
 position, then from the first transition again."""
 
 AlgorithmName: TypeAlias = Literal[
-    "flow_grpo", "nft", "awm", "dgpo", "mixgrpo", "mixgrpo-flash", "mixgrpo-flash-star", "dppo"
+    "flow_grpo",
+    "nft",
+    "awm",
+    "dgpo",
+    "mixgrpo",
+    "mixgrpo-flash",
+    "mixgrpo-flash-star",
+    "dppo",
+    "dancegrpo",
 ]
 """What fine-tunes the base model: Flow-GRPO's clipped policy gradient on recorded SDE
 transitions, DiffusionNFT's negative-aware flow matching on final samples, Advantage
@@ -44,6 +52,8 @@ objective on MixGRPO's rollout (a moving SDE window, ODE steps around it; `mixgr
 with DPM-Solver++(2M) on a compressed grid after it; `mixgrpo-flash-star`, MixGRPO-Flash*,
 with a window that never moves and a grid compressed further). `dppo` is Flow-DPPO: Flow-GRPO's
 unclipped policy gradient on recorded SDE transitions, masked by a per-step KL trust region.
+`dancegrpo` is DanceGRPO: Flow-GRPO's clipped policy gradient on a constant-noise SDE, each
+sample trained on its own random steps, one surrogate per reward.
 
 The type of the `algorithm` setting: the names of `algorithms.ALGORITHMS`, the registry the
 flags and files take their choices from (`config.REGISTRY_CHOICES`)."""
@@ -311,7 +321,9 @@ class ObjectiveSettings:
         "DPM-Solver++(2M) on a compressed grid after the window) | mixgrpo-flash-star "
         "(MixGRPO-Flash*: Flash with a window that never moves, the grid compressed by 0.2) "
         "| dppo (Flow-DPPO as released: the unclipped ratio surrogate, each step dropped "
-        "where its KL to the rollout's policy reaches dppo_kl_threshold and it pushes further)",
+        "where its KL to the rollout's policy reaches dppo_kl_threshold and it pushes further) "
+        "| dancegrpo (DanceGRPO as released: the clipped ratio on a constant-noise SDE, each "
+        "sample trained on 60% of its steps drawn at random, one surrogate per reward)",
     )
     nft_beta: float = setting(
         1.0,

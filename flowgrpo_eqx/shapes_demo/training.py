@@ -20,6 +20,7 @@ from .. import (
     AbstractVariables,
     FlowGRPOObjective,
     FlowRollout,
+    RewardTransitions,
     RolloutInfo,
     Transitions,
     data_mesh,
@@ -73,12 +74,16 @@ def _kept_ratios(
 
 def _log_distributions(
     writers: MetricsWriter | None, objective: FlowGRPOObjective, epoch: int
-) -> Callable[[TrainState, Transitions, RolloutInfo], None]:
+) -> Callable[[TrainState, Transitions | RewardTransitions, RolloutInfo], None]:
     """After an epoch's updates: histograms of the advantages and of the policy ratio of the
     kept transitions (run on every process, since gathering rows is collective)."""
 
-    def record(state: TrainState, batch: Transitions, info: RolloutInfo) -> None:
+    def record(
+        state: TrainState, batch: Transitions | RewardTransitions, info: RolloutInfo
+    ) -> None:
         del info
+        if isinstance(batch, RewardTransitions):  # DanceGRPO's: its rewards' advantages apart
+            batch = batch.transitions
         ratios, kept = _kept_ratios(objective, state.variables, batch)
         advantages = host_samples(batch.advantages)
         ratio_values = host_samples(ratios)[host_samples(kept)]
