@@ -98,6 +98,8 @@ ROWS: dict[str, FinetuneRow] = {
                     batch=8, train_batch=4),
         FinetuneRow("sd35m-512-lora32-pickscore-nothing", "sd3.5-medium", 512, 512,
                     group_size=8, batch=8, train_batch=4, remat="nothing"),
+        FinetuneRow("sd35m-512-lora32-pickscore-t2", "sd3.5-medium", 512, 512,
+                    group_size=8, batch=8, train_batch=2),
         # Wan 2.1 1.3B at 480 x 832 (9 frames), LoRA r=32, PickScore on every frame.
         FinetuneRow("wan1.3b-480x832x9-lora32-pickscore", "wan2.1-t2v-1.3b", 480, 832, frames=9,
                     group_size=2, batch=2, train_batch=1, text_length=512),
@@ -249,13 +251,36 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--folder", default=None, help="where the runs go (default: a temp dir)")
+    parser.add_argument(
+        "--topology",
+        choices=("v5e", "v5p"),
+        default=None,
+        help="compile the two programs for one chip of this TPU ahead of time and print their "
+        "memory plans, instead of running (any host with libtpu)",
+    )
+    parser.add_argument(
+        "--compilation-cache",
+        default=None,
+        help="JAX's persistent compilation cache in this folder, so that a later command on the "
+        "same machine reuses the programs compiled",
+    )
     arguments = parser.parse_args(argv)
+    if arguments.compilation_cache is not None:
+        jax.config.update("jax_compilation_cache_dir", arguments.compilation_cache)  # type: ignore[no-untyped-call]
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # type: ignore[no-untyped-call]
     folder = pathlib.Path(arguments.folder or tempfile.mkdtemp(prefix="bench-finetune-"))
     for name in arguments.row or [next(iter(ROWS))]:
         row_folder = folder / name
         row_folder.mkdir(parents=True, exist_ok=True)
         try:
-            report = run(ROWS[name], arguments.epochs, row_folder)
+            if arguments.topology is not None:
+                from ._finetune_plan import plans
+
+                _write(ROWS[name].table(row_folder), row_folder / "config.toml")
+                config = read_config(row_folder / "config.toml").resolved()
+                report = {"row": name, **plans(config, arguments.topology)}
+            else:
+                report = run(ROWS[name], arguments.epochs, row_folder)
         except Exception as error:  # noqa: BLE001 - a row that does not fit is a result
             report = {"row": name, "error": " ".join(str(error).split())[:600]}
         print(json.dumps(report), flush=True)
