@@ -7,7 +7,9 @@ time in thousandths) with the ODE part after the window replaced:
 
 - `released`: DPM-Solver++(2M) on the rest of the grid compressed by 0.4, as released;
 - `dpm_uncompressed`: DPM-Solver++(2M) on the uncompressed rest;
-- `euler_uncompressed`: Euler on the uncompressed rest (MixGRPO's rollout on 11 points).
+- `euler_uncompressed`: Euler on the uncompressed rest (MixGRPO's rollout on 11 points);
+- `release_grid`: as released, on the release's 25 transitions (26 points) rather than 10, so
+    that the compressed rest keeps as many solver steps as the release's.
 
 Everything else is the main job's defaults, with a held-out evaluation every 10 epochs; the
 run's `metrics.jsonl` in DIR holds the curve.
@@ -26,6 +28,7 @@ VARIANTS = {
     "released": {},
     "dpm_uncompressed": dict(compress_ratio=None),
     "euler_uncompressed": dict(solver=Euler(), compress_ratio=None),
+    "release_grid": dict(rollout_steps=26),
 }
 """What each variant changes of the registered MixGRPO-Flash."""
 

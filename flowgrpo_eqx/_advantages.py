@@ -170,7 +170,8 @@ def _normalised(
         spread = np.full((grouped.shape[0], 1), values.std(ddof=ddof))
     else:
         spread = grouped.std(axis=1, keepdims=True, ddof=ddof)
-    advantages: npt.NDArray[np.float64] = centred / (spread + epsilon)
+    with np.errstate(divide="ignore", invalid="ignore"):  # constant groups: set to 0 below
+        advantages: npt.NDArray[np.float64] = centred / (spread + epsilon)
     constant = np.all(grouped == grouped[:, :1], axis=1)
     advantages[constant] = 0.0
     flat: npt.NDArray[np.float64] = advantages.reshape(-1)
