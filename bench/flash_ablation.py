@@ -1,15 +1,17 @@
-"""`python -m bench.flash_ablation VARIANT --out DIR [--seed S] [--epochs E]`: MixGRPO-Flash's
-rollout with one thing changed (docs/recipes.md, "Both collapse, and the compressed grid is
-why").
+"""`python -m bench.flash_ablation VARIANT --out DIR [--star] [--seed S] [--epochs E]`:
+MixGRPO-Flash's (or with `--star` MixGRPO-Flash*'s) rollout with one thing changed
+(docs/recipes.md, "MixGRPO-Flash and Flash*: the solver steps after the window").
 
-Trains the demo's `--algorithm mixgrpo-flash` (the released window, 11 points, the model's
-time in thousandths) with the ODE part after the window replaced:
+Trains the demo's `--algorithm mixgrpo-flash` (the released window, the model's time in
+thousandths; `--star`: `mixgrpo-flash-star`) with the ODE part after the window replaced:
 
 - `released`: DPM-Solver++(2M) on the rest of the grid compressed by 0.4, as released;
 - `dpm_uncompressed`: DPM-Solver++(2M) on the uncompressed rest;
 - `euler_uncompressed`: Euler on the uncompressed rest (MixGRPO's rollout on 11 points);
-- `release_grid`: as released, on the release's 25 transitions (26 points) rather than 10, so
-    that the compressed rest keeps as many solver steps as the release's.
+- `release_grid`: as released, on the release's 25 transitions (26 points), so that the
+    compressed rest keeps as many solver steps as the release's;
+- `compress_0_4`: the rest compressed by 0.4 (Flash's ratio; for Flash*, 7 solver steps
+    after its window where 0.2 leaves 3).
 
 Everything else is the main job's defaults, with a held-out evaluation every 10 epochs; the
 run's `metrics.jsonl` in DIR holds the curve.
@@ -23,27 +25,29 @@ from flowgrpo_eqx.shapes_demo import algorithms
 from flowgrpo_eqx.shapes_demo.cli import main as command_line
 
 
-RELEASED = algorithms.ALGORITHMS["mixgrpo-flash"]
 VARIANTS = {
     "released": {},
     "dpm_uncompressed": dict(compress_ratio=None),
     "euler_uncompressed": dict(solver=Euler(), compress_ratio=None),
     "release_grid": dict(rollout_steps=26),
+    "compress_0_4": dict(compress_ratio=0.4),
 }
-"""What each variant changes of the registered MixGRPO-Flash."""
+"""What each variant changes of the registered MixGRPO-Flash (or Flash*)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.flash_ablation", description=__doc__)
     parser.add_argument("variant", choices=tuple(VARIANTS))
     parser.add_argument("--out", required=True)
+    parser.add_argument("--star", action="store_true", help="ablate MixGRPO-Flash* instead")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=100)
     arguments = parser.parse_args(argv)
-    variant = dataclasses.replace(RELEASED, **VARIANTS[arguments.variant])
-    algorithms.ALGORITHMS["mixgrpo-flash"] = variant
+    name = "mixgrpo-flash-star" if arguments.star else "mixgrpo-flash"
+    released = algorithms.ALGORITHMS[name]
+    algorithms.ALGORITHMS[name] = dataclasses.replace(released, **VARIANTS[arguments.variant])
     return command_line(
-        ["train", "--algorithm", "mixgrpo-flash", "--epochs", str(arguments.epochs)]
+        ["train", "--algorithm", name, "--epochs", str(arguments.epochs)]
         + ["--eval-every", "10", "--seed", str(arguments.seed), "--out", arguments.out]
         + ["--quiet"],
         own_process=True,
