@@ -8,7 +8,6 @@ linear map of `patch x patch x channels` patches) and a crop for its position bu
 files are read and written with `safetensors` into NumPy arrays; torch is never imported.
 """
 
-import abc
 import dataclasses
 import json
 import os
@@ -20,11 +19,12 @@ from typing import Any, TypeAlias, final
 import equinox as eqx
 import jax
 import numpy as np
-import numpy.typing as npt
 from safetensors.numpy import save_file
 
 from ..lora import LoraModel
 from ._flux import Flux
+from ._flux_format import _FluxFormat
+from ._format import _AbstractFormat, _bias, _Entry, _Fields, _NpArray, _weight
 from ._mirror import (
     config_error,
     fill_from_state_dict,
@@ -32,9 +32,11 @@ from ._mirror import (
     read_safetensors_folder,
     state_dict_leaves,
 )
-from ._mmdit import MMDiT, pos_crop
+from ._mmdit import MMDiT
+from ._mmdit_format import _SD3Format
 from ._vae import AutoencoderKL, vae_config, vae_kwargs
 from ._wan import Wan
+from ._wan_format import _WanFormat
 from ._wan_vae import AutoencoderKLWan, wan_vae_config, wan_vae_kwargs
 
 
@@ -46,525 +48,6 @@ DiffusersModel: TypeAlias = MMDiT | Flux | Wan | AutoencoderKL | AutoencoderKLWa
 
 _WEIGHTS = "diffusion_pytorch_model.safetensors"
 _LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
-_NpArray = npt.NDArray[Any]
-_Fields: TypeAlias = dict[str, Any]
-"""A diffusers config, or a model's keyword arguments: values by name."""
-
-
-def _identity(array: _NpArray) -> _NpArray:
-    return array
-
-
-def _weight(get: Callable[[Any], eqx.nn.Linear]) -> Callable[[Any], Any]:
-    return lambda m: get(m).weight
-
-
-def _bias(get: Callable[[Any], eqx.nn.Linear]) -> Callable[[Any], Any]:
-    return lambda m: get(m).bias
-
-
-def _in_block(i: int, get: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    return lambda m: get(m.blocks[i])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    """One diffusers key: the leaf it fills, its diffusers shape and the conversions."""
-
-    key: str
-    where: Callable[[Any], Any]
-    shape: tuple[int, ...]
-    to_ours: Callable[[_NpArray], _NpArray] = _identity
-    to_theirs: Callable[[_NpArray], _NpArray] = _identity
-
-
-@dataclasses.dataclass(frozen=True)
-class _Module:
-    """One diffusers `nn.Linear` (or a patch convolution, `conv` its diffusers shape
-    `[out, channels, *kernel]`: SD3's 2D, Wan's 3D) and the `eqx.nn.Linear` it is."""
-
-    name: str
-    where: Callable[[Any], eqx.nn.Linear]
-    conv: tuple[int, ...] | None = None
-
-    def to_ours(self, array: _NpArray) -> _NpArray:
-        """A convolution weight (or its LoRA `A`) as our linear map of flattened channels-last
-        patches."""
-        return np.moveaxis(array, 1, -1).reshape(array.shape[0], -1)
-
-    def to_theirs(self, array: _NpArray) -> _NpArray:
-        """Our linear map of flattened patches as the convolution's weight layout."""
-        assert self.conv is not None
-        channels, kernel = self.conv[1], self.conv[2:]
-        return np.moveaxis(array.reshape(array.shape[0], *kernel, channels), -1, 1)
-
-    def lora_b(self, b: _NpArray) -> _NpArray:
-        """A LoRA `B` (`[out, rank]`) as diffusers holds it: a 1 x ... x 1 convolution's
-        weight for a patch convolution."""
-        if self.conv is None:
-            return b
-        return b.reshape(*b.shape, *(1,) * (len(self.conv) - 2))
-
-
-def _linear_pairs(prefix: str, i: int, pairs: list[tuple[str, Any]]) -> list[_Module]:
-    return [_Module(f"{prefix}.{name}", _in_block(i, get)) for name, get in pairs]
-
-
-def _norm_entries(prefix: str, i: int, head_dim: int, pairs: list[tuple[str, Any]]) -> list[_Entry]:
-    return [
-        _Entry(f"{prefix}.{name}.weight", _in_block(i, get), (head_dim,)) for name, get in pairs
-    ]
-
-
-# A double-stream block's two streams, as SD3's and FLUX's blocks name them.
-_JOINT_ATTENTION: list[tuple[str, Callable[[Any], Any]]] = [
-    ("norm1.linear", lambda b: b.image.modulation),
-    ("norm1_context.linear", lambda b: b.context.modulation),
-    ("attn.to_q", lambda b: b.image.attn.q),
-    ("attn.to_k", lambda b: b.image.attn.k),
-    ("attn.to_v", lambda b: b.image.attn.v),
-    ("attn.to_out.0", lambda b: b.image.attn.out),
-    ("attn.add_q_proj", lambda b: b.context.attn.q),
-    ("attn.add_k_proj", lambda b: b.context.attn.k),
-    ("attn.add_v_proj", lambda b: b.context.attn.v),
-]
-_CONTEXT_OUT: list[tuple[str, Callable[[Any], Any]]] = [
-    ("attn.to_add_out", lambda b: b.context.attn.out)
-]
-_IMAGE_FF: list[tuple[str, Callable[[Any], Any]]] = [
-    ("ff.net.0.proj", lambda b: b.image.fc1),
-    ("ff.net.2", lambda b: b.image.fc2),
-]
-_CONTEXT_FF: list[tuple[str, Callable[[Any], Any]]] = [
-    ("ff_context.net.0.proj", lambda b: b.context.fc1),
-    ("ff_context.net.2", lambda b: b.context.fc2),
-]
-_JOINT_NORMS: list[tuple[str, Callable[[Any], Any]]] = [
-    ("attn.norm_q", lambda b: b.image.attn.norm_q),
-    ("attn.norm_k", lambda b: b.image.attn.norm_k),
-    ("attn.norm_added_q", lambda b: b.context.attn.norm_q),
-    ("attn.norm_added_k", lambda b: b.context.attn.norm_k),
-]
-_TIME_AND_TEXT: list[_Module] = [
-    _Module("time_text_embed.timestep_embedder.linear_1", lambda m: m.time_mlp[0]),
-    _Module("time_text_embed.timestep_embedder.linear_2", lambda m: m.time_mlp[1]),
-    _Module("time_text_embed.text_embedder.linear_1", lambda m: m.pooled_mlp[0]),
-    _Module("time_text_embed.text_embedder.linear_2", lambda m: m.pooled_mlp[1]),
-    _Module("context_embedder", lambda m: m.context_embed),
-]
-_FINAL: list[_Module] = [
-    _Module("norm_out.linear", lambda m: m.final_modulation),
-    _Module("proj_out", lambda m: m.final_proj),
-]
-
-
-def _latent_channels(config: _Fields) -> int:
-    """The latent channels of an SD3 or Wan config (`in_channels`; `ValueError` unless
-    `out_channels` is the same)."""
-    channels: int = config.get("in_channels", 16)
-    out_channels = config.get("out_channels") or channels
-    if out_channels != channels:
-        raise ValueError(
-            f"config `out_channels` ({out_channels}) must equal `in_channels` ({channels}): "
-            "the velocity has the latent's shape."
-        )
-    return channels
-
-
-class _AbstractFormat(eqx.Module):
-    """How one model class is held in diffusers' format: its class name there, its config,
-    and the key of every leaf."""
-
-    class_name: eqx.AbstractClassVar[str]
-    model_type: eqx.AbstractClassVar[type[DiffusersTransformer]]
-    default_context_length: eqx.AbstractClassVar[int]
-
-    @abc.abstractmethod
-    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
-        """The model's arguments for a diffusers config (`ValueError` if it cannot hold it);
-        a key an older config lacks takes diffusers' default."""
-
-    @abc.abstractmethod
-    def config(self, model: Any) -> _Fields:
-        """The diffusers config of `model`."""
-
-    @abc.abstractmethod
-    def modules(self, model: Any) -> list[_Module]:
-        """Every linear module of the diffusers model, by its name there, in its order."""
-
-    @abc.abstractmethod
-    def other_entries(self, model: Any) -> list[_Entry]:
-        """The keys that are not linear modules' (norm weights, buffers)."""
-
-    @abc.abstractmethod
-    def computed(self, model: Any) -> list[tuple[Callable[[Any], Any], _NpArray]]:
-        """The leaves no checkpoint holds, with their values (fixed buffers)."""
-
-    @abc.abstractmethod
-    def check_exportable(self, model: Any) -> None:
-        """Raise a `ValueError` naming `model` if diffusers' model cannot hold it."""
-
-
-@final
-class _SD3Format(_AbstractFormat):
-    """`MMDiT` as diffusers' `SD3Transformer2DModel`."""
-
-    class_name = "SD3Transformer2DModel"
-    model_type = MMDiT
-    default_context_length = 333
-
-    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
-        heads = config.get("num_attention_heads", 18)
-        width = heads * config.get("attention_head_dim", 64)
-        caption = config.get("caption_projection_dim", 1152)
-        if caption != width:
-            raise ValueError(
-                f"config `caption_projection_dim` ({caption}) must equal the attention width "
-                f"`num_attention_heads * attention_head_dim` ({width}): diffusers builds such a "
-                "model, but its blocks cannot take the text tokens it embeds."
-            )
-        qk_norm = config.get("qk_norm")
-        if qk_norm not in (None, "rms_norm"):
-            raise ValueError(
-                f"config `qk_norm` must be None or 'rms_norm' (the per-head RMS norm `MMDiT` "
-                f"computes), got {qk_norm!r}."
-            )
-        channels = _latent_channels(config)
-        sample_size = config.get("sample_size", 128)
-        return dict(
-            image_size=sample_size if image_size is None else image_size,
-            channels=channels,
-            patch=config.get("patch_size", 2),
-            depth=config.get("num_layers", 18),
-            width=width,
-            heads=heads,
-            mlp_ratio=4,
-            context_length=context_length,
-            context_dim=config.get("joint_attention_dim", 4096),
-            pooled_dim=config.get("pooled_projection_dim", 2048),
-            vocab_size=None,
-            qk_norm=qk_norm,
-            dual_attention_layers=tuple(config.get("dual_attention_layers", ())),
-            pos_embed_max_size=config.get("pos_embed_max_size", 96),
-            sample_size=sample_size,
-        )
-
-    def config(self, model: MMDiT) -> _Fields:
-        return {
-            "_class_name": self.class_name,
-            "_diffusers_version": "0.31.0",
-            "sample_size": model.sample_size,
-            "patch_size": model.patch,
-            "in_channels": model.channels,
-            "num_layers": model.depth,
-            "attention_head_dim": model.width // model.heads,
-            "num_attention_heads": model.heads,
-            "joint_attention_dim": model.context_dim,
-            "caption_projection_dim": model.width,
-            "pooled_projection_dim": model.pooled_dim,
-            "out_channels": model.channels,
-            "pos_embed_max_size": model.pos_embed_max_size,
-            "dual_attention_layers": list(model.dual_attention_layers),
-            "qk_norm": model.qk_norm,
-        }
-
-    def modules(self, model: MMDiT) -> list[_Module]:
-        conv = (model.width, model.channels, model.patch, model.patch)
-        modules = [_Module("pos_embed.proj", lambda m: m.patch_embed, conv=conv), *_TIME_AND_TEXT]
-        for i, block in enumerate(model.blocks):
-            pairs = list(_JOINT_ATTENTION)
-            if not block.context.pre_only:
-                pairs += _CONTEXT_OUT
-            if block.attn2 is not None:
-                pairs += [
-                    ("attn2.to_q", lambda b: b.attn2.q),
-                    ("attn2.to_k", lambda b: b.attn2.k),
-                    ("attn2.to_v", lambda b: b.attn2.v),
-                    ("attn2.to_out.0", lambda b: b.attn2.out),
-                ]
-            pairs += _IMAGE_FF
-            if not block.context.pre_only:
-                pairs += _CONTEXT_FF
-            modules += _linear_pairs(f"transformer_blocks.{i}", i, pairs)
-        return modules + _FINAL
-
-    def other_entries(self, model: MMDiT) -> list[_Entry]:
-        entries = [] if model.pos_embed_max_size is None else [_pos_entry(model)]
-        if model.qk_norm is not None:
-            head_dim = model.width // model.heads
-            for i, block in enumerate(model.blocks):
-                names = list(_JOINT_NORMS)
-                if block.attn2 is not None:
-                    names += [
-                        ("attn2.norm_q", lambda b: b.attn2.norm_q),
-                        ("attn2.norm_k", lambda b: b.attn2.norm_k),
-                    ]
-                entries += _norm_entries(f"transformer_blocks.{i}", i, head_dim, names)
-        return entries
-
-    def computed(self, model: MMDiT) -> list[tuple[Callable[[Any], Any], _NpArray]]:
-        if model.pos_embed_max_size is not None:
-            return []
-        # No buffer in the checkpoint (diffusers keeps it out): computed as diffusers does.
-        return [(lambda m: m.pos_embed.value, model.position_table())]
-
-    def check_exportable(self, model: MMDiT) -> None:
-        if model.vocab_size is not None:
-            raise ValueError(
-                "`model` has token-id conditioning (`vocab_size` set), which diffusers' SD3 "
-                "transformer does not have."
-            )
-        if model.mlp_ratio != 4:
-            raise ValueError(
-                f"diffusers' SD3 transformer has `mlp_ratio` 4, got {model.mlp_ratio}."
-            )
-
-
-@final
-class _FluxFormat(_AbstractFormat):
-    """`Flux` as diffusers' `FluxTransformer2DModel` (the pipelines pack the latents 2 x 2, so
-    diffusers' `in_channels` is 4 times the latent's channels and `patch_size` is 1)."""
-
-    class_name = "FluxTransformer2DModel"
-    model_type = Flux
-    default_context_length = 512
-
-    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
-        # diffusers' FLUX embeds each packed token whole whatever `patch_size` says; the
-        # output projection gives `patch_size**2 * out_channels` values per token, which must be
-        # the token's `in_channels` for the result to be a velocity of the packed latent.
-        patch = config.get("patch_size", 1)
-        in_channels = config.get("in_channels", 64)
-        out_channels = config.get("out_channels") or in_channels
-        if patch * patch * out_channels != in_channels:
-            raise ValueError(
-                f"config `out_channels` ({out_channels}) times `patch_size` squared ({patch}**2) "
-                f"must equal `in_channels` ({in_channels}): the output projection must give "
-                "each packed token's values (the velocity has the latent's shape)."
-            )
-        if in_channels % 4:
-            raise ValueError(
-                f"config `in_channels` ({in_channels}) must be 4 latent channels per token "
-                "times the latent's channels (2 x 2 packing)."
-            )
-        heads = config.get("num_attention_heads", 24)
-        return dict(
-            image_size=128 if image_size is None else image_size,
-            channels=in_channels // 4,
-            double_depth=config.get("num_layers", 19),
-            single_depth=config.get("num_single_layers", 38),
-            width=heads * config.get("attention_head_dim", 128),
-            heads=heads,
-            mlp_ratio=4,
-            context_length=context_length,
-            context_dim=config.get("joint_attention_dim", 4096),
-            pooled_dim=config.get("pooled_projection_dim", 768),
-            guidance_embeds=bool(config.get("guidance_embeds", False)),
-            axes_dims=tuple(config.get("axes_dims_rope", (16, 56, 56))),
-        )
-
-    def config(self, model: Flux) -> _Fields:
-        return {
-            "_class_name": self.class_name,
-            "_diffusers_version": "0.35.0",
-            "patch_size": 1,
-            "in_channels": 4 * model.channels,
-            "out_channels": None,
-            "num_layers": model.double_depth,
-            "num_single_layers": model.single_depth,
-            "attention_head_dim": model.width // model.heads,
-            "num_attention_heads": model.heads,
-            "joint_attention_dim": model.context_dim,
-            "pooled_projection_dim": model.pooled_dim,
-            "guidance_embeds": model.guidance_embeds,
-            "axes_dims_rope": list(model.axes_dims),
-        }
-
-    def modules(self, model: Flux) -> list[_Module]:
-        modules = [_Module("x_embedder", lambda m: m.x_embed), *_TIME_AND_TEXT]
-        if model.guidance_embeds:
-            modules += [
-                _Module("time_text_embed.guidance_embedder.linear_1", lambda m: m.guidance_mlp[0]),
-                _Module("time_text_embed.guidance_embedder.linear_2", lambda m: m.guidance_mlp[1]),
-            ]
-        double = _JOINT_ATTENTION + _CONTEXT_OUT + _IMAGE_FF + _CONTEXT_FF
-        single: list[tuple[str, Callable[[Any], Any]]] = [
-            ("norm.linear", lambda b: b.modulation),
-            ("attn.to_q", lambda b: b.attn.q),
-            ("attn.to_k", lambda b: b.attn.k),
-            ("attn.to_v", lambda b: b.attn.v),
-            ("proj_mlp", lambda b: b.proj_mlp),
-            ("proj_out", lambda b: b.proj_out),
-        ]
-        for i in range(model.double_depth + model.single_depth):
-            modules += _linear_pairs(
-                *self._prefix(model, i), double if i < model.double_depth else single
-            )
-        return modules + _FINAL
-
-    def _prefix(self, model: Flux, i: int) -> tuple[str, int]:
-        if i < model.double_depth:
-            return f"transformer_blocks.{i}", i
-        return f"single_transformer_blocks.{i - model.double_depth}", i
-
-    def other_entries(self, model: Flux) -> list[_Entry]:
-        head_dim = model.width // model.heads
-        single: list[tuple[str, Callable[[Any], Any]]] = [
-            ("attn.norm_q", lambda b: b.attn.norm_q),
-            ("attn.norm_k", lambda b: b.attn.norm_k),
-        ]
-        entries: list[_Entry] = []
-        for i in range(model.double_depth + model.single_depth):
-            names = _JOINT_NORMS if i < model.double_depth else single
-            entries += _norm_entries(*self._prefix(model, i), head_dim, names)
-        return entries
-
-    def computed(self, model: Flux) -> list[tuple[Callable[[Any], Any], _NpArray]]:
-        return []
-
-    def check_exportable(self, model: Flux) -> None:
-        if model.mlp_ratio != 4:
-            raise ValueError(
-                f"diffusers' FLUX transformer has `mlp_ratio` 4, got {model.mlp_ratio}."
-            )
-
-
-@final
-class _WanFormat(_AbstractFormat):
-    """`Wan` as diffusers' `WanTransformer3DModel` (Wan 2.1 text-to-video: no image
-    conditioning)."""
-
-    class_name = "WanTransformer3DModel"
-    model_type = Wan
-    default_context_length = 512
-
-    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
-        # `qk_norm` and `rope_max_seq_len` are taken whatever their values: diffusers' Wan
-        # attention RMS-normalises queries and keys whatever `qk_norm` says, and the rotary
-        # table's length bounds the grid without changing a feature.
-        for name in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
-            if config.get(name) is not None:
-                raise ValueError(
-                    f"config `{name}` must be None: image conditioning (Wan's image-to-video "
-                    f"models) is not built, got {config[name]!r}."
-                )
-        channels = _latent_channels(config)
-        heads = config.get("num_attention_heads", 40)
-        grid = (21, 60, 104) if image_size is None else tuple(image_size)
-        patch = tuple(config.get("patch_size", (1, 2, 2)))
-        longest = max(size // p for size, p in zip(grid, patch, strict=False))
-        rope_length = config.get("rope_max_seq_len", 1024)
-        if longest > rope_length:
-            raise ValueError(
-                f"config `rope_max_seq_len` ({rope_length}) is shorter than the patch grid's "
-                f"longest axis ({longest}): diffusers' rotary table has no row for it."
-            )
-        return dict(
-            latent_size=grid,
-            channels=channels,
-            patch=patch,
-            depth=config.get("num_layers", 40),
-            width=heads * config.get("attention_head_dim", 128),
-            heads=heads,
-            ffn_dim=config.get("ffn_dim", 13824),
-            context_length=context_length,
-            text_dim=config.get("text_dim", 4096),
-            freq_dim=config.get("freq_dim", 256),
-            eps=config.get("eps", 1e-6),
-            cross_attn_norm=bool(config.get("cross_attn_norm", True)),
-        )
-
-    def config(self, model: Wan) -> _Fields:
-        return {
-            "_class_name": self.class_name,
-            "_diffusers_version": "0.35.0",
-            "patch_size": list(model.patch),
-            "num_attention_heads": model.heads,
-            "attention_head_dim": model.width // model.heads,
-            "in_channels": model.channels,
-            "out_channels": model.channels,
-            "text_dim": model.text_dim,
-            "freq_dim": model.freq_dim,
-            "ffn_dim": model.ffn_dim,
-            "num_layers": model.depth,
-            "cross_attn_norm": model.cross_attn_norm,
-            "qk_norm": "rms_norm_across_heads",
-            "eps": model.eps,
-            "image_dim": None,
-            "added_kv_proj_dim": None,
-            "rope_max_seq_len": 1024,
-            "pos_embed_seq_len": None,
-        }
-
-    def modules(self, model: Wan) -> list[_Module]:
-        conv = (model.width, model.channels, *model.patch)
-        modules = [
-            _Module("patch_embedding", lambda m: m.patch_embed, conv=conv),
-            _Module("condition_embedder.time_embedder.linear_1", lambda m: m.time_mlp[0]),
-            _Module("condition_embedder.time_embedder.linear_2", lambda m: m.time_mlp[1]),
-            _Module("condition_embedder.time_proj", lambda m: m.time_proj),
-            _Module("condition_embedder.text_embedder.linear_1", lambda m: m.text_mlp[0]),
-            _Module("condition_embedder.text_embedder.linear_2", lambda m: m.text_mlp[1]),
-        ]
-        pairs: list[tuple[str, Callable[[Any], Any]]] = [
-            ("attn1.to_q", lambda b: b.self_attn.q),
-            ("attn1.to_k", lambda b: b.self_attn.k),
-            ("attn1.to_v", lambda b: b.self_attn.v),
-            ("attn1.to_out.0", lambda b: b.self_attn.out),
-            ("attn2.to_q", lambda b: b.cross_attn.q),
-            ("attn2.to_k", lambda b: b.cross_attn.k),
-            ("attn2.to_v", lambda b: b.cross_attn.v),
-            ("attn2.to_out.0", lambda b: b.cross_attn.out),
-        ]
-        pairs += [("ffn.net.0.proj", lambda b: b.fc1), ("ffn.net.2", lambda b: b.fc2)]
-        for i in range(model.depth):
-            modules += _linear_pairs(f"blocks.{i}", i, pairs)
-        return modules + [_Module("proj_out", lambda m: m.final_proj)]
-
-    def other_entries(self, model: Wan) -> list[_Entry]:
-        width = model.width
-
-        def table(a: _NpArray) -> _NpArray:
-            return a.reshape(a.shape[1:])
-
-        def batched(a: _NpArray) -> _NpArray:
-            return a.reshape(1, *a.shape)
-
-        entries = [
-            _Entry("scale_shift_table", lambda m: m.final_table, (1, 2, width), table, batched)
-        ]
-        for i in range(model.depth):
-            prefix = f"blocks.{i}"
-            entries.append(
-                _Entry(
-                    f"{prefix}.scale_shift_table",
-                    _in_block(i, lambda b: b.table),
-                    (1, 6, width),
-                    table,
-                    batched,
-                )
-            )
-            names: list[tuple[str, Callable[[Any], Any]]] = [
-                ("attn1.norm_q.weight", lambda b: b.self_attn.norm_q),
-                ("attn1.norm_k.weight", lambda b: b.self_attn.norm_k),
-                ("attn2.norm_q.weight", lambda b: b.cross_attn.norm_q),
-                ("attn2.norm_k.weight", lambda b: b.cross_attn.norm_k),
-            ]
-            if model.cross_attn_norm:
-                names += [
-                    ("norm2.weight", lambda b: b.cross_norm_weight),
-                    ("norm2.bias", lambda b: b.cross_norm_bias),
-                ]
-            entries += [
-                _Entry(f"{prefix}.{name}", _in_block(i, get), (width,)) for name, get in names
-            ]
-        return entries
-
-    def computed(self, model: Wan) -> list[tuple[Callable[[Any], Any], _NpArray]]:
-        return []
-
-    def check_exportable(self, model: Wan) -> None:
-        return None
 
 
 _FORMATS: tuple[_AbstractFormat, ...] = (_SD3Format(), _FluxFormat(), _WanFormat())
@@ -634,31 +117,6 @@ def _layout(model: Any) -> list[_Entry]:
             )
         entries.append(_Entry(f"{module.name}.bias", _bias(get), (out_features,)))
     return entries + fmt.other_entries(model)
-
-
-def _pos_entry(model: MMDiT) -> _Entry:
-    """The position buffer, `[1, side**2, width]`, of which `model.pos_embed` is the centre."""
-    side = model.pos_embed_max_size
-    assert side is not None
-    grid, width = model.image_size // model.patch, model.width
-    top, size = pos_crop(side, grid)
-
-    def to_ours(table: _NpArray) -> _NpArray:
-        square = table.reshape(side, side, width)[top : top + size, top : top + size]
-        return np.ascontiguousarray(square.reshape(size * size, width))
-
-    def to_theirs(ours: _NpArray) -> _NpArray:
-        full = model.position_table(full=True).reshape(side, side, width).astype(ours.dtype)
-        full[top : top + size, top : top + size] = ours.reshape(size, size, width)
-        return full.reshape(1, side * side, width)
-
-    return _Entry(
-        "pos_embed.pos_embed",
-        lambda m: m.pos_embed.value,
-        (1, side * side, width),
-        to_ours,
-        to_theirs,
-    )
 
 
 def _abstract(fmt: _AbstractFormat, kwargs: _Fields) -> Any:
@@ -741,23 +199,46 @@ def load_diffusers(
     config = read_config_json(folder, "a diffusers transformer or vae folder")
     for vae in _AUTOENCODERS:
         if config.get("_class_name") == vae.model_type.__name__:
-            try:
-                abstract = vae.abstract(config)
-            except (TypeError, ValueError) as error:
-                raise config_error(folder / "config.json", ValueError(error)) from None
-            tensors = read_safetensors_folder(folder, _WEIGHTS)
-            autoencoder: AutoencoderKL | AutoencoderKLWan = fill_from_state_dict(
-                abstract, tensors, dtype, vae.model_type.__name__
-            )
-            return autoencoder
+            return _load_autoencoder(vae, folder, config, dtype)
     fmt = _format_named(config.get("_class_name", _SD3Format.class_name))
     length = fmt.default_context_length if context_length is None else context_length
     model = _abstract(fmt, fmt.model_kwargs(config, image_size, length))
-    kind = type(model).__name__
     tensors = read_safetensors_folder(folder, _WEIGHTS)
     entries = _layout(model)
-    paths = _leaf_paths(model)
+    _check_keys(folder, model, tensors, entries)
+    if dtype is None:
+        dtype = tensors["proj_out.weight"].dtype
+    filled = _filled(folder, fmt, model, tensors, entries, np.dtype(dtype))
+    if stacked:
+        filled = filled.with_settings(stacked=True)
+    placed: DiffusersTransformer = jax.tree.map(
+        lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, filled
+    )
+    return placed
 
+
+def _load_autoencoder(
+    vae: "_AutoencoderFormat", folder: pathlib.Path, config: _Fields, dtype: Any
+) -> AutoencoderKL | AutoencoderKLWan:
+    """An autoencoder folder's model, every leaf filled by its state-dict name."""
+    try:
+        abstract = vae.abstract(config)
+    except (TypeError, ValueError) as error:
+        raise config_error(folder / "config.json", ValueError(error)) from None
+    tensors = read_safetensors_folder(folder, _WEIGHTS)
+    autoencoder: AutoencoderKL | AutoencoderKLWan = fill_from_state_dict(
+        abstract, tensors, dtype, vae.model_type.__name__
+    )
+    return autoencoder
+
+
+def _check_keys(
+    folder: pathlib.Path, model: Any, tensors: dict[str, _NpArray], entries: list[_Entry]
+) -> None:
+    """Refuse a checkpoint with a key that maps to no leaf or a leaf without its key (every
+    one listed)."""
+    kind = type(model).__name__
+    paths = _leaf_paths(model)
     unused = sorted(set(tensors) - {e.key for e in entries})
     missing = [e for e in entries if e.key not in tensors]
     problems = []
@@ -771,8 +252,18 @@ def load_diffusers(
             f"`path` ({folder}) does not fit the {kind} of its config: " + "; ".join(problems) + "."
         )
 
-    if dtype is None:
-        dtype = tensors["proj_out.weight"].dtype
+
+def _filled(
+    folder: pathlib.Path,
+    fmt: _AbstractFormat,
+    model: Any,
+    tensors: dict[str, _NpArray],
+    entries: list[_Entry],
+    dtype: np.dtype[Any],
+) -> Any:
+    """`model` (shape-evaluated) with every leaf the checkpoint's array in our layout, on the
+    host until the blocks are stacked (the device sees each array once)."""
+    kind = type(model).__name__
     wheres = []
     values = []
     for entry in entries:
@@ -782,12 +273,11 @@ def load_diffusers(
                 f"`path` ({folder}): key {entry.key} has shape {tuple(array.shape)}, "
                 f"the config gives {entry.shape}."
             )
-        # On the host until the blocks are stacked: the device sees each array once.
         wheres.append(entry.where)
-        values.append(np.asarray(entry.to_ours(array)).astype(np.dtype(dtype)))
+        values.append(np.asarray(entry.to_ours(array)).astype(dtype))
     for where, value in fmt.computed(model):
         wheres.append(where)
-        values.append(value.astype(np.dtype(dtype)))
+        values.append(value.astype(dtype))
     filled = eqx.tree_at(lambda m: [where(m) for where in wheres], model, values)
     unfilled = [
         jax.tree_util.keystr(p)
@@ -796,12 +286,7 @@ def load_diffusers(
     ]
     if unfilled:
         raise ValueError(f"`path` ({folder}) left these {kind} leaves unfilled: {unfilled}.")
-    if stacked:
-        filled = filled.with_settings(stacked=True)
-    placed: DiffusersTransformer = jax.tree.map(
-        lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf, filled
-    )
-    return placed
+    return filled
 
 
 def _leaf_paths(model: Any) -> dict[int, str]:
