@@ -1,17 +1,20 @@
 """`python -m bench.flash_ablation VARIANT --out DIR [--star] [--seed S] [--epochs E]`:
 MixGRPO-Flash's (or with `--star` MixGRPO-Flash*'s) rollout with one thing changed
-(docs/recipes.md, "MixGRPO-Flash and Flash*: the solver steps after the window").
+(docs/recipes.md, the paragraphs on MixGRPO-Flash's collapse).
 
 Trains the demo's `--algorithm mixgrpo-flash` (the released window, the model's time in
-thousandths; `--star`: `mixgrpo-flash-star`) with the ODE part after the window replaced:
+thousandths, 26 points; `--star`: `mixgrpo-flash-star`, 23 points) with the ODE part after the
+window or the grid changed:
 
-- `released`: DPM-Solver++(2M) on the rest of the grid compressed by 0.4, as released;
-- `dpm_uncompressed`: DPM-Solver++(2M) on the uncompressed rest;
-- `euler_uncompressed`: Euler on the uncompressed rest (MixGRPO's rollout on 11 points);
-- `release_grid`: as released, on the release's 25 transitions (26 points), so that the
-    compressed rest keeps as many solver steps as the release's;
-- `compress_0_4`: the rest compressed by 0.4 (Flash's ratio; for Flash*, 7 solver steps
-    after its window where 0.2 leaves 3).
+- `released`: DPM-Solver++(2M) on the rest of the grid compressed by 0.4 (Flash*: 0.2), as
+    `--algorithm` runs it;
+- `grid_11`: Flash on 11 points, the demo's former grid, where the compressed rest falls to
+    one solver step and then none;
+- `dpm_uncompressed`: DPM-Solver++(2M) on the uncompressed rest of 11 points;
+- `euler_uncompressed`: Euler on the uncompressed rest of 11 points (MixGRPO's rollout on 11
+    points);
+- `compress_0_4`: the rest compressed by 0.4 (for Flash*: 7 solver steps after its window,
+    where 0.2 leaves 3).
 
 Everything else is the main job's defaults, with a held-out evaluation every 10 epochs; the
 run's `metrics.jsonl` in DIR holds the curve.
@@ -27,9 +30,9 @@ from flowgrpo_eqx.shapes_demo.cli import main as command_line
 
 VARIANTS = {
     "released": {},
-    "dpm_uncompressed": dict(compress_ratio=None),
-    "euler_uncompressed": dict(solver=Euler(), compress_ratio=None),
-    "release_grid": dict(rollout_steps=26),
+    "grid_11": dict(rollout_steps=11),
+    "dpm_uncompressed": dict(compress_ratio=None, rollout_steps=11),
+    "euler_uncompressed": dict(solver=Euler(), compress_ratio=None, rollout_steps=11),
     "compress_0_4": dict(compress_ratio=0.4),
 }
 """What each variant changes of the registered MixGRPO-Flash (or Flash*)."""

@@ -449,13 +449,14 @@ def test_the_awm_demo_settings_are_the_released_recipe_adapted():
         ("mixgrpo-flash", ("clipfrac",)),
         ("mixgrpo-flash-star", ("clipfrac",)),
         ("dppo", ("kl", "masked_fraction", "high_kl_fraction", "ratio")),
+        ("dancegrpo", ("clipfrac", "ratio", "approx_kl")),
     ],
 )
 def test_the_tiny_preset_trains_with_each_new_algorithm_through_the_command_line(
     tiny_base, tmp_path, algorithm, reported
 ):
-    """AWM, DGPO (test_dgpo.py), MixGRPO (test_mixgrpo_demo.py) and Flow-DPPO (test_dppo.py)
-    train the tiny preset from the session's base model."""
+    """AWM, DGPO (test_dgpo.py), MixGRPO (test_mixgrpo_demo.py), Flow-DPPO (test_dppo.py) and
+    DanceGRPO (test_dancegrpo.py) train the tiny preset from the session's base model."""
     out = with_base(tiny_base, tmp_path / algorithm)
     result = run_cli("train", "--preset", "tiny", "--quiet", "--algorithm", algorithm, "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]

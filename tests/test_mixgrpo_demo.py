@@ -15,7 +15,7 @@ from tests import numpy_reference as ref
     "algorithm, shift_every, stride, rollout_steps, solver, ratio",
     [
         ("mixgrpo", 25, 1, 6, fg.Euler, None),
-        ("mixgrpo-flash", 20, 1, 11, fg.DPMSolverPP2M, 0.4),
+        ("mixgrpo-flash", 20, 1, 26, fg.DPMSolverPP2M, 0.4),
         ("mixgrpo-flash-star", 20, 0, 23, fg.DPMSolverPP2M, 0.2),
     ],
 )
@@ -80,3 +80,33 @@ def test_a_window_that_never_moves_is_the_progressive_windows_only():
         make_config("tiny", window_stride=0)
     star = make_config("tiny", algorithm="mixgrpo-flash-star")
     assert (star.rollout.window_schedule, star.rollout.window_stride) == ("progressive", 0)
+
+
+def post_window_steps(points, count, shift_every, stride, ratio, shift, steps):
+    """The solver steps after the window at each of the released steps, and where the last
+    ends, on a grid of `points` (float64, the release's `run_sample_step` lines 44-49)."""
+    transitions = points - 1
+    windows = ref.mixgrpo_windows(steps, transitions, count, shift_every, True, stride, True)
+    rests = []
+    for first, length in windows:
+        last = first + length - 1 if length else -1
+        post = ref.mixgrpo_post_grid(transitions, last, ratio, shift)
+        rests.append((len(post) - 1, float(post[-1])))
+    return rests
+
+
+def test_flash_keeps_the_releases_solver_steps_after_its_window():
+    # The release (25 transitions, shift 3, a window of 4): 7 down to 2 solver steps after the
+    # window over its 300 steps, always to t = 0.
+    released = post_window_steps(26, 4, 20, 1, 0.4, 3.0, ref.MIXGRPO_TRAIN_STEPS)
+    assert {steps for steps, _ in released} == {7, 6, 5, 4, 3, 2}
+    assert all(end == 0.0 for _, end in released)
+    # The demo's 26 points and window of 2: 8 down to 3, always to t = 0.
+    demo = post_window_steps(26, 2, 20, 1, 0.4, 1.0, ref.MIXGRPO_TRAIN_STEPS)
+    assert min(steps for steps, _ in demo) == 3 and all(end == 0.0 for _, end in demo)
+    # A grid of 11 points leaves one step from epoch 41 and none from epoch 101 (the sample
+    # decoded at t = 0.3, then 0.2): the grid on which Flash collapses.
+    short = post_window_steps(11, 2, 20, 1, 0.4, 1.0, ref.MIXGRPO_TRAIN_STEPS)
+    assert [steps for steps, _ in short[40:100]] == [1] * 60
+    assert [steps for steps, _ in short[100:160]] == [0] * 60
+    assert short[100][1] > 0.29 and short[120][1] > 0.19

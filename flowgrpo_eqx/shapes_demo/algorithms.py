@@ -420,12 +420,12 @@ class MixGRPO(AbstractAlgorithm):
         loss 0 with zero gradients, while AdamW still steps), 25 epochs each, three times
         over the 300 epochs. The release's 300 steps on 25 transitions never reach its cut
         or empty windows (its starts go from 0 to 11, Flash's to 14).
-    - Flash samples on 11 points (`rollout_steps`): on the job's 6 the compressed rest
-        would be one point, where the release stops before t = 0. On 11 the window's last
-        stochastic transition `l` leaves `int(max(0.4 (10 - l), 1))` points after it, and
-        for `l` 6 and 7, like the release's last positions, one (stopping short of t = 0);
-        its empty window (position 8) runs the solver from t = 1 on 4 points (the release
-        fails there).
+    - Flash samples on the release's 25 transitions (26 points, `rollout_steps`), so that
+        the compressed rest keeps the release's number of solver steps: the window's last
+        stochastic transition `l` leaves `int(max(0.4 (25 - l), 1))` points after it, 9 to
+        4 over the 300 epochs (the release's 8 to 3). On a shorter grid the rest shrinks to
+        one solver step, or none (the sample decoded short of t = 0), and the policy
+        collapses (`docs/recipes.md`).
     - Flash* samples on 23 points: its fixed window (transitions 0 and 1) then leaves
         `int(0.2 x 21) = 4` points after it, as the release's leaves 4 after its 4 of 25.
     - The objective, its clip, KL and step size are the job's Flow-GRPO defaults (the
@@ -689,7 +689,7 @@ ALGORITHMS: dict[AlgorithmName, AbstractAlgorithm] = {
     "dgpo": DGPO(),
     "mixgrpo": MixGRPO(shift_every=25),
     "mixgrpo-flash": MixGRPO(
-        shift_every=20, solver=DPMSolverPP2M(), compress_ratio=0.4, rollout_steps=11
+        shift_every=20, solver=DPMSolverPP2M(), compress_ratio=0.4, rollout_steps=26
     ),
     "mixgrpo-flash-star": MixGRPO(
         shift_every=20, stride=0, solver=DPMSolverPP2M(), compress_ratio=0.2, rollout_steps=23
