@@ -84,6 +84,14 @@ def files_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _tree(process: Any) -> list[Any]:
+    """The processes under `process` (psutil), or none once it is gone."""
+    try:
+        return list(process.children(recursive=True))
+    except psutil.Error:
+        return []
+
+
 def _resident(process: Any) -> tuple[float, float]:
     """A process's resident memory in MB, alone and with every process under it."""
     try:
@@ -109,10 +117,15 @@ def _running(records: list[dict[str, Any]], when: float) -> str:
 
 
 def run_suite(
-    pytest_args: list[str], interval: float, keep: pathlib.Path | None = None
+    pytest_args: list[str],
+    interval: float,
+    keep: pathlib.Path | None = None,
+    limit_mb: float | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """`python -m pytest PYTEST_ARGS`, its workers' memory sampled: (pytest's status, peaks).
-    The workers' logs are kept in `keep` if given."""
+    The workers' logs are kept in `keep` if given. A worker whose resident memory with the
+    processes it started is seen above `limit_mb` is killed (SIGKILL), as a cgroup's memory
+    limit would kill it; between two samples it goes unseen."""
     with tempfile.TemporaryDirectory() as folder:
         logs = pathlib.Path(folder) if keep is None else keep
         logs.mkdir(parents=True, exist_ok=True)
@@ -134,6 +147,14 @@ def run_suite(
             for child in workers:
                 own, tree = _resident(child)
                 peak = by_pid.setdefault(child.pid, {"own_mb": 0.0, "tree_mb": 0.0})
+                if limit_mb is not None and tree > limit_mb and "killed_mb" not in peak:
+                    peak["killed_mb"] = tree
+                    print(f"suite_memory: killing worker {child.pid}: {tree:,.0f} MB", flush=True)
+                    for process in [*_tree(child), child]:
+                        try:
+                            process.kill()
+                        except psutil.Error:
+                            pass
                 if own > peak["own_mb"]:
                     peak.update(own_mb=own, own_at=time.time())
                 if tree > peak["tree_mb"]:
@@ -172,9 +193,10 @@ def suite_table(result: dict[str, Any]) -> str:
         if "kernel_mb" in p:
             lines.append(f"| {worker} | | {p['kernel_mb']:,.0f} | (its high-water mark) | | |")
             continue
+        killed = f" (killed at {p['killed_mb']:,.0f} MB)" if "killed_mb" in p else ""
         lines.append(
             f"| {worker} | {p['tests']} | {p['own_mb']:,.0f} | `{p['own_test']}` "
-            f"| {p['tree_mb']:,.0f} | `{p['tree_test']}` |"
+            f"| {p['tree_mb']:,.0f}{killed} | `{p['tree_test']}` |"
         )
     return "\n".join(lines)
 
@@ -194,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     suite.add_argument("--interval", type=float, default=0.5, help="seconds between samples")
     suite.add_argument("--out", type=pathlib.Path, help="also write the peaks here, as JSON")
     suite.add_argument("--logs", type=pathlib.Path, help="keep each worker's log of tests here")
+    suite.add_argument(
+        "--limit-mb",
+        type=float,
+        help="kill a worker seen holding more, with the processes it started (as a cgroup would)",
+    )
     suite.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest's")
     args = parser.parse_args(argv)
     if args.command == "files":
@@ -214,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pytest_args[:1] == ["--"]
         else args.pytest_args
     )
-    status, result = run_suite(pytest_args, args.interval, args.logs)
+    status, result = run_suite(pytest_args, args.interval, args.logs, args.limit_mb)
     print(suite_table(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
