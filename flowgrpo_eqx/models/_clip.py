@@ -6,6 +6,7 @@ loads by its keys alone (`load_clip`). The towers are called on one example (tok
 a channels-last image `[H, W, 3]` already resized and normalised) and vmapped by the caller.
 """
 
+import math
 import pathlib
 from typing import Any, Literal, NamedTuple, TypeAlias, final
 
@@ -16,7 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
 from ._images import UNIT, check_image
-from ._layers import MASKED_SCORE
+from ._layers import softmax_attention
 from ._mirror import (
     Embedding,
     LayerNorm,
@@ -121,13 +122,8 @@ class SelfAttention(eqx.Module):
             return x.reshape(seq, self.heads, head_dim).transpose(1, 0, 2)
 
         q, k, v = split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h))
-        scores = jnp.einsum("nqd,nkd->nqk", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(
-            jnp.float32(head_dim)
-        )
-        if allowed is not None:
-            scores = jnp.where(allowed[None], scores, MASKED_SCORE)
-        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("nqk,nkd->qnd", weights, v).reshape(seq, width)
+        scale = 1.0 / math.sqrt(head_dim)
+        out = softmax_attention(q, k, v, scale=scale, allowed=allowed).reshape(seq, width)
         result: Float[Array, "S D"] = self.out_proj(out)
         return result
 

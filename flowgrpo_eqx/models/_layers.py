@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .._misc import check_int
 from ._init import zero_linear
@@ -340,31 +340,83 @@ def plain_attention(q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
     """Softmax attention with every score materialised, `[S, heads, head_dim]`.
 
     What `jax.nn.dot_product_attention(q, k, v, implementation="xla")` computes, operation for
-    operation: scores in float32 (bfloat16 products accumulated in float32), scaled by
-    `1 / sqrt(head_dim)`, softmax in float32, cast to the values' dtype, weighted sum of the
-    values. The heads are moved to the front once, so each product is a plain batched matmul
-    over heads; `jax.nn.dot_product_attention`'s grouped-query layout makes XLA's CPU backend
-    run the same products about a third slower (`docs/performance.md`).
+    operation: `softmax_attention` of the heads, scaled by `1 / sqrt(head_dim)`. The heads are
+    moved to the front once, so each product is a plain batched matmul over heads;
+    `jax.nn.dot_product_attention`'s grouped-query layout makes XLA's CPU backend run the
+    same products about a third slower (`docs/performance.md`).
     """
-    weights = jax.nn.softmax(attention_scores(q, k), axis=-1).astype(k.dtype)
-    out: Heads = jnp.einsum("nqk,nkh->qnh", weights, jnp.transpose(v, HEADS_FIRST))
+    return softmax_attention(
+        jnp.transpose(q, HEADS_FIRST),
+        jnp.transpose(k, HEADS_FIRST),
+        jnp.transpose(v, HEADS_FIRST),
+        scale=1.0 / math.sqrt(q.shape[-1]),
+    )
+
+
+def softmax_attention(
+    q: Float[Array, "heads S hd"],
+    k: Float[Array, "heads K hd"],
+    v: Float[Array, "heads K hd"],
+    *,
+    scale: float,
+    allowed: Bool[Array, "S K"] | None = None,
+    bias: Float[Array, "heads S K"] | None = None,
+) -> Float[Array, "S heads hd"]:
+    """The models' one softmax attention (the transformers', CLIP's and T5's), heads first.
+
+    The scores `q k^T` (bfloat16 products accumulated in float32) times `scale`, plus `bias`
+    (T5's relative positions), with the keys `allowed` does not allow set to the lowest
+    float32 (CLIP's causal mask, a padding mask); the softmax in float32, cast to the values'
+    dtype; the weighted sum of the values.
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: `[heads, S, hd]` queries and `[heads, K, hd]` keys and values.
+    - `scale`: the scores' factor (`1 / sqrt(hd)`; 1 for T5, which folds it into its weights).
+    - `allowed`: `[S, K]`, which keys each query may see, or `None` for all.
+    - `bias`: `[heads, S, K]` added to the scores, or `None`.
+
+    **Returns:**
+
+    `[S, heads, hd]`.
+    """
+    weights = jax.nn.softmax(_scores(q, k, scale, allowed, bias), axis=-1).astype(v.dtype)
+    out: Float[Array, "S heads hd"] = jnp.einsum("nqk,nkh->qnh", weights, v)
     return out
+
+
+def _scores(
+    q: Float[Array, "heads S hd"],
+    k: Float[Array, "heads K hd"],
+    scale: float,
+    allowed: Bool[Array, "S K"] | None = None,
+    bias: Float[Array, "heads S K"] | None = None,
+) -> Float[Array, "heads S K"]:
+    """`softmax_attention`'s scores, in float32."""
+    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
+    scores = jnp.einsum(
+        "nqh,nkh->nqk",
+        q,
+        k,
+        precision=precision,
+        preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+    )
+    scaled: Float[Array, "heads S K"] = (scores * jnp.asarray(scale, jnp.float32)).astype(
+        jnp.float32
+    )
+    if bias is not None:
+        scaled = scaled + bias.astype(jnp.float32)
+    if allowed is not None:
+        scaled = jnp.where(allowed[None], scaled, MASKED_SCORE)
+    return scaled
 
 
 def attention_scores(q: Heads, k: KeyHeads) -> Float[Array, "heads S K"]:
     """The scaled attention scores `q k^T / sqrt(head_dim)` per head, in float32 (bfloat16
     products accumulated in float32), heads first: `plain_attention`'s and the ring's."""
-    scale = jnp.asarray(1.0 / math.sqrt(q.shape[-1]), jnp.float32)
-    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if q.dtype == jnp.bfloat16 else None
-    scores = jnp.einsum(
-        "nqh,nkh->nqk",
-        jnp.transpose(q, HEADS_FIRST),
-        jnp.transpose(k, HEADS_FIRST),
-        precision=precision,
-        preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+    return _scores(
+        jnp.transpose(q, HEADS_FIRST), jnp.transpose(k, HEADS_FIRST), 1.0 / math.sqrt(q.shape[-1])
     )
-    scaled: Float[Array, "heads S K"] = (scores * scale).astype(jnp.float32)
-    return scaled
 
 
 def _chunked_attention(q: Heads, k: KeyHeads, v: KeyHeads, chunk: int) -> Heads:

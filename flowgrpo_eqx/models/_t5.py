@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
 from ._init import ones
-from ._layers import MASKED_SCORE, rms_norm
+from ._layers import MASKED_SCORE, rms_norm, softmax_attention
 from ._mirror import (
     Embedding,
     Linear,
@@ -141,9 +141,8 @@ class SelfAttention(eqx.Module):
             return x.reshape(length, self.heads, -1).transpose(1, 0, 2)
 
         q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
-        scores = jnp.einsum("nqd,nkd->nqk", q, k, preferred_element_type=jnp.float32) + bias
-        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("nqk,nkd->qnd", weights, v).reshape(length, -1)
+        # T5 folds the 1 / sqrt(head_dim) into its query weights: its scores are not scaled.
+        out = softmax_attention(q, k, v, scale=1.0, bias=bias).reshape(length, -1)
         result: Float[Array, "L D"] = self.o(out)
         return result
 
