@@ -40,7 +40,7 @@ from ._policy_loss import (
     with_rescored,
 )
 from ._rl import AbstractRLObjective, Rescore
-from ._sampling import AbstractSampler, Draw, Generated, _SDEPath, _step_noise
+from ._sampling import AbstractSampler, Draw, Generated, SDEPath, step_noise
 from ._sde import AbstractSDE, KLWeighting
 from ._trainable import TrainableFilter
 
@@ -176,8 +176,8 @@ class DanceSampler(AbstractSampler):
         """One `lax.scan` over the grid, every transition with the SDE, each row's trained
         transitions (`trained_steps`) taken out of the recorded trajectory."""
         steps, rows = draw.steps, start.shape[0]
-        noise = _step_noise(key, steps, rows, start.shape[1:], draw.sharding)
-        path = _SDEPath(draw.flow, self.sde, draw.policy, draw.rows, False)
+        noise = step_noise(key, steps, rows, start.shape[1:], draw.sharding)
+        path = SDEPath(draw.flow, self.sde, draw.policy, draw.rows, False)
         grid = draw.grid()
         head = (grid[:-1], grid[1:], noise)
         x, (latents, next_latents, log_probs) = jax.lax.scan(

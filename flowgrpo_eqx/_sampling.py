@@ -300,8 +300,8 @@ class SDESampler(AbstractSampler):
         """
         steps, first = draw.steps, draw.first
         recorded = self.recorded_transitions(steps)
-        noise = _step_noise(key, steps, start.shape[0], start.shape[1:], draw.sharding)
-        path = _SDEPath(draw.flow, self.sde, draw.policy, draw.rows, self.record_means)
+        noise = step_noise(key, steps, start.shape[0], start.shape[1:], draw.sharding)
+        path = SDEPath(draw.flow, self.sde, draw.policy, draw.rows, self.record_means)
         grid = draw.grid()
         if self.window_schedule is not None:
             transitions = steps - 1
@@ -515,8 +515,8 @@ class MixSampler(AbstractSampler):
         schedule = self.window_schedule
         steps, first, count = draw.steps, draw.first, schedule.count
         transitions = steps - 1
-        noise = _step_noise(key, steps, start.shape[0], start.shape[1:], draw.sharding)
-        path = _SDEPath(draw.flow, self.sde, draw.policy, draw.rows, self.record_means)
+        noise = step_noise(key, steps, start.shape[0], start.shape[1:], draw.sharding)
+        path = SDEPath(draw.flow, self.sde, draw.policy, draw.rows, self.record_means)
         grid = draw.grid()
         with jax.ensure_compile_time_eval():  # the grid is static: its tables are built once
             host_grid = np.asarray(draw.grid())
@@ -640,7 +640,7 @@ def _post_grids(
     return table, lengths
 
 
-def _step_noise(
+def step_noise(
     step_key: PRNGKeyArray,
     steps: int,
     num: int,
@@ -664,7 +664,7 @@ def _step_noise(
     return noise_array
 
 
-class _SDEPath(eqx.Module):
+class SDEPath(eqx.Module):
     """The scan bodies of an SDE trajectory: a step that records, one that does not, and
     one that draws noise only where a traced mask of the transitions allows. (Its methods
     reach `lax.scan` through closures: a bound method of a module holding tracers cannot

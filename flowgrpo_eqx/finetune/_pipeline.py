@@ -289,7 +289,7 @@ class SD3Kind(AbstractPipelineKind):
         length = 77 + (config.prompts.text_length or 256)
         if folder is None:
             settings = MMDiT.sd35_medium_config()
-            return _random(
+            return random_model(
                 lambda key: MMDiT(
                     **{**settings, "image_size": size, "context_length": length}, key=key
                 ),
@@ -370,7 +370,7 @@ class FluxKind(AbstractPipelineKind):
         length = config.prompts.text_length or 512
         if folder is None:
             settings = Flux.dev_config() if self.distilled_guidance else Flux.schnell_config()
-            return _random(
+            return random_model(
                 lambda key: Flux(
                     **{**settings, "image_size": (height, width), "context_length": length},
                     key=key,
@@ -476,7 +476,7 @@ class WanKind(AbstractPipelineKind):
         size = self.latent_shape(config, folder)[:3]
         length = config.prompts.text_length or 512
         if folder is None:
-            return _random(
+            return random_model(
                 lambda key: Wan(
                     **{**Wan.t2v_1_3b_config(), "latent_size": size, "context_length": length},
                     key=key,
@@ -553,7 +553,7 @@ PIPELINE_KINDS: dict[ModelKind, AbstractPipelineKind] = {
 """How each model kind's pipeline is read."""
 
 
-def _random(make: Callable[[Any], Any], dtype: Any) -> Any:  # noqa: ANN401
+def random_model(make: Callable[[Any], Any], dtype: Any) -> Any:  # noqa: ANN401
     """A model of random weights in `dtype`: its structure traced abstractly from `make(key)`,
     each floating-point weight drawn from N(0, 0.02^2) by a small program per shape (a stacked
     model has few), so no program of the whole model's size is compiled."""
@@ -576,8 +576,8 @@ def _normal(key: Any, shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 def _random_vae(make: Callable[[Any], Any], dtype: Any) -> AbstractAutoEncoder:
-    """A VAE of random weights (`_random`)."""
-    vae: AbstractAutoEncoder = _random(make, dtype)
+    """A VAE of random weights (`random_model`)."""
+    vae: AbstractAutoEncoder = random_model(make, dtype)
     return vae
 
 

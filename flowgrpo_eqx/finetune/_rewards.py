@@ -122,14 +122,14 @@ _CLIP_L_VISION = TowerShape(1024, 16, 4096, 24, "quick_gelu", 1e-5)
 
 def _random_clip(kind: str, dtype: Any) -> CLIPModel:
     """PickScore's CLIP-ViT-H-14 (or CLIP score's ViT-L/14) with random weights in `dtype`."""
-    from ._pipeline import _random
+    from ._pipeline import random_model
 
     text, vision, width = (
         (_PICKSCORE_TEXT, _PICKSCORE_VISION, 1024)
         if kind == "pickscore"
         else (_CLIP_L_TEXT, _CLIP_L_VISION, 768)
     )
-    made: CLIPModel = _random(lambda key: CLIPModel(text, vision, width, key=key), dtype)
+    made: CLIPModel = random_model(lambda key: CLIPModel(text, vision, width, key=key), dtype)
     return made
 
 

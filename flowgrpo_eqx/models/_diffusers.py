@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 
 from ..lora import LoraModel
 from ._flux import Flux
-from ._flux_format import _FluxFormat
-from ._format import _AbstractFormat, _bias, _Entry, _Fields, _NpArray, _weight
+from ._flux_format import FluxFormat
+from ._format import AbstractFormat, Entry, Fields, NpArray, bias_of, weight_of
 from ._mirror import (
     config_error,
     fill_from_state_dict,
@@ -33,10 +33,10 @@ from ._mirror import (
     state_dict_leaves,
 )
 from ._mmdit import MMDiT
-from ._mmdit_format import _SD3Format
+from ._mmdit_format import SD3Format
 from ._vae import AutoencoderKL, vae_config, vae_kwargs
 from ._wan import Wan
-from ._wan_format import _WanFormat
+from ._wan_format import WanFormat
 from ._wan_vae import AutoencoderKLWan, wan_vae_config, wan_vae_kwargs
 
 
@@ -50,7 +50,7 @@ _WEIGHTS = "diffusion_pytorch_model.safetensors"
 _LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
-_FORMATS: tuple[_AbstractFormat, ...] = (_SD3Format(), _FluxFormat(), _WanFormat())
+_FORMATS: tuple[AbstractFormat, ...] = (SD3Format(), FluxFormat(), WanFormat())
 
 
 @final
@@ -61,10 +61,10 @@ class _AutoencoderFormat:
     state-dict names (`state_dict_leaves`)."""
 
     model_type: type[AutoencoderKL] | type[AutoencoderKLWan]
-    kwargs: Callable[[_Fields], _Fields]
-    config: Callable[[Any], _Fields]
+    kwargs: Callable[[Fields], Fields]
+    config: Callable[[Any], Fields]
 
-    def abstract(self, config: _Fields) -> Any:
+    def abstract(self, config: Fields) -> Any:
         """The model of a diffusers config, shape-evaluated."""
         return eqx.filter_eval_shape(
             lambda key: self.model_type(**self.kwargs(config), key=key), jax.random.key(0)
@@ -77,7 +77,7 @@ _AUTOENCODERS = (
 )
 
 
-def _format_of(model: Any) -> _AbstractFormat:
+def _format_of(model: Any) -> AbstractFormat:
     """The format of `model`'s class (`ValueError` naming `model` if none)."""
     for fmt in _FORMATS:
         if type(model) is fmt.model_type:
@@ -86,7 +86,7 @@ def _format_of(model: Any) -> _AbstractFormat:
     raise ValueError(f"`model` must be one of {names}, got {type(model).__name__}.")
 
 
-def _format_named(name: str) -> _AbstractFormat:
+def _format_named(name: str) -> AbstractFormat:
     for fmt in _FORMATS:
         if fmt.class_name == name:
             return fmt
@@ -94,18 +94,18 @@ def _format_named(name: str) -> _AbstractFormat:
     raise ValueError(f"`path` holds a {name}, not one of {names}.")
 
 
-def _layout(model: Any) -> list[_Entry]:
+def _layout(model: Any) -> list[Entry]:
     """Every key of the diffusers model's state dict for `model`'s configuration."""
     fmt = _format_of(model)
-    entries: list[_Entry] = []
+    entries: list[Entry] = []
     for module in fmt.modules(model):
         get = module.where
         out_features, in_features = get(model).weight.shape
         if module.conv is not None:
             entries.append(
-                _Entry(
+                Entry(
                     f"{module.name}.weight",
-                    _weight(get),
+                    weight_of(get),
                     module.conv,
                     module.to_ours,
                     module.to_theirs,
@@ -113,13 +113,13 @@ def _layout(model: Any) -> list[_Entry]:
             )
         else:
             entries.append(
-                _Entry(f"{module.name}.weight", _weight(get), (out_features, in_features))
+                Entry(f"{module.name}.weight", weight_of(get), (out_features, in_features))
             )
-        entries.append(_Entry(f"{module.name}.bias", _bias(get), (out_features,)))
+        entries.append(Entry(f"{module.name}.bias", bias_of(get), (out_features,)))
     return entries + fmt.other_entries(model)
 
 
-def _abstract(fmt: _AbstractFormat, kwargs: _Fields) -> Any:
+def _abstract(fmt: AbstractFormat, kwargs: Fields) -> Any:
     """The model of `kwargs`, shape-evaluated, with one module per block (as diffusers)."""
     return eqx.filter_eval_shape(
         lambda key: fmt.model_type(**kwargs, stacked=False, key=key), jax.random.key(0)
@@ -200,7 +200,7 @@ def load_diffusers(
     for vae in _AUTOENCODERS:
         if config.get("_class_name") == vae.model_type.__name__:
             return _load_autoencoder(vae, folder, config, dtype)
-    fmt = _format_named(config.get("_class_name", _SD3Format.class_name))
+    fmt = _format_named(config.get("_class_name", SD3Format.class_name))
     length = fmt.default_context_length if context_length is None else context_length
     model = _abstract(fmt, fmt.model_kwargs(config, image_size, length))
     tensors = read_safetensors_folder(folder, _WEIGHTS)
@@ -218,7 +218,7 @@ def load_diffusers(
 
 
 def _load_autoencoder(
-    vae: "_AutoencoderFormat", folder: pathlib.Path, config: _Fields, dtype: Any
+    vae: "_AutoencoderFormat", folder: pathlib.Path, config: Fields, dtype: Any
 ) -> AutoencoderKL | AutoencoderKLWan:
     """An autoencoder folder's model, every leaf filled by its state-dict name."""
     try:
@@ -233,7 +233,7 @@ def _load_autoencoder(
 
 
 def _check_keys(
-    folder: pathlib.Path, model: Any, tensors: dict[str, _NpArray], entries: list[_Entry]
+    folder: pathlib.Path, model: Any, tensors: dict[str, NpArray], entries: list[Entry]
 ) -> None:
     """Refuse a checkpoint with a key that maps to no leaf or a leaf without its key (every
     one listed)."""
@@ -255,10 +255,10 @@ def _check_keys(
 
 def _filled(
     folder: pathlib.Path,
-    fmt: _AbstractFormat,
+    fmt: AbstractFormat,
     model: Any,
-    tensors: dict[str, _NpArray],
-    entries: list[_Entry],
+    tensors: dict[str, NpArray],
+    entries: list[Entry],
     dtype: np.dtype[Any],
 ) -> Any:
     """`model` (shape-evaluated) with every leaf the checkpoint's array in our layout, on the
@@ -295,7 +295,7 @@ def _leaf_paths(model: Any) -> dict[int, str]:
     return {id(leaf): jax.tree_util.keystr(path) for path, leaf in leaves}
 
 
-def _exportable_format(model: Any) -> _AbstractFormat:
+def _exportable_format(model: Any) -> AbstractFormat:
     fmt = _format_of(model)
     fmt.check_exportable(model)
     return fmt
@@ -342,7 +342,7 @@ def save_diffusers(
 
 
 def _save_tensors(
-    path: str | os.PathLike[str], tensors: dict[str, _NpArray], config: _Fields, dtype: Any
+    path: str | os.PathLike[str], tensors: dict[str, NpArray], config: Fields, dtype: Any
 ) -> None:
     """Write `tensors` (in `dtype`, or their own) and `config` as a diffusers model folder."""
     folder = pathlib.Path(path)
@@ -392,7 +392,7 @@ def save_diffusers_lora(path: str | os.PathLike[str], model: object) -> None:
     for module in fmt.modules(base):
         names[linears[id(module.where(base))]] = module
     scale = model.alpha / model.rank
-    tensors: dict[str, _NpArray] = {}
+    tensors: dict[str, NpArray] = {}
     for layer_path, a, b in layers:
         if layer_path not in names:
             raise ValueError(f"`model` adapts {layer_path}, which has no diffusers counterpart.")
@@ -430,14 +430,14 @@ def _linears(model: Any) -> dict[str, eqx.nn.Linear]:
 
 def _unstacked_adapters(
     model: LoraModel[Any],
-) -> tuple[Any, list[tuple[str, _NpArray, _NpArray]]]:
+) -> tuple[Any, list[tuple[str, NpArray, NpArray]]]:
     """The base with one module per block (on the host) and each block's `(path, a, b)`.
 
     An adapter of a stacked run's layer (`.blocks[g]...`, `a` `[n, rank, in]`) becomes
     one per block of the run (`.blocks[start + j]...`, `a[j]`).
     """
     base = model.base
-    layers: list[tuple[str, _NpArray, _NpArray]] = []
+    layers: list[tuple[str, NpArray, NpArray]] = []
     for layer_path, adapter in zip(model.layer_paths, model.adapters, strict=True):
         a, b = np.asarray(adapter.a), np.asarray(adapter.b)
         found = re.fullmatch(r"\.blocks\[(\d+)\](.*)", layer_path)

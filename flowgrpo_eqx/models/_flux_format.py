@@ -6,25 +6,25 @@ from typing import Any, final
 
 from ._flux import Flux
 from ._format import (
-    _CONTEXT_FF,
-    _CONTEXT_OUT,
-    _FINAL,
-    _IMAGE_FF,
-    _JOINT_ATTENTION,
-    _JOINT_NORMS,
-    _TIME_AND_TEXT,
-    _AbstractFormat,
-    _Entry,
-    _Fields,
-    _linear_pairs,
-    _Module,
-    _norm_entries,
-    _NpArray,
+    CONTEXT_FF,
+    CONTEXT_OUT,
+    FINAL,
+    IMAGE_FF,
+    JOINT_ATTENTION,
+    JOINT_NORMS,
+    TIME_AND_TEXT,
+    AbstractFormat,
+    Entry,
+    Fields,
+    ModuleEntries,
+    NpArray,
+    linear_pairs,
+    norm_entries,
 )
 
 
 @final
-class _FluxFormat(_AbstractFormat):
+class FluxFormat(AbstractFormat):
     """`Flux` as diffusers' `FluxTransformer2DModel` (the pipelines pack the latents 2 x 2, so
     diffusers' `in_channels` is 4 times the latent's channels and `patch_size` is 1)."""
 
@@ -32,7 +32,7 @@ class _FluxFormat(_AbstractFormat):
     model_type = Flux
     default_context_length = 512
 
-    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
+    def model_kwargs(self, config: Fields, image_size: Any, context_length: int) -> Fields:
         # diffusers' FLUX embeds each packed token whole whatever `patch_size` says; the
         # output projection gives `patch_size**2 * out_channels` values per token, which must be
         # the token's `in_channels` for the result to be a velocity of the packed latent.
@@ -66,7 +66,7 @@ class _FluxFormat(_AbstractFormat):
             axes_dims=tuple(config.get("axes_dims_rope", (16, 56, 56))),
         )
 
-    def config(self, model: Flux) -> _Fields:
+    def config(self, model: Flux) -> Fields:
         return {
             "_class_name": self.class_name,
             "_diffusers_version": "0.35.0",
@@ -83,14 +83,18 @@ class _FluxFormat(_AbstractFormat):
             "axes_dims_rope": list(model.axes_dims),
         }
 
-    def modules(self, model: Flux) -> list[_Module]:
-        modules = [_Module("x_embedder", lambda m: m.x_embed), *_TIME_AND_TEXT]
+    def modules(self, model: Flux) -> list[ModuleEntries]:
+        modules = [ModuleEntries("x_embedder", lambda m: m.x_embed), *TIME_AND_TEXT]
         if model.guidance_embeds:
             modules += [
-                _Module("time_text_embed.guidance_embedder.linear_1", lambda m: m.guidance_mlp[0]),
-                _Module("time_text_embed.guidance_embedder.linear_2", lambda m: m.guidance_mlp[1]),
+                ModuleEntries(
+                    "time_text_embed.guidance_embedder.linear_1", lambda m: m.guidance_mlp[0]
+                ),
+                ModuleEntries(
+                    "time_text_embed.guidance_embedder.linear_2", lambda m: m.guidance_mlp[1]
+                ),
             ]
-        double = _JOINT_ATTENTION + _CONTEXT_OUT + _IMAGE_FF + _CONTEXT_FF
+        double = JOINT_ATTENTION + CONTEXT_OUT + IMAGE_FF + CONTEXT_FF
         single: list[tuple[str, Callable[[Any], Any]]] = [
             ("norm.linear", lambda b: b.modulation),
             ("attn.to_q", lambda b: b.attn.q),
@@ -100,29 +104,29 @@ class _FluxFormat(_AbstractFormat):
             ("proj_out", lambda b: b.proj_out),
         ]
         for i in range(model.double_depth + model.single_depth):
-            modules += _linear_pairs(
+            modules += linear_pairs(
                 *self._prefix(model, i), double if i < model.double_depth else single
             )
-        return modules + _FINAL
+        return modules + FINAL
 
     def _prefix(self, model: Flux, i: int) -> tuple[str, int]:
         if i < model.double_depth:
             return f"transformer_blocks.{i}", i
         return f"single_transformer_blocks.{i - model.double_depth}", i
 
-    def other_entries(self, model: Flux) -> list[_Entry]:
+    def other_entries(self, model: Flux) -> list[Entry]:
         head_dim = model.width // model.heads
         single: list[tuple[str, Callable[[Any], Any]]] = [
             ("attn.norm_q", lambda b: b.attn.norm_q),
             ("attn.norm_k", lambda b: b.attn.norm_k),
         ]
-        entries: list[_Entry] = []
+        entries: list[Entry] = []
         for i in range(model.double_depth + model.single_depth):
-            names = _JOINT_NORMS if i < model.double_depth else single
-            entries += _norm_entries(*self._prefix(model, i), head_dim, names)
+            names = JOINT_NORMS if i < model.double_depth else single
+            entries += norm_entries(*self._prefix(model, i), head_dim, names)
         return entries
 
-    def computed(self, model: Flux) -> list[tuple[Callable[[Any], Any], _NpArray]]:
+    def computed(self, model: Flux) -> list[tuple[Callable[[Any], Any], NpArray]]:
         return []
 
     def check_exportable(self, model: Flux) -> None:

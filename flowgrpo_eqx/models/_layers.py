@@ -399,7 +399,9 @@ def _scores(
         q,
         k,
         precision=precision,
-        preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+        # Written out, not `jnp.promote_types`, which refuses bfloat16 with float32 where a
+        # caller runs under jax_numpy_dtype_promotion="strict".
+        preferred_element_type=jnp.float64 if q.dtype == jnp.float64 else jnp.float32,
     )
     scaled: Float[Array, "heads S K"] = (scores * jnp.asarray(scale, jnp.float32)).astype(
         jnp.float32

@@ -7,34 +7,34 @@ from typing import Any, final
 import numpy as np
 
 from ._format import (
-    _CONTEXT_FF,
-    _CONTEXT_OUT,
-    _FINAL,
-    _IMAGE_FF,
-    _JOINT_ATTENTION,
-    _JOINT_NORMS,
-    _TIME_AND_TEXT,
-    _AbstractFormat,
-    _Entry,
-    _Fields,
-    _latent_channels,
-    _linear_pairs,
-    _Module,
-    _norm_entries,
-    _NpArray,
+    CONTEXT_FF,
+    CONTEXT_OUT,
+    FINAL,
+    IMAGE_FF,
+    JOINT_ATTENTION,
+    JOINT_NORMS,
+    TIME_AND_TEXT,
+    AbstractFormat,
+    Entry,
+    Fields,
+    ModuleEntries,
+    NpArray,
+    latent_channels,
+    linear_pairs,
+    norm_entries,
 )
 from ._mmdit import MMDiT, pos_crop
 
 
 @final
-class _SD3Format(_AbstractFormat):
+class SD3Format(AbstractFormat):
     """`MMDiT` as diffusers' `SD3Transformer2DModel`."""
 
     class_name = "SD3Transformer2DModel"
     model_type = MMDiT
     default_context_length = 333
 
-    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
+    def model_kwargs(self, config: Fields, image_size: Any, context_length: int) -> Fields:
         heads = config.get("num_attention_heads", 18)
         width = heads * config.get("attention_head_dim", 64)
         caption = config.get("caption_projection_dim", 1152)
@@ -50,7 +50,7 @@ class _SD3Format(_AbstractFormat):
                 f"config `qk_norm` must be None or 'rms_norm' (the per-head RMS norm `MMDiT` "
                 f"computes), got {qk_norm!r}."
             )
-        channels = _latent_channels(config)
+        channels = latent_channels(config)
         sample_size = config.get("sample_size", 128)
         return dict(
             image_size=sample_size if image_size is None else image_size,
@@ -70,7 +70,7 @@ class _SD3Format(_AbstractFormat):
             sample_size=sample_size,
         )
 
-    def config(self, model: MMDiT) -> _Fields:
+    def config(self, model: MMDiT) -> Fields:
         return {
             "_class_name": self.class_name,
             "_diffusers_version": "0.31.0",
@@ -89,13 +89,16 @@ class _SD3Format(_AbstractFormat):
             "qk_norm": model.qk_norm,
         }
 
-    def modules(self, model: MMDiT) -> list[_Module]:
+    def modules(self, model: MMDiT) -> list[ModuleEntries]:
         conv = (model.width, model.channels, model.patch, model.patch)
-        modules = [_Module("pos_embed.proj", lambda m: m.patch_embed, conv=conv), *_TIME_AND_TEXT]
+        modules = [
+            ModuleEntries("pos_embed.proj", lambda m: m.patch_embed, conv=conv),
+            *TIME_AND_TEXT,
+        ]
         for i, block in enumerate(model.blocks):
-            pairs = list(_JOINT_ATTENTION)
+            pairs = list(JOINT_ATTENTION)
             if not block.context.pre_only:
-                pairs += _CONTEXT_OUT
+                pairs += CONTEXT_OUT
             if block.attn2 is not None:
                 pairs += [
                     ("attn2.to_q", lambda b: b.attn2.q),
@@ -103,27 +106,27 @@ class _SD3Format(_AbstractFormat):
                     ("attn2.to_v", lambda b: b.attn2.v),
                     ("attn2.to_out.0", lambda b: b.attn2.out),
                 ]
-            pairs += _IMAGE_FF
+            pairs += IMAGE_FF
             if not block.context.pre_only:
-                pairs += _CONTEXT_FF
-            modules += _linear_pairs(f"transformer_blocks.{i}", i, pairs)
-        return modules + _FINAL
+                pairs += CONTEXT_FF
+            modules += linear_pairs(f"transformer_blocks.{i}", i, pairs)
+        return modules + FINAL
 
-    def other_entries(self, model: MMDiT) -> list[_Entry]:
+    def other_entries(self, model: MMDiT) -> list[Entry]:
         entries = [] if model.pos_embed_max_size is None else [_pos_entry(model)]
         if model.qk_norm is not None:
             head_dim = model.width // model.heads
             for i, block in enumerate(model.blocks):
-                names = list(_JOINT_NORMS)
+                names = list(JOINT_NORMS)
                 if block.attn2 is not None:
                     names += [
                         ("attn2.norm_q", lambda b: b.attn2.norm_q),
                         ("attn2.norm_k", lambda b: b.attn2.norm_k),
                     ]
-                entries += _norm_entries(f"transformer_blocks.{i}", i, head_dim, names)
+                entries += norm_entries(f"transformer_blocks.{i}", i, head_dim, names)
         return entries
 
-    def computed(self, model: MMDiT) -> list[tuple[Callable[[Any], Any], _NpArray]]:
+    def computed(self, model: MMDiT) -> list[tuple[Callable[[Any], Any], NpArray]]:
         if model.pos_embed_max_size is not None:
             return []
         # No buffer in the checkpoint (diffusers keeps it out): computed as diffusers does.
@@ -141,23 +144,23 @@ class _SD3Format(_AbstractFormat):
             )
 
 
-def _pos_entry(model: MMDiT) -> _Entry:
+def _pos_entry(model: MMDiT) -> Entry:
     """The position buffer, `[1, side**2, width]`, of which `model.pos_embed` is the centre."""
     side = model.pos_embed_max_size
     assert side is not None
     grid, width = model.image_size // model.patch, model.width
     top, size = pos_crop(side, grid)
 
-    def to_ours(table: _NpArray) -> _NpArray:
+    def to_ours(table: NpArray) -> NpArray:
         square = table.reshape(side, side, width)[top : top + size, top : top + size]
         return np.ascontiguousarray(square.reshape(size * size, width))
 
-    def to_theirs(ours: _NpArray) -> _NpArray:
+    def to_theirs(ours: NpArray) -> NpArray:
         full = model.position_table(full=True).reshape(side, side, width).astype(ours.dtype)
         full[top : top + size, top : top + size] = ours.reshape(size, size, width)
         return full.reshape(1, side * side, width)
 
-    return _Entry(
+    return Entry(
         "pos_embed.pos_embed",
         lambda m: m.pos_embed.value,
         (1, side * side, width),

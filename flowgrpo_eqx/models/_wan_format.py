@@ -5,20 +5,20 @@ from collections.abc import Callable
 from typing import Any, final
 
 from ._format import (
-    _AbstractFormat,
-    _Entry,
-    _Fields,
-    _in_block,
-    _latent_channels,
-    _linear_pairs,
-    _Module,
-    _NpArray,
+    AbstractFormat,
+    Entry,
+    Fields,
+    ModuleEntries,
+    NpArray,
+    in_block,
+    latent_channels,
+    linear_pairs,
 )
 from ._wan import Wan
 
 
 @final
-class _WanFormat(_AbstractFormat):
+class WanFormat(AbstractFormat):
     """`Wan` as diffusers' `WanTransformer3DModel` (Wan 2.1 text-to-video: no image
     conditioning)."""
 
@@ -26,7 +26,7 @@ class _WanFormat(_AbstractFormat):
     model_type = Wan
     default_context_length = 512
 
-    def model_kwargs(self, config: _Fields, image_size: Any, context_length: int) -> _Fields:
+    def model_kwargs(self, config: Fields, image_size: Any, context_length: int) -> Fields:
         # `qk_norm` and `rope_max_seq_len` are taken whatever their values: diffusers' Wan
         # attention RMS-normalises queries and keys whatever `qk_norm` says, and the rotary
         # table's length bounds the grid without changing a feature.
@@ -36,7 +36,7 @@ class _WanFormat(_AbstractFormat):
                     f"config `{name}` must be None: image conditioning (Wan's image-to-video "
                     f"models) is not built, got {config[name]!r}."
                 )
-        channels = _latent_channels(config)
+        channels = latent_channels(config)
         heads = config.get("num_attention_heads", 40)
         grid = (21, 60, 104) if image_size is None else tuple(image_size)
         patch = tuple(config.get("patch_size", (1, 2, 2)))
@@ -62,7 +62,7 @@ class _WanFormat(_AbstractFormat):
             cross_attn_norm=bool(config.get("cross_attn_norm", True)),
         )
 
-    def config(self, model: Wan) -> _Fields:
+    def config(self, model: Wan) -> Fields:
         return {
             "_class_name": self.class_name,
             "_diffusers_version": "0.35.0",
@@ -84,15 +84,15 @@ class _WanFormat(_AbstractFormat):
             "pos_embed_seq_len": None,
         }
 
-    def modules(self, model: Wan) -> list[_Module]:
+    def modules(self, model: Wan) -> list[ModuleEntries]:
         conv = (model.width, model.channels, *model.patch)
         modules = [
-            _Module("patch_embedding", lambda m: m.patch_embed, conv=conv),
-            _Module("condition_embedder.time_embedder.linear_1", lambda m: m.time_mlp[0]),
-            _Module("condition_embedder.time_embedder.linear_2", lambda m: m.time_mlp[1]),
-            _Module("condition_embedder.time_proj", lambda m: m.time_proj),
-            _Module("condition_embedder.text_embedder.linear_1", lambda m: m.text_mlp[0]),
-            _Module("condition_embedder.text_embedder.linear_2", lambda m: m.text_mlp[1]),
+            ModuleEntries("patch_embedding", lambda m: m.patch_embed, conv=conv),
+            ModuleEntries("condition_embedder.time_embedder.linear_1", lambda m: m.time_mlp[0]),
+            ModuleEntries("condition_embedder.time_embedder.linear_2", lambda m: m.time_mlp[1]),
+            ModuleEntries("condition_embedder.time_proj", lambda m: m.time_proj),
+            ModuleEntries("condition_embedder.text_embedder.linear_1", lambda m: m.text_mlp[0]),
+            ModuleEntries("condition_embedder.text_embedder.linear_2", lambda m: m.text_mlp[1]),
         ]
         pairs: list[tuple[str, Callable[[Any], Any]]] = [
             ("attn1.to_q", lambda b: b.self_attn.q),
@@ -106,27 +106,27 @@ class _WanFormat(_AbstractFormat):
         ]
         pairs += [("ffn.net.0.proj", lambda b: b.fc1), ("ffn.net.2", lambda b: b.fc2)]
         for i in range(model.depth):
-            modules += _linear_pairs(f"blocks.{i}", i, pairs)
-        return modules + [_Module("proj_out", lambda m: m.final_proj)]
+            modules += linear_pairs(f"blocks.{i}", i, pairs)
+        return modules + [ModuleEntries("proj_out", lambda m: m.final_proj)]
 
-    def other_entries(self, model: Wan) -> list[_Entry]:
+    def other_entries(self, model: Wan) -> list[Entry]:
         width = model.width
 
-        def table(a: _NpArray) -> _NpArray:
+        def table(a: NpArray) -> NpArray:
             return a.reshape(a.shape[1:])
 
-        def batched(a: _NpArray) -> _NpArray:
+        def batched(a: NpArray) -> NpArray:
             return a.reshape(1, *a.shape)
 
         entries = [
-            _Entry("scale_shift_table", lambda m: m.final_table, (1, 2, width), table, batched)
+            Entry("scale_shift_table", lambda m: m.final_table, (1, 2, width), table, batched)
         ]
         for i in range(model.depth):
             prefix = f"blocks.{i}"
             entries.append(
-                _Entry(
+                Entry(
                     f"{prefix}.scale_shift_table",
-                    _in_block(i, lambda b: b.table),
+                    in_block(i, lambda b: b.table),
                     (1, 6, width),
                     table,
                     batched,
@@ -144,11 +144,11 @@ class _WanFormat(_AbstractFormat):
                     ("norm2.bias", lambda b: b.cross_norm_bias),
                 ]
             entries += [
-                _Entry(f"{prefix}.{name}", _in_block(i, get), (width,)) for name, get in names
+                Entry(f"{prefix}.{name}", in_block(i, get), (width,)) for name, get in names
             ]
         return entries
 
-    def computed(self, model: Wan) -> list[tuple[Callable[[Any], Any], _NpArray]]:
+    def computed(self, model: Wan) -> list[tuple[Callable[[Any], Any], NpArray]]:
         return []
 
     def check_exportable(self, model: Wan) -> None:
