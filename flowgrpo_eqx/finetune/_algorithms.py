@@ -35,7 +35,7 @@ from .. import (
     RampedDecay,
     SDESampler,
 )
-from .._settings import section, setting
+from ..settings import section, setting
 
 
 AlgorithmName: TypeAlias = Literal[

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, TypeAlias
 
 from .. import RewardCombination
-from .._settings import MAX_SEED, check_setting, section, setting, split_optional
+from ..settings import MAX_SEED, check_setting, section, setting, split_optional
 from ._algorithms import ALGORITHM_TABLES, AlgorithmName, AlgorithmSettings, algorithm_settings
 from ._kinds import MODEL_KINDS, PUBLISHED_SIZES, ModelKind
 

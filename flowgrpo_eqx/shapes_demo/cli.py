@@ -108,7 +108,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             choices=choices,
             metavar=metavar,
             default=argparse.SUPPRESS,
-            help=f"{setting.help} (default {setting.default!r})",
+            # argparse %-formats help texts: a literal % in a setting's help is doubled.
+            help=f"{setting.help} (default {setting.default!r})".replace("%", "%%"),
         )
 
 

@@ -10,7 +10,7 @@ import typing
 from typing import Literal, TypeAlias
 
 from .. import OldLogProbs, ParamSharding, Precision, RewardCombination
-from .._settings import (
+from ..settings import (
     MAX_SEED as MAX_SEED,
     section,
     seed_setting,
