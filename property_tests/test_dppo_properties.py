@@ -151,8 +151,14 @@ def test_the_loss_is_a_mean_over_every_trained_step_dropped_ones_included(
     log_ratio -= np.asarray(batch.old_log_probs, np.float64)
     current = _anchored(objective, policy, rollout.batch)
     kl = np.zeros(rollout.kept.shape)
+    t_all = np.asarray(batch.timesteps, np.float64)
+    t_next_all = np.asarray(batch.next_timesteps, np.float64)
+    assert objective.kl_std == fg.ReleasedKLStd()
     for i, j in zip(*np.nonzero(rollout.kept), strict=True):
-        kl[i, j] = ref.dppo_kl(current.old_means[i, j], batch.old_means[i, j], rollout.std[i, j])
+        # The default KL std is the release's recomputed Flow-SDE std, whatever the sampler.
+        grid = np.asarray([t_all[i, j], t_next_all[i, j]], np.float64)
+        sigma = ref.unirl_kl_sigma(grid, [0], objective.sde.noise_level, 0.99)[0]
+        kl[i, j] = ref.dppo_kl(current.old_means[i, j], batch.old_means[i, j], sigma)
     want, want_count, dropped = ref.dppo_loss(
         log_ratio, kl, np.asarray(batch.advantages), rollout.kept, high
     )
