@@ -253,10 +253,23 @@ def _return_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
+def _release_programs() -> None:
+    """Drops every program JAX has compiled (`jax.clear_caches`) and returns the memory they
+    held to the system."""
+    jax.clear_caches()
+    gc.collect()
+    _return_freed_memory()
+
+
+RELEASE_ABOVE_MB = 2000.0
+"""A test process holding more resident memory than this after a test drops its programs then,
+not only at the end of the file (`_release_programs_when_large`)."""
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _release_programs() -> Iterator[None]:
-    """After each test file, the programs JAX compiled for it are dropped (`jax.clear_caches`)
-    and the memory they held returned to the system.
+def _release_programs_after_each_file() -> Iterator[None]:
+    """After each test file, the programs JAX compiled for it are dropped and the memory they
+    held returned to the system.
 
     JAX keeps every program it compiles for as long as the process lives, with the constants
     it closed over: without this, each of the suite's two workers grew to 8 to 9 GB by the end
@@ -264,9 +277,22 @@ def _release_programs() -> Iterator[None]:
     compiled twice (on six files run in one process: 4% more CPU time, the peak 1.5 GB
     instead of 3.4 GB). Fixtures of wider scope keep what they hold."""
     yield
-    jax.clear_caches()
-    gc.collect()
-    _return_freed_memory()
+    _release_programs()
+
+
+@pytest.fixture(autouse=True)
+def _release_programs_when_large() -> Iterator[None]:
+    """After a test that leaves its process above `RELEASE_ABOVE_MB`, the programs are dropped
+    there and then: some files' tests each compile programs no other test shares (each
+    published model kind's, each algorithm's trainer), and one file alone grew a worker by
+    3 GB. Never inside a test, so a test that counts its own compilations still sees them."""
+    yield
+    # Imported here: pytest_plugins imports it first, for pytest to rewrite its asserts.
+    from tests.worker_health import resident_megabytes
+
+    resident = resident_megabytes()
+    if resident is not None and resident > RELEASE_ABOVE_MB:
+        _release_programs()
 
 
 @pytest.fixture
