@@ -2,7 +2,7 @@
 
 Prints one JSON object on stdout. A 64-image 16x16x3 float32 batch is scored by a cheap
 float64 reward (`brightness`, below) in process, and by the same reward served by
-`python -m flowgrpo_eqx.reward_server` on 127.0.0.1 through `flowgrpo_eqx.HttpReward`.
+`python -m flowgrpo_eqx.rewards.server` on 127.0.0.1 through `flowgrpo_eqx.HttpReward`.
 Each round times every variant once in a rotated order; the figures are per-round ratios
 to the in-process call, summarised by their median and quartiles:
 
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx._reward_wire import decode_request, encode_request, load_npy, npy_bytes
+from flowgrpo_eqx.rewards._wire import decode_request, encode_request, load_npy, npy_bytes
 
 from ._timing import log, median, summary
 
@@ -58,7 +58,7 @@ def start_server() -> tuple[subprocess.Popen[str], str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     process = subprocess.Popen(
-        [sys.executable, "-m", "flowgrpo_eqx.reward_server", "bench.reward_server:brightness"]
+        [sys.executable, "-m", "flowgrpo_eqx.rewards.server", "bench.reward_server:brightness"]
         + ["--port", "0"],
         cwd=ROOT,
         env=env,

@@ -3,16 +3,15 @@
 One process with many devices shards rows over a `Mesh` data axis and replicates parameters
 (or shards them, FSDP); a second mesh axis, `"sequence"`, splits each sample's tokens.
 Many processes (`jax.distributed.initialize`; gloo collectives on CPU) run the same program:
-the trainer supplies global arrays on every process, generation is collective, the reward
-runs once on process 0, its float64 scores reach every process as bytes, and each process
-keeps only the rows it owns.
+the trainer supplies global arrays on every process, generation is collective, and each
+process keeps only the rows it owns (the reward runs once on process 0:
+`flowgrpo_eqx.rewards`' `score_on_root`).
 """
 
 import contextlib
 import itertools
 import math
 import os
-import struct
 from typing import Any, Literal, TypeAlias, TypeVar, get_args
 
 import jax
@@ -23,15 +22,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._misc import check_int, data_to_keys, keys_to_data, leading_rows
-from ._reward import FlowReward, RewardError, reward_name, score
+from ._misc import check_int, data_to_keys, keys_to_data
 
 
 _T = TypeVar("_T")
 
 DATA_AXIS = "data"
 SEQUENCE_AXIS = "sequence"
-_MESSAGE_BYTES = 4096
 
 
 def initialize(
@@ -470,56 +467,6 @@ def host_samples(samples: jax.Array) -> npt.NDArray[Any]:
         return np.asarray(samples)
     gathered: npt.NDArray[Any] = np.asarray(multihost_utils.process_allgather(samples, tiled=True))
     return gathered
-
-
-def score_on_root(
-    reward: FlowReward, samples: npt.NDArray[Any] | None, rows: PyTree[Any]
-) -> npt.NDArray[np.float64]:
-    """Run `reward` once, on process 0, and hand its float64 scores to every process.
-
-    The scores travel as raw float64 bytes (with a status byte and, on failure, the error
-    message), so their precision survives even when JAX's x64 mode is off. A reward failure
-    on process 0 becomes the same `RewardError` on every process.
-
-    **Arguments:**
-
-    - `reward`: the reward.
-    - `samples`: `[N, *sample]` host samples (used on process 0 only).
-    - `rows`: the repeated source rows (host).
-
-    **Returns:**
-
-    `[N]` float64 scores on every process.
-
-    **Raises:**
-
-    - `RewardError`: on every process, when the reward fails on process 0.
-    """
-    if jax.process_count() == 1:
-        assert samples is not None
-        return score(reward, samples, rows)
-    count = leading_rows(rows)
-    payload = np.zeros(1 + 8 * count + _MESSAGE_BYTES, np.uint8)
-    if jax.process_index() == 0:
-        assert samples is not None
-        try:
-            scores = score(reward, samples, rows)
-            payload[1 : 1 + 8 * count] = np.frombuffer(scores.astype("<f8").tobytes(), np.uint8)
-        except RewardError as error:
-            encoded = str(error).encode()[: _MESSAGE_BYTES - 4]
-            payload[0] = 1
-            header = struct.pack("<I", len(encoded))
-            payload[1 + 8 * count : 1 + 8 * count + 4] = np.frombuffer(header, np.uint8)
-            payload[1 + 8 * count + 4 : 1 + 8 * count + 4 + len(encoded)] = np.frombuffer(
-                encoded, np.uint8
-            )
-    received = np.asarray(multihost_utils.broadcast_one_to_all(payload))
-    if received[0] != 0:
-        start = 1 + 8 * count
-        (length,) = struct.unpack("<I", received[start : start + 4].tobytes())
-        message = received[start + 4 : start + 4 + length].tobytes().decode(errors="replace")
-        raise RewardError(f"(from process 0, reward {reward_name(reward)!r}) {message}")
-    return np.frombuffer(received[1 : 1 + 8 * count].tobytes(), "<f8").copy()
 
 
 def process_counts(value: int) -> list[int]:

@@ -14,8 +14,8 @@ from ._custom_types import Model, Transitions
 from ._guided_flow import GuidedFlow
 from ._misc import check_int, leading_rows
 from ._preview import preview_grid
-from ._reward import FlowReward, score
 from ._solver import AbstractSolver
+from .rewards._reward import FlowReward, score
 
 
 @final

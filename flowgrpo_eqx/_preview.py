@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image, ImageDraw, ImageFont
 
-from ._reward import to_uint8_images
+from .rewards import to_uint8_images
 
 
 def _as_images(samples: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:

@@ -7,10 +7,10 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from flowgrpo_eqx import _reward
-from flowgrpo_eqx._reward import score, to_uint8_images
-from flowgrpo_eqx._reward_wire import encode_request, parse_request
-from flowgrpo_eqx.reward_server import _score_decoded
+from flowgrpo_eqx.rewards import _reward
+from flowgrpo_eqx.rewards._reward import score, to_uint8_images
+from flowgrpo_eqx.rewards._wire import encode_request, parse_request
+from flowgrpo_eqx.rewards.server import _score_decoded
 
 
 def _per_sample(samples: np.ndarray, rows: dict[str, np.ndarray]) -> np.ndarray:

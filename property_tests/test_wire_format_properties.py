@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from flowgrpo_eqx._reward_wire import MAGIC, WireError, decode_request, encode_request
+from flowgrpo_eqx.rewards._wire import MAGIC, WireError, decode_request, encode_request
 
 
 _count = st.integers(1, 5)

@@ -1,5 +1,5 @@
 """Host rewards for the finetune tests, loaded as `tests.finetune_rewards:NAME` (a config's
-`[reward.<name>] kind = "python"`, or served by `flowgrpo_eqx.reward_server`)."""
+`[reward.<name>] kind = "python"`, or served by `flowgrpo_eqx.rewards.server`)."""
 
 import json
 

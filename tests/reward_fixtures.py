@@ -1,6 +1,6 @@
 """Rewards served by `tests/test_reward_server.py`, and a scripted misbehaving server.
 
-The rewards are loaded by `python -m flowgrpo_eqx.reward_server tests.reward_fixtures:NAME`.
+The rewards are loaded by `python -m flowgrpo_eqx.rewards.server tests.reward_fixtures:NAME`.
 `python -m tests.reward_fixtures` runs a stdlib HTTP server that answers `POST /MODE/score`
 as MODE says (so `HttpReward("http://host:port/MODE")` meets it) and reports the POSTs it
 saw per mode at `GET /count`.
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from flowgrpo_eqx._reward_wire import decode_request
+from flowgrpo_eqx.rewards._wire import decode_request
 
 
 SLOW_SECONDS = 3.0

@@ -124,7 +124,7 @@ def test_an_http_reward_scores_through_the_reward_server(tmp_path: pathlib.Path)
         [
             sys.executable,
             "-m",
-            "flowgrpo_eqx.reward_server",
+            "flowgrpo_eqx.rewards.server",
             "tests.finetune_rewards:brightness_and_prompt",
             "--port",
             "0",

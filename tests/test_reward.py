@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx._reward import score
+from flowgrpo_eqx.rewards._reward import score
 from tests.cli_rewards import brightness
 
 

@@ -1,6 +1,6 @@
 """`HttpReward` against real reward server processes on 127.0.0.1.
 
-Every server is its own process (`python -m flowgrpo_eqx.reward_server ...`, or the
+Every server is its own process (`python -m flowgrpo_eqx.rewards.server ...`, or the
 scripted misbehaving server in `tests/reward_fixtures.py`) bound to a free port chosen by
 the server itself, and is terminated at the end of the module.
 """
@@ -26,10 +26,15 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx import _http_reward, _reward_wire, reward_limits, reward_server
-from flowgrpo_eqx._reward import score, to_uint8_images
-from flowgrpo_eqx._reward_wire import MAGIC, decode_request, encode_request
-from flowgrpo_eqx.reward_server import load_reward
+from flowgrpo_eqx.rewards import (
+    _http as _http_reward,
+    _wire as _reward_wire,
+    limits as reward_limits,
+    server as reward_server,
+)
+from flowgrpo_eqx.rewards._reward import score, to_uint8_images
+from flowgrpo_eqx.rewards._wire import MAGIC, decode_request, encode_request
+from flowgrpo_eqx.rewards.server import load_reward
 
 from . import reward_fixtures
 from .errors import raises_named
@@ -114,7 +119,7 @@ def server_fixture(arguments, token=None):
 
 
 def reward_args(name, *extra):
-    return ["flowgrpo_eqx.reward_server", f"tests.reward_fixtures:{name}", "--port", "0", *extra]
+    return ["flowgrpo_eqx.rewards.server", f"tests.reward_fixtures:{name}", "--port", "0", *extra]
 
 
 brightness_url = server_fixture(reward_args("brightness"))
@@ -124,7 +129,7 @@ slow_url = server_fixture(reward_args("slow"))
 nan_url = server_fixture(reward_args("nan_scores"))
 short_url = server_fixture(reward_args("one_score_short"))
 jpeg_url = server_fixture(
-    ["flowgrpo_eqx.reward_server", "flowgrpo_eqx.JpegIncompressibility", "--port", "0"]
+    ["flowgrpo_eqx.rewards.server", "flowgrpo_eqx.JpegIncompressibility", "--port", "0"]
 )
 scripted_url = server_fixture(["tests.reward_fixtures"])
 # Short limits, so that the fault tests stay fast.

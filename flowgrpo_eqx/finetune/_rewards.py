@@ -20,9 +20,9 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from .. import FlowReward, HttpReward, load_reward
-from .._reward import score
 from ..models import CLIPModel, PromptTokenizer, TowerShape, load_clip
 from ..rewards import AbstractCLIPReward, CLIPScore, PickScore
+from ..rewards._reward import score
 from ._config import RewardTerm
 from ._prompts import PromptSet
 

@@ -37,7 +37,8 @@ from .. import (
     shard_parameters,
     sync_processes,
 )
-from .._distributed import place_rows, score_on_root
+from .._distributed import place_rows
+from ..rewards import score_on_root
 from ..train import (
     PREEMPTED_EXIT_STATUS,
     Checkpointer,

@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..reward_limits import add_limit_arguments, limit_settings, server_token
+from ..rewards.limits import add_limit_arguments, limit_settings, server_token
 from ..train import PREEMPTED_EXIT_STATUS, exit_now
 from .config import (
     SETTINGS,
@@ -462,7 +462,7 @@ def _serve_reward(arguments: dict[str, Any]) -> int:
 
     try:
         reward = load_reward(arguments["reward"], BUILTIN_REWARDS)
-        from ..reward_server import serve
+        from ..rewards.server import serve
     except (ValueError, ModuleNotFoundError) as error:
         print(f"flowgrpo-eqx: {error}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flowgrpo_eqx import HttpReward, RewardError
-from flowgrpo_eqx._reward_wire import npy_bytes
+from flowgrpo_eqx.rewards._wire import npy_bytes
 
 from ._probe import Fault, Judgement
 

@@ -35,8 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from flowgrpo_eqx import HttpReward, RewardError
-from flowgrpo_eqx._reward_wire import CONTENT_TYPE, MAGIC, TOKEN_ENV, encode_request, npy_bytes
-from flowgrpo_eqx.reward_limits import DEFAULT_MAX_TOTAL_BYTES, DEFAULT_SCORE_CHUNK_BYTES
+from flowgrpo_eqx.rewards._wire import CONTENT_TYPE, MAGIC, TOKEN_ENV, encode_request, npy_bytes
+from flowgrpo_eqx.rewards.limits import DEFAULT_MAX_TOTAL_BYTES, DEFAULT_SCORE_CHUNK_BYTES
 
 from ._probe import (
     Fault,

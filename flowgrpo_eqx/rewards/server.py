@@ -1,17 +1,17 @@
 """Serve a reward over HTTP, for `flowgrpo_eqx.HttpReward` (needs the `server` extra: aiohttp).
 
-    python -m flowgrpo_eqx.reward_server package.module:reward --port 8000 [--token T]
+    python -m flowgrpo_eqx.rewards.server package.module:reward --port 8000 [--token T]
 
 Endpoints: `GET /health` answers `{"status": "ok", "reward": name}`; `POST /score` takes the
 wire format that `HttpReward` sends and answers the `[N]` float64 scores as `.npy`, or a JSON
 `{"error": kind, "message": text}` with status 400 (`malformed_body`, `pickled_array`,
 `unsupported_dtype`), 401 (`unauthorized`), 408 (`read_timeout`), 411 (`length_required`),
 413 (`too_large`), 429 (`over_capacity`), 500 (`reward_failed`) or 503 (`busy`); a refusal
-by one of the limits (`flowgrpo_eqx.reward_limits`) adds `"limit": name` and names the
+by one of the limits (`flowgrpo_eqx.rewards.limits`) adds `"limit": name` and names the
 limit and its flag in the message. Nothing a client sends is ever unpickled, and every
 length in a body is checked before anything is allocated; samples must be real float or
 integer arrays, rows may also be bool or strings, and no array may be empty (so no declared
-axis exceeds the body's length: `_reward_wire.parse_request`).
+axis exceeds the body's length: `_wire.parse_request`).
 """
 
 import argparse
@@ -19,22 +19,26 @@ import asyncio
 import dataclasses
 import functools
 import hmac
-import ipaddress
-import json
 import logging
 import signal
-import socket
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
 
-from ._misc import check_int, is_int
+from .._misc import check_int, is_int
+from ._connections import (
+    Connections,
+    OneLineProtocolErrors,
+    is_loopback,
+    listening_socket,
+    peer_key,
+)
 from ._reward import FlowReward, RewardError, load_reward, reward_name, score
-from ._reward_wire import (
+from ._wire import (
     NPY_CONTENT_TYPE,
     TOKEN_ENV,
     WireError,
@@ -42,21 +46,21 @@ from ._reward_wire import (
     npy_bytes,
     parse_request,
 )
-from .reward_limits import (
+from .limits import (
     DEFAULT_MAX_CONNECTIONS,
-    LIMIT_FLAGS,
     ServerLimits,
     add_limit_arguments,
     limit_settings,
+    limit_text,
     server_token,
 )
 
 
 try:
-    from aiohttp import http_exceptions, web
+    from aiohttp import web
 except ModuleNotFoundError as _missing:
     raise ModuleNotFoundError(
-        "flowgrpo_eqx.reward_server needs aiohttp: pip install aiohttp (in a checkout of "
+        "flowgrpo_eqx.rewards.server needs aiohttp: pip install aiohttp (in a checkout of "
         "flowgrpo_eqx: pip install -e '.[server]')."
     ) from _missing
 
@@ -86,11 +90,6 @@ def _refusal(web_status: int, kind: str, message: str, limit: str | None = None)
     return response
 
 
-def _limit(name: str, value: int) -> str:
-    """The limit `name` (a field of `ServerLimits`) as the server's refusals name it."""
-    return f"the server's {name} ({LIMIT_FLAGS[name]}) {value}"
-
-
 def _authorized(header: str | None, token: str) -> bool:
     scheme, _, given = (header or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
@@ -109,44 +108,6 @@ class _OverCapacity(Exception):
     def __init__(self, limit: str):
         super().__init__(limit)
         self.limit = limit
-
-
-def _peer_key(peername: Any) -> str:
-    """The peer a connection's address belongs to, for the per-peer limits: an IPv4
-    address, or an IPv6 /64 (one host's usual allocation; an IPv4-mapped address is its
-    IPv4 address); anything else (a Unix socket) as it is."""
-    host = peername[0] if isinstance(peername, tuple) and peername else peername
-    text = str(host or "local")
-    try:
-        address = ipaddress.ip_address(text.split("%", 1)[0])
-    except ValueError:
-        return text
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{address}/64", strict=False))
-    return str(address)
-
-
-_LOGGED_CLIENT_BYTES = 120
-
-
-class _OneLineProtocolErrors(logging.Filter):
-    """Logs a malformed HTTP message (aiohttp answers it with a 400 naming the problem) as one
-    line, without the parser's traceback and with at most `_LOGGED_CLIENT_BYTES` of what the
-    client sent: anyone who can connect could otherwise fill the server's log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, http_exceptions.HttpProcessingError):
-            said = " ".join(str(error).split())
-            if len(said) > _LOGGED_CLIENT_BYTES:
-                said = said[:_LOGGED_CLIENT_BYTES] + "..."
-            record.msg = "refused a malformed HTTP request (%s: %s)"
-            record.args = (type(error).__name__, said)
-            record.exc_info = None
-            record.exc_text = None
-        return True
 
 
 async def _read_body(request: web.Request, length: int, hold: "_Hold") -> npt.NDArray[np.uint8]:
@@ -364,7 +325,7 @@ class _Server:
         length = request.content_length
         assert length is not None  # refused above otherwise
         transport = request.transport
-        hold = _Hold(self, _peer_key(transport.get_extra_info("peername") if transport else None))
+        hold = _Hold(self, peer_key(transport.get_extra_info("peername") if transport else None))
         try:
             return await self._score(request, length, hold)
         finally:
@@ -390,7 +351,7 @@ class _Server:
                 return _refusal(
                     413,
                     "too_large",
-                    f"the body's Content-Length {length} exceeds {_limit(name, value)}.",
+                    f"the body's Content-Length {length} exceeds {limit_text(name, value)}.",
                     name,
                 )
         return None
@@ -418,7 +379,7 @@ class _Server:
                 429,
                 "over_capacity",
                 f"{held}; this body's {length} would pass "
-                f"{_limit(over.limit, getattr(limits, over.limit))}: retry later.",
+                f"{limit_text(over.limit, getattr(limits, over.limit))}: retry later.",
                 over.limit,
             )
         except (_Truncated, ConnectionError):
@@ -467,14 +428,14 @@ class _Server:
         for over, name, what in too_large:
             if over:
                 value = getattr(limits, name)
-                message = f"the request holds {what}, over {_limit(name, value)}."
+                message = f"the request holds {what}, over {limit_text(name, value)}."
                 return _error(413, "too_large", message, name)
         if self.placed >= limits.max_concurrent_requests:
             return _error(
                 503,
                 "busy",
                 f"{self.placed} requests are already being served "
-                f"({_limit('max_concurrent_requests', limits.max_concurrent_requests)}).",
+                f"({limit_text('max_concurrent_requests', limits.max_concurrent_requests)}).",
                 "max_concurrent_requests",
             )
         use = hold.use
@@ -483,7 +444,7 @@ class _Server:
                 429,
                 "over_capacity",
                 f"your address already has {use.requests} requests being served "
-                f"({_limit('max_requests_per_peer', limits.max_requests_per_peer)}): retry "
+                f"({limit_text('max_requests_per_peer', limits.max_requests_per_peer)}): retry "
                 "later.",
                 "max_requests_per_peer",
             )
@@ -492,7 +453,7 @@ class _Server:
                 429,
                 "over_capacity",
                 f"your address's requests being served hold {use.rows} rows; this one's "
-                f"{rows} would pass {_limit('max_rows_per_peer', limits.max_rows_per_peer)}: "
+                f"{rows} would pass {limit_text('max_rows_per_peer', limits.max_rows_per_peer)}: "
                 "retry later.",
                 "max_rows_per_peer",
             )
@@ -501,7 +462,7 @@ class _Server:
                 429,
                 "over_capacity",
                 f"the requests being served hold {self.rows_held} rows; this one's {rows} "
-                f"would pass {_limit('max_total_rows', limits.max_total_rows)}: retry later.",
+                f"would pass {limit_text('max_total_rows', limits.max_total_rows)}: retry later.",
                 "max_total_rows",
             )
         refused = hold.take(beyond)
@@ -515,7 +476,7 @@ class _Server:
                 429,
                 "over_capacity",
                 f"{held}; this one's {beyond} more for its arrays would pass "
-                f"{_limit(refused, getattr(limits, refused))}: retry later.",
+                f"{limit_text(refused, getattr(limits, refused))}: retry later.",
                 refused,
             )
         hold.admit(rows)
@@ -552,7 +513,7 @@ def _score_decoded(
         except RewardError as error:
             raise RewardError(
                 f"{error} (rows {start} to {stop - 1} of the request, scored as one chunk of "
-                f"{_limit('score_chunk_bytes', chunk_bytes)})"
+                f"{limit_text('score_chunk_bytes', chunk_bytes)})"
             ) from error
     return scores
 
@@ -565,160 +526,6 @@ def _release_on(loop: asyncio.AbstractEventLoop, hold: _Hold, future: Future[Any
         loop.call_soon_threadsafe(hold.release)
     except RuntimeError:  # the loop has closed: nothing is served, nothing is counted
         pass
-
-
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """A socket listening on `host:port`, or an `OSError` that says so in one line."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
-    except OSError as error:
-        raise OSError(
-            error.errno, f"cannot listen on {host}:{port}: {error.strerror or error}"
-        ) from error
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-@final
-class _Connections:
-    """Closes connections that sit idle, the longest-idle one when there are too many, and
-    a peer's connections beyond its share.
-
-    A connection is idle from when it opens, or its last handler returns, until a request's
-    head has arrived and its handler starts; idle for `read_timeout`, it is closed. aiohttp
-    alone waits for a request head forever, so half-open connections could pile up until
-    the process ran out of file descriptors and `/health` stopped answering. One peer (an
-    IPv4 address or an IPv6 /64) keeps at most `per_peer` connections: beyond it, its
-    longest-idle one on keep-alive is closed, or, when it has none (all busy, say with slow
-    uploads, or just opened), the new one is answered 429 and closed, so that it cannot take
-    the places of other clients.
-    """
-
-    def __init__(self, read_timeout: float, limit: int, per_peer: int):
-        self.factory: Callable[[], Any] | None = None  # aiohttp's, once its runner is set up
-        self.read_timeout = read_timeout
-        self.limit = limit
-        self.per_peer = per_peer
-        self.idle_since: dict[Any, float] = {}  # idle connection -> loop time it went idle
-        self.busy: set[Any] = set()
-        self.connecting: set[Any] = set()
-        self.peer_of: dict[Any, str] = {}  # connected connection -> its peer
-        self.served: set[Any] = set()  # connections through one request or more
-
-    def __call__(self) -> Any:
-        """A new connection's protocol (asyncio's protocol factory)."""
-        loop = asyncio.get_running_loop()
-        assert self.factory is not None
-        connection = self.factory()
-        self.connecting.add(connection)  # no transport yet: asyncio connects it next
-        self._idle(connection, loop)
-        self._trim(loop, retries=4)
-        loop.call_soon(self._place, connection, loop, 4)
-        return connection
-
-    def _place(self, connection: Any, loop: asyncio.AbstractEventLoop, retries: int) -> None:
-        """Count a new connection for its peer once it is connected (a loop turn or two
-        after the factory), and hold the peer to `per_peer`."""
-        transport = connection.transport
-        if transport is None:
-            if connection in self.connecting and retries > 0:
-                loop.call_soon(self._place, connection, loop, retries - 1)
-            return
-        peer = _peer_key(transport.get_extra_info("peername"))
-        self.peer_of[connection] = peer
-        mine = [c for c, p in self.peer_of.items() if p == peer and c.transport is not None]
-        if len(mine) <= self.per_peer:
-            return
-        # A connection idle on keep-alive after a reply can go; one not yet through its first
-        # request's head is as new as this one, which is refused instead.
-        idle = [c for c in mine if c in self.idle_since and c in self.served]
-        if idle:
-            self._close(min(idle, key=self.idle_since.__getitem__))
-            return
-        message = (
-            f"your address already holds {len(mine) - 1} connections "
-            f"({_limit('max_connections_per_peer', self.per_peer)}): retry later."
-        )
-        body = json.dumps(
-            {"error": "over_capacity", "message": message, "limit": "max_connections_per_peer"}
-        ).encode()
-        head = (
-            "HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
-        )
-        # Sent, then the connection half-closed and read no more: the client reads the reply
-        # before the connection goes, a second later, whatever it had sent meanwhile.
-        transport.write(head.encode("ascii") + body)
-        transport.pause_reading()
-        if transport.can_write_eof():
-            transport.write_eof()
-        self.idle_since.pop(connection, None)
-        self.peer_of.pop(connection, None)
-        loop.call_later(1.0, transport.close)
-
-    def _trim(self, loop: asyncio.AbstractEventLoop, retries: int) -> None:
-        """Close the longest-idle connections beyond `limit`; connections still being
-        connected (accepted in one batch) are counted once connected, a few loop turns on."""
-        self._forget_closed()
-        while len(self.idle_since) + len(self.busy) > self.limit:
-            connected = [c for c in self.idle_since if c not in self.connecting]
-            if not connected:
-                if retries > 0:
-                    loop.call_soon(self._trim, loop, retries - 1)
-                return
-            self._close(min(connected, key=self.idle_since.__getitem__))
-
-    def _forget_closed(self) -> None:
-        for connection in list(self.idle_since):
-            if connection.transport is not None:
-                self.connecting.discard(connection)
-            elif connection not in self.connecting:
-                del self.idle_since[connection]
-        self.busy = {c for c in self.busy if c.transport is not None}
-        self.peer_of = {c: p for c, p in self.peer_of.items() if c.transport is not None}
-        self.served = {c for c in self.served if c.transport is not None}
-
-    def _idle(self, connection: Any, loop: asyncio.AbstractEventLoop) -> None:
-        since = loop.time()
-        self.idle_since[connection] = since
-        loop.call_later(self.read_timeout, self._expire, connection, since)
-
-    def _expire(self, connection: Any, since: float) -> None:
-        if self.idle_since.get(connection) == since:
-            self._close(connection)
-
-    def _close(self, connection: Any) -> None:
-        self.idle_since.pop(connection, None)
-        self.connecting.discard(connection)
-        self.peer_of.pop(connection, None)
-        self.served.discard(connection)
-        if connection.transport is not None:
-            connection.transport.close()
-
-    @web.middleware
-    async def middleware(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        """Marks the request's connection busy while its handler runs."""
-        connection = request.protocol
-        self.idle_since.pop(connection, None)
-        self.connecting.discard(connection)
-        self.busy.add(connection)
-        try:
-            return await handler(request)
-        finally:
-            self.busy.discard(connection)
-            if connection.transport is not None:
-                self.served.add(connection)
-                self._idle(connection, asyncio.get_running_loop())
 
 
 def serve(
@@ -767,7 +574,7 @@ def serve(
     """
     if not (is_int(port) and 0 <= port <= 65535):
         raise ValueError(f"`port` must be an int in 0..65535 (0: any free port), got {port!r}.")
-    if token is None and not _is_loopback(host) and not allow_unauthenticated:
+    if token is None and not is_loopback(host) and not allow_unauthenticated:
         raise ValueError(
             f"`host` {host!r} is not loopback and no `token` is set: anyone who can reach it "
             "could score with your reward. Set a token (FLOWGRPO_REWARD_TOKEN), or pass "
@@ -797,9 +604,9 @@ async def _serve(
         lingering_time=min(10.0, read_timeout),
     )
     protocol_log = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, _OneLineProtocolErrors) for f in protocol_log.filters):
-        protocol_log.addFilter(_OneLineProtocolErrors())
-    connections = _Connections(read_timeout, max_connections, limits.max_connections_per_peer)
+    if not any(isinstance(f, OneLineProtocolErrors) for f in protocol_log.filters):
+        protocol_log.addFilter(OneLineProtocolErrors())
+    connections = Connections(read_timeout, max_connections, limits.max_connections_per_peer)
     app.middlewares.append(connections.middleware)
     await runner.setup()
     assert runner.server is not None
@@ -807,11 +614,11 @@ async def _serve(
     loop = asyncio.get_running_loop()
     server = None
     try:
-        listener = _listening_socket(host, port)
+        listener = listening_socket(host, port)
         server = await loop.create_server(connections, sock=listener)
         bound = int(listener.getsockname()[1])
         shown = f"[{host}]" if ":" in host else host
-        if token is None and not _is_loopback(host):
+        if token is None and not is_loopback(host):
             print(f"warning: serving on {host} without a token.", file=sys.stderr, flush=True)
         print(f"serving {name} on http://{shown}:{bound}", flush=True)
         if ready is not None:
@@ -831,7 +638,7 @@ async def _serve(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m flowgrpo_eqx.reward_server REWARD [--host H] [--port P] [--token T] ...`.
+    """`python -m flowgrpo_eqx.rewards.server REWARD [--host H] [--port P] [--token T] ...`.
 
     Loads `REWARD` with `load_reward` and serves it with `serve` until SIGINT or SIGTERM.
     The token defaults to the `FLOWGRPO_REWARD_TOKEN` environment variable (an empty
@@ -857,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cannot be listened on.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m flowgrpo_eqx.reward_server", description="Serve a reward over HTTP."
+        prog="python -m flowgrpo_eqx.rewards.server", description="Serve a reward over HTTP."
     )
     parser.add_argument("reward", help="package.module:callable (see load_reward)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")

@@ -1,8 +1,8 @@
-"""A reward served over HTTP: `HttpReward`, the client of `flowgrpo_eqx.reward_server`.
+"""A reward served over HTTP: `HttpReward`, the client of `flowgrpo_eqx.rewards.server`.
 
 The client is the standard library's `http.client`: the training environment needs no extra
 package, proxies set in the environment never reroute a call, and each attempt reads its
-reply against one deadline. The wire format it shares with the server is in `_reward_wire.py`.
+reply against one deadline. The wire format it shares with the server is in `_wire.py`.
 """
 
 import http.client
@@ -17,9 +17,9 @@ from typing import Any, cast, final
 import numpy as np
 import numpy.typing as npt
 
-from ._misc import check_int, check_number
+from .._misc import check_int, check_number
 from ._reward import RewardError, check_finite_samples
-from ._reward_wire import (
+from ._wire import (
     CONTENT_TYPE,
     NPY_CONTENT_TYPE,
     TOKEN_ENV,
@@ -48,7 +48,7 @@ class _Rejected(Exception):
 
 @final
 class HttpReward:
-    """A reward computed by a reward server (`python -m flowgrpo_eqx.reward_server`).
+    """A reward computed by a reward server (`python -m flowgrpo_eqx.rewards.server`).
 
     Each call POSTs the samples and repeated rows to `<url>/score` and returns the server's
     float64 scores bit for bit. The server may run in another environment, process or

@@ -1,5 +1,5 @@
 """The reward server's limits and their command-line flags, importable without aiohttp (the
-command line builds its flags from here; `flowgrpo_eqx.reward_server` serves with them).
+command line builds its flags from here; `flowgrpo_eqx.rewards.server` serves with them).
 
 Per request, a body is bounded by `max_request_bytes`, its rows (the samples' leading axis)
 by `max_request_rows` and its arrays as the reward gets them by `max_decoded_bytes` (413
@@ -25,8 +25,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, final
 
-from ._misc import check_int, check_number
-from ._reward_wire import TOKEN_ENV
+from .._misc import check_int, check_number
+from ._wire import TOKEN_ENV
 
 
 DEFAULT_MAX_REQUEST_BYTES = 256 << 20
@@ -89,7 +89,7 @@ reward scores by default; a larger request is scored in chunks of rows."""
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
     """The limits a reward server holds `/score` requests to, each one and all at once: the
-    `limits` of `flowgrpo_eqx.reward_server.make_app` and `serve` (`serve` adds
+    `limits` of `flowgrpo_eqx.rewards.server.make_app` and `serve` (`serve` adds
     `max_connections`).
 
     **Arguments:**
@@ -328,3 +328,8 @@ def server_token(flag: str | None) -> str | None:
             )
         return flag
     return os.environ.get(TOKEN_ENV) or None
+
+
+def limit_text(name: str, value: int) -> str:
+    """The limit `name` (a field of `ServerLimits`) as the server's refusals name it."""
+    return f"the server's {name} ({LIMIT_FLAGS[name]}) {value}"
