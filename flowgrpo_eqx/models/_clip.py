@@ -17,11 +17,10 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
 from ._images import UNIT, check_image
-from ._layers import softmax_attention
+from ._layers import dense_in_input_dtype, softmax_attention
 from ._mirror import (
     Embedding,
     LayerNorm,
-    Linear,
     check_token_ids,
     config_error,
     config_int,
@@ -97,19 +96,19 @@ class SelfAttention(eqx.Module):
     - `key`: a JAX PRNG key for the initialisation.
     """
 
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
-    out_proj: Linear
+    q_proj: eqx.nn.Linear
+    k_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    out_proj: eqx.nn.Linear
     heads: int = eqx.field(static=True)
 
     def __init__(self, shape: TowerShape, *, key: PRNGKeyArray) -> None:
         kq, kk, kv, ko = jax.random.split(key, 4)
         width = shape.width
-        self.q_proj = Linear(width, width, key=kq)
-        self.k_proj = Linear(width, width, key=kk)
-        self.v_proj = Linear(width, width, key=kv)
-        self.out_proj = Linear(width, width, key=ko)
+        self.q_proj = eqx.nn.Linear(width, width, dtype=jnp.float32, key=kq)
+        self.k_proj = eqx.nn.Linear(width, width, dtype=jnp.float32, key=kk)
+        self.v_proj = eqx.nn.Linear(width, width, dtype=jnp.float32, key=kv)
+        self.out_proj = eqx.nn.Linear(width, width, dtype=jnp.float32, key=ko)
         self.heads = shape.heads
 
     def __call__(
@@ -121,10 +120,13 @@ class SelfAttention(eqx.Module):
         def split(x: Float[Array, "S D"]) -> Float[Array, "heads S hd"]:
             return x.reshape(seq, self.heads, head_dim).transpose(1, 0, 2)
 
-        q, k, v = split(self.q_proj(h)), split(self.k_proj(h)), split(self.v_proj(h))
+        q, k, v = (
+            split(dense_in_input_dtype(linear, h))
+            for linear in (self.q_proj, self.k_proj, self.v_proj)
+        )
         scale = 1.0 / math.sqrt(head_dim)
         out = softmax_attention(q, k, v, scale=scale, allowed=allowed).reshape(seq, width)
-        result: Float[Array, "S D"] = self.out_proj(out)
+        result: Float[Array, "S D"] = dense_in_input_dtype(self.out_proj, out)
         return result
 
 
@@ -138,18 +140,20 @@ class MLP(eqx.Module):
     - `key`: a JAX PRNG key for the initialisation.
     """
 
-    fc1: Linear
-    fc2: Linear
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
     activation: Activation = eqx.field(static=True)
 
     def __init__(self, shape: TowerShape, *, key: PRNGKeyArray) -> None:
         k1, k2 = jax.random.split(key)
-        self.fc1 = Linear(shape.width, shape.mlp_width, key=k1)
-        self.fc2 = Linear(shape.mlp_width, shape.width, key=k2)
+        self.fc1 = eqx.nn.Linear(shape.width, shape.mlp_width, dtype=jnp.float32, key=k1)
+        self.fc2 = eqx.nn.Linear(shape.mlp_width, shape.width, dtype=jnp.float32, key=k2)
         self.activation = shape.activation
 
     def __call__(self, h: Float[Array, "S D"]) -> Float[Array, "S D"]:
-        out: Float[Array, "S D"] = self.fc2(_activate(self.fc1(h), self.activation))
+        out: Float[Array, "S D"] = dense_in_input_dtype(
+            self.fc2, _activate(dense_in_input_dtype(self.fc1, h), self.activation)
+        )
         return out
 
 
@@ -309,7 +313,7 @@ class CLIPTextModel(eqx.Module):
     """
 
     text_model: TextTransformer
-    text_projection: Linear | None
+    text_projection: eqx.nn.Linear | None
     eos_token_id: int = eqx.field(static=True)
     max_position_embeddings: int = eqx.field(static=True)
 
@@ -330,7 +334,9 @@ class CLIPTextModel(eqx.Module):
         self.text_projection = (
             None
             if projection_dim is None
-            else Linear(shape.width, projection_dim, bias=False, key=k_proj)
+            else eqx.nn.Linear(
+                shape.width, projection_dim, use_bias=False, dtype=jnp.float32, key=k_proj
+            )
         )
         self.eos_token_id = eos_token_id
         self.max_position_embeddings = max_position_embeddings
@@ -370,7 +376,7 @@ class CLIPTextModel(eqx.Module):
 
 def _encode_text(
     model: TextTransformer,
-    projection: Linear | None,
+    projection: eqx.nn.Linear | None,
     eos_token_id: int,
     max_length: int,
     ids: Int[Array, " L"],
@@ -387,7 +393,7 @@ def _encode_text(
     last = model.final_layer_norm(states[-1])
     end = jnp.argmax(ids) if eos_token_id == 2 else jnp.argmax(ids == eos_token_id)
     pooled = last[end]
-    projected = None if projection is None else projection(pooled)
+    projected = None if projection is None else dense_in_input_dtype(projection, pooled)
     return TextOutput(states, last, pooled, projected)
 
 
@@ -506,8 +512,8 @@ class CLIPModel(eqx.Module):
 
     text_model: TextTransformer
     vision_model: VisionTransformer
-    text_projection: Linear
-    visual_projection: Linear
+    text_projection: eqx.nn.Linear
+    visual_projection: eqx.nn.Linear
     logit_scale: Float[Array, ""]
     eos_token_id: int = eqx.field(static=True)
     image_size: int = eqx.field(static=True)
@@ -543,8 +549,12 @@ class CLIPModel(eqx.Module):
         self.vision_model = VisionTransformer(
             vision, image_size, patch_size, channels, key=k_vision
         )
-        self.text_projection = Linear(text.width, projection_dim, bias=False, key=k_tp)
-        self.visual_projection = Linear(vision.width, projection_dim, bias=False, key=k_vp)
+        self.text_projection = eqx.nn.Linear(
+            text.width, projection_dim, use_bias=False, dtype=jnp.float32, key=k_tp
+        )
+        self.visual_projection = eqx.nn.Linear(
+            vision.width, projection_dim, use_bias=False, dtype=jnp.float32, key=k_vp
+        )
         self.logit_scale = jnp.asarray(logit_scale_init, jnp.float32)
         self.eos_token_id = eos_token_id
         self.image_size = image_size
@@ -576,7 +586,7 @@ class CLIPModel(eqx.Module):
             ids,
             attention_mask,
         )
-        embeds: Float[Array, " P"] = self.text_projection(output.pooled)
+        embeds: Float[Array, " P"] = dense_in_input_dtype(self.text_projection, output.pooled)
         return embeds
 
     def image_features(self, pixels: Float[Array, "H W C"]) -> Float[Array, " P"]:
@@ -603,7 +613,9 @@ class CLIPModel(eqx.Module):
             raise ValueError(
                 f"`pixels` must be [{want[0]}, {want[1]}, {channels}], got {pixels.shape}."
             )
-        out: Float[Array, " P"] = self.visual_projection(self.vision_model(pixels))
+        out: Float[Array, " P"] = dense_in_input_dtype(
+            self.visual_projection, self.vision_model(pixels)
+        )
         return out
 
 

@@ -158,6 +158,26 @@ def dense(linear: eqx.nn.Linear, h: Float[Array, "S I"]) -> Float[Array, "S O"]:
     return out
 
 
+def dense_in_input_dtype(linear: eqx.nn.Linear, x: Float[Array, "*S I"]) -> Float[Array, "*S O"]:
+    """`linear` over the last axis of `x` of any rank, its weight and bias cast to `x`'s dtype
+    first, as the autoencoder, CLIP and T5 apply their layers: a checkpoint kept in float32
+    runs in the activations' dtype.
+
+    **Arguments:**
+
+    - `linear`: the layer, weight `[O, I]` (torch's layout).
+    - `x`: the inputs, `[..., I]`.
+
+    **Returns:**
+
+    `[..., O]`, in `x`'s dtype.
+    """
+    out = x @ linear.weight.T.astype(x.dtype)
+    if linear.bias is not None:
+        out = out + linear.bias.astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
+    return out
+
+
 def silu_mlp(mlp: LinearPair, h: Float[Array, " I"]) -> Float[Array, "1 D"]:
     """`Linear`, SiLU, `Linear` of one vector, as a row, `[1, D]`: diffusers' time and pooled
     text embeddings (`TimestepEmbedding`, `PixArtAlphaTextProjection(act_fn="silu")`)."""

@@ -1,10 +1,11 @@
 """Modules whose tree mirrors a PyTorch state dict, and loading one by its keys alone.
 
-A model built of these keeps torch's names and layouts (a linear map's `[out, in]` weight, an
-embedding's `[vocab, width]` table), so the leaf at `encoder.layers[3].mlp.fc1.weight` is the
-tensor `encoder.layers.3.mlp.fc1.weight`: `state_dict_leaves` names every leaf that way and
-`fill_from_state_dict` loads a checkpoint with nothing to map by hand. The autoencoder and the
-text and image towers (CLIP, T5) are built this way; the transformers keep their own layouts.
+A model built of these and of `eqx.nn.Linear` (whose weight is torch's `[out, in]`) keeps
+torch's names and layouts (an embedding's `[vocab, width]` table), so the leaf at
+`encoder.layers[3].mlp.fc1.weight` is the tensor `encoder.layers.3.mlp.fc1.weight`:
+`state_dict_leaves` names every leaf that way and `fill_from_state_dict` loads a checkpoint
+with nothing to map by hand. The autoencoder and the text and image towers (CLIP, T5) are
+built this way; the transformers keep their own layouts.
 """
 
 import json
@@ -28,35 +29,6 @@ def uniform_init(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Floa
     """`U[-1/sqrt(fan_in), 1/sqrt(fan_in))` float32, torch's default for weights and biases."""
     limit = 1.0 / math.sqrt(fan_in)
     return jax.random.uniform(key, shape, jnp.float32, -limit, limit)
-
-
-@final
-class Linear(eqx.Module):
-    """A linear map over the last axis with a torch-layout weight `[out, in]`, with or without
-    a bias.
-
-    **Arguments:**
-
-    - `in_features`, `out_features`: the widths.
-    - `bias`: whether it has a bias.
-    - `key`: a JAX PRNG key for the initialisation.
-    """
-
-    weight: Float[Array, "out in"]
-    bias: Float[Array, " out"] | None
-
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, *, key: PRNGKeyArray
-    ) -> None:
-        k_w, k_b = jax.random.split(key)
-        self.weight = uniform_init(k_w, (out_features, in_features), in_features)
-        self.bias = uniform_init(k_b, (out_features,), in_features) if bias else None
-
-    def __call__(self, x: Float[Array, "*S I"]) -> Float[Array, "*S O"]:
-        out = x @ self.weight.T.astype(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias.astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
-        return out
 
 
 @final

@@ -19,10 +19,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
 from ._init import ones
-from ._layers import MASKED_SCORE, rms_norm, softmax_attention
+from ._layers import MASKED_SCORE, dense_in_input_dtype, rms_norm, softmax_attention
 from ._mirror import (
     Embedding,
-    Linear,
     check_token_ids,
     config_error,
     config_int,
@@ -105,10 +104,10 @@ class SelfAttention(eqx.Module):
     - `key`: a JAX PRNG key for the initialisation.
     """
 
-    q: Linear
-    k: Linear
-    v: Linear
-    o: Linear
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
     relative_attention_bias: Embedding | None
     heads: int = eqx.field(static=True)
 
@@ -123,10 +122,10 @@ class SelfAttention(eqx.Module):
     ) -> None:
         kq, kk, kv, ko, kb = jax.random.split(key, 5)
         inner = heads * head_dim
-        self.q = Linear(width, inner, bias=False, key=kq)
-        self.k = Linear(width, inner, bias=False, key=kk)
-        self.v = Linear(width, inner, bias=False, key=kv)
-        self.o = Linear(inner, width, bias=False, key=ko)
+        self.q = eqx.nn.Linear(width, inner, use_bias=False, dtype=jnp.float32, key=kq)
+        self.k = eqx.nn.Linear(width, inner, use_bias=False, dtype=jnp.float32, key=kk)
+        self.v = eqx.nn.Linear(width, inner, use_bias=False, dtype=jnp.float32, key=kv)
+        self.o = eqx.nn.Linear(inner, width, use_bias=False, dtype=jnp.float32, key=ko)
         self.relative_attention_bias = (
             None if num_buckets is None else Embedding(num_buckets, heads, key=kb)
         )
@@ -140,10 +139,10 @@ class SelfAttention(eqx.Module):
         def split(x: Float[Array, "L I"]) -> Float[Array, "heads L hd"]:
             return x.reshape(length, self.heads, -1).transpose(1, 0, 2)
 
-        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+        q, k, v = (split(dense_in_input_dtype(linear, h)) for linear in (self.q, self.k, self.v))
         # T5 folds the 1 / sqrt(head_dim) into its query weights: its scores are not scaled.
         out = softmax_attention(q, k, v, scale=1.0, bias=bias).reshape(length, -1)
-        result: Float[Array, "L D"] = self.o(out)
+        result: Float[Array, "L D"] = dense_in_input_dtype(self.o, out)
         return result
 
 
@@ -178,26 +177,40 @@ class DenseReluDense(eqx.Module):
     - `key`: a JAX PRNG key for the initialisation.
     """
 
-    wi_0: Linear | None
-    wi_1: Linear | None
-    wi: Linear | None
-    wo: Linear
+    wi_0: eqx.nn.Linear | None
+    wi_1: eqx.nn.Linear | None
+    wi: eqx.nn.Linear | None
+    wo: eqx.nn.Linear
 
     def __init__(self, width: int, ff_width: int, kind: FeedForward, *, key: PRNGKeyArray) -> None:
         k0, k1, ko = jax.random.split(key, 3)
         gated = kind == "gated-gelu"
-        self.wi_0 = Linear(width, ff_width, bias=False, key=k0) if gated else None
-        self.wi_1 = Linear(width, ff_width, bias=False, key=k1) if gated else None
-        self.wi = None if gated else Linear(width, ff_width, bias=False, key=k0)
-        self.wo = Linear(ff_width, width, bias=False, key=ko)
+        self.wi_0 = (
+            eqx.nn.Linear(width, ff_width, use_bias=False, dtype=jnp.float32, key=k0)
+            if gated
+            else None
+        )
+        self.wi_1 = (
+            eqx.nn.Linear(width, ff_width, use_bias=False, dtype=jnp.float32, key=k1)
+            if gated
+            else None
+        )
+        self.wi = (
+            None
+            if gated
+            else eqx.nn.Linear(width, ff_width, use_bias=False, dtype=jnp.float32, key=k0)
+        )
+        self.wo = eqx.nn.Linear(ff_width, width, use_bias=False, dtype=jnp.float32, key=ko)
 
     def __call__(self, h: Float[Array, "L D"]) -> Float[Array, "L D"]:
         if self.wi_0 is not None and self.wi_1 is not None:
-            hidden = jax.nn.gelu(self.wi_0(h), approximate=True) * self.wi_1(h)
+            hidden = jax.nn.gelu(
+                dense_in_input_dtype(self.wi_0, h), approximate=True
+            ) * dense_in_input_dtype(self.wi_1, h)
         else:
             assert self.wi is not None
-            hidden = jax.nn.relu(self.wi(h))
-        out: Float[Array, "L D"] = self.wo(hidden)
+            hidden = jax.nn.relu(dense_in_input_dtype(self.wi, h))
+        out: Float[Array, "L D"] = dense_in_input_dtype(self.wo, hidden)
         return out
 
 

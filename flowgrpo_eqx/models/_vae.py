@@ -20,8 +20,7 @@ from .._misc import check_int
 from ._autoencoder import Conv, posterior_moments, sample_posterior
 from ._images import check_image
 from ._init import ones, zeros
-from ._layers import Attention, AttentionSettings, attend_to
-from ._mirror import Linear
+from ._layers import Attention, AttentionSettings, attend_to, dense_in_input_dtype
 
 
 _EPS = 1e-6  # every GroupNorm of diffusers' AutoencoderKL
@@ -110,27 +109,32 @@ class SpatialAttention(eqx.Module):
     """
 
     group_norm: GroupNorm
-    to_q: Linear
-    to_k: Linear
-    to_v: Linear
-    to_out: tuple[Linear]
+    to_q: eqx.nn.Linear
+    to_k: eqx.nn.Linear
+    to_v: eqx.nn.Linear
+    to_out: tuple[eqx.nn.Linear]
 
     def __init__(self, channels: int, groups: int, *, key: PRNGKeyArray) -> None:
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.group_norm = GroupNorm(groups, channels)
-        self.to_q = Linear(channels, channels, key=kq)
-        self.to_k = Linear(channels, channels, key=kk)
-        self.to_v = Linear(channels, channels, key=kv)
-        self.to_out = (Linear(channels, channels, key=ko),)
+        self.to_q = eqx.nn.Linear(channels, channels, dtype=jnp.float32, key=kq)
+        self.to_k = eqx.nn.Linear(channels, channels, dtype=jnp.float32, key=kk)
+        self.to_v = eqx.nn.Linear(channels, channels, dtype=jnp.float32, key=kv)
+        self.to_out = (eqx.nn.Linear(channels, channels, dtype=jnp.float32, key=ko),)
 
     def __call__(
         self, x: Float[Array, "H W C"], attention: AttentionSettings
     ) -> Float[Array, "H W C"]:
         h, w, c = x.shape
         tokens = self.group_norm(x).reshape(h * w, c)
-        q, k, v = (proj(tokens)[:, None, :] for proj in (self.to_q, self.to_k, self.to_v))
+        q, k, v = (
+            dense_in_input_dtype(proj, tokens)[:, None, :]
+            for proj in (self.to_q, self.to_k, self.to_v)
+        )
         attended = attend_to(q, k, v, attention)
-        out: Float[Array, "H W C"] = self.to_out[0](attended).reshape(h, w, c) + x
+        out: Float[Array, "H W C"] = (
+            dense_in_input_dtype(self.to_out[0], attended).reshape(h, w, c) + x
+        )
         return out
 
 
