@@ -2,7 +2,7 @@
 # Mutation testing of the mathematical modules with mutmut 3 (pip install -e ".[mutation]").
 #
 #   bench/mutation.sh                      # every module listed in [tool.mutmut]; resumes
-#   bench/mutation.sh _flow_grpo           # (re)runs every mutant of one or more of them
+#   bench/mutation.sh objectives._flow_grpo # (re)runs every mutant of one or more of them
 #
 # The configuration is pyproject.toml's [tool.mutmut]: which files are mutated, which test
 # files run (-x, no cache, no xdist), and a fork server that has imported only third-party
@@ -21,6 +21,6 @@ done
 # Without names mutmut runs only the mutants that have no result yet.
 mutmut run --max-children "${MUTATION_CHILDREN:-2}" "${names[@]}" || true
 if [ "$#" -eq 0 ]; then
-    set -- _advantages _process _sde _flow_grpo _guided_flow _nft
+    set -- _advantages _process _sde objectives._flow_grpo _guided_flow objectives._nft
 fi
 python bench/mutation_score.py "$@"

@@ -19,7 +19,14 @@ ERRORED = {255}
 TIMEOUT = {24, -24, 152, 36}
 SURVIVED = {0}
 UNTESTED = {5, 33}
-MODULES = ["_advantages", "_process", "_sde", "_flow_grpo", "_guided_flow", "_nft"]
+MODULES = [
+    "_advantages",
+    "_process",
+    "_sde",
+    "objectives._flow_grpo",
+    "_guided_flow",
+    "objectives._nft",
+]
 EQUIVALENT = pathlib.Path(__file__).with_name("mutation_equivalent.txt")
 
 
@@ -37,7 +44,7 @@ def summarise(modules: list[str], root: pathlib.Path = pathlib.Path("mutants")) 
     equivalent = equivalent_mutants()
     killed_all = counted_all = 0
     for module in modules:
-        meta = root / "flowgrpo_eqx" / f"{module}.py.meta"
+        meta = root / "flowgrpo_eqx" / f"{module.replace('.', '/')}.py.meta"
         if not meta.exists():
             print(f"{module}: no results (run bench/mutation.sh {module})")
             continue

@@ -19,10 +19,10 @@ import numpy.typing as npt
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._custom_types import Aux, Step, Transitions
-from ._flow_grpo import FlowGRPOObjective, FlowGRPOVariables
 from ._misc import repeat_rows
-from ._reward import RewardError, reward_name
 from ._rollout import FlowRollout
+from .objectives import FlowGRPOObjective, FlowGRPOVariables
+from .rewards._reward import RewardError, reward_name
 from .train import Trainer
 
 

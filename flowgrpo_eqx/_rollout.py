@@ -20,12 +20,12 @@ from ._advantages import (
     reward_advantages,
 )
 from ._custom_types import FinalSamples, Model, RolloutInfo, Transitions
-from ._distributed import host_samples, place_rows, score_on_root, sequence_context
+from ._distributed import host_samples, place_rows, sequence_context
 from ._guided_flow import GuidedFlow
 from ._misc import check_bool, check_int, check_source_rows, leading_rows, repeat_rows
-from ._reward import FlowReward, WeightedReward
-from ._rl import AbstractRLObjective
 from ._sampling import AbstractSampler, Draw, Generated
+from .objectives import AbstractRLObjective
+from .rewards import FlowReward, WeightedReward, score_on_root
 
 
 @final

@@ -215,7 +215,17 @@ def test_api_reference_covers_every_public_name(module_name):
         return
     names = public_names(module_name)
     assert names, f"{module_name} exports nothing"
-    missing = [name for name in names if f"{module_name}.{name}" not in entries]
+    module = importlib.import_module(module_name)
+
+    def documented(name: str) -> bool:
+        """Referenced as `module.NAME`, or, when the package re-exports it (the objectives
+        package's names are `flowgrpo_eqx`'s), as `flowgrpo_eqx.NAME`."""
+        if f"{module_name}.{name}" in entries:
+            return True
+        same = getattr(flowgrpo_eqx, name, None) is getattr(module, name)
+        return same and f"flowgrpo_eqx.{name}" in entries
+
+    missing = [name for name in names if not documented(name)]
     assert not missing, (
         f"docs/api/ has no `::: {module_name}.NAME` entry for {missing}; add one per name, or "
         f"a page with `::: {module_name}` and a line for it in mkdocs.yml's nav."

@@ -98,13 +98,28 @@ def test_no_model_module_imports_another_modules_private_names():
     assert not found, found
 
 
-ALGORITHM_MODULES = ("_flow_grpo", "_nft", "_awm", "_dgpo", "_dppo")
-"""One module per RL algorithm: Flow-GRPO, DiffusionNFT, AWM, DGPO and Flow-DPPO."""
+ALGORITHM_MODULES = (
+    "objectives/_flow_grpo",
+    "objectives/_nft",
+    "objectives/_awm",
+    "objectives/_dgpo",
+    "objectives/_dppo",
+    "objectives/_dancegrpo",
+)
+"""One module per RL algorithm, in the objectives package: Flow-GRPO (MixGRPO is Flow-GRPO with
+a `MixSampler`), DiffusionNFT, AWM, DGPO, Flow-DPPO and DanceGRPO."""
 
-SHARED_MODULES = ("_policy_loss", "_final_samples", "_decay", "_flow_base", "_misc")
+SHARED_MODULES = (
+    "objectives/_policy_loss",
+    "objectives/_final_samples",
+    "objectives/_decay",
+    "objectives/_base",
+    "objectives/_trainable",
+    "_misc",
+)
 """Where the algorithms' shared pieces live: the transition objectives' scan and rescoring,
 the final-sample objectives' flow-matching pieces, the trailing copies' decay, the
-objectives' base classes, and the library's small helpers."""
+objectives' base classes, the trainable part's filters, and the library's small helpers."""
 
 
 def _relative_imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
@@ -124,16 +139,31 @@ def _relative_imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
 def test_no_algorithm_module_imports_another_algorithm_module():
     """An algorithm reaches another's pieces only through the shared modules."""
     assert all((PACKAGE / f"{name}.py").is_file() for name in ALGORITHM_MODULES + SHARED_MODULES)
+    algorithms = {name.split("/")[-1] for name in ALGORITHM_MODULES}
     found = [
         f"{name}.py imports {module}"
         for name in ALGORITHM_MODULES
         for module, _ in _relative_imports(PACKAGE / f"{name}.py")
-        if module.split(".")[-1] in ALGORITHM_MODULES
+        if module.split(".")[-1] in algorithms
     ]
     assert not found, found
     for name in SHARED_MODULES:
-        imported = {module for module, _ in _relative_imports(PACKAGE / f"{name}.py")}
-        assert not imported & set(ALGORITHM_MODULES), f"{name}.py imports an algorithm"
+        imported = {
+            module.split(".")[-1] for module, _ in _relative_imports(PACKAGE / f"{name}.py")
+        }
+        assert not imported & algorithms, f"{name}.py imports an algorithm"
+
+
+def test_every_objective_module_lives_in_the_objectives_package():
+    """No algorithm or shared objective module is left loose at the package's root."""
+    loose = [
+        name.split("/")[-1]
+        for name in ALGORITHM_MODULES + SHARED_MODULES
+        if name.startswith("objectives/") and (PACKAGE / f"{name.split('/')[-1]}.py").exists()
+    ]
+    assert (
+        not loose and not (PACKAGE / "_rl.py").exists() and not (PACKAGE / "_flow_base.py").exists()
+    )
 
 
 def test_no_module_imports_another_modules_private_names():

@@ -11,8 +11,8 @@ import numpy.typing as npt
 from jaxtyping import Array, PyTree
 
 from .._custom_types import Aux, Mean, Step, Transitions
-from .._flow_grpo import FlowGRPOObjective, FlowGRPOVariables
 from .._misc import check_number
+from ..objectives import FlowGRPOObjective, FlowGRPOVariables
 
 
 TRANSITION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Transitions))

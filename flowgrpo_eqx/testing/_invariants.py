@@ -17,9 +17,9 @@ from jaxtyping import ArrayLike
 
 from .._advantages import group_advantages
 from .._custom_types import Aux, Transitions
-from .._flow_grpo import FlowGRPOObjective, FlowGRPOVariables
 from .._process import AbstractProcess
 from .._sde import AbstractSDE
+from ..objectives import FlowGRPOObjective, FlowGRPOVariables
 from ._helpers import (
     all_finite,
     assert_trees_close,

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, settings, strategies as st
 from jaxtyping import Array, PyTree
 
 from .._custom_types import Model, Transitions
-from .._flow_grpo import FlowGRPOObjective, FlowGRPOVariables
 from .._process import AbstractProcess, RectifiedFlow
+from ..objectives import FlowGRPOObjective, FlowGRPOVariables
 
 
 _Draw = Callable[[st.SearchStrategy[Any]], Any]

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
 from .._custom_types import Mean, Model, Step
-from .._flow_base import AbstractFlowObjective, PolicyVariables, checked_flow
 from .._guided_flow import GuidedFlow
 from .._misc import check_leading_rows, check_number
-from .._trainable import TrainableFilter
+from ..objectives import AbstractFlowObjective, PolicyVariables, TrainableFilter
+from ..objectives._base import checked_flow
 
 
 TimeSampling: TypeAlias = Literal["logit_normal", "uniform"]

@@ -11,8 +11,8 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._custom_types import RolloutInfo
 from .._misc import check_int
-from .._rl import AbstractRLObjective, Rescore
 from .._rollout import FlowRollout
+from ..objectives import AbstractRLObjective, Rescore
 from ._diverged import check_finite
 from ._metrics_log import MetricsLog as MetricsLog
 from ._trainer import Trainer, TrainState

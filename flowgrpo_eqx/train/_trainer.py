@@ -20,10 +20,16 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._custom_types import Mean, Model, PerRow, Step
 from .._distributed import mesh_of
-from .._flow_base import AbstractFlowObjective, AbstractVariables
 from .._misc import check_bool, check_int, check_number, leading_rows, own_copy
-from .._rl import BatchT, Rescore
-from .._trainable import TrainableFilter, default_trainable, split_trainable
+from ..objectives import (
+    AbstractFlowObjective,
+    AbstractVariables,
+    Rescore,
+    TrainableFilter,
+    default_trainable,
+    split_trainable,
+)
+from ..objectives._base import BatchT
 
 
 @final

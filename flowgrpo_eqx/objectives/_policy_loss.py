@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PyTree
 
-from ._custom_types import FinalSamples, Model, PerTransition, TransitionMask, Transitions
-from ._guided_flow import GuidedFlow
-from ._misc import tile_rows
-from ._sampling import AbstractSampler, SDESampler
-from ._sde import AbstractSDE
+from .._custom_types import FinalSamples, Model, PerTransition, TransitionMask, Transitions
+from .._guided_flow import GuidedFlow
+from .._misc import tile_rows
+from .._sampling import AbstractSampler, SDESampler
+from .._sde import AbstractSDE
 
 
 OldLogProbs: TypeAlias = Literal["rollout", "update"]

@@ -20,9 +20,9 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-from . import lora
-from ._buffer import freeze_buffers
-from ._misc import present_mask
+from .. import lora
+from .._buffer import freeze_buffers
+from .._misc import present_mask
 
 
 _Model = TypeVar("_Model")

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree
 
-from ._custom_types import (
+from .._custom_types import (
     FinalSamples,
     Mean,
     Model,
@@ -22,9 +22,12 @@ from ._custom_types import (
     Transitions,
     check_transitions,
 )
-from ._flow_base import AbstractVariables, PolicyVariables
-from ._guided_flow import GuidedFlow
-from ._misc import check_bool, check_int, check_number, zero_rows_unless
+from .._guided_flow import GuidedFlow
+from .._misc import check_bool, check_int, check_number, zero_rows_unless
+from .._sampling import AbstractSampler, SDESampler
+from .._sde import AbstractSDE, FlowSDE, compute_dtype
+from .._window import AbstractWindowSchedule, RandomSteps
+from ._base import AbstractRLObjective, AbstractVariables, PolicyVariables, Rescore
 from ._policy_loss import (
     OldLogProbs,
     kept_inputs,
@@ -35,11 +38,7 @@ from ._policy_loss import (
     transition_sampler,
     with_rescored,
 )
-from ._rl import AbstractRLObjective, Rescore
-from ._sampling import AbstractSampler, SDESampler
-from ._sde import AbstractSDE, FlowSDE, compute_dtype
 from ._trainable import TrainableFilter
-from ._window import AbstractWindowSchedule, RandomSteps
 
 
 OldMeans: TypeAlias = Literal["rollout", "update"]

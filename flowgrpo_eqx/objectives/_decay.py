@@ -6,7 +6,7 @@ from typing import final
 
 import equinox as eqx
 
-from ._misc import check_int, check_number
+from .._misc import check_int, check_number
 
 
 @final

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from ._custom_types import (
+from .._custom_types import (
     FinalSamples,
     Mean,
     Model,
@@ -20,6 +20,18 @@ from ._custom_types import (
     Transitions,
     check_final_samples,
 )
+from .._guided_flow import GuidedFlow
+from .._misc import (
+    check_bool,
+    check_int,
+    check_mode,
+    check_number,
+    stop_gradient_arrays,
+    zero_rows_unless,
+)
+from .._sampling import AbstractSampler, SDESampler
+from .._sde import AbstractSDE, FlowSDE
+from ._base import AbstractEMAVariables, AbstractReferenceVariables, AbstractRLObjective
 from ._decay import RampedDecay, check_decay, decay_at
 from ._final_samples import (
     example_mse,
@@ -30,19 +42,6 @@ from ._final_samples import (
     repeated_rows,
     row_mean,
 )
-from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables
-from ._guided_flow import GuidedFlow
-from ._misc import (
-    check_bool,
-    check_int,
-    check_mode,
-    check_number,
-    stop_gradient_arrays,
-    zero_rows_unless,
-)
-from ._rl import AbstractRLObjective
-from ._sampling import AbstractSampler, SDESampler
-from ._sde import AbstractSDE, FlowSDE
 from ._trainable import (
     TrainableFilter,
     blend_part,

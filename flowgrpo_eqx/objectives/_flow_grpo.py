@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy.typing as npt
 from jaxtyping import Array, Float, Int, PyTree
 
-from ._custom_types import (
+from .._custom_types import (
     Aux,
     FinalSamples,
     Mean,
@@ -23,11 +23,16 @@ from ._custom_types import (
     Transitions,
     check_transitions,
 )
-from ._evaluation import Evaluation, evaluate_policy, preview_policy
-from ._flow_base import AbstractVariables
-from ._guided_flow import GuidedFlow, MatmulPrecision, ModelTime, Precision, flow_from
-from ._inputs import CFG, AbstractAutoEncoder, AbstractGuidance, InputSpec
-from ._misc import check_bool, check_int, check_number, stop_gradient_arrays, zero_rows_unless
+from .._evaluation import Evaluation, evaluate_policy, preview_policy
+from .._guided_flow import GuidedFlow, MatmulPrecision, ModelTime, Precision, flow_from
+from .._inputs import CFG, AbstractAutoEncoder, AbstractGuidance, InputSpec
+from .._misc import check_bool, check_int, check_number, stop_gradient_arrays, zero_rows_unless
+from .._process import AbstractProcess
+from .._sampling import AbstractSampler
+from .._sde import AbstractSDE, FlowSDE
+from .._solver import AbstractSolver, Euler
+from ..rewards import FlowReward
+from ._base import AbstractRLObjective, AbstractVariables, Rescore
 from ._policy_loss import (
     OldLogProbs,
     kept_inputs,
@@ -38,12 +43,6 @@ from ._policy_loss import (
     transition_sampler,
     with_rescored,
 )
-from ._process import AbstractProcess
-from ._reward import FlowReward
-from ._rl import AbstractRLObjective, Rescore
-from ._sampling import AbstractSampler
-from ._sde import AbstractSDE, FlowSDE
-from ._solver import AbstractSolver, Euler
 from ._trainable import TrainableFilter, held_part, reference_part, reference_policy
 
 

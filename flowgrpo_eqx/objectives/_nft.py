@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._custom_types import (
+from .._custom_types import (
     FinalSamples,
     Mean,
     Model,
@@ -19,6 +19,11 @@ from ._custom_types import (
     Transitions,
     check_final_samples,
 )
+from .._guided_flow import GuidedFlow
+from .._misc import check_number, stop_gradient_arrays, zero_rows_unless
+from .._sampling import AbstractSampler, ODESampler
+from .._solver import AbstractSolver, Euler
+from ._base import AbstractReferenceVariables, AbstractRLObjective
 from ._decay import RampedDecay, check_decay, decay_at
 from ._final_samples import (
     example_mean,
@@ -29,12 +34,6 @@ from ._final_samples import (
     repeated_rows,
     row_mean,
 )
-from ._flow_base import AbstractReferenceVariables
-from ._guided_flow import GuidedFlow
-from ._misc import check_number, stop_gradient_arrays, zero_rows_unless
-from ._rl import AbstractRLObjective
-from ._sampling import AbstractSampler, ODESampler
-from ._solver import AbstractSolver, Euler
 from ._trainable import (
     TrainableFilter,
     blend_part,

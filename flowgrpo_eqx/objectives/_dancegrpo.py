@@ -13,7 +13,7 @@ import numpy.typing as npt
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ._custom_types import (
+from .._custom_types import (
     FinalSamples,
     Latent,
     Mean,
@@ -27,9 +27,11 @@ from ._custom_types import (
     Transitions,
     check_transitions,
 )
-from ._flow_base import AbstractVariables, PolicyVariables
-from ._guided_flow import GuidedFlow
-from ._misc import check_int, check_number, zero_rows_unless
+from .._guided_flow import GuidedFlow
+from .._misc import check_int, check_number, zero_rows_unless
+from .._sampling import AbstractSampler, Draw, Generated, SDEPath, step_noise
+from .._sde import AbstractSDE, KLWeighting
+from ._base import AbstractRLObjective, AbstractVariables, PolicyVariables, Rescore
 from ._policy_loss import (
     OldLogProbs,
     kept_inputs,
@@ -39,9 +41,6 @@ from ._policy_loss import (
     transition_log_probs,
     with_rescored,
 )
-from ._rl import AbstractRLObjective, Rescore
-from ._sampling import AbstractSampler, Draw, Generated, SDEPath, step_noise
-from ._sde import AbstractSDE, KLWeighting
 from ._trainable import TrainableFilter
 
 

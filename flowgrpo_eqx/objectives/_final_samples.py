@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree
 
-from ._custom_types import FinalSamples, Mean, PerExample, RolloutInfo, Transitions
-from ._misc import zero_rows_unless
-from ._process import AbstractProcess
+from .._custom_types import FinalSamples, Mean, PerExample, RolloutInfo, Transitions
+from .._misc import zero_rows_unless
+from .._process import AbstractProcess
 
 
 def final_samples(

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
-from ._custom_types import (
+from .._custom_types import (
     ExampleMask,
     FinalSamples,
     Mean,
@@ -21,6 +21,24 @@ from ._custom_types import (
     Step,
     Transitions,
     check_batch_type,
+)
+from .._guided_flow import GuidedFlow
+from .._inputs import CFG
+from .._misc import (
+    check_bool,
+    check_int,
+    check_mode,
+    check_number,
+    stop_gradient_arrays,
+    zero_rows_unless,
+)
+from .._sampling import AbstractSampler, ODESampler
+from .._solver import AbstractSolver, DPMSolverPP2M
+from ._base import (
+    AbstractEMAVariables,
+    AbstractReferenceVariables,
+    AbstractRLObjective,
+    checked_flow,
 )
 from ._decay import RampedDecay, check_decay, decay_at
 from ._final_samples import (
@@ -32,20 +50,6 @@ from ._final_samples import (
     repeated_rows,
     row_mean,
 )
-from ._flow_base import AbstractEMAVariables, AbstractReferenceVariables, checked_flow
-from ._guided_flow import GuidedFlow
-from ._inputs import CFG
-from ._misc import (
-    check_bool,
-    check_int,
-    check_mode,
-    check_number,
-    stop_gradient_arrays,
-    zero_rows_unless,
-)
-from ._rl import AbstractRLObjective
-from ._sampling import AbstractSampler, ODESampler
-from ._solver import AbstractSolver, DPMSolverPP2M
 from ._trainable import (
     TrainableFilter,
     blend_part,

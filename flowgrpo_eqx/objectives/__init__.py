@@ -1,0 +1,96 @@
+"""The objectives: what the trainer minimises, one module per algorithm.
+
+`AbstractFlowObjective` is what the trainer asks of any objective, `AbstractRLObjective` what
+the rollout and the epoch loop ask of an online RL one. Each algorithm lives in its own
+module and reaches another's pieces only through the shared ones (`_base`, `_policy_loss`
+for objectives over recorded transitions, `_final_samples` for objectives over final
+samples, `_decay`, `_trainable`): Flow-GRPO with GRPO-Guard (`FlowGRPOObjective`; MixGRPO is
+Flow-GRPO with a `MixSampler`), DiffusionNFT (`DiffusionNFTObjective`), AWM (`AWMObjective`),
+DGPO (`DGPOObjective`), Flow-DPPO (`FlowDPPOObjective`) and DanceGRPO (`DanceGRPOObjective`).
+"""
+
+from ._awm import (
+    AbstractAWMWeighting as AbstractAWMWeighting,
+    AWMKLWeight as AWMKLWeight,
+    AWMObjective as AWMObjective,
+    AWMRatio as AWMRatio,
+    AWMTimes as AWMTimes,
+    AWMVariables as AWMVariables,
+    GHuberWeighting as GHuberWeighting,
+    HuberWeighting as HuberWeighting,
+    TimeSquaredWeighting as TimeSquaredWeighting,
+    TimeWeighting as TimeWeighting,
+    UniformWeighting as UniformWeighting,
+)
+from ._base import (
+    AbstractEMAVariables as AbstractEMAVariables,
+    AbstractFlowObjective as AbstractFlowObjective,
+    AbstractReferenceVariables as AbstractReferenceVariables,
+    AbstractRLObjective as AbstractRLObjective,
+    AbstractVariables as AbstractVariables,
+    PolicyVariables as PolicyVariables,
+    Rescore as Rescore,
+)
+from ._dancegrpo import (
+    DanceGRPOAux as DanceGRPOAux,
+    DanceGRPOObjective as DanceGRPOObjective,
+    DanceSampler as DanceSampler,
+    DanceSDE as DanceSDE,
+    RewardTransitions as RewardTransitions,
+)
+from ._decay import (
+    RampedDecay as RampedDecay,
+)
+from ._dgpo import (
+    AbstractDGPOLoss as AbstractDGPOLoss,
+    DGPOObjective as DGPOObjective,
+    DGPOReference as DGPOReference,
+    DGPOSurrogateLoss as DGPOSurrogateLoss,
+    DGPOVariables as DGPOVariables,
+    GroupDPOLoss as GroupDPOLoss,
+    GroupedSamples as GroupedSamples,
+    GroupPreferenceTerms as GroupPreferenceTerms,
+)
+from ._dppo import (
+    AbstractKLStd as AbstractKLStd,
+    DPPOAux as DPPOAux,
+    FlowDPPOObjective as FlowDPPOObjective,
+    OldMeans as OldMeans,
+    ReleasedKLStd as ReleasedKLStd,
+    TransitionKLStd as TransitionKLStd,
+    UnitKLStd as UnitKLStd,
+    divergence_mask as divergence_mask,
+)
+from ._flow_grpo import (
+    AbstractGRPOGuard as AbstractGRPOGuard,
+    EmpiricalGuard as EmpiricalGuard,
+    FlowGRPOObjective as FlowGRPOObjective,
+    FlowGRPOVariables as FlowGRPOVariables,
+    GRPOGuard as GRPOGuard,
+    GuardDrift as GuardDrift,
+    GuardParts as GuardParts,
+    GuardScale as GuardScale,
+    ratio_norm as ratio_norm,
+    step_weights as step_weights,
+)
+from ._nft import (
+    AbstractNFTLoss as AbstractNFTLoss,
+    AdaptiveX0Loss as AdaptiveX0Loss,
+    DiffusionNFTObjective as DiffusionNFTObjective,
+    ImplicitPolicyErrors as ImplicitPolicyErrors,
+    NFTTimes as NFTTimes,
+    NFTVariables as NFTVariables,
+    VelocityLoss as VelocityLoss,
+)
+from ._policy_loss import (
+    OldLogProbs as OldLogProbs,
+)
+from ._trainable import (
+    TrainableFilter as TrainableFilter,
+    default_trainable as default_trainable,
+    reference_part as reference_part,
+    reference_policy as reference_policy,
+    split_trainable as split_trainable,
+    trainable_part as trainable_part,
+    with_part as with_part,
+)
