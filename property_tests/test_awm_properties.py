@@ -16,7 +16,7 @@ from tests.test_objective import perturbed
 
 
 WEIGHTINGS = st.sampled_from([fg.GHuberWeighting(), fg.HuberWeighting(), fg.TimeSquaredWeighting()])
-RATIOS = st.sampled_from(["per_time", "per_row"])
+RATIOS = st.sampled_from([fg.PerTimeRatio(), fg.PerRowRatio()])
 MASKS = st.lists(st.booleans(), min_size=N, max_size=N)
 
 

@@ -56,11 +56,11 @@ def setup(**kwargs):
 def draws(objective, batch, step):
     """The indices and noise `loss` draws from `step.key`, as its docstring states."""
     index_key, noise_key = jax.random.split(step.key)
-    first = objective.times == "discrete_with_init"
+    first = isinstance(objective.times, fg.DiscreteTimesWithInit)
     strata = objective.train_timesteps - (1 if first else 0)
     u = np.asarray(jax.random.uniform(index_key, (strata,), jnp.float32))
     index = ref.awm_indices(
-        u, K, objective.train_timesteps, objective.time_fraction, objective.times
+        u, K, objective.train_timesteps, objective.time_fraction, RELEASED[type(objective.times)]
     )
     count = len(index)
     noise = np.asarray(jax.random.normal(noise_key, (N * count, DIM), jnp.float32), np.float64)
@@ -96,9 +96,9 @@ def numpy_loss(objective, params, ema, reference, batch, t, noise, old=None):
             if ema is not None:
                 v_ema = velocity(ema, x_t, t[b, j], cond[b])
                 ema_lp[j, b] = ref.awm_log_prob(v_ema, *args)
-                ema_kl += ref.awm_kl(v, v_ema, t[b, j], objective.ema_kl_weight)
+                ema_kl += ref.awm_kl(v, v_ema, t[b, j], RELEASED[type(objective.ema_kl_weight)])
             v_ref = velocity(reference, x_t, t[b, j], cond[b])
-            kl += ref.awm_kl(v, v_ref, t[b, j], objective.kl_weight)
+            kl += ref.awm_kl(v, v_ref, t[b, j], RELEASED[type(objective.kl_weight)])
     if old is None:
         old = ema_lp if objective.off_policy else lp
     advantages = ref.awm_advantages(
@@ -106,10 +106,23 @@ def numpy_loss(objective, params, ema, reference, batch, t, noise, old=None):
         objective.adv_clip_max,
         objective.advantage_max,
     )
-    loss_type = "exp_first" if objective.ratio == "per_time" else "sum_first"
+    loss_type = RELEASED[type(objective.ratio)]
     policy, _ = ref.awm_policy_loss(lp, old, advantages, objective.clip_range, loss_type)
     total = policy + objective.kl_beta * kl / lp.size + objective.ema_beta * ema_kl / lp.size
     return total * len(rows), old
+
+
+RELEASED = {
+    fg.PerTimeRatio: "exp_first",
+    fg.PerRowRatio: "sum_first",
+    fg.DiscreteTimesWithoutInit: "discrete_wo_init",
+    fg.DiscreteTimes: "discrete",
+    fg.DiscreteTimesWithInit: "discrete_with_init",
+    fg.UniformKLWeight: "uniform",
+    fg.ELBOKLWeight: "elbo",
+}
+"""The release's `loss_type`, `time_type` and KL weighting string that each variant class
+stands for (the float64 statement takes the release's names)."""
 
 
 def released_weighting(weighting):
@@ -130,23 +143,28 @@ CASES = [
     {},  # the released GenEval recipe
     {
         "weighting": fg.HuberWeighting(),
-        "ratio": "per_row",
-        "kl_weight": "elbo",
-        "ema_kl_weight": "elbo",
+        "ratio": fg.PerRowRatio(),
+        "kl_weight": fg.ELBOKLWeight(),
+        "ema_kl_weight": fg.ELBOKLWeight(),
     },
-    {"weighting": fg.TimeWeighting(), "off_policy": True, "clip_range": 0.02, "times": "discrete"},
+    {
+        "weighting": fg.TimeWeighting(),
+        "off_policy": True,
+        "clip_range": 0.02,
+        "times": fg.DiscreteTimes(),
+    },
     {
         "weighting": fg.TimeSquaredWeighting(),
         "off_policy": True,
         "clip_range": 0.05,
-        "ratio": "per_row",
+        "ratio": fg.PerRowRatio(),
     },
     {
         "weighting": fg.UniformWeighting(),
         "off_policy": True,
         "clip_range": 0.2,
         "advantage_max": None,
-        "times": "discrete_with_init",
+        "times": fg.DiscreteTimesWithInit(),
         "train_timesteps": 4,
         "kl_beta": 0.1,
     },
@@ -183,18 +201,20 @@ def test_awm_loss_and_gradient_match_the_released_statement(kwargs):
         )
 
 
-@pytest.mark.parametrize("times", ["discrete_wo_init", "discrete", "discrete_with_init"])
+@pytest.mark.parametrize(
+    "times", [fg.DiscreteTimesWithoutInit(), fg.DiscreteTimes(), fg.DiscreteTimesWithInit()]
+)
 @pytest.mark.parametrize(
     "grid_size, count, fraction", [(14, 6, 0.9), (10, 3, 1.0), (40, 7, 0.5), (5, 6, 1.0)]
 )
 def test_trained_indices_are_the_released_strata(times, grid_size, count, fraction):
     objective = make_objective(times=times, train_timesteps=count, time_fraction=fraction)
-    strata = count - 1 if times == "discrete_with_init" else count
+    strata = count - 1 if isinstance(times, fg.DiscreteTimesWithInit) else count
     for seed in range(5):
         key = jax.random.key(seed)
         got = np.asarray(objective.trained_indices(grid_size, key))
         u = np.asarray(jax.random.uniform(key, (strata,), jnp.float32))
-        want = ref.awm_indices(u, grid_size, count, fraction, times)
+        want = ref.awm_indices(u, grid_size, count, fraction, RELEASED[type(times)])
         assert got.tolist() == want
         assert got.dtype == np.int32 and got.shape == (count,)
         assert np.all((got >= 0) & (got < int(grid_size * fraction)))
@@ -265,15 +285,16 @@ def test_the_ema_follows_the_released_linear_schedule_once_per_epoch():
 
 def test_awm_defaults_are_the_released_geneval_recipe():
     objective = make_objective()
-    assert (objective.weighting, objective.ratio) == (fg.GHuberWeighting(power=0.25), "per_time")
+    assert objective.weighting == fg.GHuberWeighting(power=0.25)
+    assert objective.ratio == fg.PerTimeRatio()
     assert (objective.clip_range, objective.adv_clip_max, objective.advantage_max) == (1, 5, 1)
     assert (objective.times, objective.train_timesteps, objective.time_fraction) == (
-        "discrete_wo_init",
+        fg.DiscreteTimesWithoutInit(),
         6,
         0.9,
     )
-    assert (objective.kl_beta, objective.kl_weight) == (0.001, "uniform")
-    assert (objective.ema_beta, objective.ema_kl_weight) == (1.0, "uniform")
+    assert (objective.kl_beta, objective.kl_weight) == (0.001, fg.UniformKLWeight())
+    assert (objective.ema_beta, objective.ema_kl_weight) == (1.0, fg.UniformKLWeight())
     assert objective.off_policy is False
     sampler = objective.rollout_sampler(None)
     assert isinstance(sampler, fg.SDESampler)
@@ -328,14 +349,25 @@ def test_the_ghuber_power_is_checked_by_name(power):
             "`weighting` must be an AbstractAWMWeighting (GHuberWeighting, HuberWeighting, "
             "TimeWeighting, TimeSquaredWeighting, UniformWeighting), got 'ghuber'.",
         ),
-        ({"ratio": "exp_first"}, "`ratio` must be one of 'per_time', 'per_row', got 'exp_first'."),
         (
-            {"times": "uniform"},
-            "`times` must be one of 'discrete_wo_init', 'discrete', 'discrete_with_init', got "
-            "'uniform'.",
+            {"ratio": "per_row"},
+            "`ratio` must be an AbstractAWMRatio (PerTimeRatio(), PerRowRatio()), got 'per_row'.",
         ),
-        ({"kl_weight": "ELBO"}, "`kl_weight` must be one of 'uniform', 'elbo', got 'ELBO'."),
-        ({"ema_kl_weight": "x"}, "`ema_kl_weight` must be one of 'uniform', 'elbo', got 'x'."),
+        (
+            {"times": "discrete"},
+            "`times` must be an AbstractAWMTimes (DiscreteTimesWithoutInit(), DiscreteTimes(), "
+            "DiscreteTimesWithInit()), got 'discrete'.",
+        ),
+        (
+            {"kl_weight": "elbo"},
+            "`kl_weight` must be an AbstractAWMKLWeight (UniformKLWeight(), ELBOKLWeight()), "
+            "got 'elbo'.",
+        ),
+        (
+            {"ema_kl_weight": fg.PerRowRatio()},
+            "`ema_kl_weight` must be an AbstractAWMKLWeight (UniformKLWeight(), ELBOKLWeight()), "
+            "got PerRowRatio().",
+        ),
         ({"off_policy": 1}, "`off_policy` must be a bool, got 1."),
         ({"sde": fg.Euler()}, "`sde` must be an AbstractSDE, got Euler()."),
     ],
@@ -416,7 +448,9 @@ def test_awm_trains_on_the_final_samples_of_an_sde_rollout():
 
 
 def test_a_masked_row_of_nan_reaches_neither_the_loss_nor_its_gradient():
-    objective, variables, batch = setup(kl_weight="elbo", ema_kl_weight="elbo")
+    objective, variables, batch = setup(
+        kl_weight=fg.ELBOKLWeight(), ema_kl_weight=fg.ELBOKLWeight()
+    )
 
     def value(policy):
         both = fg.AWMVariables(policy, variables.ema, variables.reference)

@@ -10,16 +10,23 @@ DGPO (`DGPOObjective`), Flow-DPPO (`FlowDPPOObjective`) and DanceGRPO (`DanceGRP
 """
 
 from ._awm import (
+    AbstractAWMKLWeight as AbstractAWMKLWeight,
+    AbstractAWMRatio as AbstractAWMRatio,
+    AbstractAWMTimes as AbstractAWMTimes,
     AbstractAWMWeighting as AbstractAWMWeighting,
-    AWMKLWeight as AWMKLWeight,
     AWMObjective as AWMObjective,
-    AWMRatio as AWMRatio,
-    AWMTimes as AWMTimes,
     AWMVariables as AWMVariables,
+    DiscreteTimes as DiscreteTimes,
+    DiscreteTimesWithInit as DiscreteTimesWithInit,
+    DiscreteTimesWithoutInit as DiscreteTimesWithoutInit,
+    ELBOKLWeight as ELBOKLWeight,
     GHuberWeighting as GHuberWeighting,
     HuberWeighting as HuberWeighting,
+    PerRowRatio as PerRowRatio,
+    PerTimeRatio as PerTimeRatio,
     TimeSquaredWeighting as TimeSquaredWeighting,
     TimeWeighting as TimeWeighting,
+    UniformKLWeight as UniformKLWeight,
     UniformWeighting as UniformWeighting,
 )
 from ._base import (

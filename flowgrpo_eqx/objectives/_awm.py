@@ -2,7 +2,7 @@
 
 import abc
 from dataclasses import KW_ONLY
-from typing import Any, Literal, TypeAlias, final
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -24,7 +24,6 @@ from .._guided_flow import GuidedFlow
 from .._misc import (
     check_bool,
     check_int,
-    check_mode,
     check_number,
     stop_gradient_arrays,
     zero_rows_unless,
@@ -128,19 +127,161 @@ class UniformWeighting(AbstractAWMWeighting):
         return -error
 
 
-AWMRatio: TypeAlias = Literal["per_time", "per_row"]
-"""Where AWM takes its ratio: one per (row, time) (the release's `loss_type='exp_first'`, its
-default), or one per row from its mean log-likelihood over its times (`'sum_first'`)."""
+class AbstractAWMRatio(eqx.Module):
+    """Where AWM takes its policy ratio (the release's `loss_type`): `PerTimeRatio` (its
+    default `'exp_first'`) or `PerRowRatio` (`'sum_first'`)."""
 
-AWMTimes: TypeAlias = Literal["discrete_wo_init", "discrete", "discrete_with_init"]
-"""How AWM chooses its trained grid indices (the release's `time_type`): one uniform draw in
-each of `train_timesteps` strata of `[1, int(K time_fraction))` (`"discrete_wo_init"`, the
-GenEval and OCR default), of `[0, ...)` (`"discrete"`, PickScore), or index 0 and one draw in
-each of `train_timesteps - 1` strata of `[1, ...)` (`"discrete_with_init"`)."""
+    @abc.abstractmethod
+    def ratios(
+        self, log_p: PerExample, old: PerExample, advantages: Float[Array, " N"], count: int
+    ) -> tuple[Float[Array, " R"], Float[Array, " R"], Float[Array, " R"], int]:
+        """The ratios' log-likelihoods, their old values and advantages, side by side.
 
-AWMKLWeight: TypeAlias = Literal["uniform", "elbo"]
-"""How a velocity KL is weighted per example: `mean (v - v')^2` (`"uniform"`, the released
-default), or that over `2 std^2`, `std = 0.7 sqrt(t / (1 - min(t, 0.99)))` (`"elbo"`)."""
+        **Arguments:**
+
+        - `log_p`, `old`: `[N T]` log-likelihood surrogates, rows repeated time-fastest.
+        - `advantages`: `[N]` advantages.
+        - `count`: `T`, the times per row.
+
+        **Returns:**
+
+        `(log_p, old, advantages, per)`: `[R]` each, one per ratio, and `per = R / N`, the
+        ratios per row.
+        """
+
+
+@final
+class PerTimeRatio(AbstractAWMRatio):
+    """One ratio per (row, time): the release's `loss_type='exp_first'`, its default."""
+
+    def ratios(
+        self, log_p: PerExample, old: PerExample, advantages: Float[Array, " N"], count: int
+    ) -> tuple[Float[Array, " R"], Float[Array, " R"], Float[Array, " R"], int]:
+        return log_p, old, jnp.repeat(advantages, count), count
+
+
+@final
+class PerRowRatio(AbstractAWMRatio):
+    """One ratio per row, from its mean log-likelihood over its times: the release's
+    `loss_type='sum_first'`."""
+
+    def ratios(
+        self, log_p: PerExample, old: PerExample, advantages: Float[Array, " N"], count: int
+    ) -> tuple[Float[Array, " R"], Float[Array, " R"], Float[Array, " R"], int]:
+        return row_mean(log_p, count), row_mean(old, count), advantages, 1
+
+
+def _strata_draws(start: int, top: int, strata: int, key: PRNGKeyArray) -> Int[Array, " S"]:
+    """One uniform index in each of `strata` strata of `[start, top)`: the strata's bounds are
+    `linspace(start, top, strata + 1)` truncated to ints, and with
+    `u = jax.random.uniform(key, (strata,))` each index is `lower + int(u (upper - lower))`."""
+    bounds = np.linspace(start, top, strata + 1).astype(np.int64)
+    lower = jnp.asarray(bounds[:-1], jnp.int32)
+    width = jnp.asarray(bounds[1:] - bounds[:-1], jnp.float32)
+    u = jax.random.uniform(key, (strata,), jnp.float32)
+    return lower + (u * width).astype(jnp.int32)
+
+
+class AbstractAWMTimes(eqx.Module):
+    """How AWM chooses its trained grid indices (the release's `time_type`), strata of
+    `[start, int(K time_fraction))` of a grid of `K` start times: `DiscreteTimesWithoutInit`
+    (`'discrete_wo_init'`, the GenEval and OCR default), `DiscreteTimes` (`'discrete'`,
+    PickScore) or `DiscreteTimesWithInit` (`'discrete_with_init'`)."""
+
+    @abc.abstractmethod
+    def start(self) -> int:
+        """The first index the strata may draw (0, or 1 to leave out pure noise)."""
+
+    @abc.abstractmethod
+    def indices(self, top: int, train_timesteps: int, key: PRNGKeyArray) -> Int[Array, " T"]:
+        """The `T = train_timesteps` indices of one minibatch.
+
+        **Arguments:**
+
+        - `top`: `int(K time_fraction)`, the strata's end (exclusive), > `start()`.
+        - `train_timesteps`: `T`.
+        - `key`: draws the indices.
+
+        **Returns:**
+
+        `[T]` int32 indices.
+        """
+
+
+@final
+class DiscreteTimesWithoutInit(AbstractAWMTimes):
+    """One draw in each of `T` strata of `[1, int(K time_fraction))`, never the first start
+    time (pure noise): the release's `time_type='discrete_wo_init'`, the GenEval and OCR
+    default."""
+
+    def start(self) -> int:
+        return 1
+
+    def indices(self, top: int, train_timesteps: int, key: PRNGKeyArray) -> Int[Array, " T"]:
+        return _strata_draws(1, top, train_timesteps, key)
+
+
+@final
+class DiscreteTimes(AbstractAWMTimes):
+    """One draw in each of `T` strata of `[0, int(K time_fraction))`: the release's
+    `time_type='discrete'` (PickScore)."""
+
+    def start(self) -> int:
+        return 0
+
+    def indices(self, top: int, train_timesteps: int, key: PRNGKeyArray) -> Int[Array, " T"]:
+        return _strata_draws(0, top, train_timesteps, key)
+
+
+@final
+class DiscreteTimesWithInit(AbstractAWMTimes):
+    """Index 0 and one draw in each of `T - 1` strata of `[1, int(K time_fraction))`: the
+    release's `time_type='discrete_with_init'`."""
+
+    def start(self) -> int:
+        return 1
+
+    def indices(self, top: int, train_timesteps: int, key: PRNGKeyArray) -> Int[Array, " T"]:
+        drawn = _strata_draws(1, top, train_timesteps - 1, key)
+        return jnp.concatenate([jnp.zeros((1,), jnp.int32), drawn])
+
+
+class AbstractAWMKLWeight(eqx.Module):
+    """How a velocity KL is weighted per example: `UniformKLWeight` (the released default)
+    or `ELBOKLWeight`."""
+
+    @abc.abstractmethod
+    def __call__(self, kl: PerExample, t: PerExample) -> PerExample:
+        """The weighted KL of each example.
+
+        **Arguments:**
+
+        - `kl`: `[F]` velocity KLs `mean (v - v')^2`.
+        - `t`: `[F]` their times.
+
+        **Returns:**
+
+        `[F]` weighted KLs.
+        """
+
+
+@final
+class UniformKLWeight(AbstractAWMKLWeight):
+    """`mean (v - v')^2` as it is: the release's `'uniform'`, its default."""
+
+    def __call__(self, kl: PerExample, t: PerExample) -> PerExample:
+        return kl
+
+
+@final
+class ELBOKLWeight(AbstractAWMKLWeight):
+    """`mean (v - v')^2 / (2 std^2)`, `std = 0.7 sqrt(t / (1 - min(t, 0.99)))`: the release's
+    `'elbo'`."""
+
+    def __call__(self, kl: PerExample, t: PerExample) -> PerExample:
+        std = jnp.sqrt(t / (1 - jnp.clip(t, 0.0, 0.99))) * 0.7
+        return kl / (2 * std**2)
+
 
 _RELEASED_SDE = FlowSDE(noise_level=0.4, window=(0.9, 0.3))
 _RELEASED_EMA_DECAY = RampedDecay(rate=0.001, maximum=0.3)
@@ -180,13 +321,13 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     per (row, time): `x_t = (1 - t) x_0 + t eps`. The flow-matching error
     `e = mean (v_theta(x_t, t) - (eps - x_0))^2` becomes a log-likelihood surrogate
     `log p = weighting(e, t)` (`AbstractAWMWeighting`). The ratio is `exp(log p - old)` per example
-    (or per row, `ratio="per_row"`) with `old = stop_gradient(log p)` (on-policy, the
+    (or per row, `ratio=PerRowRatio()`) with `old = stop_gradient(log p)` (on-policy, the
     released default: the ratio is exactly 1, the loss `-mean(A')` in value and
     `-mean(A' grad log p)` in gradient), or the EMA policy's (`off_policy=True`). With
     `A' = clip(A, -adv_clip_max, adv_clip_max) / adv_clip_max * advantage_max`, the policy
     loss is the mean of `max(-A' r, -A' clip(r, 1 - clip_range, 1 + clip_range))`; the loss
     adds `kl_beta` times the velocity KL to the base model and `ema_beta` times the one to
-    the EMA policy (`AWMKLWeight`). Rows count alike, zero-advantage rows included (the
+    the EMA policy (`AbstractAWMKLWeight`). Rows count alike, zero-advantage rows included (the
     release drops none).
 
     The EMA moves once per epoch, `ema = d ema + (1 - d) live` with `d = ema_decay(step)`
@@ -206,18 +347,19 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         recipe is a `flow` with `guidance=None`.
     - `weighting`: an `AbstractAWMWeighting` (default `GHuberWeighting(0.25)`, the
         release's `weighting='ghuber'` with `ghuber_power=0.25`).
-    - `ratio`: `"per_time"` (default) or `"per_row"`.
+    - `ratio`: an `AbstractAWMRatio`: `PerTimeRatio()` (default) or `PerRowRatio()`.
     - `clip_range`: the ratio clip, > 0 (default 1.0, the recipe's).
     - `adv_clip_max`: the advantage clip, > 0 (default 5.0, the release's).
     - `advantage_max`: the clipped advantage's new bound, > 0, or `None` to keep the clip's
         scale (default 1.0, the recipe's).
-    - `times`: `"discrete_wo_init"` (default) or another `AWMTimes`.
+    - `times`: an `AbstractAWMTimes`: `DiscreteTimesWithoutInit()` (default),
+        `DiscreteTimes()` or `DiscreteTimesWithInit()`.
     - `train_timesteps`: `T`, the trained times per row, >= 1 (default 6).
     - `time_fraction`: the fraction of the grid the strata cover, in (0, 1] (default 0.9).
     - `kl_beta`: the weight of the KL to the base model, >= 0 (default 0.001).
-    - `kl_weight`: its `AWMKLWeight` (default `"uniform"`).
+    - `kl_weight`: its `AbstractAWMKLWeight` (default `UniformKLWeight()`).
     - `ema_beta`: the weight of the KL to the EMA policy, >= 0 (default 1.0).
-    - `ema_kl_weight`: its `AWMKLWeight` (default `"uniform"`).
+    - `ema_kl_weight`: its `AbstractAWMKLWeight` (default `UniformKLWeight()`).
     - `ema_decay`: a `RampedDecay` (default, the released linear schedule), a constant in
         [0, 1) (the release's `'constant'`), or `None` to keep the EMA at the initial policy.
     - `off_policy`: whether the EMA policy samples the rollout and gives the old
@@ -226,24 +368,25 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
 
     **Raises:**
 
-    - `ValueError`: naming the argument, for a value outside the ranges above, an unknown
-        mode, a `flow` that is not a `GuidedFlow`, or a `sde` that is not an `AbstractSDE`.
+    - `ValueError`: naming the argument, for a value outside the ranges above, a `ratio`,
+        `times`, `kl_weight` or `ema_kl_weight` not of its abstract class, a `flow` that is
+        not a `GuidedFlow`, or a `sde` that is not an `AbstractSDE`.
     """
 
     flow: GuidedFlow
     _: KW_ONLY
     weighting: AbstractAWMWeighting = GHuberWeighting()
-    ratio: AWMRatio = eqx.field(default="per_time", static=True)
+    ratio: AbstractAWMRatio = PerTimeRatio()
     clip_range: float = 1.0
     adv_clip_max: float = 5.0
     advantage_max: float | None = 1.0
-    times: AWMTimes = eqx.field(default="discrete_wo_init", static=True)
+    times: AbstractAWMTimes = DiscreteTimesWithoutInit()
     train_timesteps: int = eqx.field(default=6, static=True)
     time_fraction: float = eqx.field(default=0.9, static=True)
     kl_beta: float = 0.001
-    kl_weight: AWMKLWeight = eqx.field(default="uniform", static=True)
+    kl_weight: AbstractAWMKLWeight = UniformKLWeight()
     ema_beta: float = 1.0
-    ema_kl_weight: AWMKLWeight = eqx.field(default="uniform", static=True)
+    ema_kl_weight: AbstractAWMKLWeight = UniformKLWeight()
     ema_decay: float | RampedDecay | None = _RELEASED_EMA_DECAY
     off_policy: bool = eqx.field(default=False, static=True)
     sde: AbstractSDE = _RELEASED_SDE
@@ -255,10 +398,22 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
                 "`weighting` must be an AbstractAWMWeighting (GHuberWeighting, HuberWeighting, "
                 f"TimeWeighting, TimeSquaredWeighting, UniformWeighting), got {self.weighting!r}."
             )
-        check_mode("ratio", self.ratio, AWMRatio)
-        check_mode("times", self.times, AWMTimes)
-        check_mode("kl_weight", self.kl_weight, AWMKLWeight)
-        check_mode("ema_kl_weight", self.ema_kl_weight, AWMKLWeight)
+        variants = (
+            ("ratio", AbstractAWMRatio, "PerTimeRatio(), PerRowRatio()"),
+            (
+                "times",
+                AbstractAWMTimes,
+                "DiscreteTimesWithoutInit(), DiscreteTimes(), DiscreteTimesWithInit()",
+            ),
+            ("kl_weight", AbstractAWMKLWeight, "UniformKLWeight(), ELBOKLWeight()"),
+            ("ema_kl_weight", AbstractAWMKLWeight, "UniformKLWeight(), ELBOKLWeight()"),
+        )
+        for name, kind, examples in variants:
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise ValueError(
+                    f"`{name}` must be an {kind.__name__} ({examples}), got {value!r}."
+                )
         for name in ("clip_range", "adv_clip_max", "advantage_max"):
             value = getattr(self, name)
             optional = name == "advantage_max"
@@ -377,15 +532,10 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
     def trained_indices(self, grid_size: int, key: PRNGKeyArray) -> Int[Array, " T"]:
         """The `T` grid indices a minibatch trains at, one per stratum (`times`).
 
-        The strata's bounds are `linspace(start, int(grid_size * time_fraction), n + 1)`
-        truncated to ints, with `start = 0` for `"discrete"` and 1 otherwise and `n` strata
-        (`T`, or `T - 1` after the fixed index 0 of `"discrete_with_init"`); with
-        `u = jax.random.uniform(key, (n,))`, index `lower + int(u (upper - lower))`.
-
         **Arguments:**
 
         - `grid_size`: `K`, the start times of the sampler's grid.
-        - `key`: draws `u`.
+        - `key`: draws the indices (`AbstractAWMTimes.indices`).
 
         **Returns:**
 
@@ -394,9 +544,9 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         **Raises:**
 
         - `ValueError`: naming `time_fraction`, if `int(K time_fraction)` leaves no index
-            after `start`.
+            after `times.start()`.
         """
-        start = 0 if self.times == "discrete" else 1
+        start = self.times.start()
         top = int(grid_size * self.time_fraction)
         if top <= start:
             raise ValueError(
@@ -404,33 +554,24 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
                 f"leaves no trained index for `times`={self.times!r} (needs "
                 f"int(K * time_fraction) > {start})."
             )
-        first = self.times == "discrete_with_init"
-        strata = self.train_timesteps - 1 if first else self.train_timesteps
-        bounds = np.linspace(start, top, strata + 1).astype(np.int64)
-        lower = jnp.asarray(bounds[:-1], jnp.int32)
-        width = jnp.asarray(bounds[1:] - bounds[:-1], jnp.float32)
-        u = jax.random.uniform(key, (strata,), jnp.float32)
-        drawn = lower + (u * width).astype(jnp.int32)
-        return jnp.concatenate([jnp.zeros((1,), jnp.int32), drawn]) if first else drawn
+        return self.times.indices(top, self.train_timesteps, key)
 
-    def kl_of(self, v: Array, v_other: Array, t: PerExample, weight: AWMKLWeight) -> PerExample:
-        """The velocity KL of each example: `mean (v - v')^2`, over `2 std^2` for `"elbo"`.
+    def kl_of(
+        self, v: Array, v_other: Array, t: PerExample, weight: AbstractAWMKLWeight
+    ) -> PerExample:
+        """The weighted velocity KL of each example: `weight(mean (v - v')^2, t)`.
 
         **Arguments:**
 
         - `v`, `v_other`: `[F, *latent]` velocities (`v_other` without gradient).
         - `t`: `[F]` their times.
-        - `weight`: `"uniform"` or `"elbo"`.
+        - `weight`: an `AbstractAWMKLWeight`.
 
         **Returns:**
 
         `[F]` KLs.
         """
-        kl = example_mse(v, jax.lax.stop_gradient(v_other))
-        if weight == "uniform":
-            return kl
-        std = jnp.sqrt(t / (1 - jnp.clip(t, 0.0, 0.99))) * 0.7
-        return kl / (2 * std**2)
+        return weight(example_mse(v, jax.lax.stop_gradient(v_other)), t)
 
     def loss(
         self, variables: AWMVariables, batch: FinalSamples, step: Step
@@ -451,7 +592,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         **Returns:**
 
         `(Mean(sum of per-row losses, counted rows), aux)`, each row's loss its mean over
-        its times (its own with `ratio="per_row"`), and `aux` the `Mean`s over counted rows
+        its times (its own with `ratio=PerRowRatio()`), and `aux` the `Mean`s over counted rows
         of `policy_loss`, `error` (`e`), `log_likelihood`, `ratio`, `clipfrac`
         (`|r - 1| > clip_range`), `advantage` (`A'`), and `kl` and `ema_kl` when weighted.
 
@@ -520,12 +661,7 @@ class AWMObjective(AbstractRLObjective[AWMVariables, FinalSamples]):
         count: int,
     ) -> tuple[Float[Array, " N"], Float[Array, " R"]]:
         """Each row's clipped policy loss and the ratios (per example or per row)."""
-        if self.ratio == "per_row":
-            log_p, old = row_mean(log_p, count), row_mean(old, count)
-            per = 1
-        else:
-            advantages = jnp.repeat(advantages, count)
-            per = count
+        log_p, old, advantages, per = self.ratio.ratios(log_p, old, advantages, count)
         ratio = jnp.exp(log_p - old)
         clipped = jnp.clip(ratio, 1.0 - self.clip_range, 1.0 + self.clip_range)
         loss = jnp.maximum(-advantages * ratio, -advantages * clipped)
