@@ -116,6 +116,7 @@ from .objectives import (
     AbstractNFTLoss as AbstractNFTLoss,
     AbstractReferenceVariables as AbstractReferenceVariables,
     AbstractRLObjective as AbstractRLObjective,
+    AbstractTransitionObjective as AbstractTransitionObjective,
     AbstractVariables as AbstractVariables,
     AdaptiveX0Loss as AdaptiveX0Loss,
     AWMObjective as AWMObjective,

@@ -1,6 +1,6 @@
 """`check_consistency`: the porting check, one collect and one update on a user's setup.
 
-What goes wrong when a model is ported to Flow-GRPO is rarely loud: rescored log densities
+What goes wrong when a model is ported to an RL objective is rarely loud: rescored log densities
 drift from the rollout's (dropout left on, a low-precision model, a different SDE), the
 on-policy ratio is not 1, masked garbage leaks into the gradient, part of the model does not
 train. Each line of the report measures one of these on the user's own objective, rollout,
@@ -18,10 +18,10 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._custom_types import Aux, Step, Transitions
-from ._misc import repeat_rows
+from ._custom_types import FinalSamples, RolloutInfo, Step, Transitions
+from ._misc import leading_rows, repeat_rows
 from ._rollout import FlowRollout
-from .objectives import FlowGRPOObjective, FlowGRPOVariables
+from .objectives import AbstractRLObjective, AbstractTransitionObjective, AbstractVariables, Rescore
 from .rewards._reward import RewardError, reward_name
 from .train import Trainer
 
@@ -183,23 +183,26 @@ class ConsistencyThresholds(eqx.Module):
 
 @eqx.filter_jit
 def _rescore(
-    objective: FlowGRPOObjective, variables: FlowGRPOVariables, batch: Transitions
+    objective: AbstractTransitionObjective[Any, Any],
+    variables: AbstractVariables,
+    batch: Transitions,
 ) -> Array:
     return objective.log_probs(variables, batch)
 
 
 @eqx.filter_jit
 def _loss_and_gradient(
-    objective: FlowGRPOObjective,
+    objective: AbstractRLObjective[Any, Any],
     trainer: Trainer,
-    variables: FlowGRPOVariables,
-    batch: Transitions,
+    variables: AbstractVariables,
+    batch: Any,
     step: Step,
-) -> tuple[Array, Aux, PyTree[Any]]:
-    """The loss value and the gradient with respect to the trainer's trainable arrays."""
+) -> tuple[Array, Any, PyTree[Any]]:
+    """The loss value, its auxiliary output and the gradient with respect to the trainer's
+    trainable arrays."""
     trainable, frozen = trainer.split_policy(variables.policy)
 
-    def value(params: PyTree[Any]) -> tuple[Array, Aux]:
+    def value(params: PyTree[Any]) -> tuple[Array, Any]:
         policy = eqx.combine(params, frozen)
         total, aux = objective.loss(eqx.tree_at(lambda v: v.policy, variables, policy), batch, step)
         return total.value, aux
@@ -249,7 +252,7 @@ def _largest_difference(first: PyTree[Any], second: PyTree[Any]) -> float:
 
 
 def _poisoned_pair(
-    objective: FlowGRPOObjective, batch: Transitions
+    objective: AbstractTransitionObjective[Any, Any], batch: Transitions
 ) -> tuple[Transitions, Transitions, int] | None:
     """A clean batch with more transitions masked out, the same batch with NaN and inf in
     every masked entry, and how many entries were poisoned; `None` when no masking leaves
@@ -285,16 +288,33 @@ def _poisoned_pair(
             return leaf
         return poison(leaf, masked_rows, math.nan)
 
-    poisoned = Transitions(
-        latents=poison(batch.latents, masked, math.nan),
-        next_latents=poison(batch.next_latents, masked, math.inf),
-        timesteps=poison(batch.timesteps, masked, -math.inf),
-        next_timesteps=poison(batch.next_timesteps, masked, math.nan),
-        old_log_probs=poison(batch.old_log_probs, masked, math.inf),
-        transition_mask=jnp.asarray(chosen),
-        advantages=poison(batch.advantages, advantage_where, math.nan),
-        cond=jax.tree.map(poison_condition, batch.cond),
+    poisoned = eqx.tree_at(
+        lambda b: (
+            b.latents,
+            b.next_latents,
+            b.timesteps,
+            b.next_timesteps,
+            b.old_log_probs,
+            b.transition_mask,
+            b.advantages,
+            b.cond,
+        ),
+        batch,
+        (
+            poison(batch.latents, masked, math.nan),
+            poison(batch.next_latents, masked, math.inf),
+            poison(batch.timesteps, masked, -math.inf),
+            poison(batch.next_timesteps, masked, math.nan),
+            poison(batch.old_log_probs, masked, math.inf),
+            jnp.asarray(chosen),
+            poison(batch.advantages, advantage_where, math.nan),
+            jax.tree.map(poison_condition, batch.cond),
+        ),
     )
+    if batch.old_means is not None:
+        poisoned = eqx.tree_at(
+            lambda b: b.old_means, poisoned, poison(batch.old_means, masked, math.nan)
+        )
     return clean, poisoned, int(masked.sum())
 
 
@@ -330,9 +350,9 @@ class _Lines:
 
 
 def check_consistency(
-    objective: FlowGRPOObjective,
+    objective: AbstractRLObjective[Any, Any],
     rollout: FlowRollout,
-    variables: FlowGRPOVariables | None,
+    variables: AbstractVariables | None,
     rows: PyTree[Any],
     key: PRNGKeyArray,
     *,
@@ -344,30 +364,39 @@ def check_consistency(
     The lines, in order (a line is left out where it does not apply):
 
     - `reward shape`, `reward dtype`, `reward finite`, `reward repeatable`: the reward,
-        called directly on decoded samples of the live policy, returns `[N]` float64 finite
-        scores, the same ones when called again on the same samples.
+        called directly on decoded samples of the sampling policy, returns `[N]` float64
+        finite scores, the same ones when called again on the same samples.
     - `rollout reproducible`: two collects with the same key give identical batches.
-    - `kept transitions`: the batch has at least one transition that counts (masked in and
-        stochastic; a reward that ties every group keeps none).
-    - `log-prob gap max`, `log-prob gap mean`: `|objective.log_probs - old_log_probs|` over
-        the kept transitions: rescoring must reproduce the rollout's log densities.
-    - `ratio mean` (from the first update's loss), `ratio min`, `ratio max` (from the
-        rescored log densities): exactly 1 on-policy.
-    - `clip fraction`: 0 on-policy.
-    - `KL at init` (only when `beta > 0`): the policy is its own reference at first.
-    - `masked NaN/inf: loss`, `masked NaN/inf: gradient`: NaN and inf written into masked
-        entries (and into the float conditioning of wholly masked rows) change neither.
+    - For an `AbstractTransitionObjective` (Flow-GRPO, Flow-DPPO, DanceGRPO), whose loss
+        rescores the recorded transitions:
+        - `kept transitions`: at least one transition counts (masked in and stochastic; a
+            reward that ties every group keeps none).
+        - `log-prob gap max`, `log-prob gap mean`: `|objective.log_probs - old_log_probs|`
+            over the kept transitions: rescoring must reproduce the rollout's log densities.
+        - `ratio min`, `ratio max` (from the rescored log densities): exactly 1 on-policy.
+
+        Any other objective trains on what its rollout sampled, not on recorded log
+        densities: one line, `transition checks`, says that they do not apply, and why.
+    - `loss finite`: the first update's loss is finite.
+    - `ratio mean`, `clip fraction`, `KL at init`: where the objective's loss reports a
+        `ratio`, a `clipfrac` or a `kl` metric, the first update's are 1, 0 and 0 (the
+        policy is its own old policy and reference at first).
+    - `masked NaN/inf: loss`, `masked NaN/inf: gradient`: where the objective trains on
+        the `Transitions` themselves, NaN and inf written into masked entries (and into the
+        float conditioning of wholly masked rows) change neither.
     - `zero-gradient arrays`: every trainable array of the policy gets a finite, non-zero
         gradient; the offending array paths are named.
     - `frozen arrays changed`: one `Trainer.update` leaves the frozen part of the policy and
-        the KL reference exactly as they were.
+        every other field of the variables (a KL reference, an EMA, an old policy) exactly
+        as they were.
 
     Runs in one process; every step is the library's own (`rollout.collect`,
+    `objective.training_batch`, `Trainer.rescore` when the batch asks for it,
     `objective.log_probs`, `objective.loss`, `Trainer.update`).
 
     **Arguments:**
 
-    - `objective`: the `FlowGRPOObjective` to check.
+    - `objective`: the `AbstractRLObjective` to check.
     - `rollout`: the `FlowRollout` that collects for it (normally over the same objective).
     - `variables`: the variables to start from, or `None` for `objective.init(key)`.
     - `rows`: the source rows of one rollout, `[P, ...]` host leaves.
@@ -382,11 +411,12 @@ def check_consistency(
 
     **Raises:**
 
-    - `ValueError`: if `objective` is not a `FlowGRPOObjective`, `rollout` not a
-        `FlowRollout`, or the rollout's sampler not an `SDESampler` of the objective's `sde`.
+    - `ValueError`: if `objective` is not an `AbstractRLObjective`, `rollout` not a
+        `FlowRollout`, or the rollout's sampler not one the objective trains on
+        (`rollout_sampler`).
     """
-    if not isinstance(objective, FlowGRPOObjective):
-        raise ValueError(f"`objective` must be a FlowGRPOObjective, got {objective!r}.")
+    if not isinstance(objective, AbstractRLObjective):
+        raise ValueError(f"`objective` must be an AbstractRLObjective, got {objective!r}.")
     if not isinstance(rollout, FlowRollout):
         raise ValueError(f"`rollout` must be a FlowRollout, got {rollout!r}.")
     objective.rollout_sampler(rollout.sampler)
@@ -396,43 +426,86 @@ def check_consistency(
     if variables is None:
         variables = objective.init(init_key)
     lines = _Lines()
-    _check_reward(rollout, variables, rows, collect_key, lines)
+    sampling_policy = objective.sampling_policy(variables)
+    _check_reward(rollout, sampling_policy, rows, collect_key, lines)
     try:
-        batch = _check_rollout_reproducible(rollout, variables, rows, collect_key, limits, lines)
+        collected, info = _check_rollout_reproducible(
+            rollout, sampling_policy, rows, collect_key, limits, lines
+        )
     except RewardError as error:
         lines.add("rollout collect", "raised", "no error", False, str(error))
         return lines.report()
-    kept = _check_kept_transitions(objective, batch, lines)
-    log_ratio = _check_log_prob_gap(objective, variables, batch, kept, limits, lines)
+    log_ratio = None
+    if isinstance(objective, AbstractTransitionObjective):
+        transitions = _recorded(collected)
+        kept = _check_kept_transitions(objective, transitions, lines)
+        log_ratio = _check_log_prob_gap(objective, variables, transitions, kept, limits, lines)
+        _add_ratio_range(log_ratio, limits, lines)
+    else:
+        lines.add(
+            "transition checks",
+            "not applicable",
+            "n/a",
+            True,
+            f"{type(objective).__name__} trains on what its rollout sampled, not on recorded "
+            "transitions: no log densities to rescore",
+        )
     state = trainer.init(init_key, variables)
+    batch = _training_batch(objective, trainer, state, collected, info)
     start = state.variables
-    assert isinstance(start, FlowGRPOVariables)
     must_stay = _frozen_arrays(trainer, start)
-    _, _, gradient = _loss_and_gradient(
-        objective, trainer, start, batch, Step(index=0, key=step_key)
-    )
+    step = Step(index=0, key=step_key)
+    _, _, gradient = _loss_and_gradient(objective, trainer, start, batch, step)
     gradient_arrays = _arrays_by_path(gradient, "policy")
     new_state, metrics = trainer.update(state, batch)
-    _check_first_update(objective, metrics, log_ratio, limits, lines)
-    _check_masked_entries(objective, trainer, variables, batch, step_key, limits, lines)
+    _check_first_update(metrics, limits, lines)
+    if isinstance(objective, AbstractTransitionObjective) and isinstance(batch, Transitions):
+        _check_masked_entries(objective, trainer, variables, batch, step_key, limits, lines)
     _check_gradient_reach(gradient_arrays, lines)
-    end = new_state.variables
-    assert isinstance(end, FlowGRPOVariables)
-    _check_frozen_arrays(must_stay, _frozen_arrays(trainer, end), lines)
+    _check_frozen_arrays(must_stay, _frozen_arrays(trainer, new_state.variables), lines)
     return lines.report()
+
+
+def _recorded(collected: Transitions | FinalSamples) -> Transitions:
+    """The rollout's `Transitions`.
+
+    **Raises:**
+
+    - `ValueError`: naming `rollout`, when it recorded final samples only.
+    """
+    if not isinstance(collected, Transitions):
+        raise ValueError(f"`rollout` recorded no transitions, got {type(collected).__name__}.")
+    return collected
+
+
+def _training_batch(
+    objective: AbstractRLObjective[Any, Any],
+    trainer: Trainer,
+    state: Any,
+    collected: Transitions | FinalSamples,
+    info: RolloutInfo,
+) -> Any:
+    """The batch the first update trains on, as the epoch loop builds it: the objective's
+    `training_batch`, rescored by the trainer over all its rows when it asks to be."""
+    requested = objective.training_batch(collected, info)
+    if not isinstance(requested, Rescore):
+        return requested
+    every_row = jnp.arange(leading_rows(requested.batch))
+    return trainer.rescore(state, requested, [every_row])
 
 
 def _check_reward(
     rollout: FlowRollout,
-    variables: FlowGRPOVariables,
+    policy: Any,
     rows: PyTree[Any],
     key: PRNGKeyArray,
     lines: _Lines,
 ) -> None:
     """`reward shape`, `reward dtype`, `reward finite`, `reward repeatable` (or `reward
-    call` when it raises): the reward called directly on the policy's decoded samples."""
+    call` when it raises): the reward called directly on the sampling policy's decoded
+    samples."""
     host_rows = repeat_rows(rows, rollout.groups)
-    generated = rollout.generate(variables.policy, jax.tree.map(jnp.asarray, host_rows), key)
+    generated = rollout.generate(policy, jax.tree.map(jnp.asarray, host_rows), key)
     samples = np.asarray(generated.samples)
     num = int(samples.shape[0])
     reward = rollout.reward
@@ -477,20 +550,20 @@ def _check_reward(
 
 def _check_rollout_reproducible(
     rollout: FlowRollout,
-    variables: FlowGRPOVariables,
+    policy: Any,
     rows: PyTree[Any],
     key: PRNGKeyArray,
     limits: ConsistencyThresholds,
     lines: _Lines,
-) -> Transitions:
-    """`rollout reproducible`: two collects with one key; returns the first batch.
+) -> tuple[Transitions | FinalSamples, RolloutInfo]:
+    """`rollout reproducible`: two collects with one key; returns the first.
 
     **Raises:**
 
     - `RewardError`: from the collect, which the caller reports.
     """
-    collected, info = rollout.collect(variables.policy, rows, key)
-    again, again_info = rollout.collect(variables.policy, rows, key)
+    collected, info = rollout.collect(policy, rows, key)
+    again, again_info = rollout.collect(policy, rows, key)
     difference = max(
         _largest_difference(collected, again),
         _largest_difference(info.rewards, again_info.rewards),
@@ -501,13 +574,11 @@ def _check_rollout_reproducible(
         limits.rollout_difference,
         "largest difference between two collects with the same key (batch and rewards)",
     )
-    if not isinstance(collected, Transitions):
-        raise ValueError(f"`rollout` recorded no transitions, got {type(collected).__name__}.")
-    return collected
+    return collected, info
 
 
 def _check_kept_transitions(
-    objective: FlowGRPOObjective, batch: Transitions, lines: _Lines
+    objective: AbstractTransitionObjective[Any, Any], batch: Transitions, lines: _Lines
 ) -> npt.NDArray[np.bool_]:
     """`kept transitions`: at least one transition counts; returns the kept mask `[N, K]`."""
     kept = np.asarray(objective.kept(batch))
@@ -523,8 +594,8 @@ def _check_kept_transitions(
 
 
 def _check_log_prob_gap(
-    objective: FlowGRPOObjective,
-    variables: FlowGRPOVariables,
+    objective: AbstractTransitionObjective[Any, Any],
+    variables: AbstractVariables,
     batch: Transitions,
     kept: npt.NDArray[np.bool_],
     limits: ConsistencyThresholds,
@@ -557,47 +628,60 @@ def _check_log_prob_gap(
     return log_ratio
 
 
-def _check_first_update(
-    objective: FlowGRPOObjective,
-    metrics: dict[str, Any],
-    log_ratio: npt.NDArray[np.float64],
-    limits: ConsistencyThresholds,
-    lines: _Lines,
+def _add_ratio_range(
+    log_ratio: npt.NDArray[np.float64], limits: ConsistencyThresholds, lines: _Lines
 ) -> None:
-    """`ratio mean`, `ratio min`, `ratio max`, `clip fraction` and (when `beta > 0`) `KL at
-    init`: the first update is on-policy."""
-    ratio_mean = float(metrics["ratio"])
+    """`ratio min`, `ratio max`: the rescored log densities' ratios to the recorded ones."""
     ratio_min = float(np.exp(np.min(log_ratio))) if log_ratio.size else math.nan
     ratio_max = float(np.exp(np.max(log_ratio))) if log_ratio.size else math.nan
     ratio_rule = f"|r - 1| <= {limits.ratio:g}"
-    lines.add(
-        "ratio mean",
-        ratio_mean,
-        ratio_rule,
-        abs(ratio_mean - 1.0) <= limits.ratio,
-        "the first update's mean policy ratio over kept transitions",
-    )
     lines.add("ratio min", ratio_min, ratio_rule, abs(ratio_min - 1.0) <= limits.ratio)
     lines.add("ratio max", ratio_max, ratio_rule, abs(ratio_max - 1.0) <= limits.ratio)
-    lines.at_most(
-        "clip fraction",
-        float(metrics["clipfrac"]),
-        limits.clip_fraction,
-        f"the first update's fraction of ratios outside 1 +- {objective.clip_range:g}",
+
+
+def _check_first_update(
+    metrics: dict[str, Any], limits: ConsistencyThresholds, lines: _Lines
+) -> None:
+    """`loss finite`, and `ratio mean`, `clip fraction`, `KL at init` where the loss reports
+    `ratio`, `clipfrac` and `kl`: the first update is on-policy."""
+    loss = float(metrics["loss"])
+    lines.add(
+        "loss finite",
+        loss,
+        "finite",
+        math.isfinite(loss),
+        "the first update's loss",
     )
-    if objective.beta > 0:
+    if "ratio" in metrics:
+        ratio_mean = float(metrics["ratio"])
+        lines.add(
+            "ratio mean",
+            ratio_mean,
+            f"|r - 1| <= {limits.ratio:g}",
+            abs(ratio_mean - 1.0) <= limits.ratio,
+            "the first update's mean policy ratio",
+        )
+    if "clipfrac" in metrics:
+        lines.at_most(
+            "clip fraction",
+            float(metrics["clipfrac"]),
+            limits.clip_fraction,
+            "the first update's fraction of clipped ratios",
+        )
+    if "kl" in metrics:
         lines.at_most(
             "KL at init",
             float(metrics["kl"]),
             limits.kl,
-            "the first update's KL to the reference (the same weights at initialisation)",
+            "the first update's KL (to the reference or the old policy: the same weights at "
+            "initialisation)",
         )
 
 
 def _check_masked_entries(
-    objective: FlowGRPOObjective,
+    objective: AbstractTransitionObjective[Any, Any],
     trainer: Trainer,
-    variables: FlowGRPOVariables,
+    variables: AbstractVariables,
     batch: Transitions,
     key: PRNGKeyArray,
     limits: ConsistencyThresholds,
@@ -646,10 +730,13 @@ def _check_gradient_reach(gradient_arrays: dict[str, npt.NDArray[Any]], lines: _
     )
 
 
-def _frozen_arrays(trainer: "Trainer", variables: FlowGRPOVariables) -> dict[str, npt.NDArray[Any]]:
-    """What one update must not change: the frozen part of the policy, and the reference."""
+def _frozen_arrays(trainer: Trainer, variables: AbstractVariables) -> dict[str, npt.NDArray[Any]]:
+    """What one update must not change: the frozen part of the policy, and every other
+    field of the variables (the optimizer writes `policy` alone)."""
     arrays = _arrays_by_path(trainer.split_policy(variables.policy)[1], "policy")
-    arrays.update(_arrays_by_path(variables.reference, "reference"))
+    for field in dataclasses.fields(variables):
+        if field.name != "policy":
+            arrays.update(_arrays_by_path(getattr(variables, field.name), field.name))
     return arrays
 
 
@@ -666,5 +753,5 @@ def _check_frozen_arrays(
         "frozen arrays changed",
         changed,
         (f"changed by one update: {_named(changed)}; " if changed else "")
-        + f"of {len(before)} frozen arrays (policy and reference)",
+        + f"of {len(before)} frozen arrays (the policy's and the other variables')",
     )

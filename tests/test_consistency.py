@@ -131,7 +131,7 @@ def test_user_mlp_passes_every_line_with_reference_kl() -> None:
     assert report.line("zero-gradient arrays").detail.endswith("of 6 trainable arrays")
     # beta > 0: the reference's six arrays are snapshotted and must not move.
     assert report.line("frozen arrays changed").detail.endswith(
-        "of 6 frozen arrays (policy and reference)"
+        "of 6 frozen arrays (the policy's and the other variables')"
     )
     table = str(report)
     assert table == report.table()
@@ -194,7 +194,7 @@ def test_trainable_filter_freezes_arrays_that_then_stay_put() -> None:
     assert report.line("zero-gradient arrays").detail.endswith("of 4 trainable arrays")
     # beta = 0: the frozen layer's two arrays, and no reference.
     assert report.line("frozen arrays changed").detail.endswith(
-        "of 2 frozen arrays (policy and reference)"
+        "of 2 frozen arrays (the policy's and the other variables')"
     )
 
 

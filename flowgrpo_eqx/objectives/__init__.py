@@ -34,6 +34,7 @@ from ._base import (
     AbstractFlowObjective as AbstractFlowObjective,
     AbstractReferenceVariables as AbstractReferenceVariables,
     AbstractRLObjective as AbstractRLObjective,
+    AbstractTransitionObjective as AbstractTransitionObjective,
     AbstractVariables as AbstractVariables,
     PolicyVariables as PolicyVariables,
     Rescore as Rescore,

@@ -8,9 +8,19 @@ from typing import Any, Generic, TypeVar, final
 import equinox as eqx
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from .._custom_types import FinalSamples, Mean, Model, RolloutInfo, Step, Transitions
+from .._custom_types import (
+    FinalSamples,
+    Mean,
+    Model,
+    PerTransition,
+    RolloutInfo,
+    Step,
+    TransitionMask,
+    Transitions,
+)
 from .._guided_flow import GuidedFlow
 from .._sampling import AbstractSampler
+from .._sde import AbstractSDE
 from ._trainable import TrainableFilter, held_part, reference_policy, with_part
 
 
@@ -315,4 +325,43 @@ class AbstractRLObjective(AbstractFlowObjective[VariablesT], Generic[VariablesT,
         **Returns:**
 
         `{name: value}` (may be empty).
+        """
+
+
+class AbstractTransitionObjective(AbstractRLObjective[VariablesT, BatchT]):
+    """An RL objective whose loss rescores the transitions its rollout recorded: it says
+    which of them count (`kept`) and rescores their log densities (`log_probs`) under its
+    `sde`. `FlowGRPOObjective`, `FlowDPPOObjective` and `DanceGRPOObjective` are ones;
+    objectives that train on final samples (`DiffusionNFTObjective`, `AWMObjective`,
+    `DGPOObjective`) are not, so the porting check's transition lines (`check_consistency`)
+    do not apply to them.
+    """
+
+    sde: eqx.AbstractVar[AbstractSDE]
+
+    @abc.abstractmethod
+    def kept(self, batch: Transitions) -> TransitionMask:
+        """The kept set: the transitions the loss averages over.
+
+        **Arguments:**
+
+        - `batch`: the recorded transitions.
+
+        **Returns:**
+
+        `[N, K]` bools.
+        """
+
+    @abc.abstractmethod
+    def log_probs(self, variables: AbstractVariables, batch: Transitions) -> PerTransition:
+        """The recorded transitions' log densities, rescored with the rollout's guidance.
+
+        **Arguments:**
+
+        - `variables`: the objective's variables.
+        - `batch`: the recorded transitions.
+
+        **Returns:**
+
+        `[N, K]` log densities, comparable with `batch.old_log_probs`.
         """

@@ -31,7 +31,12 @@ from .._guided_flow import GuidedFlow
 from .._misc import check_int, check_number, zero_rows_unless
 from .._sampling import AbstractSampler, Draw, Generated, SDEPath, step_noise
 from .._sde import AbstractSDE, KLWeighting
-from ._base import AbstractRLObjective, AbstractVariables, PolicyVariables, Rescore
+from ._base import (
+    AbstractTransitionObjective,
+    AbstractVariables,
+    PolicyVariables,
+    Rescore,
+)
 from ._policy_loss import (
     OldLogProbs,
     kept_inputs,
@@ -298,7 +303,7 @@ class DanceGRPOAux(eqx.Module):
 
 
 @final
-class DanceGRPOObjective(AbstractRLObjective[PolicyVariables, RewardTransitions]):
+class DanceGRPOObjective(AbstractTransitionObjective[PolicyVariables, RewardTransitions]):
     """DanceGRPO (arXiv:2505.07818) as released (github `XueZeyue/DanceGRPO`,
     `fastvideo/train_grpo_flux.py`, `train_grpo_wan_2_1.py`, `train_grpo_hunyuan.py`;
     `docs/mathematics/dancegrpo.md` §13): Flow-GRPO's clipped ratio on the transitions of

@@ -27,7 +27,12 @@ from .._misc import check_bool, check_int, check_number, zero_rows_unless
 from .._sampling import AbstractSampler, SDESampler
 from .._sde import AbstractSDE, FlowSDE, compute_dtype
 from .._window import AbstractWindowSchedule, RandomSteps
-from ._base import AbstractRLObjective, AbstractVariables, PolicyVariables, Rescore
+from ._base import (
+    AbstractTransitionObjective,
+    AbstractVariables,
+    PolicyVariables,
+    Rescore,
+)
 from ._policy_loss import (
     OldLogProbs,
     kept_inputs,
@@ -216,7 +221,7 @@ RELEASED_SDE_STEPS = RandomSteps(3, fraction=(0.0, 0.5))
 
 
 @final
-class FlowDPPOObjective(AbstractRLObjective[PolicyVariables, Transitions]):
+class FlowDPPOObjective(AbstractTransitionObjective[PolicyVariables, Transitions]):
     """Flow-DPPO (arXiv:2606.11025) as its authors released it: Flow-GRPO's ratio surrogate
     without the clip, each term dropped by an exact per-step KL trust region on the side the
     advantage pushes (`docs/mathematics/dppo.md` §12).

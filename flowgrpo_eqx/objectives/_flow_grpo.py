@@ -32,7 +32,7 @@ from .._sampling import AbstractSampler
 from .._sde import AbstractSDE, FlowSDE
 from .._solver import AbstractSolver, Euler
 from ..rewards import FlowReward
-from ._base import AbstractRLObjective, AbstractVariables, Rescore
+from ._base import AbstractTransitionObjective, AbstractVariables, Rescore
 from ._policy_loss import (
     OldLogProbs,
     kept_inputs,
@@ -313,7 +313,7 @@ def _step_statistics(
 
 
 @final
-class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
+class FlowGRPOObjective(AbstractTransitionObjective[FlowGRPOVariables, Transitions]):
     """Train a rectified-flow policy on clipped, coordinate-normalised gradients.
 
     The policy is the SDE's Gaussian transition built from the model's guided velocity.
@@ -682,6 +682,11 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
         """One live-policy sample per source row, including prompt-only batches:
         `evaluate_policy(flow, sampler, steps, variables.policy, batch, step.key)`.
 
+        Evaluation is not an objective's work and its code lives in `evaluate_policy`; this
+        method (like `preview`, `sampler` and `steps`) stays because the documented API, the
+        README's `dew.objectives.rl.flow` table, lists `FlowGRPOObjective.evaluate(params,
+        batch, step)`.
+
         **Arguments:**
 
         - `variables`: from `init`.
@@ -715,6 +720,10 @@ class FlowGRPOObjective(AbstractRLObjective[FlowGRPOVariables, Transitions]):
     ) -> Evaluation:
         """Draw, score and picture one live-policy sample per row: `preview_policy` with
         the objective's flow, `sampler` and `steps`.
+
+        A thin hand-over kept for the documented API (the README's `dew.objectives.rl.flow`
+        table lists `FlowGRPOObjective.preview(params, batch, step, *, scored=None)`); the
+        drawing and the picture are `preview_policy`'s.
 
         **Arguments:**
 
