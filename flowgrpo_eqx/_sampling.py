@@ -742,6 +742,35 @@ def _transitions_batch(
     timesteps = np.broadcast_to(grid[indices], (num, recorded))
     next_timesteps = np.broadcast_to(grid[indices + 1], (num, recorded))
     stochastic = np.asarray(sde.is_stochastic(timesteps, next_timesteps)) & in_window
+    return recorded_batch(draw, generated, timesteps, next_timesteps, stochastic, advantages)
+
+
+def recorded_batch(
+    draw: Draw,
+    generated: Generated,
+    timesteps: npt.NDArray[Any],
+    next_timesteps: npt.NDArray[Any],
+    stochastic: npt.NDArray[np.bool_],
+    advantages: npt.NDArray[np.float32],
+) -> Transitions:
+    """The `Transitions` batch of a sampler's recorded transitions, their `[N, K]` times and
+    which are stochastic given on the host: a transition is kept where it is stochastic and
+    its row's advantage is not zero; the host arrays are placed as `draw` places rows.
+
+    **Arguments:**
+
+    - `draw`: the rollout's draw (its rows and their placement).
+    - `generated`: what the sampler recorded (latents, log densities, means).
+    - `timesteps`, `next_timesteps`: `[N, K]` each recorded transition's times.
+    - `stochastic`: `[N, K]` which recorded transitions are stochastic.
+    - `advantages`: `[N]` float32 advantages.
+
+    **Returns:**
+
+    The `Transitions` batch (its `old_means` the sampler's, where it recorded them).
+    """
+    assert generated.latents is not None and generated.next_latents is not None
+    assert generated.log_probs is not None
     host_advantages = np.asarray(advantages, np.float32)
     placed = draw.place(
         {

@@ -29,7 +29,7 @@ from .._custom_types import (
 )
 from .._guided_flow import GuidedFlow
 from .._misc import check_int, check_number, zero_rows_unless
-from .._sampling import AbstractSampler, Draw, Generated, SDEPath, step_noise
+from .._sampling import AbstractSampler, Draw, Generated, SDEPath, recorded_batch, step_noise
 from .._sde import AbstractSDE, KLWeighting
 from ._base import (
     AbstractTransitionObjective,
@@ -224,25 +224,7 @@ class DanceSampler(AbstractSampler):
         chosen = np.asarray(generated.steps)
         timesteps, next_timesteps = grid[chosen], grid[chosen + 1]
         stochastic = np.asarray(self.sde.is_stochastic(timesteps, next_timesteps))
-        host_advantages = np.asarray(advantages, np.float32)
-        placed = draw.place(
-            {
-                "timesteps": timesteps,
-                "next_timesteps": next_timesteps,
-                "mask": stochastic & (host_advantages != 0)[:, None],
-                "advantages": host_advantages,
-            }
-        )
-        return Transitions(
-            latents=generated.latents,
-            next_latents=generated.next_latents,
-            timesteps=placed["timesteps"],
-            next_timesteps=placed["next_timesteps"],
-            old_log_probs=generated.log_probs,
-            transition_mask=placed["mask"],
-            advantages=placed["advantages"],
-            cond=draw.rows,
-        )
+        return recorded_batch(draw, generated, timesteps, next_timesteps, stochastic, advantages)
 
 
 @final
