@@ -206,7 +206,7 @@ def concrete_objective_classes() -> list[type]:
     return [found[name] for name in sorted(found)]
 
 
-def _porting_setup(cls: type) -> tuple[Any, Any, Any, Any]:
+def porting_setup(cls: type) -> tuple[Any, Any, Any, Any]:
     """A small correct setup of objective class `cls` on a user MLP: `(objective, rollout,
     variables, rows)`. Raises `KeyError` for a class this test does not know how to build,
     so a new objective fails here until it gets a setup."""
@@ -249,7 +249,7 @@ def test_the_objectives_package_holds_every_algorithm():
 def test_the_porting_check_runs_on_every_objective(cls):
     """`check_consistency` takes any objective and passes on a correct setup of each; the
     transition lines apply exactly to the objectives that rescore recorded transitions."""
-    objective, rollout, variables, rows = _porting_setup(cls)
+    objective, rollout, variables, rows = porting_setup(cls)
     report = fg.check_consistency(objective, rollout, variables, rows, jax.random.key(1))
     names = [line.name for line in report.lines]
     assert report.passed, report.table()

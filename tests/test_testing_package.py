@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given
 
 import flowgrpo_eqx as fg
 import flowgrpo_eqx.testing as fgt
+from tests.test_seams import concrete_objective_classes, porting_setup
 
 
 @pytest.mark.several_processes("imports the library in a fresh process")
@@ -82,3 +84,36 @@ def test_trees_close_takes_its_scale_from_want_above_the_floor():
         fgt.assert_trees_close(got, want, rtol=0.0, atol=1e-6, scale_floor=0.0)
     with pytest.raises(ValueError, match="scale_floor"):
         fgt.assert_trees_close(got, want, scale_floor=-1.0)
+
+
+@pytest.mark.parametrize("cls", concrete_objective_classes(), ids=lambda cls: cls.__name__)
+def test_the_invariants_run_on_every_objective(cls):
+    """`check_objective_invariants` takes every concrete objective of the objectives package
+    (read from its modules, so a new objective without a setup in `porting_setup` fails
+    here): the invariants of every objective hold on a correct setup, and those of the
+    transition objectives apply exactly to the `AbstractTransitionObjective`s and are named
+    as not applicable to the rest."""
+    objective, rollout, variables, rows = porting_setup(cls)
+    sample = fgt.collected_batch(objective, variables, rollout, rows, seed=3)
+    report = fgt.check_objective_invariants(objective, variables, sample)
+    assert report.objective == cls.__name__
+    skipped = dict(report.not_applicable)
+    assert set(report.checked) | set(skipped) == set(fgt.EVERY_OBJECTIVE + fgt.TRANSITION_OBJECTIVE)
+    assert set(fgt.EVERY_OBJECTIVE) <= set(report.checked)
+    if issubclass(cls, fg.AbstractTransitionObjective):
+        assert set(fgt.TRANSITION_OBJECTIVE) <= set(report.checked)
+        assert not skipped
+    else:
+        assert set(skipped) == set(fgt.TRANSITION_OBJECTIVE)
+        assert all(cls.__name__ in why for why in skipped.values())
+
+
+def test_the_group_invariant_catches_uncentred_rollout_advantages():
+    objective, rollout, variables, rows = porting_setup(fg.FlowGRPOObjective)
+    sample = fgt.collected_batch(objective, variables, rollout, rows, seed=3)
+    fgt.assert_advantages_group_normalised(sample)
+    shifted = eqx.tree_at(
+        lambda s: s.collected.advantages, sample, sample.collected.advantages + 1.0
+    )
+    with pytest.raises(AssertionError, match="mean"):
+        fgt.assert_advantages_group_normalised(shifted)

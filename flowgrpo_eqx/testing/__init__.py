@@ -36,26 +36,42 @@ from ._helpers import (
     replace_fields as replace_fields,
 )
 from ._invariants import (
+    assert_advantages_group_normalised as assert_advantages_group_normalised,
     assert_denominator_is_kept_count as assert_denominator_is_kept_count,
     assert_duplication_doubles_total as assert_duplication_doubles_total,
     assert_grid_endpoints as assert_grid_endpoints,
     assert_group_advantages_invariants as assert_group_advantages_invariants,
+    assert_loss_finite as assert_loss_finite,
     assert_masked_entries_inert as assert_masked_entries_inert,
     assert_row_permutation_invariant as assert_row_permutation_invariant,
     assert_sde_invariants as assert_sde_invariants,
     assert_transition_chunk_agrees as assert_transition_chunk_agrees,
     assert_unchanged_policy_ratio_one as assert_unchanged_policy_ratio_one,
+    assert_update_leaves_frozen as assert_update_leaves_frozen,
+    assert_zero_advantages_zero_gradient as assert_zero_advantages_zero_gradient,
+    aux_means as aux_means,
+    recorded_transitions as recorded_transitions,
+    with_transitions as with_transitions,
 )
 from ._strategies import (
     MASK_PROBABILITIES as MASK_PROBABILITIES,
     SHAPES as SHAPES,
+    CollectedBatch as CollectedBatch,
     advantages as advantages,
+    collected_batch as collected_batch,
     default_rows as default_rows,
     property_settings as property_settings,
     reward_groups as reward_groups,
     rollout_like_transitions as rollout_like_transitions,
     seeds as seeds,
     time_grids as time_grids,
+    training_batches as training_batches,
     transition_masks as transition_masks,
     transitions as transitions,
+)
+from ._suite import (
+    EVERY_OBJECTIVE as EVERY_OBJECTIVE,
+    TRANSITION_OBJECTIVE as TRANSITION_OBJECTIVE,
+    InvariantReport as InvariantReport,
+    check_objective_invariants as check_objective_invariants,
 )

@@ -10,9 +10,9 @@ import numpy as np
 import numpy.typing as npt
 from jaxtyping import Array, PyTree
 
-from .._custom_types import Aux, Mean, Step, Transitions
+from .._custom_types import Mean, Step, Transitions
 from .._misc import check_number
-from ..objectives import FlowGRPOObjective, FlowGRPOVariables
+from ..objectives import AbstractFlowObjective, AbstractTransitionObjective, AbstractVariables
 
 
 TRANSITION_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Transitions))
@@ -25,15 +25,16 @@ def _step() -> Step:
 
 @eqx.filter_jit
 def loss_value_and_grad(
-    objective: FlowGRPOObjective, variables: FlowGRPOVariables, batch: Transitions
-) -> tuple[Array, Mean, Aux, PyTree[Any]]:
-    """The loss and its gradient with respect to the policy, jit-compiled.
+    objective: AbstractFlowObjective[Any], variables: AbstractVariables, batch: Any
+) -> tuple[Array, Mean, Any, PyTree[Any]]:
+    """The loss and its gradient with respect to the policy, jit-compiled, at step 0 with a
+    fixed key (so that an objective that draws times or noise draws the same each call).
 
     **Arguments:**
 
-    - `objective`: the objective.
+    - `objective`: any objective (`AbstractFlowObjective`).
     - `variables`: its variables; the gradient is taken with respect to `variables.policy`.
-    - `batch`: the transitions.
+    - `batch`: what its `loss` trains on (`Transitions` for Flow-GRPO).
 
     **Returns:**
 
@@ -41,7 +42,7 @@ def loss_value_and_grad(
     statistics and `d value / d policy`.
     """
 
-    def value(policy: Any) -> tuple[Array, tuple[Mean, Aux]]:
+    def value(policy: Any) -> tuple[Array, tuple[Mean, Any]]:
         total, aux = objective.loss(
             eqx.tree_at(lambda v: v.policy, variables, policy), batch, _step()
         )
@@ -53,17 +54,21 @@ def loss_value_and_grad(
 
 @eqx.filter_jit
 def loss_only(
-    objective: FlowGRPOObjective, variables: FlowGRPOVariables, batch: Transitions
-) -> tuple[Mean, Aux]:
-    """`objective.loss(variables, batch, step)`, jit-compiled."""
+    objective: AbstractFlowObjective[Any], variables: AbstractVariables, batch: Any
+) -> tuple[Mean, Any]:
+    """`objective.loss(variables, batch, step)`, jit-compiled, at the step of
+    `loss_value_and_grad`."""
     return objective.loss(variables, batch, _step())
 
 
 @eqx.filter_jit
 def log_probs(
-    objective: FlowGRPOObjective, variables: FlowGRPOVariables, batch: Transitions
+    objective: AbstractTransitionObjective[Any, Any],
+    variables: AbstractVariables,
+    batch: Transitions,
 ) -> Array:
-    """`objective.log_probs(variables, batch)`, jit-compiled."""
+    """`objective.log_probs(variables, batch)`, jit-compiled (an objective that rescores
+    recorded transitions: `AbstractTransitionObjective`)."""
     return objective.log_probs(variables, batch)
 
 
@@ -74,12 +79,25 @@ def replace_fields(batch: Transitions, **fields: Any) -> Transitions:
     return Transitions(**values)
 
 
-def map_rows(batch: Transitions, fn: Callable[[Any], Any]) -> Transitions:
-    """Apply `fn` to every array of every field, `cond` included (row-axis operations such
-    as a permutation or a duplication of the rows)."""
-    return replace_fields(
-        batch, **{name: jax.tree.map(fn, getattr(batch, name)) for name in TRANSITION_FIELDS}
-    )
+def map_rows(batch: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply `fn` to every array of a batch (every field of `Transitions`, `cond` included;
+    every array leaf of any other batch, whose leaves all have a leading row axis): row-axis
+    operations such as a permutation or a duplication of the rows.
+
+    **Arguments:**
+
+    - `batch`: `Transitions`, or any objective's training batch.
+    - `fn`: maps one array to another with the same trailing axes.
+
+    **Returns:**
+
+    A batch of the same type (`Transitions` checked again).
+    """
+    if isinstance(batch, Transitions):
+        return replace_fields(
+            batch, **{name: jax.tree.map(fn, getattr(batch, name)) for name in TRANSITION_FIELDS}
+        )
+    return jax.tree.map(lambda leaf: fn(leaf) if eqx.is_array(leaf) else leaf, batch)
 
 
 def gradient_leaves(gradient: PyTree[Any]) -> list[npt.NDArray[Any]]:

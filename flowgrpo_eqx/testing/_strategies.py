@@ -8,7 +8,7 @@ advantages, ratios) within them.
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -18,9 +18,17 @@ import numpy.typing as npt
 from hypothesis import HealthCheck, settings, strategies as st
 from jaxtyping import Array, PyTree
 
-from .._custom_types import Model, Transitions
+from .._custom_types import FinalSamples, Model, RolloutInfo, Transitions
+from .._misc import leading_rows
 from .._process import AbstractProcess, RectifiedFlow
-from ..objectives import FlowGRPOObjective, FlowGRPOVariables
+from .._rollout import FlowRollout
+from ..objectives import (
+    AbstractRLObjective,
+    AbstractTransitionObjective,
+    AbstractVariables,
+    Rescore,
+)
+from ..train import Trainer
 
 
 _Draw = Callable[[st.SearchStrategy[Any]], Any]
@@ -172,7 +180,7 @@ def reward_groups(
 
 @eqx.filter_jit
 def _transition(
-    objective: FlowGRPOObjective,
+    objective: AbstractTransitionObjective[Any, Any],
     policy: Model,
     x: Array,
     t: Array,
@@ -185,7 +193,9 @@ def _transition(
     return x_next, jax.vmap(objective.sde.log_prob)(x_next, mean, std)
 
 
-def default_rows(objective: FlowGRPOObjective, rng: np.random.Generator, rows: int) -> PyTree[Any]:
+def default_rows(
+    objective: AbstractTransitionObjective[Any, Any], rng: np.random.Generator, rows: int
+) -> PyTree[Any]:
     """Conditioning rows shaped like the objective's null condition: standard normal floats,
     zeros for integer fields.
 
@@ -208,8 +218,8 @@ def default_rows(objective: FlowGRPOObjective, rng: np.random.Generator, rows: i
 
 
 def rollout_like_transitions(
-    objective: FlowGRPOObjective,
-    variables: FlowGRPOVariables,
+    objective: AbstractTransitionObjective[Any, Any],
+    variables: AbstractVariables,
     seed: int,
     rows: int,
     transitions: int,
@@ -278,8 +288,8 @@ def rollout_like_transitions(
 
 
 def transitions(
-    objective: FlowGRPOObjective,
-    variables: FlowGRPOVariables,
+    objective: AbstractTransitionObjective[Any, Any],
+    variables: AbstractVariables,
     *,
     shapes: Sequence[tuple[int, int]] = SHAPES,
     steps: int = 5,
@@ -327,3 +337,84 @@ def transitions(
         )
 
     return draw_batch()
+
+
+@final
+class CollectedBatch(eqx.Module):
+    """One rollout of an objective and the batch its loss trains on, as the epoch loop
+    builds it (`objective.training_batch`, rescored by a `Trainer` when it asks to be).
+
+    **Arguments:**
+
+    - `batch`: the training batch (`Transitions`, `FinalSamples`, or the objective's own).
+    - `collected`: what `FlowRollout.collect` returned.
+    - `info`: the `RolloutInfo` (rewards, in groups of `groups` consecutive rows).
+    - `groups`: the rollout's group size.
+    """
+
+    batch: Any
+    collected: Transitions | FinalSamples
+    info: RolloutInfo
+    groups: int = eqx.field(static=True)
+
+
+def collected_batch(
+    objective: AbstractRLObjective[Any, Any],
+    variables: AbstractVariables,
+    rollout: FlowRollout,
+    rows: PyTree[Any],
+    seed: int,
+    *,
+    trainer: Trainer | None = None,
+) -> CollectedBatch:
+    """Collect with `objective.sampling_policy(variables)` and build the training batch,
+    the way the epoch loop does: works for any `AbstractRLObjective`.
+
+    **Arguments:**
+
+    - `objective`, `variables`: the objective and its variables.
+    - `rollout`: a `FlowRollout` over the objective.
+    - `rows`: the source rows, `[P, ...]` host leaves.
+    - `seed`: seeds the collect.
+    - `trainer`: rescores a batch that asks for it (`Rescore`); `Trainer(objective)` when
+        `None`.
+
+    **Returns:**
+
+    The `CollectedBatch`.
+    """
+    key = jax.random.key(seed)
+    collected, info = rollout.collect(objective.sampling_policy(variables), rows, key)
+    requested = objective.training_batch(collected, info)
+    if isinstance(requested, Rescore):
+        trainer = Trainer(objective) if trainer is None else trainer
+        state = trainer.init(key, variables)
+        every_row = jnp.arange(leading_rows(requested.batch))
+        requested = trainer.rescore(state, requested, [every_row])
+    return CollectedBatch(requested, collected, info, rollout.groups)
+
+
+def training_batches(
+    objective: AbstractRLObjective[Any, Any],
+    variables: AbstractVariables,
+    rollout: FlowRollout,
+    rows: PyTree[Any],
+    *,
+    trainer: Trainer | None = None,
+) -> st.SearchStrategy[CollectedBatch]:
+    """Training batches of any objective, from its own rollout (`collected_batch`) under
+    drawn seeds: the strategy that the invariants of every objective
+    (`check_objective_invariants`) take their batches from.
+
+    **Arguments:**
+
+    - `objective`, `variables`, `rollout`, `rows`, `trainer`: as `collected_batch`.
+
+    **Returns:**
+
+    A strategy of `CollectedBatch`.
+    """
+    return st.builds(
+        lambda seed: collected_batch(objective, variables, rollout, rows, seed, trainer=trainer),
+        seeds(),
+    )
