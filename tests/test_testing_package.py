@@ -117,3 +117,13 @@ def test_the_group_invariant_catches_uncentred_rollout_advantages():
     )
     with pytest.raises(AssertionError, match="mean"):
         fgt.assert_advantages_group_normalised(shifted)
+
+
+def test_a_failing_invariant_names_the_objective_and_the_invariant():
+    objective, rollout, variables, rows = porting_setup(fg.FlowGRPOObjective)
+    sample = fgt.collected_batch(objective, variables, rollout, rows, seed=3)
+    broken = eqx.tree_at(
+        lambda s: s.batch.old_log_probs, sample, jnp.full_like(sample.batch.old_log_probs, -1e30)
+    )
+    with pytest.raises(AssertionError, match="FlowGRPOObjective: loss finite"):
+        fgt.check_objective_invariants(objective, variables, broken)

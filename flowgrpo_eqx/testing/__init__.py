@@ -1,22 +1,28 @@
-"""Test what you build on Flow-GRPO the way the library tests itself.
+"""Test what you build on the library the way the library tests itself.
 
 Hypothesis strategies (time grids, transition batches with masks and deterministic
-intervals, reward groups with ties and constant groups, advantages of both shapes), jitted
-evaluations of an objective, and its invariants as assertion functions: a new objective,
-SDE, model or advantage function can be checked against them in a user's own property
-tests. For example:
+intervals, reward groups with ties and constant groups, advantages of both shapes, and any
+objective's training batches from its own rollout), jitted evaluations of an objective, and
+its invariants as assertion functions. They take any `AbstractRLObjective`: the invariants of
+every objective (loss and gradient finite, advantages normalised within groups, an update
+moves the policy's trainable part alone) are stated on the abstract interface, and those of
+an objective that rescores recorded transitions (ratio 1 on-policy, clip fractions 0,
+kept-count denominator, masked entries inert) on `AbstractTransitionObjective`.
+`check_objective_invariants` runs every one that applies and names those that do not. For
+example:
 
 ```python
 from hypothesis import given
 import flowgrpo_eqx.testing as fgt
 
-objective = ...  # a FlowGRPOObjective over your model
+objective = ...  # any AbstractRLObjective over your model
 variables = objective.init(jax.random.key(0))
+rollout = FlowRollout(objective, reward, groups=4, steps=4)
 
-@fgt.property_settings(20)
-@given(batch=fgt.transitions(objective, variables))
-def test_masked_entries_are_inert(batch):
-    fgt.assert_masked_entries_inert(objective, variables, batch)
+@fgt.property_settings(5)
+@given(sample=fgt.training_batches(objective, variables, rollout, rows))
+def test_invariants(sample):
+    fgt.check_objective_invariants(objective, variables, sample)
 ```
 
 This subpackage needs Hypothesis (`pip install -e '.[testing]'`); `import
