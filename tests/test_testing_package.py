@@ -127,3 +127,14 @@ def test_a_failing_invariant_names_the_objective_and_the_invariant():
     )
     with pytest.raises(AssertionError, match="FlowGRPOObjective: loss finite"):
         fgt.check_objective_invariants(objective, variables, broken)
+
+
+_NFT = porting_setup(fg.DiffusionNFTObjective)
+
+
+@fgt.property_settings(2)
+@given(sample=fgt.training_batches(_NFT[0], _NFT[2], _NFT[1], _NFT[3]))
+def test_training_batches_draw_batches_of_an_objective_over_final_samples(sample):
+    assert isinstance(sample.batch, fg.FinalSamples)
+    report = fgt.check_objective_invariants(_NFT[0], _NFT[2], sample)
+    assert report.checked == fgt.EVERY_OBJECTIVE

@@ -7,6 +7,7 @@ advantages, ratios) within them.
 """
 
 import os
+import random
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
@@ -414,7 +415,14 @@ def training_batches(
 
     A strategy of `CollectedBatch`.
     """
-    return st.builds(
-        lambda seed: collected_batch(objective, variables, rollout, rows, seed, trainer=trainer),
-        seeds(),
-    )
+
+    def build(seed: int) -> CollectedBatch:
+        # Hypothesis refuses a strategy that moves the global `random` state, which the
+        # collect (a user's reward, the library's imports) may do.
+        state = random.getstate()
+        try:
+            return collected_batch(objective, variables, rollout, rows, seed, trainer=trainer)
+        finally:
+            random.setstate(state)
+
+    return st.builds(build, seeds())
