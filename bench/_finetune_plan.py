@@ -17,6 +17,7 @@ from flowgrpo_eqx.finetune._job import Job, rollout_program
 from flowgrpo_eqx.finetune._pipeline import PIPELINE_KINDS, Pipeline, TextSide
 from flowgrpo_eqx.finetune._plan import MeshPlan
 from flowgrpo_eqx.finetune._rewards import DeviceTerm, _random_clip
+from flowgrpo_eqx.models import attention_from_name, remat_from_name
 from flowgrpo_eqx.rewards import PickScore
 
 from ._full_size import plan_gib
@@ -59,8 +60,8 @@ def _abstract_pipeline(config: FinetuneConfig) -> Pipeline:
     kind = PIPELINE_KINDS[config.kind]
     transformer = eqx.filter_eval_shape(lambda: kind.transformer(None, config))
     transformer = transformer.with_settings(
-        remat=None if config.precision.remat == "none" else config.precision.remat,
-        attention=config.precision.attention,
+        remat=remat_from_name(config.precision.remat),
+        attention=attention_from_name(config.precision.attention),
     )
     return Pipeline(
         kind=config.kind,

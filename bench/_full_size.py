@@ -26,7 +26,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import equinox as eqx
 import jax
@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from flowgrpo_eqx import lora
-from flowgrpo_eqx.models import BlockRemat, Flux, MMDiT, Remat, Wan
+from flowgrpo_eqx.models import BlockRemat, Flux, MMDiT, Wan, attention_from_name, remat_from_name
 
 from ._op_sources import LOOPS, by_function, instruction_metadata, summarise, trace_events
 from ._products import dot_flops, dot_generals
@@ -49,6 +49,20 @@ LORA_RANK = 32
 LORA_ALPHA = 64
 
 
+RematNames: TypeAlias = str | tuple[str, ...] | None
+"""A row's remat by the policies' names (`remat_from_name`): one for every block, one per
+block, or `None` for none."""
+
+
+def block_remat(names: RematNames) -> BlockRemat:
+    """The models' `remat` a row names: `remat_from_name` of each name; `None` for none."""
+    if names is None:
+        return None
+    if isinstance(names, tuple):
+        return tuple(remat_from_name(name) for name in names)
+    return remat_from_name(names)
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One program to measure: a model at one size, layout and batch."""
@@ -56,7 +70,7 @@ class Row:
     name: str
     model: str
     batch: int
-    remat: BlockRemat
+    remat: RematNames
     attention: str
     attention_chunk: int = 512
     program: str = "train"  # "train", "adamw_lora", "adamw_full"
@@ -72,9 +86,8 @@ def _build(row: Row, mmdit_config: dict[str, Any] | None = None) -> tuple[Any, t
     published SD3.5-Medium configuration (`bench.precision_programs`: fewer blocks)."""
     layout = dict(
         stacked=row.stacked,
-        remat=row.remat,
-        attention=row.attention,
-        attention_chunk=row.attention_chunk,
+        remat=block_remat(row.remat),
+        attention=attention_from_name(row.attention, row.attention_chunk),
     )
     key = jax.random.key(0)
     b = row.batch
@@ -489,7 +502,7 @@ _UNSTACKED_TWINS = ("sd35m b8 splash dots12", "wan1.3b 480x832x33 b1 dots12")
 """The rows that also run with their blocks one module each (`<name> unstacked`)."""
 
 
-def first_blocks(saving: Remat, blocks: int, rest: Remat, depth: int) -> tuple[Remat, ...]:
+def first_blocks(saving: str, blocks: int, rest: str, depth: int) -> tuple[str, ...]:
     """A remat per block: `saving` in the first `blocks` of `depth` blocks, `rest` after."""
     return (saving,) * blocks + (rest,) * (depth - blocks)
 

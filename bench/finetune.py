@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flowgrpo_eqx.finetune import read_config, run_finetune
 from flowgrpo_eqx.finetune._pipeline import PIPELINE_KINDS
 from flowgrpo_eqx.finetune._rewards import _random_clip
+from flowgrpo_eqx.models import PlainAttention
 from flowgrpo_eqx.rewards import PickScore
 
 from ._full_size import device_peak_tflops
@@ -170,7 +171,7 @@ def per_sample_flops(config: Any) -> dict[str, float]:
     attention, counted on abstract models (nothing is allocated)."""
     kind = PIPELINE_KINDS[config.kind]
     transformer = eqx.filter_eval_shape(lambda: kind.transformer(None, config))
-    transformer = transformer.with_settings(attention="xla", remat=None)
+    transformer = transformer.with_settings(attention=PlainAttention(), remat=None)
     vae = eqx.filter_eval_shape(lambda: kind.vae(None, config))
     clip = eqx.filter_eval_shape(lambda: _random_clip("pickscore", jnp.bfloat16))
     latent = kind.latent_shape(config)

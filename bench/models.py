@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx.models import DiT, Flux, MMDiT, Wan
+from flowgrpo_eqx.models import ChunkedAttention, DiT, Flux, MMDiT, SaveDots, SaveNothing, Wan
 
 from . import _baselines
 from ._measure import temp_bytes, xla_flops
@@ -90,13 +90,12 @@ def _attention_layouts(quick: bool) -> dict[str, dict[str, Any]]:
     if not quick:
         layouts.update(
             {
-                "stacked, remat dots": {"stacked": True, "remat": "dots"},
-                "stacked, remat nothing": {"stacked": True, "remat": "nothing"},
+                "stacked, remat dots": {"stacked": True, "remat": SaveDots()},
+                "stacked, remat nothing": {"stacked": True, "remat": SaveNothing()},
                 "stacked, chunked 128": {
                     "stacked": True,
                     "remat": None,
-                    "attention": "chunked",
-                    "attention_chunk": 128,
+                    "attention": ChunkedAttention(128),
                 },
                 "unstacked, bfloat16": {"stacked": False, "remat": None, "dtype": "bfloat16"},
             }
@@ -242,7 +241,7 @@ def dit_case(quick: bool) -> Case:
         "stacked": {"stacked": True, "remat": None},
     }
     if not quick:
-        layouts["unstacked, remat dots"] = {"stacked": False, "remat": "dots"}
+        layouts["unstacked, remat dots"] = {"stacked": False, "remat": SaveDots()}
     return Case(
         name="dit",
         description=f"the demo's DiT (width {settings.width}, depth {settings.depth}, heads "

@@ -163,13 +163,13 @@ def all_gathers(hlo_text, shapes):
 
 
 def mmdit_report():
-    from flowgrpo_eqx.models import MMDiT
+    from flowgrpo_eqx.models import MMDiT, SaveDots
     from flowgrpo_eqx.train._trainer import _mesh_context, _update_donating
 
     rows = 8
     sizes = dict(image_size=8, channels=4, patch=2, width=32, heads=4, context_length=3)
     sizes.update(context_dim=12, pooled_dim=16, depth=3, qk_norm="rms_norm")
-    model = MMDiT(**sizes, remat="dots", key=jax.random.key(0))
+    model = MMDiT(**sizes, remat=SaveDots(), key=jax.random.key(0))
     rng = np.random.default_rng(0)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     params = jax.tree.map(

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
-from flowgrpo_eqx.models import Flux, MMDiT, Wan
+from flowgrpo_eqx.models import ChunkedAttention, Flux, MMDiT, PlainAttention, Wan
 from flowgrpo_eqx.models._layers import SEQUENCE_STRATEGIES, AttentionSettings, plain_attention
 from flowgrpo_eqx.models._sequence import join_streams, part_streams, sequence_parallel_attention
 from flowgrpo_eqx.train import Checkpointer, Trainer, default_optimizer, rl_epoch
@@ -68,7 +68,8 @@ def attention_report() -> dict:
     want_grads = jax.grad(objective(plain_attention), argnums=(0, 1, 2))(q, k, v)
     report = {}
     # The chunked ring folds 4 of each device's 6 queries at a time (the last chunk padded).
-    plain, chunked = AttentionSettings("xla", 4), AttentionSettings("chunked", 4)
+    plain = AttentionSettings(PlainAttention())
+    chunked = AttentionSettings(ChunkedAttention(4))
     cases = [
         ("ulysses", "ulysses", plain),
         ("ring", "ring", plain),

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from bench import _full_size as full_size
+from flowgrpo_eqx.models import SaveDots, SaveNothing
 
 
 def test_every_unstacked_row_is_a_stacked_rows_twin() -> None:
@@ -32,5 +33,5 @@ def test_a_rows_model_holds_its_blocks_as_its_name_says(name: str, stacked: bool
     _, (model, *_) = full_size.program(row)
     assert model.stacked is stacked
     remat = model.block_layout.remat
-    assert remat == row.remat
-    assert remat[:12] == ("dots",) * 12 and set(remat[12:]) == {"nothing"}
+    assert remat == full_size.block_remat(row.remat)
+    assert remat[:12] == (SaveDots(),) * 12 and set(remat[12:]) == {SaveNothing()}

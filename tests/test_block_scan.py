@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowgrpo_eqx.models import DiT
+from flowgrpo_eqx.models import DiT, SaveDots, SaveNothing, SaveQKV
 from flowgrpo_eqx.models._stacked import StackedLayout, runs_of_one_remat
 from tests.diffusers_helpers import assert_leaves_close
 from tests.errors import NAMED_ARGUMENT_ERRORS
@@ -55,10 +55,10 @@ def _unstacked_value_and_grads() -> Any:
     "settings",
     [
         dict(stacked=True),
-        dict(remat="nothing"),
-        dict(stacked=True, remat="dots"),
-        dict(stacked=True, remat=("dots", "dots", "nothing")),
-        dict(remat=("nothing", None, "qkv")),
+        dict(remat=SaveNothing()),
+        dict(stacked=True, remat=SaveDots()),
+        dict(stacked=True, remat=(SaveDots(), SaveDots(), SaveNothing())),
+        dict(remat=(SaveNothing(), None, SaveQKV())),
     ],
 )
 def test_stacked_and_remat_dit_compute_the_same_velocity_and_gradient(
@@ -81,12 +81,14 @@ def test_bad_dit_settings_are_named() -> None:
 
 
 def test_a_remat_per_block_holds_the_stacked_blocks_in_runs_of_one_policy() -> None:
-    model = DiT(**SIZES, stacked=True, remat=("dots", "dots", "nothing"), key=jax.random.key(0))
+    model = DiT(
+        **SIZES, stacked=True, remat=(SaveDots(), SaveDots(), SaveNothing()), key=jax.random.key(0)
+    )
     assert isinstance(model.block_layout, StackedLayout)
     assert model.block_layout.runs == ((0, 2), (2, 3))
     assert [group.qkv.weight.shape for group in model.blocks] == [(2, 48, 16), (1, 48, 16)]
-    assert model.remat == ("dots", "dots", "nothing")
-    uniform = model.with_settings(remat="dots")
+    assert model.remat == (SaveDots(), SaveDots(), SaveNothing())
+    uniform = model.with_settings(remat=SaveDots())
     assert [group.qkv.weight.shape for group in uniform.blocks] == [(3, 48, 16)]
     for got, want in zip(uniform.unstacked_blocks(), model.unstacked_blocks(), strict=True):
         np.testing.assert_array_equal(got.qkv.weight, want.qkv.weight)
@@ -94,14 +96,16 @@ def test_a_remat_per_block_holds_the_stacked_blocks_in_runs_of_one_policy() -> N
 
 def test_runs_split_the_groups_where_the_policy_changes() -> None:
     groups = ((0, 3), (3, 5), (5, 6))
-    assert runs_of_one_remat(groups, "dots") == groups
-    assert runs_of_one_remat(groups, ("dots",) * 6) == groups
-    per_block = ("dots", "dots", "nothing", "nothing", None, None)
+    assert runs_of_one_remat(groups, SaveDots()) == groups
+    assert runs_of_one_remat(groups, (SaveDots(),) * 6) == groups
+    per_block = (SaveDots(), SaveDots(), SaveNothing(), SaveNothing(), None, None)
     assert runs_of_one_remat(groups, per_block) == ((0, 2), (2, 3), (3, 4), (4, 5), (5, 6))
 
 
 @pytest.mark.parametrize("stacked", [True, False])
-@pytest.mark.parametrize("remat", [("dots", "nothing"), ("dots", "all", "nothing"), ()])
+@pytest.mark.parametrize(
+    "remat", [(SaveDots(), SaveNothing()), (SaveDots(), "all", SaveNothing()), ()]
+)
 def test_a_bad_remat_per_block_is_named(stacked: bool, remat: tuple[Any, ...]) -> None:
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="remat"):
         DiT(**SIZES, stacked=stacked, remat=remat, key=jax.random.key(0))

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
-from flowgrpo_eqx.models import Flux, load_diffusers, save_diffusers
+from flowgrpo_eqx.models import ChunkedAttention, Flux, SaveNothing, load_diffusers, save_diffusers
 from tests.diffusers_helpers import (
     WEIGHTS,
     assert_exported_lora_merges,
@@ -74,7 +74,7 @@ def test_every_layout_and_attention_computes_the_same(
     want = _velocity(tiny, io)
     variants = [
         tiny.with_settings(stacked=False),
-        tiny.with_settings(remat="nothing", attention="chunked", attention_chunk=7),
+        tiny.with_settings(remat=SaveNothing(), attention=ChunkedAttention(7)),
     ]
     for variant in variants:
         # The same function; chunks of queries round in another order (outputs reach ~30).

@@ -1,4 +1,4 @@
-"""`attention="splash"` and `"auto"`: Pallas's splash attention kernel against the float64
+"""`SplashAttention` and `AutoAttention`: Pallas's splash attention kernel against the float64
 statement (`numpy_reference.attention`), in values and gradients, and every model's velocity
 and gradient with it (docs/accelerators.md).
 
@@ -17,8 +17,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flowgrpo_eqx.models import DiT, MMDiT, _splash, load_diffusers
-from flowgrpo_eqx.models._layers import AttentionSettings, local_attention
+from flowgrpo_eqx.models import (
+    AbstractAttention,
+    AutoAttention,
+    ChunkedAttention,
+    DiT,
+    MMDiT,
+    Remat,
+    SaveAttention,
+    SaveQKV,
+    SplashAttention,
+    _splash,
+    attention_from_name,
+    load_diffusers,
+)
+from flowgrpo_eqx.models._layers import local_attention
 from tests.diffusers_helpers import (
     assert_leaves_close,
     relative,
@@ -33,13 +46,13 @@ from tests.tolerances import attention_tolerance, reference_model_rtol
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 
 
-@functools.partial(jax.jit, static_argnames="settings")
-def _attention_and_vjp(q: Any, k: Any, v: Any, d_out: Any, settings: AttentionSettings) -> Any:
+@functools.partial(jax.jit, static_argnames="attention")
+def _attention_and_vjp(q: Any, k: Any, v: Any, d_out: Any, attention: AbstractAttention) -> Any:
     """A batch of two examples' attention and the gradient of `sum(out * d_out)`, as the
     models run it (one example's function, vmapped)."""
 
     def value(q: Any, k: Any, v: Any) -> Any:
-        out = jax.vmap(lambda q, k, v: local_attention(q, k, v, settings))(q, k, v)
+        out = jax.vmap(lambda q, k, v: local_attention(q, k, v, attention))(q, k, v)
         return jnp.sum(out.astype(jnp.float32) * d_out), out
 
     (_, out), grads = jax.value_and_grad(value, argnums=(0, 1, 2), has_aux=True)(q, k, v)
@@ -67,8 +80,8 @@ def test_splash_attention_matches_the_float64_statement_in_values_and_gradients(
     cast = [jnp.asarray(a, dtype) for a in (q, k, v)]
     # The statement is evaluated at the inputs as the kernel sees them (rounded to `dtype`).
     q, k, v = (np.asarray(a, np.float64) for a in cast)
-    settings = AttentionSettings("splash", block)
-    out, grads = _attention_and_vjp(*cast, jnp.asarray(d_out, jnp.float32), settings)
+    attention = SplashAttention(block)
+    out, grads = _attention_and_vjp(*cast, jnp.asarray(d_out, jnp.float32), attention)
     assert out.dtype == jnp.dtype(dtype) and out.shape == (2, queries, heads, head_dim)
     tolerance = attention_tolerance(dtype)
     for row in range(2):
@@ -109,13 +122,15 @@ def test_the_kernel_reads_keys_in_few_blocks_scored_one_block_at_a_time(
 
 
 def test_a_splash_block_that_is_not_a_multiple_of_128_is_named() -> None:
-    for attention in ("splash", "auto"):
+    for kind in (SplashAttention, AutoAttention):
+        with pytest.raises(NAMED_ARGUMENT_ERRORS, match="`block`.*multiple of 128"):
+            kind(100)
+    for name in ("splash", "auto"):
         with pytest.raises(NAMED_ARGUMENT_ERRORS, match="`attention_chunk`.*multiple of 128"):
-            AttentionSettings(attention, 100)
-        with pytest.raises(NAMED_ARGUMENT_ERRORS, match="`attention_chunk`.*multiple of 128"):
-            DiT(depth=1, attention=attention, attention_chunk=64, key=jax.random.key(0))
+            attention_from_name(name, 64)
     # Chunked attention keeps any chunk.
-    assert AttentionSettings("chunked", 100).chunk == 100
+    assert ChunkedAttention(100).chunk == 100
+    assert attention_from_name("chunked", 100) == ChunkedAttention(100)
 
 
 def _fixture(name: str) -> tuple[Any, dict[str, np.ndarray], tuple[Any, ...]]:
@@ -138,27 +153,27 @@ def test_every_diffusers_model_computes_diffusers_velocity_with_fused_attention(
     name: str, attention: str
 ) -> None:
     model, io, inputs = _fixture(name)
-    fused = model.with_settings(attention=attention, attention_chunk=128)
-    assert fused.attention == attention
+    fused = model.with_settings(attention=attention_from_name(attention, 128))
+    assert fused.attention == attention_from_name(attention, 128)
     # The same function as diffusers' (the authority).
     assert relative(np.asarray(vcall(fused, *inputs)), io["v"]) < reference_model_rtol()
     # And the same gradient as plain attention's on moved weights.
     moved = perturbed(model, seed=3)
     _, want = velocity_and_sin_gradient(moved, *inputs)
     _, got = velocity_and_sin_gradient(
-        moved.with_settings(attention=attention, attention_chunk=128), *inputs
+        moved.with_settings(attention=attention_from_name(attention, 128)), *inputs
     )
     assert_leaves_close(got, want, attention_tolerance("float32"))
 
 
-@pytest.mark.parametrize("remat", ["qkv", "attention"])
-def test_dit_with_splash_attention_and_named_remat_computes_the_same(remat: str) -> None:
+@pytest.mark.parametrize("remat", [SaveQKV(), SaveAttention()])
+def test_dit_with_splash_attention_and_named_remat_computes_the_same(remat: Remat) -> None:
     plain = perturbed(
         DiT(image_size=8, width=32, depth=2, heads=2, stacked=True, key=jax.random.key(0)), 5
     )
     x, t, cond = dit_batch_of_two(0)
     want_v, want_g = velocity_and_sin_gradient(plain, x, t, cond)
-    fused = plain.with_settings(attention="splash", attention_chunk=128, remat=remat)
+    fused = plain.with_settings(attention=SplashAttention(128), remat=remat)
     got_v, got_g = velocity_and_sin_gradient(fused, x, t, cond)
     scale = float(np.max(np.abs(np.asarray(want_v))))
     tolerance = attention_tolerance("float32")
@@ -167,11 +182,11 @@ def test_dit_with_splash_attention_and_named_remat_computes_the_same(remat: str)
 
 
 def test_auto_attention_is_the_platforms_fastest() -> None:
-    """Lowered for a TPU, `"auto"` is the splash kernel (a Mosaic custom call); for a CPU, the
-    plain form (no kernel, no interpreter)."""
+    """Lowered for a TPU, `AutoAttention` is the splash kernel (a Mosaic custom call); for a
+    CPU, the plain form (no kernel, no interpreter)."""
     model = MMDiT(
         image_size=8, channels=4, patch=2, width=32, depth=1, heads=2, context_length=3,
-        context_dim=12, pooled_dim=10, attention="auto", key=jax.random.key(0),
+        context_dim=12, pooled_dim=10, attention=AutoAttention(), key=jax.random.key(0),
     )  # fmt: skip
     x = jnp.zeros((8, 8, 4))
     cond = {"context": jnp.zeros((3, 12)), "pooled": jnp.zeros((10,))}
@@ -191,14 +206,13 @@ def test_splash_on_a_mesh_of_several_devices_is_refused_and_auto_takes_the_plain
     q = jnp.ones((2, 200, 2, 64), jnp.float32)
     mesh = jax.sharding.AbstractMesh((2,), ("data",))
 
-    def attend(kind: str) -> Any:
-        settings = AttentionSettings(kind, 128)
-        return jax.make_jaxpr(jax.vmap(lambda q: local_attention(q, q, q, settings)))(q)
+    def attend(attention: AbstractAttention) -> Any:
+        return jax.make_jaxpr(jax.vmap(lambda q: local_attention(q, q, q, attention)))(q)
 
     with jax.sharding.use_abstract_mesh(mesh):
         with pytest.raises(
-            ValueError, match=r"`attention`='splash' cannot run on a mesh of several devices.*data"
+            ValueError, match=r"`attention`=SplashAttention cannot run on a mesh of several devices"
         ):
-            attend("splash")
-        assert "pallas_call" not in str(attend("auto"))
-    assert "pallas_call" in str(attend("auto"))
+            attend(SplashAttention(128))
+        assert "pallas_call" not in str(attend(AutoAttention(128)))
+    assert "pallas_call" in str(attend(AutoAttention(128)))

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx.models._layers import AttentionSettings, local_attention
+from flowgrpo_eqx.models import SplashAttention
+from flowgrpo_eqx.models._layers import local_attention
 from tests.errors import NAMED_ARGUMENT_ERRORS
 from tests.test_objective import STEP, LinearVelocity, make_batch, make_objective
 
@@ -116,10 +117,10 @@ def test_half_precision_splash_keeps_its_products_at_the_default_precision(scope
     """Mosaic refuses a multi-pass precision for bfloat16 operands: the kernel's products stay
     at the default however "highest" is set around the forward or around the gradient."""
     q = jnp.ones((1, 200, 2, 64), jnp.bfloat16)
-    settings = AttentionSettings("splash", 128)
+    attention = SplashAttention(128)
 
     def value(q: Any) -> Any:
-        out = jax.vmap(lambda q: local_attention(q, q, q, settings))(q)
+        out = jax.vmap(lambda q: local_attention(q, q, q, attention))(q)
         return jnp.sum(out.astype(jnp.float32))
 
     def forward_scoped(q: Any) -> Any:

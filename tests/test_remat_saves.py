@@ -1,4 +1,4 @@
-"""What `remat="dots"` saves for the backward pass: the products with a weight matrix, and
+"""What `remat=SaveDots()` saves for the backward pass: the products with a weight matrix, and
 nothing that the query-key norm adds (`head_rms_norm` computes each head's statistics with
 products of its own, which JAX's `dots_with_no_batch_dims_saveable` would keep: `[S, width]`
 in float32 per norm, which took SD3.5-Medium's LoRA step at batch 8 over a TPU v5e's memory)."""
@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from flowgrpo_eqx.models import DiT, MMDiT
+from flowgrpo_eqx.models import DiT, MMDiT, SaveDots, SaveNothing
 from tests.tiny_models import SD35_SHAPED, batch_of_two, dit_batch_of_two
 
 
 _RESIDUAL = re.compile(r"^(\w+\[[\d,]*\]) (.*)$")
 
-SIZES = {**SD35_SHAPED, "remat": "dots"}
+SIZES = {**SD35_SHAPED, "remat": SaveDots()}
 
 
 def _saved(model: Any, batch: Any = None) -> collections.Counter[str]:
@@ -58,21 +58,23 @@ def test_dots_saves_the_weight_products_and_nothing_saves_none_of_them() -> None
     # Each block's image queries, keys and values, `[2 rows, 16 tokens, 32]`, three per
     # attention: the joint one in both blocks and block 0's second attention.
     assert dots["f32[2,16,32]"] >= 3 * 3
-    nothing = _saved(MMDiT(**{**SIZES, "remat": "nothing"}, stacked=False, key=jax.random.key(0)))
+    nothing = _saved(
+        MMDiT(**{**SIZES, "remat": SaveNothing()}, stacked=False, key=jax.random.key(0))
+    )
     assert nothing["f32[2,16,32]"] < dots["f32[2,16,32]"]
 
 
 @pytest.mark.parametrize("stacked", [True, False])
 def test_a_remat_per_block_saves_the_products_of_the_blocks_it_names(stacked: bool) -> None:
-    # Per block of the DiT (16 image and 4 prompt tokens, width 32), `"dots"` saves the
+    # Per block of the DiT (16 image and 4 prompt tokens, width 32), `SaveDots()` saves the
     # feed-forward's hidden products, `[2, 20, 128]`, and the stacked queries, keys and
-    # values, `[2, 3, 2, 20, 16]`; `"nothing"` saves neither. Stacked, the k blocks of the
+    # values, `[2, 3, 2, 20, 16]`; `SaveNothing()` saves neither. Stacked, the k blocks of the
     # first run save them k-deep.
     sizes = dict(image_size=8, patch=2, width=32, depth=4, heads=2, vocab_size=5, stacked=stacked)
     batch = dit_batch_of_two(0, vocab_size=5)
     products = ("2,20,128", "2,3,2,20,16")
     for k in range(5):
-        remat = ("dots",) * k + ("nothing",) * (4 - k)
+        remat = (SaveDots(),) * k + (SaveNothing(),) * (4 - k)
         saved = _saved(DiT(**sizes, remat=remat, key=jax.random.key(0)), batch)
         for shape in products:
             if stacked:

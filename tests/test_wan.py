@@ -20,7 +20,15 @@ from safetensors.numpy import load_file, save_file
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
-from flowgrpo_eqx.models import Wan, load_diffusers, save_diffusers, save_diffusers_lora
+from flowgrpo_eqx.models import (
+    ChunkedAttention,
+    SaveDots,
+    SaveNothing,
+    Wan,
+    load_diffusers,
+    save_diffusers,
+    save_diffusers_lora,
+)
 from tests.diffusers_helpers import (
     WEIGHTS,
     assert_exported_lora_merges,
@@ -66,7 +74,7 @@ def test_every_layout_and_attention_computes_the_same(tiny: Wan, io: dict[str, n
     want = _velocity(tiny, io)
     for variant in (
         tiny.with_settings(stacked=False),
-        tiny.with_settings(remat="dots", attention="chunked", attention_chunk=4),
+        tiny.with_settings(remat=SaveDots(), attention=ChunkedAttention(4)),
     ):
         # The same function; chunks of queries round in another order (outputs reach ~30).
         np.testing.assert_allclose(_velocity(variant, io), want, rtol=1e-6, atol=1e-5)
@@ -151,7 +159,7 @@ def test_lora_adapters_of_blocks_held_in_two_runs_export_per_block(
 ) -> None:
     # A remat per block holds the two blocks in two runs (`.blocks[0]`, `.blocks[1]`): each
     # run's adapters must go to its own block's diffusers names.
-    split = tiny.with_settings(remat=("dots", "nothing"))
+    split = tiny.with_settings(remat=(SaveDots(), SaveNothing()))
     assert [group.table.shape[0] for group in split.blocks] == [1, 1]
     modules = assert_exported_lora_merges(random_lora(split), TINY / WEIGHTS, tmp_path)
     assert {"blocks.0.attn1.to_q", "blocks.1.attn1.to_q"} <= modules

@@ -38,9 +38,11 @@ from ..models import (
     SD3PromptEncoder,
     Wan,
     WanPromptEncoder,
+    attention_from_name,
     load_clip,
     load_diffusers,
     load_t5,
+    remat_from_name,
 )
 from ..models._mirror import conversion_command
 from ._config import FinetuneConfig
@@ -671,8 +673,8 @@ def load_pipeline(config: FinetuneConfig, *, text: bool = True) -> Pipeline:
     latent_shape = reader.latent_shape(config, folder)
     transformer = reader.transformer(folder, config)
     transformer = transformer.with_settings(
-        remat=None if config.precision.remat == "none" else config.precision.remat,
-        attention=config.precision.attention,
+        remat=remat_from_name(config.precision.remat),
+        attention=attention_from_name(config.precision.attention),
     )
     shift = config.sampling.time_shift
     return Pipeline(

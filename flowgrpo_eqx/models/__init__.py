@@ -20,7 +20,15 @@ from ._diffusers import (
 from ._dit import DiT as DiT
 from ._flux import Flux as Flux, FluxCondition as FluxCondition
 from ._layers import (
+    ATTENTION_NAMES as ATTENTION_NAMES,
+    AbstractAttention as AbstractAttention,
+    AutoAttention as AutoAttention,
+    ChunkedAttention as ChunkedAttention,
+    CudnnAttention as CudnnAttention,
+    PlainAttention as PlainAttention,
     SequenceStrategy as SequenceStrategy,
+    SplashAttention as SplashAttention,
+    attention_from_name as attention_from_name,
     sinusoidal_time_features as sinusoidal_time_features,
 )
 from ._mlp import MLPVelocity as MLPVelocity, silu as silu
@@ -31,7 +39,17 @@ from ._prompts import (
     SD3PromptEncoder as SD3PromptEncoder,
     WanPromptEncoder as WanPromptEncoder,
 )
-from ._stacked import BlockRemat as BlockRemat, Remat as Remat
+from ._stacked import (
+    REMAT_NAMES as REMAT_NAMES,
+    AbstractRemat as AbstractRemat,
+    BlockRemat as BlockRemat,
+    Remat as Remat,
+    SaveAttention as SaveAttention,
+    SaveDots as SaveDots,
+    SaveNothing as SaveNothing,
+    SaveQKV as SaveQKV,
+    remat_from_name as remat_from_name,
+)
 from ._t5 import FeedForward as FeedForward, T5Encoder as T5Encoder, load_t5 as load_t5
 from ._vae import AutoencoderKL as AutoencoderKL
 from ._wan import Wan as Wan

@@ -13,14 +13,14 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._misc import check_int
 from ._init import init_linears, uniform_arrays, zero_linear
 from ._layers import (
+    DEFAULT_ATTENTION,
     QKV,
     WEIGHT_PRODUCT,
-    Attention,
+    AbstractAttention,
     AttentionSettings,
     check_inputs,
     dense,
     layer_norm,
-    local_attention,
     modulate,
     named,
     patchify,
@@ -28,7 +28,6 @@ from ._layers import (
     unpatchify,
     zero_final_layer,
 )
-from ._splash import ATTENTION_RESIDUALS
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, BlockRemat, block_layout
 
 
@@ -93,16 +92,7 @@ class _DiTBlock(eqx.Module):
         weight = self.qkv.weight.reshape(3, self.heads, head_dim, width)
         bias = self.qkv.bias.reshape(3, self.heads, 1, head_dim)
         qkv = named(named(jnp.einsum("sd,thed->thse", h, weight), WEIGHT_PRODUCT) + bias, QKV)
-        if attention.kind == "xla":
-            # The DiT's own plain form, head-major throughout (the demo's programs).
-            q = qkv[0] * (1 / math.sqrt(head_dim))
-            scores = jnp.einsum("hqe,hke->hqk", q, qkv[1])
-            weights = jax.nn.softmax(scores, axis=-1)
-            out = jnp.einsum("hqk,hke->qhe", weights, qkv[2])
-            out = named(out, ATTENTION_RESIDUALS).reshape(seq, width)
-        else:
-            q, k, v = (jnp.transpose(part, (1, 0, 2)) for part in qkv)
-            out = local_attention(q, k, v, attention).reshape(seq, width)
+        out = attention.attention.head_major(qkv).reshape(seq, width)
         projected: Float[Array, "S D"] = dense(self.proj, out)
         return projected
 
@@ -190,17 +180,16 @@ class DiT(AbstractAttentionModel):
         stacked block), or one module per block.
     - `remat`: what each block keeps for the backward pass, for every block or one per block
         (`BlockRemat`).
-    - `attention`: how attention is computed (`Attention`): `"xla"` (the default) is the
-        DiT's own plain form, head-major throughout; the others as for `MMDiT`.
-    - `attention_chunk`: the queries per chunk of `"chunked"` attention, the block of
-        `"splash"` (a multiple of 128).
+    - `attention`: how attention is computed (`AbstractAttention`, as for `MMDiT`);
+        `PlainAttention()` (the default) runs as the DiT's own plain form, head-major
+        throughout (`AbstractAttention.head_major`).
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
 
     - `ValueError`: naming the argument, when a size is not a positive int, or `patch` does
-        not divide `image_size`, or `heads` does not divide `width`, or `stacked`,
-        `remat`, `attention` or `attention_chunk` is not one of its values.
+        not divide `image_size`, or `heads` does not divide `width`, or `stacked` or
+        `remat` is not one of its values, or `attention` is not an `AbstractAttention`.
     """
 
     patch_embed: eqx.nn.Linear
@@ -235,8 +224,7 @@ class DiT(AbstractAttentionModel):
         prompt_length: int = 4,
         stacked: bool = False,
         remat: BlockRemat = None,
-        attention: Attention = "xla",
-        attention_chunk: int = 512,
+        attention: AbstractAttention = DEFAULT_ATTENTION,
         *,
         key: PRNGKeyArray,
     ) -> None:
@@ -260,7 +248,7 @@ class DiT(AbstractAttentionModel):
         self.vocab_size = vocab_size
         self.prompt_length = prompt_length
         self.block_layout = layout
-        self.attention_settings = AttentionSettings(attention, attention_chunk)
+        self.attention_settings = AttentionSettings(attention)
 
         # (Eager `jax.random` calls compile once per shape; `init_linears` and
         # `uniform_arrays` draw fixed-size chunks instead, so construction is quick.)

@@ -14,7 +14,8 @@ from ._conditioning import joint_conditioning, joint_embedders
 from ._init import init_linears, zero_linear
 from ._joint import BlockShape, JointAttention, Stream, check_text_shapes
 from ._layers import (
-    Attention,
+    DEFAULT_ATTENTION,
+    AbstractAttention,
     AttentionSettings,
     SequenceStrategy,
     check_inputs,
@@ -281,7 +282,7 @@ class Flux(AbstractAttentionModel):
         (`cond["guidance"]`).
     - `axes_dims`: the rotary feature width of each position axis, even, summing to the
         head width (`axes_dims_rope`).
-    - `stacked`, `remat`, `attention`, `attention_chunk`, `sequence_strategy`: as `MMDiT`'s
+    - `stacked`, `remat`, `attention`, `sequence_strategy`: as `MMDiT`'s
         (a sequence axis splits the image tokens; the text stays whole, except in the
         single-stream blocks, where it is split with them when the axis divides its length).
     - `key`: a JAX PRNG key for the initialisation.
@@ -333,8 +334,7 @@ class Flux(AbstractAttentionModel):
         axes_dims: tuple[int, int, int] = (8, 12, 12),
         stacked: bool = True,
         remat: BlockRemat = None,
-        attention: Attention = "xla",
-        attention_chunk: int = 512,
+        attention: AbstractAttention = DEFAULT_ATTENTION,
         sequence_strategy: SequenceStrategy = "ulysses",
         *,
         key: PRNGKeyArray,
@@ -361,7 +361,7 @@ class Flux(AbstractAttentionModel):
         )
         check_bool("guidance_embeds", guidance_embeds)
         self.block_layout = block_layout(stacked, remat, _flux_groups(double_depth, single_depth))
-        self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
+        self.attention_settings = AttentionSettings(attention, sequence_strategy)
         self.image_size = (height, latent_width)
         self.channels = channels
         self.double_depth = double_depth

@@ -1,5 +1,6 @@
 """The layers the transformers share: dense maps, adaLN, patches and attention."""
 
+import abc
 import functools
 import math
 from collections.abc import Callable
@@ -21,28 +22,6 @@ _LN_EPS = 1e-6
 
 MASKED_SCORE = float(np.finfo(np.float32).min)
 """The float32 attention score of a key a query may not see (transformers' masking value)."""
-
-Attention: TypeAlias = Literal["xla", "cudnn", "chunked", "splash", "auto"]
-"""How attention is computed; every choice computes the same function:
-
-- `"xla"`: the plain form in XLA (`plain_attention`: the scores materialised, as
-    `jax.nn.dot_product_attention`'s `"xla"` form computes them);
-- `"cudnn"`: `jax.nn.dot_product_attention`'s cuDNN fused kernel (GPU only,
-    float16/bfloat16);
-- `"chunked"`: a memory-efficient form in JAX that materialises the scores of
-    `attention_chunk` queries at a time (forward and backward);
-- `"splash"`: Pallas's splash attention kernel for TPUs (`splash_attention`), blocks of
-    `attention_chunk` queries and keys (a multiple of 128; the keys read up to 1,536 at a
-    time), the scores never in HBM; lowered for another platform the same kernel runs in
-    Pallas's interpreter (exact, slow: tests); one device's attention: refused by name on a
-    mesh of several devices;
-- `"auto"`: the fastest the platform the program is lowered for has: `"splash"` on a TPU,
-    `"cudnn"` on a GPU for float16/bfloat16 inputs, `"xla"` otherwise (a CPU, float32 on a
-    GPU, a mesh of several TPU devices, where the splash kernel cannot run yet).
-
-`docs/accelerators.md` compares them on a TPU."""
-
-ATTENTIONS: tuple[Attention, ...] = get_args(Attention)
 
 SequenceStrategy: TypeAlias = Literal["ulysses", "ring"]
 """How attention runs when a mesh's `"sequence"` axis splits a sample's tokens:
@@ -220,17 +199,238 @@ def unpatchify(
     return x.reshape(image_size, image_size, channels)
 
 
-def check_attention(attention: Any, attention_chunk: Any, sequence_strategy: Any) -> None:
-    """Raise a `ValueError` naming `attention`, `attention_chunk` or `sequence_strategy` if
-    invalid."""
-    if attention not in ATTENTIONS:
-        raise ValueError(f"`attention` must be one of {ATTENTIONS}, got {attention!r}.")
-    check_int("attention_chunk", attention_chunk, 1)
-    if attention in ("splash", "auto"):
-        check_block("attention_chunk", attention_chunk)
-    if sequence_strategy not in SEQUENCE_STRATEGIES:
+class AbstractAttention(eqx.Module):
+    """How softmax attention is computed on one device. Every kind computes the same
+    function (`plain_attention`'s); they differ in memory, speed and the platforms they run
+    on (`docs/accelerators.md` compares them on a TPU). A kind holds no array, so it adds no
+    leaf to a model.
+
+    The kinds: `PlainAttention`, `CudnnAttention`, `ChunkedAttention`, `SplashAttention`,
+    `AutoAttention`. Settings files and command lines name them (`"xla"`, `"cudnn"`,
+    `"chunked"`, `"splash"`, `"auto"`: `attention_from_name`).
+    """
+
+    @abc.abstractmethod
+    def __call__(self, q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
+        """Softmax attention of `S` queries over `K` keys and values, scaled by
+        `1 / sqrt(head_dim)`, heads kept apart.
+
+        **Arguments:**
+
+        - `q`: the queries, `[S, heads, head_dim]`.
+        - `k`, `v`: the keys and values, `[K, heads, head_dim]`.
+
+        **Returns:**
+
+        The attended values, `[S, heads, head_dim]`.
+        """
+
+    @abc.abstractmethod
+    def head_major(self, qkv: Float[Array, "3 heads S head_dim"]) -> Heads:
+        """The same attention of queries, keys and values laid out heads first, as `DiT`
+        projects them; the result is named `ATTENTION_RESIDUALS` for the remat policies.
+
+        **Arguments:**
+
+        - `qkv`: the queries, keys and values, `[3, heads, S, head_dim]`.
+
+        **Returns:**
+
+        The attended values, `[S, heads, head_dim]`.
+        """
+
+    @property
+    @abc.abstractmethod
+    def ring_chunk(self) -> int | None:
+        """The queries ring attention folds at a time when a mesh's `"sequence"` axis splits
+        the tokens (`None`: all at once)."""
+
+
+def _head_major_by(attention: AbstractAttention, qkv: Float[Array, "3 heads S hd"]) -> Heads:
+    """`attention` of head-major queries, keys and values, moved to `[S, heads, hd]` first."""
+    q, k, v = (jnp.transpose(part, HEADS_FIRST) for part in qkv)
+    return local_attention(q, k, v, attention)
+
+
+@final
+class PlainAttention(AbstractAttention):
+    """Attention in its plain form in XLA, every score materialised (`plain_attention`, as
+    `jax.nn.dot_product_attention`'s `"xla"` form computes it). Settings name it `"xla"`."""
+
+    def __call__(self, q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
+        return plain_attention(q, k, v)
+
+    def head_major(self, qkv: Float[Array, "3 heads S head_dim"]) -> Heads:
+        # The DiT's own plain form, head-major throughout (the demo's programs).
+        q = qkv[0] * (1 / math.sqrt(qkv.shape[-1]))
+        scores = jnp.einsum("hqe,hke->hqk", q, qkv[1])
+        weights = jax.nn.softmax(scores, axis=-1)
+        out: Heads = named(jnp.einsum("hqk,hke->qhe", weights, qkv[2]), ATTENTION_RESIDUALS)
+        return out
+
+    @property
+    def ring_chunk(self) -> int | None:
+        return None
+
+
+@final
+class CudnnAttention(AbstractAttention):
+    """`jax.nn.dot_product_attention`'s cuDNN fused kernel (a GPU only, float16 or bfloat16
+    inputs). Settings name it `"cudnn"`."""
+
+    def __call__(self, q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
+        return _cudnn_attention(q, k, v)
+
+    def head_major(self, qkv: Float[Array, "3 heads S head_dim"]) -> Heads:
+        return _head_major_by(self, qkv)
+
+    @property
+    def ring_chunk(self) -> int | None:
+        return None
+
+
+@final
+class ChunkedAttention(AbstractAttention):
+    """A memory-efficient form in JAX that materialises the scores of `chunk` queries at a
+    time, in the forward and (each chunk recomputed) the backward pass. Settings name it
+    `"chunked"`.
+
+    **Arguments:**
+
+    - `chunk`: the queries per chunk, at least 1.
+
+    **Raises:**
+
+    - `ValueError`: naming `chunk` when it is not an int >= 1.
+    """
+
+    chunk: int = eqx.field(default=512, static=True)
+
+    def __check_init__(self) -> None:
+        check_int("chunk", self.chunk, 1)
+
+    def __call__(self, q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
+        if q.shape[0] > self.chunk:
+            return _chunked_attention(q, k, v, self.chunk)
+        return plain_attention(q, k, v)
+
+    def head_major(self, qkv: Float[Array, "3 heads S head_dim"]) -> Heads:
+        return _head_major_by(self, qkv)
+
+    @property
+    def ring_chunk(self) -> int | None:
+        return self.chunk
+
+
+@final
+class SplashAttention(AbstractAttention):
+    """Pallas's splash attention kernel for TPUs (`splash_attention`): blocks of `block`
+    queries and keys (the keys read up to 1,536 at a time), the scores never in HBM. Lowered
+    for another platform the same kernel runs in Pallas's interpreter (exact, slow: tests).
+    One device's attention: refused by name on a mesh of several devices. Settings name it
+    `"splash"`.
+
+    **Arguments:**
+
+    - `block`: the queries and keys per block, a positive multiple of 128.
+
+    **Raises:**
+
+    - `ValueError`: naming `block` when it is not a positive multiple of 128.
+    """
+
+    block: int = eqx.field(default=512, static=True)
+
+    def __check_init__(self) -> None:
+        check_block("block", self.block)
+
+    def __call__(self, q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
+        return splash_attention(q, k, v, self.block)
+
+    def head_major(self, qkv: Float[Array, "3 heads S head_dim"]) -> Heads:
+        return _head_major_by(self, qkv)
+
+    @property
+    def ring_chunk(self) -> int | None:
+        return None
+
+
+@final
+class AutoAttention(AbstractAttention):
+    """The fastest kind the platform the program is lowered for has: `SplashAttention` of
+    `block` on a TPU, `CudnnAttention` on a GPU for float16/bfloat16 inputs, `PlainAttention`
+    otherwise (a CPU, float32 on a GPU, a mesh of several TPU devices, where the splash
+    kernel cannot run yet). Settings name it `"auto"`.
+
+    **Arguments:**
+
+    - `block`: the splash kernel's queries and keys per block, a positive multiple of 128.
+
+    **Raises:**
+
+    - `ValueError`: naming `block` when it is not a positive multiple of 128.
+    """
+
+    block: int = eqx.field(default=512, static=True)
+
+    def __check_init__(self) -> None:
+        check_block("block", self.block)
+
+    def __call__(self, q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
+        return _fastest_attention(q, k, v, self.block)
+
+    def head_major(self, qkv: Float[Array, "3 heads S head_dim"]) -> Heads:
+        return _head_major_by(self, qkv)
+
+    @property
+    def ring_chunk(self) -> int | None:
+        return None
+
+
+ATTENTION_NAMES: tuple[str, ...] = ("xla", "cudnn", "chunked", "splash", "auto")
+"""The names settings files and command lines give the attention kinds
+(`attention_from_name`)."""
+
+
+def attention_from_name(name: str, chunk: int = 512) -> AbstractAttention:
+    """The attention kind a settings file or command line names.
+
+    **Arguments:**
+
+    - `name`: `"xla"` (`PlainAttention`), `"cudnn"` (`CudnnAttention`), `"chunked"`
+        (`ChunkedAttention`), `"splash"` (`SplashAttention`) or `"auto"` (`AutoAttention`).
+    - `chunk`: the queries per chunk of `"chunked"`, the block of `"splash"` and `"auto"`
+        (a multiple of 128 for those); unused by the others.
+
+    **Returns:**
+
+    The attention.
+
+    **Raises:**
+
+    - `ValueError`: naming `attention` when `name` is none of those, or `attention_chunk`
+        when `chunk` does not fit the kind.
+    """
+    if name not in ATTENTION_NAMES:
+        raise ValueError(f"`attention` must be one of {ATTENTION_NAMES}, got {name!r}.")
+    if name == "xla":
+        return PlainAttention()
+    if name == "cudnn":
+        return CudnnAttention()
+    check_int("attention_chunk", chunk, 1)
+    if name == "chunked":
+        return ChunkedAttention(chunk)
+    check_block("attention_chunk", chunk)
+    if name == "splash":
+        return SplashAttention(chunk)
+    return AutoAttention(chunk)
+
+
+def check_sequence_strategy(strategy: Any) -> None:
+    """Raise a `ValueError` naming `sequence_strategy` unless it is a `SequenceStrategy`."""
+    if strategy not in SEQUENCE_STRATEGIES:
         raise ValueError(
-            f"`sequence_strategy` must be one of {SEQUENCE_STRATEGIES}, got {sequence_strategy!r}."
+            f"`sequence_strategy` must be one of {SEQUENCE_STRATEGIES}, got {strategy!r}."
         )
 
 
@@ -240,38 +440,42 @@ class AttentionSettings(eqx.Module):
 
     **Arguments:**
 
-    - `kind`: `"xla"`, `"cudnn"`, `"chunked"`, `"splash"` or `"auto"` (`Attention`).
-    - `chunk`: the queries per chunk of `"chunked"` attention; the queries and keys per
-        block of `"splash"` (and of `"auto"` on a TPU), a multiple of 128.
+    - `attention`: how attention is computed on one device (`AbstractAttention`).
     - `sequence`: how attention runs over tokens split by a mesh's `"sequence"` axis
         (`SequenceStrategy`); unused without one.
 
     **Raises:**
 
-    - `ValueError`: naming `attention` (for `kind`), `attention_chunk` (for `chunk`) or
-        `sequence_strategy` (for `sequence`), as the models call them, when it is not one of
-        its values (`attention_chunk`: not a multiple of 128 for `"splash"` or `"auto"`).
+    - `ValueError`: naming `attention` when it is not an `AbstractAttention`, or
+        `sequence_strategy` (the models' name for `sequence`) when it is not one of its
+        values.
     """
 
-    kind: Attention = eqx.field(static=True)
-    chunk: int = eqx.field(static=True)
+    attention: AbstractAttention = eqx.field(static=True)
     sequence: SequenceStrategy = eqx.field(default="ulysses", static=True)
 
     def __check_init__(self) -> None:
-        check_attention(self.kind, self.chunk, self.sequence)
+        if not isinstance(self.attention, AbstractAttention):
+            raise ValueError(
+                "`attention` must be an AbstractAttention (PlainAttention(), "
+                f"ChunkedAttention(chunk), SplashAttention(block), ...), got "
+                f"{self.attention!r}; `attention_from_name` reads a setting's name."
+            )
+        check_sequence_strategy(self.sequence)
 
 
-PLAIN_ATTENTION = AttentionSettings("xla", 512)
-"""Attention in its plain form (`"xla"`): the default where a layer takes `AttentionSettings`."""
+DEFAULT_ATTENTION = PlainAttention()
+"""The models' default `attention`: the plain form."""
+
+PLAIN_ATTENTION = AttentionSettings(DEFAULT_ATTENTION)
+"""Attention in its plain form: the default where a layer takes `AttentionSettings`."""
 
 
 def attend(
     qkv: Float[Array, "3 S heads head_dim"], settings: AttentionSettings
 ) -> Float[Array, "S D"]:
-    """Multi-head attention of the queries, keys and values, heads merged back, `[S, D]`.
-
-    `settings` chooses the implementation (`Attention`); all compute the same function.
-    """
+    """Multi-head attention of the queries, keys and values, heads merged back, `[S, D]`,
+    as `settings.attention` computes it."""
     return attend_to(qkv[0], qkv[1], qkv[2], settings)
 
 
@@ -279,17 +483,15 @@ def attend_to(
     q: Heads, k: KeyHeads, v: KeyHeads, settings: AttentionSettings
 ) -> Float[Array, "S D"]:
     """Multi-head attention of `S` queries over `K` keys and values (a cross-attention when
-    they come from another sequence), heads merged back, `[S, D]`.
-
-    `settings` chooses the implementation (`Attention`); all compute the same function.
-    """
-    attended = local_attention(q, k, v, settings)
+    they come from another sequence), heads merged back, `[S, D]`, as `settings.attention`
+    computes it."""
+    attended = local_attention(q, k, v, settings.attention)
     return attended.reshape(attended.shape[0], -1)
 
 
-def local_attention(q: Heads, k: KeyHeads, v: KeyHeads, settings: AttentionSettings) -> Heads:
+def local_attention(q: Heads, k: KeyHeads, v: KeyHeads, attention: AbstractAttention) -> Heads:
     """Multi-head attention of `S` queries over `K` keys and values held on one device,
-    heads kept apart, `[S, heads, head_dim]`, as `settings.kind` chooses to compute it.
+    heads kept apart, `[S, heads, head_dim]`, as `attention` computes it.
 
     The queries, keys and values are named `"qkv"` and the result `"attention"`
     (`jax.ad_checkpoint.checkpoint_name`), for the remat policies that save them (`Remat`).
@@ -298,17 +500,31 @@ def local_attention(q: Heads, k: KeyHeads, v: KeyHeads, settings: AttentionSetti
     # jax's attention mixes a half-precision query with its float32 logits internally, which
     # fails under `jax_numpy_dtype_promotion="strict"`; our own arithmetic stays strict.
     with jax.numpy_dtype_promotion("standard"):
-        if settings.kind == "cudnn":
-            attended: Heads = _cudnn_attention(q, k, v)
-        elif settings.kind == "chunked" and q.shape[0] > settings.chunk:
-            attended = _chunked_attention(q, k, v, settings.chunk)
-        elif settings.kind == "splash":
-            attended = splash_attention(q, k, v, settings.chunk)
-        elif settings.kind == "auto":
-            attended = _fastest_attention(q, k, v, settings.chunk)
-        else:
-            attended = plain_attention(q, k, v)
+        attended = attention(q, k, v)
     return named(attended, ATTENTION_RESIDUALS)
+
+
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _cudnn_attention(q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
+    out: Heads = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+    return out
+
+
+def _fastest_attention(q: Heads, k: KeyHeads, v: KeyHeads, block: int) -> Heads:
+    """`AutoAttention`: splash on a TPU; cuDNN on a GPU for half-precision inputs; else
+    plain. Chosen per platform as the program is lowered (`lax.platform_dependent`). On a
+    mesh of several devices, where the splash kernel cannot run yet, a TPU takes the plain
+    form."""
+    branches: dict[str, Callable[[Array, Array, Array], Array]] = {}
+    if not multi_device_axes():
+        branches["tpu"] = functools.partial(splash_attention, block=block)
+    # cuDNN's kernel refuses to be traced without a GPU, so its branch exists only with one.
+    if jax.default_backend() == "gpu" and jnp.dtype(q.dtype) in _HALF:
+        branches["cuda"] = _cudnn_attention
+    out: Heads = jax.lax.platform_dependent(q, k, v, default=plain_attention, **branches)
+    return out
 
 
 _Named = TypeVar("_Named", bound=Array)
@@ -323,34 +539,12 @@ def named(x: _Named, name: str) -> _Named:
 
 QKV = "qkv"
 """The name (`jax.ad_checkpoint.checkpoint_name`) of an attention's queries, keys and values,
-which a remat policy may save (`Remat`'s `"qkv"` and `"attention"`)."""
+which a remat policy may save (`SaveQKV`, `SaveAttention`)."""
 
 WEIGHT_PRODUCT = "weight_product"
 """The name of a product of activations with a weight matrix (before its bias), which
-`Remat`'s `"dots"` saves: every other product (attention's, the query-key norm's
+`SaveDots` saves: every other product (attention's, the query-key norm's
 block-diagonal sums in `head_rms_norm`) is recomputed in the backward pass."""
-
-_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _cudnn_attention(q: Heads, k: KeyHeads, v: KeyHeads) -> Heads:
-    out: Heads = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
-    return out
-
-
-def _fastest_attention(q: Heads, k: KeyHeads, v: KeyHeads, block: int) -> Heads:
-    """`"auto"`: splash on a TPU; cuDNN on a GPU for half-precision inputs; else plain.
-    Chosen per platform as the program is lowered (`lax.platform_dependent`). On a mesh of
-    several devices, where the splash kernel cannot run yet, a TPU takes the plain form."""
-    branches: dict[str, Callable[[Array, Array, Array], Array]] = {}
-    if not multi_device_axes():
-        branches["tpu"] = functools.partial(splash_attention, block=block)
-    # cuDNN's kernel refuses to be traced without a GPU, so its branch exists only with one.
-    if jax.default_backend() == "gpu" and jnp.dtype(q.dtype) in _HALF:
-        branches["cuda"] = _cudnn_attention
-    out: Heads = jax.lax.platform_dependent(q, k, v, default=plain_attention, **branches)
-    return out
-
 
 HEADS_FIRST = (1, 0, 2)
 """The axis order that moves the heads of `[S, heads, head_dim]` to the front."""

@@ -17,8 +17,9 @@ from ._conditioning import joint_conditioning, joint_embedders
 from ._init import uniform_arrays
 from ._joint import BlockShape, JointAttention, Stream, check_text_shapes
 from ._layers import (
+    DEFAULT_ATTENTION,
     PLAIN_ATTENTION,
-    Attention,
+    AbstractAttention,
     AttentionSettings,
     SequenceStrategy,
     check_inputs,
@@ -272,12 +273,12 @@ class MMDiT(AbstractAttentionModel):
     plain ones, the last one) is one `_MMDiTBlock` whose arrays have a leading layer axis,
     and the call iterates over it with `jax.lax.scan`, so the compiled program and its compile
     time do not grow with depth. `remat` rematerialises each block in the backward pass, so
-    only one block's activations are live at a time; `attention="chunked"` (or `"cudnn"` on
-    GPU) avoids materialising every attention score. None of these settings changes what
-    the model computes; `with_settings` changes them on a built model. Inside a step on a
-    data mesh (`jax.set_mesh`; `Trainer.update` sets it from the state's shardings), each
-    block's weights are gathered whole as the scan reaches them (`gather_weights`), the FSDP
-    pattern: the rows stay split and only weights travel.
+    only one block's activations are live at a time; `attention=ChunkedAttention(chunk)` (or
+    `CudnnAttention()` on GPU) avoids materialising every attention score. None of these
+    settings changes what the model computes; `with_settings` changes them on a built model.
+    Inside a step on a data mesh (`jax.set_mesh`; `Trainer.update` sets it from the state's
+    shardings), each block's weights are gathered whole as the scan reaches them
+    (`gather_weights`), the FSDP pattern: the rows stay split and only weights travel.
 
     **Sequence parallelism.** Inside a step on a mesh with a `"sequence"` axis
     (`data_mesh(sequence=n)`; `Trainer.update` and `FlowRollout` set it), the image tokens
@@ -315,13 +316,13 @@ class MMDiT(AbstractAttentionModel):
         means `image_size`.
     - `stacked`: whether the blocks are held stacked per group and scanned over (see
         above), or as one module per block (`blocks[i]` is block `i`).
-    - `remat`: what each block keeps for the backward pass (`Remat`: `"nothing"`, `"qkv"`,
-        `"attention"`, `"dots"` or `None`), or a tuple with one of those per block
-        (`BlockRemat`: e.g. `("dots",) * 12 + ("nothing",) * 12` saves the products of the
-        first 12 of 24 blocks and recomputes the rest).
-    - `attention`: `"xla"`, `"cudnn"`, `"chunked"`, `"splash"` or `"auto"` (`Attention`).
-    - `attention_chunk`: the queries per chunk of `"chunked"` attention; the block of
-        `"splash"` (a multiple of 128).
+    - `remat`: what each block keeps for the backward pass (`Remat`: `SaveNothing()`,
+        `SaveQKV()`, `SaveAttention()`, `SaveDots()` or `None`), or a tuple with one of those
+        per block (`BlockRemat`: e.g. `(SaveDots(),) * 12 + (SaveNothing(),) * 12` saves the
+        products of the first 12 of 24 blocks and recomputes the rest).
+    - `attention`: how attention is computed (`AbstractAttention`: `PlainAttention()`,
+        `CudnnAttention()`, `ChunkedAttention(chunk)`, `SplashAttention(block)`,
+        `AutoAttention(block)`).
     - `sequence_strategy`: `"ulysses"` or `"ring"` (`SequenceStrategy`): how attention runs
         when the current mesh's `"sequence"` axis splits the image tokens (see **Sequence
         parallelism**); unused without one.
@@ -333,8 +334,8 @@ class MMDiT(AbstractAttentionModel):
         not divide `image_size` or `sample_size`, or `heads` does not divide `width`, or
         `width` is not a multiple of 4, or `qk_norm` is not `None` or `"rms_norm"`, or a
         dual attention layer is not a block index, or `pos_embed_max_size` is less than
-        `image_size // patch`, or `stacked`, `remat`, `attention`, `attention_chunk` or
-        `sequence_strategy` is not one of its values.
+        `image_size // patch`, or `stacked`, `remat` or `sequence_strategy` is not one of its
+        values, or `attention` is not an `AbstractAttention`.
     """
 
     patch_embed: eqx.nn.Linear
@@ -385,8 +386,7 @@ class MMDiT(AbstractAttentionModel):
         sample_size: int | None = None,
         stacked: bool = True,
         remat: BlockRemat = None,
-        attention: Attention = "xla",
-        attention_chunk: int = 512,
+        attention: AbstractAttention = DEFAULT_ATTENTION,
         sequence_strategy: SequenceStrategy = "ulysses",
         *,
         key: PRNGKeyArray,
@@ -416,7 +416,7 @@ class MMDiT(AbstractAttentionModel):
             pos_embed_max_size=pos_embed_max_size,
         )
         self.block_layout = block_layout(stacked, remat, block_groups(depth, dual))
-        self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
+        self.attention_settings = AttentionSettings(attention, sequence_strategy)
         self.image_size = image_size
         self.channels = channels
         self.patch = patch

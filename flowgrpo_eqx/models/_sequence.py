@@ -196,11 +196,6 @@ def ring_attention(
     return merge_chunks(jax.vmap(lambda part: _finish(part, v.dtype))(state), q.shape[0])
 
 
-def _ring_chunk(settings: AttentionSettings) -> int | None:
-    """The queries folded at a time by the ring under `settings` (`None`: all at once)."""
-    return settings.chunk if settings.kind == "chunked" else None
-
-
 def ulysses_attention(
     q: Heads,
     k: Heads,
@@ -217,7 +212,7 @@ def ulysses_attention(
         jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=0, tiled=True)  # type: ignore[no-untyped-call]
         for x in (q, k, v)
     ]
-    attended = local_attention(whole[0], whole[1], whole[2], settings)
+    attended = local_attention(whole[0], whole[1], whole[2], settings.attention)
     out: Heads = jax.lax.all_to_all(  # type: ignore[no-untyped-call]
         attended, axis, split_axis=0, concat_axis=1, tiled=True
     )
@@ -304,7 +299,7 @@ def _split_attention(
     def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         if strategy == "ulysses":
             return ulysses_attention(q, k, v, axis, settings)
-        return ring_attention(q, k, v, axis, size, chunk=_ring_chunk(settings))
+        return ring_attention(q, k, v, axis, size, chunk=settings.attention.ring_chunk)
 
     split = jax.shard_map(
         local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names={axis}
@@ -380,7 +375,7 @@ def attend_joint(
         queries = jnp.concatenate([text[0], image[0]])
         out = ring_attention(
             queries, image[1], image[2], SEQUENCE_AXIS, size, (text[1], text[2]),
-            _ring_chunk(settings),
+            settings.attention.ring_chunk,
         )  # fmt: skip
         text_out = jax.lax.pmean(out[:length].astype(jnp.float32), SEQUENCE_AXIS)  # type: ignore[no-untyped-call]
         return out[length:], text_out
@@ -410,7 +405,7 @@ def _ulysses_joint(
     mine = jax.lax.dynamic_slice_in_dim(text, start, heads, axis=2)
     length, count = text.shape[1], whole.shape[1]
     joined = jnp.concatenate([mine, whole] if text_first else [whole, mine], axis=1)
-    out = local_attention(joined[0], joined[1], joined[2], settings)
+    out = local_attention(joined[0], joined[1], joined[2], settings.attention)
     text_out, image_out = (out[:length], out[length:]) if text_first else (out[count:], out[:count])
     image_back = jax.lax.all_to_all(
         image_out, SEQUENCE_AXIS, split_axis=0, concat_axis=1, tiled=True

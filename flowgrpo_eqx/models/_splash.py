@@ -30,7 +30,7 @@ LANES = 128
 
 ATTENTION_RESIDUALS = "attention"
 """The name (`jax.ad_checkpoint.checkpoint_name`) of an attention's result and of the fused
-kernel's softmax statistics, which a remat policy may save (`Remat`'s `"attention"`)."""
+kernel's softmax statistics, which a remat policy may save (`SaveAttention`)."""
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -212,18 +212,18 @@ def splash_attention(
 
     **Raises:**
 
-    - `ValueError`: naming `attention_chunk` (the models' name for `block`) unless it is a
-        positive multiple of 128; naming `attention` on a mesh of several devices
-        (`multi_device_axes`).
+    - `ValueError`: naming `block` unless it is a positive multiple of 128; naming
+        `attention` on a mesh of several devices (`multi_device_axes`).
     """
-    check_block("attention_chunk", block)
+    check_block("block", block)
     axes = multi_device_axes()
     if axes:
         raise ValueError(
-            f"`attention`='splash' cannot run on a mesh of several devices (axes {axes}) "
-            "yet: the kernel must be called per device, which the library does not do "
-            "(docs/accelerators.md); use attention='chunked' or 'xla' on several devices, or "
-            "'auto', which takes the plain form there."
+            f"`attention`=SplashAttention cannot run on a mesh of several devices (axes "
+            f"{axes}) yet: the kernel must be called per device, which the library does not "
+            "do (docs/accelerators.md); use ChunkedAttention or PlainAttention ('chunked' or "
+            "'xla' in settings) on several devices, or AutoAttention ('auto'), which takes "
+            "the plain form there."
         )
     queries, heads, head_dim = q.shape
     keys = k.shape[0]

@@ -18,33 +18,115 @@ import numpy as np
 
 from .._distributed import gather_weights
 from .._misc import check_bool
-from ._layers import QKV, WEIGHT_PRODUCT, Attention, AttentionSettings, SequenceStrategy
+from ._layers import QKV, WEIGHT_PRODUCT, AbstractAttention, AttentionSettings, SequenceStrategy
 from ._splash import ATTENTION_RESIDUALS
 
 
-Remat: TypeAlias = Literal["nothing", "qkv", "attention", "dots"] | None
-"""Rematerialisation per block, named by what each block saves for the backward pass (the
-rest is recomputed there):
+class AbstractRemat(eqx.Module):
+    """A rematerialisation policy: what each block saves for the backward pass (the rest is
+    recomputed there). It changes memory and speed, never what the model computes.
 
-- `"nothing"`: nothing inside the block; the whole block is recomputed;
-- `"qkv"`: every attention's queries, keys and values (after their projections and norms);
-- `"attention"`: those and each attention's result (with `attention="splash"` also its
-    softmax statistics), so the backward recomputes the token-wise layers but no attention;
-- `"dots"`: the output of every matmul with a weight (named `WEIGHT_PRODUCT`); attention's
-    scores and weighted sums, and the query-key norm's own products, are recomputed;
-- `None`: whatever XLA keeps (no rematerialisation).
+    The policies: `SaveNothing`, `SaveQKV`, `SaveAttention`, `SaveDots`; a model's `remat`
+    `None` rematerialises nothing (whatever XLA keeps). Settings files and command lines name
+    them (`"nothing"`, `"qkv"`, `"attention"`, `"dots"`, `"none"`: `remat_from_name`).
+    `docs/accelerators.md` gives each one's memory and speed for SD3.5-Medium on a TPU.
+    """
 
-`docs/accelerators.md` gives each one's memory and speed for SD3.5-Medium on a TPU."""
+    @property
+    @abc.abstractmethod
+    def policy(self) -> Any:
+        """The `jax.checkpoint` policy of a block's step (`jax.checkpoint_policies`)."""
 
-REMATS: tuple[Remat, ...] = ("nothing", "qkv", "attention", "dots", None)
+
+@final
+class SaveNothing(AbstractRemat):
+    """Saves nothing inside the block: the whole block is recomputed. Settings name it
+    `"nothing"`."""
+
+    @property
+    def policy(self) -> Any:
+        return jax.checkpoint_policies.nothing_saveable
+
+
+@final
+class SaveQKV(AbstractRemat):
+    """Saves every attention's queries, keys and values (after their projections and norms,
+    named `QKV`). Settings name it `"qkv"`."""
+
+    @property
+    def policy(self) -> Any:
+        return jax.checkpoint_policies.save_only_these_names(QKV)
+
+
+@final
+class SaveAttention(AbstractRemat):
+    """Saves the queries, keys and values and each attention's result (with
+    `SplashAttention` also its softmax statistics, `ATTENTION_RESIDUALS`), so the backward
+    pass recomputes the token-wise layers but no attention. Settings name it `"attention"`."""
+
+    @property
+    def policy(self) -> Any:
+        return jax.checkpoint_policies.save_only_these_names(QKV, ATTENTION_RESIDUALS)
+
+
+@final
+class SaveDots(AbstractRemat):
+    """Saves the output of every matmul with a weight (named `WEIGHT_PRODUCT`); attention's
+    scores and weighted sums, and the query-key norm's own products, are recomputed.
+    Settings name it `"dots"`."""
+
+    @property
+    def policy(self) -> Any:
+        # By name, not by JAX's `dots_with_no_batch_dims_saveable`: that also keeps the
+        # query-key norm's block-diagonal products, `[S, width]` in float32 each, which took
+        # SD3.5-Medium's LoRA step at batch 8 over a TPU v5e's memory.
+        return jax.checkpoint_policies.save_only_these_names(WEIGHT_PRODUCT)
+
+
+Remat: TypeAlias = AbstractRemat | None
+"""One block's rematerialisation: an `AbstractRemat` policy (`SaveNothing()`, `SaveQKV()`,
+`SaveAttention()`, `SaveDots()`), or `None` for none (whatever XLA keeps)."""
+
+REMAT_NAMES: tuple[str, ...] = ("nothing", "qkv", "attention", "dots", "none")
+"""The names settings files and command lines give the policies (`remat_from_name`)."""
+
+
+def remat_from_name(name: str) -> Remat:
+    """The rematerialisation policy a settings file or command line names.
+
+    **Arguments:**
+
+    - `name`: `"nothing"` (`SaveNothing`), `"qkv"` (`SaveQKV`), `"attention"`
+        (`SaveAttention`), `"dots"` (`SaveDots`) or `"none"` (no rematerialisation).
+
+    **Returns:**
+
+    The policy, or `None` for `"none"`.
+
+    **Raises:**
+
+    - `ValueError`: naming `remat` when `name` is none of those.
+    """
+    policies: dict[str, Remat] = {
+        "nothing": SaveNothing(),
+        "qkv": SaveQKV(),
+        "attention": SaveAttention(),
+        "dots": SaveDots(),
+        "none": None,
+    }
+    if name not in policies:
+        raise ValueError(f"`remat` must be one of {REMAT_NAMES}, got {name!r}.")
+    return policies[name]
+
 
 BlockRemat: TypeAlias = Remat | tuple[Remat, ...]
 """A model's `remat`: one `Remat` for every block, or a tuple with one `Remat` per block, in
 order. A tuple spends memory where one policy for every block cannot: on one TPU v5e,
-SD3.5-Medium's full-gradient step at batch 8 saves the products (`"dots"`) of 12 of its 24
-blocks and recomputes the rest (`"nothing"`) 7.5% faster than `"nothing"` for all, while
-`"dots"` for all does not fit; 10 or 14 blocks are slower than 12 (`docs/accelerators.md`).
-Stacked, the blocks are held in runs of one structure and one `Remat`, one scan each."""
+SD3.5-Medium's full-gradient step at batch 8 saves the products (`SaveDots()`) of 12 of its
+24 blocks and recomputes the rest (`SaveNothing()`) 7.5% faster than `SaveNothing()` for all,
+while `SaveDots()` for all does not fit; 10 or 14 blocks are slower than 12
+(`docs/accelerators.md`). Stacked, the blocks are held in runs of one structure and one
+`Remat`, one scan each."""
 
 _Block = TypeVar("_Block")
 _Carry = TypeVar("_Carry")
@@ -55,22 +137,29 @@ _Model = TypeVar("_Model", bound="AbstractLayeredModel")
 _AttentionModel = TypeVar("_AttentionModel", bound="AbstractAttentionModel")
 
 
+def _is_remat(remat: Any) -> bool:
+    return remat is None or isinstance(remat, AbstractRemat)
+
+
 def check_remat(remat: Any, depth: int | None = None) -> None:
-    """Raise a `ValueError` naming `remat` unless it is a `BlockRemat` (one of `REMATS`, or a
-    tuple of them, `depth` long when `depth` is given)."""
+    """Raise a `ValueError` naming `remat` unless it is a `BlockRemat` (an `AbstractRemat` or
+    `None`, or a tuple of them, `depth` long when `depth` is given)."""
     if isinstance(remat, tuple):
-        if not remat or any(policy not in REMATS for policy in remat):
+        if not remat or not all(_is_remat(policy) for policy in remat):
             raise ValueError(
-                f"`remat` must be one of {REMATS} or a non-empty tuple of them (one per "
-                f"block), got {remat!r}."
+                "`remat` must be an AbstractRemat (SaveNothing(), SaveQKV(), SaveAttention(), "
+                f"SaveDots()) or None, or a non-empty tuple of them (one per block), got "
+                f"{remat!r}."
             )
         if depth is not None and len(remat) != depth:
             raise ValueError(
                 f"`remat` must hold one policy per block ({depth}), got {len(remat)}: {remat!r}."
             )
-    elif remat not in REMATS:
+    elif not _is_remat(remat):
         raise ValueError(
-            f"`remat` must be one of {REMATS} or a tuple of them (one per block), got {remat!r}."
+            "`remat` must be an AbstractRemat (SaveNothing(), SaveQKV(), SaveAttention(), "
+            f"SaveDots()) or None, or a tuple of them (one per block), got {remat!r}; "
+            "`remat_from_name` reads a setting's name."
         )
 
 
@@ -125,22 +214,6 @@ def runs_of_one_remat(
                 run_start = index
         runs.append((run_start, stop))
     return tuple(runs)
-
-
-def remat_policy(remat: Remat) -> Any:
-    """The `jax.checkpoint` policy of a `Remat` setting (`None` for no checkpoint)."""
-    if remat == "nothing":
-        return jax.checkpoint_policies.nothing_saveable
-    if remat == "qkv":
-        return jax.checkpoint_policies.save_only_these_names(QKV)
-    if remat == "attention":
-        return jax.checkpoint_policies.save_only_these_names(QKV, ATTENTION_RESIDUALS)
-    if remat == "dots":
-        # By name, not by JAX's `dots_with_no_batch_dims_saveable`: that also keeps the
-        # query-key norm's block-diagonal products, `[S, width]` in float32 each, which took
-        # SD3.5-Medium's LoRA step at batch 8 over a TPU v5e's memory.
-        return jax.checkpoint_policies.save_only_these_names(WEIGHT_PRODUCT)
-    return None
 
 
 def _stack_leaves(*leaves: Any) -> Any:
@@ -247,7 +320,7 @@ class AbstractBlockLayout(eqx.Module):
         def steps(remat: Remat) -> _Step[_Block, _Carry]:
             if remat is None:
                 return gathered
-            return jax.checkpoint(gathered, policy=remat_policy(remat))
+            return jax.checkpoint(gathered, policy=remat.policy)
 
         return self._fold(held, steps, carry)
 
@@ -469,14 +542,9 @@ class AbstractAttentionModel(AbstractLayeredModel):
         """The `[start, stop)` block indices of each group of one structure."""
 
     @property
-    def attention(self) -> Attention:
-        """How attention is computed (`Attention`)."""
-        return self.attention_settings.kind
-
-    @property
-    def attention_chunk(self) -> int:
-        """The queries per chunk of `"chunked"` attention."""
-        return self.attention_settings.chunk
+    def attention(self) -> AbstractAttention:
+        """How attention is computed (`AbstractAttention`)."""
+        return self.attention_settings.attention
 
     @property
     def sequence_strategy(self) -> SequenceStrategy:
@@ -498,8 +566,7 @@ class AbstractAttentionModel(AbstractLayeredModel):
         *,
         stacked: bool | None = None,
         remat: BlockRemat | Literal["keep"] = "keep",
-        attention: Attention | None = None,
-        attention_chunk: int | None = None,
+        attention: AbstractAttention | None = None,
         sequence_strategy: SequenceStrategy | None = None,
     ) -> _AttentionModel:
         """The same model (the same function of the same weights) with other settings.
@@ -508,8 +575,7 @@ class AbstractAttentionModel(AbstractLayeredModel):
 
         - `stacked`: the block layout; `None` keeps it.
         - `remat`: the rematerialisation policy (`BlockRemat`); `"keep"` keeps it.
-        - `attention`: the attention implementation; `None` keeps it.
-        - `attention_chunk`: the query chunk of chunked attention; `None` keeps it.
+        - `attention`: how attention is computed (`AbstractAttention`); `None` keeps it.
         - `sequence_strategy`: how attention runs over tokens split by a sequence axis
             (`SequenceStrategy`); `None` keeps it.
 
@@ -523,7 +589,6 @@ class AbstractAttentionModel(AbstractLayeredModel):
         """
         settings = AttentionSettings(
             self.attention if attention is None else attention,
-            self.attention_chunk if attention_chunk is None else attention_chunk,
             self.sequence_strategy if sequence_strategy is None else sequence_strategy,
         )
         relaid = self.relaid(stacked, remat, self.block_groups)

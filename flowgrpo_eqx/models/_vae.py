@@ -20,7 +20,13 @@ from .._misc import check_int
 from ._autoencoder import Conv, posterior_moments, sample_posterior
 from ._images import check_image
 from ._init import ones, zeros
-from ._layers import Attention, AttentionSettings, attend_to, dense_in_input_dtype
+from ._layers import (
+    DEFAULT_ATTENTION,
+    AbstractAttention,
+    AttentionSettings,
+    attend_to,
+    dense_in_input_dtype,
+)
 
 
 _EPS = 1e-6  # every GroupNorm of diffusers' AutoencoderKL
@@ -403,15 +409,16 @@ class AutoencoderKL(AbstractAutoEncoder):
     - `mid_block_add_attention`: whether both mid-blocks have their attention.
     - `use_quant_conv`, `use_post_quant_conv`: whether 1 x 1 convolutions follow the encoder
         and precede the decoder (off in SD3 and FLUX, on in SD1/SDXL).
-    - `attention`, `attention_chunk`: how the mid-blocks' attention over every pixel is
-        computed (`MMDiT`'s choices; `"chunked"` holds `attention_chunk` rows of scores).
+    - `attention`: how the mid-blocks' attention over every pixel is computed
+        (`AbstractAttention`, as for `MMDiT`; `ChunkedAttention(chunk)` holds `chunk` rows of
+        scores at a time).
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
 
     - `ValueError`: naming the argument, when a size is not a positive int, a level's
-        channels are not a multiple of `norm_num_groups`, or `attention` is not one of its
-        values.
+        channels are not a multiple of `norm_num_groups`, or `attention` is not an
+        `AbstractAttention`.
     """
 
     encoder: Encoder
@@ -437,8 +444,7 @@ class AutoencoderKL(AbstractAutoEncoder):
         mid_block_add_attention: bool = True,
         use_quant_conv: bool = False,
         use_post_quant_conv: bool = False,
-        attention: Attention = "xla",
-        attention_chunk: int = 1024,
+        attention: AbstractAttention = DEFAULT_ATTENTION,
         *,
         key: PRNGKeyArray,
     ) -> None:
@@ -457,7 +463,7 @@ class AutoencoderKL(AbstractAutoEncoder):
         self.post_quant_conv = (
             Conv(latent_channels, latent_channels, 1, key=k_pq) if use_post_quant_conv else None
         )
-        self.attention_settings = AttentionSettings(attention, attention_chunk)
+        self.attention_settings = AttentionSettings(attention)
         self.latent_channels = latent_channels
         self.levels = len(shape.block_out_channels)
         self.scaling_factor = float(scaling_factor)

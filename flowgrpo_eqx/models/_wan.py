@@ -12,7 +12,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._misc import check_int, check_number
 from ._init import init_linears, ones, zero_linear, zeros
 from ._layers import (
-    Attention,
+    DEFAULT_ATTENTION,
+    AbstractAttention,
     AttentionSettings,
     SequenceStrategy,
     attend_to,
@@ -237,7 +238,7 @@ class Wan(AbstractAttentionModel):
         in Wan 2.1).
     - `cross_attn_norm`: whether each cross-attention's input is layer-normalised with an
         affine part (Wan 2.1's `True`); else it takes the tokens as they are.
-    - `stacked`, `remat`, `attention`, `attention_chunk`, `sequence_strategy`: as `MMDiT`'s
+    - `stacked`, `remat`, `attention`, `sequence_strategy`: as `MMDiT`'s
         (a sequence axis splits the video tokens; the text stays whole).
     - `key`: a JAX PRNG key for the initialisation.
 
@@ -287,8 +288,7 @@ class Wan(AbstractAttentionModel):
         cross_attn_norm: bool = True,
         stacked: bool = True,
         remat: BlockRemat = None,
-        attention: Attention = "xla",
-        attention_chunk: int = 512,
+        attention: AbstractAttention = DEFAULT_ATTENTION,
         sequence_strategy: SequenceStrategy = "ulysses",
         *,
         key: PRNGKeyArray,
@@ -308,7 +308,7 @@ class Wan(AbstractAttentionModel):
             raise ValueError(f"`freq_dim` must be even (cosines and sines), got {freq_dim}.")
         check_number("eps", eps, minimum=0, include_minimum=False)
         self.block_layout = block_layout(stacked, remat, ((0, depth),))
-        self.attention_settings = AttentionSettings(attention, attention_chunk, sequence_strategy)
+        self.attention_settings = AttentionSettings(attention, sequence_strategy)
         self.latent_size = (latent_size[0], latent_size[1], latent_size[2])
         self.channels = channels
         self.patch = (patch[0], patch[1], patch[2])

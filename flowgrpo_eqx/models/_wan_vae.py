@@ -34,7 +34,7 @@ from .._misc import check_int, check_number
 from ._autoencoder import Conv, posterior_moments, sample_posterior
 from ._images import check_image
 from ._init import ones
-from ._layers import Attention, AttentionSettings, attend_to
+from ._layers import DEFAULT_ATTENTION, AbstractAttention, AttentionSettings, attend_to
 from ._mirror import uniform_init
 
 
@@ -638,8 +638,9 @@ class AutoencoderKLWan(AbstractAutoEncoder):
         (`latents_std` positive); `None` for 0 and 1.
     - `decoder_base_dim`: the decoder's `base_dim`; `None` for `base_dim`.
     - `in_channels`, `out_channels`: the video's channels (3).
-    - `attention`, `attention_chunk`: how the mid-blocks' attention over each frame's pixels
-        is computed (`MMDiT`'s choices; `"chunked"` holds `attention_chunk` rows of scores).
+    - `attention`: how the mid-blocks' attention over each frame's pixels is computed
+        (`AbstractAttention`, as for `MMDiT`; `ChunkedAttention(chunk)` holds `chunk` rows of
+        scores at a time).
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
@@ -647,7 +648,7 @@ class AutoencoderKLWan(AbstractAutoEncoder):
     - `ValueError`: naming the argument, when a size is not a positive int, `dim_mult` is not
         positive ints, `temperal_downsample` is not one bool per level but the last or has
         more than two, `latents_mean` or `latents_std` is not `z_dim` finite numbers
-        (positive for `latents_std`), or `attention` is not one of its values.
+        (positive for `latents_std`), or `attention` is not an `AbstractAttention`.
     """
 
     encoder: Encoder3d
@@ -676,8 +677,7 @@ class AutoencoderKLWan(AbstractAutoEncoder):
         decoder_base_dim: int | None = None,
         in_channels: int = 3,
         out_channels: int = 3,
-        attention: Attention = "xla",
-        attention_chunk: int = 1024,
+        attention: AbstractAttention = DEFAULT_ATTENTION,
         *,
         key: PRNGKeyArray,
     ) -> None:
@@ -713,7 +713,7 @@ class AutoencoderKLWan(AbstractAutoEncoder):
         std = (1.0,) * z_dim if latents_std is None else latents_std
         _check_floats("latents_mean", mean, z_dim, positive=False)
         _check_floats("latents_std", std, z_dim, positive=True)
-        self.attention_settings = AttentionSettings(attention, attention_chunk)
+        self.attention_settings = AttentionSettings(attention)
         k_enc, k_dec, k_q, k_pq = jax.random.split(key, 4)
         downsample = tuple(bool(t) for t in temperal_downsample)
         self.encoder = Encoder3d(
