@@ -22,7 +22,7 @@ from ._custom_types import FinalSamples, RolloutInfo, Step, Transitions
 from ._misc import leading_rows, repeat_rows
 from ._rollout import FlowRollout
 from .objectives import AbstractRLObjective, AbstractTransitionObjective, AbstractVariables, Rescore
-from .rewards._reward import RewardError, reward_name
+from .rewards import RewardError, reward_name
 from .train import Trainer
 
 

@@ -15,7 +15,7 @@ from ._guided_flow import GuidedFlow
 from ._misc import check_int, leading_rows
 from ._preview import preview_grid
 from ._solver import AbstractSolver
-from .rewards._reward import FlowReward, score
+from .rewards import FlowReward, score
 
 
 @final

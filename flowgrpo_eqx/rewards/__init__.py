@@ -2,7 +2,8 @@
 
 - The protocol: a `FlowReward` scores `[N, *sample]` host samples with their prompt rows and
   returns `[N]` float64 scores; `RewardError` is what a failing reward raises;
-  `check_finite_samples` and `load_reward` (a `module:function` or `module:Class` by name).
+  `check_finite_samples`, `load_reward` (a `module:function` or `module:Class` by name),
+  `score` (a reward's checked float64 scores, in blocks) and `reward_name`.
 - Host rewards: `WeightedReward` (a weighted sum of rewards), `JpegCompressibility` and
   `JpegIncompressibility` (DDPO's JPEG-size rewards).
 - A reward in another process: `HttpReward`, the client of `flowgrpo_eqx.rewards.server`
@@ -34,5 +35,7 @@ from ._reward import (
     WeightedReward as WeightedReward,
     check_finite_samples as check_finite_samples,
     load_reward as load_reward,
+    reward_name as reward_name,
+    score as score,
     to_uint8_images as to_uint8_images,
 )
