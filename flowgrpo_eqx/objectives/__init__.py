@@ -4,9 +4,10 @@
 the rollout and the epoch loop ask of an online RL one. Each algorithm lives in its own
 module and reaches another's pieces only through the shared ones (`_base`, `_policy_loss`
 for objectives over recorded transitions, `_final_samples` for objectives over final
-samples, `_decay`, `_trainable`): Flow-GRPO with GRPO-Guard (`FlowGRPOObjective`; MixGRPO is
-Flow-GRPO with a `MixSampler`), DiffusionNFT (`DiffusionNFTObjective`), AWM (`AWMObjective`),
-DGPO (`DGPOObjective`), Flow-DPPO (`FlowDPPOObjective`) and DanceGRPO (`DanceGRPOObjective`).
+samples, `_decay`, `_trainable`): Flow-GRPO (`FlowGRPOObjective`, with GRPO-Guard's forms in
+`_grpo_guard`; MixGRPO is Flow-GRPO with a `MixSampler`), DiffusionNFT
+(`DiffusionNFTObjective`), AWM (`AWMObjective`), DGPO (`DGPOObjective`), Flow-DPPO
+(`FlowDPPOObjective`) and DanceGRPO (`DanceGRPOObjective`).
 """
 
 from ._awm import (
@@ -70,10 +71,12 @@ from ._dppo import (
     divergence_mask as divergence_mask,
 )
 from ._flow_grpo import (
-    AbstractGRPOGuard as AbstractGRPOGuard,
-    EmpiricalGuard as EmpiricalGuard,
     FlowGRPOObjective as FlowGRPOObjective,
     FlowGRPOVariables as FlowGRPOVariables,
+)
+from ._grpo_guard import (
+    AbstractGRPOGuard as AbstractGRPOGuard,
+    EmpiricalGuard as EmpiricalGuard,
     GRPOGuard as GRPOGuard,
     GuardDrift as GuardDrift,
     GuardParts as GuardParts,
