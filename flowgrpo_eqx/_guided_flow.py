@@ -18,7 +18,6 @@ from ._inputs import (
     CFG,
     AbstractAutoEncoder,
     AbstractGuidance,
-    EmbeddedGuidance,
     IdentityAutoEncoder,
     InputSpec,
 )
@@ -154,9 +153,10 @@ class GuidedFlow(eqx.Module):
             raise ValueError(f"`inputs` must be an InputSpec, got {self.inputs!r}.")
         if self.guidance is not None and not isinstance(self.guidance, AbstractGuidance):
             raise ValueError(
-                f"`guidance` must be a CFG, an EmbeddedGuidance or None, got {self.guidance!r}."
+                f"`guidance` must be an AbstractGuidance (a CFG, an EmbeddedGuidance) or None, "
+                f"got {self.guidance!r}."
             )
-        if isinstance(self.guidance, CFG) and not self.inputs.has_null:
+        if self.guidance is not None and self.guidance.needs_null and not self.inputs.has_null:
             raise ValueError(
                 "`guidance` needs a null condition, but `inputs` has none: pass "
                 "InputSpec(null=...) or guidance=None."
@@ -263,10 +263,24 @@ class GuidedFlow(eqx.Module):
             conditioning does not match the null condition.
         """
         conditioning = self.inputs.condition(cond)
-        if isinstance(self.guidance, EmbeddedGuidance):
-            conditioning = self.guidance.condition(conditioning, x.shape[0])
-        if not isinstance(self.guidance, CFG):
+        if self.guidance is None:
             return self.call_model(model, x, t, conditioning)
+        return self.guidance.guided_velocity(
+            lambda conditioning: self.call_model(model, x, t, conditioning),
+            lambda conditioning: self._with_null(model, x, t, conditioning),
+            conditioning,
+            x.shape[0],
+        )
+
+    def _with_null(
+        self,
+        model: Model,
+        x: Float[Array, " B *latent"],
+        t: Float[Array, " B"],
+        conditioning: PyTree[Any],
+    ) -> tuple[Float[Array, " B *latent"], Float[Array, " B *latent"]]:
+        """The model's velocities given the rows' conditioning and given the null condition,
+        in one batched call: `(conditional, unconditional)`."""
         null = self.null_like(conditioning)
         rows = x.shape[0]
         if not _on_data_mesh():
@@ -276,7 +290,7 @@ class GuidedFlow(eqx.Module):
             velocities = self.call_model(
                 model, jnp.concatenate([x, x], axis=0), jnp.concatenate([t, t], axis=0), both
             )
-            return self.guidance.combine(velocities[:rows], velocities[rows:])
+            return velocities[:rows], velocities[rows:]
 
         def pair(c: Array, u: Array) -> Array:
             # On a data mesh, row r's two branches side by side (rows 2r and 2r + 1) rather
@@ -290,7 +304,7 @@ class GuidedFlow(eqx.Module):
         both = jax.tree.map(pair, conditioning, null)
         velocities = self.call_model(model, pair(x, x), pair(t, t), both)
         velocities = velocities.reshape(rows, 2, *velocities.shape[1:])
-        return self.guidance.combine(velocities[:, 0], velocities[:, 1])
+        return velocities[:, 0], velocities[:, 1]
 
     def transition(
         self,

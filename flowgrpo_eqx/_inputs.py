@@ -140,9 +140,50 @@ class InputSpec(eqx.Module):
 _GUIDANCE_KEY = "guidance"
 
 
+Velocity = Float[Array, " B *latent"]
+"""The model's velocities for a batch of rows, `[B, *latent]`."""
+
+
 class AbstractGuidance(eqx.Module):
     """How the velocity is guided: classifier-free guidance (`CFG`, two branches per row) or
-    a guidance-distilled model's own guidance input (`EmbeddedGuidance`, one)."""
+    a guidance-distilled model's own guidance input (`EmbeddedGuidance`, one).
+
+    `GuidedFlow` gives a guidance the means to run the model (one branch, or the conditional
+    and the null branch in one batched call) and the guidance chooses, and mixes the result.
+    """
+
+    @property
+    @abc.abstractmethod
+    def needs_null(self) -> bool:
+        """Whether the model also runs on the null condition (`InputSpec.null`)."""
+
+    @abc.abstractmethod
+    def guided_velocity(
+        self,
+        one_branch: Callable[[PyTree[Any]], Velocity],
+        with_null: Callable[[PyTree[Any]], tuple[Velocity, Velocity]],
+        conditioning: PyTree[Any],
+        rows: int,
+    ) -> Velocity:
+        """The guided velocity of a batch of rows.
+
+        **Arguments:**
+
+        - `one_branch`: the model's velocities given a conditioning for the rows.
+        - `with_null`: the model's velocities given a conditioning for the rows and given
+            the null condition, both in one batched call: `(conditional, unconditional)`.
+        - `conditioning`: the rows' conditioning (selected and encoded, leading axis `rows`).
+        - `rows`: the number of rows.
+
+        **Returns:**
+
+        `[rows, *latent]` velocities.
+
+        **Raises:**
+
+        - `ValueError`: when the conditioning does not suit the guidance (for
+            `EmbeddedGuidance`, not a dict, or one that already has `"guidance"`).
+        """
 
 
 @final
@@ -165,6 +206,19 @@ class CFG(AbstractGuidance):
 
     def __check_init__(self) -> None:
         check_number("scale", self.scale, minimum=0)
+
+    @property
+    def needs_null(self) -> bool:
+        return True
+
+    def guided_velocity(
+        self,
+        one_branch: Callable[[PyTree[Any]], Velocity],
+        with_null: Callable[[PyTree[Any]], tuple[Velocity, Velocity]],
+        conditioning: PyTree[Any],
+        rows: int,
+    ) -> Velocity:
+        return self.combine(*with_null(conditioning))
 
     def combine(
         self, conditional: Float[Array, " *shape"], unconditional: Float[Array, " *shape"]
@@ -207,6 +261,19 @@ class EmbeddedGuidance(AbstractGuidance):
 
     def __check_init__(self) -> None:
         check_number("scale", self.scale, minimum=0)
+
+    @property
+    def needs_null(self) -> bool:
+        return False
+
+    def guided_velocity(
+        self,
+        one_branch: Callable[[PyTree[Any]], Velocity],
+        with_null: Callable[[PyTree[Any]], tuple[Velocity, Velocity]],
+        conditioning: PyTree[Any],
+        rows: int,
+    ) -> Velocity:
+        return one_branch(self.condition(conditioning, rows))
 
     def condition(self, conditioning: PyTree[Any], rows: int) -> dict[str, Any]:
         """The rows' conditioning with the scale added under `"guidance"`.

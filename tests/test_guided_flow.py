@@ -157,7 +157,9 @@ def test_guided_flow_messages_are_exact():
         flow(process="rectified")
     with raises_named("`inputs` must be an InputSpec, got None."):
         flow(inputs=None)
-    with raises_named("`guidance` must be a CFG or None, got 3.0."):
+    with raises_named(
+        "`guidance` must be an AbstractGuidance (a CFG, an EmbeddedGuidance) or None, got 3.0."
+    ):
         flow(guidance=3.0)
     with raises_named("`autoencoder` must be an AbstractAutoEncoder, got 'vae'."):
         flow(autoencoder="vae")
