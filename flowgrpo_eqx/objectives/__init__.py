@@ -51,13 +51,17 @@ from ._decay import (
     RampedDecay as RampedDecay,
 )
 from ._dgpo import (
-    AbstractDGPOLoss as AbstractDGPOLoss,
     DGPOObjective as DGPOObjective,
+)
+from ._dgpo_data import (
+    DGPOVariables as DGPOVariables,
+    GroupedSamples as GroupedSamples,
+)
+from ._dgpo_loss import (
+    AbstractDGPOLoss as AbstractDGPOLoss,
     DGPOReference as DGPOReference,
     DGPOSurrogateLoss as DGPOSurrogateLoss,
-    DGPOVariables as DGPOVariables,
     GroupDPOLoss as GroupDPOLoss,
-    GroupedSamples as GroupedSamples,
     GroupPreferenceTerms as GroupPreferenceTerms,
 )
 from ._dppo import (

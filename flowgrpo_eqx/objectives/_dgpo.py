@@ -1,15 +1,13 @@
 """`DGPOObjective`: Direct Group Preference Optimization, as its authors' released code
 computes it."""
 
-import abc
 from dataclasses import KW_ONLY
-from typing import Any, Literal, TypeAlias, final
+from typing import final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .._custom_types import (
     ExampleMask,
@@ -29,190 +27,52 @@ from .._misc import (
     check_int,
     check_mode,
     check_number,
-    stop_gradient_arrays,
     zero_rows_unless,
 )
 from .._sampling import AbstractSampler, ODESampler
 from .._solver import AbstractSolver, DPMSolverPP2M
 from ._base import (
-    AbstractEMAVariables,
-    AbstractReferenceVariables,
     AbstractRLObjective,
-    checked_flow,
 )
 from ._decay import RampedDecay, check_decay, decay_at
+from ._dgpo_data import (
+    DGPOVariables,
+    GroupedSamples,
+    TrainingPoints,
+    advance_variables,
+    draw_indices,
+    group_noise,
+    grouped_runs,
+    noised_points,
+    quantised_times,
+)
+from ._dgpo_loss import (
+    AbstractDGPOLoss,
+    DGPOReference,
+    DGPOSurrogateLoss,
+    check_loss_form,
+    check_reference_guidance,
+    group_preference_loss,
+    ratio_clip,
+    reference_velocities,
+    same_group,
+)
 from ._final_samples import (
     example_mse,
     final_samples,
     kept_grid,
     mean_over,
-    noised,
-    repeated_rows,
     row_mean,
 )
 from ._trainable import (
     TrainableFilter,
-    blend_part,
     reference_part,
     trainable_part,
 )
 
 
-def _group_sum(members: Float[Array, " N N"], term: Float[Array, " N T"]) -> Float[Array, " N T"]:
-    """Each row's sum of `term` over the rows of its group (`members[i, j]`: 1 where row `j`
-    counts and shares row `i`'s group)."""
-    return jnp.sum(members[:, :, None] * term[None, :, :], axis=1)
-
-
-@final
-class GroupPreferenceTerms(eqx.Module):
-    """What DGPO's loss forms read at each (row, time) (`AbstractDGPOLoss`).
-
-    **Arguments:**
-
-    - `error`, `reference_error`: `[N, T]` the live policy's errors (clipped ones detached)
-        and the DPO reference's.
-    - `advantages`: `[N, 1]` the clipped advantages (0 for rows that do not count).
-    - `weight`: `[N, T]` `sigmoid(x_g)` of detached errors.
-    - `members`: `[N, N]` 1 where row `j` counts and shares row `i`'s group.
-    - `beta_dpo`, `group_size`: the objective's.
-    """
-
-    error: Float[Array, " N T"]
-    reference_error: Float[Array, " N T"]
-    advantages: Float[Array, " N 1"]
-    weight: Float[Array, " N T"]
-    members: Float[Array, " N N"]
-    beta_dpo: float
-    group_size: int
-
-
-class AbstractDGPOLoss(eqx.Module):
-    """How DGPO's group preference becomes a loss: the released gradient-equivalent
-    surrogate (`DGPOSurrogateLoss`) or the group DPO loss it equals in gradient
-    (`GroupDPOLoss`)."""
-
-    @abc.abstractmethod
-    def __call__(self, terms: GroupPreferenceTerms) -> Float[Array, " N T"]:
-        """The loss of each (row, time).
-
-        **Arguments:**
-
-        - `terms`: the errors, advantages, weights and groups.
-
-        **Returns:**
-
-        `[N, T]` losses.
-        """
-
-
-@final
-class DGPOSurrogateLoss(AbstractDGPOLoss):
-    """`sg(sigmoid(x_g)) A_i e_i`: the release's `compute_group_dgpo_loss_allreduce`, its
-    default."""
-
-    def __call__(self, terms: GroupPreferenceTerms) -> Float[Array, " N T"]:
-        return jax.lax.stop_gradient(terms.weight) * terms.advantages * terms.error
-
-
-@final
-class GroupDPOLoss(AbstractDGPOLoss):
-    """`softplus(x_g) group_size / (beta_dpo n_g)` per row of a group, `n_g` the group's rows
-    in the batch: the paper's `-log sigmoid(R(G+) - R(G-))`, whose gradient is the
-    surrogate's."""
-
-    def __call__(self, terms: GroupPreferenceTerms) -> Float[Array, " N T"]:
-        scale = terms.beta_dpo / terms.group_size
-        reference_error = jax.lax.stop_gradient(terms.reference_error)
-        live = _group_sum(terms.members, terms.advantages * scale * (terms.error - reference_error))
-        count = jnp.maximum(jnp.sum(terms.members, axis=1), 1.0)
-        share = (terms.group_size / (terms.beta_dpo * count))[:, None]
-        return jax.nn.softplus(live) * share
-
-
-DGPOReference: TypeAlias = Literal["base", "ema"]
-"""The reference of DGPO's implicit rewards: the frozen base model (`"base"`, the released
-default, the same model as the KL's), or the EMA reference (`"ema"`, the release's
-`use_ema_ref`)."""
-
 _RELEASED_EMA_DECAY = RampedDecay(rate=0.001, maximum=0.3)
 _RELEASED_SOLVER = DPMSolverPP2M()
-_QUANTUM_TOLERANCE = 1e-3
-"""Added to `quantize * t` before the floor, in units of one training timestep: it absorbs
-the float32 rounding of a grid time (below 1e-4 timesteps), so that a time the release
-computes as an integer number of timesteps in float64 keeps that integer here."""
-
-
-@final
-class DGPOVariables(AbstractEMAVariables, AbstractReferenceVariables):
-    """DGPO's variables: the live policy, its EMA reference, the frozen base, and where the
-    epoch trains.
-
-    **Arguments:**
-
-    - `policy`: the live velocity model, trained by the optimizer.
-    - `ema`: when `clip_range`, `dpo_reference="ema"` or `switch_ema_ref` needs it, the EMA
-        reference's trainable part (`trainable_part`: the adapters of a LoRA policy, every
-        float array of a fully trained one; the release's `ema_ref`); the EMA policy is the
-        live one carrying it (`with_part`). It starts as the initial policy's and moves
-        once per epoch (`DGPOObjective.end_epoch`). `None` otherwise.
-    - `reference`: when `dpo_reference="base"` or `kl_beta > 0`, the frozen `reference_part`
-        of the initial policy; the base model is `reference_policy` (the adapters switched
-        off). `None` otherwise.
-    - `indices`: `[T]` int32, the grid indices every update of this epoch trains at
-        (`DGPOObjective.epoch_indices`).
-    - `step`: int32, the optimizer updates done when the last epoch ended (0 before the
-        first): the release's `global_step` when it samples.
-    """
-
-    policy: Model
-    ema: PyTree[Any] | None
-    reference: PyTree[Any] | None
-    indices: Int[Array, " T"]
-    step: Int[Array, ""]
-
-
-@final
-class GroupedSamples(eqx.Module):
-    """Final samples with the group of each row: what `DGPOObjective` trains on.
-
-    The minibatches of an epoch cut rows in any order; the group ids say which rows share a
-    prompt's group wherever they land (the release groups a micro-batch's rows by their
-    prompt ids).
-
-    **Arguments:**
-
-    - `samples`: the `FinalSamples` (latents, advantages, rows, mask, grid).
-    - `group`: `[N]` integer ids, equal for the rows of one group.
-
-    **Raises:**
-
-    - `ValueError`: naming `group` if it is not one integer per row.
-    """
-
-    samples: FinalSamples
-    group: Int[Array, " N"]
-
-    def __check_init__(self) -> None:
-        rows = self.samples.num_rows
-        if tuple(jnp.shape(self.group)) != (rows,) or not jnp.issubdtype(
-            jnp.result_type(self.group), jnp.integer
-        ):
-            raise ValueError(
-                f"GroupedSamples.group must be [N] = ({rows},) integers, got shape "
-                f"{tuple(jnp.shape(self.group))} and dtype {jnp.result_type(self.group)}."
-            )
-
-    @property
-    def num_rows(self) -> int:
-        """`N`, the number of rows."""
-        return self.samples.num_rows
-
-    @property
-    def advantages(self) -> Any:
-        """`[N]` the rows' advantages (`samples.advantages`), which the trainer checks finite
-        (annotated `Any`: `eqx.tree_at` reads it on a tree of placeholders)."""
-        return self.samples.advantages
 
 
 @final
@@ -315,22 +175,9 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
     def __check_init__(self) -> None:
         check_int("group_size", self.group_size, 1)
         check_number("beta_dpo", self.beta_dpo, minimum=0, include_minimum=False)
-        if not isinstance(self.loss_form, AbstractDGPOLoss):
-            raise ValueError(
-                "`loss_form` must be an AbstractDGPOLoss (DGPOSurrogateLoss, GroupDPOLoss), "
-                f"got {self.loss_form!r}."
-            )
+        check_loss_form(self.loss_form)
         check_mode("dpo_reference", self.dpo_reference, DGPOReference)
-        if self.reference_guidance is not None:
-            if not isinstance(self.reference_guidance, CFG):
-                raise ValueError(
-                    f"`reference_guidance` must be a CFG or None, got {self.reference_guidance!r}."
-                )
-            if not checked_flow(self.flow).inputs.has_null:
-                raise ValueError(
-                    "`reference_guidance` needs a null condition, but `inputs` has none: pass "
-                    "InputSpec(null=...) or reference_guidance=None."
-                )
+        check_reference_guidance(self.reference_guidance, self.flow)
         check_number("clip_range", self.clip_range, minimum=0, include_minimum=False, optional=True)
         check_bool("clip_kl", self.clip_kl)
         check_bool("shared_noise", self.shared_noise)
@@ -430,17 +277,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         - `ValueError`: if `collected` holds per-transition (`[N, K]`) advantages, or
             naming `group_size` if it does not divide the rows.
         """
-        samples = final_samples(collected, info, "DGPO")
-        rows = samples.num_rows
-        if rows % self.group_size:
-            raise ValueError(
-                f"`group_size`={self.group_size} must divide the rollout's {rows} rows: it is "
-                "the rollout's `groups`, whose runs of consecutive rows are DGPO's groups."
-            )
-        host = np.arange(rows, dtype=np.int32) // self.group_size
-        sharding = samples.advantages.sharding
-        group = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-        return GroupedSamples(samples, group)
+        return grouped_runs(final_samples(collected, info, "DGPO"), self.group_size)
 
     def end_epoch(self, variables: DGPOVariables, step: int) -> DGPOVariables:
         """The EMA reference moved towards the live policy, the next epoch's indices drawn,
@@ -461,7 +298,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         decay = None
         if variables.ema is not None and self.ema_decay is not None:
             decay = jnp.asarray(decay_at(self.ema_decay, max(step - 1, 0)), jnp.float32)
-        return _advance(
+        return advance_variables(
             variables,
             decay,
             jnp.asarray(step, jnp.int32),
@@ -495,7 +332,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
         `[T]` int32 indices.
         """
-        return _draw_indices(self.seed, step, self.trunc_steps + 1, self.train_timesteps)
+        return draw_indices(self.seed, step, self.trunc_steps + 1, self.train_timesteps)
 
     def clipped_advantages(self, advantages: Float[Array, " N"]) -> Float[Array, " N"]:
         """`clip(A, -adv_clip_max, adv_clip_max)` (the release's `adv_clip_max`).
@@ -535,32 +372,13 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         - `ValueError`: naming `trunc_steps` if the grid has no index `trunc_steps`.
         - `EquinoxRuntimeError`: if an index lies outside the grid.
         """
-        size = timesteps.shape[1]
-        if self.trunc_steps >= size:
-            raise ValueError(
-                f"`trunc_steps`={self.trunc_steps} needs a grid of more than {self.trunc_steps} "
-                f"start times, got {size}: sample with more steps or lower `trunc_steps`."
-            )
-        indices = eqx.error_if(
-            indices,
-            jnp.any((indices < 0) | (indices >= size)),
-            "DGPOVariables.indices holds an index outside the grid of the batch.",
-        )
-        t = jnp.take(timesteps, indices, axis=1).astype(jnp.float32)
-        if self.quantize is None:
-            return t
-        q = float(self.quantize)
-        return jnp.floor(t * q + _QUANTUM_TOLERANCE) / q
+        return quantised_times(timesteps, indices, self.trunc_steps, self.quantize)
 
     def training_noise(
         self, group: Int[Array, " N"], count: int, shape: tuple[int, ...], key: PRNGKeyArray
     ) -> Float[Array, " F *latent"]:
-        """The noise of each (row, time), rows repeated time-fastest (`F = N T`).
-
-        With `shared_noise`, row `i`'s noise at its `j`-th time is
-        `jax.random.normal(jax.random.fold_in(key, group[i]), [T, *latent])[j]`: one draw per
-        (group, time), as the release's `generate_shared_noise_for_groups`; otherwise
-        `jax.random.normal(key, [N T, *latent])`.
+        """The noise of each (row, time), rows repeated time-fastest (`F = N T`): one draw
+        per (group, time) with `shared_noise`, else per (row, time) (`group_noise`).
 
         **Arguments:**
 
@@ -573,15 +391,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
         `[N T, *latent]` float32 noise.
         """
-        rows = group.shape[0]
-        if not self.shared_noise:
-            return jax.random.normal(key, (rows * count, *shape), jnp.float32)
-
-        def draw(member: Int[Array, ""]) -> Float[Array, " T *latent"]:
-            return jax.random.normal(jax.random.fold_in(key, member), (count, *shape), jnp.float32)
-
-        per_row: Float[Array, " N T *latent"] = jax.vmap(draw)(group)
-        return per_row.reshape(rows * count, *shape)
+        return group_noise(group, count, shape, key, self.shared_noise)
 
     def should_clip(
         self,
@@ -602,12 +412,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
         `[F]` bools (all `False` with `clip_range=None`).
         """
-        if self.clip_range is None:
-            return jnp.zeros(error.shape, bool)
-        ratio = jnp.exp(ema_error - error)
-        return jnp.where(
-            advantages > 0, ratio > 1.0 + self.clip_range, ratio < 1.0 - self.clip_range
-        )
+        return ratio_clip(error, ema_error, advantages, self.clip_range)
 
     def preference_loss(
         self,
@@ -616,12 +421,8 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         advantages: Float[Array, " N"],
         same_group: Bool[Array, " N N"],
     ) -> tuple[Float[Array, " N T"], Float[Array, " N T"]]:
-        """The group preference loss of each (row, time) and its sigmoid weight.
-
-        `x_g = beta_dpo / group_size * sum_{j in g} A_j (e_j - e_ref,j)`, summed over the
-        row's group at each time; `DGPOSurrogateLoss`: `sg(sigmoid(x_g)) A_i e_i` with `x_g`
-        from detached errors; `GroupDPOLoss`: `softplus(x_g) group_size / (beta_dpo n_g)`,
-        `n_g` the row's group's rows in the batch, so that the gradient is the surrogate's.
+        """The group preference loss of each (row, time) and its sigmoid weight, in this
+        objective's `loss_form` (the formulas: `group_preference_loss`).
 
         **Arguments:**
 
@@ -634,19 +435,15 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
 
         `([N, T] losses, [N, T] weights sigmoid(x_g))`.
         """
-        a = advantages[:, None]
-        scale = self.beta_dpo / self.group_size
-        members = same_group.astype(jnp.float32)
-        detached = jax.lax.stop_gradient(error)
-        margin = _group_sum(
-            members, a * scale * (detached - jax.lax.stop_gradient(reference_error))
+        return group_preference_loss(
+            self.loss_form,
+            error,
+            reference_error,
+            advantages,
+            same_group,
+            self.beta_dpo,
+            self.group_size,
         )
-        weight = jax.nn.sigmoid(margin)
-        terms = GroupPreferenceTerms(
-            error, reference_error, a, weight, members, self.beta_dpo, self.group_size
-        )
-        losses = self.loss_form(terms)
-        return losses, weight
 
     def loss(
         self, variables: DGPOVariables, batch: GroupedSamples, step: Step
@@ -687,24 +484,42 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         )
         keep = batch.samples.mask
         points = self.training_points(variables, batch.samples, batch.group, step.key)
-        x_t, target, t_flat, conditioning = points.x_t, points.target, points.t, points.cond
         rows, count = batch.samples.latents.shape[0], points.count
-        samples = batch.samples
-
-        def velocity(policy: Model) -> Array:
-            return self.flow.call_model(policy, x_t, t_flat, conditioning).astype(jnp.float32)
-
-        v = velocity(variables.policy)
-        error = example_mse(v, target)
-        advantages = self.clipped_advantages(zero_rows_unless(keep, samples.advantages))
+        v = self._velocity(variables.policy, points)
+        error = example_mse(v, points.target)
+        advantages = self.clipped_advantages(zero_rows_unless(keep, batch.samples.advantages))
         flat_advantages = jnp.repeat(advantages, count)
-        v_base = None
-        if self.keeps_base:
-            base = stop_gradient_arrays(variables.reference_policy())
-            v_base = jax.lax.stop_gradient(self._base_velocity(base, x_t, t_flat, conditioning))
-        v_ema = None
-        if self.clip_range is not None or self.dpo_reference == "ema":
-            v_ema = jax.lax.stop_gradient(velocity(stop_gradient_arrays(variables.ema_policy())))
+        reads_ema = self.clip_range is not None or self.dpo_reference == "ema"
+        v_base, v_ema = reference_velocities(
+            self.flow, variables, points, self.reference_guidance, self.keeps_base, reads_ema
+        )
+        clip, clipped, reference_error = self._clip_and_reference_error(
+            error, v_base, v_ema, points.target, flat_advantages
+        )
+        same = same_group(batch.group, keep, self.group_size)
+        policy, weight = self.preference_loss(
+            clipped.reshape(rows, count), reference_error.reshape(rows, count), advantages, same
+        )
+        per_row, aux = self._row_losses(
+            policy, weight, error, reference_error, advantages, clip, v, v_base
+        )
+        stats = {k: mean_over(keep, jax.lax.stop_gradient(a)) for k, a in aux.items()}
+        return mean_over(keep, per_row), stats
+
+    def _velocity(self, policy: Model, points: TrainingPoints) -> Array:
+        """`policy`'s conditional velocity at the training points, in float32."""
+        return self.flow.call_model(policy, points.x_t, points.t, points.cond).astype(jnp.float32)
+
+    def _clip_and_reference_error(
+        self,
+        error: PerExample,
+        v_base: Array | None,
+        v_ema: Array | None,
+        target: Array,
+        flat_advantages: PerExample,
+    ) -> tuple[ExampleMask, PerExample, PerExample]:
+        """The examples the ratio clip stops, the errors with theirs detached, and the DPO
+        reference's errors."""
         clip = jnp.zeros(error.shape, bool)
         if v_ema is not None and self.clip_range is not None:
             clip = self.should_clip(error, example_mse(v_ema, target), flat_advantages)
@@ -712,18 +527,30 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         v_dpo = v_ema if self.dpo_reference == "ema" else v_base
         assert v_dpo is not None
         reference_error = example_mse(v_dpo, target)
-        same = self._same_group(batch.group, keep)
-        policy, weight = self.preference_loss(
-            clipped.reshape(rows, count), reference_error.reshape(rows, count), advantages, same
-        )
-        per_row = jnp.mean(policy, axis=1)
+        return clip, clipped, reference_error
+
+    def _row_losses(
+        self,
+        policy: Float[Array, " N T"],
+        weight: Float[Array, " N T"],
+        error: PerExample,
+        reference_error: PerExample,
+        advantages: Float[Array, " N"],
+        clip: ExampleMask,
+        v: Array,
+        v_base: Array | None,
+    ) -> tuple[Float[Array, " N"], dict[str, Array]]:
+        """Each row's loss (its mean policy loss over its times, plus `kl_beta` times its
+        KL to the base model) and its per-row diagnostics."""
+        count = policy.shape[1]
         aux = {
-            "policy_loss": per_row,
+            "policy_loss": jnp.mean(policy, axis=1),
             "error": row_mean(error, count),
             "reference_error": row_mean(reference_error, count),
             "weight": jnp.mean(weight, axis=1),
             "advantage": advantages,
         }
+        per_row = aux["policy_loss"]
         if self.clip_range is not None:
             aux["clipfrac"] = row_mean(clip.astype(jnp.float32), count)
         if self.kl_beta > 0:
@@ -733,8 +560,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
                 kl = jnp.where(clip, jax.lax.stop_gradient(kl), kl)
             aux["kl"] = row_mean(kl, count)
             per_row = per_row + self.kl_beta * aux["kl"]
-        stats = {k: mean_over(keep, jax.lax.stop_gradient(a)) for k, a in aux.items()}
-        return mean_over(keep, per_row), stats
+        return per_row, aux
 
     def training_points(
         self,
@@ -742,7 +568,7 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         samples: FinalSamples,
         group: Int[Array, " N"],
         key: PRNGKeyArray,
-    ) -> "_TrainingPoints":
+    ) -> TrainingPoints:
         """Each counted row noised at its epoch's trained times (`training_times` of its grid
         at `variables.indices`) with its group's noise; masked rows as zeros at time 1.
 
@@ -764,78 +590,4 @@ class DGPOObjective(AbstractRLObjective[DGPOVariables, GroupedSamples]):
         """
         grid = kept_grid(samples, "DGPO", "batch.samples.timesteps")
         t = self.training_times(grid, variables.indices)
-        rows, count = t.shape
-        t_flat = t.reshape(rows * count)
-        x_0, cond = repeated_rows(samples, count)
-        noise = self.training_noise(group, count, x_0.shape[1:], key).astype(x_0.dtype)
-        x_t, target = noised(self.flow.process, x_0, noise, t_flat)
-        return _TrainingPoints(
-            x_t=x_t,
-            target=target,
-            t=t_flat,
-            cond=self.flow.inputs.condition(cond),
-            count=count,
-        )
-
-    def _same_group(self, group: Int[Array, " N"], keep: Bool[Array, " N"]) -> Bool[Array, "N N"]:
-        """`[N, N]`: whether row `j` is a counted row of row `i`'s group.
-
-        **Raises:**
-
-        - `EquinoxRuntimeError`: if a group has more than `group_size` counted rows.
-        """
-        same = (group[:, None] == group[None, :]) & keep[None, :]
-        checked: Bool[Array, "N N"] = eqx.error_if(
-            same,
-            jnp.any(keep & (jnp.sum(same, axis=1) > self.group_size)),
-            "A group of the batch has more counted rows than `group_size`: the batch's "
-            "`group` ids do not match the objective's `group_size`.",
-        )
-        return checked
-
-    def _base_velocity(
-        self, base: Model, x_t: Array, t: PerExample, conditioning: PyTree[Any]
-    ) -> Array:
-        """The base model's velocity: conditional, or guided by `reference_guidance`."""
-        conditional = self.flow.call_model(base, x_t, t, conditioning).astype(jnp.float32)
-        if self.reference_guidance is None:
-            return conditional
-        null = self.flow.null_like(conditioning)
-        unconditional = self.flow.call_model(base, x_t, t, null).astype(jnp.float32)
-        return self.reference_guidance.combine(conditional, unconditional)
-
-
-class _TrainingPoints(eqx.Module):
-    """The flattened `[N T, ...]` inputs of one DGPO loss: noised latents, velocity targets,
-    times and conditioning, for `count` times per row."""
-
-    x_t: Array
-    target: Array
-    t: PerExample
-    cond: PyTree[Any]
-    count: int = eqx.field(static=True)
-
-
-def _draw_indices(
-    seed: int, step: int | Int[Array, ""], choices: int, count: int
-) -> Int[Array, " T"]:
-    """`count` distinct indices of `0..choices - 1`, drawn from `seed` and `step`."""
-    key = jax.random.fold_in(jax.random.key(seed), step)
-    return jax.random.permutation(key, choices)[:count].astype(jnp.int32)
-
-
-@eqx.filter_jit
-def _advance(
-    variables: DGPOVariables,
-    decay: Float[Array, ""] | None,
-    step: Int[Array, ""],
-    seed: int,
-    choices: int,
-    count: int,
-) -> DGPOVariables:
-    ema = variables.ema
-    if decay is not None:
-        ema = blend_part(ema, variables.policy, decay)
-    recorded = jnp.zeros_like(variables.step) + step
-    indices = jnp.zeros_like(variables.indices) + _draw_indices(seed, recorded, choices, count)
-    return DGPOVariables(variables.policy, ema, variables.reference, indices, recorded)
+        return noised_points(self.flow, samples, t, group, key, self.shared_noise)
