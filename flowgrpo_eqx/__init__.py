@@ -61,6 +61,7 @@ from ._inputs import (
     InputSpec as InputSpec,
 )
 from ._misc import check_int as check_int, check_number as check_number, is_int as is_int
+from ._mix_sampler import MixSampler as MixSampler
 from ._preview import preview_grid as preview_grid
 from ._process import (
     AbstractProcess as AbstractProcess,
@@ -76,7 +77,6 @@ from ._sampling import (
     AbstractSampler as AbstractSampler,
     Draw as Draw,
     Generated as Generated,
-    MixSampler as MixSampler,
     ODESampler as ODESampler,
     SDESampler as SDESampler,
 )
