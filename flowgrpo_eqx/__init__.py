@@ -9,11 +9,11 @@ from ._advantages import (
     reward_advantages as reward_advantages,
 )
 from ._buffer import Buffer as Buffer
-from ._consistency import (
+from ._consistency import check_consistency as check_consistency
+from ._consistency_report import (
     CheckLine as CheckLine,
     ConsistencyReport as ConsistencyReport,
     ConsistencyThresholds as ConsistencyThresholds,
-    check_consistency as check_consistency,
 )
 from ._custom_types import (
     Aux as Aux,
