@@ -81,10 +81,13 @@ from ._sampling import (
     SDESampler as SDESampler,
 )
 from ._sde import (
+    AbstractKLWeighting as AbstractKLWeighting,
     AbstractSDE as AbstractSDE,
     CoefficientsPreservingSDE as CoefficientsPreservingSDE,
     FlowSDE as FlowSDE,
     KLWeighting as KLWeighting,
+    PaperKLWeighting as PaperKLWeighting,
+    ReleasedKLWeighting as ReleasedKLWeighting,
     window_for_indices as window_for_indices,
 )
 from ._solver import (

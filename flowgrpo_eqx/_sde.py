@@ -7,7 +7,7 @@ ones agree. `docs/mathematics/index.md` states every formula here.
 import abc
 import math
 import numbers
-from typing import Literal, TypeAlias, final
+from typing import TypeAlias, final
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -17,8 +17,55 @@ from ._custom_types import Latent, Scalar, ScalarLike
 from ._misc import check_number
 
 
-KLWeighting: TypeAlias = Literal["paper", "released"]
-"""`"paper"`: the conditional Gaussian KL; `"released"`: `|dt|` times it, as the released code."""
+class AbstractKLWeighting(eqx.Module):
+    """How an SDE weights the KL of one transition to the frozen reference's over time:
+    `PaperKLWeighting` (the conditional Gaussian KL as it is) or `ReleasedKLWeighting`
+    (`|dt|` times it, as the released code)."""
+
+    @abc.abstractmethod
+    def weigh(self, kl: Scalar, dt: ScalarLike | None, dtype: jnp.dtype) -> Scalar:
+        """The weighted KL of one transition.
+
+        **Arguments:**
+
+        - `kl`: the conditional Gaussian KL, `mean_coords[(mean - mean_ref)^2] / (2 std^2)`.
+        - `dt`: the elapsed time `t_next - t`, or `None` when the caller has none.
+        - `dtype`: the computation's dtype.
+
+        **Returns:**
+
+        The weighted KL, a scalar >= 0.
+
+        **Raises:**
+
+        - `ValueError`: naming `dt` when the weighting needs it and it is `None`.
+        """
+
+
+@final
+class PaperKLWeighting(AbstractKLWeighting):
+    """The conditional Gaussian KL of arXiv:2505.05470v5 section 4, whose variance
+    `sigma^2 |dt|` includes the elapsed time, unweighted: `mean_coords[(mu - mu_ref)^2] /
+    (2 sigma^2 |dt|)`."""
+
+    def weigh(self, kl: Scalar, dt: ScalarLike | None, dtype: jnp.dtype) -> Scalar:
+        return kl
+
+
+@final
+class ReleasedKLWeighting(AbstractKLWeighting):
+    """The released `train_sd3.py` term `mean_coords[(mu - mu_ref)^2] / (2 sigma^2)`: `|dt|`
+    times the paper's KL, so late, short steps weigh less."""
+
+    def weigh(self, kl: Scalar, dt: ScalarLike | None, dtype: jnp.dtype) -> Scalar:
+        if dt is None:
+            raise ValueError("`dt` is required by kl when kl_weighting=ReleasedKLWeighting().")
+        weighted: Scalar = kl * jnp.abs(jnp.asarray(dt, dtype))
+        return weighted
+
+
+KLWeighting: TypeAlias = AbstractKLWeighting
+"""An SDE's `kl_weighting`: `PaperKLWeighting()` or `ReleasedKLWeighting()`."""
 
 _WINDOW_TOLERANCE = 1e-6
 
@@ -85,9 +132,10 @@ class AbstractSDE(eqx.Module):
 
     def __check_init__(self) -> None:
         check_number("noise_level", self.noise_level, minimum=0)
-        if self.kl_weighting not in ("paper", "released"):
+        if not isinstance(self.kl_weighting, AbstractKLWeighting):
             raise ValueError(
-                f"`kl_weighting` must be 'paper' or 'released', got {self.kl_weighting!r}."
+                "`kl_weighting` must be PaperKLWeighting() or ReleasedKLWeighting(), got "
+                f"{self.kl_weighting!r}."
             )
         if self.window is not None:
             if not isinstance(self.window, tuple) or len(self.window) != 2:
@@ -237,15 +285,16 @@ class AbstractSDE(eqx.Module):
     ) -> Scalar:
         """The coordinate-averaged KL between two Gaussian transitions of equal std.
 
-        With `kl_weighting="paper"`: `mean_coords[(mean - mean_ref)^2] / (2 std^2)`, where
-        `std^2 = sigma^2 |dt|` includes the elapsed time. With `"released"`: `|dt|` times that.
+        With `PaperKLWeighting()`: `mean_coords[(mean - mean_ref)^2] / (2 std^2)`, where
+        `std^2 = sigma^2 |dt|` includes the elapsed time. With `ReleasedKLWeighting()`: `|dt|`
+        times that.
 
         **Arguments:**
 
         - `mean`: the policy's transition mean.
         - `mean_ref`: the frozen reference's transition mean.
         - `std`: the shared std from `transition`.
-        - `dt`: the elapsed time `t_next - t`; required for `kl_weighting="released"`.
+        - `dt`: the elapsed time `t_next - t`; required by `ReleasedKLWeighting`.
 
         **Returns:**
 
@@ -253,7 +302,8 @@ class AbstractSDE(eqx.Module):
 
         **Raises:**
 
-        - `ValueError`: naming `dt` if `kl_weighting="released"` and `dt` is not given.
+        - `ValueError`: naming `dt` if the weighting is `ReleasedKLWeighting` and `dt` is
+            not given.
         """
         dtype = compute_dtype(mean.dtype, mean_ref.dtype)
         std = jnp.asarray(std, dtype)
@@ -261,11 +311,7 @@ class AbstractSDE(eqx.Module):
         safe_std = jnp.where(positive, std, 1.0)
         squared = jnp.mean((mean.astype(dtype) - mean_ref.astype(dtype)) ** 2)
         value = jnp.where(positive, squared / (2 * safe_std**2), 0.0)
-        if self.kl_weighting == "released":
-            if dt is None:
-                raise ValueError("`dt` is required by kl when kl_weighting='released'.")
-            value = value * jnp.abs(jnp.asarray(dt, dtype))
-        return value
+        return self.kl_weighting.weigh(value, dt, dtype)
 
 
 @final
@@ -287,10 +333,11 @@ class FlowSDE(AbstractSDE):
         `t <= start` and `t_next >= stop`. This is Flow-GRPO-Fast's fixed window (one that
         moves, as MixGRPO's, is a window schedule: `ProgressiveWindow`); use
         `window_for_indices` to place it on a grid.
-    - `kl_weighting`: `"paper"` (default) for the conditional Gaussian KL of arXiv:2505.05470v5
-        section 4, `mean_coords[(mu - mu_ref)^2] / (2 sigma^2 |dt|)`; `"released"` for the
-        released `train_sd3.py` term `mean_coords[(mu - mu_ref)^2] / (2 sigma^2)`, which equals
-        `|dt|` times the paper's KL and so weights late, short steps less.
+    - `kl_weighting`: `PaperKLWeighting()` (default) for the conditional Gaussian KL of
+        arXiv:2505.05470v5 section 4, `mean_coords[(mu - mu_ref)^2] / (2 sigma^2 |dt|)`;
+        `ReleasedKLWeighting()` for the released `train_sd3.py` term `mean_coords[(mu -
+        mu_ref)^2] / (2 sigma^2)`, which equals `|dt|` times the paper's KL and so weights
+        late, short steps less.
 
     **Raises:**
 
@@ -299,7 +346,7 @@ class FlowSDE(AbstractSDE):
 
     noise_level: float = 0.7
     window: tuple[float, float] | None = None
-    kl_weighting: KLWeighting = "paper"
+    kl_weighting: KLWeighting = PaperKLWeighting()
 
     def gaussian(
         self, x: Latent, v: Latent, t: Scalar, t_next: Scalar, level: Scalar
@@ -338,7 +385,7 @@ class CoefficientsPreservingSDE(AbstractSDE):
 
     noise_level: float = 0.7
     window: tuple[float, float] | None = None
-    kl_weighting: KLWeighting = "paper"
+    kl_weighting: KLWeighting = PaperKLWeighting()
 
     def __check_init__(self) -> None:
         if isinstance(self.noise_level, numbers.Real) and self.noise_level > 1:

@@ -24,6 +24,7 @@ from tests import numpy_reference as ref
 
 COND_DIM = 2
 HIDDEN = 8
+KL_WEIGHTINGS = {"paper": fg.PaperKLWeighting(), "released": fg.ReleasedKLWeighting()}
 
 
 # --------------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ class Config:
     window_indices: tuple[int, int] | None = None  # (first, count) on the grid
     guidance: float | None = None
     beta: float = 0.0
-    kl_weighting: str = "paper"
+    kl_weighting: str = "paper"  # a key of KL_WEIGHTINGS
     clip_range: float = 0.2
     adv_clip_max: float = 5.0
     dim: int = 3
@@ -120,7 +121,8 @@ class Config:
     @property
     def sde(self) -> fg.AbstractSDE:
         sde_class = fg.FlowSDE if self.kind == "flow" else fg.CoefficientsPreservingSDE
-        return sde_class(self.noise_level, window=self.window, kl_weighting=self.kl_weighting)
+        weighting = KL_WEIGHTINGS[self.kl_weighting]
+        return sde_class(self.noise_level, window=self.window, kl_weighting=weighting)
 
     def objective(self, **overrides: Any) -> fg.FlowGRPOObjective:
         options: dict[str, Any] = dict(

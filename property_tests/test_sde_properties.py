@@ -49,7 +49,7 @@ def test_kl_nonnegative_zero_on_equal_means_and_released_weighting(
     mean_ref = data.draw(_vectors(dim))
     sde_class = fg.FlowSDE if kind == "flow" else fg.CoefficientsPreservingSDE
     paper = sde_class(0.7)
-    released = sde_class(0.7, kl_weighting="released")
+    released = sde_class(0.7, kl_weighting=fg.ReleasedKLWeighting())
     m, m_ref = jnp.asarray(mean), jnp.asarray(mean_ref)
 
     kl = float(paper.kl(m, m_ref, std))

@@ -45,7 +45,9 @@ def test_sde_variants_are_final_classes_of_one_abstract_class():
     for variant in (flowgrpo_eqx.FlowSDE, flowgrpo_eqx.CoefficientsPreservingSDE):
         assert issubclass(variant, flowgrpo_eqx.AbstractSDE)
         assert getattr(variant, "__final__", False)
-    assert typing.get_args(typing.get_type_hints(flowgrpo_eqx.FlowSDE)["kl_weighting"]) == (
-        "paper",
-        "released",
-    )
+    weightings = (flowgrpo_eqx.PaperKLWeighting, flowgrpo_eqx.ReleasedKLWeighting)
+    for weighting in weightings:
+        assert issubclass(weighting, flowgrpo_eqx.AbstractKLWeighting)
+        assert getattr(weighting, "__final__", False)
+    hint = typing.get_type_hints(flowgrpo_eqx.FlowSDE)["kl_weighting"]
+    assert hint is flowgrpo_eqx.AbstractKLWeighting

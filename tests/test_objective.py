@@ -20,6 +20,7 @@ from tests.tolerances import loss_rtol
 
 
 SDES = {"flow": fg.FlowSDE, "cps": fg.CoefficientsPreservingSDE}
+KL_WEIGHTINGS = {"paper": fg.PaperKLWeighting(), "released": fg.ReleasedKLWeighting()}
 
 
 def kind_of(sde):
@@ -219,7 +220,7 @@ def numpy_loss(objective, policy, reference, batch):
                     x, v_ref, t, t_next, sde.noise_level, kind_of(sde), sde.window
                 )
                 kl = ref.kl_paper(mean, mean_ref, std)
-                if sde.kl_weighting == "released":
+                if sde.kl_weighting == fg.ReleasedKLWeighting():
                     kl *= t - t_next
             sums["objective"] += surrogate + objective.beta * kl
             sums["policy_loss"] += surrogate
@@ -249,7 +250,7 @@ def make_objective(
         model,
         fg.RectifiedFlow(shift=3.0),
         fg.InputSpec(null=jnp.asarray(NULL), latent_shape=(DIM,)),
-        sde=SDES[kind](0.7, window=window, kl_weighting=weighting),
+        sde=SDES[kind](0.7, window=window, kl_weighting=KL_WEIGHTINGS[weighting]),
         beta=beta,
         clip_range=clip_range,
         adv_clip_max=5.0,

@@ -80,11 +80,14 @@ def test_cps_is_deterministic_at_data_end():
     np.testing.assert_allclose(np.asarray(mean), 1.0 - 0.1, rtol=1e-6)
 
 
+KL_WEIGHTINGS = {"paper": fg.PaperKLWeighting(), "released": fg.ReleasedKLWeighting()}
+
+
 @pytest.mark.parametrize("weighting", ["paper", "released"])
 def test_kl_matches_numpy_both_weightings(weighting):
     rng = np.random.default_rng(3)
     grid = ref.grid(11, 3.0)
-    sde = fg.FlowSDE(0.7, kl_weighting=weighting)
+    sde = fg.FlowSDE(0.7, kl_weighting=KL_WEIGHTINGS[weighting])
     for i in range(10):
         t, t_next = float(grid[i]), float(grid[i + 1])
         x, v, v_ref = (rng.normal(size=5) for _ in range(3))
@@ -109,7 +112,7 @@ def test_kl_matches_numpy_both_weightings(weighting):
 
 
 def test_released_kl_requires_dt():
-    sde = fg.FlowSDE(kl_weighting="released")
+    sde = fg.FlowSDE(kl_weighting=fg.ReleasedKLWeighting())
     with pytest.raises(ValueError, match="dt"):
         sde.kl(jnp.zeros(2), jnp.ones(2), jnp.asarray(0.5))
 
@@ -220,7 +223,8 @@ def test_any_float64_input_computes_in_float64(sde):
         assert sde.log_prob(high, low, std).dtype == jnp.float64
         assert sde.kl(low, high, std).dtype == jnp.float64
         assert sde.kl(high, low, std).dtype == jnp.float64
-        assert fg.FlowSDE(kl_weighting="released").kl(low, high, std, -0.25).dtype == jnp.float64
+        released = fg.FlowSDE(kl_weighting=fg.ReleasedKLWeighting())
+        assert released.kl(low, high, std, -0.25).dtype == jnp.float64
         assert sde.transition(low, low, 0.75, 0.5)[0].dtype == jnp.float32
 
 
@@ -278,7 +282,7 @@ def test_sde_messages_name_the_argument_first():
         fg.FlowSDE(-0.5)
     with pytest.raises(ValueError, match=r"^`noise_level` must be in \[0, 1\] for coeff"):
         fg.CoefficientsPreservingSDE(1.5)
-    released = fg.FlowSDE(kl_weighting="released")
+    released = fg.FlowSDE(kl_weighting=fg.ReleasedKLWeighting())
     m = jnp.zeros(2)
     with pytest.raises(ValueError, match=r"^`dt` is required by kl when kl_weighting="):
         released.kl(m, m, 0.5)
@@ -296,7 +300,7 @@ def test_kl_of_bfloat16_means_is_float32_with_x64_enabled(sde):
     mean = np.array([0.5, -1.0, 0.75])
     mean_ref = np.array([0.25, 0.0, 1.0])
     want = ref.kl_paper(mean, mean_ref, 0.5)
-    released = fg.FlowSDE(0.7, kl_weighting="released")
+    released = fg.FlowSDE(0.7, kl_weighting=fg.ReleasedKLWeighting())
     with jax.enable_x64(True):
         low, low_ref = jnp.asarray(mean, jnp.bfloat16), jnp.asarray(mean_ref, jnp.bfloat16)
         # The std and dt as a bfloat16 array and a NumPy float64 (not weakly typed): cast too.

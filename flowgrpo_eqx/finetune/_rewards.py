@@ -21,8 +21,7 @@ from jaxtyping import Array, Float
 
 from .. import FlowReward, HttpReward, load_reward
 from ..models import CLIPModel, PromptTokenizer, TowerShape, load_clip
-from ..rewards import AbstractCLIPReward, CLIPScore, PickScore
-from ..rewards import score
+from ..rewards import AbstractCLIPReward, CLIPScore, PickScore, score
 from ._config import RewardTerm
 from ._prompts import PromptSet
 

@@ -30,7 +30,7 @@ from .._custom_types import (
 from .._guided_flow import GuidedFlow
 from .._misc import check_int, check_number, zero_rows_unless
 from .._sampling import AbstractSampler, Draw, Generated, SDEPath, recorded_batch, step_noise
-from .._sde import AbstractSDE, KLWeighting
+from .._sde import AbstractSDE, KLWeighting, PaperKLWeighting
 from ._base import (
     AbstractTransitionObjective,
     AbstractVariables,
@@ -76,7 +76,7 @@ class DanceSDE(AbstractSDE):
 
     noise_level: float = 0.3
     window: tuple[float, float] | None = None
-    kl_weighting: KLWeighting = "paper"
+    kl_weighting: KLWeighting = PaperKLWeighting()
 
     def gaussian(
         self, x: Latent, v: Latent, t: Scalar, t_next: Scalar, level: Scalar
