@@ -9,6 +9,9 @@ is known (`FinetuneConfig.resolved`). `--set section.key=value` overrides a valu
 A key the configuration does not know is refused, naming it and the nearest known key; a
 table of another algorithm than the chosen one, or a reward key its kind does not read, is
 refused naming what reads it (a setting that does nothing is never accepted silently).
+
+The sections themselves (one dataclass each, `SECTIONS`) and `ConfigError` live in
+`_sections`; they are importable from here too.
 """
 
 import dataclasses
@@ -19,253 +22,36 @@ import pathlib
 import tomllib
 import typing
 from collections.abc import Mapping
-from typing import Any, Literal, TypeAlias
+from typing import Any
 
-from .. import RewardCombination
-from ..settings import MAX_SEED, check_setting, section, setting, split_optional
-from ._algorithms import ALGORITHM_TABLES, AlgorithmName, AlgorithmSettings, algorithm_settings
-from ._kinds import MODEL_KINDS, PUBLISHED_SIZES, ModelKind
-
-
-class ConfigError(ValueError):
-    """A configuration file or override that cannot be used: the message names the key (and
-    the file), what was expected, and the nearest known key for a misspelt one."""
-
-
-Dtype: TypeAlias = Literal["bfloat16", "float32"]
-RewardKind: TypeAlias = Literal["pickscore", "clipscore", "http", "python"]
-Remat: TypeAlias = Literal["none", "nothing", "qkv", "attention", "dots"]
-AttentionKind: TypeAlias = Literal["auto", "xla", "splash", "chunked", "cudnn"]
-Schedule: TypeAlias = Literal["constant", "cosine"]
-LoraInit: TypeAlias = Literal["gaussian", "kaiming"]
-WriterName: TypeAlias = Literal["tensorboard", "wandb"]
-
-
-@section
-class PipelineSettings:
-    """`[pipeline]`: the published pipeline to fine-tune."""
-
-    path: str | None = setting(
-        None, "the diffusers pipeline folder (model_index.json, transformer/, vae/, ...)"
-    )
-    random_weights: str | None = setting(
-        None,
-        "instead of a folder, random weights of a published model's sizes (no folder is read; "
-        f"for benchmarks): one of {', '.join(PUBLISHED_SIZES)}",
-    )
-    dtype: Dtype = setting("bfloat16", "dtype of the frozen weights (transformer, VAE, encoders)")
-
-    def __post_init__(self) -> None:
-        if (self.path is None) == (self.random_weights is None):
-            raise ValueError(
-                "Setting `path` or `random_weights` must be given, and only one of them: "
-                f"got path={self.path!r}, random_weights={self.random_weights!r}."
-            )
-        if self.random_weights is not None and self.random_weights not in PUBLISHED_SIZES:
-            raise ValueError(
-                f"Setting `random_weights` must be one of {', '.join(PUBLISHED_SIZES)}, got "
-                f"{self.random_weights!r}."
-            )
-
-
-@section
-class PromptSettings:
-    """`[prompts]`: the prompts files and how they are embedded."""
-
-    train: str = setting("", "training prompts: one a line (.txt) or JSON objects (.jsonl)")
-    heldout: str | None = setting(None, "held-out prompts, the same formats (none: no evaluation)")
-    text_length: int | None = setting(
-        None, "T5's max_sequence_length (none: the pipeline's default)", minimum=1
-    )
-    negative: str = setting("", "the negative prompt of classifier-free guidance")
-    preview: int = setting(8, "fixed held-out prompts drawn in the image grids", minimum=1)
-    heldout_limit: int | None = setting(
-        None, "evaluate on the first N held-out prompts only (none: all)", minimum=1
-    )
-
-    def __post_init__(self) -> None:
-        if not self.train:
-            raise ValueError("Setting `train` must name the training prompts file.")
-
-
-@section
-class RewardTerm:
-    """`[reward.<name>]`: one term of the weighted reward."""
-
-    kind: RewardKind = setting("pickscore", "pickscore | clipscore | http | python")
-    weight: float = setting(1.0, "the term's weight in the sum")
-    model: str | None = setting(None, "pickscore/clipscore: the CLIPModel folder")
-    processor: str | None = setting(
-        None, "pickscore/clipscore: the tokenizer folder (none: the model's folder)"
-    )
-    url: str | None = setting(None, "http: the reward server's URL")
-    timeout: float = setting(600.0, "http: seconds per request", minimum=0, include_minimum=False)
-    retries: int = setting(2, "http: retries of a failed request", minimum=0)
-    function: str | None = setting(None, "python: the host reward, 'package.module:function'")
-
-    def __post_init__(self) -> None:
-        needs = _REWARD_KEYS[self.kind]
-        for key in needs:
-            if getattr(self, key) is None:
-                raise ValueError(
-                    f"Setting `{key}` must be given for a reward of kind {self.kind!r}."
-                )
-
-
-_REWARD_KEYS: dict[str, tuple[str, ...]] = {
-    "pickscore": ("model",),
-    "clipscore": ("model",),
-    "http": ("url",),
-    "python": ("function",),
-}
-_REWARD_OPTIONAL: dict[str, tuple[str, ...]] = {
-    "pickscore": ("processor",),
-    "clipscore": ("processor",),
-    "http": ("timeout", "retries"),
-    "python": (),
-}
-"""Which keys each reward kind reads (besides `kind` and `weight`)."""
-
-
-@section
-class AlgorithmChoice:
-    """`[algorithm]`: which algorithm; its own settings are `[algorithm.<name>]`."""
-
-    name: AlgorithmName = setting("flow_grpo", "one of " + ", ".join(ALGORITHM_TABLES))
-
-
-@section
-class LoraSettings:
-    """`[lora]`: the adapters (rank 0 trains every weight of the transformer)."""
-
-    rank: int = setting(32, "adapter rank (0: full fine-tuning)", minimum=0)
-    alpha: float = setting(
-        64.0, "scale numerator: the update is alpha / rank B A", minimum=0, include_minimum=False
-    )
-    targets: tuple[str, ...] | None = setting(
-        None, "diffusers module names adapted, PEFT's rule (none: the model kind's default)"
-    )
-    init: LoraInit = setting("gaussian", "A's draw: PEFT's gaussian or kaiming")
-
-
-@section
-class SamplingSettings:
-    """`[sampling]`: the images, the grids, the guidance and the groups."""
-
-    resolution: int | None = setting(
-        None, "image side in pixels (none: the model kind's)", minimum=1
-    )
-    height: int | None = setting(None, "image height, for a non-square image", minimum=1)
-    width: int | None = setting(None, "image width, for a non-square image", minimum=1)
-    frames: int | None = setting(None, "video frames (Wan; none: the model kind's)", minimum=1)
-    train_steps: int | None = setting(None, "denoising steps of the rollout", minimum=1)
-    eval_steps: int | None = setting(None, "denoising steps of evaluation", minimum=1)
-    guidance_scale: float | None = setting(None, "guidance scale (none: the pipeline's)", minimum=0)
-    group_size: int = setting(24, "samples per prompt (the group)", minimum=2)
-    prompts_per_epoch: int = setting(48, "training prompts per epoch", minimum=1)
-    batch: int = setting(8, "samples per rollout program call, per data slot", minimum=1)
-    eval_batch: int = setting(16, "samples per evaluation call, per data slot", minimum=1)
-    shared_noise: bool = setting(False, "a group's samples start from one noise draw")
-    time_shift: float | None = setting(
-        None,
-        "sample on the uniform grid shifted by this (DanceGRPO's and MixGRPO's --shift) "
-        "instead of the scheduler's grid",
-        minimum=0,
-        include_minimum=False,
-    )
-    reward_combination: RewardCombination = setting(
-        "sum",
-        "sum: advantages of the weighted sum of the rewards; normalize_each: each reward "
-        "normalised in its group, then the weighted sum (MixGRPO's advantage_aggr)",
-    )
-
-    def __post_init__(self) -> None:
-        if self.resolution is not None and (self.height is not None or self.width is not None):
-            raise ValueError(
-                "Setting `resolution` excludes `height` and `width`: give a square side or both "
-                "sides."
-            )
-        if (self.height is None) != (self.width is None):
-            raise ValueError("Setting `height` and `width` go together: give both.")
-
-
-@section
-class TrainingSettings:
-    """`[training]`: the optimizer and the updates."""
-
-    epochs: int = setting(1000, "epochs (one rollout and its updates each)", minimum=1)
-    learning_rate: float = setting(3e-4, "AdamW step size", minimum=0, include_minimum=False)
-    schedule: Schedule = setting("constant", "constant | cosine (to 0 at the last update)")
-    warmup_steps: int = setting(0, "linear warm-up updates", minimum=0)
-    weight_decay: float = setting(1e-4, "AdamW decoupled weight decay", minimum=0)
-    max_grad_norm: float | None = setting(
-        1.0, "global-norm gradient clip (none: off)", minimum=0, include_minimum=False
-    )
-    updates_per_epoch: int = setting(2, "optimizer updates per epoch", minimum=1)
-    batch: int = setting(8, "rows per microbatch, per data slot", minimum=1)
-    inner_epochs: int = setting(1, "passes over each rollout", minimum=1)
-    ema: bool = setting(True, "evaluate and export an EMA of the trained weights")
-    ema_decay: float = setting(0.9, "the EMA's decay", minimum=0, maximum=1, include_maximum=False)
-    ema_every: int = setting(8, "updates between EMA steps", minimum=1)
-
-
-@section
-class MeshSettings:
-    """`[mesh]`: the devices."""
-
-    devices: int | None = setting(None, "devices of the mesh (none: all)", minimum=1)
-    sequence: int = setting(1, "sequence-parallel axis size", minimum=1)
-    fsdp: bool = setting(False, "shard the weights over the mesh (FSDP) instead of copying")
-    fsdp_min_elements: int = setting(4096, "with fsdp, smaller arrays stay whole", minimum=1)
-
-
-@section
-class PrecisionSettings:
-    """`[precision]`: compute precision, rematerialisation and attention."""
-
-    compute: Dtype = setting("bfloat16", "the transformer's compute precision")
-    remat: Remat = setting("nothing", "the blocks' rematerialisation policy")
-    attention: AttentionKind = setting("auto", "attention kernel")
-
-
-@section
-class CheckpointSettings:
-    """`[checkpoint]`: how often the run is saved."""
-
-    every: int = setting(20, "epochs between checkpoints", minimum=1)
-    keep: int = setting(3, "checkpoints kept", minimum=1)
-
-
-@section
-class EvaluationSettings:
-    """`[evaluation]`: the held-out evaluation."""
-
-    every: int = setting(20, "epochs between held-out evaluations", minimum=1)
-    before: bool = setting(True, "evaluate the base model before training")
-    seed: int = setting(0, "seed of the evaluation's fixed noise", minimum=0, maximum=MAX_SEED)
-
-
-@section
-class LoggingSettings:
-    """`[logging]`: where metrics go besides `metrics.jsonl`."""
-
-    writers: tuple[WriterName, ...] = setting(("tensorboard",), "tensorboard, wandb")
-
-
-SECTIONS: dict[str, type[Any]] = {
-    "pipeline": PipelineSettings,
-    "prompts": PromptSettings,
-    "algorithm": AlgorithmChoice,
-    "lora": LoraSettings,
-    "sampling": SamplingSettings,
-    "training": TrainingSettings,
-    "mesh": MeshSettings,
-    "precision": PrecisionSettings,
-    "checkpoint": CheckpointSettings,
-    "evaluation": EvaluationSettings,
-    "logging": LoggingSettings,
-}
-"""Every section but `reward` (a table of named terms) and the top-level `seed`."""
+from ..settings import MAX_SEED, check_setting, split_optional
+from ._algorithms import ALGORITHM_TABLES, AlgorithmSettings, algorithm_settings
+from ._kinds import MODEL_KINDS, ModelKind
+from ._sections import (
+    REWARD_KEYS as REWARD_KEYS,
+    REWARD_OPTIONAL as REWARD_OPTIONAL,
+    SECTIONS as SECTIONS,
+    AlgorithmChoice as AlgorithmChoice,
+    AttentionKind as AttentionKind,
+    CheckpointSettings as CheckpointSettings,
+    ConfigError as ConfigError,
+    Dtype as Dtype,
+    EvaluationSettings as EvaluationSettings,
+    LoggingSettings as LoggingSettings,
+    LoraInit as LoraInit,
+    LoraSettings as LoraSettings,
+    MeshSettings as MeshSettings,
+    PipelineSettings as PipelineSettings,
+    PrecisionSettings as PrecisionSettings,
+    PromptSettings as PromptSettings,
+    Remat as Remat,
+    RewardKind as RewardKind,
+    RewardTerm as RewardTerm,
+    SamplingSettings as SamplingSettings,
+    Schedule as Schedule,
+    TrainingSettings as TrainingSettings,
+    WriterName as WriterName,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,17 +262,7 @@ def config_from_table(
         bad value, a table of an algorithm other than the chosen one, a reward key its kind
         does not read, or settings that do not fit together.
     """
-    known = [*SECTIONS, "reward", "seed"]
-    for key in table:
-        if key not in known:
-            raise ConfigError(
-                f"{source}: unknown section or setting `{key}`.{_nearest(key, known)}"
-            )
-    seed = table.get("seed", 0)
-    if type(seed) is not int or not 0 <= seed <= MAX_SEED:
-        raise ConfigError(
-            f"{source}: Setting `seed` must be an int in 0..{MAX_SEED}, got {seed!r}."
-        )
+    seed = _checked_top_level(table, source)
     algorithm_table = dict(table.get("algorithm", {}))
     per_algorithm = {
         name: algorithm_table.pop(name)
@@ -504,7 +280,43 @@ def config_from_table(
         raise ConfigError(
             f"{source}: no [pipeline] section: set `pipeline.path` to a diffusers pipeline folder."
         )
-    chosen: str = sections["algorithm"].name
+    algorithm = _algorithm_settings(sections["algorithm"].name, per_algorithm, source)
+    rewards = {
+        name: _reward_term(name, term, source)
+        for name, term in dict(table.get("reward", {})).items()
+    }
+    try:
+        return FinetuneConfig(
+            **sections,
+            rewards=rewards,
+            algorithm_table=algorithm,
+            seed=seed,
+        )
+    except ConfigError as error:
+        raise ConfigError(f"{source}: {error}") from None
+
+
+def _checked_top_level(table: Mapping[str, Any], source: str) -> int:
+    """Refuse a top-level key that is neither a section, `reward` nor `seed`; the seed."""
+    known = [*SECTIONS, "reward", "seed"]
+    for key in table:
+        if key not in known:
+            raise ConfigError(
+                f"{source}: unknown section or setting `{key}`.{_nearest(key, known)}"
+            )
+    seed = table.get("seed", 0)
+    if type(seed) is not int or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(
+            f"{source}: Setting `seed` must be an int in 0..{MAX_SEED}, got {seed!r}."
+        )
+    return seed
+
+
+def _algorithm_settings(
+    chosen: str, per_algorithm: dict[str, Any], source: str
+) -> AlgorithmSettings:
+    """The chosen algorithm's own table (`[algorithm.<name>]`), checked: refuse another
+    algorithm's table, and a key the chosen one does not read (naming what reads it)."""
     for name in per_algorithm:
         if name != chosen:
             raise ConfigError(
@@ -538,20 +350,8 @@ def config_from_table(
             check_setting(key, hints[key], value, own_bounds[key])
         return algorithm_settings(chosen, own_values)
 
-    algorithm = _checked(make_algorithm, f"algorithm.{chosen}", source)
-    rewards = {
-        name: _reward_term(name, term, source)
-        for name, term in dict(table.get("reward", {})).items()
-    }
-    try:
-        return FinetuneConfig(
-            **sections,
-            rewards=rewards,
-            algorithm_table=algorithm,
-            seed=seed,
-        )
-    except ConfigError as error:
-        raise ConfigError(f"{source}: {error}") from None
+    settings: AlgorithmSettings = _checked(make_algorithm, f"algorithm.{chosen}", source)
+    return settings
 
 
 def _reward_term(name: str, table: Any, source: str) -> RewardTerm:
@@ -559,13 +359,11 @@ def _reward_term(name: str, table: Any, source: str) -> RewardTerm:
     if not isinstance(table, Mapping):
         raise ConfigError(f"{source}: `{where}` must be a table with a `kind`, got {table!r}.")
     kind = table.get("kind", "pickscore")
-    if kind in _REWARD_KEYS:
-        reads = {"kind", "weight", *_REWARD_KEYS[kind], *_REWARD_OPTIONAL[kind]}
+    if kind in REWARD_KEYS:
+        reads = {"kind", "weight", *REWARD_KEYS[kind], *REWARD_OPTIONAL[kind]}
         for key in table:
             if key in _field_names(RewardTerm) and key not in reads:
-                readers = [
-                    k for k in _REWARD_KEYS if key in (*_REWARD_KEYS[k], *_REWARD_OPTIONAL[k])
-                ]
+                readers = [k for k in REWARD_KEYS if key in (*REWARD_KEYS[k], *REWARD_OPTIONAL[k])]
                 raise ConfigError(
                     f"{source}: a reward of kind {kind!r} does not read `{where}.{key}` (read by "
                     f"kind {', '.join(repr(r) for r in readers)}). Remove it."
@@ -688,7 +486,7 @@ def config_to_toml(config: FinetuneConfig) -> str:
     term_help = _helps(RewardTerm)
     for reward, term in table["reward"].items():
         kind = term["kind"]
-        reads = ("kind", "weight", *_REWARD_KEYS[kind], *_REWARD_OPTIONAL[kind])
+        reads = ("kind", "weight", *REWARD_KEYS[kind], *REWARD_OPTIONAL[kind])
         lines += ["", f"[reward.{json.dumps(reward) if '.' in reward else reward}]"]
         lines += [f"{k} = {_toml_value(term[k])}  # {term_help[k]}" for k in reads]
     return "\n".join(lines) + "\n"
