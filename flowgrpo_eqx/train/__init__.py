@@ -23,6 +23,7 @@ from ._loops import (
     supervised_steps as supervised_steps,
 )
 from ._metrics_log import MetricsLog as MetricsLog
+from ._multi_writer import MultiWriter as MultiWriter, make_writers as make_writers
 from ._preemption import (
     PREEMPTED_EXIT_STATUS as PREEMPTED_EXIT_STATUS,
     GracefulStop as GracefulStop,
@@ -47,10 +48,8 @@ from ._writers import (
     ImageLike as ImageLike,
     JsonlWriter as JsonlWriter,
     MetricsWriter as MetricsWriter,
-    MultiWriter as MultiWriter,
     TensorBoardWriter as TensorBoardWriter,
     WandbWriter as WandbWriter,
     finite_values as finite_values,
     image_pixels as image_pixels,
-    make_writers as make_writers,
 )
