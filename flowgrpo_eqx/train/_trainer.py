@@ -14,11 +14,10 @@ from typing import Any, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._custom_types import Mean, Model, PerRow, Step
+from .._custom_types import Mean, Model, Step
 from .._distributed import mesh_of
 from .._misc import check_bool, check_int, check_number, leading_rows, own_copy
 from ..objectives import (
@@ -30,6 +29,8 @@ from ..objectives import (
     split_trainable,
 )
 from ..objectives._base import BatchT
+from ._batch_checks import check_advantages, finite_advantages
+from ._microbatches import combine_microbatches, is_mean_or_per_row, mean_values, split_microbatches
 
 
 @final
@@ -94,27 +95,6 @@ def default_optimizer(
     if max_grad_norm is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
-
-
-def mean_values(tree: PyTree[Any]) -> dict[str, Float[Array, ""]]:
-    """Flatten an auxiliary PyTree of `Mean`s (and arrays) to `{name: scalar}`.
-
-    A one-axis array (a statistic per step, as `StepRatios`) gives one scalar per entry,
-    named `name/0`, `name/1`, ...; per-row outputs (`PerRow`, such as `Aux.log_probs`) are
-    not metrics and are left out.
-    """
-    out: dict[str, Float[Array, ""]] = {}
-    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_mean_or_per_row)
-    for path, leaf in leaves:
-        if isinstance(leaf, PerRow):
-            continue
-        name = jax.tree_util.keystr(path, simple=True, separator="/")
-        value = leaf.value if isinstance(leaf, Mean) else jnp.asarray(leaf, jnp.float32)
-        if value.ndim == 1:
-            out.update({f"{name}/{index}": value[index] for index in range(value.shape[0])})
-        else:
-            out[name] = value
-    return out
 
 
 @final
@@ -336,7 +316,7 @@ class Trainer(eqx.Module):
             non-finite advantage when `update` is itself traced (inside the caller's own
             `jax.jit`), where the values are not known until the program runs.
         """
-        checked = _check_advantages(batch)
+        checked = check_advantages(batch)
         with _mesh_context(state):
             new_state, metrics, _ = _update_donating((self, batch, checked), state)
         return new_state, metrics
@@ -361,7 +341,7 @@ class Trainer(eqx.Module):
 
         - `ValueError`: as `update`.
         """
-        checked = _check_advantages(batch)
+        checked = check_advantages(batch)
         with _mesh_context(state):
             _, _, aux = _update_donating((self, batch, checked), own_copy(state))
         return aux
@@ -395,10 +375,10 @@ class Trainer(eqx.Module):
     def _update(
         self, state: TrainState, batch: Any, advantages_checked: bool = False
     ) -> tuple[TrainState, dict[str, Array], Any]:
-        """The update program's body; `advantages_checked` says whether `_check_advantages`
+        """The update program's body; `advantages_checked` says whether `check_advantages`
         checked the batch's advantages on the host already (else they are checked here)."""
         if not advantages_checked:
-            batch = _finite_advantages(batch)
+            batch = finite_advantages(batch)
         key, step_key = jax.random.split(state.key)
         variables = state.variables
         trainable, frozen = self.split_policy(variables.policy)
@@ -465,23 +445,8 @@ class Trainer(eqx.Module):
         step_key: PRNGKeyArray,
     ) -> tuple[Array, Mean, Any, PyTree[Any]]:
         """The loss, its `Mean`, the aux and the gradient of the mean, over microbatches."""
-        parts = self.microbatches
         rows = leading_rows(batch)
-        if rows % parts != 0:
-            raise ValueError(f"`microbatches` ({parts}) must divide the batch's rows ({rows}).")
-        size = rows // parts
-
-        def split(leaf: Any) -> Any:
-            if not eqx.is_array(leaf) or leaf.ndim == 0 or leaf.shape[0] != rows:
-                raise ValueError(
-                    f"With `microbatches` ({parts}), every array of the batch must have the "
-                    f"leading row axis ({rows}); one has shape {jnp.shape(leaf)}."
-                )
-            # Microbatch m holds rows m, m + parts, ...: each device keeps its own rows.
-            return jnp.swapaxes(leaf.reshape(size, parts, *leaf.shape[1:]), 0, 1)
-
-        arrays, static = eqx.partition(batch, eqx.is_array)
-        pieces = jax.tree.map(split, arrays)
+        pieces, static = split_microbatches(batch, rows, self.microbatches)
         variables = state.variables
 
         def total_of(params: PyTree[Any], piece: Any) -> tuple[Array, tuple[Mean, Any]]:
@@ -510,7 +475,7 @@ class Trainer(eqx.Module):
         (grads, total), auxes = jax.lax.scan(one, (zero_grads, zero), pieces)
 
         aux = jax.tree.map(
-            lambda leaf: _combine_microbatches(leaf, rows), auxes, is_leaf=_is_mean_or_per_row
+            lambda leaf: combine_microbatches(leaf, rows), auxes, is_leaf=is_mean_or_per_row
         )
         count = total.count
         safe = jnp.where(count > 0, count, jnp.ones_like(count))
@@ -518,84 +483,6 @@ class Trainer(eqx.Module):
             lambda g: jnp.where(count > 0, g / safe.astype(g.dtype), jnp.zeros_like(g)), grads
         )
         return total.value, total, aux, grads
-
-
-_NON_FINITE_ADVANTAGES = (
-    "`batch.advantages` holds a NaN or infinite value: Trainer.update refuses it (it would "
-    "make every trained parameter NaN); check the rewards and the advantage estimator."
-)
-
-
-def _check_advantages(batch: Any) -> bool:
-    """Check the batch's `advantages` (when it has float ones) on the host, before the update
-    program runs and donates the caller's state.
-
-    **Arguments:**
-
-    - `batch`: the update's batch.
-
-    **Returns:**
-
-    `True` when there was nothing to check or the advantages were checked here; `False`
-    when they are traced (`update` inside the caller's own `jax.jit`): the update program
-    then checks them itself (`_finite_advantages`).
-
-    **Raises:**
-
-    - `ValueError`: naming `batch.advantages`, if one of them is NaN or infinite.
-    """
-    advantages = getattr(batch, "advantages", None)
-    if not isinstance(advantages, jax.Array | np.ndarray) or not jnp.issubdtype(
-        advantages.dtype, jnp.inexact
-    ):
-        return True
-    if isinstance(advantages, jax.core.Tracer):
-        return False
-    if isinstance(advantages, np.ndarray) or advantages.is_fully_addressable:
-        # A copy of a few floats per row: nothing runs on the device, nothing waits for it
-        # but the advantages themselves.
-        finite = bool(np.isfinite(np.asarray(advantages)).all())
-    else:
-        # Rows on other processes too: every process computes the same replicated answer.
-        finite = bool(np.asarray(_all_finite(advantages).addressable_data(0)))
-    if not finite:
-        raise ValueError(_NON_FINITE_ADVANTAGES)
-    return True
-
-
-@jax.jit
-def _all_finite(values: Array) -> Array:
-    return jnp.all(jnp.isfinite(values))
-
-
-def _finite_advantages(batch: Any) -> Any:
-    """`batch`, its `advantages` (when it has them) checked finite inside the traced update:
-    one NaN advantage would turn every trained parameter NaN without a word. Only for an
-    update traced inside the caller's own `jax.jit` (`_check_advantages` checks concrete
-    ones on the host, before the caller's state is donated)."""
-    advantages = getattr(batch, "advantages", None)
-    if not isinstance(advantages, jax.Array) or not jnp.issubdtype(advantages.dtype, jnp.inexact):
-        return batch
-    checked = eqx.error_if(advantages, ~jnp.all(jnp.isfinite(advantages)), _NON_FINITE_ADVANTAGES)
-    return eqx.tree_at(lambda b: b.advantages, batch, checked)
-
-
-def _is_mean_or_per_row(node: Any) -> bool:
-    return isinstance(node, Mean | PerRow)
-
-
-def _combine_microbatches(leaf: Any, rows: int) -> Any:
-    """One auxiliary output of `lax.scan`'s microbatches (leading axis) as one of the batch:
-    a `Mean` summed as totals and counts, a `PerRow` put back in row order (microbatch `m`
-    held rows `m, m + M, ...`), any other array summed."""
-    if isinstance(leaf, Mean):
-        return Mean(jnp.sum(leaf.total, axis=0), jnp.sum(leaf.count, axis=0))
-    if isinstance(leaf, PerRow):
-        value = jnp.swapaxes(leaf.value, 0, 1)
-        return PerRow(value.reshape(rows, *value.shape[2:]))
-    if not eqx.is_array(leaf):
-        return leaf
-    return jnp.sum(leaf, axis=0)
 
 
 def _mesh_context(state: TrainState) -> contextlib.AbstractContextManager[Any]:
@@ -614,6 +501,6 @@ def _update_donating(
     trainer_batch_checked: tuple[Trainer, Any, bool], state: TrainState
 ) -> tuple[TrainState, dict[str, Array], Any]:
     """The update program; `state` is donated to the new state, so everything that refuses
-    the batch by its values (`_check_advantages`) runs before it."""
+    the batch by its values (`check_advantages`) runs before it."""
     trainer, batch, advantages_checked = trainer_batch_checked
     return trainer._update(state, batch, advantages_checked)
