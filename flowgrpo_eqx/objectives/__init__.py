@@ -65,10 +65,12 @@ from ._dgpo_loss import (
     GroupPreferenceTerms as GroupPreferenceTerms,
 )
 from ._dppo import (
-    AbstractKLStd as AbstractKLStd,
     DPPOAux as DPPOAux,
     FlowDPPOObjective as FlowDPPOObjective,
     OldMeans as OldMeans,
+)
+from ._dppo_divergence import (
+    AbstractKLStd as AbstractKLStd,
     ReleasedKLStd as ReleasedKLStd,
     TransitionKLStd as TransitionKLStd,
     UnitKLStd as UnitKLStd,
