@@ -1,5 +1,7 @@
 """`python -m tools.suite_memory`: the table of each test file's time and peak memory."""
 
+import os
+
 import pytest
 
 from tools import suite_memory
@@ -43,3 +45,26 @@ def test_a_file_is_run_alone_and_its_peak_read_back(tmp_path, capsys):
     assert cells[1].endswith("passed") and "failed" not in cells[1]
     # A process that imported JAX holds more than 50 MB.
     assert float(cells[3].replace(",", "")) > 50
+
+
+CGROUP_WRITABLE = os.access(suite_memory.CGROUP_MEMORY, os.W_OK)
+
+
+@pytest.mark.skipif(not CGROUP_WRITABLE, reason="needs cgroup v1's memory controller, as root")
+@pytest.mark.several_processes("runs pytest with a worker of its own")
+def test_a_worker_over_its_cgroup_limit_is_killed_by_the_kernel_and_named(tmp_path, capfd):
+    test_file = tmp_path / "test_grows.py"
+    test_file.write_text(
+        "import time\n\nimport numpy as np\n\n\n"
+        "def test_grows():\n"
+        "    time.sleep(2)  # the worker is in its cgroup by then\n"
+        "    held = np.ones(400 * 2**20, np.uint8)\n"
+        "    assert held.sum() > 0\n"
+    )
+    status, result = suite_memory.run_suite(
+        ["-n", "1", "-p", "no:cacheprovider", str(test_file)], 0.2, cgroup_mb=200
+    )
+    assert status != 0
+    assert "crashed while running 'test_grows.py::test_grows'" in capfd.readouterr().out
+    assert not list(suite_memory.CGROUP_MEMORY.glob("flowgrpo_suite_*"))
+    del result

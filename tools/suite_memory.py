@@ -121,11 +121,14 @@ def run_suite(
     interval: float,
     keep: pathlib.Path | None = None,
     limit_mb: float | None = None,
+    cgroup_mb: float | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """`python -m pytest PYTEST_ARGS`, its workers' memory sampled: (pytest's status, peaks).
     The workers' logs are kept in `keep` if given. A worker whose resident memory with the
     processes it started is seen above `limit_mb` is killed (SIGKILL), as a cgroup's memory
-    limit would kill it; between two samples it goes unseen."""
+    limit would kill it; between two samples it goes unseen. With `cgroup_mb`, each worker
+    is moved, when first seen, into a memory cgroup of its own limited to `cgroup_mb`
+    (`confine`), which the processes it starts inherit: the kernel holds the limit."""
     with tempfile.TemporaryDirectory() as folder:
         logs = pathlib.Path(folder) if keep is None else keep
         logs.mkdir(parents=True, exist_ok=True)
@@ -139,20 +142,23 @@ def run_suite(
         process = subprocess.Popen(command, cwd=ROOT, env=env)
         watched = psutil.Process(process.pid)
         by_pid: dict[int, dict[str, Any]] = {}
+        groups: dict[int, pathlib.Path] = {}
         while process.poll() is None:
             try:
                 workers = watched.children()
             except psutil.Error:
                 workers = []
             for child in workers:
+                if cgroup_mb is not None and child.pid not in groups:
+                    groups[child.pid] = confine(child.pid, cgroup_mb)
                 own, tree = _resident(child)
                 peak = by_pid.setdefault(child.pid, {"own_mb": 0.0, "tree_mb": 0.0})
                 if limit_mb is not None and tree > limit_mb and "killed_mb" not in peak:
                     peak["killed_mb"] = tree
                     print(f"suite_memory: killing worker {child.pid}: {tree:,.0f} MB", flush=True)
-                    for process in [*_tree(child), child]:
+                    for doomed in [*_tree(child), child]:
                         try:
-                            process.kill()
+                            doomed.kill()
                         except psutil.Error:
                             pass
                 if own > peak["own_mb"]:
@@ -161,6 +167,8 @@ def run_suite(
                     peak.update(tree_mb=tree, tree_at=time.time())
             time.sleep(interval)
         seconds = time.monotonic() - start
+        for pid, group in groups.items():
+            by_pid.setdefault(pid, {}).update(release(group))
         peaks = {}
         for log in sorted(logs.glob("*.jsonl")):
             records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -181,22 +189,74 @@ def run_suite(
         return process.returncode, {"seconds": seconds, "workers": peaks}
 
 
+CGROUP_MEMORY = pathlib.Path("/sys/fs/cgroup/memory")
+"""Where cgroup v1's memory controller is mounted (writable by root)."""
+
+
+def confine(pid: int, limit_mb: float) -> pathlib.Path:
+    """Move process `pid` into a memory cgroup of its own, limited to `limit_mb` MB, with
+    the memory it already holds (cgroup v1, as root; a process it starts later is in the
+    cgroup too). Returns the cgroup's folder.
+
+    **Raises:**
+
+    - `OSError`: when the memory controller is not writable here (not root, or cgroup v2).
+    """
+    group = CGROUP_MEMORY / f"flowgrpo_suite_{pid}"
+    group.mkdir(exist_ok=True)
+    try:
+        (group / "memory.move_charge_at_immigrate").write_text("3")
+    except OSError:  # some kernels refuse it: what the process held stays charged outside
+        pass
+    (group / "memory.limit_in_bytes").write_text(str(int(limit_mb * 2**20)))
+    (group / "cgroup.procs").write_text(str(pid))
+    return group
+
+
+def release(group: pathlib.Path) -> dict[str, Any]:
+    """A cgroup of `confine` after its processes ended: its peak usage in MB, how often
+    the limit was hit, how many processes the kernel killed for it; then removed."""
+
+    def read(name: str) -> str:
+        return (group / name).read_text()
+
+    oom = dict(line.split() for line in read("memory.oom_control").splitlines())
+    found = {
+        "cgroup_limit_mb": int(read("memory.limit_in_bytes")) / 2**20,
+        "cgroup_peak_mb": int(read("memory.max_usage_in_bytes")) / 2**20,
+        "cgroup_limit_hits": int(read("memory.failcnt")),
+        "cgroup_oom_kills": int(oom.get("oom_kill", 0)),
+    }
+    try:
+        group.rmdir()
+    except OSError:
+        pass
+    return found
+
+
 def suite_table(result: dict[str, Any]) -> str:
     """The Markdown table of `run_suite`'s peaks, one row per worker."""
     lines = [
         f"whole run: {result['seconds']:.0f} s",
         "",
-        "| worker | tests | peak MB | during | with the processes it started | during |",
-        "|---|---:|---:|---|---:|---|",
+        "| worker | tests | peak MB | during | with the processes it started | during "
+        "| its cgroup: peak MB of the limit, limit hits, processes killed |",
+        "|---|---:|---:|---|---:|---|---|",
     ]
     for worker, p in sorted(result["workers"].items()):
         if "kernel_mb" in p:
-            lines.append(f"| {worker} | | {p['kernel_mb']:,.0f} | (its high-water mark) | | |")
+            lines.append(f"| {worker} | | {p['kernel_mb']:,.0f} | (its high-water mark) | | | |")
             continue
         killed = f" (killed at {p['killed_mb']:,.0f} MB)" if "killed_mb" in p else ""
+        cgroup = (
+            f"{p['cgroup_peak_mb']:,.0f} of {p['cgroup_limit_mb']:,.0f}, "
+            f"{p['cgroup_limit_hits']}, {p['cgroup_oom_kills']}"
+            if "cgroup_peak_mb" in p
+            else ""
+        )
         lines.append(
             f"| {worker} | {p['tests']} | {p['own_mb']:,.0f} | `{p['own_test']}` "
-            f"| {p['tree_mb']:,.0f}{killed} | `{p['tree_test']}` |"
+            f"| {p['tree_mb']:,.0f}{killed} | `{p['tree_test']}` | {cgroup} |"
         )
     return "\n".join(lines)
 
@@ -221,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="kill a worker seen holding more, with the processes it started (as a cgroup would)",
     )
+    suite.add_argument(
+        "--cgroup-mb",
+        type=float,
+        help="put each worker in a memory cgroup of its own with this limit (cgroup v1, root)",
+    )
     suite.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: pytest's")
     args = parser.parse_args(argv)
     if args.command == "files":
@@ -241,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pytest_args[:1] == ["--"]
         else args.pytest_args
     )
-    status, result = run_suite(pytest_args, args.interval, args.logs, args.limit_mb)
+    status, result = run_suite(pytest_args, args.interval, args.logs, args.limit_mb, args.cgroup_mb)
     print(suite_table(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
