@@ -11,12 +11,14 @@ samples, `_decay`, `_trainable`): Flow-GRPO (`FlowGRPOObjective`, with GRPO-Guar
 """
 
 from ._awm import (
+    AWMObjective as AWMObjective,
+    AWMVariables as AWMVariables,
+)
+from ._awm_forms import (
     AbstractAWMKLWeight as AbstractAWMKLWeight,
     AbstractAWMRatio as AbstractAWMRatio,
     AbstractAWMTimes as AbstractAWMTimes,
     AbstractAWMWeighting as AbstractAWMWeighting,
-    AWMObjective as AWMObjective,
-    AWMVariables as AWMVariables,
     DiscreteTimes as DiscreteTimes,
     DiscreteTimesWithInit as DiscreteTimesWithInit,
     DiscreteTimesWithoutInit as DiscreteTimesWithoutInit,
