@@ -11,7 +11,6 @@ time; a resumed run ends as an uninterrupted one would.
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import pathlib
 import sys
@@ -35,7 +34,6 @@ from .. import (
     per_reward_advantages,
     preview_grid,
     shard_parameters,
-    sync_processes,
 )
 from .._distributed import place_rows
 from ..rewards import score_on_root
@@ -50,35 +48,21 @@ from ..train import (
     check_out_folder,
     lock_run_folder,
     make_writers,
-    move_run_aside,
     rl_updates,
 )
 from ._config import FinetuneConfig, config_to_toml
+from ._embedding import Embedded as Embedded, Rows as Rows, embed_prompts
 from ._export import export_policy
 from ._job import Job, advantages_program, evaluation_program, rollout_program
-from ._pipeline import Pipeline, check_pipeline, load_pipeline
+from ._pipeline import check_pipeline, load_pipeline
 from ._plan import MeshPlan
-from ._prompts import EmbeddingStore, PromptSet, read_prompts
-from ._rewards import DeviceTerm, HostTerm, build_terms, host_scores
-
-
-RUN_FILES: tuple[str, ...] = ("checkpoints", "metrics.jsonl", "summary.json", "config.toml")
-"""What marks a folder as holding a run."""
-
-Rows = dict[str, np.ndarray]
+from ._prompts import PromptSet, read_prompts
+from ._rewards import HostTerm, build_terms, host_scores
+from ._run_folder import RUN_FILES as RUN_FILES, claim_folder
 
 
 def _silent(message: str) -> None:
     del message
-
-
-@dataclasses.dataclass(frozen=True)
-class Embedded:
-    """Every prompt's rows: the condition and each device term's prompt embedding."""
-
-    train: Rows
-    heldout: Rows | None
-    null: Rows | None
 
 
 def run_finetune(
@@ -141,7 +125,7 @@ def run_finetune(
     dtype = jnp.bfloat16 if config.pipeline.dtype == "bfloat16" else jnp.float32
     device_terms, host_terms = build_terms(config.rewards, dtype, reward_token)
     with lock_run_folder(out) if root else contextlib.nullcontext():
-        finished = _claim_folder(out, config, resume, replace, config_text, log)
+        finished = claim_folder(out, config, resume, replace, config_text, log)
         if finished is not None:
             log(f"The run in {out} is finished: nothing to resume, nothing written.")
             return finished
@@ -152,7 +136,9 @@ def run_finetune(
 
         with GracefulStop(log, exit_status=kept) as stop:
             pipeline = load_pipeline(config)
-            embedded = _embed(out, config, pipeline, train, heldout, device_terms, quiet, log)
+            embedded = embed_prompts(
+                out, config, pipeline, train, heldout, device_terms, quiet, log
+            )
             mesh = data_mesh(plan.devices, sequence=plan.sequence) if plan.devices > 1 else None
             writers = make_writers(config.logging.writers, out) if root else None
             # The run alone holds the job, and so the model, until the trainer's state holds its
@@ -174,154 +160,6 @@ def run_finetune(
             finally:
                 if writers is not None:
                     writers.close()
-
-
-def _holds_a_run(out: pathlib.Path) -> bool:
-    return any((out / name).exists() for name in RUN_FILES)
-
-
-def _claim_folder(
-    out: pathlib.Path,
-    config: FinetuneConfig,
-    resume: bool,
-    replace: bool,
-    config_text: str | None,
-    log: Callable[[str], None],
-) -> dict[str, Any] | None:
-    """Check the run folder against the request; returns a finished run's summary when a
-    resume has nothing to do."""
-    again = config_text or "flowgrpo-eqx finetune CONFIG"
-    if replace:
-        if jax.process_index() == 0 and _holds_a_run(out):
-            log(f"Moved the run that was in {out} to {move_run_aside(out, keep=('embeddings',))}.")
-    elif not resume:
-        if _holds_a_run(out):
-            raise RunFolderError(
-                f"{out} holds another run. Continue it with `{again} --out {out} --resume`, or "
-                f"start afresh with `{again} --out {out} --replace` (the old run is moved aside), "
-                "or train into another folder."
-            )
-    else:
-        found = Checkpointer(out / "checkpoints").latest_metadata()
-        if found is None:
-            if _holds_a_run(out):
-                raise RunFolderError(
-                    f"{out} holds a run with no checkpoint to resume from (it stopped, or its "
-                    "first checkpoint could not be written, before any checkpoint was "
-                    f"complete): nothing was saved to continue. Start it over in the same folder "
-                    f"with `{again} --out {out} --replace`."
-                )
-        else:
-            metadata, path = found
-            recorded = metadata.get("settings", {})
-            now = config.identity()
-            changed = _differences(recorded, now)
-            if changed:
-                raise RunFolderError(
-                    f"--resume would change what the run in {out} computes ({len(changed)} "
-                    f"setting(s) differ from its checkpoint {path.name}): {'; '.join(changed)}. "
-                    "Resume with the run's own settings (its config.toml), or train into another "
-                    "folder."
-                )
-            done = int(metadata.get("epoch", 0))
-            if config.training.epochs < done:
-                raise RunFolderError(
-                    f"Setting `training.epochs`={config.training.epochs} is below the {done} "
-                    f"epochs the run in {out} has done: resume with at least as many."
-                )
-            summary = out / "summary.json"
-            if done == config.training.epochs and summary.exists():
-                loaded: dict[str, Any] = json.loads(summary.read_text())
-                return loaded
-    sync_processes("run folder checked")
-    out.mkdir(parents=True, exist_ok=True)
-    return None
-
-
-def _differences(recorded: Any, now: Any, prefix: str = "") -> list[str]:
-    """Every dotted key whose value differs between two identity tables."""
-    if isinstance(recorded, dict) and isinstance(now, dict):
-        found = []
-        for key in sorted(set(recorded) | set(now)):
-            found += _differences(recorded.get(key), now.get(key), f"{prefix}{key}.")
-        return found
-    if recorded != now:
-        return [f"`{prefix[:-1]}`: {recorded!r} in the checkpoint, {now!r} now"]
-    return []
-
-
-def _text_key(config: FinetuneConfig) -> str:
-    """What the prompts' condition depends on besides the prompts."""
-    pipeline = config.pipeline
-    identity: dict[str, Any] = {
-        "kind": config.kind,
-        "random": pipeline.random_weights,
-        "dtype": pipeline.dtype,
-        "text_length": config.prompts.text_length,
-    }
-    if pipeline.path is not None:
-        folder = pathlib.Path(pipeline.path)
-        identity["index"] = (folder / "model_index.json").read_text(errors="replace")
-        identity["folder"] = str(folder.resolve())
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _embed(
-    out: pathlib.Path,
-    config: FinetuneConfig,
-    pipeline: Pipeline,
-    train: PromptSet,
-    heldout: PromptSet | None,
-    terms: list[DeviceTerm],
-    quiet: bool,
-    log: Callable[[str], None],
-) -> Embedded:
-    """Every train and held-out prompt's condition and device-term embedding (and the
-    negative prompt's condition), from the run folder's store or computed once and stored;
-    then the text encoders are freed."""
-    store = EmbeddingStore(out / "embeddings")
-    key = _text_key(config)
-
-    def rows_of(name: str, prompts: PromptSet) -> Rows:
-        bar = tqdm.tqdm(
-            total=len(prompts), desc=f"embedding {name} prompts", disable=quiet, leave=False
-        )
-        with bar:
-            rows, reused = store.get(
-                name,
-                f"{key}.{prompts.fingerprint()}",
-                lambda: pipeline.text.embed(list(prompts.prompts), bar.update),
-            )
-        for term in terms:
-            term_key = f"{term.name}.{prompts.fingerprint()}.{_term_key(config, term.name)}"
-            stored, _ = store.get(f"{name}.{term.name}", term_key, _embedding_of(term, prompts))
-            rows[term.row_key] = stored["embedding"]
-        if reused:
-            log(f"Reused the {name} prompts' embeddings of {store.folder}.")
-        return rows
-
-    train_rows = rows_of("train", train)
-    heldout_rows = rows_of("heldout", heldout) if heldout is not None else None
-    null = None
-    if pipeline.needs_null:
-        negative = PromptSet((config.prompts.negative,), ({},), "prompts.negative")
-        null, _ = store.get(
-            "null",
-            f"{key}.{negative.fingerprint()}",
-            lambda: pipeline.text.embed([config.prompts.negative]),
-        )
-    pipeline.text.close()
-    return Embedded(train_rows, heldout_rows, null)
-
-
-def _embedding_of(term: DeviceTerm, prompts: PromptSet) -> Callable[[], Rows]:
-    """What `EmbeddingStore.get` makes a device term's prompt embeddings with."""
-    return lambda: {"embedding": term.embed(prompts.prompts)}
-
-
-def _term_key(config: FinetuneConfig, name: str) -> str:
-    term = config.rewards[name]
-    return hashlib.sha256(f"{term.kind}|{term.model}|{term.processor}".encode()).hexdigest()[:12]
 
 
 @dataclasses.dataclass
