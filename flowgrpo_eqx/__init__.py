@@ -1,4 +1,12 @@
-"""Flow-GRPO for rectified-flow generators, as a strictly typed functional Equinox library."""
+"""Flow-GRPO for rectified-flow generators, as a strictly typed functional Equinox library.
+
+The user's API, one import block per wing as diffrax's is: the objectives
+(`flowgrpo_eqx.objectives`), the rewards (`flowgrpo_eqx.rewards`), and the modules the
+algorithms share (processes and time grids, inputs and guidance, SDEs, samplers, solvers and
+window schedules, the rollout and its advantages, evaluation and previews, many devices, the
+porting check). Models, LoRA, training, fine-tuning a published pipeline and the testing
+tools are subpackages: `flowgrpo_eqx.models`, `.lora`, `.train`, `.finetune`, `.testing`.
+"""
 
 from . import lora as lora
 from ._advantages import (
@@ -60,7 +68,6 @@ from ._inputs import (
     IdentityAutoEncoder as IdentityAutoEncoder,
     InputSpec as InputSpec,
 )
-from ._misc import check_int as check_int, check_number as check_number, is_int as is_int
 from ._mix_sampler import MixSampler as MixSampler
 from ._preview import preview_grid as preview_grid
 from ._process import (

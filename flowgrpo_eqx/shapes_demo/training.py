@@ -4,6 +4,7 @@ their checkpoints and metrics, and the final measure and files."""
 import contextlib
 import dataclasses
 import json
+import numbers
 import pathlib
 import sys
 import time
@@ -26,7 +27,6 @@ from .. import (
     data_mesh,
     device_fraction,
     host_samples,
-    is_int,
     local_copy,
     lora,
     owned_rows,
@@ -166,7 +166,11 @@ def run_train(
     started = time.perf_counter()
     out = pathlib.Path(out)
     # Before the base model is pretrained: the mesh is built only after it.
-    if devices is not None and not (is_int(devices) and 1 <= devices <= jax.device_count()):
+    if devices is not None and not (
+        isinstance(devices, numbers.Integral)
+        and not isinstance(devices, bool)
+        and 1 <= devices <= jax.device_count()
+    ):
         raise ValueError(
             f"`devices` must be an int in 1..{jax.device_count()} (the devices of every "
             f"process), got {devices!r}."
