@@ -9,8 +9,8 @@ from hypothesis.extra import numpy as hnp
 
 from flowgrpo_eqx.rewards import _reward
 from flowgrpo_eqx.rewards._reward import score, to_uint8_images
+from flowgrpo_eqx.rewards._server_requests import score_decoded
 from flowgrpo_eqx.rewards._wire import encode_request, parse_request
-from flowgrpo_eqx.rewards.server import _score_decoded
 
 
 def _per_sample(samples: np.ndarray, rows: dict[str, np.ndarray]) -> np.ndarray:
@@ -45,7 +45,7 @@ def test_a_request_scored_in_chunks_is_scored_as_it_would_be_whole(
     body = encode_request(samples, rows, images_as_uint8=uint8)
     parsed = parse_request(np.frombuffer(body, np.uint8).copy())
     whole = score(_per_sample, *parsed.decoded())
-    chunked = _score_decoded(_per_sample, parsed, chunk)
+    chunked = score_decoded(_per_sample, parsed, chunk)
     assert chunked.dtype == np.float64 and chunked.tobytes() == whole.tobytes()
 
 

@@ -27,7 +27,9 @@ import pytest
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx.rewards import (
+    _connections as _reward_connections,
     _http as _http_reward,
+    _server_requests as _reward_requests,
     _wire as _reward_wire,
     limits as reward_limits,
     server as reward_server,
@@ -843,7 +845,7 @@ def test_off_loopback_without_a_token_is_refused(monkeypatch, capsys):
     def no_binding(host, port):
         raise AssertionError(f"bound {host}:{port}")
 
-    monkeypatch.setattr(reward_server, "_listening_socket", no_binding)
+    monkeypatch.setattr(reward_server, "listening_socket", no_binding)
     for host in ("0.0.0.0", "::", "192.168.0.10", "example.com"):
         with pytest.raises(ValueError, match="`host`.*no `token`.*--allow-unauthenticated"):
             reward_server.serve(reward_fixtures.brightness, host=host, port=0)
@@ -869,7 +871,7 @@ def test_an_empty_token_is_refused_naming_the_flag(monkeypatch, capsys):
     def no_binding(host, port):
         raise AssertionError(f"bound {host}:{port}")
 
-    monkeypatch.setattr(reward_server, "_listening_socket", no_binding)
+    monkeypatch.setattr(reward_server, "listening_socket", no_binding)
     monkeypatch.delenv("FLOWGRPO_REWARD_TOKEN", raising=False)
     arguments = ["tests.reward_fixtures:brightness", "--token", "", "--port", "0"]
     refused = run_cli("serve-reward", *arguments)
@@ -929,7 +931,7 @@ def test_server_limits_checked(kwargs, argument):
     ],
 )
 def test_server_settings_checked(kwargs, argument, monkeypatch):
-    monkeypatch.setattr(reward_server, "_listening_socket", None)  # never reached
+    monkeypatch.setattr(reward_server, "listening_socket", None)  # never reached
     with pytest.raises(ValueError, match=f"`{argument}`"):
         reward_server.serve(reward_fixtures.brightness, port=0, **kwargs)
 
@@ -1328,7 +1330,7 @@ def test_a_chunk_the_reward_refuses_is_named_by_its_rows_in_the_request():
     samples[7, 0, 0, 0] = np.nan
     parsed = _reward_wire.parse_request(encode_request(samples, None))
     with pytest.raises(fg.RewardError) as raised:
-        reward_server._score_decoded(fg.JpegIncompressibility(), parsed, 3 * 4 * 4 * 3 * 4)
+        _reward_requests.score_decoded(fg.JpegIncompressibility(), parsed, 3 * 4 * 4 * 3 * 4)
     said = str(raised.value)
     assert "at rows [1]" in said and "(rows 6 to 8 of the request, scored as one chunk" in said
     assert "score_chunk_bytes (--score-chunk-bytes) 576" in said
@@ -1350,7 +1352,7 @@ def test_the_memory_a_request_is_scored_in_is_a_chunks_not_the_requests():
         parsed = _reward_wire.parse_request(body.copy())
         tracemalloc.start()
         try:
-            got = reward_server._score_decoded(reward, parsed, 1 << 20)
+            got = _reward_requests.score_decoded(reward, parsed, 1 << 20)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -1360,7 +1362,7 @@ def test_the_memory_a_request_is_scored_in_is_a_chunks_not_the_requests():
 
 
 def test_the_peer_of_an_address_is_its_ipv4_address_or_its_ipv6_64():
-    key = reward_server._peer_key
+    key = _reward_connections.peer_key
     assert key(("127.0.0.2", 4567)) == "127.0.0.2"
     assert key(("2001:db8:1:2:aaaa::1", 80, 0, 0)) == key(("2001:db8:1:2:bbbb::9", 81, 0, 0))
     assert key(("2001:db8:1:2::1", 80, 0, 0)) == "2001:db8:1:2::/64"

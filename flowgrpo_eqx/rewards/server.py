@@ -16,18 +16,13 @@ axis exceeds the body's length: `_wire.parse_request`).
 
 import argparse
 import asyncio
-import dataclasses
 import functools
-import hmac
 import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, final
-
-import numpy as np
-import numpy.typing as npt
+from concurrent.futures import ThreadPoolExecutor
+from typing import final
 
 from .._misc import check_int, is_int
 from ._connections import (
@@ -37,7 +32,20 @@ from ._connections import (
     listening_socket,
     peer_key,
 )
-from ._reward import FlowReward, RewardError, load_reward, reward_name, score
+from ._reward import FlowReward, RewardError, load_reward, reward_name
+from ._server_requests import (
+    Hold,
+    OverCapacity,
+    PeerUse,
+    Truncated,
+    authorized,
+    beyond_body,
+    error_reply,
+    read_body,
+    refusal_reply,
+    release_on,
+    score_decoded,
+)
 from ._wire import (
     NPY_CONTENT_TYPE,
     TOKEN_ENV,
@@ -68,93 +76,6 @@ except ModuleNotFoundError as _missing:
 # Bodies up to this size are decoded on the event loop (a hop to a thread costs more);
 # larger ones on a thread, so that `/health` never waits behind a decode.
 _DECODE_ON_LOOP_BYTES = 1 << 20
-
-
-def _error(web_status: int, kind: str, message: str, limit: str | None = None) -> web.Response:
-    """A JSON error reply; `limit` names the limit that refused the request, if one did (its
-    flag is in `message`), and a refusal that may pass later (429, 503) says when to retry."""
-    body = {"error": kind, "message": message}
-    if limit is not None:
-        body["limit"] = limit
-    response = web.json_response(body, status=web_status)
-    if web_status in (429, 503):
-        response.headers["Retry-After"] = "1"
-    return response
-
-
-def _refusal(web_status: int, kind: str, message: str, limit: str | None = None) -> web.Response:
-    """An error reply that closes the connection once sent: what is left of the request's
-    body is read and thrown away (for at most the runner's lingering time), never kept."""
-    response = _error(web_status, kind, message, limit)
-    response.force_close()
-    return response
-
-
-def _authorized(header: str | None, token: str) -> bool:
-    scheme, _, given = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
-
-
-@final
-class _Truncated(Exception):
-    """The body ended before its Content-Length."""
-
-
-@final
-class _OverCapacity(Exception):
-    """The body's next bytes would take the server past its `max_total_bytes`, or the peer
-    past its `max_bytes_per_peer` (`limit` says which)."""
-
-    def __init__(self, limit: str):
-        super().__init__(limit)
-        self.limit = limit
-
-
-async def _read_body(request: web.Request, length: int, hold: "_Hold") -> npt.NDArray[np.uint8]:
-    """The `length` body bytes, into one writable buffer (the decoded arrays are views of it).
-
-    `np.empty` reserves address space only: memory is committed as the bytes arrive, so a
-    client that announces a large body and sends nothing costs nothing. Each chunk is
-    counted in `hold` as it arrives (what the buffer then holds), or `_OverCapacity` is
-    raised when the server holds too much already. A body not read to its end gives its
-    bytes back at once: `asyncio.wait_for` runs this as a task of its own, whose handler
-    resumes only on a later turn of the loop, while other bodies go on arriving.
-    """
-    buffer = np.empty(length, dtype=np.uint8)
-    filled = 0
-    try:
-        while filled < length:
-            chunk = await request.content.readany()
-            if not chunk or filled + len(chunk) > length:
-                raise _Truncated
-            refused = hold.take(len(chunk))
-            if refused is not None:
-                raise _OverCapacity(refused)
-            buffer[filled : filled + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-            filled += len(chunk)
-    except BaseException:
-        del buffer  # the exception's traceback keeps this frame, which would keep the buffer
-        hold.release()
-        raise
-    return buffer
-
-
-def _chunk_rows(parsed: WireRequest, chunk_bytes: int) -> int:
-    """The rows of `parsed` the reward scores per call: as many as fit `chunk_bytes` of
-    arrays as the reward gets them (at least one)."""
-    return max(1, min(parsed.count, chunk_bytes // parsed.row_bytes()))
-
-
-def _beyond_body(parsed: WireRequest, body: npt.NDArray[np.uint8], chunk_bytes: int) -> int:
-    """The bytes `parsed` takes besides its body's: the float32 samples that one chunk of
-    uint8 ones becomes (`_score_decoded` decodes a chunk at a time), and arrays copied
-    because they arrived unaligned."""
-    arrays = [parsed.samples, *parsed.leaves()]
-    copied = sum(array.nbytes for array in arrays if not np.may_share_memory(array, body))
-    if not parsed.uint8:
-        return int(copied)
-    per_row = parsed.samples.size // max(1, parsed.count)
-    return int(copied + 4 * per_row * _chunk_rows(parsed, chunk_bytes))
 
 
 def make_app(
@@ -228,75 +149,6 @@ def make_app(
 
 
 @final
-class _Hold:
-    """What one request holds of the server's totals: bytes (of its body as they arrive,
-    then of its decoded arrays) and, once admitted, rows and a place. Released once: when
-    its handler ends, or, once it is handed to the reward's thread, when that is done."""
-
-    def __init__(self, server: "_Server", peer: str):
-        self.server = server
-        self.peer = peer
-        self.use = server.peers.setdefault(peer, _PeerUse())
-        self.use.holds += 1
-        self.bytes = 0
-        self.rows = 0
-        self.placed = False
-        self.handed_over = False
-        self.released = False
-
-    def take(self, count: int) -> str | None:
-        """Count `count` more bytes, unless the server would then hold more than its
-        `max_total_bytes` or the peer more than its `max_bytes_per_peer`; `None` when they
-        were counted, else the limit's name."""
-        server, limits = self.server, self.server.limits
-        if self.use.bytes + count > limits.max_bytes_per_peer:
-            return "max_bytes_per_peer"
-        if server.bytes_held + count > limits.max_total_bytes:
-            return "max_total_bytes"
-        server.bytes_held += count
-        self.use.bytes += count
-        self.bytes += count
-        return None
-
-    def admit(self, rows: int) -> None:
-        """Take a place for a request of `rows` rows."""
-        self.server.rows_held += rows
-        self.server.placed += 1
-        self.use.rows += rows
-        self.use.requests += 1
-        self.rows = rows
-        self.placed = True
-
-    def release(self) -> None:
-        """Give back everything held (once)."""
-        if self.released:
-            return
-        self.released = True
-        self.server.bytes_held -= self.bytes
-        self.server.rows_held -= self.rows
-        self.server.placed -= int(self.placed)
-        use = self.use
-        use.bytes -= self.bytes
-        use.rows -= self.rows
-        use.requests -= int(self.placed)
-        use.holds -= 1
-        if use.holds == 0:
-            self.server.peers.pop(self.peer, None)
-
-
-@final
-@dataclasses.dataclass
-class _PeerUse:
-    """What one peer's requests hold: bytes, rows and places, and how many requests hold
-    anything (the entry is dropped when none does)."""
-
-    bytes: int = 0
-    rows: int = 0
-    requests: int = 0
-    holds: int = 0
-
-
-@final
 class _Server:
     """The handlers of `make_app`'s application, the limits they hold requests to, what the
     requests hold of them, and the one worker thread that calls the reward."""
@@ -310,7 +162,7 @@ class _Server:
         self.placed = 0  # requests waiting for or in the reward
         self.rows_held = 0  # their rows
         self.bytes_held = 0  # bodies as they arrive, and the arrays of those requests
-        self.peers: dict[str, _PeerUse] = {}  # the same, by peer
+        self.peers: dict[str, PeerUse] = {}  # the same, by peer
 
     async def health(self, request: web.Request) -> web.Response:
         del request
@@ -325,7 +177,7 @@ class _Server:
         length = request.content_length
         assert length is not None  # refused above otherwise
         transport = request.transport
-        hold = _Hold(self, peer_key(transport.get_extra_info("peername") if transport else None))
+        hold = Hold(self, peer_key(transport.get_extra_info("peername") if transport else None))
         try:
             return await self._score(request, length, hold)
         finally:
@@ -336,11 +188,11 @@ class _Server:
         """The reply to a request refused before its body is read (wrong token, no or too
         large Content-Length), or `None`."""
         token = self.token
-        if token is not None and not _authorized(request.headers.get("Authorization"), token):
-            return _refusal(401, "unauthorized", "missing or wrong bearer token.")
+        if token is not None and not authorized(request.headers.get("Authorization"), token):
+            return refusal_reply(401, "unauthorized", "missing or wrong bearer token.")
         length = request.content_length
         if length is None:
-            return _refusal(411, "length_required", "send the body with a Content-Length.")
+            return refusal_reply(411, "length_required", "send the body with a Content-Length.")
         limits = self.limits
         for name, value in (
             ("max_request_bytes", limits.max_request_bytes),
@@ -348,7 +200,7 @@ class _Server:
             ("max_bytes_per_peer", limits.max_bytes_per_peer),
         ):
             if length > value:
-                return _refusal(
+                return refusal_reply(
                     413,
                     "too_large",
                     f"the body's Content-Length {length} exceeds {limit_text(name, value)}.",
@@ -356,12 +208,12 @@ class _Server:
                 )
         return None
 
-    async def _score(self, request: web.Request, length: int, hold: _Hold) -> web.StreamResponse:
+    async def _score(self, request: web.Request, length: int, hold: Hold) -> web.StreamResponse:
         limits = self.limits
         try:
-            body = await asyncio.wait_for(_read_body(request, length, hold), limits.read_timeout)
+            body = await asyncio.wait_for(read_body(request, length, hold), limits.read_timeout)
         except TimeoutError:
-            response = _refusal(
+            response = refusal_reply(
                 408, "read_timeout", f"the body did not arrive within {limits.read_timeout:g} s."
             )
             # Answer, then drop the connection at once: its client is too slow to wait for.
@@ -369,23 +221,23 @@ class _Server:
             await response.write_eof()
             request.protocol.force_close()
             return response
-        except _OverCapacity as over:
+        except OverCapacity as over:
             held = (
                 f"your address already holds {hold.use.bytes} bytes of requests"
                 if over.limit == "max_bytes_per_peer"
                 else f"the server already holds {self.bytes_held} bytes of requests"
             )
-            return _refusal(
+            return refusal_reply(
                 429,
                 "over_capacity",
                 f"{held}; this body's {length} would pass "
                 f"{limit_text(over.limit, getattr(limits, over.limit))}: retry later.",
                 over.limit,
             )
-        except (_Truncated, ConnectionError):
+        except (Truncated, ConnectionError):
             # A connection lost mid-body (a reset, or a client that gave up) is answered as
             # one that ended early, if its client can still read.
-            return _refusal(400, "malformed_body", "the body ended before its Content-Length.")
+            return refusal_reply(400, "malformed_body", "the body ended before its Content-Length.")
         loop = asyncio.get_running_loop()
         try:
             if length <= _DECODE_ON_LOOP_BYTES:
@@ -393,22 +245,22 @@ class _Server:
             else:
                 parsed = await loop.run_in_executor(None, parse_request, body)
         except WireError as error:
-            return _error(400, error.kind, str(error))
-        refusal = self._admit(parsed, _beyond_body(parsed, body, limits.score_chunk_bytes), hold)
+            return error_reply(400, error.kind, str(error))
+        refusal = self._admit(parsed, beyond_body(parsed, body, limits.score_chunk_bytes), hold)
         del body  # the arrays keep what they view
         if refusal is not None:
             return refusal
-        future = self.scorer.submit(_score_decoded, self.reward, parsed, limits.score_chunk_bytes)
+        future = self.scorer.submit(score_decoded, self.reward, parsed, limits.score_chunk_bytes)
         del parsed
         hold.handed_over = True
-        future.add_done_callback(functools.partial(_release_on, loop, hold))
+        future.add_done_callback(functools.partial(release_on, loop, hold))
         try:
             scores = await asyncio.wrap_future(future)
         except RewardError as error:
-            return _error(500, "reward_failed", str(error))
+            return error_reply(500, "reward_failed", str(error))
         return web.Response(body=npy_bytes(scores), content_type=NPY_CONTENT_TYPE)
 
-    def _admit(self, parsed: WireRequest, beyond: int, hold: _Hold) -> web.Response | None:
+    def _admit(self, parsed: WireRequest, beyond: int, hold: Hold) -> web.Response | None:
         """Give the request whose body `hold` holds a place, with `beyond` more bytes for
         its arrays, or the reply that refuses it: 413 for what no wait can help, 503 when
         every place is taken, 429 when its peer's places are taken or the rows or bytes held
@@ -429,9 +281,9 @@ class _Server:
             if over:
                 value = getattr(limits, name)
                 message = f"the request holds {what}, over {limit_text(name, value)}."
-                return _error(413, "too_large", message, name)
+                return error_reply(413, "too_large", message, name)
         if self.placed >= limits.max_concurrent_requests:
-            return _error(
+            return error_reply(
                 503,
                 "busy",
                 f"{self.placed} requests are already being served "
@@ -440,7 +292,7 @@ class _Server:
             )
         use = hold.use
         if use.requests >= limits.max_requests_per_peer:
-            return _error(
+            return error_reply(
                 429,
                 "over_capacity",
                 f"your address already has {use.requests} requests being served "
@@ -449,7 +301,7 @@ class _Server:
                 "max_requests_per_peer",
             )
         if use.rows + rows > limits.max_rows_per_peer:
-            return _error(
+            return error_reply(
                 429,
                 "over_capacity",
                 f"your address's requests being served hold {use.rows} rows; this one's "
@@ -458,7 +310,7 @@ class _Server:
                 "max_rows_per_peer",
             )
         if self.rows_held + rows > limits.max_total_rows:
-            return _error(
+            return error_reply(
                 429,
                 "over_capacity",
                 f"the requests being served hold {self.rows_held} rows; this one's {rows} "
@@ -472,7 +324,7 @@ class _Server:
                 if refused == "max_bytes_per_peer"
                 else f"the server already holds {self.bytes_held} bytes of requests"
             )
-            return _error(
+            return error_reply(
                 429,
                 "over_capacity",
                 f"{held}; this one's {beyond} more for its arrays would pass "
@@ -492,40 +344,6 @@ class _Server:
     async def stop_scorer(self, app: web.Application) -> None:
         del app
         self.scorer.shutdown(wait=False, cancel_futures=True)
-
-
-def _score_decoded(
-    reward: FlowReward, parsed: WireRequest, chunk_bytes: int
-) -> npt.NDArray[np.float64]:
-    """`score` on the reward's thread, on chunks of rows of at most `chunk_bytes` of arrays
-    as the reward gets them: uint8 samples become float32 a chunk at a time, only now, so
-    that a request waiting for the reward holds only its body, and the reward works on a
-    chunk at a time."""
-    step = _chunk_rows(parsed, chunk_bytes)
-    if step >= parsed.count:
-        return score(reward, *parsed.decoded())
-    scores = np.empty(parsed.count, np.float64)
-    for start in range(0, parsed.count, step):
-        stop = min(start + step, parsed.count)
-        samples, rows = parsed.part(start, stop).decoded()
-        try:
-            scores[start:stop] = score(reward, samples, rows)
-        except RewardError as error:
-            raise RewardError(
-                f"{error} (rows {start} to {stop - 1} of the request, scored as one chunk of "
-                f"{limit_text('score_chunk_bytes', chunk_bytes)})"
-            ) from error
-    return scores
-
-
-def _release_on(loop: asyncio.AbstractEventLoop, hold: _Hold, future: Future[Any]) -> None:
-    """Release `hold` on `loop` once the reward's thread is done with its request (or it
-    was dropped before its turn)."""
-    del future
-    try:
-        loop.call_soon_threadsafe(hold.release)
-    except RuntimeError:  # the loop has closed: nothing is served, nothing is counted
-        pass
 
 
 def serve(
