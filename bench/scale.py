@@ -210,14 +210,21 @@ def main(argv: list[str] | None = None) -> int:
     import flowgrpo_eqx as fg
     from flowgrpo_eqx import lora
     from flowgrpo_eqx._distributed import DATA_AXIS, fsdp_spec
-    from flowgrpo_eqx.models import Flux, MMDiT, Wan, attention_from_name, remat_from_name
+    from flowgrpo_eqx.models import (
+        Flux,
+        MMDiT,
+        Wan,
+        attention_from_name,
+        remat_from_name,
+        sequence_strategy_from_name,
+    )
     from flowgrpo_eqx.train import Trainer
 
     layout = dict(
         stacked=True,
         remat=remat_from_name(arguments.remat),
         attention=attention_from_name(arguments.attention, arguments.attention_chunk),
-        sequence_strategy=arguments.sequence_strategy,
+        sequence_strategy=sequence_strategy_from_name(arguments.sequence_strategy),
     )
     settings: dict[str, Any]
     model_class: Any = MMDiT

@@ -33,8 +33,19 @@ from jax.sharding import Mesh
 
 import flowgrpo_eqx as fg
 from flowgrpo_eqx import lora
-from flowgrpo_eqx.models import ChunkedAttention, Flux, MMDiT, PlainAttention, Wan
-from flowgrpo_eqx.models._layers import SEQUENCE_STRATEGIES, AttentionSettings, plain_attention
+from flowgrpo_eqx.models import (
+    SEQUENCE_STRATEGY_NAMES,
+    ChunkedAttention,
+    Flux,
+    MMDiT,
+    PlainAttention,
+    RingSequence,
+    UlyssesSequence,
+    Wan,
+    sequence_strategy_from_name,
+)
+from flowgrpo_eqx.models._attention_settings import AttentionSettings
+from flowgrpo_eqx.models._layers import plain_attention
 from flowgrpo_eqx.models._sequence import join_streams, part_streams, sequence_parallel_attention
 from flowgrpo_eqx.train import Checkpointer, Trainer, default_optimizer, rl_epoch
 from tests.tiny_models import perturbed
@@ -71,9 +82,9 @@ def attention_report() -> dict:
     plain = AttentionSettings(PlainAttention())
     chunked = AttentionSettings(ChunkedAttention(4))
     cases = [
-        ("ulysses", "ulysses", plain),
-        ("ring", "ring", plain),
-        ("ring_chunked", "ring", chunked),
+        ("ulysses", UlyssesSequence(), plain),
+        ("ring", RingSequence(), plain),
+        ("ring_chunked", RingSequence(), chunked),
     ]
     for name, strategy, settings in cases:
 
@@ -87,7 +98,7 @@ def attention_report() -> dict:
             "gradients": [relative(a, b) for a, b in zip(grads, want_grads, strict=True)],
         }
     try:
-        sequence_parallel_attention(q[0, :6], k[0, :6], v[0, :6], mesh, "sequence", "ring")
+        sequence_parallel_attention(q[0, :6], k[0, :6], v[0, :6], mesh, "sequence", RingSequence())
     except ValueError as error:
         report["indivisible"] = str(error)
     return report
@@ -140,8 +151,8 @@ def models_report() -> dict:
 
         (_, want), want_grads = velocity_and_gradient(model, x, t, cond)
         report[name] = {}
-        for strategy in SEQUENCE_STRATEGIES:
-            split = model.with_settings(sequence_strategy=strategy)
+        for strategy in SEQUENCE_STRATEGY_NAMES:
+            split = model.with_settings(sequence_strategy=sequence_strategy_from_name(strategy))
             with jax.set_mesh(mesh):
                 (_, got), grads = velocity_and_gradient(split, x, t, cond)
             report[name][strategy] = {
@@ -183,7 +194,8 @@ def epoch_parts(strategy):
     """A LoRA-adapted MMDiT's Flow-GRPO objective with CFG, its trainer, the first state (on
     the host) and the source rows; the same arrays for either strategy."""
     base = MMDiT(
-        8, patch=2, depth=1, width=32, heads=4, **CONTEXT, sequence_strategy=strategy,
+        8, patch=2, depth=1, width=32, heads=4, **CONTEXT,
+        sequence_strategy=sequence_strategy_from_name(strategy),
         key=jax.random.key(0),
     )  # fmt: skip
     policy = lora.add(perturbed(base, 1), 2, key=jax.random.key(1), alpha=4.0)
@@ -208,7 +220,7 @@ def brightness(samples, rows) -> np.ndarray:
 
 
 def epoch_report(folder: pathlib.Path) -> dict:
-    parts = {strategy: epoch_parts(strategy) for strategy in SEQUENCE_STRATEGIES}
+    parts = {strategy: epoch_parts(strategy) for strategy in SEQUENCE_STRATEGY_NAMES}
 
     def epoch(state, mesh, strategy, number):
         objective, trainer, _, rows = parts[strategy]

@@ -13,10 +13,10 @@ import pytest
 from jax.sharding import Mesh
 
 import flowgrpo_eqx as fg
-from flowgrpo_eqx.models import MMDiT
+from flowgrpo_eqx.models import MMDiT, RingSequence, UlyssesSequence, sequence_strategy_from_name
 from flowgrpo_eqx.models._sequence import sequence_parallel_attention
 from tests.cli_helpers import REPO, simulated_devices
-from tests.errors import NAMED_ARGUMENT_ERRORS
+from tests.errors import NAMED_ARGUMENT_ERRORS, raises_named
 
 
 def run_worker(*arguments: str) -> dict:
@@ -73,14 +73,31 @@ def test_an_axis_the_mesh_lacks_is_named():
     mesh = Mesh(np.array(jax.devices()[:1]), ("sequence",))
     q = jax.numpy.zeros((4, 2, 8), jax.numpy.float32)
     with pytest.raises(ValueError, match="`axis` must name an axis of the mesh"):
-        sequence_parallel_attention(q, q, q, mesh, "tokens", "ring")
+        sequence_parallel_attention(q, q, q, mesh, "tokens", RingSequence())
 
 
 def test_settings_and_meshes_are_checked_by_name():
     with pytest.raises(NAMED_ARGUMENT_ERRORS, match="sequence_strategy"):
         MMDiT(sequence_strategy="tree", key=jax.random.key(0))  # type: ignore[arg-type]
+    # A name is refused: the boundary that reads one calls `sequence_strategy_from_name`.
+    with raises_named(
+        "`sequence_strategy` must be an AbstractSequenceStrategy (UlyssesSequence() or "
+        "RingSequence()), got 'ring'; `sequence_strategy_from_name` reads a setting's name."
+    ):
+        MMDiT(sequence_strategy="ring", key=jax.random.key(0))  # type: ignore[arg-type]
     model = MMDiT(key=jax.random.key(0))
-    assert model.with_settings(sequence_strategy="ring").sequence_strategy == "ring"
+    assert model.sequence_strategy == UlyssesSequence()
+    assert model.with_settings(sequence_strategy=RingSequence()).sequence_strategy == RingSequence()
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="sequence_strategy"):
+        model.with_settings(sequence_strategy="ring")  # type: ignore[arg-type]
+    assert sequence_strategy_from_name("ring") == RingSequence()
+    assert sequence_strategy_from_name("ulysses") == UlyssesSequence()
+    with pytest.raises(ValueError, match="`sequence_strategy` must be one of"):
+        sequence_strategy_from_name("tree")
+    q = jax.numpy.zeros((4, 2, 8), jax.numpy.float32)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("sequence",))
+    with pytest.raises(NAMED_ARGUMENT_ERRORS, match="strategy"):
+        sequence_parallel_attention(q, q, q, mesh, "sequence", "ring")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="`sequence` \\(2\\) must divide the device count"):
         fg.data_mesh(1, sequence=2)
     with pytest.raises(ValueError, match="`sequence`"):
@@ -92,7 +109,7 @@ def test_settings_and_meshes_are_checked_by_name():
 def test_ulysses_over_more_devices_than_heads_divide_is_named(four_device_report):
     message = four_device_report["models"]["heads_not_divisible"]
     assert message.startswith("`sequence_strategy`: Ulysses needs the number of heads (2)")
-    assert "mesh axis 'sequence' (4); the ring strategy splits tokens only" in message
+    assert "mesh axis 'sequence' (4); RingSequence() splits tokens only" in message
 
 
 @pytest.mark.several_processes("runs a worker process on simulated devices")

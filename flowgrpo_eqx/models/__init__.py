@@ -26,7 +26,6 @@ from ._layers import (
     ChunkedAttention as ChunkedAttention,
     CudnnAttention as CudnnAttention,
     PlainAttention as PlainAttention,
-    SequenceStrategy as SequenceStrategy,
     SplashAttention as SplashAttention,
     attention_from_name as attention_from_name,
     sinusoidal_time_features as sinusoidal_time_features,
@@ -38,6 +37,14 @@ from ._prompts import (
     PromptTokenizer as PromptTokenizer,
     SD3PromptEncoder as SD3PromptEncoder,
     WanPromptEncoder as WanPromptEncoder,
+)
+from ._sequence_strategy import (
+    SEQUENCE_STRATEGY_NAMES as SEQUENCE_STRATEGY_NAMES,
+    AbstractSequenceStrategy as AbstractSequenceStrategy,
+    RingSequence as RingSequence,
+    SequenceStrategy as SequenceStrategy,
+    UlyssesSequence as UlyssesSequence,
+    sequence_strategy_from_name as sequence_strategy_from_name,
 )
 from ._stacked import (
     REMAT_NAMES as REMAT_NAMES,

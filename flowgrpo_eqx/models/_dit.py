@@ -11,13 +11,13 @@ import numpy.typing as npt
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._misc import check_int
+from ._attention_settings import AttentionSettings
 from ._init import init_linears, uniform_arrays, zero_linear
 from ._layers import (
     DEFAULT_ATTENTION,
     QKV,
     WEIGHT_PRODUCT,
     AbstractAttention,
-    AttentionSettings,
     check_inputs,
     dense,
     layer_norm,

@@ -10,14 +10,13 @@ import numpy.typing as npt
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._misc import check_bool, check_int
+from ._attention_settings import AttentionSettings
 from ._conditioning import joint_conditioning, joint_embedders
 from ._init import init_linears, zero_linear
 from ._joint import BlockShape, JointAttention, Stream, check_text_shapes
 from ._layers import (
     DEFAULT_ATTENTION,
     AbstractAttention,
-    AttentionSettings,
-    SequenceStrategy,
     check_inputs,
     dense,
     final_layer,
@@ -35,6 +34,7 @@ from ._sequence import (
     split_tokens,
     streams_interleave,
 )
+from ._sequence_strategy import DEFAULT_SEQUENCE, SequenceStrategy
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, BlockRemat, block_layout
 
 
@@ -335,7 +335,7 @@ class Flux(AbstractAttentionModel):
         stacked: bool = True,
         remat: BlockRemat = None,
         attention: AbstractAttention = DEFAULT_ATTENTION,
-        sequence_strategy: SequenceStrategy = "ulysses",
+        sequence_strategy: SequenceStrategy = DEFAULT_SEQUENCE,
         *,
         key: PRNGKeyArray,
     ) -> None:

@@ -4,7 +4,7 @@ import abc
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias, TypeVar, final, get_args
+from typing import TypeAlias, TypeVar, final
 
 import equinox as eqx
 import jax
@@ -22,13 +22,6 @@ _LN_EPS = 1e-6
 
 MASKED_SCORE = float(np.finfo(np.float32).min)
 """The float32 attention score of a key a query may not see (transformers' masking value)."""
-
-SequenceStrategy: TypeAlias = Literal["ulysses", "ring"]
-"""How attention runs when a mesh's `"sequence"` axis splits a sample's tokens:
-`"ulysses"` (all-to-all from token-split to head-split and back; the axis must divide the
-heads) or `"ring"` (keys and values passed round the devices, online softmax)."""
-
-SEQUENCE_STRATEGIES: tuple[SequenceStrategy, ...] = get_args(SequenceStrategy)
 
 Heads: TypeAlias = Float[Array, "S heads head_dim"]
 """The queries, keys or values of `S` tokens split into heads, `[S, heads, head_dim]`; also
@@ -426,67 +419,8 @@ def attention_from_name(name: str, chunk: int = 512) -> AbstractAttention:
     return AutoAttention(chunk)
 
 
-def check_sequence_strategy(strategy: Any) -> None:
-    """Raise a `ValueError` naming `sequence_strategy` unless it is a `SequenceStrategy`."""
-    if strategy not in SEQUENCE_STRATEGIES:
-        raise ValueError(
-            f"`sequence_strategy` must be one of {SEQUENCE_STRATEGIES}, got {strategy!r}."
-        )
-
-
-@final
-class AttentionSettings(eqx.Module):
-    """How a model computes attention; it holds no array, so it adds no leaf to the model.
-
-    **Arguments:**
-
-    - `attention`: how attention is computed on one device (`AbstractAttention`).
-    - `sequence`: how attention runs over tokens split by a mesh's `"sequence"` axis
-        (`SequenceStrategy`); unused without one.
-
-    **Raises:**
-
-    - `ValueError`: naming `attention` when it is not an `AbstractAttention`, or
-        `sequence_strategy` (the models' name for `sequence`) when it is not one of its
-        values.
-    """
-
-    attention: AbstractAttention = eqx.field(static=True)
-    sequence: SequenceStrategy = eqx.field(default="ulysses", static=True)
-
-    def __check_init__(self) -> None:
-        if not isinstance(self.attention, AbstractAttention):
-            raise ValueError(
-                "`attention` must be an AbstractAttention (PlainAttention(), "
-                f"ChunkedAttention(chunk), SplashAttention(block), ...), got "
-                f"{self.attention!r}; `attention_from_name` reads a setting's name."
-            )
-        check_sequence_strategy(self.sequence)
-
-
 DEFAULT_ATTENTION = PlainAttention()
 """The models' default `attention`: the plain form."""
-
-PLAIN_ATTENTION = AttentionSettings(DEFAULT_ATTENTION)
-"""Attention in its plain form: the default where a layer takes `AttentionSettings`."""
-
-
-def attend(
-    qkv: Float[Array, "3 S heads head_dim"], settings: AttentionSettings
-) -> Float[Array, "S D"]:
-    """Multi-head attention of the queries, keys and values, heads merged back, `[S, D]`,
-    as `settings.attention` computes it."""
-    return attend_to(qkv[0], qkv[1], qkv[2], settings)
-
-
-def attend_to(
-    q: Heads, k: KeyHeads, v: KeyHeads, settings: AttentionSettings
-) -> Float[Array, "S D"]:
-    """Multi-head attention of `S` queries over `K` keys and values (a cross-attention when
-    they come from another sequence), heads merged back, `[S, D]`, as `settings.attention`
-    computes it."""
-    attended = local_attention(q, k, v, settings.attention)
-    return attended.reshape(attended.shape[0], -1)
 
 
 def local_attention(q: Heads, k: KeyHeads, v: KeyHeads, attention: AbstractAttention) -> Heads:

@@ -13,15 +13,13 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._buffer import Buffer
 from .._misc import check_int
+from ._attention_settings import PLAIN_ATTENTION, AttentionSettings
 from ._conditioning import joint_conditioning, joint_embedders
 from ._init import uniform_arrays
 from ._joint import BlockShape, JointAttention, Stream, check_text_shapes
 from ._layers import (
     DEFAULT_ATTENTION,
-    PLAIN_ATTENTION,
     AbstractAttention,
-    AttentionSettings,
-    SequenceStrategy,
     check_inputs,
     dense,
     final_layer,
@@ -32,6 +30,7 @@ from ._layers import (
     zero_final_layer,
 )
 from ._sequence import attend_joint, attend_self, split_tokens
+from ._sequence_strategy import DEFAULT_SEQUENCE, SequenceStrategy
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, BlockRemat, block_layout
 
 
@@ -323,9 +322,9 @@ class MMDiT(AbstractAttentionModel):
     - `attention`: how attention is computed (`AbstractAttention`: `PlainAttention()`,
         `CudnnAttention()`, `ChunkedAttention(chunk)`, `SplashAttention(block)`,
         `AutoAttention(block)`).
-    - `sequence_strategy`: `"ulysses"` or `"ring"` (`SequenceStrategy`): how attention runs
-        when the current mesh's `"sequence"` axis splits the image tokens (see **Sequence
-        parallelism**); unused without one.
+    - `sequence_strategy`: `UlyssesSequence()` (default) or `RingSequence()`
+        (`AbstractSequenceStrategy`): how attention runs when the current mesh's `"sequence"`
+        axis splits the image tokens (see **Sequence parallelism**); unused without one.
     - `key`: a JAX PRNG key for the initialisation.
 
     **Raises:**
@@ -334,8 +333,10 @@ class MMDiT(AbstractAttentionModel):
         not divide `image_size` or `sample_size`, or `heads` does not divide `width`, or
         `width` is not a multiple of 4, or `qk_norm` is not `None` or `"rms_norm"`, or a
         dual attention layer is not a block index, or `pos_embed_max_size` is less than
-        `image_size // patch`, or `stacked`, `remat` or `sequence_strategy` is not one of its
-        values, or `attention` is not an `AbstractAttention`.
+        `image_size // patch`, or `stacked` or `remat` is not one of its values, or
+        `attention` is not an `AbstractAttention`, or `sequence_strategy` is not an
+        `AbstractSequenceStrategy` (a name such as `"ring"` included:
+        `sequence_strategy_from_name` reads one).
     """
 
     patch_embed: eqx.nn.Linear
@@ -387,7 +388,7 @@ class MMDiT(AbstractAttentionModel):
         stacked: bool = True,
         remat: BlockRemat = None,
         attention: AbstractAttention = DEFAULT_ATTENTION,
-        sequence_strategy: SequenceStrategy = "ulysses",
+        sequence_strategy: SequenceStrategy = DEFAULT_SEQUENCE,
         *,
         key: PRNGKeyArray,
     ) -> None:

@@ -18,7 +18,9 @@ import numpy as np
 
 from .._distributed import gather_weights
 from .._misc import check_bool
-from ._layers import QKV, WEIGHT_PRODUCT, AbstractAttention, AttentionSettings, SequenceStrategy
+from ._attention_settings import AttentionSettings
+from ._layers import QKV, WEIGHT_PRODUCT, AbstractAttention
+from ._sequence_strategy import SequenceStrategy
 from ._splash import ATTENTION_RESIDUALS
 
 
@@ -577,7 +579,7 @@ class AbstractAttentionModel(AbstractLayeredModel):
         - `remat`: the rematerialisation policy (`BlockRemat`); `"keep"` keeps it.
         - `attention`: how attention is computed (`AbstractAttention`); `None` keeps it.
         - `sequence_strategy`: how attention runs over tokens split by a sequence axis
-            (`SequenceStrategy`); `None` keeps it.
+            (`UlyssesSequence()`, `RingSequence()`); `None` keeps it.
 
         **Returns:**
 

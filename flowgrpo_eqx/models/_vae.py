@@ -17,14 +17,13 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._inputs import AbstractAutoEncoder
 from .._misc import check_int
+from ._attention_settings import AttentionSettings, attend_to
 from ._autoencoder import Conv, posterior_moments, sample_posterior
 from ._images import check_image
 from ._init import ones, zeros
 from ._layers import (
     DEFAULT_ATTENTION,
     AbstractAttention,
-    AttentionSettings,
-    attend_to,
     dense_in_input_dtype,
 )
 

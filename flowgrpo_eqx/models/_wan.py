@@ -10,13 +10,11 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._misc import check_int, check_number
+from ._attention_settings import AttentionSettings, attend_to
 from ._init import init_linears, ones, zero_linear, zeros
 from ._layers import (
     DEFAULT_ATTENTION,
     AbstractAttention,
-    AttentionSettings,
-    SequenceStrategy,
-    attend_to,
     check_inputs,
     dense,
     layer_norm,
@@ -27,6 +25,7 @@ from ._layers import (
 )
 from ._rope import apply_rope, rope_tables
 from ._sequence import attend_self, split_tokens
+from ._sequence_strategy import DEFAULT_SEQUENCE, SequenceStrategy
 from ._stacked import AbstractAttentionModel, AbstractBlockLayout, BlockRemat, block_layout
 
 
@@ -289,7 +288,7 @@ class Wan(AbstractAttentionModel):
         stacked: bool = True,
         remat: BlockRemat = None,
         attention: AbstractAttention = DEFAULT_ATTENTION,
-        sequence_strategy: SequenceStrategy = "ulysses",
+        sequence_strategy: SequenceStrategy = DEFAULT_SEQUENCE,
         *,
         key: PRNGKeyArray,
     ) -> None:

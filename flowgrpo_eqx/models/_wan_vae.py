@@ -31,10 +31,11 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._inputs import AbstractAutoEncoder
 from .._misc import check_int, check_number
+from ._attention_settings import AttentionSettings, attend_to
 from ._autoencoder import Conv, posterior_moments, sample_posterior
 from ._images import check_image
 from ._init import ones
-from ._layers import DEFAULT_ATTENTION, AbstractAttention, AttentionSettings, attend_to
+from ._layers import DEFAULT_ATTENTION, AbstractAttention
 from ._mirror import uniform_init
 
 
