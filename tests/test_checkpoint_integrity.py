@@ -31,10 +31,11 @@ from flowgrpo_eqx.train import (
     CheckpointError,
     CheckpointVersionError,
     _checkpoint,
+    _checkpoint_orbax,
     load_model,
     save_model,
 )
-from flowgrpo_eqx.train._checkpoint import _finishing_event_loops
+from flowgrpo_eqx.train._checkpoint_orbax import finishing_event_loops
 from flowgrpo_eqx.train._preemption import PREEMPTED_EXIT_STATUS, GracefulStop
 
 
@@ -426,13 +427,13 @@ def disk_full_in_fsync(monkeypatch):
 
 def disk_full_in_orbax_write(monkeypatch):
     """Orbax writes the shards, then the disk is full (its last write fails)."""
-    original = _checkpoint._write_state
+    original = _checkpoint.write_state
 
     def fill_disk(folder, leaves, plan):
         original(folder, leaves, plan)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_checkpoint, "_write_state", fill_disk)
+    monkeypatch.setattr(_checkpoint, "write_state", fill_disk)
 
 
 DISK_FULL = {"write": disk_full_in_serialise, "fsync": disk_full_in_fsync}
@@ -689,7 +690,7 @@ def test_a_full_disk_inside_orbax_is_one_named_error_without_its_logged_tracebac
                 logging.getLogger("orbax").exception("commit failed")
                 raise
 
-    monkeypatch.setattr(_checkpoint, "_orbax_checkpointer", FullDisk)
+    monkeypatch.setattr(_checkpoint_orbax, "orbax_checkpointer", FullDisk)
     caplog.set_level(logging.DEBUG)
     with pytest.raises(OSError) as caught:
         checkpoints.save(4, make_state(4), {"epoch": 4})
@@ -760,7 +761,7 @@ def test_a_second_write_failing_as_the_save_loop_stops_is_not_logged_with_its_tr
     CPython, after 3 it failed in the last turn before the library ran one more."""
     reports: list[tuple[int, str]] = []
     for later in range(10):
-        with _finishing_event_loops():
+        with finishing_event_loops():
             loop = asyncio.new_event_loop()
         loop.set_exception_handler(
             lambda _, context, later=later: reports.append((later, context["message"]))

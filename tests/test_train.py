@@ -249,7 +249,7 @@ def test_interrupted_checkpoint_write_keeps_previous_loadable(tmp_path, monkeypa
         (folder / "shard").write_bytes(b"partial bytes of a checkpoint")
         raise KeyboardInterrupt("killed while writing")
 
-    monkeypatch.setattr(_checkpoint, "_write_state", crash_midway)
+    monkeypatch.setattr(_checkpoint, "write_state", crash_midway)
     with pytest.raises(KeyboardInterrupt):
         checkpoints.save(2, newer, {"epoch": 2})
     monkeypatch.undo()

@@ -39,27 +39,22 @@ It is imported only when a checkpoint is saved or read. Single models (`save_mod
 `load_model`: `policy.eqx` and the base models) stay one `eqx.tree_serialise_leaves` file
 (`_model_file.py`): they are exports, read by `flowgrpo-eqx eval` or by users' own code, not
 checkpoints. What `meta.json` records and the checks made on reading are in
-`_checkpoint_integrity.py`.
+`_checkpoint_integrity.py`; how the arrays are written and read through Orbax, in
+`_checkpoint_orbax.py`.
 """
 
-import asyncio
-import contextlib
 import json
-import logging
 import os
 import pathlib
-import re
 import shutil
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import numpy as np
-import numpy.typing as npt
 from jaxtyping import PyTree
 
-from .._distributed import local_copy, sync_processes
+from .._distributed import sync_processes
 from .._files import atomic_file, one_line
 from .._misc import check_int, data_to_keys, keys_to_data
 from ._checkpoint_integrity import (
@@ -68,7 +63,6 @@ from ._checkpoint_integrity import (
     LAYOUT_KEY,
     LAYOUT_VERSION as LAYOUT_VERSION,
     META,
-    PYTHON_SCALARS,
     STATE,
     CheckpointError as CheckpointError,
     CheckpointVersionError as CheckpointVersionError,
@@ -80,6 +74,14 @@ from ._checkpoint_integrity import (
     read_metadata,
     stored_leaves,
     write_error,
+)
+from ._checkpoint_orbax import (
+    os_error_of,
+    placed_array,
+    restore_arrays,
+    restore_target,
+    storage_plan,
+    write_state,
 )
 from ._model_file import load_model as load_model, save_model as save_model
 
@@ -119,177 +121,8 @@ def _fsync_folder(path: pathlib.Path) -> None:
         os.close(descriptor)
 
 
-def _is_split(leaf: Any) -> bool:
-    """Whether `leaf` is a global array split over devices (not whole on each of them)."""
-    return isinstance(leaf, jax.Array) and not leaf.sharding.is_fully_replicated
-
-
-def _storage_plan(leaves: list[tuple[str, Any]]) -> list[str]:
-    """Where each leaf is stored: `"<index>"` for an array of its own (a split one: every
-    process writes its shards), or `"packed_<dtype>:<offset>"` inside one flat buffer per
-    dtype holding every whole array (Orbax's cost is per array, and the main job's state has
-    hundreds of small ones)."""
-    plan: list[str] = []
-    offsets: dict[str, int] = {}
-    for index, (_, leaf) in enumerate(leaves):
-        if _is_split(leaf):
-            plan.append(f"{index:06d}")
-            continue
-        shape, dtype = describe_array(leaf)
-        offset = offsets.get(dtype, 0)
-        plan.append(f"packed_{dtype}:{offset}")
-        offsets[dtype] = offset + int(np.prod(shape, dtype=np.int64))
-    return plan
-
-
-def _orbax_checkpointer() -> Any:
-    import orbax.checkpoint as ocp
-
-    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
-
-
-def _write_state(folder: pathlib.Path, leaves: list[tuple[str, Any]], plan: list[str]) -> None:
-    """Every process writes its shards of the split leaves, process 0 the packed buffers
-    of the whole ones, into `folder` (collective)."""
-    import orbax.checkpoint as ocp
-
-    arrays: dict[str, Any] = {}
-    packed: dict[str, list[npt.NDArray[Any]]] = {}
-    for (_, leaf), where in zip(leaves, plan, strict=True):
-        if where.startswith("packed_"):
-            # A whole array's local copy: nothing is gathered.
-            packed.setdefault(where.split(":")[0], []).append(np.asarray(local_copy(leaf)).ravel())
-        else:
-            arrays[where] = leaf
-    for name, parts in packed.items():
-        arrays[name] = np.concatenate(parts)
-    with _orbax_call():
-        _orbax_checkpointer().save(folder.absolute(), args=ocp.args.StandardSave(arrays))
-
-
-@contextlib.contextmanager
-def _orbax_call() -> Iterator[None]:
-    """Around a call of Orbax: its logs held back (`_orbax_quiet`), and the event loops it
-    makes finish their writes before they close (`_finishing_event_loops`)."""
-    with _orbax_quiet(), _finishing_event_loops():
-        yield
-
-
-@contextlib.contextmanager
-def _orbax_quiet() -> Iterator[None]:
-    """Orbax (through absl) logs a failed write's traceback, about 100 lines on a full disk,
-    before raising; the caller names the error in one line, so those logs are held back."""
-    loggers = [logging.getLogger(name) for name in ("absl", "orbax")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
-
-
-_LOOP_DRAIN_SECONDS = 120.0
-"""How long a closing event loop waits for the writes still running on it."""
-
-
-class _FinishingEventLoop(asyncio.SelectorEventLoop):
-    """An event loop that, when closed with tasks still running, lets them finish first.
-
-    Orbax runs each save in an event loop of its own, which it closes as soon as the save's
-    coroutine ends. When one write of many fails (a full disk, a file-size limit), the
-    coroutine ends with that error while TensorStore's other writes still run; each of them,
-    on finishing, hands its result to the closed loop, which raises `RuntimeError: Event loop
-    is closed` in TensorStore's thread and prints its traceback. Writes still going on would
-    also race the removal of the unfinished checkpoint. This loop waits for them instead.
-
-    A write that failed in the loop's last turn before it stopped is done, but the callbacks
-    it scheduled have not run: among them `asyncio.gather`'s, which marks a second failure as
-    seen. Closed with them unrun, the loop would log `Task exception was never retrieved` with
-    the write's traceback when the task is collected, so one more turn runs them.
-    """
-
-    def close(self) -> None:
-        if not self.is_running() and not self.is_closed():
-            pending = [task for task in asyncio.all_tasks(self) if not task.done()]
-            if pending:
-                self.run_until_complete(asyncio.wait(pending, timeout=_LOOP_DRAIN_SECONDS))
-            self.run_until_complete(asyncio.sleep(0))
-        super().close()
-
-
-class _FinishingPolicy(asyncio.DefaultEventLoopPolicy):
-    def new_event_loop(self) -> asyncio.AbstractEventLoop:
-        return _FinishingEventLoop()
-
-
-_POLICY_LOCK = threading.Lock()
-_policy_users = 0
-
-
-@contextlib.contextmanager
-def _finishing_event_loops() -> Iterator[None]:
-    """New event loops are `_FinishingEventLoop`s for the duration (when the process uses
-    asyncio's default policy; another, such as uvloop's, is left alone)."""
-    global _policy_users
-    with _POLICY_LOCK:
-        policy = asyncio.get_event_loop_policy()
-        ours = isinstance(policy, _FinishingPolicy)
-        if not ours and type(policy) is not asyncio.DefaultEventLoopPolicy:
-            active = False
-        else:
-            active = True
-            if _policy_users == 0:
-                asyncio.set_event_loop_policy(_FinishingPolicy())
-            _policy_users += 1
-    try:
-        yield
-    finally:
-        if active:
-            with _POLICY_LOCK:
-                _policy_users -= 1
-                if _policy_users == 0:
-                    asyncio.set_event_loop_policy(None)
-
-
-_OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]")
-
-
-def _os_error_of(error: Exception) -> OSError | None:
-    """The `OSError` behind a failed write: `error` itself, or the one TensorStore reports
-    inside its own error (`... File too large [os_error_code='27']`); `None` for neither."""
-    if isinstance(error, OSError):
-        return error
-    found = _OS_ERROR_CODE.search(str(error))
-    if found is None:
-        return None
-    code = int(found.group(1))
-    return OSError(code, os.strerror(code))
-
-
-def _restore_target(leaf: Any) -> Any:
-    """What Orbax restores a split leaf as: an array with `leaf`'s sharding, or NumPy."""
-    if isinstance(leaf, jax.Array):
-        # jax.ShapeDtypeStruct.__init__ carries no annotations.
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)  # type: ignore[no-untyped-call]
-    shape, dtype = describe_array(leaf)
-    return np.zeros(shape, dtype)
-
-
-def _placed(value: npt.NDArray[Any], leaf: Any) -> Any:
-    """A whole array read from a packed buffer, placed like the template's `leaf`."""
-    if isinstance(leaf, PYTHON_SCALARS):
-        return type(leaf)(value.item())
-    if isinstance(leaf, jax.Array):
-        return jax.make_array_from_callback(value.shape, leaf.sharding, lambda index: value[index])
-    return value
-
-
 def _read_checkpoint(folder: pathlib.Path, like: T) -> tuple[T, dict[str, Any]]:
     """Check and load one checkpoint folder; any problem is a `CheckpointError` naming it."""
-    import orbax.checkpoint as ocp
-
     if not folder.is_dir():
         raise CheckpointError(folder, "no such checkpoint folder")
     metadata = read_metadata(folder)
@@ -310,14 +143,11 @@ def _read_checkpoint(folder: pathlib.Path, like: T) -> tuple[T, dict[str, Any]]:
             sizes[name] = max(sizes.get(name, 0), end)
         else:
             places.append((where, None))
-            target[where] = _restore_target(leaf)
+            target[where] = restore_target(leaf)
     for name, size in sizes.items():
         target[name] = np.zeros(size, np.dtype(name[len("packed_") :]))
     try:
-        with _orbax_call():
-            arrays = _orbax_checkpointer().restore(
-                (folder / STATE).absolute(), args=ocp.args.StandardRestore(target)
-            )
+        arrays = restore_arrays(folder / STATE, target)
     except Exception as error:
         raise CheckpointError(
             folder, f"{STATE}/ cannot be read by Orbax ({one_line(error)})"
@@ -328,7 +158,7 @@ def _read_checkpoint(folder: pathlib.Path, like: T) -> tuple[T, dict[str, Any]]:
             values.append(arrays[name])
         else:
             shape, _ = describe_array(leaf)
-            values.append(_placed(np.asarray(arrays[name])[span].reshape(shape), leaf))
+            values.append(placed_array(np.asarray(arrays[name])[span].reshape(shape), leaf))
     loaded = iter(values)
 
     def fill(leaf: Any) -> Any:
@@ -507,7 +337,7 @@ class Checkpointer:
         final = self.directory / f"{_PREFIX}{step:08d}"
         temporary = self.directory / f"{_TEMPORARY_PREFIX}{step:08d}"
         leaves = stored_leaves(tree)
-        plan = _storage_plan(leaves)
+        plan = storage_plan(leaves)
         try:
             if root:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -515,7 +345,7 @@ class Checkpointer:
                     shutil.rmtree(temporary)
                 temporary.mkdir()
             sync_processes(f"{temporary}:created")
-            _write_state(temporary / STATE, leaves, plan)
+            write_state(temporary / STATE, leaves, plan)
             if root:
                 record = {
                     "step": step,
@@ -536,7 +366,7 @@ class Checkpointer:
         except Exception as error:
             if root:
                 shutil.rmtree(temporary, ignore_errors=True)
-            cause = _os_error_of(error)
+            cause = os_error_of(error)
             if cause is not None:
                 raise write_error(cause, final, "a checkpoint") from error
             raise
