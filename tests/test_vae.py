@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from flowgrpo_eqx.models import AutoencoderKL, load_diffusers, save_diffusers
+from flowgrpo_eqx.models import AutoencoderKL, ChunkedAttention, load_diffusers, save_diffusers
 from flowgrpo_eqx.models._mirror import state_dict_leaves
 from tests.diffusers_helpers import WEIGHTS, assert_saved_folder_matches, count, relative
 from tests.tolerances import reference_model_rtol
@@ -102,7 +102,7 @@ def test_chunked_attention_computes_the_same(
     chunked = eqx.tree_at(
         lambda m: m.attention_settings,
         model,
-        type(model.attention_settings)("chunked", 16),
+        type(model.attention_settings)(ChunkedAttention(16)),
     )
     want = np.asarray(jax.vmap(model.decode)(io["latent"]))
     got = np.asarray(jax.vmap(chunked.decode)(io["latent"]))
